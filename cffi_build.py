@@ -1,0 +1,76 @@
+"""The cffi out-of-line API build of ``dgr_engine._native``.
+
+The C ABI header ``native/include/dgr_shard.h`` is the single source of the declarations: its
+preprocessor lines and C++ guards are stripped and the rest is handed to ``ffi.cdef``. The module
+compiles ``native/src/dgr_shard.cpp`` and links the static, patched libllama that
+``native/build_llama.py`` builds (or reuses from its cache) from the manifest and ``patches/``.
+Called by the package build (``setup.py``: ``cffi_modules``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+from pathlib import Path
+
+from cffi import FFI
+
+ROOT = Path(__file__).resolve().parent
+HEADER = ROOT / "native" / "include" / "dgr_shard.h"
+SOURCE = Path("native") / "src" / "dgr_shard.cpp"  # relative: setuptools wants relative sources
+MANIFEST = ROOT / "native" / "llama.cpp.manifest.json"
+STATIC_LIBS = ("libllama.a", "libggml.a", "libggml-cpu.a", "libggml-base.a")
+
+
+def cdef_from_header(text: str) -> str:
+    """The declarations of the header, in the subset of C that ``ffi.cdef`` parses."""
+    text = re.sub(r"#ifdef __cplusplus.*?#endif", "", text, flags=re.S)
+    keep = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("#"):
+            match = re.match(r"\s*#define\s+(DGR_[A-Z_]+)\s+(\d+)\s*$", line)
+            if match:
+                keep.append(f"#define {match.group(1)} {match.group(2)}")
+            continue
+        keep.append(line)
+    return "\n".join(keep)
+
+
+def llama_prefix() -> Path:
+    """The installed prefix of the patched static libllama (built on first use, then cached)."""
+    override = os.environ.get("DGR_LLAMA_PREFIX")
+    if override:
+        return Path(override)
+    sys.path.insert(0, str(ROOT / "native"))
+    try:
+        import build_llama
+    finally:
+        sys.path.pop(0)
+    return Path(build_llama.ensure_llama(log=lambda msg: print(msg, file=sys.stderr, flush=True)))
+
+
+def make_ffibuilder() -> FFI:
+    prefix = llama_prefix()
+    commit = json.loads(MANIFEST.read_text())["upstream"]["commit"]
+    ffibuilder = FFI()
+    ffibuilder.cdef(cdef_from_header(HEADER.read_text()))
+    ffibuilder.set_source(
+        "dgr_engine._native",
+        '#include "dgr_shard.h"\n',
+        sources=[str(SOURCE)],
+        source_extension=".cpp",
+        include_dirs=[str(ROOT / "native" / "include"), str(prefix / "include")],
+        extra_objects=[str(prefix / "lib" / name) for name in STATIC_LIBS],
+        libraries=["gomp", "pthread", "m", "stdc++"],
+        extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden"],
+        define_macros=[("DGR_LLAMA_COMMIT", f'"{commit}"')],
+    )
+    return ffibuilder
+
+
+ffibuilder = make_ffibuilder()
+
+if __name__ == "__main__":
+    ffibuilder.compile(verbose=True)

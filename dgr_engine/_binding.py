@@ -1,0 +1,30 @@
+"""Loads the compiled cffi module and checks its ABI version against this package's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dgr_engine.errors import AbiMismatch
+
+#: The C ABI version this Python package was written against (native/include/dgr_shard.h).
+ABI_VERSION = 1
+
+try:
+    from dgr_engine import _native  # type: ignore[attr-defined]
+except ImportError as exc:  # pragma: no cover - depends on the build
+    raise ImportError(
+        "dgr_engine._native is not built: run the README's commands (or "
+        "`pip install -e . --no-build-isolation`) to build the patched libllama and the binding"
+    ) from exc
+
+ffi: Any = _native.ffi
+lib: Any = _native.lib
+
+_runtime = int(lib.dgr_abi_version())
+if _runtime != ABI_VERSION or int(lib.DGR_ABI_VERSION) != ABI_VERSION:
+    raise AbiMismatch(
+        f"dgr_engine._native has ABI version {_runtime} (header {int(lib.DGR_ABI_VERSION)}), "
+        f"this package expects {ABI_VERSION}: rebuild the binding"
+    )
+
+LLAMA_COMMIT: str = ffi.string(lib.dgr_llama_commit()).decode()

@@ -1,0 +1,322 @@
+"""``ShardEngine``: one layer range of one GGUF model, run in the patched llama.cpp.
+
+A thin, typed wrapper over the C ABI (``native/include/dgr_shard.h``): numpy arrays go in and come
+out through ``ffi.from_buffer`` without extra copies, every failing call raises the typed
+exception of ``dgr_engine.errors`` for its status, and each handle has its own lock (cffi releases
+the GIL around native calls). Use it as a context manager or call ``close()``; garbage collection
+frees a forgotten handle only as a safety net.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from dgr_engine._binding import ffi, lib
+from dgr_engine.errors import EngineClosed, error_for_status
+
+
+@attrs.frozen
+class ShardInfo:
+    """What one shard engine is: its range, widths and capacity."""
+
+    arch: str
+    """``general.architecture`` of the GGUF."""
+    n_layer: int
+    """Main layers of the whole model."""
+    layer_begin: int
+    """First owned layer."""
+    layer_end: int
+    """One past the last owned layer."""
+    n_embd: int
+    """Model width."""
+    n_vocab: int
+    """Vocabulary size (the logits width of the last shard)."""
+    in_width: int
+    """Floats per input boundary row; 0 on the first shard (it takes token ids)."""
+    out_width: int
+    """Floats per output row: the boundary width, or ``n_vocab`` on the last shard."""
+    is_first: bool
+    """Takes token ids."""
+    is_last: bool
+    """Produces logits."""
+    needs_token_ids: bool
+    """Rows must carry token ids."""
+    mtp_owner: bool
+    """Would own MTP/nextn layers (the last shard); MTP is off."""
+    max_sessions: int
+    """Concurrent sessions."""
+    n_ctx_per_session: int
+    """KV cells per session."""
+    n_batch: int
+    """Most rows one forward call may carry."""
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        """The owned range ``[begin, end)``."""
+        return (self.layer_begin, self.layer_end)
+
+
+@attrs.frozen
+class EngineStats:
+    """Memory and work counters of one engine (process-wide figures for RSS)."""
+
+    weight_bytes: int
+    """Model buffers held by this engine."""
+    kv_bytes: int
+    """KV / memory buffers."""
+    compute_bytes: int
+    """Compute buffers."""
+    rss_bytes: int
+    """Process resident set now."""
+    peak_rss_bytes: int
+    """Process peak resident set."""
+    open_sessions: int
+    """Sessions open now."""
+    rows_forwarded: int
+    """Rows run through the owned layers."""
+    forward_calls: int
+    """Successful forward calls."""
+    forward_seconds: float
+    """Wall time spent in successful forward calls."""
+
+
+FloatArray = npt.NDArray[np.float32]
+
+
+class ShardEngine:
+    """One process's share of a model: layers ``[begin, end)`` of a GGUF file.
+
+    Sessions are keyed by ``(session_id, epoch)``; opening a newer epoch discards the older
+    epoch's state (cache miss), an older epoch raises ``StaleEpoch``. Positions must continue the
+    session's KV exactly. Not safe to share across threads without the built-in lock: every public
+    method takes it.
+    """
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        layers: tuple[int, int] | None = None,
+        max_sessions: int = 4,
+        n_ctx_per_session: int = 512,
+        n_threads: int = 2,
+        n_batch: int = 512,
+        n_ubatch: int = 512,
+        load_mtp: bool = False,
+    ) -> None:
+        self._lock = threading.Lock()
+        self.model_path = Path(model_path)
+        params = lib.dgr_engine_default_params()
+        path_c = ffi.new("char[]", str(self.model_path).encode())
+        params.model_path = path_c
+        if layers is not None:
+            params.layer_begin, params.layer_end = layers
+        params.max_sessions = max_sessions
+        params.n_ctx_per_session = n_ctx_per_session
+        params.n_threads = n_threads
+        params.n_batch = n_batch
+        params.n_ubatch = n_ubatch
+        params.load_mtp = 1 if load_mtp else 0
+        out = ffi.new("dgr_engine **")
+        self._check(lib.dgr_engine_open(ffi.addressof(params), out))
+        self._handle: Any = ffi.gc(out[0], lib.dgr_engine_free)
+        self.info = self._read_info()
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Frees the engine and every session's state. Idempotent."""
+        with self._lock:
+            if self._handle is not None:
+                ffi.release(self._handle)
+                self._handle = None
+
+    @property
+    def closed(self) -> bool:
+        return self._handle is None
+
+    def __enter__(self) -> ShardEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else "open"
+        return f"<ShardEngine {self.model_path.name} layers={self.info.layers} {state}>"
+
+    # -- introspection ---------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        """Memory and work counters now."""
+        s = ffi.new("dgr_engine_stats *")
+        with self._lock:
+            self._check(lib.dgr_engine_stats_get(self._live(), s))
+        return EngineStats(
+            weight_bytes=int(s.weight_bytes),
+            kv_bytes=int(s.kv_bytes),
+            compute_bytes=int(s.compute_bytes),
+            rss_bytes=int(s.rss_bytes),
+            peak_rss_bytes=int(s.peak_rss_bytes),
+            open_sessions=int(s.open_sessions),
+            rows_forwarded=int(s.rows_forwarded),
+            forward_calls=int(s.forward_calls),
+            forward_seconds=int(s.forward_ns) / 1e9,
+        )
+
+    # -- sessions --------------------------------------------------------------------------
+
+    def open_session(self, session_id: int, epoch: int) -> None:
+        """Opens ``(session_id, epoch)``; a newer epoch discards the older epoch's state."""
+        with self._lock:
+            self._check(lib.dgr_session_open(self._live(), session_id, epoch))
+
+    def close_session(self, session_id: int, epoch: int) -> None:
+        """Closes the session and frees its state and slot."""
+        with self._lock:
+            self._check(lib.dgr_session_close(self._live(), session_id, epoch))
+
+    def next_pos(self, session_id: int, epoch: int) -> int:
+        """The position the session's next row must carry."""
+        out = ffi.new("int32_t *")
+        with self._lock:
+            self._check(lib.dgr_session_next_pos(self._live(), session_id, epoch, out))
+        return int(out[0])
+
+    def truncate(self, session_id: int, epoch: int, n_keep: int) -> None:
+        """Keeps the first ``n_keep`` positions of the session."""
+        with self._lock:
+            self._check(lib.dgr_session_truncate(self._live(), session_id, epoch, n_keep))
+
+    def forward(
+        self,
+        session_id: int,
+        epoch: int,
+        positions: npt.ArrayLike,
+        *,
+        tokens: npt.ArrayLike | None = None,
+        rows: npt.ArrayLike | None = None,
+        want: npt.ArrayLike | None = None,
+        out: FloatArray | None = None,
+    ) -> FloatArray:
+        """Runs rows through the owned layers and returns the output rows.
+
+        ``tokens`` (int32) feed the first shard; ``rows`` (float32, ``[n, in_width]``) feed the
+        others. The result is ``[n, out_width]`` boundary rows, or on the last shard the logits
+        of the rows flagged in ``want`` (default: the last row only), ``[n_out, n_vocab]``.
+        """
+        pos = np.ascontiguousarray(positions, dtype=np.int32).reshape(-1)
+        n = int(pos.shape[0])
+        tok = None if tokens is None else np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
+        if tok is not None and tok.shape[0] != n:
+            raise error_for_status(9, "DGR_E_SHAPE", f"{tok.shape[0]} token ids for {n} positions")
+        row_width = 0
+        inp = None
+        if rows is not None:
+            inp = np.ascontiguousarray(rows, dtype=np.float32)
+            if inp.ndim != 2 or inp.shape[0] != n:
+                raise error_for_status(
+                    9, "DGR_E_SHAPE", f"rows of shape {inp.shape} for {n} positions: need [n, width]"
+                )
+            row_width = int(inp.shape[1])
+        want_arr = None
+        n_out = n
+        if self.info.is_last:
+            if want is None:
+                n_out = 1 if n > 0 else 0
+            else:
+                want_arr = np.ascontiguousarray(want, dtype=np.uint8).reshape(-1)
+                if want_arr.shape[0] != n:
+                    raise error_for_status(9, "DGR_E_SHAPE", f"{want_arr.shape[0]} flags for {n} rows")
+                n_out = int(np.count_nonzero(want_arr))
+        width = self.info.out_width
+        if out is None:
+            out = np.empty((n_out, width), dtype=np.float32)
+        elif out.dtype != np.float32 or not out.flags.c_contiguous or out.size < n_out * width:
+            raise error_for_status(9, "DGR_E_SHAPE", "out must be a C-contiguous float32 array")
+        n_written = ffi.new("uint32_t *")
+        with self._lock:
+            self._check(
+                lib.dgr_session_forward(
+                    self._live(),
+                    session_id,
+                    epoch,
+                    n,
+                    ffi.NULL if tok is None else ffi.from_buffer("int32_t[]", tok),
+                    ffi.NULL if inp is None else ffi.from_buffer("float[]", inp),
+                    row_width,
+                    ffi.from_buffer("int32_t[]", pos),
+                    ffi.NULL if want_arr is None else ffi.from_buffer("uint8_t[]", want_arr),
+                    ffi.from_buffer("float[]", out, require_writable=True),
+                    out.size,
+                    n_written,
+                )
+            )
+        return out.reshape(-1)[: int(n_written[0]) * width].reshape(int(n_written[0]), width)
+
+    # -- state -----------------------------------------------------------------------------
+
+    def save_state(self, session_id: int, epoch: int) -> bytes:
+        """The session's state: a ``DGRS`` header (range, widths, position) + llama.cpp's."""
+        size = ffi.new("size_t *")
+        written = ffi.new("size_t *")
+        with self._lock:
+            handle = self._live()
+            self._check(lib.dgr_session_state_size(handle, session_id, epoch, size))
+            buf = bytearray(int(size[0]))
+            self._check(
+                lib.dgr_session_state_save(
+                    handle, session_id, epoch, ffi.from_buffer(buf), len(buf), written
+                )
+            )
+        return bytes(buf[: int(written[0])])
+
+    def load_state(self, session_id: int, epoch: int, state: bytes) -> None:
+        """Replaces the open session's state by a saved one."""
+        with self._lock:
+            self._check(
+                lib.dgr_session_state_load(
+                    self._live(), session_id, epoch, ffi.from_buffer(state), len(state)
+                )
+            )
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _live(self) -> Any:
+        if self._handle is None:
+            raise EngineClosed(f"engine for {self.model_path.name} is closed")
+        return self._handle
+
+    @staticmethod
+    def _check(code: int) -> None:
+        if code != 0:
+            status = ffi.string(lib.dgr_status_name(code)).decode()
+            message = ffi.string(lib.dgr_last_error()).decode(errors="replace")
+            raise error_for_status(int(code), status, message)
+
+    def _read_info(self) -> ShardInfo:
+        i = ffi.new("dgr_shard_info *")
+        self._check(lib.dgr_engine_info(self._handle, i))
+        return ShardInfo(
+            arch=ffi.string(i.arch).decode(),
+            n_layer=int(i.n_layer),
+            layer_begin=int(i.layer_begin),
+            layer_end=int(i.layer_end),
+            n_embd=int(i.n_embd),
+            n_vocab=int(i.n_vocab),
+            in_width=int(i.in_width),
+            out_width=int(i.out_width),
+            is_first=bool(i.is_first),
+            is_last=bool(i.is_last),
+            needs_token_ids=bool(i.needs_token_ids),
+            mtp_owner=bool(i.mtp_owner),
+            max_sessions=int(i.max_sessions),
+            n_ctx_per_session=int(i.n_ctx_per_session),
+            n_batch=int(i.n_batch),
+        )

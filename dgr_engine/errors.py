@@ -1,0 +1,150 @@
+"""Typed errors of the shard engine, one per C status code, and the one place that maps codes.
+
+Every class documents what happened to the session's state, as the C header does for its code.
+Each also inherits the builtin it resembles, so ``except ValueError`` keeps working for callers
+that do not know dgr.
+"""
+
+from __future__ import annotations
+
+from dgr_session.errors import DgrError
+
+
+class EngineError(DgrError):
+    """A shard engine call failed. ``code`` is the C status, ``status`` its stable name."""
+
+    code: int = -1
+    status: str = "DGR_E_UNKNOWN_STATUS"
+
+    def __init__(self, message: str, *, code: int | None = None, status: str | None = None) -> None:
+        super().__init__(message)
+        if code is not None:
+            self.code = code
+        if status is not None:
+            self.status = status
+
+
+class InvalidArgument(EngineError, ValueError):
+    """An argument is invalid (e.g. a token id outside the vocabulary). Nothing changed."""
+
+    code, status = 1, "DGR_E_INVALID_ARGUMENT"
+
+
+class ModelLoadError(EngineError, OSError):
+    """The GGUF is missing, truncated or corrupt. No engine was created."""
+
+    code, status = 2, "DGR_E_MODEL_LOAD"
+
+
+class UnsupportedArchitecture(EngineError, ValueError):
+    """The GGUF's architecture is not covered by the range-ownership patches. No engine."""
+
+    code, status = 3, "DGR_E_UNSUPPORTED_ARCH"
+
+
+class LayerRangeError(EngineError, ValueError):
+    """The layer range is empty or outside [0, n_layer). No engine was created."""
+
+    code, status = 4, "DGR_E_LAYER_RANGE"
+
+
+class UnknownSession(EngineError, KeyError):
+    """No open session has this id, or its epoch has not been opened. Nothing changed."""
+
+    code, status = 5, "DGR_E_UNKNOWN_SESSION"
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class StaleEpoch(EngineError):
+    """The epoch is older than the session's current one. Nothing changed; the newer epoch's
+    state is untouched. The caller's session lives on under its newer epoch."""
+
+    code, status = 6, "DGR_E_STALE_EPOCH"
+
+
+class CapacityExceeded(EngineError):
+    """Every session slot is taken. Nothing changed; close a session or use another shard."""
+
+    code, status = 7, "DGR_E_CAPACITY"
+
+
+class PositionMismatch(EngineError, ValueError):
+    """The positions do not continue the session's KV exactly. Nothing changed."""
+
+    code, status = 8, "DGR_E_POSITION"
+
+
+class ShapeMismatch(EngineError, ValueError):
+    """Rows missing or unexpected, wrong row width, too many rows, output too small.
+    Nothing changed."""
+
+    code, status = 9, "DGR_E_SHAPE"
+
+
+class ContextFull(EngineError):
+    """The session's context has no room for these rows. Nothing changed."""
+
+    code, status = 10, "DGR_E_CONTEXT_FULL"
+
+
+class DecodeError(EngineError):
+    """llama_decode failed; the rows of the call were rolled back. The session keeps its
+    previous state and position; other sessions are untouched."""
+
+    code, status = 11, "DGR_E_DECODE"
+
+
+class StateError(EngineError, ValueError):
+    """A saved state does not fit this engine (nothing changed), or llama.cpp refused it (the
+    session is emptied: next position 0)."""
+
+    code, status = 12, "DGR_E_STATE"
+
+
+class UnsupportedFeature(EngineError):
+    """The feature is reserved and off (MTP). Nothing changed."""
+
+    code, status = 13, "DGR_E_UNSUPPORTED"
+
+
+class InternalError(EngineError):
+    """An unexpected failure inside the engine; see the message."""
+
+    code, status = 14, "DGR_E_INTERNAL"
+
+
+class EngineClosed(EngineError):
+    """The engine handle was closed; it cannot be used any more."""
+
+
+class AbiMismatch(ImportError):
+    """The compiled native module does not match this Python package's ABI version."""
+
+
+_BY_CODE: dict[int, type[EngineError]] = {
+    cls.code: cls
+    for cls in (
+        InvalidArgument,
+        ModelLoadError,
+        UnsupportedArchitecture,
+        LayerRangeError,
+        UnknownSession,
+        StaleEpoch,
+        CapacityExceeded,
+        PositionMismatch,
+        ShapeMismatch,
+        ContextFull,
+        DecodeError,
+        StateError,
+        UnsupportedFeature,
+        InternalError,
+    )
+}
+
+
+def error_for_status(code: int, status: str, message: str) -> EngineError:
+    """The typed exception for a failed C call (the one place that maps status codes)."""
+    cls = _BY_CODE.get(code, EngineError)
+    return cls(f"{status}: {message}", code=code, status=status)

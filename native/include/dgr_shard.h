@@ -1,0 +1,203 @@
+/*
+ * dgr_shard.h - the project-owned C ABI of one dgr shard engine.
+ *
+ * A shard engine owns main layers [layer_begin, layer_end) of one GGUF model and runs them in a
+ * patched llama.cpp (see patches/). Between shards only the residual boundary crosses: the first
+ * shard takes token ids, every other shard takes boundary rows (f32, `in_width` floats per token)
+ * plus positions; the last shard produces logits (`n_vocab` floats per requested row), every other
+ * shard produces boundary rows (`out_width` floats per token, one per input row).
+ *
+ * Sessions: a session is keyed by (session_id, epoch) and maps to one llama.cpp sequence of its
+ * own (non-unified KV: `n_ctx_per_session` cells each). Opening a session with a newer epoch
+ * discards the older epoch's state (cache miss); an older epoch is refused (DGR_E_STALE_EPOCH).
+ * Positions must continue the session's KV exactly: row i of a forward call must carry position
+ * next_pos + i. Nothing is guessed.
+ *
+ * MTP / nextn layers are never loaded; if a model had them they would belong to the last shard.
+ *
+ * Conventions (llama.h / zstd style):
+ *  - every function that can fail returns a dgr_status; DGR_OK is 0;
+ *  - the message of the last failure on the calling thread is dgr_last_error();
+ *  - every status below says what happened to the session's state;
+ *  - handles are opaque; dgr_engine_free(NULL) is a no-op;
+ *  - one engine handle must not be used by two threads at once (the Python binding holds one lock
+ *    per handle); distinct handles are independent;
+ *  - the ABI grows by adding names, never by changing a signature: check dgr_abi_version().
+ */
+#ifndef DGR_SHARD_H
+#define DGR_SHARD_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define DGR_ABI_VERSION 1
+
+/* Magic and version at the head of a saved session state (see dgr_session_state_save). */
+#define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
+#define DGR_STATE_VERSION 1
+
+typedef enum dgr_status {
+    /* Success. */
+    DGR_OK = 0,
+    /* An argument is invalid (null pointer, zero rows, token id out of vocabulary, ...).
+     * Nothing changed: the engine and every session are as before the call. */
+    DGR_E_INVALID_ARGUMENT = 1,
+    /* The GGUF could not be read or loaded (missing, truncated, corrupt). No engine was created. */
+    DGR_E_MODEL_LOAD = 2,
+    /* The GGUF's architecture is not covered by the range-ownership patches. No engine created. */
+    DGR_E_UNSUPPORTED_ARCH = 3,
+    /* The layer range is empty or outside [0, n_layer). No engine was created. */
+    DGR_E_LAYER_RANGE = 4,
+    /* No open session has this id (or this epoch has not been opened yet). Nothing changed. */
+    DGR_E_UNKNOWN_SESSION = 5,
+    /* The epoch is older than the session's current epoch. Nothing changed; the newer epoch's
+     * state is untouched. */
+    DGR_E_STALE_EPOCH = 6,
+    /* Every session slot is taken (max_sessions). Nothing changed. */
+    DGR_E_CAPACITY = 7,
+    /* The positions do not continue the session's KV exactly. Nothing changed. */
+    DGR_E_POSITION = 8,
+    /* Wrong shape: rows missing or given where tokens are expected, wrong row width, more rows
+     * than n_batch, output buffer too small. Nothing changed. */
+    DGR_E_SHAPE = 9,
+    /* The session's context (n_ctx_per_session) or the KV cache has no room for these rows.
+     * Nothing changed: the session keeps its state and position. */
+    DGR_E_CONTEXT_FULL = 10,
+    /* llama_decode failed. The rows of this call were rolled back: the session keeps the state
+     * and position it had before the call; other sessions are untouched. */
+    DGR_E_DECODE = 11,
+    /* A saved state does not fit this engine (bad magic/version/range/width) - nothing changed -
+     * or llama.cpp refused it, in which case the session is emptied (next position 0). */
+    DGR_E_STATE = 12,
+    /* The requested feature is reserved and off (MTP). Nothing changed. */
+    DGR_E_UNSUPPORTED = 13,
+    /* An unexpected internal failure (exception). The engine's sessions are unchanged unless the
+     * message says otherwise. */
+    DGR_E_INTERNAL = 14,
+} dgr_status;
+
+/* Stable name of a status code ("DGR_E_STALE_EPOCH"); "DGR_E_UNKNOWN_STATUS" for others. */
+const char * dgr_status_name(int status);
+
+/* Message of the last failure on the calling thread ("" if none). Valid until the next call. */
+const char * dgr_last_error(void);
+
+/* Runtime ABI version: compare with DGR_ABI_VERSION. */
+uint32_t dgr_abi_version(void);
+
+/* The llama.cpp commit this library was built from (from the manifest), or "unknown". */
+const char * dgr_llama_commit(void);
+
+typedef struct dgr_engine dgr_engine;
+
+typedef struct dgr_engine_params {
+    const char * model_path;      /* GGUF file */
+    int32_t layer_begin;          /* first owned main layer */
+    int32_t layer_end;            /* one past the last owned main layer; < 0: up to n_layer */
+    uint32_t max_sessions;        /* concurrent sessions (llama.cpp sequences), 1..256 */
+    uint32_t n_ctx_per_session;   /* KV cells per session */
+    int32_t n_threads;            /* compute threads */
+    uint32_t n_batch;             /* most rows one forward call may carry */
+    uint32_t n_ubatch;            /* physical micro-batch */
+    uint8_t load_mtp;             /* reserved: MTP is off; 1 gives DGR_E_UNSUPPORTED */
+} dgr_engine_params;
+
+/* Defaults: whole model, 4 sessions, 512 cells each, 2 threads, n_batch 512, n_ubatch 512. */
+dgr_engine_params dgr_engine_default_params(void);
+
+/* Opens the model's owned range. On success *out holds a new engine (free with
+ * dgr_engine_free); on failure *out is NULL and the status says why. */
+int dgr_engine_open(const dgr_engine_params * params, dgr_engine ** out);
+
+/* Frees the engine and every session's state. NULL is a no-op. */
+void dgr_engine_free(dgr_engine * engine);
+
+typedef struct dgr_shard_info {
+    char arch[32];                /* general.architecture */
+    int32_t n_layer;              /* main layers of the whole model */
+    int32_t layer_begin;
+    int32_t layer_end;
+    int32_t n_embd;
+    int32_t n_vocab;
+    int32_t in_width;             /* floats per input boundary row; 0 on the first shard */
+    int32_t out_width;            /* floats per output row: boundary width, or n_vocab if last */
+    uint8_t is_first;             /* takes token ids */
+    uint8_t is_last;              /* produces logits */
+    uint8_t needs_token_ids;      /* rows must come with token ids (hash-routed layers owned) */
+    uint8_t mtp_owner;            /* would own MTP/nextn layers (the last shard); MTP is off */
+    uint32_t max_sessions;
+    uint32_t n_ctx_per_session;
+    uint32_t n_batch;
+} dgr_shard_info;
+
+int dgr_engine_info(const dgr_engine * engine, dgr_shard_info * out);
+
+typedef struct dgr_engine_stats {
+    uint64_t weight_bytes;        /* model buffers held by this engine */
+    uint64_t kv_bytes;            /* context (KV / memory) buffers */
+    uint64_t compute_bytes;       /* compute buffers */
+    uint64_t rss_bytes;           /* process resident set now */
+    uint64_t peak_rss_bytes;      /* process peak resident set */
+    uint32_t open_sessions;
+    uint64_t rows_forwarded;
+    uint64_t forward_calls;
+    uint64_t forward_ns;          /* wall time spent in forward calls */
+} dgr_engine_stats;
+
+int dgr_engine_stats_get(const dgr_engine * engine, dgr_engine_stats * out);
+
+/* Opens (session_id, epoch). If the session is open with an older epoch, that epoch's state is
+ * discarded first (cache miss: the new epoch starts empty at position 0). The same epoch again:
+ * DGR_OK, nothing changed. An older epoch: DGR_E_STALE_EPOCH. No free slot: DGR_E_CAPACITY. */
+int dgr_session_open(dgr_engine * engine, uint64_t session_id, uint64_t epoch);
+
+/* Closes the session and frees its state and slot. Older epoch: DGR_E_STALE_EPOCH (nothing
+ * changed). Unknown session: DGR_E_UNKNOWN_SESSION. */
+int dgr_session_close(dgr_engine * engine, uint64_t session_id, uint64_t epoch);
+
+/* Runs n_rows rows through the owned layers.
+ *  tokens:    n_rows token ids; required on the first shard, also required on a shard whose
+ *             info.needs_token_ids is set; otherwise may be NULL (ignored).
+ *  rows:      n_rows * row_width floats (row-major); required on every shard but the first,
+ *             must be NULL on the first. row_width must equal info.in_width.
+ *  positions: n_rows positions, each next_pos + i.
+ *  want:      on the last shard, which rows produce logits (NULL: the last row only); ignored
+ *             elsewhere (every row produces a boundary row).
+ *  out:       receives n_out * info.out_width floats; out_capacity is its size in floats.
+ *  n_out:     receives the number of output rows.
+ * On success the session's next position advances by n_rows. On failure see the status. */
+int dgr_session_forward(dgr_engine * engine, uint64_t session_id, uint64_t epoch,
+                        uint32_t n_rows, const int32_t * tokens, const float * rows,
+                        uint32_t row_width, const int32_t * positions, const uint8_t * want,
+                        float * out, size_t out_capacity, uint32_t * n_out);
+
+/* Keeps the first n_keep positions of the session and drops the rest (n_keep <= next_pos).
+ * On success the next position is n_keep. */
+int dgr_session_truncate(dgr_engine * engine, uint64_t session_id, uint64_t epoch, int32_t n_keep);
+
+/* The session's next position (the number of positions its KV holds). */
+int dgr_session_next_pos(const dgr_engine * engine, uint64_t session_id, uint64_t epoch,
+                         int32_t * out);
+
+/* Size in bytes of the session's saved state (header included). */
+int dgr_session_state_size(dgr_engine * engine, uint64_t session_id, uint64_t epoch, size_t * out);
+
+/* Saves the session's state (DGR_STATE_MAGIC header, range, widths, position, llama.cpp
+ * sequence state) into buf. Nothing changes. Too small a buffer: DGR_E_SHAPE. */
+int dgr_session_state_save(dgr_engine * engine, uint64_t session_id, uint64_t epoch,
+                           uint8_t * buf, size_t capacity, size_t * written);
+
+/* Replaces the (open) session's state by a saved one. A header that does not fit this engine:
+ * DGR_E_STATE, nothing changed. llama.cpp refusing the payload: DGR_E_STATE, session emptied. */
+int dgr_session_state_load(dgr_engine * engine, uint64_t session_id, uint64_t epoch,
+                           const uint8_t * buf, size_t size);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* DGR_SHARD_H */

@@ -1,0 +1,667 @@
+// dgr_shard.cpp - the dgr shard engine over the patched libllama (see native/include/dgr_shard.h).
+//
+// One engine = one llama_model loaded for a layer range + one llama_context whose sequences are
+// the sessions' slots. Every entry point validates before it touches llama.cpp, so that bad input
+// never reaches an abort inside ggml, and maps each failure to a status and a message.
+
+#include "dgr_shard.h"
+
+#include "gguf.h"
+#include "llama.h"
+#include "llama-ext.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#ifndef DGR_LLAMA_COMMIT
+#define DGR_LLAMA_COMMIT "unknown"
+#endif
+
+namespace {
+
+thread_local std::string g_last_error;
+
+int fail(int status, const char * fmt, ...) {
+    char buf[1024];
+    va_list args;
+    va_start(args, fmt);
+    std::vsnprintf(buf, sizeof(buf), fmt, args);
+    va_end(args);
+    g_last_error = buf;
+    return status;
+}
+
+int ok() {
+    g_last_error.clear();
+    return DGR_OK;
+}
+
+// llama.cpp logs: errors are kept (they explain a failed load); everything is printed to stderr
+// only when DGR_LLAMA_LOG is set.
+thread_local std::string g_llama_last_log_error;
+
+void llama_log_sink(enum ggml_log_level level, const char * text, void * /*user*/) {
+    static const bool verbose = std::getenv("DGR_LLAMA_LOG") != nullptr;
+    if (level == GGML_LOG_LEVEL_ERROR) {
+        g_llama_last_log_error = text;
+        while (!g_llama_last_log_error.empty() && g_llama_last_log_error.back() == '\n') {
+            g_llama_last_log_error.pop_back();
+        }
+    }
+    if (verbose) {
+        std::fputs(text, stderr);
+    }
+}
+
+void init_backend_once() {
+    static std::once_flag once;
+    std::call_once(once, [] {
+        llama_log_set(llama_log_sink, nullptr);
+        llama_backend_init();
+    });
+}
+
+// architectures whose graph builders carry the range-ownership hooks (patches/)
+bool arch_supported(const std::string & arch) {
+    return arch == "llama";
+}
+
+uint64_t read_proc_status_kb(const char * key) {
+    std::ifstream f("/proc/self/status");
+    std::string line;
+    const size_t n = std::strlen(key);
+    while (std::getline(f, line)) {
+        if (line.compare(0, n, key) == 0) {
+            return std::strtoull(line.c_str() + n + 1, nullptr, 10);
+        }
+    }
+    return 0;
+}
+
+struct session_slot {
+    uint64_t epoch = 0;
+    llama_seq_id seq = -1;
+    int32_t next_pos = 0;
+};
+
+struct gguf_meta {
+    std::string arch;
+    int64_t n_layer = -1;
+};
+
+int read_gguf_meta(const char * path, gguf_meta & meta) {
+    gguf_init_params gp = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
+    gguf_context * g = gguf_init_from_file(path, gp);
+    if (g == nullptr) {
+        return fail(DGR_E_MODEL_LOAD, "cannot read GGUF '%s': missing, truncated or corrupt header", path);
+    }
+    const int64_t k_arch = gguf_find_key(g, "general.architecture");
+    if (k_arch < 0 || gguf_get_kv_type(g, k_arch) != GGUF_TYPE_STRING) {
+        gguf_free(g);
+        return fail(DGR_E_MODEL_LOAD, "GGUF '%s' has no general.architecture", path);
+    }
+    meta.arch = gguf_get_val_str(g, k_arch);
+    const std::string key = meta.arch + ".block_count";
+    const int64_t k_blocks = gguf_find_key(g, key.c_str());
+    if (k_blocks >= 0 && gguf_get_kv_type(g, k_blocks) == GGUF_TYPE_UINT32) {
+        meta.n_layer = gguf_get_val_u32(g, k_blocks);
+    }
+    gguf_free(g);
+    return DGR_OK;
+}
+
+}  // namespace
+
+struct dgr_engine {
+    dgr_engine_params params{};
+    std::string model_path;
+    llama_model * model = nullptr;
+    llama_context * ctx = nullptr;
+    dgr_shard_info info{};
+    std::unordered_map<uint64_t, session_slot> sessions;
+    std::vector<llama_seq_id> free_seqs;
+    uint64_t rows_forwarded = 0;
+    uint64_t forward_calls = 0;
+    uint64_t forward_ns = 0;
+
+    ~dgr_engine() {
+        if (ctx) {
+            llama_free(ctx);
+        }
+        if (model) {
+            llama_model_free(model);
+        }
+    }
+
+    llama_memory_t mem() const { return llama_get_memory(ctx); }
+
+    // Finds (session_id, epoch) for an operation on an open epoch.
+    int find(uint64_t session_id, uint64_t epoch, session_slot ** out) {
+        auto it = sessions.find(session_id);
+        if (it == sessions.end()) {
+            return fail(DGR_E_UNKNOWN_SESSION, "unknown session %llu", (unsigned long long) session_id);
+        }
+        if (epoch < it->second.epoch) {
+            return fail(DGR_E_STALE_EPOCH, "session %llu: epoch %llu is stale (current epoch %llu)",
+                        (unsigned long long) session_id, (unsigned long long) epoch,
+                        (unsigned long long) it->second.epoch);
+        }
+        if (epoch > it->second.epoch) {
+            return fail(DGR_E_UNKNOWN_SESSION, "session %llu: epoch %llu is not open (current epoch %llu)",
+                        (unsigned long long) session_id, (unsigned long long) epoch,
+                        (unsigned long long) it->second.epoch);
+        }
+        *out = &it->second;
+        return DGR_OK;
+    }
+};
+
+#define DGR_GUARD_BEGIN try {
+#define DGR_GUARD_END                                                              \
+    }                                                                              \
+    catch (const std::exception & e) {                                             \
+        return fail(DGR_E_INTERNAL, "internal error: %s", e.what());               \
+    }                                                                              \
+    catch (...) {                                                                  \
+        return fail(DGR_E_INTERNAL, "internal error: unknown exception");          \
+    }
+
+extern "C" {
+
+const char * dgr_status_name(int status) {
+    switch (status) {
+        case DGR_OK: return "DGR_OK";
+        case DGR_E_INVALID_ARGUMENT: return "DGR_E_INVALID_ARGUMENT";
+        case DGR_E_MODEL_LOAD: return "DGR_E_MODEL_LOAD";
+        case DGR_E_UNSUPPORTED_ARCH: return "DGR_E_UNSUPPORTED_ARCH";
+        case DGR_E_LAYER_RANGE: return "DGR_E_LAYER_RANGE";
+        case DGR_E_UNKNOWN_SESSION: return "DGR_E_UNKNOWN_SESSION";
+        case DGR_E_STALE_EPOCH: return "DGR_E_STALE_EPOCH";
+        case DGR_E_CAPACITY: return "DGR_E_CAPACITY";
+        case DGR_E_POSITION: return "DGR_E_POSITION";
+        case DGR_E_SHAPE: return "DGR_E_SHAPE";
+        case DGR_E_CONTEXT_FULL: return "DGR_E_CONTEXT_FULL";
+        case DGR_E_DECODE: return "DGR_E_DECODE";
+        case DGR_E_STATE: return "DGR_E_STATE";
+        case DGR_E_UNSUPPORTED: return "DGR_E_UNSUPPORTED";
+        case DGR_E_INTERNAL: return "DGR_E_INTERNAL";
+        default: return "DGR_E_UNKNOWN_STATUS";
+    }
+}
+
+const char * dgr_last_error(void) { return g_last_error.c_str(); }
+
+uint32_t dgr_abi_version(void) { return DGR_ABI_VERSION; }
+
+const char * dgr_llama_commit(void) { return DGR_LLAMA_COMMIT; }
+
+dgr_engine_params dgr_engine_default_params(void) {
+    dgr_engine_params p{};
+    p.model_path = nullptr;
+    p.layer_begin = 0;
+    p.layer_end = -1;
+    p.max_sessions = 4;
+    p.n_ctx_per_session = 512;
+    p.n_threads = 2;
+    p.n_batch = 512;
+    p.n_ubatch = 512;
+    p.load_mtp = 0;
+    return p;
+}
+
+int dgr_engine_open(const dgr_engine_params * params, dgr_engine ** out) {
+    if (out == nullptr) {
+        return fail(DGR_E_INVALID_ARGUMENT, "out must not be NULL");
+    }
+    *out = nullptr;
+    if (params == nullptr || params->model_path == nullptr) {
+        return fail(DGR_E_INVALID_ARGUMENT, "params and params->model_path must not be NULL");
+    }
+    if (params->load_mtp) {
+        return fail(DGR_E_UNSUPPORTED, "MTP is reserved and off: nextn layers are not loaded (they would belong to the last shard)");
+    }
+    if (params->max_sessions < 1 || params->max_sessions > 256) {
+        return fail(DGR_E_INVALID_ARGUMENT, "max_sessions must be in 1..256, got %u", params->max_sessions);
+    }
+    if (params->n_ctx_per_session < 1 || params->n_batch < 1 || params->n_ubatch < 1 || params->n_threads < 1) {
+        return fail(DGR_E_INVALID_ARGUMENT, "n_ctx_per_session, n_batch, n_ubatch and n_threads must be positive");
+    }
+    DGR_GUARD_BEGIN
+    init_backend_once();
+
+    gguf_meta meta;
+    if (int rc = read_gguf_meta(params->model_path, meta); rc != DGR_OK) {
+        return rc;
+    }
+    if (!arch_supported(meta.arch)) {
+        return fail(DGR_E_UNSUPPORTED_ARCH, "architecture '%s' is not covered by the range-ownership patches (supported: llama)",
+                    meta.arch.c_str());
+    }
+    if (meta.n_layer <= 0) {
+        return fail(DGR_E_MODEL_LOAD, "GGUF '%s' has no valid %s.block_count", params->model_path, meta.arch.c_str());
+    }
+    const int32_t l_begin = params->layer_begin;
+    const int32_t l_end = params->layer_end < 0 ? (int32_t) meta.n_layer : params->layer_end;
+    if (l_begin < 0 || l_end > meta.n_layer || l_begin >= l_end) {
+        return fail(DGR_E_LAYER_RANGE, "layer range [%d, %d) is not a non-empty range inside [0, %lld)",
+                    params->layer_begin, params->layer_end, (long long) meta.n_layer);
+    }
+
+    auto engine = std::make_unique<dgr_engine>();
+    engine->params = *params;
+    engine->model_path = params->model_path;
+    engine->params.model_path = engine->model_path.c_str();
+
+    llama_model_params mp = llama_model_default_params();
+    mp.n_gpu_layers = 0;
+    mp.load_mode = LLAMA_LOAD_MODE_NONE;  // read owned tensors only: no mmap, no whole-file prefetch
+    mp.lazy_mode = LLAMA_LAZY_MODE_OFF;
+    mp.load_mtp = false;
+    mp.layer_begin = l_begin;
+    mp.layer_end = l_end;
+    g_llama_last_log_error.clear();
+    engine->model = llama_model_load_from_file(params->model_path, mp);
+    if (engine->model == nullptr) {
+        return fail(DGR_E_MODEL_LOAD, "llama.cpp could not load '%s' layers [%d, %d): %s", params->model_path, l_begin,
+                    l_end, g_llama_last_log_error.empty() ? "see DGR_LLAMA_LOG=1" : g_llama_last_log_error.c_str());
+    }
+
+    const bool is_first = l_begin == 0;
+    const bool is_last = l_end == meta.n_layer;
+
+    llama_context_params cp = llama_context_default_params();
+    cp.n_seq_max = params->max_sessions;
+    cp.n_ctx = params->max_sessions * params->n_ctx_per_session;
+    cp.kv_unified = false;  // one KV stream per session: sessions never see each other's cells
+    cp.n_batch = params->n_batch;
+    cp.n_ubatch = std::min(params->n_ubatch, params->n_batch);
+    cp.n_threads = params->n_threads;
+    cp.n_threads_batch = params->n_threads;
+    cp.embeddings = !is_last;  // a non-last shard's output is the boundary (t_embd)
+    cp.pooling_type = LLAMA_POOLING_TYPE_NONE;
+    cp.no_perf = true;
+    engine->ctx = llama_init_from_model(engine->model, cp);
+    if (engine->ctx == nullptr) {
+        return fail(DGR_E_MODEL_LOAD, "llama.cpp could not create a context for '%s': %s", params->model_path,
+                    g_llama_last_log_error.empty() ? "see DGR_LLAMA_LOG=1" : g_llama_last_log_error.c_str());
+    }
+
+    dgr_shard_info & info = engine->info;
+    std::snprintf(info.arch, sizeof(info.arch), "%s", meta.arch.c_str());
+    info.n_layer = (int32_t) meta.n_layer;
+    info.layer_begin = l_begin;
+    info.layer_end = l_end;
+    info.n_embd = llama_model_n_embd(engine->model);
+    info.n_vocab = llama_vocab_n_tokens(llama_model_get_vocab(engine->model));
+    info.in_width = is_first ? 0 : llama_model_n_embd_inp(engine->model);
+    info.out_width = is_last ? info.n_vocab : llama_model_n_embd_out(engine->model);
+    info.is_first = is_first;
+    info.is_last = is_last;
+    info.needs_token_ids = is_first;
+    info.mtp_owner = is_last;
+    info.max_sessions = params->max_sessions;
+    info.n_ctx_per_session = llama_n_ctx_seq(engine->ctx);
+    info.n_batch = llama_n_batch(engine->ctx);
+
+    for (int32_t s = (int32_t) params->max_sessions - 1; s >= 0; --s) {
+        engine->free_seqs.push_back(s);
+    }
+    *out = engine.release();
+    return ok();
+    DGR_GUARD_END
+}
+
+void dgr_engine_free(dgr_engine * engine) { delete engine; }
+
+int dgr_engine_info(const dgr_engine * engine, dgr_shard_info * out) {
+    if (engine == nullptr || out == nullptr) {
+        return fail(DGR_E_INVALID_ARGUMENT, "engine and out must not be NULL");
+    }
+    *out = engine->info;
+    return ok();
+}
+
+int dgr_engine_stats_get(const dgr_engine * engine, dgr_engine_stats * out) {
+    if (engine == nullptr || out == nullptr) {
+        return fail(DGR_E_INVALID_ARGUMENT, "engine and out must not be NULL");
+    }
+    DGR_GUARD_BEGIN
+    dgr_engine_stats s{};
+    for (const auto & [buft, mb] : llama_get_memory_breakdown(engine->ctx)) {
+        (void) buft;
+        s.weight_bytes += mb.model;
+        s.kv_bytes += mb.context;
+        s.compute_bytes += mb.compute;
+    }
+    s.rss_bytes = read_proc_status_kb("VmRSS:") * 1024;
+    s.peak_rss_bytes = read_proc_status_kb("VmHWM:") * 1024;
+    s.open_sessions = (uint32_t) engine->sessions.size();
+    s.rows_forwarded = engine->rows_forwarded;
+    s.forward_calls = engine->forward_calls;
+    s.forward_ns = engine->forward_ns;
+    *out = s;
+    return ok();
+    DGR_GUARD_END
+}
+
+int dgr_session_open(dgr_engine * engine, uint64_t session_id, uint64_t epoch) {
+    if (engine == nullptr) {
+        return fail(DGR_E_INVALID_ARGUMENT, "engine must not be NULL");
+    }
+    DGR_GUARD_BEGIN
+    auto it = engine->sessions.find(session_id);
+    if (it != engine->sessions.end()) {
+        session_slot & slot = it->second;
+        if (epoch < slot.epoch) {
+            return fail(DGR_E_STALE_EPOCH, "session %llu: epoch %llu is stale (current epoch %llu)",
+                        (unsigned long long) session_id, (unsigned long long) epoch, (unsigned long long) slot.epoch);
+        }
+        if (epoch > slot.epoch) {
+            // cache miss: the older epoch's state is discarded, the new epoch starts empty
+            llama_memory_seq_rm(engine->mem(), slot.seq, -1, -1);
+            slot.epoch = epoch;
+            slot.next_pos = 0;
+        }
+        return ok();
+    }
+    if (engine->free_seqs.empty()) {
+        return fail(DGR_E_CAPACITY, "no free session slot: %u sessions open (max_sessions)",
+                    (unsigned) engine->sessions.size());
+    }
+    session_slot slot;
+    slot.epoch = epoch;
+    slot.seq = engine->free_seqs.back();
+    engine->free_seqs.pop_back();
+    llama_memory_seq_rm(engine->mem(), slot.seq, -1, -1);
+    engine->sessions.emplace(session_id, slot);
+    return ok();
+    DGR_GUARD_END
+}
+
+int dgr_session_close(dgr_engine * engine, uint64_t session_id, uint64_t epoch) {
+    if (engine == nullptr) {
+        return fail(DGR_E_INVALID_ARGUMENT, "engine must not be NULL");
+    }
+    DGR_GUARD_BEGIN
+    session_slot * slot = nullptr;
+    if (int rc = engine->find(session_id, epoch, &slot); rc != DGR_OK) {
+        return rc;
+    }
+    llama_memory_seq_rm(engine->mem(), slot->seq, -1, -1);
+    engine->free_seqs.push_back(slot->seq);
+    engine->sessions.erase(session_id);
+    return ok();
+    DGR_GUARD_END
+}
+
+int dgr_session_forward(dgr_engine * engine, uint64_t session_id, uint64_t epoch, uint32_t n_rows,
+                        const int32_t * tokens, const float * rows, uint32_t row_width, const int32_t * positions,
+                        const uint8_t * want, float * out, size_t out_capacity, uint32_t * n_out) {
+    if (engine == nullptr || n_out == nullptr || out == nullptr || positions == nullptr) {
+        return fail(DGR_E_INVALID_ARGUMENT, "engine, positions, out and n_out must not be NULL");
+    }
+    *n_out = 0;
+    DGR_GUARD_BEGIN
+    const auto t0 = std::chrono::steady_clock::now();
+    session_slot * slot = nullptr;
+    if (int rc = engine->find(session_id, epoch, &slot); rc != DGR_OK) {
+        return rc;
+    }
+    const dgr_shard_info & info = engine->info;
+    if (n_rows == 0) {
+        return fail(DGR_E_SHAPE, "session %llu: a forward call needs at least one row", (unsigned long long) session_id);
+    }
+    if (n_rows > info.n_batch) {
+        return fail(DGR_E_SHAPE, "session %llu: %u rows exceed n_batch %u", (unsigned long long) session_id, n_rows,
+                    info.n_batch);
+    }
+    if (info.is_first) {
+        if (rows != nullptr) {
+            return fail(DGR_E_SHAPE, "the first shard takes token ids, not boundary rows");
+        }
+    } else {
+        if (rows == nullptr) {
+            return fail(DGR_E_SHAPE, "shard [%d, %d) is not the first: it needs boundary rows of width %d",
+                        info.layer_begin, info.layer_end, info.in_width);
+        }
+        if ((int32_t) row_width != info.in_width) {
+            return fail(DGR_E_SHAPE, "boundary row width %u does not match this shard's input width %d", row_width,
+                        info.in_width);
+        }
+    }
+    if (info.needs_token_ids) {
+        if (tokens == nullptr) {
+            return fail(DGR_E_SHAPE, "shard [%d, %d) needs token ids with its rows", info.layer_begin, info.layer_end);
+        }
+        for (uint32_t i = 0; i < n_rows; ++i) {
+            if (tokens[i] < 0 || tokens[i] >= info.n_vocab) {
+                return fail(DGR_E_INVALID_ARGUMENT, "token id %d at row %u is outside the vocabulary [0, %d)", tokens[i],
+                            i, info.n_vocab);
+            }
+        }
+    }
+    for (uint32_t i = 0; i < n_rows; ++i) {
+        if (positions[i] != slot->next_pos + (int32_t) i) {
+            return fail(DGR_E_POSITION, "session %llu: row %u has position %d but the KV continues at %d",
+                        (unsigned long long) session_id, i, positions[i], slot->next_pos + (int32_t) i);
+        }
+    }
+    if ((uint64_t) slot->next_pos + n_rows > info.n_ctx_per_session) {
+        return fail(DGR_E_CONTEXT_FULL, "session %llu: %d + %u positions exceed the session context of %u",
+                    (unsigned long long) session_id, slot->next_pos, n_rows, info.n_ctx_per_session);
+    }
+    std::vector<uint32_t> out_rows;
+    if (info.is_last) {
+        for (uint32_t i = 0; i < n_rows; ++i) {
+            if (want == nullptr ? i + 1 == n_rows : want[i] != 0) {
+                out_rows.push_back(i);
+            }
+        }
+    } else {
+        for (uint32_t i = 0; i < n_rows; ++i) {
+            out_rows.push_back(i);
+        }
+    }
+    const size_t need = out_rows.size() * (size_t) info.out_width;
+    if (out_capacity < need) {
+        return fail(DGR_E_SHAPE, "output buffer holds %zu floats, %zu needed", out_capacity, need);
+    }
+
+    llama_batch batch = llama_batch_init((int32_t) n_rows, info.is_first ? 0 : info.in_width, 1);
+    batch.n_tokens = (int32_t) n_rows;
+    if (info.is_first) {
+        std::memcpy(batch.token, tokens, sizeof(int32_t) * n_rows);
+    } else {
+        std::memcpy(batch.embd, rows, sizeof(float) * n_rows * (size_t) info.in_width);
+    }
+    for (uint32_t i = 0; i < n_rows; ++i) {
+        batch.pos[i] = positions[i];
+        batch.n_seq_id[i] = 1;
+        batch.seq_id[i][0] = slot->seq;
+        batch.logits[i] = 0;
+    }
+    for (uint32_t i : out_rows) {
+        batch.logits[i] = 1;
+    }
+    g_llama_last_log_error.clear();
+    const int32_t rc = llama_decode(engine->ctx, batch);
+    llama_batch_free(batch);
+    if (rc != 0) {
+        // roll the rows of this call back: the session keeps its previous state and position
+        llama_memory_seq_rm(engine->mem(), slot->seq, slot->next_pos, -1);
+        if (rc == 1) {
+            return fail(DGR_E_CONTEXT_FULL, "session %llu: no KV slot for %u rows", (unsigned long long) session_id,
+                        n_rows);
+        }
+        return fail(DGR_E_DECODE, "session %llu: llama_decode returned %d: %s", (unsigned long long) session_id, rc,
+                    g_llama_last_log_error.c_str());
+    }
+    for (size_t k = 0; k < out_rows.size(); ++k) {
+        const float * src = info.is_last ? llama_get_logits_ith(engine->ctx, (int32_t) out_rows[k])
+                                         : llama_get_embeddings_ith(engine->ctx, (int32_t) out_rows[k]);
+        if (src == nullptr) {
+            llama_memory_seq_rm(engine->mem(), slot->seq, slot->next_pos, -1);
+            return fail(DGR_E_DECODE, "session %llu: no output for row %u", (unsigned long long) session_id, out_rows[k]);
+        }
+        std::memcpy(out + k * (size_t) info.out_width, src, sizeof(float) * (size_t) info.out_width);
+    }
+    slot->next_pos += (int32_t) n_rows;
+    *n_out = (uint32_t) out_rows.size();
+    engine->rows_forwarded += n_rows;
+    engine->forward_calls += 1;
+    engine->forward_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::steady_clock::now() - t0)
+                              .count();
+    return ok();
+    DGR_GUARD_END
+}
+
+int dgr_session_truncate(dgr_engine * engine, uint64_t session_id, uint64_t epoch, int32_t n_keep) {
+    if (engine == nullptr) {
+        return fail(DGR_E_INVALID_ARGUMENT, "engine must not be NULL");
+    }
+    DGR_GUARD_BEGIN
+    session_slot * slot = nullptr;
+    if (int rc = engine->find(session_id, epoch, &slot); rc != DGR_OK) {
+        return rc;
+    }
+    if (n_keep < 0 || n_keep > slot->next_pos) {
+        return fail(DGR_E_POSITION, "session %llu: cannot keep %d positions of %d", (unsigned long long) session_id,
+                    n_keep, slot->next_pos);
+    }
+    if (!llama_memory_seq_rm(engine->mem(), slot->seq, n_keep, -1)) {
+        return fail(DGR_E_INTERNAL, "session %llu: llama.cpp refused to drop positions >= %d",
+                    (unsigned long long) session_id, n_keep);
+    }
+    slot->next_pos = n_keep;
+    return ok();
+    DGR_GUARD_END
+}
+
+int dgr_session_next_pos(const dgr_engine * engine, uint64_t session_id, uint64_t epoch, int32_t * out) {
+    if (engine == nullptr || out == nullptr) {
+        return fail(DGR_E_INVALID_ARGUMENT, "engine and out must not be NULL");
+    }
+    session_slot * slot = nullptr;
+    if (int rc = const_cast<dgr_engine *>(engine)->find(session_id, epoch, &slot); rc != DGR_OK) {
+        return rc;
+    }
+    *out = slot->next_pos;
+    return ok();
+}
+
+namespace {
+
+struct state_header {
+    uint32_t magic;
+    uint32_t version;
+    int32_t layer_begin;
+    int32_t layer_end;
+    int32_t in_width;
+    int32_t out_width;
+    int32_t next_pos;
+    uint32_t reserved;
+    uint64_t payload_size;
+};
+
+}  // namespace
+
+int dgr_session_state_size(dgr_engine * engine, uint64_t session_id, uint64_t epoch, size_t * out) {
+    if (engine == nullptr || out == nullptr) {
+        return fail(DGR_E_INVALID_ARGUMENT, "engine and out must not be NULL");
+    }
+    DGR_GUARD_BEGIN
+    session_slot * slot = nullptr;
+    if (int rc = engine->find(session_id, epoch, &slot); rc != DGR_OK) {
+        return rc;
+    }
+    *out = sizeof(state_header) + llama_state_seq_get_size(engine->ctx, slot->seq);
+    return ok();
+    DGR_GUARD_END
+}
+
+int dgr_session_state_save(dgr_engine * engine, uint64_t session_id, uint64_t epoch, uint8_t * buf, size_t capacity,
+                           size_t * written) {
+    if (engine == nullptr || buf == nullptr || written == nullptr) {
+        return fail(DGR_E_INVALID_ARGUMENT, "engine, buf and written must not be NULL");
+    }
+    *written = 0;
+    DGR_GUARD_BEGIN
+    session_slot * slot = nullptr;
+    if (int rc = engine->find(session_id, epoch, &slot); rc != DGR_OK) {
+        return rc;
+    }
+    const size_t payload = llama_state_seq_get_size(engine->ctx, slot->seq);
+    if (capacity < sizeof(state_header) + payload) {
+        return fail(DGR_E_SHAPE, "state buffer holds %zu bytes, %zu needed", capacity, sizeof(state_header) + payload);
+    }
+    state_header h{};
+    h.magic = DGR_STATE_MAGIC;
+    h.version = DGR_STATE_VERSION;
+    h.layer_begin = engine->info.layer_begin;
+    h.layer_end = engine->info.layer_end;
+    h.in_width = engine->info.in_width;
+    h.out_width = engine->info.out_width;
+    h.next_pos = slot->next_pos;
+    const size_t n = llama_state_seq_get_data(engine->ctx, buf + sizeof(h), payload, slot->seq);
+    if (n == 0 && payload != 0) {
+        return fail(DGR_E_STATE, "llama.cpp could not serialise session %llu", (unsigned long long) session_id);
+    }
+    h.payload_size = n;
+    std::memcpy(buf, &h, sizeof(h));
+    *written = sizeof(h) + n;
+    return ok();
+    DGR_GUARD_END
+}
+
+int dgr_session_state_load(dgr_engine * engine, uint64_t session_id, uint64_t epoch, const uint8_t * buf, size_t size) {
+    if (engine == nullptr || buf == nullptr) {
+        return fail(DGR_E_INVALID_ARGUMENT, "engine and buf must not be NULL");
+    }
+    DGR_GUARD_BEGIN
+    session_slot * slot = nullptr;
+    if (int rc = engine->find(session_id, epoch, &slot); rc != DGR_OK) {
+        return rc;
+    }
+    state_header h{};
+    if (size < sizeof(h)) {
+        return fail(DGR_E_STATE, "saved state of %zu bytes is shorter than its header", size);
+    }
+    std::memcpy(&h, buf, sizeof(h));
+    if (h.magic != DGR_STATE_MAGIC || h.version != DGR_STATE_VERSION) {
+        return fail(DGR_E_STATE, "not a dgr session state (magic %08x, version %u)", h.magic, h.version);
+    }
+    const dgr_shard_info & info = engine->info;
+    if (h.layer_begin != info.layer_begin || h.layer_end != info.layer_end || h.in_width != info.in_width ||
+        h.out_width != info.out_width) {
+        return fail(DGR_E_STATE, "saved state is for layers [%d, %d), this shard owns [%d, %d)", h.layer_begin,
+                    h.layer_end, info.layer_begin, info.layer_end);
+    }
+    if (h.payload_size != size - sizeof(h) || h.next_pos < 0 || (uint32_t) h.next_pos > info.n_ctx_per_session) {
+        return fail(DGR_E_STATE, "saved state is truncated or inconsistent");
+    }
+    llama_memory_seq_rm(engine->mem(), slot->seq, -1, -1);
+    const size_t n = llama_state_seq_set_data(engine->ctx, buf + sizeof(h), h.payload_size, slot->seq);
+    if (n == 0) {
+        llama_memory_seq_rm(engine->mem(), slot->seq, -1, -1);
+        slot->next_pos = 0;
+        return fail(DGR_E_STATE, "llama.cpp refused the saved state; session %llu is now empty",
+                    (unsigned long long) session_id);
+    }
+    slot->next_pos = h.next_pos;
+    return ok();
+    DGR_GUARD_END
+}
+
+}  // extern "C"
