@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# dgr's two commands, each installing what it needs into ./.venv first:
+#   ./dgr.sh demo   the main job: a local route on a generated fixture model, a stage lost and
+#                   recovered, output equal to the whole model
+#   ./dgr.sh test   ruff, mypy and the whole test suite
+# The first run fetches llama.cpp at the pinned commit, patches and builds it (about 1.5 min on
+# 2 cores; cached in ~/.cache/dgr, keyed by manifest + patches), then builds the cffi binding.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+pick_python() {
+    for candidate in "${PYTHON:-}" python3.11 python3; do
+        if [ -n "$candidate" ] && command -v "$candidate" >/dev/null 2>&1 &&
+            "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+            echo "$candidate"
+            return
+        fi
+    done
+    echo "dgr needs Python >= 3.11 (set PYTHON=...)" >&2
+    exit 2
+}
+
+ensure_env() {
+    if [ ! -x .venv/bin/python ]; then
+        echo "dgr: creating .venv" >&2
+        "$(pick_python)" -m venv .venv
+    fi
+    # reinstall (and rebuild the binding) when anything it is built from changes
+    local stamp
+    stamp=$(cat pyproject.toml setup.py cffi_build.py native/llama.cpp.manifest.json \
+        native/build_llama.py native/include/* native/src/* patches/* 2>/dev/null | sha256sum | cut -c1-16)
+    if [ "$(cat .venv/.dgr-stamp 2>/dev/null)" != "$stamp" ] ||
+        ! .venv/bin/python -c 'import dgr_engine._native' 2>/dev/null; then
+        echo "dgr: installing dependencies and building the binding" >&2
+        .venv/bin/python -m pip install -q --upgrade pip
+        .venv/bin/python -m pip install -q "setuptools>=68" wheel "cffi>=1.16" "cmake>=3.21" ninja scikit-build-core
+        .venv/bin/python -m pip install -q --no-build-isolation -e ".[test]"
+        echo "$stamp" > .venv/.dgr-stamp
+    fi
+}
+
+case "${1:-}" in
+    demo)
+        shift
+        ensure_env
+        exec .venv/bin/python -m dgr_engine.demo "$@"
+        ;;
+    test)
+        shift
+        ensure_env
+        echo "dgr: ruff" >&2
+        .venv/bin/ruff check .
+        .venv/bin/ruff format --check .
+        echo "dgr: mypy" >&2
+        .venv/bin/mypy
+        echo "dgr: pytest" >&2
+        exec .venv/bin/python -m pytest "$@"
+        ;;
+    *)
+        echo "usage: ./dgr.sh demo | ./dgr.sh test [pytest args]" >&2
+        exit 2
+        ;;
+esac

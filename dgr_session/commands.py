@@ -1,0 +1,144 @@
+"""Commands: what a route session asks its driver to do (:meth:`RouteSession.handle` returns them).
+
+The driver executes them in order and feeds back what happened as events. Commands carry the
+``(session_id, epoch, step)`` the answers must repeat.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from dgr_session.errors import DgrError
+from dgr_session.faults import FailureReport
+from dgr_session.route import StageSpec
+
+
+def _short_ids(ids: tuple[int, ...]) -> str:
+    if len(ids) <= 8:
+        return repr(ids)
+    return f"({', '.join(map(str, ids[:4]))}, ... {len(ids)} ids)"
+
+
+class FinishReason(enum.StrEnum):
+    """Why a session finished."""
+
+    #: ``max_new_tokens`` were produced (state ``done``).
+    LENGTH = "length"
+    #: A stop token was produced (state ``done``).
+    STOP = "stop"
+    #: The failure budget or the session deadline ran out (state ``failed``).
+    FAILED = "failed"
+    #: The caller cancelled (state ``cancelled``).
+    CANCELLED = "cancelled"
+
+
+@attrs.frozen
+class OpenStage:
+    """Open the session's sequence on a stage for a (fresh) epoch; answer with
+    :class:`~dgr_session.events.StageOpened` or :class:`~dgr_session.events.StageFailed`.
+
+    The stage discards any older epoch's state of this session: a route change is a cache miss.
+    """
+
+    session_id: str
+    """Session."""
+    epoch: int
+    """Epoch to open."""
+    stage_index: int
+    """Stage's index in the route."""
+    stage: StageSpec
+    """Stage to open."""
+
+
+@attrs.frozen
+class Forward:
+    """Run ``token_ids`` at ``positions`` through one stage; answer with
+    :class:`~dgr_session.events.StageOutput` or :class:`~dgr_session.events.StageFailed`.
+
+    Positions continue the stage's KV for this epoch exactly; after a route change the first
+    forward of the new epoch starts at position 0 and replays the prompt and every accepted token.
+    """
+
+    session_id: str
+    """Session."""
+    epoch: int
+    """Epoch."""
+    step: int
+    """Step (number of accepted tokens) this forward produces the next token for."""
+    stage_index: int
+    """Stage's index in the route."""
+    stage: StageSpec
+    """Stage to run."""
+    positions: range
+    """KV positions of the tokens, contiguous."""
+    token_ids: tuple[int, ...] = attrs.field(repr=_short_ids)
+    """Token ids at ``positions`` (stage 0's input; a sideband for later stages that need it)."""
+    boundary: object = attrs.field(repr=False)
+    """Previous stage's output rows, relayed untouched; ``None`` for stage 0."""
+    final: bool
+    """True for the last stage: its answer is logits, from which the driver picks a token."""
+
+
+@attrs.frozen
+class CloseStage:
+    """Release the session's state for ``epoch`` on a stage. Fire and forget: no answer needed;
+    closing something not open (or already gone) must be a no-op."""
+
+    session_id: str
+    """Session."""
+    epoch: int
+    """Epoch to close."""
+    stage_index: int
+    """Stage's index in the route."""
+    stage: StageSpec
+    """Stage to close."""
+
+
+@attrs.frozen
+class RequestRoute:
+    """Ask the route provider for a route; answer with
+    :class:`~dgr_session.events.RouteAssigned` or :class:`~dgr_session.events.RouteUnavailable`
+    naming ``epoch``."""
+
+    session_id: str
+    """Session."""
+    epoch: int
+    """Epoch the assigned route will run under."""
+    report: FailureReport | None
+    """The fault that made the route necessary (``None`` for the first route)."""
+
+
+@attrs.frozen
+class EmitToken:
+    """A token was accepted. It is final: it will never be resampled, only replayed."""
+
+    session_id: str
+    """Session."""
+    epoch: int
+    """Epoch that produced it."""
+    step: int
+    """Its index among the generated tokens."""
+    token: int
+    """Token id."""
+
+
+@attrs.frozen
+class Finish:
+    """The session reached a terminal state. Always the last command of a session."""
+
+    session_id: str
+    """Session."""
+    epoch: int
+    """Epoch in force at the end."""
+    reason: FinishReason
+    """Why it finished."""
+    tokens: tuple[int, ...] = attrs.field(repr=_short_ids)
+    """Every accepted token."""
+    error: DgrError | None = None
+    """The terminal error for ``failed`` and ``cancelled``; ``None`` for ``done``."""
+
+
+#: Every command type the core emits.
+Command = OpenStage | Forward | CloseStage | RequestRoute | EmitToken | Finish

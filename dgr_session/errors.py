@@ -1,0 +1,189 @@
+"""Typed errors of dgr.
+
+Every error dgr raises derives from :class:`DgrError`; the data plane (``dgr_engine``) defines its
+own subclasses by importing this base. Each docstring says whether the route session that met
+the error lives on:
+
+* *lives on*: the session is still usable (for faults: it moves to a new route within its
+  failure budget);
+* *ends*: the session is in an absorbing state (``failed`` or ``cancelled``) and will never emit
+  another token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dgr_session.faults import FailureReport, FaultKind
+
+
+class DgrError(Exception):
+    """Base of every dgr error."""
+
+
+class InvalidTransition(DgrError):
+    """An event the session's state does not allow (a missing entry in the transition table).
+
+    This is a bug in whoever feeds the session (the driver), not a remote fault. The event was
+    not applied and the state is unchanged: the session lives on.
+    """
+
+    def __init__(self, message: str, *, state: str, event: str) -> None:
+        super().__init__(message)
+        #: State the session was in.
+        self.state = state
+        #: Name of the refused event or trigger.
+        self.event = event
+
+
+# --------------------------------------------------------------------------------------------
+# Route validation
+
+
+class RouteInvalid(DgrError, ValueError):
+    """A route is malformed: not an exact contiguous cover of ``[0, n_layer)``, or empty.
+
+    Names the offending stage (``stage_index`` and ``endpoint``; ``None`` when the fault is the
+    route as a whole). A session handed such a route refuses it and asks for another within its
+    failure budget: it lives on.
+    """
+
+    def __init__(
+        self, message: str, *, stage_index: int | None = None, endpoint: str | None = None
+    ) -> None:
+        where = f"stage {stage_index} ({endpoint})" if stage_index is not None else "route"
+        super().__init__(f"{where}: {message}")
+        #: Index of the offending stage in the route, or ``None``.
+        self.stage_index = stage_index
+        #: Endpoint of the offending stage, or ``None``.
+        self.endpoint = endpoint
+
+
+class RouteIncompatible(RouteInvalid):
+    """A stage serves another model identity or recipe than the route (or the session) needs, or
+    its context cannot hold the session. The session refuses the route and lives on."""
+
+
+class BoundaryMismatch(RouteInvalid):
+    """Neighbouring stages disagree on the boundary width (or the first/last stage has a width
+    where tokens/logits are due). The session refuses the route and lives on."""
+
+
+class DarkLane(RouteInvalid):
+    """A stage runs on a lane that is not certified (compiled is not certified). Dark lanes are
+    unroutable unless the caller opts in explicitly (``allow_dark_lanes=True``, which logs a
+    WARNING and emits :class:`DarkLaneWarning`). The session refuses the route and lives on."""
+
+
+class DarkLaneWarning(UserWarning):
+    """Emitted when a route with a dark lane is accepted because of an explicit opt-in."""
+
+
+# --------------------------------------------------------------------------------------------
+# Stage faults (what transports raise; the session survives them within its budget)
+
+
+class StaleEpoch(DgrError):
+    """A message names an epoch older than the one the receiver holds for that session.
+
+    Raised by stages and transports when asked to act for an old epoch (the newer epoch is kept
+    and lives on). The session core never raises it: it drops stale events and counts them.
+    """
+
+    def __init__(self, message: str, *, session_id: str, epoch: int, held_epoch: int) -> None:
+        super().__init__(message)
+        #: Session the message belonged to.
+        self.session_id = session_id
+        #: Epoch the message named.
+        self.epoch = epoch
+        #: Newer epoch the receiver holds.
+        self.held_epoch = held_epoch
+
+
+class StageDead(DgrError, ConnectionError):
+    """A stage is unreachable or its worker died (its per-session state is gone).
+
+    Transports raise it; the session moves to a new route within its failure budget: it lives on.
+    """
+
+
+class StepDeadlineExceeded(DgrError, TimeoutError):
+    """A step (route request, stage opening, or one forward through the route) ran past the
+    policy's per-step deadline. The waited-on stage is reported as faulty and the session moves
+    to a new route within its failure budget: it lives on. Attached as ``__cause__`` of the
+    terminal error when the deadline was the fault that spent the budget."""
+
+    def __init__(self, message: str, *, stage_index: int | None, deadline: float) -> None:
+        super().__init__(message)
+        #: Stage that did not answer in time, or ``None`` for a route request.
+        self.stage_index = stage_index
+        #: The per-step deadline in seconds.
+        self.deadline = deadline
+
+
+# --------------------------------------------------------------------------------------------
+# Terminal reasons
+
+
+class SessionFailed(DgrError):
+    """Base of the reasons a session enters ``failed``. The session ends.
+
+    Carries where it ended and what it had spent, so a caller can tell a flaky provider from an
+    exhausted budget without parsing messages.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        session_id: str,
+        epoch: int,
+        step: int,
+        stage_index: int | None,
+        endpoint: str | None,
+        fault: FaultKind | None,
+        attempts: int,
+        route_changes: int,
+        reports: Sequence[FailureReport] = (),
+    ) -> None:
+        super().__init__(message)
+        #: The session that failed.
+        self.session_id = session_id
+        #: Epoch in force when it failed.
+        self.epoch = epoch
+        #: Step (number of accepted tokens) it was working on.
+        self.step = step
+        #: Stage of the last fault, or ``None`` (route request, session deadline).
+        self.stage_index = stage_index
+        #: Endpoint of that stage, or ``None``.
+        self.endpoint = endpoint
+        #: Kind of the last fault, or ``None`` when no fault preceded (session deadline).
+        self.fault = fault
+        #: Attempts made at ``step`` (1 + faults at that step).
+        self.attempts = attempts
+        #: Route changes made over the whole session.
+        self.route_changes = route_changes
+        #: Every failure report of the session, oldest first.
+        self.reports = tuple(reports)
+
+
+class FailureBudgetExhausted(SessionFailed):
+    """A fault happened with no budget left (attempts per step or route changes).
+
+    Names the stage, the fault and the attempts. The session ends.
+    """
+
+
+class NoRouteAvailable(FailureBudgetExhausted):
+    """The route provider had no usable route (none, refused, or too late) and the budget for
+    asking again is spent. The session ends."""
+
+
+class SessionDeadlineExceeded(SessionFailed):
+    """The session ran past the policy's session deadline. The session ends."""
+
+
+class SessionCancelled(DgrError):
+    """The session was cancelled; every stage of its epoch was closed. The session ends."""

@@ -1,0 +1,58 @@
+"""Faults and the failure report handed to the route provider (the tracker).
+
+The session tells the tracker what it needs to learn from a failure (which provider, which
+fault, timings); what to do about it (routing policy) stays the tracker's.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+class FaultKind(enum.StrEnum):
+    """What went wrong with a stage or with a route request."""
+
+    #: The stage is unreachable or its worker died (its state is gone).
+    DEAD = "dead"
+    #: The awaited reply did not come within the per-step deadline.
+    DEADLINE = "deadline"
+    #: The stage's engine returned an error (bad positions, out of memory, ...).
+    ENGINE_ERROR = "engine_error"
+    #: The stage replied out of protocol (wrong step, duplicate, wrong payload kind).
+    PROTOCOL = "protocol"
+    #: The provider assigned a route that failed validation.
+    ROUTE_INVALID = "route_invalid"
+    #: The provider had no route.
+    NO_ROUTE = "no_route"
+
+
+@attrs.frozen
+class FailureReport:
+    """One fault, as the session saw it. Handed to the route provider with the next request."""
+
+    session_id: str
+    """Session that met the fault."""
+    epoch: int
+    """Epoch the fault belongs to (0 before the first route)."""
+    step: int
+    """Step (number of accepted tokens) the session was working on."""
+    stage_index: int | None
+    """Faulty stage's index in the route; ``None`` for route-request faults."""
+    endpoint: str | None
+    """Faulty stage's endpoint (the provider to blame); ``None`` for route-request faults."""
+    fault: FaultKind
+    """What went wrong."""
+    detail: str
+    """Human-readable detail (error text from the stage or the validator)."""
+    attempt: int
+    """Which attempt at ``step`` this was (1-based)."""
+    route_changes: int
+    """Route changes made by the session before this fault."""
+    at: float
+    """Session clock time of the fault."""
+    waited: float
+    """Seconds the failed operation had been outstanding."""
+    hop_seconds: tuple[float | None, ...] = ()
+    """Last observed latency per stage of the epoch (``None``: no reply seen yet)."""

@@ -1,0 +1,97 @@
+"""What a stage serves and runs on: model identity, recipe and lane (value objects).
+
+Two stages may sit in one route only if their model identity and recipe are equal; a lane may
+carry traffic only if it is certified. These are plain frozen values: validation of a route lives
+in :mod:`dgr_session.route`, serialization lives with whoever serializes.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+
+def short_hex(value: bytes) -> str:
+    """Render bytes as a short hex string for reprs (first 6 bytes, then an ellipsis)."""
+    text = value.hex()
+    return f"<{text[:12]}…>" if len(text) > 12 else f"<{text}>"
+
+
+def _positive(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value <= 0:
+        raise ValueError(f"{attribute.name} must be positive, got {value}")
+
+
+class EvidenceClass(enum.StrEnum):
+    """What kind of evidence backs a certification. Classes never stand in for each other."""
+
+    FIXTURE = "fixture"
+    REAL_MODEL = "real-model"
+    REAL_HARDWARE = "real-hardware"
+    RELEASE = "release"
+
+
+class CertificationStatus(enum.StrEnum):
+    """Whether a lane may carry traffic. Compiling a lane does not certify it."""
+
+    #: Built (maybe tested) but not certified: unroutable unless explicitly opted in.
+    DARK = "dark"
+    #: Holds a certification record; see the lane's evidence class for what backs it.
+    CERTIFIED = "certified"
+
+
+@attrs.frozen
+class ModelIdentity:
+    """Exactly which model a stage serves. Equal identities are required along a route."""
+
+    content_hash: bytes = attrs.field(repr=short_hex)
+    """GGUF content hash (or the split manifest's hash for split GGUFs)."""
+    arch: str
+    """GGUF architecture name, e.g. ``"llama"`` or ``"deepseek4"``."""
+    n_layer: int = attrs.field(validator=_positive)
+    """Number of main layers; a route covers ``[0, n_layer)``."""
+    official_target_sha: str | None = None
+    """Upstream model revision (git SHA) the GGUF was converted from, where known."""
+
+
+@attrs.frozen
+class Recipe:
+    """How the model is quantized and run. Equal recipes are required along a route."""
+
+    quant_types: tuple[str, ...] = attrs.field(converter=tuple)
+    """Quantization types present in the GGUF, e.g. ``("Q4_K", "Q6_K")``."""
+    context: int = attrs.field(validator=_positive)
+    """Context length (KV positions) every stage provides per session."""
+    kv_type: str = "f16"
+    """KV cache element type."""
+
+
+def _check_evidence(inst: Lane, _attribute: attrs.Attribute[object], value: object) -> None:
+    if inst.certification is CertificationStatus.CERTIFIED and value is None:
+        raise ValueError("a certified lane needs an evidence class")
+
+
+@attrs.frozen
+class Lane:
+    """Backend x build x hardware a stage runs on, with its certification."""
+
+    backend: str
+    """Compute backend: ``"cpu"``, ``"cuda"``, ``"rocm"``, ``"vulkan"``, ``"metal"``."""
+    llama_cpp_commit: str
+    """Exact llama.cpp commit the worker was built from."""
+    patch_stack_hash: bytes = attrs.field(repr=short_hex)
+    """Hash of the applied patch stack (``patches/``)."""
+    dgr_version: str
+    """dgr version of the worker."""
+    hardware: str
+    """Hardware class the lane was certified on, e.g. ``"h200"`` or ``"x86-avx2"``."""
+    certification: CertificationStatus = CertificationStatus.DARK
+    """Certification status; only certified lanes are routable."""
+    evidence: EvidenceClass | None = attrs.field(default=None, validator=_check_evidence)
+    """Class of the evidence behind the certification (required when certified)."""
+
+    @property
+    def certified(self) -> bool:
+        """True when the lane holds a certification."""
+        return self.certification is CertificationStatus.CERTIFIED

@@ -1,0 +1,64 @@
+"""The failure policy: how much a session may spend before it gives up."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import attrs
+
+
+def _finite_positive(_inst: object, attribute: attrs.Attribute[float], value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{attribute.name} must be finite and > 0, got {value}")
+
+
+def _at_least(minimum: int) -> Callable[[object, attrs.Attribute[int], int], None]:
+    def check(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
+        if value < minimum:
+            raise ValueError(f"{attribute.name} must be >= {minimum}, got {value}")
+
+    return check
+
+
+def _delays(
+    _inst: object, attribute: attrs.Attribute[tuple[float, ...]], value: tuple[float, ...]
+) -> None:
+    for delay in value:
+        if not (math.isfinite(delay) and delay >= 0):
+            raise ValueError(f"{attribute.name} entries must be finite and >= 0, got {delay}")
+
+
+@attrs.frozen
+class FailurePolicy:
+    """Bounds on what a session spends on faults. Every default is finite.
+
+    A *fault* is a stage failure (dead, deadline, engine error, protocol) or a failed route
+    request (no route, invalid route, no answer in time). After a fault the session closes the
+    epoch's stages, waits the backoff, asks for a new route and re-prefills from position 0
+    under a new epoch. It fails instead when the fault is its ``max_attempts_per_step``-th at
+    the current step, or when it would need a route change beyond ``max_route_changes``, or
+    when the session deadline passes.
+    """
+
+    step_deadline: float = attrs.field(default=30.0, validator=_finite_positive)
+    """Seconds allowed for one wait: a route request, opening the stages, or one step's forward
+    through the whole route (prefill or one decoded token)."""
+    session_deadline: float = attrs.field(default=600.0, validator=_finite_positive)
+    """Seconds allowed for the whole session, from its start."""
+    max_route_changes: int = attrs.field(default=3, validator=_at_least(0))
+    """Route assignments allowed after the first one."""
+    max_attempts_per_step: int = attrs.field(default=3, validator=_at_least(1))
+    """Attempts allowed at one step (the first try counts); the fault that uses up the last
+    attempt fails the session."""
+    backoff: tuple[float, ...] = attrs.field(
+        default=(0.0, 0.5, 2.0), converter=tuple, validator=_delays
+    )
+    """Seconds to wait before asking for a route after the 1st, 2nd, ... fault of the session;
+    the last entry repeats, an empty schedule means no wait."""
+
+    def backoff_after(self, faults: int) -> float:
+        """Delay before the route request that follows the session's ``faults``-th fault."""
+        if not self.backoff or faults <= 0:
+            return 0.0
+        return self.backoff[min(faults, len(self.backoff)) - 1]

@@ -1,0 +1,171 @@
+"""Stages and routes, and route validation.
+
+A route is an ordered tuple of stages; each stage owns a contiguous layer range on one endpoint.
+:func:`validate_route` checks a route before any traffic: an exact contiguous cover of
+``[0, n_layer)``, the same model identity and recipe on every stage, matching boundary widths
+between neighbours, and certified lanes only (unless explicitly and loudly opted in). Every
+violation is a typed error naming the stage.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import attrs
+from loguru import logger
+
+from dgr_session.errors import (
+    BoundaryMismatch,
+    DarkLane,
+    DarkLaneWarning,
+    RouteIncompatible,
+    RouteInvalid,
+)
+from dgr_session.identity import Lane, ModelIdentity, Recipe
+
+
+def _non_negative(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 0:
+        raise ValueError(f"{attribute.name} must be >= 0, got {value}")
+
+
+def _after_begin(inst: StageSpec, attribute: attrs.Attribute[int], value: int) -> None:
+    if value <= inst.layer_begin:
+        raise ValueError(f"layer_end ({value}) must be > layer_begin ({inst.layer_begin})")
+
+
+@attrs.frozen
+class StageSpec:
+    """One stage of a route: an endpoint serving ``[layer_begin, layer_end)`` of a model."""
+
+    endpoint: str
+    """Where the stage's worker is reached (opaque to dgr_session; the transport resolves it)."""
+    layer_begin: int = attrs.field(validator=_non_negative)
+    """First layer owned (inclusive)."""
+    layer_end: int = attrs.field(validator=_after_begin)
+    """Layer after the last one owned (exclusive)."""
+    identity: ModelIdentity
+    """Model the stage serves."""
+    recipe: Recipe
+    """Recipe the stage runs."""
+    lane: Lane
+    """Lane the stage runs on."""
+    boundary_in: int = attrs.field(default=0, validator=_non_negative)
+    """Boundary width taken per token (f32 values); 0 when the stage takes token IDs (layer 0)."""
+    boundary_out: int = attrs.field(default=0, validator=_non_negative)
+    """Boundary width produced per token; 0 when the stage produces logits (last layer)."""
+
+    @property
+    def n_layers(self) -> int:
+        """Number of layers the stage owns."""
+        return self.layer_end - self.layer_begin
+
+
+@attrs.frozen
+class Route:
+    """An ordered list of stages meant to cover ``[0, n_layer)`` exactly once.
+
+    Construction checks nothing beyond non-emptiness; call :func:`validate_route` (sessions do so
+    for every route they are assigned).
+    """
+
+    stages: tuple[StageSpec, ...] = attrs.field(converter=tuple)
+    """Stages in forward order: stage 0 takes tokens, the last produces logits."""
+
+    @stages.validator
+    def _non_empty(self, _attribute: attrs.Attribute[object], value: tuple[StageSpec, ...]) -> None:
+        if not value:
+            raise RouteInvalid("a route needs at least one stage")
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    @property
+    def identity(self) -> ModelIdentity:
+        """Model identity of the first stage (equal on all stages of a valid route)."""
+        return self.stages[0].identity
+
+    @property
+    def recipe(self) -> Recipe:
+        """Recipe of the first stage (equal on all stages of a valid route)."""
+        return self.stages[0].recipe
+
+    @property
+    def endpoints(self) -> tuple[str, ...]:
+        """Endpoints in stage order."""
+        return tuple(stage.endpoint for stage in self.stages)
+
+
+def validate_route(
+    route: Route,
+    *,
+    identity: ModelIdentity | None = None,
+    recipe: Recipe | None = None,
+    min_context: int = 0,
+    allow_dark_lanes: bool = False,
+) -> Route:
+    """Check ``route`` and return it unchanged, or raise the first violation found.
+
+    ``identity`` and ``recipe``, when given, are what the caller needs (a session pins them from
+    its first route); otherwise the first stage's are required of the rest. ``min_context`` is the
+    number of KV positions the caller will use. Checks run stage by stage, in order:
+
+    * :class:`RouteIncompatible`: identity, recipe or context differ from what is needed;
+    * :class:`RouteInvalid`: a gap, an overlap, or a cover that does not end at ``n_layer``;
+    * :class:`BoundaryMismatch`: neighbours' widths differ, or the first stage does not take
+      tokens (width 0 in) or the last does not produce logits (width 0 out);
+    * :class:`DarkLane`: an uncertified lane, unless ``allow_dark_lanes`` (logged at WARNING and
+      emitted as :class:`~dgr_session.errors.DarkLaneWarning`: a fixture/dev mode only).
+    """
+    want_identity = identity if identity is not None else route.stages[0].identity
+    want_recipe = recipe if recipe is not None else route.stages[0].recipe
+    n_layer = want_identity.n_layer
+    last = len(route.stages) - 1
+    expected_begin = 0
+    for index, stage in enumerate(route.stages):
+        if stage.identity != want_identity:
+            raise _at(RouteIncompatible, index, stage, f"serves {stage.identity!r}, need {want_identity!r}")
+        if stage.recipe != want_recipe:
+            raise _at(RouteIncompatible, index, stage, f"runs {stage.recipe!r}, need {want_recipe!r}")
+        if stage.recipe.context < min_context:
+            message = f"context {stage.recipe.context} < {min_context} positions needed"
+            raise _at(RouteIncompatible, index, stage, message)
+        if stage.layer_begin != expected_begin:
+            kind = "gap" if stage.layer_begin > expected_begin else "overlap"
+            message = f"{kind}: starts at layer {stage.layer_begin}, expected {expected_begin}"
+            raise _at(RouteInvalid, index, stage, message)
+        if stage.layer_end > n_layer:
+            message = f"ends at layer {stage.layer_end} > n_layer {n_layer}"
+            raise _at(RouteInvalid, index, stage, message)
+        if index == last and stage.layer_end != n_layer:
+            message = f"last stage ends at layer {stage.layer_end}, not n_layer {n_layer}"
+            raise _at(RouteInvalid, index, stage, message)
+        if index == 0 and stage.boundary_in != 0:
+            message = f"first stage must take token IDs (width 0), has width {stage.boundary_in}"
+            raise _at(BoundaryMismatch, index, stage, message)
+        if index == last and stage.boundary_out != 0:
+            message = f"last stage must produce logits (width 0), has width {stage.boundary_out}"
+            raise _at(BoundaryMismatch, index, stage, message)
+        if index > 0:
+            produced = route.stages[index - 1].boundary_out
+            if produced == 0 or produced != stage.boundary_in:
+                message = f"takes width {stage.boundary_in}, stage {index - 1} produces {produced}"
+                raise _at(BoundaryMismatch, index, stage, message)
+        if not stage.lane.certified:
+            _dark_lane(stage.lane, index, stage.endpoint, allow_dark_lanes)
+        expected_begin = stage.layer_end
+    return route
+
+
+def _at(cls: type[RouteInvalid], index: int, stage: StageSpec, message: str) -> RouteInvalid:
+    return cls(message, stage_index=index, endpoint=stage.endpoint)
+
+
+def _dark_lane(lane: Lane, index: int, endpoint: str, allowed: bool) -> None:
+    message = f"lane {lane.backend}/{lane.hardware} is {lane.certification.value}"
+    if not allowed:
+        message += " (pass allow_dark_lanes=True for fixture/dev use only)"
+        raise DarkLane(message, stage_index=index, endpoint=endpoint)
+    text = f"routing over a DARK lane (explicit opt-in): stage {index} ({endpoint}): {message}"
+    logger.bind(stage=index).warning(text)
+    warnings.warn(text, DarkLaneWarning, stacklevel=3)

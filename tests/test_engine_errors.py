@@ -1,0 +1,230 @@
+"""Bad input gets a typed error with a clear message, and loses nothing.
+
+After every refused call, a healthy session in the same engines continues exactly as the whole
+model does (its next logits are asserted bit for bit), and the refused session, where it exists,
+is where it was before the call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dgr_engine import ShardEngine
+from dgr_engine import errors as E
+from dgr_engine.chain import LocalChain
+from dgr_engine.fixtures import write_corrupt_copy, write_truncated_copy
+
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
+KW = {"max_sessions": 3, "n_ctx_per_session": 256, "n_batch": 32}
+
+
+class Harness:
+    """A 2-stage chain with a healthy session (id 1) that must keep matching the whole model."""
+
+    def __init__(self, path: Path) -> None:
+        self.first = ShardEngine(path, layers=(0, 2), **KW)
+        self.last = ShardEngine(path, layers=(2, 4), **KW)
+        self.chain = LocalChain([self.first, self.last])
+        whole = ShardEngine(path, **KW)
+        ref_chain = LocalChain([whole])
+        ref_chain.open(1, 0)
+        self.ref_tokens, self.ref_logits = ref_chain.greedy(1, 0, PROMPT, 24)
+        whole.close()
+        self.chain.open(1, 0)
+        self.chain.forward(1, 0, PROMPT, 0)
+        self.steps = 0
+
+    def healthy_session_continues(self) -> None:
+        """One more decode step of session 1 equals the whole model's."""
+        token = self.ref_tokens[self.steps]
+        got = self.chain.forward(1, 0, [token], len(PROMPT) + self.steps)
+        self.steps += 1
+        assert np.array_equal(got, self.ref_logits[self.steps])
+
+    def close(self) -> None:
+        self.first.close()
+        self.last.close()
+
+
+@pytest.fixture()
+def h(tiny_llama: Path) -> Iterator[Harness]:
+    harness = Harness(tiny_llama)
+    yield harness
+    harness.close()
+
+
+def refused(
+    h: Harness, exc: type[E.EngineError], call: Callable[[], object], match: str
+) -> E.EngineError:
+    with pytest.raises(exc, match=match) as info:
+        call()
+    h.healthy_session_continues()
+    return info.value
+
+
+def boundary_rows(h: Harness, n: int, start: int) -> np.ndarray:
+    h.first.open_session(2, 0)
+    rows = h.first.forward(2, 0, np.arange(start, start + n), tokens=PROMPT[:n])
+    h.first.close_session(2, 0)
+    return rows
+
+
+def test_wrong_row_width(h: Harness) -> None:
+    h.last.open_session(5, 0)
+    rows = np.zeros((2, 63), dtype=np.float32)
+    err = refused(h, E.ShapeMismatch, lambda: h.last.forward(5, 0, [0, 1], rows=rows), "width 63")
+    assert err.status == "DGR_E_SHAPE" and isinstance(err, ValueError)
+    assert h.last.next_pos(5, 0) == 0
+
+
+def test_missing_boundary_rows_on_a_later_stage(h: Harness) -> None:
+    h.last.open_session(5, 0)
+    refused(h, E.ShapeMismatch, lambda: h.last.forward(5, 0, [0], tokens=[1]), "boundary rows")
+    assert h.last.next_pos(5, 0) == 0
+
+
+def test_rows_given_to_the_first_stage(h: Harness) -> None:
+    h.first.open_session(5, 0)
+    rows = np.zeros((1, 64), dtype=np.float32)
+    refused(h, E.ShapeMismatch, lambda: h.first.forward(5, 0, [0], rows=rows), "token ids")
+
+
+def test_positions_that_do_not_continue_the_kv(h: Harness) -> None:
+    h.first.open_session(5, 0)
+    h.first.forward(5, 0, [0, 1, 2], tokens=[1, 2, 3])
+    refused(h, E.PositionMismatch, lambda: h.first.forward(5, 0, [0], tokens=[4]), "continues at 3")
+    refused(h, E.PositionMismatch, lambda: h.first.forward(5, 0, [4], tokens=[4]), "continues at 3")
+    refused(
+        h, E.PositionMismatch, lambda: h.first.forward(5, 0, [3, 5], tokens=[4, 5]), "continues at 4"
+    )
+    assert h.first.next_pos(5, 0) == 3
+    h.first.forward(5, 0, [3], tokens=[4])  # the session itself lives on
+    assert h.first.next_pos(5, 0) == 4
+
+
+def test_unknown_session(h: Harness) -> None:
+    refused(h, E.UnknownSession, lambda: h.first.forward(77, 0, [0], tokens=[1]), "unknown session")
+    refused(h, E.UnknownSession, lambda: h.first.close_session(77, 0), "unknown session 77")
+
+
+def test_epoch_not_opened_yet(h: Harness) -> None:
+    refused(h, E.UnknownSession, lambda: h.first.forward(1, 3, [0], tokens=[1]), "not open")
+
+
+def test_stale_epoch(h: Harness) -> None:
+    h.first.open_session(6, 0)
+    h.first.forward(6, 0, [0, 1], tokens=[1, 2])
+    h.first.open_session(6, 2)  # route change: cache miss, epoch 2 starts empty
+    assert h.first.next_pos(6, 2) == 0
+    err = refused(
+        h, E.StaleEpoch, lambda: h.first.forward(6, 0, [2], tokens=[3]), "epoch 0 is stale"
+    )
+    assert err.code == 6
+    refused(h, E.StaleEpoch, lambda: h.first.open_session(6, 1), "stale")
+    refused(h, E.StaleEpoch, lambda: h.first.close_session(6, 1), "stale")
+    assert h.first.next_pos(6, 2) == 0
+    h.first.open_session(6, 2)  # the same epoch again changes nothing
+    h.first.forward(6, 2, [0], tokens=[1])
+
+
+def test_more_sessions_than_allowed(h: Harness) -> None:
+    h.first.open_session(20, 0)
+    h.first.open_session(21, 0)
+    refused(h, E.CapacityExceeded, lambda: h.first.open_session(22, 0), "no free session slot")
+    h.first.close_session(20, 0)
+    h.first.open_session(22, 0)  # a freed slot is reusable and starts empty
+    assert h.first.next_pos(22, 0) == 0
+    assert h.first.stats().open_sessions == 3
+
+
+def test_token_ids_outside_the_vocabulary(h: Harness) -> None:
+    h.first.open_session(5, 0)
+    refused(h, E.InvalidArgument, lambda: h.first.forward(5, 0, [0], tokens=[256]), "vocabulary")
+    refused(h, E.InvalidArgument, lambda: h.first.forward(5, 0, [0], tokens=[-1]), "vocabulary")
+
+
+def test_too_many_rows_and_full_context(h: Harness) -> None:
+    h.first.open_session(5, 0)
+    refused(
+        h,
+        E.ShapeMismatch,
+        lambda: h.first.forward(5, 0, np.arange(33), tokens=np.ones(33)),
+        "exceed n_batch",
+    )
+    ctx = h.first.info.n_ctx_per_session
+    for start in range(0, ctx, 32):
+        h.first.forward(5, 0, np.arange(start, start + 32), tokens=np.ones(32))
+    refused(h, E.ContextFull, lambda: h.first.forward(5, 0, [ctx], tokens=[1]), "context")
+
+
+def test_bad_saved_state(h: Harness, tiny_llama: Path) -> None:
+    h.last.open_session(5, 0)
+    h.last.forward(5, 0, [0, 1], rows=boundary_rows(h, 2, 0))
+    state = h.last.save_state(5, 0)
+    refused(h, E.StateError, lambda: h.last.load_state(5, 0, b"XXXX" + state[4:]), "not a dgr")
+    refused(h, E.StateError, lambda: h.first.load_state(1, 0, state), "layers")
+    refused(h, E.StateError, lambda: h.last.load_state(5, 0, state[:-3]), "truncated")
+    assert h.last.next_pos(5, 0) == 2
+
+
+def test_closed_engine_is_refused(tiny_llama: Path) -> None:
+    engine = ShardEngine(tiny_llama, layers=(0, 1), **KW)
+    engine.close()
+    engine.close()  # idempotent
+    with pytest.raises(E.EngineClosed):
+        engine.open_session(1, 0)
+
+
+@pytest.mark.parametrize(
+    ("layers", "match"),
+    [((0, 5), r"\[0, 5\)"), ((2, 2), "non-empty"), ((-1, 2), "inside"), ((3, 1), "range")],
+)
+def test_layer_range_out_of_bounds(h: Harness, tiny_llama: Path, layers, match) -> None:
+    refused(h, E.LayerRangeError, lambda: ShardEngine(tiny_llama, layers=layers, **KW), match)
+
+
+def test_truncated_gguf(h: Harness, tiny_llama: Path, tmp_path: Path) -> None:
+    for fraction in (0.5, 0.999):
+        bad = write_truncated_copy(tiny_llama, tmp_path / f"t{fraction}.gguf", fraction)
+        refused(h, E.ModelLoadError, lambda b=bad: ShardEngine(b, **KW), "load|read")
+    tiny_head = write_truncated_copy(tiny_llama, tmp_path / "head.gguf", 0.0005)
+    refused(h, E.ModelLoadError, lambda: ShardEngine(tiny_head, **KW), "truncated or corrupt")
+
+
+def test_corrupt_gguf(h: Harness, tiny_llama: Path, tmp_path: Path) -> None:
+    bad = write_corrupt_copy(tiny_llama, tmp_path / "corrupt.gguf")
+    err = refused(h, E.ModelLoadError, lambda: ShardEngine(bad, **KW), "corrupt")
+    assert isinstance(err, OSError)
+
+
+def test_missing_gguf(h: Harness, tmp_path: Path) -> None:
+    refused(h, E.ModelLoadError, lambda: ShardEngine(tmp_path / "nope.gguf", **KW), "nope.gguf")
+
+
+def test_architecture_not_covered(h: Harness, tiny_qwen2: Path) -> None:
+    refused(
+        h, E.UnsupportedArchitecture, lambda: ShardEngine(tiny_qwen2, **KW), "'qwen2' is not covered"
+    )
+
+
+def test_mtp_is_reserved_and_off(h: Harness, tiny_llama: Path) -> None:
+    refused(
+        h, E.UnsupportedFeature, lambda: ShardEngine(tiny_llama, load_mtp=True, **KW), "MTP"
+    )
+    assert h.last.info.mtp_owner and not h.first.info.mtp_owner
+
+
+def test_invalid_engine_parameters(h: Harness, tiny_llama: Path) -> None:
+    refused(h, E.InvalidArgument, lambda: ShardEngine(tiny_llama, max_sessions=0), "max_sessions")
+    refused(h, E.InvalidArgument, lambda: ShardEngine(tiny_llama, n_threads=0), "positive")
+
+
+def test_error_table_is_complete() -> None:
+    codes = {cls.code for cls in E._BY_CODE.values()}
+    assert codes == set(range(1, 15))
+    err = E.error_for_status(99, "DGR_E_UNKNOWN_STATUS", "odd")
+    assert type(err) is E.EngineError
