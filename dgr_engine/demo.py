@@ -72,7 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     while step < args.steps:
         if step == args.lose_at and not recovered:
             lost = engines[args.lose_stage]
-            print(f"step {step:>3}  stage {args.lose_stage} {lost.info.layers} lost (engine closed)")
+            print(
+                f"step {step:>3}  stage {args.lose_stage} {lost.info.layers} lost (engine closed)"
+            )
             lost.close()
         try:
             for sid in range(len(all_prompts)):
@@ -87,7 +89,9 @@ def main(argv: list[str] | None = None) -> int:
             # route change: a replacement stage for the lost range, a new epoch, a cache miss
             # and a replay of prompt + accepted tokens; nothing migrates between stages
             epoch += 1
-            engines[args.lose_stage] = ShardEngine(path, layers=ranges[args.lose_stage], **ENGINE_KW)
+            engines[args.lose_stage] = ShardEngine(
+                path, layers=ranges[args.lose_stage], **ENGINE_KW
+            )
             chain = LocalChain(engines)
             print(f"step {step:>3}  replacement stage for {ranges[args.lose_stage]}: epoch {epoch}")
             for sid, prompt in enumerate(all_prompts):
@@ -95,7 +99,9 @@ def main(argv: list[str] | None = None) -> int:
                 chain.open(sid, epoch)
                 _, logits = chain.greedy(sid, epoch, prompt, 0, accepted=accepted)
                 last_logits[sid] = logits[-1][-1]
-                print(f"          session {sid}: re-prefilled {len(prompt)} + {len(accepted)} tokens")
+                print(
+                    f"          session {sid}: re-prefilled {len(prompt)} + {len(accepted)} tokens"
+                )
             recovered = True
     elapsed = time.perf_counter() - t0
 
@@ -105,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
         ok &= same
         print(f"session {sid}  epoch {epoch}  tokens {got[:12]}...  whole-model equal: {same}")
     print()
-    print(f"{'stage':>5}  {'layers':>8}  {'rows':>6}  {'calls':>6}  {'ms/call':>8}  {'weights':>10}")
+    print(
+        f"{'stage':>5}  {'layers':>8}  {'rows':>6}  {'calls':>6}  {'ms/call':>8}  {'weights':>10}"
+    )
     for i, e in enumerate(engines):
         s = e.stats()
         per_call = 1000 * s.forward_seconds / max(1, s.forward_calls)

@@ -222,7 +222,9 @@ class ShardEngine:
             inp = np.ascontiguousarray(rows, dtype=np.float32)
             if inp.ndim != 2 or inp.shape[0] != n:
                 raise error_for_status(
-                    9, "DGR_E_SHAPE", f"rows of shape {inp.shape} for {n} positions: need [n, width]"
+                    9,
+                    "DGR_E_SHAPE",
+                    f"rows of shape {inp.shape} for {n} positions: need [n, width]",
                 )
             row_width = int(inp.shape[1])
         want_arr = None
@@ -233,7 +235,9 @@ class ShardEngine:
             else:
                 want_arr = np.ascontiguousarray(want, dtype=np.uint8).reshape(-1)
                 if want_arr.shape[0] != n:
-                    raise error_for_status(9, "DGR_E_SHAPE", f"{want_arr.shape[0]} flags for {n} rows")
+                    raise error_for_status(
+                        9, "DGR_E_SHAPE", f"{want_arr.shape[0]} flags for {n} rows"
+                    )
                 n_out = int(np.count_nonzero(want_arr))
         width = self.info.out_width
         if out is None:

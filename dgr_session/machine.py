@@ -123,9 +123,7 @@ TRANSITIONS: tuple[tuple[str, tuple[SessionState, ...], SessionState], ...] = (
 
 #: ``(state, trigger) -> next state``, derived from :data:`TRANSITIONS`.
 NEXT_STATE: Mapping[tuple[str, str], SessionState] = {
-    (source.value, trigger): dest
-    for trigger, sources, dest in TRANSITIONS
-    for source in sources
+    (source.value, trigger): dest for trigger, sources, dest in TRANSITIONS for source in sources
 }
 
 #: Trigger names, in table order.
@@ -197,7 +195,9 @@ def shared_machine() -> SessionMachine:
     return machine
 
 
-def mermaid(transitions: Iterable[tuple[str, tuple[SessionState, ...], SessionState]] = TRANSITIONS) -> str:
+def mermaid(
+    transitions: Iterable[tuple[str, tuple[SessionState, ...], SessionState]] = TRANSITIONS,
+) -> str:
     """The state diagram of ``transitions`` as a mermaid ``stateDiagram-v2`` block body."""
     lines = ["stateDiagram-v2", f"    [*] --> {S.NEW.value}"]
     for trigger, sources, dest in transitions:

@@ -124,9 +124,16 @@ def validate_route(
     expected_begin = 0
     for index, stage in enumerate(route.stages):
         if stage.identity != want_identity:
-            raise _at(RouteIncompatible, index, stage, f"serves {stage.identity!r}, need {want_identity!r}")
+            raise _at(
+                RouteIncompatible,
+                index,
+                stage,
+                f"serves {stage.identity!r}, need {want_identity!r}",
+            )
         if stage.recipe != want_recipe:
-            raise _at(RouteIncompatible, index, stage, f"runs {stage.recipe!r}, need {want_recipe!r}")
+            raise _at(
+                RouteIncompatible, index, stage, f"runs {stage.recipe!r}, need {want_recipe!r}"
+            )
         if stage.recipe.context < min_context:
             message = f"context {stage.recipe.context} < {min_context} positions needed"
             raise _at(RouteIncompatible, index, stage, message)

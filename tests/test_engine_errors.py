@@ -99,7 +99,10 @@ def test_positions_that_do_not_continue_the_kv(h: Harness) -> None:
     refused(h, E.PositionMismatch, lambda: h.first.forward(5, 0, [0], tokens=[4]), "continues at 3")
     refused(h, E.PositionMismatch, lambda: h.first.forward(5, 0, [4], tokens=[4]), "continues at 3")
     refused(
-        h, E.PositionMismatch, lambda: h.first.forward(5, 0, [3, 5], tokens=[4, 5]), "continues at 4"
+        h,
+        E.PositionMismatch,
+        lambda: h.first.forward(5, 0, [3, 5], tokens=[4, 5]),
+        "continues at 4",
     )
     assert h.first.next_pos(5, 0) == 3
     h.first.forward(5, 0, [3], tokens=[4])  # the session itself lives on
@@ -207,14 +210,15 @@ def test_missing_gguf(h: Harness, tmp_path: Path) -> None:
 
 def test_architecture_not_covered(h: Harness, tiny_qwen2: Path) -> None:
     refused(
-        h, E.UnsupportedArchitecture, lambda: ShardEngine(tiny_qwen2, **KW), "'qwen2' is not covered"
+        h,
+        E.UnsupportedArchitecture,
+        lambda: ShardEngine(tiny_qwen2, **KW),
+        "'qwen2' is not covered",
     )
 
 
 def test_mtp_is_reserved_and_off(h: Harness, tiny_llama: Path) -> None:
-    refused(
-        h, E.UnsupportedFeature, lambda: ShardEngine(tiny_llama, load_mtp=True, **KW), "MTP"
-    )
+    refused(h, E.UnsupportedFeature, lambda: ShardEngine(tiny_llama, load_mtp=True, **KW), "MTP")
     assert h.last.info.mtp_owner and not h.first.info.mtp_owner
 
 

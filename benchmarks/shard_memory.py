@@ -1,0 +1,115 @@
+"""Peak RSS and weight bytes per shard of the mid fixture, for 1, 2 and 4 stages.
+
+Each shard is loaded in a process of its own (peak RSS is per process), runs a short prefill and
+a few decode steps, and reports its engine stats. Target: every shard's peak RSS <= its weights +
+its KV + 64 MiB. Fixture evidence only (random weights, this machine).
+
+    python benchmarks/shard_memory.py [--fixture mid-llama] [--stages 1 2 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+MIB = 1024 * 1024
+SLACK = 64 * MIB
+CHILD_KW = {"max_sessions": 1, "n_ctx_per_session": 512, "n_threads": 2, "n_batch": 64}
+
+
+def child(path: str, begin: int, end: int) -> None:
+    """Runs in the measured process: load the range, prefill, decode, print stats as JSON."""
+    import numpy as np
+
+    from dgr_engine import ShardEngine
+
+    with ShardEngine(path, layers=(begin, end), **CHILD_KW) as engine:
+        info = engine.info
+        engine.open_session(1, 0)
+        n = 32
+        positions = np.arange(n)
+        if info.is_first:
+            engine.forward(1, 0, positions, tokens=np.arange(n) % info.n_vocab)
+        else:
+            engine.forward(1, 0, positions, rows=np.zeros((n, info.in_width), np.float32))
+        for i in range(4):
+            pos = [n + i]
+            if info.is_first:
+                engine.forward(1, 0, pos, tokens=[i])
+            else:
+                engine.forward(1, 0, pos, rows=np.zeros((1, info.in_width), np.float32))
+        s = engine.stats()
+        print(
+            json.dumps(
+                {
+                    "layers": [begin, end],
+                    "n_layer": info.n_layer,
+                    "weight_bytes": s.weight_bytes,
+                    "kv_bytes": s.kv_bytes,
+                    "compute_bytes": s.compute_bytes,
+                    "peak_rss_bytes": s.peak_rss_bytes,
+                }
+            )
+        )
+
+
+def measure(path: Path, begin: int, end: int) -> dict[str, int]:
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", str(path), str(begin), str(end)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="peak RSS and weight bytes per shard")
+    parser.add_argument("--fixture", default="mid-llama")
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--child", nargs=3, metavar=("PATH", "BEGIN", "END"))
+    args = parser.parse_args(argv)
+    if args.child:
+        child(args.child[0], int(args.child[1]), int(args.child[2]))
+        return 0
+
+    from dgr_engine.chain import split_points
+    from dgr_engine.fixtures import ensure_fixture
+
+    path = ensure_fixture(args.fixture)
+    file_mib = path.stat().st_size / MIB
+    print(f"model {path.name}: {file_mib:.1f} MiB file (fixture evidence, this machine)")
+    header = (
+        f"{'stages':>6} {'layers':>9} {'weights MiB':>12} {'KV MiB':>8} {'compute MiB':>12} "
+        f"{'peak RSS MiB':>13} {'budget MiB':>11} {'RSS/budget':>11} {'ok':>3}"
+    )
+    print(header)
+    print("-" * len(header))
+    all_ok = True
+    n_layer = None
+    for n_stages in args.stages:
+        if n_layer is None:
+            n_layer = measure(path, 0, 1)["n_layer"]
+        for begin, end in split_points(n_layer, n_stages):
+            r = measure(path, begin, end)
+            budget = r["weight_bytes"] + r["kv_bytes"] + SLACK
+            ok = r["peak_rss_bytes"] <= budget
+            all_ok &= ok
+            print(
+                f"{n_stages:>6} {f'[{begin},{end})':>9} {r['weight_bytes'] / MIB:>12.1f} "
+                f"{r['kv_bytes'] / MIB:>8.1f} {r['compute_bytes'] / MIB:>12.1f} "
+                f"{r['peak_rss_bytes'] / MIB:>13.1f} {budget / MIB:>11.1f} "
+                f"{r['peak_rss_bytes'] / budget:>11.3f} {'yes' if ok else 'NO':>3}"
+            )
+    print(
+        f"target (peak RSS <= weights + KV + 64 MiB on every shard): {'met' if all_ok else 'MISSED'}"
+    )
+    return 0 if all_ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,673 @@
+"""The sans-I/O route session: events in, commands out.
+
+:class:`RouteSession` never touches a network, a clock or a random generator. Time comes from
+:class:`~dgr_session.events.Start` and :class:`~dgr_session.events.ClockTick`; stage answers
+come as events; tokens are chosen by the driver. The state table lives in
+:mod:`dgr_session.machine`; this module decides which trigger an event amounts to and which
+commands go with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from loguru import logger
+
+from dgr_session.commands import (
+    CloseStage,
+    Command,
+    EmitToken,
+    Finish,
+    FinishReason,
+    Forward,
+    OpenStage,
+    RequestRoute,
+)
+from dgr_session.errors import (
+    DgrError,
+    FailureBudgetExhausted,
+    InvalidTransition,
+    NoRouteAvailable,
+    RouteInvalid,
+    SessionCancelled,
+    SessionDeadlineExceeded,
+    SessionFailed,
+    StepDeadlineExceeded,
+)
+from dgr_session.events import (
+    Cancel,
+    ClockTick,
+    Event,
+    RouteAssigned,
+    RouteUnavailable,
+    StageFailed,
+    StageOpened,
+    StageOutput,
+    Start,
+)
+from dgr_session.faults import FailureReport, FaultKind
+from dgr_session.identity import ModelIdentity, Recipe
+from dgr_session.machine import (
+    HOLDING_STATES,
+    NEXT_STATE,
+    TERMINAL_STATES,
+    SessionMachine,
+    SessionState,
+    shared_machine,
+)
+from dgr_session.policy import FailurePolicy
+from dgr_session.route import Route, validate_route
+
+_S = SessionState
+_TERMINAL = frozenset(state.value for state in TERMINAL_STATES)
+_HOLDING = frozenset(state.value for state in HOLDING_STATES)
+_FORWARDING = frozenset({_S.PREFILLING.value, _S.DECODING.value})
+
+
+class RouteSession:
+    """One route session's control logic, fed by a driver.
+
+    Call :meth:`handle` with each event; execute the commands it returns, in order. The session
+    starts in ``new``; feed :class:`~dgr_session.events.Start` first. Every method either
+    succeeds or raises :class:`~dgr_session.errors.InvalidTransition` without changing anything
+    (a driver bug); remote faults never raise, they become state.
+    """
+
+    __slots__ = (
+        "session_id",
+        "prompt",
+        "max_new_tokens",
+        "policy",
+        "stop_tokens",
+        "allow_dark_lanes",
+        "_machine",
+        "_state",
+        "_identity",
+        "_recipe",
+        "_epoch",
+        "_live",
+        "_route",
+        "_n_stages",
+        "_accepted",
+        "_kv_pos",
+        "_opened",
+        "_hop",
+        "_hop_started",
+        "_hop_seconds",
+        "_fwd_positions",
+        "_fwd_tokens",
+        "_now",
+        "_started_at",
+        "_ended_at",
+        "_session_deadline_at",
+        "_wait_since",
+        "_wait_deadline",
+        "_backoff_until",
+        "_awaiting_route",
+        "_route_changes",
+        "_faults_at_step",
+        "_reports",
+        "_stale",
+        "_error",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        session_id: str,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        policy: FailurePolicy | None = None,
+        stop_tokens: Iterable[int] = (),
+        identity: ModelIdentity | None = None,
+        recipe: Recipe | None = None,
+        allow_dark_lanes: bool = False,
+        machine: SessionMachine | None = None,
+    ) -> None:
+        if not prompt:
+            raise ValueError("the prompt needs at least one token")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        #: Session id; every event must name it.
+        self.session_id = session_id
+        #: Prompt token ids.
+        self.prompt: tuple[int, ...] = tuple(prompt)
+        #: Tokens to generate at most.
+        self.max_new_tokens = max_new_tokens
+        #: The failure budget.
+        self.policy = policy if policy is not None else FailurePolicy()
+        #: Token ids that end the session (state ``done``, reason ``stop``) once accepted.
+        self.stop_tokens = frozenset(stop_tokens)
+        #: Whether routes over uncertified lanes are accepted (loudly). Fixture/dev use only.
+        self.allow_dark_lanes = allow_dark_lanes
+        self._machine = machine if machine is not None else shared_machine()
+        self._state: str = _S.NEW.value  # set by the machine (its model attribute)
+        # Pinned by the first accepted route when not given: every later route must match.
+        self._identity = identity
+        self._recipe = recipe
+        # Route and epoch. Invariant: _live is True only while the stages of _route hold (or are
+        # opening) the session under _epoch, i.e. in opening/prefilling/decoding.
+        self._epoch = 0
+        self._live = False
+        self._route: Route | None = None
+        self._n_stages = 0
+        # Tokens. Invariant: every stage of a live epoch holds KV for positions [0, _kv_pos) of
+        # prompt + accepted, and _kv_pos <= len(prompt) + len(_accepted).
+        self._accepted: list[int] = []
+        self._kv_pos = 0
+        # Opening: bit i set once stage i confirmed the open of the live epoch.
+        self._opened = 0
+        # Current forward: stage awaited, when its hop began, and what is being forwarded.
+        self._hop = 0
+        self._hop_started = 0.0
+        self._hop_seconds: list[float | None] = []
+        self._fwd_positions = range(0)
+        self._fwd_tokens: tuple[int, ...] = ()
+        # Time, all from events. _wait_deadline bounds the current wait (route request, opening,
+        # or one step's forward); _backoff_until ends route_lost.
+        self._now = 0.0
+        self._started_at: float | None = None
+        self._ended_at: float | None = None
+        self._session_deadline_at = 0.0
+        self._wait_since = 0.0
+        self._wait_deadline: float | None = None
+        self._backoff_until = 0.0
+        # Invariant: True exactly while a RequestRoute for epoch _epoch + 1 is unanswered.
+        self._awaiting_route = False
+        # Budget spent: route assignments after the first, and faults at the current step.
+        self._route_changes = 0
+        self._faults_at_step = 0
+        self._reports: list[FailureReport] = []
+        self._stale = 0
+        self._error: DgrError | None = None
+        self._machine.add_model(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"<RouteSession {self.session_id!r} {self._state} epoch={self._epoch}"
+            f" step={len(self._accepted)}>"
+        )
+
+    # ----------------------------------------------------------------------------------------
+    # Read-only view
+
+    @property
+    def state(self) -> SessionState:
+        """Current state."""
+        return SessionState(self._state)
+
+    @property
+    def finished(self) -> bool:
+        """True in a terminal state (``done``, ``failed``, ``cancelled``)."""
+        return self._state in _TERMINAL
+
+    @property
+    def epoch(self) -> int:
+        """Current epoch: 0 before the first route, +1 per route assignment. Never decreases."""
+        return self._epoch
+
+    @property
+    def live_epoch(self) -> bool:
+        """True while the stages of the current epoch hold (or are opening) the session."""
+        return self._live
+
+    @property
+    def step(self) -> int:
+        """Number of accepted tokens (the index of the token being worked on)."""
+        return len(self._accepted)
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """Accepted tokens, in order."""
+        return tuple(self._accepted)
+
+    @property
+    def route(self) -> Route | None:
+        """Route of the current epoch (``None`` before the first)."""
+        return self._route
+
+    @property
+    def kv_positions(self) -> int:
+        """Positions the live epoch's stages hold KV for."""
+        return self._kv_pos if self._live else 0
+
+    @property
+    def route_changes(self) -> int:
+        """Route assignments after the first."""
+        return self._route_changes
+
+    @property
+    def attempts(self) -> int:
+        """Attempts at the current step so far (1 + faults at this step)."""
+        return self._faults_at_step + 1
+
+    @property
+    def reports(self) -> tuple[FailureReport, ...]:
+        """Every failure report, oldest first."""
+        return tuple(self._reports)
+
+    @property
+    def stale_events_dropped(self) -> int:
+        """Events dropped because their epoch was no longer live (late answers)."""
+        return self._stale
+
+    @property
+    def error(self) -> DgrError | None:
+        """The terminal error (``failed``: a :class:`SessionFailed`; ``cancelled``:
+        :class:`SessionCancelled`), else ``None``."""
+        return self._error
+
+    @property
+    def started_at(self) -> float | None:
+        """Clock time of :class:`~dgr_session.events.Start`."""
+        return self._started_at
+
+    @property
+    def ended_at(self) -> float | None:
+        """Clock time the session reached a terminal state."""
+        return self._ended_at
+
+    def next_timer(self) -> float | None:
+        """Clock time at which a :class:`~dgr_session.events.ClockTick` may change something
+        (deadline or end of backoff); ``None`` when finished or not started."""
+        if self._state in _TERMINAL or self._started_at is None:
+            return None
+        when = self._session_deadline_at
+        if self._state == _S.ROUTE_LOST.value:
+            return min(when, self._backoff_until)
+        if self._wait_deadline is not None and self._wait_deadline < when:
+            return self._wait_deadline
+        return when
+
+    # ----------------------------------------------------------------------------------------
+    # Events
+
+    def handle(self, event: Event) -> list[Command]:
+        """Apply one event; return the commands to execute, in order."""
+        if event.session_id != self.session_id:
+            raise InvalidTransition(
+                f"event for session {event.session_id!r} fed to session {self.session_id!r}",
+                state=self._state,
+                event=type(event).__name__,
+            )
+        try:
+            handler = _HANDLERS[type(event)]
+        except KeyError:
+            raise TypeError(f"not a session event: {event!r}") from None
+        out: list[Command] = []
+        handler(self, event, out)
+        return out
+
+    def _on_start(self, event: Start, out: list[Command]) -> None:
+        if self._started_at is not None or self._state != _S.NEW.value:
+            raise InvalidTransition(
+                f"session {self.session_id!r} already started", state=self._state, event="Start"
+            )
+        self._now = event.now
+        self._started_at = event.now
+        self._session_deadline_at = event.now + self.policy.session_deadline
+        self._ask_route(None, out)
+
+    def _on_tick(self, event: ClockTick, out: list[Command]) -> None:
+        if event.now > self._now:
+            self._now = event.now
+        if self._state in _TERMINAL or self._started_at is None:
+            return
+        now = self._now
+        if now >= self._session_deadline_at:
+            self._fail_session_deadline(out)
+        elif self._state == _S.ROUTE_LOST.value:
+            if now >= self._backoff_until:
+                self._fire("backoff_elapsed")
+                self._ask_route(self._reports[-1] if self._reports else None, out)
+        elif self._wait_deadline is not None and now >= self._wait_deadline:
+            stage_index = self._awaited_stage()
+            detail = f"no answer within the step deadline of {self.policy.step_deadline}s"
+            cause = StepDeadlineExceeded(
+                detail, stage_index=stage_index, deadline=self.policy.step_deadline
+            )
+            self._fault(stage_index, FaultKind.DEADLINE, detail, out, cause=cause)
+
+    def _on_route_assigned(self, event: RouteAssigned, out: list[Command]) -> None:
+        if not self._route_answer_applies(event.epoch):
+            return
+        self._awaiting_route = False
+        route = event.route
+        try:
+            validate_route(
+                route,
+                identity=self._identity,
+                recipe=self._recipe,
+                min_context=len(self.prompt) + self.max_new_tokens - 1,
+                allow_dark_lanes=self.allow_dark_lanes,
+            )
+        except RouteInvalid as err:
+            self._fault(
+                err.stage_index, FaultKind.ROUTE_INVALID, str(err), out, endpoint=err.endpoint
+            )
+            return
+        if self._route is not None:
+            self._route_changes += 1
+        if self._identity is None:
+            self._identity = route.identity
+        if self._recipe is None:
+            self._recipe = route.recipe
+        self._epoch = event.epoch
+        self._route = route
+        self._n_stages = len(route.stages)
+        self._live = True
+        self._kv_pos = 0
+        self._opened = 0
+        self._hop_seconds = [None] * self._n_stages
+        self._fire("route_assigned")
+        self._begin_wait()
+        for index, stage in enumerate(route.stages):
+            out.append(OpenStage(self.session_id, self._epoch, index, stage))
+
+    def _on_route_unavailable(self, event: RouteUnavailable, out: list[Command]) -> None:
+        if not self._route_answer_applies(event.epoch):
+            return
+        self._awaiting_route = False
+        self._fault(None, FaultKind.NO_ROUTE, event.detail or "no route available", out)
+
+    def _on_opened(self, event: StageOpened, out: list[Command]) -> None:
+        if not self._stage_answer_applies(event.epoch, event.stage_index):
+            return
+        bit = 1 << event.stage_index
+        if self._state != _S.OPENING.value or self._opened & bit:
+            detail = f"unexpected StageOpened in state {self._state}"
+            self._fault(event.stage_index, FaultKind.PROTOCOL, detail, out)
+            return
+        self._opened |= bit
+        if self._opened == (1 << self._n_stages) - 1:
+            self._fire("stages_opened")
+            self._start_forward(out)
+
+    def _on_output(self, event: StageOutput, out: list[Command]) -> None:
+        index = event.stage_index
+        if not self._stage_answer_applies(event.epoch, index):
+            return
+        step = len(self._accepted)
+        if self._state not in _FORWARDING:
+            detail = f"unexpected StageOutput in state {self._state}"
+            self._fault(index, FaultKind.PROTOCOL, detail, out)
+            return
+        if index != self._hop or event.step != step:
+            detail = f"output of stage {index} step {event.step}, awaited stage {self._hop} step {step}"
+            self._fault(index, FaultKind.PROTOCOL, detail, out)
+            return
+        assert self._route is not None  # live epoch
+        self._hop_seconds[index] = self._now - self._hop_started
+        last = self._n_stages - 1
+        if index < last:
+            self._hop = index + 1
+            self._hop_started = self._now
+            out.append(
+                Forward(
+                    self.session_id,
+                    self._epoch,
+                    step,
+                    index + 1,
+                    self._route.stages[index + 1],
+                    self._fwd_positions,
+                    self._fwd_tokens,
+                    event.payload,
+                    index + 1 == last,
+                )
+            )
+            return
+        token = event.token
+        if not isinstance(token, int) or isinstance(token, bool) or token < 0:
+            self._fault(index, FaultKind.PROTOCOL, f"last stage gave no token: {token!r}", out)
+            return
+        self._kv_pos = self._fwd_positions.stop
+        self._accept(token, out)
+
+    def _on_failed(self, event: StageFailed, out: list[Command]) -> None:
+        if not self._stage_answer_applies(event.epoch, event.stage_index):
+            return
+        self._fault(event.stage_index, event.kind, event.detail, out)
+
+    def _on_cancel(self, event: Cancel, out: list[Command]) -> None:
+        if self._state in _TERMINAL:
+            return  # idempotent: a finished session has nothing left to cancel
+        self._close_epoch(out)
+        self._fire("cancel")
+        reason = f": {event.reason}" if event.reason else ""
+        self._end(FinishReason.CANCELLED, SessionCancelled(f"session {self.session_id!r} cancelled{reason}"), out)
+
+    # ----------------------------------------------------------------------------------------
+    # Helpers
+
+    def _route_answer_applies(self, epoch: int) -> bool:
+        if self._awaiting_route and epoch == self._epoch + 1:
+            return True
+        if epoch <= self._epoch + 1:
+            self._stale += 1  # an answer to a request that timed out or was superseded
+            return False
+        raise InvalidTransition(
+            f"route answer for epoch {epoch}; session is at epoch {self._epoch}",
+            state=self._state,
+            event="route answer",
+        )
+
+    def _stage_answer_applies(self, epoch: int, stage_index: int) -> bool:
+        if epoch == self._epoch and self._live:
+            if not 0 <= stage_index < self._n_stages:
+                raise InvalidTransition(
+                    f"stage index {stage_index} outside a route of {self._n_stages} stages",
+                    state=self._state,
+                    event="stage answer",
+                )
+            return True
+        if epoch <= self._epoch:
+            self._stale += 1  # late answer of an epoch that is closed
+            return False
+        raise InvalidTransition(
+            f"stage answer for epoch {epoch}; session is at epoch {self._epoch}",
+            state=self._state,
+            event="stage answer",
+        )
+
+    def _fire(self, trigger: str) -> None:
+        source = self._state
+        dest = NEXT_STATE.get((source, trigger))
+        if dest is None:
+            raise InvalidTransition(
+                f"{trigger!r} is not allowed in state {source!r}", state=source, event=trigger
+            )
+        self._machine.fire(self, trigger)
+        if source != dest:
+            logger.bind(session=self.session_id, epoch=self._epoch).info(
+                "{} -> {} on {} (step {})", source, dest.value, trigger, len(self._accepted)
+            )
+
+    def _begin_wait(self) -> None:
+        self._wait_since = self._now
+        self._wait_deadline = self._now + self.policy.step_deadline
+
+    def _ask_route(self, report: FailureReport | None, out: list[Command]) -> None:
+        self._awaiting_route = True
+        self._begin_wait()
+        out.append(RequestRoute(self.session_id, self._epoch + 1, report))
+
+    def _awaited_stage(self) -> int | None:
+        if self._state == _S.OPENING.value:
+            for index in range(self._n_stages):
+                if not self._opened & (1 << index):
+                    return index
+        if self._state in _HOLDING:
+            return self._hop
+        return None
+
+    def _start_forward(self, out: list[Command]) -> None:
+        assert self._route is not None  # live epoch
+        if self._kv_pos == 0:  # (re-)prefill: the whole history from position 0
+            tokens = self.prompt + tuple(self._accepted)
+        else:
+            tokens = (self._accepted[-1],)
+        self._fwd_positions = range(self._kv_pos, self._kv_pos + len(tokens))
+        self._fwd_tokens = tokens
+        self._hop = 0
+        self._hop_started = self._now
+        self._begin_wait()
+        out.append(
+            Forward(
+                self.session_id,
+                self._epoch,
+                len(self._accepted),
+                0,
+                self._route.stages[0],
+                self._fwd_positions,
+                tokens,
+                None,
+                self._n_stages == 1,
+            )
+        )
+
+    def _accept(self, token: int, out: list[Command]) -> None:
+        step = len(self._accepted)
+        self._accepted.append(token)
+        self._faults_at_step = 0
+        out.append(EmitToken(self.session_id, self._epoch, step, token))
+        if token in self.stop_tokens:
+            self._finish(FinishReason.STOP, out)
+        elif len(self._accepted) >= self.max_new_tokens:
+            self._finish(FinishReason.LENGTH, out)
+        else:
+            self._fire("token_accepted")
+            self._start_forward(out)
+
+    def _finish(self, reason: FinishReason, out: list[Command]) -> None:
+        self._fire("finished")
+        self._close_epoch(out)
+        self._end(reason, None, out)
+
+    def _fault(
+        self,
+        stage_index: int | None,
+        kind: FaultKind,
+        detail: str,
+        out: list[Command],
+        *,
+        endpoint: str | None = None,
+        cause: BaseException | None = None,
+    ) -> None:
+        """Account one fault; then retry (route_lost) or fail (budget spent)."""
+        now = self._now
+        if endpoint is None and stage_index is not None and self._live and self._route:
+            endpoint = self._route.stages[stage_index].endpoint
+        holding = self._state in _HOLDING
+        self._faults_at_step += 1
+        report = FailureReport(
+            session_id=self.session_id,
+            epoch=self._epoch,
+            step=len(self._accepted),
+            stage_index=stage_index,
+            endpoint=endpoint,
+            fault=kind,
+            detail=detail,
+            attempt=self._faults_at_step,
+            route_changes=self._route_changes,
+            at=now,
+            waited=now - self._wait_since,
+            hop_seconds=tuple(self._hop_seconds) if holding else (),
+        )
+        self._reports.append(report)
+        self._close_epoch(out)
+        self._wait_deadline = None
+        self._awaiting_route = False
+        policy = self.policy
+        if self._faults_at_step >= policy.max_attempts_per_step:
+            spent = f"attempt {self._faults_at_step} of {policy.max_attempts_per_step} at step"
+        elif self._route is not None and self._route_changes >= policy.max_route_changes:
+            spent = f"route changes {self._route_changes} of {policy.max_route_changes} at step"
+        else:
+            self._fire("stage_lost" if holding else "route_refused")
+            delay = policy.backoff_after(len(self._reports))
+            self._backoff_until = now + delay
+            if delay <= 0:
+                self._fire("backoff_elapsed")
+                self._ask_route(report, out)
+            return
+        where = f"stage {stage_index} ({endpoint})" if stage_index is not None else "route request"
+        error_type = FailureBudgetExhausted if holding else NoRouteAvailable
+        error = self._failure(
+            error_type,
+            f"session {self.session_id!r}: {where} failed with {kind.value} ({detail});"
+            f" budget spent: {spent} {len(self._accepted)}",
+            stage_index=stage_index,
+            endpoint=endpoint,
+            fault=kind,
+        )
+        error.__cause__ = cause
+        self._fire("exhausted")
+        self._end(FinishReason.FAILED, error, out)
+
+    def _fail_session_deadline(self, out: list[Command]) -> None:
+        stage_index = self._awaited_stage()
+        endpoint = None
+        if stage_index is not None and self._route is not None:
+            endpoint = self._route.stages[stage_index].endpoint
+        assert self._started_at is not None
+        error = self._failure(
+            SessionDeadlineExceeded,
+            f"session {self.session_id!r} ran past its {self.policy.session_deadline}s deadline"
+            f" in state {self._state} at step {len(self._accepted)}",
+            stage_index=stage_index,
+            endpoint=endpoint,
+            fault=None,
+        )
+        self._close_epoch(out)
+        self._fire("exhausted")
+        self._end(FinishReason.FAILED, error, out)
+
+    def _failure(
+        self,
+        error_type: Callable[..., SessionFailed],
+        message: str,
+        *,
+        stage_index: int | None,
+        endpoint: str | None,
+        fault: FaultKind | None,
+    ) -> SessionFailed:
+        return error_type(
+            message,
+            session_id=self.session_id,
+            epoch=self._epoch,
+            step=len(self._accepted),
+            stage_index=stage_index,
+            endpoint=endpoint,
+            fault=fault,
+            attempts=self._faults_at_step if fault is not None else self._faults_at_step + 1,
+            route_changes=self._route_changes,
+            reports=self._reports,
+        )
+
+    def _close_epoch(self, out: list[Command]) -> None:
+        """Close every stage of the live epoch (opened or not: an open may be in flight)."""
+        if self._live and self._route is not None:
+            for index, stage in enumerate(self._route.stages):
+                out.append(CloseStage(self.session_id, self._epoch, index, stage))
+        self._live = False
+
+    def _end(self, reason: FinishReason, error: DgrError | None, out: list[Command]) -> None:
+        self._error = error
+        self._ended_at = self._now
+        self._wait_deadline = None
+        self._awaiting_route = False
+        self._machine.remove_model(self)
+        out.append(Finish(self.session_id, self._epoch, reason, tuple(self._accepted), error))
+
+
+_HANDLERS: dict[type, Callable[[RouteSession, object, list[Command]], None]] = {
+    Start: RouteSession._on_start,  # type: ignore[dict-item]
+    ClockTick: RouteSession._on_tick,  # type: ignore[dict-item]
+    RouteAssigned: RouteSession._on_route_assigned,  # type: ignore[dict-item]
+    RouteUnavailable: RouteSession._on_route_unavailable,  # type: ignore[dict-item]
+    StageOpened: RouteSession._on_opened,  # type: ignore[dict-item]
+    StageOutput: RouteSession._on_output,  # type: ignore[dict-item]
+    StageFailed: RouteSession._on_failed,  # type: ignore[dict-item]
+    Cancel: RouteSession._on_cancel,  # type: ignore[dict-item]
+}

@@ -1,0 +1,90 @@
+"""The driver's side: interfaces a :class:`~dgr_session.manager.SessionManager` runs over.
+
+* :class:`StageTransport` reaches stages (a gRPC client, or in-process engines in tests).
+  A stage keeps per-session state keyed by ``(session_id, epoch)``: opening a newer epoch
+  discards the older one (a cache miss), a request for an older epoch is refused
+  (:class:`~dgr_session.errors.StaleEpoch`), and positions must continue the epoch's KV
+  exactly.
+* :class:`RouteProvider` is the tracker's role: given what failed, assign a route or none.
+* :class:`Sampler` picks a token from the last stage's logits.
+
+What flows between stages is opaque here: the manager relays what stage k returns into stage
+k + 1 untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from dgr_session.faults import FailureReport
+from dgr_session.route import Route, StageSpec
+
+
+@attrs.frozen
+class Boundary:
+    """A middle stage's answer: boundary rows for the next stage (opaque to dgr_session)."""
+
+    rows: object = attrs.field(repr=False)
+    """Rows (e.g. f32 ``n_tokens x width``), relayed untouched to the next stage."""
+
+
+@attrs.frozen
+class Logits:
+    """The last stage's answer: logits for the last position forwarded."""
+
+    values: Any = attrs.field(repr=False)
+    """Scores per token id: a sequence of floats or an array with ``argmax``."""
+
+
+#: What a stage answers to a forward.
+StageResult = Boundary | Logits
+
+
+class StageTransport(Protocol):
+    """Reaches stages. Raise :class:`~dgr_session.errors.StageDead` (or any ``ConnectionError``)
+    when a stage is unreachable, :class:`~dgr_session.errors.StaleEpoch` for an old epoch, and
+    a :class:`~dgr_session.errors.DgrError` (e.g. the engine's error) for an engine failure."""
+
+    async def open(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+        """Open the session's sequence on ``stage`` for ``epoch``, discarding older epochs."""
+        ...
+
+    async def forward(
+        self,
+        stage: StageSpec,
+        session_id: str,
+        epoch: int,
+        step: int,
+        positions: range,
+        token_ids: Sequence[int],
+        boundary: object | None,
+    ) -> StageResult:
+        """Run tokens at ``positions`` (``boundary``: the previous stage's rows, ``None`` for
+        stage 0). Return :class:`Boundary` from a middle stage, :class:`Logits` from the last."""
+        ...
+
+    async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+        """Release the session's ``epoch`` on ``stage``; a no-op if not held."""
+        ...
+
+
+class RouteProvider(Protocol):
+    """Assigns routes (the tracker's role; routing policy stays there)."""
+
+    async def assign(self, session_id: str, report: FailureReport | None) -> Route | None:
+        """A route for the session, or ``None`` if there is none. ``report`` says what failed
+        (``None`` for the first route)."""
+        ...
+
+
+class Sampler(Protocol):
+    """Chooses a token from logits. Must be a pure function of its arguments, so that a replay
+    after a route change would choose the same token (accepted tokens are never resampled
+    anyway)."""
+
+    def __call__(self, logits: Any, step: int) -> int:
+        """Token id for ``step`` given the last stage's ``logits``."""
+        ...
