@@ -195,3 +195,18 @@ def test_truncate_then_continue_matches(
     got = chain.forward(13, 0, [ref_tokens[2]], len(PROMPT) + 2)
     chain.close(13, 0)
     assert np.array_equal(got, ref_logits[3])
+
+
+def test_shard_memory_adds_up_to_the_whole_model(tiny_llama: Path) -> None:
+    """Weights and KV of the stages of an untied model add up exactly to the whole model's:
+    no shard allocates a tensor or a KV layer it does not own."""
+    cut = [(0, 1), (1, 2), (2, 4)]
+    with ShardEngine(tiny_llama, **ENGINE_KW) as whole:
+        total = whole.stats()
+    parts = []
+    for rng in cut:
+        with ShardEngine(tiny_llama, layers=rng, **ENGINE_KW) as engine:
+            parts.append(engine.stats())
+    assert sum(p.weight_bytes for p in parts) == total.weight_bytes
+    assert sum(p.kv_bytes for p in parts) == total.kv_bytes
+    assert parts[1].weight_bytes < parts[0].weight_bytes  # no embedding, no head in the middle
