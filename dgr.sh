@@ -33,7 +33,7 @@ ensure_env() {
         ! .venv/bin/python -c 'import dgr_engine._native' 2>/dev/null; then
         echo "dgr: installing dependencies and building the binding" >&2
         .venv/bin/python -m pip install -q --upgrade pip
-        .venv/bin/python -m pip install -q "setuptools>=68" wheel "cffi>=1.16" "cmake>=3.21" ninja scikit-build-core
+        .venv/bin/python -m pip install -q "setuptools>=77" wheel "cffi>=1.16" "cmake>=3.21" ninja scikit-build-core
         .venv/bin/python -m pip install -q --no-build-isolation -e ".[test]"
         echo "$stamp" > .venv/.dgr-stamp
     fi

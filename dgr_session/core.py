@@ -109,6 +109,7 @@ class RouteSession:
         "_reports",
         "_stale",
         "_error",
+        "_reason",
         "__weakref__",
     )
 
@@ -181,6 +182,7 @@ class RouteSession:
         self._reports: list[FailureReport] = []
         self._stale = 0
         self._error: DgrError | None = None
+        self._reason: FinishReason | None = None
         self._machine.add_model(self)
 
     def __repr__(self) -> str:
@@ -257,6 +259,11 @@ class RouteSession:
         """The terminal error (``failed``: a :class:`SessionFailed`; ``cancelled``:
         :class:`SessionCancelled`), else ``None``."""
         return self._error
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """Why the session finished; ``None`` while it runs."""
+        return self._reason
 
     @property
     def started_at(self) -> float | None:
@@ -394,7 +401,9 @@ class RouteSession:
             self._fault(index, FaultKind.PROTOCOL, detail, out)
             return
         if index != self._hop or event.step != step:
-            detail = f"output of stage {index} step {event.step}, awaited stage {self._hop} step {step}"
+            detail = (
+                f"output of stage {index} step {event.step}, awaited stage {self._hop} step {step}"
+            )
             self._fault(index, FaultKind.PROTOCOL, detail, out)
             return
         assert self._route is not None  # live epoch
@@ -435,7 +444,11 @@ class RouteSession:
         self._close_epoch(out)
         self._fire("cancel")
         reason = f": {event.reason}" if event.reason else ""
-        self._end(FinishReason.CANCELLED, SessionCancelled(f"session {self.session_id!r} cancelled{reason}"), out)
+        self._end(
+            FinishReason.CANCELLED,
+            SessionCancelled(f"session {self.session_id!r} cancelled{reason}"),
+            out,
+        )
 
     # ----------------------------------------------------------------------------------------
     # Helpers
@@ -654,6 +667,7 @@ class RouteSession:
 
     def _end(self, reason: FinishReason, error: DgrError | None, out: list[Command]) -> None:
         self._error = error
+        self._reason = reason
         self._ended_at = self._now
         self._wait_deadline = None
         self._awaiting_route = False

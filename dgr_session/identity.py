@@ -67,7 +67,9 @@ class Recipe:
     """KV cache element type."""
 
 
-def _check_evidence(inst: Lane, _attribute: attrs.Attribute[object], value: object) -> None:
+def _check_evidence(
+    inst: Lane, _attribute: attrs.Attribute[EvidenceClass | None], value: EvidenceClass | None
+) -> None:
     if inst.certification is CertificationStatus.CERTIFIED and value is None:
         raise ValueError("a certified lane needs an evidence class")
 

@@ -130,7 +130,7 @@ NEXT_STATE: Mapping[tuple[str, str], SessionState] = {
 TRIGGERS: tuple[str, ...] = tuple(trigger for trigger, _, _ in TRANSITIONS)
 
 
-class SessionMachine(Machine):  # type: ignore[misc]
+class SessionMachine(Machine):
     """One ``transitions`` Machine built from :data:`TRANSITIONS`, shared by many sessions.
 
     Not thread-safe (``transitions`` is not): use :func:`shared_machine`, which keeps one per
@@ -163,7 +163,7 @@ class SessionMachine(Machine):  # type: ignore[misc]
         costs the machine one weak reference instead of dozens of bound partials, and adding or
         removing one is O(1) instead of a scan of ``Machine.models``.
         """
-        state = self.initial if initial is None else initial
+        state = S.NEW.value if initial is None else initial
         for mod in model if isinstance(model, list) else [model]:
             self.set_state(state, model=mod)
             self._members.add(mod)

@@ -29,10 +29,15 @@ class SeededSampler:
 
     seed: int
     """Seed of the per-step generator."""
-    temperature: float = 1.0
+    temperature: float = attrs.field(default=1.0)
     """Softmax temperature (> 0)."""
     top_k: int = 0
     """Keep only the ``top_k`` largest logits (0: keep all)."""
+
+    @temperature.validator
+    def _positive(self, _attribute: attrs.Attribute[float], value: float) -> None:
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"temperature must be finite and > 0, got {value}")
 
     def __call__(self, logits: Any, step: int) -> int:
         values = [float(value) for value in logits]

@@ -1,0 +1,148 @@
+"""dgr_session: the control plane of dgr (route sessions over shard workers).
+
+A *route* is an ordered list of stages covering a model's layers ``[0, n_layer)`` exactly once.
+A *route session* prefills a prompt, decodes token by token, and survives the loss of a stage by
+moving to a new route under a new epoch: a cache miss and a re-prefill of the prompt plus every
+accepted token, never a KV migration. Failure is bounded by a :class:`FailurePolicy` and ends in
+a typed error.
+
+* :class:`RouteSession` is the sans-I/O core: events in, commands out.
+* :class:`SessionManager` drives many sessions over a :class:`StageTransport` and a
+  :class:`RouteProvider` (the tracker's role) with asyncio.
+
+The library logs through loguru under the name ``dgr_session`` and is disabled by default;
+applications that want its lines call ``logger.enable("dgr_session")`` and add their own sinks.
+"""
+
+from loguru import logger
+
+from dgr_session.commands import (
+    CloseStage,
+    Command,
+    EmitToken,
+    Finish,
+    FinishReason,
+    Forward,
+    OpenStage,
+    RequestRoute,
+)
+from dgr_session.core import RouteSession
+from dgr_session.errors import (
+    BoundaryMismatch,
+    DarkLane,
+    DarkLaneWarning,
+    DgrError,
+    FailureBudgetExhausted,
+    InvalidTransition,
+    NoRouteAvailable,
+    RouteIncompatible,
+    RouteInvalid,
+    SessionCancelled,
+    SessionDeadlineExceeded,
+    SessionFailed,
+    StageDead,
+    StaleEpoch,
+    StepDeadlineExceeded,
+)
+from dgr_session.events import (
+    Cancel,
+    ClockTick,
+    Event,
+    RouteAssigned,
+    RouteUnavailable,
+    StageFailed,
+    StageOpened,
+    StageOutput,
+    Start,
+)
+from dgr_session.faults import FailureReport, FaultKind
+from dgr_session.identity import (
+    CertificationStatus,
+    EvidenceClass,
+    Lane,
+    ModelIdentity,
+    Recipe,
+)
+from dgr_session.machine import (
+    TRANSITIONS,
+    SessionMachine,
+    SessionState,
+    shared_machine,
+)
+from dgr_session.manager import SessionHandle, SessionManager, SessionResult, fault_kind
+from dgr_session.policy import FailurePolicy
+from dgr_session.route import Route, StageSpec, validate_route
+from dgr_session.sampling import SeededSampler, greedy
+from dgr_session.transport import (
+    Boundary,
+    Logits,
+    RouteProvider,
+    Sampler,
+    StageResult,
+    StageTransport,
+)
+
+logger.disable("dgr_session")
+
+__all__ = [
+    "TRANSITIONS",
+    "Boundary",
+    "BoundaryMismatch",
+    "Cancel",
+    "CertificationStatus",
+    "ClockTick",
+    "CloseStage",
+    "Command",
+    "DarkLane",
+    "DarkLaneWarning",
+    "DgrError",
+    "EmitToken",
+    "Event",
+    "EvidenceClass",
+    "FailureBudgetExhausted",
+    "FailurePolicy",
+    "FailureReport",
+    "FaultKind",
+    "Finish",
+    "FinishReason",
+    "Forward",
+    "InvalidTransition",
+    "Lane",
+    "Logits",
+    "ModelIdentity",
+    "NoRouteAvailable",
+    "OpenStage",
+    "Recipe",
+    "RequestRoute",
+    "Route",
+    "RouteAssigned",
+    "RouteIncompatible",
+    "RouteInvalid",
+    "RouteProvider",
+    "RouteSession",
+    "RouteUnavailable",
+    "Sampler",
+    "SeededSampler",
+    "SessionCancelled",
+    "SessionDeadlineExceeded",
+    "SessionFailed",
+    "SessionHandle",
+    "SessionMachine",
+    "SessionManager",
+    "SessionResult",
+    "SessionState",
+    "StageDead",
+    "StageFailed",
+    "StageOpened",
+    "StageOutput",
+    "StageResult",
+    "StageSpec",
+    "StageTransport",
+    "StaleEpoch",
+    "Start",
+    "StepDeadlineExceeded",
+    "fault_kind",
+    "greedy",
+    "shared_machine",
+    "validate_route",
+]

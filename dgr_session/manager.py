@@ -1,0 +1,430 @@
+"""The asyncio driver: many route sessions at once over a stage transport and a route provider.
+
+Each session is one task that feeds its :class:`~dgr_session.core.RouteSession` events and
+executes the commands it returns. Stage and provider calls run as their own tasks and post their
+answers (or failures) back as events tagged with the epoch they were issued for, so a late
+answer is recognised and dropped by the core. Time is the event loop's clock, fed to the core as
+:class:`~dgr_session.events.ClockTick`: deadlines and backoff are loop timers, never sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import Callable, Coroutine, Iterable, Sequence
+from typing import Any
+
+import attrs
+
+from dgr_session.commands import (
+    CloseStage,
+    Command,
+    EmitToken,
+    Finish,
+    FinishReason,
+    Forward,
+    OpenStage,
+    RequestRoute,
+)
+from dgr_session.core import RouteSession
+from dgr_session.errors import DgrError, StaleEpoch
+from dgr_session.events import (
+    Cancel,
+    ClockTick,
+    Event,
+    RouteAssigned,
+    RouteUnavailable,
+    StageFailed,
+    StageOpened,
+    StageOutput,
+    Start,
+)
+from dgr_session.faults import FailureReport, FaultKind
+from dgr_session.identity import ModelIdentity, Recipe
+from dgr_session.machine import SessionMachine, SessionState
+from dgr_session.policy import FailurePolicy
+from dgr_session.sampling import greedy
+from dgr_session.transport import Boundary, Logits, RouteProvider, Sampler, StageTransport
+
+
+def fault_kind(error: BaseException) -> FaultKind:
+    """Classify an exception raised by a transport.
+
+    An exception may name its kind in a ``fault_kind`` attribute; otherwise timeouts are
+    ``deadline``, :class:`~dgr_session.errors.StaleEpoch` is ``protocol``, connection and OS
+    errors (:class:`~dgr_session.errors.StageDead`) are ``dead``, anything else is
+    ``engine_error``.
+    """
+    kind = getattr(error, "fault_kind", None)
+    if isinstance(kind, FaultKind):
+        return kind
+    if isinstance(error, TimeoutError):
+        return FaultKind.DEADLINE
+    if isinstance(error, StaleEpoch):
+        return FaultKind.PROTOCOL
+    if isinstance(error, OSError):
+        return FaultKind.DEAD
+    return FaultKind.ENGINE_ERROR
+
+
+@attrs.frozen
+class SessionResult:
+    """How a session ended."""
+
+    session_id: str
+    """Session."""
+    state: SessionState
+    """Terminal state: ``done``, ``failed`` or ``cancelled``."""
+    reason: FinishReason
+    """Why it finished."""
+    tokens: tuple[int, ...]
+    """Accepted tokens (for ``failed``/``cancelled``: those accepted before the end)."""
+    error: DgrError | None
+    """Terminal error (``SessionFailed`` or ``SessionCancelled``); ``None`` when done."""
+    epoch: int
+    """Last epoch."""
+    route_changes: int
+    """Route assignments after the first."""
+    stale_events_dropped: int
+    """Late answers of closed epochs dropped by the core."""
+    reports: tuple[FailureReport, ...]
+    """Every failure report, oldest first."""
+
+
+class SessionHandle:
+    """A session running in a :class:`SessionManager`."""
+
+    __slots__ = (
+        "session_id",
+        "core",
+        "_sampler",
+        "_on_token",
+        "_inbox",
+        "_waiter",
+        "_ops",
+        "_task",
+    )
+
+    def __init__(
+        self,
+        core: RouteSession,
+        sampler: Sampler,
+        on_token: Callable[[int], None] | None,
+    ) -> None:
+        #: Session id.
+        self.session_id = core.session_id
+        #: The sans-I/O core (read it; never feed it directly while the manager runs it).
+        self.core = core
+        self._sampler = sampler
+        self._on_token = on_token
+        # Events posted by operation tasks, not yet fed to the core. Invariant: the driver task
+        # is either running or waiting on _waiter, which any post wakes.
+        self._inbox: list[Event] = []
+        self._waiter: asyncio.Future[None] | None = None
+        # Operation tasks (open/forward/route) still running; cancelled when the session ends.
+        self._ops: set[asyncio.Task[None]] = set()
+        self._task: asyncio.Task[SessionResult] | None = None
+
+    def __repr__(self) -> str:
+        return f"<SessionHandle {self.core!r}>"
+
+    @property
+    def state(self) -> SessionState:
+        """The core's state."""
+        return self.core.state
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """Tokens accepted so far."""
+        return self.core.tokens
+
+    @property
+    def done(self) -> bool:
+        """True once the driver task has finished."""
+        return self._task is not None and self._task.done()
+
+    def cancel(self, reason: str = "") -> None:
+        """Ask the session to cancel: its stages are closed and it ends ``cancelled``.
+        No-op once finished."""
+        self._post(Cancel(self.session_id, reason))
+
+    async def wait(self) -> SessionResult:
+        """Wait for the end and return how it ended (never raises for a failed session; raises
+        only if the driver itself crashed)."""
+        assert self._task is not None
+        return await asyncio.shield(self._task)
+
+    async def result(self) -> tuple[int, ...]:
+        """Wait for the end; return the tokens, or raise the terminal error
+        (:class:`~dgr_session.errors.SessionFailed` or
+        :class:`~dgr_session.errors.SessionCancelled`)."""
+        outcome = await self.wait()
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.tokens
+
+    def _post(self, event: Event) -> None:
+        self._inbox.append(event)
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
+
+
+class SessionManager:
+    """Runs many route sessions concurrently over ``transport`` and ``provider``.
+
+    Must be used from one event loop (the one running when :meth:`start` is first called).
+    Sampling is greedy unless a sampler is given (per manager or per session).
+    """
+
+    def __init__(
+        self,
+        transport: StageTransport,
+        provider: RouteProvider,
+        *,
+        policy: FailurePolicy | None = None,
+        sampler: Sampler = greedy,
+        allow_dark_lanes: bool = False,
+        machine: SessionMachine | None = None,
+    ) -> None:
+        self._transport = transport
+        self._provider = provider
+        self._policy = policy if policy is not None else FailurePolicy()
+        self._sampler = sampler
+        self._allow_dark_lanes = allow_dark_lanes
+        self._machine = machine
+        # Invariant: holds exactly the sessions whose driver task has not finished.
+        self._live: dict[str, SessionHandle] = {}
+        # Close calls in flight (fire and forget, kept referenced until done).
+        self._closing: set[asyncio.Task[None]] = set()
+        #: Close calls that raised (closing a dead stage is expected to fail).
+        self.close_errors = 0
+
+    # ----------------------------------------------------------------------------------------
+    # Public API
+
+    def start(
+        self,
+        prompt: Sequence[int],
+        *,
+        max_new_tokens: int,
+        session_id: str | None = None,
+        stop_tokens: Iterable[int] = (),
+        policy: FailurePolicy | None = None,
+        sampler: Sampler | None = None,
+        identity: ModelIdentity | None = None,
+        recipe: Recipe | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> SessionHandle:
+        """Start a session (needs a running loop); returns at once.
+
+        ``identity``/``recipe`` pin what every route must serve (else the first route pins
+        them). ``on_token`` is called with each accepted token; it must not raise.
+        """
+        sid = session_id if session_id is not None else uuid.uuid4().hex
+        if sid in self._live:
+            raise ValueError(f"session {sid!r} is already running")
+        core = RouteSession(
+            sid,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            policy=policy if policy is not None else self._policy,
+            stop_tokens=stop_tokens,
+            identity=identity,
+            recipe=recipe,
+            allow_dark_lanes=self._allow_dark_lanes,
+            machine=self._machine,
+        )
+        handle = SessionHandle(core, sampler if sampler is not None else self._sampler, on_token)
+        self._live[sid] = handle
+        handle._task = asyncio.get_running_loop().create_task(
+            self._drive(handle), name=f"dgr-session-{sid}"
+        )
+        return handle
+
+    async def generate(
+        self, prompt: Sequence[int], *, max_new_tokens: int, **options: Any
+    ) -> tuple[int, ...]:
+        """Run a session to its end: the tokens, or the terminal error raised.
+        ``options`` are :meth:`start`'s."""
+        return await self.start(prompt, max_new_tokens=max_new_tokens, **options).result()
+
+    def get(self, session_id: str) -> SessionHandle | None:
+        """The running session with this id, if any."""
+        return self._live.get(session_id)
+
+    @property
+    def sessions(self) -> tuple[SessionHandle, ...]:
+        """Running sessions."""
+        return tuple(self._live.values())
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    @property
+    def closing(self) -> int:
+        """Close calls still in flight."""
+        return len(self._closing)
+
+    async def aclose(self, *, grace: float | None = None) -> None:
+        """Cancel every running session, wait for them, and give close calls ``grace`` seconds
+        (default: the policy's step deadline) before abandoning them."""
+        handles = list(self._live.values())
+        for handle in handles:
+            handle.cancel("manager closed")
+        for handle in handles:
+            await handle.wait()
+        if self._closing:
+            timeout = self._policy.step_deadline if grace is None else grace
+            _, pending = await asyncio.wait(set(self._closing), timeout=timeout)
+            for task in pending:
+                task.cancel()
+
+    async def __aenter__(self) -> SessionManager:
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # ----------------------------------------------------------------------------------------
+    # Driver
+
+    async def _drive(self, handle: SessionHandle) -> SessionResult:
+        loop = asyncio.get_running_loop()
+        core = handle.core
+        sid = handle.session_id
+        try:
+            self._execute(handle, core.handle(Start(sid, loop.time())))
+            while not core.finished:
+                if not handle._inbox:
+                    await self._wait(handle, core.next_timer())
+                self._execute(handle, core.handle(ClockTick(sid, loop.time())))
+                self._drain(handle)
+            self._drain(handle)  # late answers are counted by the finished core
+        except BaseException:
+            if not core.finished:  # driver bug or task cancelled: still close the stages
+                self._execute(handle, core.handle(Cancel(sid, "driver stopped")))
+            raise
+        finally:
+            for task in handle._ops:
+                task.cancel()
+            handle._ops.clear()
+            self._live.pop(sid, None)
+        assert core.finish_reason is not None
+        return SessionResult(
+            session_id=sid,
+            state=core.state,
+            reason=core.finish_reason,
+            tokens=core.tokens,
+            error=core.error,
+            epoch=core.epoch,
+            route_changes=core.route_changes,
+            stale_events_dropped=core.stale_events_dropped,
+            reports=core.reports,
+        )
+
+    def _drain(self, handle: SessionHandle) -> None:
+        while handle._inbox:
+            events, handle._inbox = handle._inbox, []
+            for event in events:
+                self._execute(handle, handle.core.handle(event))
+
+    async def _wait(self, handle: SessionHandle, when: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[None] = loop.create_future()
+        handle._waiter = waiter
+        timer = loop.call_at(when, _wake, waiter) if when is not None else None
+        try:
+            await waiter
+        finally:
+            handle._waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    def _execute(self, handle: SessionHandle, commands: list[Command]) -> None:
+        for command in commands:
+            if isinstance(command, Forward):
+                self._spawn(handle, self._forward(handle, command))
+            elif isinstance(command, OpenStage):
+                self._spawn(handle, self._open(handle, command))
+            elif isinstance(command, CloseStage):
+                task = asyncio.get_running_loop().create_task(self._close(command))
+                self._closing.add(task)
+                task.add_done_callback(self._closing.discard)
+            elif isinstance(command, RequestRoute):
+                self._spawn(handle, self._request_route(handle, command))
+            elif isinstance(command, EmitToken):
+                if handle._on_token is not None:
+                    handle._on_token(command.token)
+            elif isinstance(command, Finish):
+                pass  # the driver loop sees core.finished and builds the result
+            else:  # pragma: no cover - exhaustive over Command
+                raise TypeError(f"unknown command {command!r}")
+
+    @staticmethod
+    def _spawn(handle: SessionHandle, operation: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(operation)
+        handle._ops.add(task)
+        task.add_done_callback(handle._ops.discard)
+
+    # ----------------------------------------------------------------------------------------
+    # Operations: each posts exactly one event (or none, if cancelled)
+
+    async def _open(self, handle: SessionHandle, cmd: OpenStage) -> None:
+        try:
+            await self._transport.open(cmd.stage, cmd.session_id, cmd.epoch)
+        except Exception as err:  # noqa: BLE001 - every failure becomes a typed fault
+            handle._post(
+                StageFailed(cmd.session_id, cmd.epoch, cmd.stage_index, fault_kind(err), repr(err))
+            )
+            return
+        handle._post(StageOpened(cmd.session_id, cmd.epoch, cmd.stage_index))
+
+    async def _forward(self, handle: SessionHandle, cmd: Forward) -> None:
+        sid, epoch, step, index = cmd.session_id, cmd.epoch, cmd.step, cmd.stage_index
+        try:
+            result = await self._transport.forward(
+                cmd.stage, sid, epoch, step, cmd.positions, cmd.token_ids, cmd.boundary
+            )
+        except Exception as err:  # noqa: BLE001 - every failure becomes a typed fault
+            handle._post(StageFailed(sid, epoch, index, fault_kind(err), repr(err), step))
+            return
+        if cmd.final:
+            if not isinstance(result, Logits):
+                detail = f"last stage answered {type(result).__name__}, expected Logits"
+                handle._post(StageFailed(sid, epoch, index, FaultKind.PROTOCOL, detail, step))
+                return
+            try:
+                token = int(handle._sampler(result.values, step))
+            except Exception as err:  # noqa: BLE001 - unusable logits are the stage's fault
+                detail = f"cannot sample from logits: {err!r}"
+                handle._post(StageFailed(sid, epoch, index, FaultKind.PROTOCOL, detail, step))
+                return
+            handle._post(StageOutput(sid, epoch, step, index, token=token))
+        elif isinstance(result, Boundary):
+            handle._post(StageOutput(sid, epoch, step, index, payload=result.rows))
+        else:
+            detail = f"middle stage answered {type(result).__name__}, expected Boundary"
+            handle._post(StageFailed(sid, epoch, index, FaultKind.PROTOCOL, detail, step))
+
+    async def _request_route(self, handle: SessionHandle, cmd: RequestRoute) -> None:
+        try:
+            route = await self._provider.assign(cmd.session_id, cmd.report)
+        except Exception as err:  # noqa: BLE001 - a provider failure means no route this time
+            handle._post(RouteUnavailable(cmd.session_id, cmd.epoch, f"provider error: {err!r}"))
+            return
+        if route is None:
+            handle._post(RouteUnavailable(cmd.session_id, cmd.epoch, "provider has no route"))
+        else:
+            handle._post(RouteAssigned(cmd.session_id, cmd.epoch, route))
+
+    async def _close(self, cmd: CloseStage) -> None:
+        try:
+            await self._transport.close(cmd.stage, cmd.session_id, cmd.epoch)
+        except Exception:  # noqa: BLE001 - closing a dead stage fails; nothing is left to free
+            self.close_errors += 1
