@@ -39,6 +39,8 @@ ensure_env() {
     fi
 }
 
+export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"  # no OpenMP spin-waiting on small shared machines
+
 case "${1:-}" in
     demo)
         shift

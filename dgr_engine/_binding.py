@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from dgr_engine.errors import AbiMismatch
@@ -10,7 +11,7 @@ from dgr_engine.errors import AbiMismatch
 ABI_VERSION = 1
 
 try:
-    from dgr_engine import _native  # type: ignore[attr-defined]
+    _native: Any = importlib.import_module("dgr_engine._native")
 except ImportError as exc:  # pragma: no cover - depends on the build
     raise ImportError(
         "dgr_engine._native is not built: run the README's commands (or "

@@ -8,6 +8,8 @@ a real model. Generated files are git-ignored and rebuilt when their spec change
 - ``tiny-llama-tied``: the same without ``output`` (llama.cpp reuses ``token_embd``).
 - ``mid-llama``: 24-layer llama, f16 matrices, ~450 MB, for memory/speed benchmarks.
 - ``tiny-qwen2``: a loadable non-llama architecture (q/k/v biases), for refusal tests.
+- ``tiny-v4``: 6-layer DeepSeek V4 (hc 4, 3 hash-routed layers, compress ratios 0/4/128,
+  sliding window 32, indexer), f32; ``v4-12``: the same family with 12 layers, for 10+ stages.
 
 Command line::
 
@@ -25,15 +27,16 @@ import sys
 import tempfile
 import time
 import types
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import attrs
 from gguf import GGUFWriter
 from loguru import logger
 
-from dgr_engine import _gguf_llama
+from dgr_engine import _gguf_deepseek4, _gguf_llama
+from dgr_engine._gguf_deepseek4 import Deepseek4Spec
 
 GENERATOR_VERSION = 1
 """Bump when the bytes written for an unchanged spec change; cached files then rebuild."""
@@ -103,7 +106,10 @@ class FixtureSpec:
         return int.from_bytes(digest[:8], "little")
 
 
-FIXTURES: Mapping[str, FixtureSpec] = types.MappingProxyType(
+AnySpec = FixtureSpec | Deepseek4Spec
+"""A dense (llama-family) or a DeepSeek V4 fixture spec."""
+
+FIXTURES: Mapping[str, AnySpec] = types.MappingProxyType(
     {
         s.name: s
         for s in (
@@ -160,18 +166,62 @@ FIXTURES: Mapping[str, FixtureSpec] = types.MappingProxyType(
                 rope_freq_base=1_000_000.0,
                 description="2-layer qwen2 (q/k/v biases): an architecture dgr must refuse",
             ),
+            Deepseek4Spec(
+                name="tiny-v4",
+                n_layer=6,
+                n_embd=64,
+                n_head=2,
+                head_dim=128,
+                n_rot=32,
+                q_lora_rank=64,
+                o_groups=2,
+                o_lora_rank=32,
+                n_expert=4,
+                n_expert_used=2,
+                n_ff_exp=64,
+                n_expert_shared=1,
+                n_vocab=256,
+                n_ctx_train=1024,
+                n_swa=32,
+                compress_ratios=(0, 4, 128, 4, 0, 128),
+                hash_layer_count=3,
+                description="6-layer DeepSeek V4: hc 4, 3 hash layers, ratios 0/4/128, SWA 32",
+            ),
+            Deepseek4Spec(
+                name="v4-12",
+                n_layer=12,
+                n_embd=64,
+                n_head=2,
+                head_dim=128,
+                n_rot=32,
+                q_lora_rank=64,
+                o_groups=2,
+                o_lora_rank=32,
+                n_expert=4,
+                n_expert_used=2,
+                n_ff_exp=64,
+                n_expert_shared=1,
+                n_vocab=256,
+                n_ctx_train=1024,
+                n_swa=32,
+                compress_ratios=(0, 0, 4, 128, 4, 128, 4, 128, 0, 4, 128, 4),
+                hash_layer_count=3,
+                description="12-layer DeepSeek V4 (tiny-v4 family), for 10+-stage chains",
+            ),
         )
     }
 )
 """The project's fixtures by public name."""
 
 
-def estimated_bytes(spec: FixtureSpec) -> int:
+def estimated_bytes(spec: AnySpec) -> int:
     """Exact size of the tensor data section; the file adds under ``HEADER_ALLOWANCE``."""
+    if isinstance(spec, Deepseek4Spec):
+        return sum(_gguf_deepseek4.padded(p.nbytes) for p in _gguf_deepseek4.tensor_plan(spec))
     return sum(_gguf_llama.padded(p.nbytes) for p in _gguf_llama.tensor_plan(spec))
 
 
-def spec_digest(spec: FixtureSpec) -> str:
+def spec_digest(spec: AnySpec) -> str:
     """Short content hash of the spec and ``GENERATOR_VERSION``: the cache key."""
     fields = attrs.asdict(spec, filter=lambda a, _: a.name != "description")
     payload = {"generator_version": GENERATOR_VERSION, **fields}
@@ -179,7 +229,7 @@ def spec_digest(spec: FixtureSpec) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
 
-def fixture_filename(spec: FixtureSpec) -> str:
+def fixture_filename(spec: AnySpec) -> str:
     return f"{spec.name}-{spec_digest(spec)}.gguf"
 
 
@@ -191,27 +241,40 @@ def default_fixtures_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "fixtures"
 
 
+def _tensor_stream(spec: AnySpec, writer: GGUFWriter) -> tuple[int, int, Iterator[Any]]:
+    """Adds the metadata and tensor infos of ``spec`` to ``writer``; returns the tensor count,
+    the data bytes and the (plan, values) stream of the spec's layout."""
+    if isinstance(spec, Deepseek4Spec):
+        v4_plans = _gguf_deepseek4.tensor_plan(spec)
+        _gguf_deepseek4.write_metadata(writer, spec)
+        for p in v4_plans:
+            writer.add_tensor_info(p.name, p.shape, p.dtype, p.nbytes)
+        total = sum(p.nbytes for p in v4_plans)
+        return len(v4_plans), total, _gguf_deepseek4.iter_tensors(spec, v4_plans)
+    plans = _gguf_llama.tensor_plan(spec)
+    _gguf_llama.write_metadata(writer, spec)
+    for q in plans:
+        writer.add_tensor_info(q.name, q.shape, q.dtype, q.nbytes)
+    return len(plans), sum(q.nbytes for q in plans), _gguf_llama.iter_tensors(spec, plans)
+
+
 def write_fixture(
-    spec: FixtureSpec, path: str | os.PathLike[str], progress: ProgressFn | None = None
+    spec: AnySpec, path: str | os.PathLike[str], progress: ProgressFn | None = None
 ) -> Path:
     """Write the fixture to ``path`` (overwriting) and return it; tensors are streamed."""
     path = Path(path)
-    plans = _gguf_llama.tensor_plan(spec)
-    total = sum(p.nbytes for p in plans)
     log = logger.bind(fixture=spec.name)
-    log.debug("writing fixture to {} ({} tensors, {} data bytes)", path, len(plans), total)
     started = time.monotonic()
 
     writer = GGUFWriter(path, spec.arch)
     try:
-        _gguf_llama.write_metadata(writer, spec)
-        for p in plans:
-            writer.add_tensor_info(p.name, p.shape, p.dtype, p.nbytes)
+        n_tensors, total, stream = _tensor_stream(spec, writer)
+        log.debug("writing fixture to {} ({} tensors, {} data bytes)", path, n_tensors, total)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         done = 0
-        for p, values in _gguf_llama.iter_tensors(spec, plans):
+        for p, values in stream:
             writer.write_tensor_data(values)
             done += p.nbytes
             if progress is not None:
@@ -254,7 +317,7 @@ def ensure_fixture(
     return target
 
 
-def lookup(name: str) -> FixtureSpec:
+def lookup(name: str) -> AnySpec:
     """The spec of a public fixture name; ``ValueError`` naming the known ones otherwise."""
     try:
         return FIXTURES[name]
@@ -334,10 +397,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.command == "list":
         for spec in FIXTURES.values():
+            if isinstance(spec, Deepseek4Spec):
+                shape = (
+                    f"H={spec.n_head}x{spec.head_dim} X={spec.n_expert}/{spec.n_expert_used} "
+                    f"V={spec.n_vocab} f32"
+                )
+            else:
+                shape = (
+                    f"H={spec.n_head}/{spec.n_head_kv} FF={spec.n_ff} V={spec.n_vocab} "
+                    f"{spec.matrix_dtype}"
+                )
             print(
-                f"{spec.name:<16} {spec.arch:<6} L={spec.n_layer} E={spec.n_embd} "
-                f"H={spec.n_head}/{spec.n_head_kv} FF={spec.n_ff} V={spec.n_vocab} "
-                f"{spec.matrix_dtype} ~{estimated_bytes(spec) / 1e6:.1f} MB  {spec.description}"
+                f"{spec.name:<16} {spec.arch:<6} L={spec.n_layer} E={spec.n_embd} {shape} "
+                f"~{estimated_bytes(spec) / 1e6:.1f} MB  {spec.description}"
             )
         return 0
     for name in args.names:

@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# OpenMP threads spin-wait by default; on a loaded 2-core machine two engines' spinning threads
+# starve each other (chains 10-200x slower). Set before the engine's libgomp is loaded.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 from collections.abc import Iterator
 from pathlib import Path
 

@@ -45,7 +45,14 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_public_names() -> None:
-    assert set(FIXTURES) == {"tiny-llama", "tiny-llama-tied", "mid-llama", "tiny-qwen2"}
+    assert set(FIXTURES) == {
+        "tiny-llama",
+        "tiny-llama-tied",
+        "mid-llama",
+        "tiny-qwen2",
+        "tiny-v4",
+        "v4-12",
+    }
     for name, spec in FIXTURES.items():
         assert spec.name == name
 

@@ -13,7 +13,16 @@
  * Positions must continue the session's KV exactly: row i of a forward call must carry position
  * next_pos + i. Nothing is guessed.
  *
- * MTP / nextn layers are never loaded; if a model had them they would belong to the last shard.
+ * Architectures: dense `llama` (boundary = the residual, n_embd floats per token) and DeepSeek V4
+ * `deepseek4` (boundary = the hc_mult = 4 hyper-connection streams before the head's collapse and
+ * the final norm: 4 * n_embd floats per token, stream-major [n_embd, 4] per row). V4's first
+ * `hash_layer_count` layers route experts by token id, so a V4 shard that is not the first but
+ * owns one of them (layer_begin < hash_layer_count) takes the token ids with its boundary rows
+ * (info.needs_token_ids); its compressed (CSA/HCA), indexer, compressor and sliding-window state
+ * covers its own layers only.
+ *
+ * MTP / nextn layers are never loaded; if a model had them they would belong to the last shard
+ * (info.mtp_owner). n_layer counts main layers only (block_count less nextn_predict_layers).
  *
  * Conventions (llama.h / zstd style):
  *  - every function that can fail returns a dgr_status; DGR_OK is 0;
@@ -73,7 +82,8 @@ typedef enum dgr_status {
     /* A saved state does not fit this engine (bad magic/version/range/width) - nothing changed -
      * or llama.cpp refused it, in which case the session is emptied (next position 0). */
     DGR_E_STATE = 12,
-    /* The requested feature is reserved and off (MTP). Nothing changed. */
+    /* The requested feature is reserved and off (MTP), or the architecture cannot do it (truncating
+     * DeepSeek V4 state to a non-zero length). Nothing changed. */
     DGR_E_UNSUPPORTED = 13,
     /* An unexpected internal failure (exception). The engine's sessions are unchanged unless the
      * message says otherwise. */
@@ -123,11 +133,13 @@ typedef struct dgr_shard_info {
     int32_t layer_end;
     int32_t n_embd;
     int32_t n_vocab;
-    int32_t in_width;             /* floats per input boundary row; 0 on the first shard */
+    int32_t in_width;             /* floats per input boundary row; 0 on the first shard
+                                     (n_embd; 4 * n_embd for deepseek4) */
     int32_t out_width;            /* floats per output row: boundary width, or n_vocab if last */
     uint8_t is_first;             /* takes token ids */
     uint8_t is_last;              /* produces logits */
-    uint8_t needs_token_ids;      /* rows must come with token ids (hash-routed layers owned) */
+    uint8_t needs_token_ids;      /* rows must come with token ids: the first shard, or one that
+                                     owns a hash-routed layer (deepseek4: layer < hash_layer_count) */
     uint8_t mtp_owner;            /* would own MTP/nextn layers (the last shard); MTP is off */
     uint32_t max_sessions;
     uint32_t n_ctx_per_session;
@@ -161,7 +173,8 @@ int dgr_session_close(dgr_engine * engine, uint64_t session_id, uint64_t epoch);
 
 /* Runs n_rows rows through the owned layers.
  *  tokens:    n_rows token ids; required on the first shard, also required on a shard whose
- *             info.needs_token_ids is set; otherwise may be NULL (ignored).
+ *             info.needs_token_ids is set (missing: DGR_E_SHAPE; an id outside the vocabulary:
+ *             DGR_E_INVALID_ARGUMENT); otherwise may be NULL (ignored).
  *  rows:      n_rows * row_width floats (row-major); required on every shard but the first,
  *             must be NULL on the first. row_width must equal info.in_width.
  *  positions: n_rows positions, each next_pos + i.
@@ -176,7 +189,8 @@ int dgr_session_forward(dgr_engine * engine, uint64_t session_id, uint64_t epoch
                         float * out, size_t out_capacity, uint32_t * n_out);
 
 /* Keeps the first n_keep positions of the session and drops the rest (n_keep <= next_pos).
- * On success the next position is n_keep. */
+ * On success the next position is n_keep. deepseek4 state cannot drop a tail: n_keep must be 0 or
+ * next_pos, anything else gives DGR_E_UNSUPPORTED (nothing changed). */
 int dgr_session_truncate(dgr_engine * engine, uint64_t session_id, uint64_t epoch, int32_t n_keep);
 
 /* The session's next position (the number of positions its KV holds). */

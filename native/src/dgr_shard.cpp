@@ -74,8 +74,10 @@ void init_backend_once() {
 
 // architectures whose graph builders carry the range-ownership hooks (patches/)
 bool arch_supported(const std::string & arch) {
-    return arch == "llama";
+    return arch == "llama" || arch == "deepseek4";
 }
+
+const char * const k_supported_archs = "llama, deepseek4";
 
 uint64_t read_proc_status_kb(const char * key) {
     std::ifstream f("/proc/self/status");
@@ -97,8 +99,23 @@ struct session_slot {
 
 struct gguf_meta {
     std::string arch;
-    int64_t n_layer = -1;
+    int64_t n_layer = -1;          // main layers: block_count less the nextn (MTP) layers
+    int64_t n_layer_nextn = 0;     // {arch}.nextn_predict_layers (MTP; never loaded)
+    int64_t hash_layer_count = 0;  // {arch}.hash_layer_count (V4: layers routed by token id)
 };
+
+// an unsigned integer key of the GGUF, or `def` when absent or of another type
+int64_t gguf_get_u32_or(const gguf_context * g, const std::string & key, int64_t def) {
+    const int64_t k = gguf_find_key(g, key.c_str());
+    if (k < 0) {
+        return def;
+    }
+    switch (gguf_get_kv_type(g, k)) {
+        case GGUF_TYPE_UINT32: return gguf_get_val_u32(g, k);
+        case GGUF_TYPE_INT32: return gguf_get_val_i32(g, k);
+        default: return def;
+    }
+}
 
 int read_gguf_meta(const char * path, gguf_meta & meta) {
     gguf_init_params gp = { /*.no_alloc =*/ true, /*.ctx =*/ nullptr };
@@ -117,6 +134,11 @@ int read_gguf_meta(const char * path, gguf_meta & meta) {
     if (k_blocks >= 0 && gguf_get_kv_type(g, k_blocks) == GGUF_TYPE_UINT32) {
         meta.n_layer = gguf_get_val_u32(g, k_blocks);
     }
+    meta.n_layer_nextn = gguf_get_u32_or(g, meta.arch + ".nextn_predict_layers", 0);
+    meta.hash_layer_count = gguf_get_u32_or(g, meta.arch + ".hash_layer_count", 0);
+    if (meta.n_layer > 0 && meta.n_layer_nextn > 0) {
+        meta.n_layer -= meta.n_layer_nextn;  // MTP layers are not main layers (never loaded)
+    }
     gguf_free(g);
     return DGR_OK;
 }
@@ -131,6 +153,7 @@ struct dgr_engine {
     dgr_shard_info info{};
     std::unordered_map<uint64_t, session_slot> sessions;
     std::vector<llama_seq_id> free_seqs;
+    int32_t hash_layer_count = 0;  // layers [0, hash_layer_count) route experts by token id
     uint64_t rows_forwarded = 0;
     uint64_t forward_calls = 0;
     uint64_t forward_ns = 0;
@@ -245,8 +268,8 @@ int dgr_engine_open(const dgr_engine_params * params, dgr_engine ** out) {
         return rc;
     }
     if (!arch_supported(meta.arch)) {
-        return fail(DGR_E_UNSUPPORTED_ARCH, "architecture '%s' is not covered by the range-ownership patches (supported: llama)",
-                    meta.arch.c_str());
+        return fail(DGR_E_UNSUPPORTED_ARCH, "architecture '%s' is not covered by the range-ownership patches (supported: %s)",
+                    meta.arch.c_str(), k_supported_archs);
     }
     if (meta.n_layer <= 0) {
         return fail(DGR_E_MODEL_LOAD, "GGUF '%s' has no valid %s.block_count", params->model_path, meta.arch.c_str());
@@ -275,6 +298,13 @@ int dgr_engine_open(const dgr_engine_params * params, dgr_engine ** out) {
     if (engine->model == nullptr) {
         return fail(DGR_E_MODEL_LOAD, "llama.cpp could not load '%s' layers [%d, %d): %s", params->model_path, l_begin,
                     l_end, g_llama_last_log_error.empty() ? "see DGR_LLAMA_LOG=1" : g_llama_last_log_error.c_str());
+    }
+
+    if (llama_model_n_layer(engine->model) != meta.n_layer) {
+        // e.g. nextn_predict_layers set but the MTP tensors absent: the ranges would not line up
+        return fail(DGR_E_MODEL_LOAD, "GGUF '%s' declares %lld main layers (block_count less nextn_predict_layers) "
+                    "but llama.cpp loaded %d", params->model_path, (long long) meta.n_layer,
+                    llama_model_n_layer(engine->model));
     }
 
     const bool is_first = l_begin == 0;
@@ -308,7 +338,10 @@ int dgr_engine_open(const dgr_engine_params * params, dgr_engine ** out) {
     info.out_width = is_last ? info.n_vocab : llama_model_n_embd_out(engine->model);
     info.is_first = is_first;
     info.is_last = is_last;
-    info.needs_token_ids = is_first;
+    // the first shard embeds tokens; a later one owning a hash-routed layer (il < hash_layer_count,
+    // DeepSeek V4) selects that layer's experts by token id, so the ids ride with its rows
+    info.needs_token_ids = is_first || l_begin < meta.hash_layer_count;
+    engine->hash_layer_count = (int32_t) std::min<int64_t>(meta.hash_layer_count, meta.n_layer);
     info.mtp_owner = is_last;
     info.max_sessions = params->max_sessions;
     info.n_ctx_per_session = llama_n_ctx_seq(engine->ctx);
@@ -442,7 +475,15 @@ int dgr_session_forward(dgr_engine * engine, uint64_t session_id, uint64_t epoch
     }
     if (info.needs_token_ids) {
         if (tokens == nullptr) {
-            return fail(DGR_E_SHAPE, "shard [%d, %d) needs token ids with its rows", info.layer_begin, info.layer_end);
+            if (info.is_first) {
+                return fail(DGR_E_SHAPE, "shard [%d, %d) needs token ids with its rows", info.layer_begin,
+                            info.layer_end);
+            }
+            return fail(DGR_E_SHAPE,
+                        "shard [%d, %d) owns hash-routed layers [%d, %d): its boundary rows need the token ids "
+                        "that route their experts",
+                        info.layer_begin, info.layer_end, info.layer_begin,
+                        std::min(info.layer_end, engine->hash_layer_count));
         }
         for (uint32_t i = 0; i < n_rows; ++i) {
             if (tokens[i] < 0 || tokens[i] >= info.n_vocab) {
@@ -484,6 +525,15 @@ int dgr_session_forward(dgr_engine * engine, uint64_t session_id, uint64_t epoch
         std::memcpy(batch.token, tokens, sizeof(int32_t) * n_rows);
     } else {
         std::memcpy(batch.embd, rows, sizeof(float) * n_rows * (size_t) info.in_width);
+        if (info.needs_token_ids) {
+            // boundary rows and the token ids they carry, in one batch (llama_batch_free frees both)
+            batch.token = (llama_token *) std::malloc(sizeof(llama_token) * n_rows);
+            if (batch.token == nullptr) {
+                llama_batch_free(batch);
+                return fail(DGR_E_INTERNAL, "out of memory for %u token ids", n_rows);
+            }
+            std::memcpy(batch.token, tokens, sizeof(int32_t) * n_rows);
+        }
     }
     for (uint32_t i = 0; i < n_rows; ++i) {
         batch.pos[i] = positions[i];
@@ -539,6 +589,16 @@ int dgr_session_truncate(dgr_engine * engine, uint64_t session_id, uint64_t epoc
     if (n_keep < 0 || n_keep > slot->next_pos) {
         return fail(DGR_E_POSITION, "session %llu: cannot keep %d positions of %d", (unsigned long long) session_id,
                     n_keep, slot->next_pos);
+    }
+    if (n_keep == slot->next_pos) {
+        return ok();  // nothing to drop
+    }
+    if (n_keep > 0 && std::strcmp(engine->info.arch, "deepseek4") == 0) {
+        // the compressed (CSA/HCA), indexer and sliding-window state cannot drop a tail
+        return fail(DGR_E_UNSUPPORTED,
+                    "session %llu: DeepSeek V4 state cannot be truncated to %d of %d positions (only to 0); "
+                    "re-prefill under a new epoch instead",
+                    (unsigned long long) session_id, n_keep, slot->next_pos);
     }
     if (!llama_memory_seq_rm(engine->mem(), slot->seq, n_keep, -1)) {
         return fail(DGR_E_INTERNAL, "session %llu: llama.cpp refused to drop positions >= %d",
