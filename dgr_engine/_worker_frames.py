@@ -1,0 +1,268 @@
+"""The forward frame on the wire: expectations, encoding (client) and checked decoding (worker).
+
+Decoding checks everything the frame itself can get wrong before any state is touched, and
+raises :class:`FrameRejected` or :class:`ExpectationMismatch` (INVALID_ARGUMENT on the wire).
+What only the session's state can decide (epoch, next position, capacity) is left to the engine.
+Tensors are raw little-endian f32, row-major; decoding is zero-copy (``np.frombuffer``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+from dgr_engine._worker_status import ExpectationMismatch, FrameRejected
+from dgr_engine.proto import shard_pb2 as pb
+
+if TYPE_CHECKING:
+    from dgr_engine.engine import ShardInfo
+
+SCHEMA_VERSION = 1
+"""Version of the messages in ``proto/dgr/shard/v1`` this code speaks."""
+
+MAX_SESSION_ID_BYTES = 256
+"""Longest session id a worker accepts (UTF-8 bytes)."""
+
+F32 = np.dtype("<f4")
+"""The boundary and logits element type of schema 1."""
+
+_MAX_POSITION = np.iinfo(np.int32).max
+
+FloatRows = npt.NDArray[np.float32]
+IntArray = npt.NDArray[np.int32]
+
+
+def _hex(value: bytes) -> str:
+    return value.hex()[:12] + ("…" if len(value) > 6 else "")
+
+
+@attrs.frozen
+class Expectations:
+    """What a sender believes a worker is; a worker refuses frames meant for another."""
+
+    model_sha256: bytes = attrs.field(repr=_hex)
+    """SHA-256 of the GGUF file."""
+    layer_begin: int
+    """First layer of the worker's range."""
+    layer_end: int
+    """One past the last layer of the worker's range."""
+    boundary_width: int
+    """Floats per input boundary row (0: the first stage, which takes token ids)."""
+    schema_version: int = SCHEMA_VERSION
+    """Message schema version."""
+
+    @classmethod
+    def of_shard(cls, model_sha256: bytes, info: ShardInfo) -> Expectations:
+        """What a worker hosting ``info`` over the file with this hash is."""
+        return cls(model_sha256, info.layer_begin, info.layer_end, info.in_width)
+
+
+@attrs.frozen
+class ForwardFrame:
+    """A checked forward request, as the engine takes it."""
+
+    session_id: str
+    epoch: int
+    step: int
+    positions: IntArray = attrs.field(repr=False)
+    """One position per row, contiguous."""
+    tokens: IntArray | None = attrs.field(repr=False)
+    """Token ids where the shard needs them, else ``None``."""
+    rows: FloatRows | None = attrs.field(repr=False)
+    """Boundary rows ``[n, in_width]`` (read-only view of the request), ``None`` on stage 0."""
+    want: npt.NDArray[np.uint8] | None = attrs.field(repr=False)
+    """Last stage: 0/1 per row, whose logits to return; ``None``: the last row only."""
+
+    @property
+    def n_rows(self) -> int:
+        return int(self.positions.shape[0])
+
+
+# --- expectations ------------------------------------------------------------------------------
+
+
+def expectations_to_proto(expect: Expectations) -> pb.Expectations:
+    return pb.Expectations(
+        schema_version=expect.schema_version,
+        model_sha256=expect.model_sha256,
+        layer_begin=expect.layer_begin,
+        layer_end=expect.layer_end,
+        boundary_width=expect.boundary_width,
+    )
+
+
+def check_expectations(got: pb.Expectations, mine: Expectations) -> None:
+    """Raises :class:`ExpectationMismatch` (naming the first difference) unless ``got`` is
+    exactly what this worker is."""
+    if got.schema_version != mine.schema_version:
+        raise ExpectationMismatch(
+            f"schema version {got.schema_version}, this worker speaks {mine.schema_version}",
+            status="DGR_E_EXPECTATION_SCHEMA",
+        )
+    if got.model_sha256 != mine.model_sha256:
+        raise ExpectationMismatch(
+            f"frame is for model {_hex(got.model_sha256) or '(none)'}, this worker serves "
+            f"{_hex(mine.model_sha256)}",
+            status="DGR_E_EXPECTATION_MODEL",
+        )
+    if (got.layer_begin, got.layer_end) != (mine.layer_begin, mine.layer_end):
+        raise ExpectationMismatch(
+            f"frame is for layers [{got.layer_begin}, {got.layer_end}), this worker owns "
+            f"[{mine.layer_begin}, {mine.layer_end})",
+            status="DGR_E_EXPECTATION_RANGE",
+        )
+    if got.boundary_width != mine.boundary_width:
+        raise ExpectationMismatch(
+            f"frame expects boundary width {got.boundary_width}, this worker takes "
+            f"{mine.boundary_width}",
+            status="DGR_E_EXPECTATION_WIDTH",
+        )
+
+
+def check_session_id(session_id: str) -> None:
+    if not session_id or len(session_id.encode()) > MAX_SESSION_ID_BYTES:
+        raise FrameRejected(f"session id must be 1..{MAX_SESSION_ID_BYTES} bytes")
+
+
+# --- tensors -----------------------------------------------------------------------------------
+
+
+def fill_tensor(tensor: pb.Tensor, rows: npt.NDArray[np.floating]) -> None:
+    """Writes a 2-D float array into ``tensor`` (in place: no sub-message copy) as f32 LE."""
+    arr = np.ascontiguousarray(rows, dtype=F32)
+    if arr.ndim != 2:
+        raise FrameRejected(f"a tensor must be 2-D [rows, width], got shape {arr.shape}")
+    tensor.dtype = pb.DTYPE_F32
+    tensor.shape[:] = arr.shape
+    tensor.data = arr.tobytes()
+
+
+def tensor_to_proto(rows: npt.NDArray[np.floating]) -> pb.Tensor:
+    """A 2-D float array as a little-endian f32 tensor message."""
+    tensor = pb.Tensor()
+    fill_tensor(tensor, rows)
+    return tensor
+
+
+def tensor_from_proto(tensor: pb.Tensor, n_rows: int, width: int, what: str) -> FloatRows:
+    """The tensor as a read-only ``[n_rows, width]`` f32 view; :class:`FrameRejected` unless
+    dtype, shape and byte length are exactly that."""
+    if tensor.dtype != pb.DTYPE_F32:
+        raise FrameRejected(
+            f"{what}: dtype {pb.DType.Name(tensor.dtype)} not supported (schema "
+            f"{SCHEMA_VERSION} carries DTYPE_F32)"
+        )
+    shape = tuple(tensor.shape)
+    if shape != (n_rows, width):
+        raise FrameRejected(f"{what}: shape {list(shape)}, expected [{n_rows}, {width}]")
+    if len(tensor.data) != n_rows * width * F32.itemsize:
+        raise FrameRejected(
+            f"{what}: {len(tensor.data)} bytes for shape [{n_rows}, {width}] f32 "
+            f"({n_rows * width * F32.itemsize} expected)"
+        )
+    return np.frombuffer(tensor.data, dtype=F32).reshape(n_rows, width)
+
+
+# --- forward request ---------------------------------------------------------------------------
+
+
+def encode_forward(
+    session_id: str,
+    epoch: int,
+    step: int,
+    expect: Expectations,
+    positions: Sequence[int] | npt.NDArray[np.integer],
+    *,
+    tokens: Sequence[int] | npt.NDArray[np.integer] | None = None,
+    boundary: npt.NDArray[np.floating] | None = None,
+    logit_rows: Sequence[int] | None = None,
+    timeout: float | None = None,
+) -> pb.ForwardRequest:
+    """A forward request; ``expected_next_pos`` is ``positions[0]``; ``timeout`` (seconds)
+    becomes the frame's own deadline (``timeout_ms``)."""
+    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+    request = pb.ForwardRequest(
+        session_id=session_id,
+        epoch=epoch,
+        step=step,
+        expect=expectations_to_proto(expect),
+        expected_next_pos=int(pos[0]) if pos.size else 0,
+        positions=pos.tolist(),
+        timeout_ms=0 if timeout is None else max(1, min(int(timeout * 1000), 2**32 - 1)),
+    )
+    if tokens is not None:
+        request.token_ids.extend(np.asarray(tokens, dtype=np.int64).reshape(-1).tolist())
+    if boundary is not None:
+        fill_tensor(request.boundary, boundary)
+    if logit_rows:
+        request.logit_rows.extend(int(i) for i in logit_rows)
+    return request
+
+
+def decode_forward(request: pb.ForwardRequest, mine: Expectations, info: ShardInfo) -> ForwardFrame:
+    """Checks a forward request against this worker and returns the engine's arguments."""
+    check_session_id(request.session_id)
+    check_expectations(request.expect, mine)
+    n = len(request.positions)
+    if n == 0:
+        raise FrameRejected("a frame needs at least one row (position)")
+    positions = np.fromiter(request.positions, dtype=np.int64, count=n)
+    start = int(request.expected_next_pos)
+    if int(positions[0]) != start or (n > 1 and not np.all(np.diff(positions) == 1)):
+        raise FrameRejected(
+            f"positions must be expected_next_pos + i = {start}.., got "
+            f"{positions[:4].tolist()}{'…' if n > 4 else ''}"
+        )
+    if int(positions[-1]) > _MAX_POSITION:
+        raise FrameRejected(f"position {int(positions[-1])} out of range")
+
+    n_tok = len(request.token_ids)
+    tokens: IntArray | None = None
+    if info.is_first or info.needs_token_ids:
+        if n_tok != n:
+            raise FrameRejected(f"{n_tok} token ids for {n} rows: this stage needs one per row")
+        tokens = np.fromiter(request.token_ids, dtype=np.int32, count=n)
+    elif n_tok not in (0, n):
+        raise FrameRejected(f"{n_tok} token ids for {n} rows: send one per row or none")
+
+    rows: FloatRows | None = None
+    has_boundary = request.HasField("boundary")
+    if info.is_first:
+        if has_boundary and (request.boundary.data or request.boundary.shape):
+            raise FrameRejected("the first stage takes token ids, not boundary rows")
+    elif not has_boundary:
+        raise FrameRejected(f"this stage takes boundary rows [{n}, {info.in_width}]: none sent")
+    else:
+        rows = tensor_from_proto(request.boundary, n, info.in_width, "boundary")
+
+    want: npt.NDArray[np.uint8] | None = None
+    if info.is_last and request.logit_rows:
+        idx = np.fromiter(request.logit_rows, dtype=np.int64, count=len(request.logit_rows))
+        if int(idx[-1]) >= n or (idx.size > 1 and not np.all(np.diff(idx) > 0)):
+            raise FrameRejected(f"logit_rows must be strictly increasing row indices < {n}")
+        want = np.zeros(n, dtype=np.uint8)
+        want[idx] = 1
+    return ForwardFrame(
+        session_id=request.session_id,
+        epoch=int(request.epoch),
+        step=int(request.step),
+        positions=positions.astype(np.int32),
+        tokens=tokens,
+        rows=rows,
+        want=want,
+    )
+
+
+# --- forward reply -----------------------------------------------------------------------------
+
+
+def output_from_reply(reply: pb.ForwardReply) -> FloatRows:
+    """The reply's output rows (checked like a request's boundary)."""
+    shape = tuple(reply.output.shape)
+    if len(shape) != 2:
+        raise FrameRejected(f"output: shape {list(shape)} is not [rows, width]")
+    return tensor_from_proto(reply.output, shape[0], shape[1], "output")

@@ -1,0 +1,104 @@
+"""What a worker's advert states about the files and the build it runs: computed once at start.
+
+The GGUF's SHA-256 is streamed (the file may be far larger than memory); the tensor types come
+from the GGUF header (``gguf.GGUFReader``, memory-mapped); the patch-stack hash covers
+``patches/*.patch`` in order, names and contents, read from the source tree at run time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import os
+import platform
+import tomllib
+from pathlib import Path
+
+import attrs
+
+_CHUNK = 8 * 1024 * 1024
+_PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+PATCHES_DIR = _PACKAGE_ROOT / "patches"
+"""The patch stack applied to the pinned llama.cpp (in the source tree)."""
+
+
+def _hex(value: bytes) -> str:
+    return value.hex()[:12] + ("…" if len(value) > 6 else "")
+
+
+def file_sha256(path: str | os.PathLike[str]) -> bytes:
+    """SHA-256 of a file, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.digest()
+
+
+def gguf_tensor_types(path: str | os.PathLike[str]) -> tuple[str, ...]:
+    """The tensor types present in a GGUF (e.g. ``("F16", "F32")``), sorted."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    return tuple(sorted({t.tensor_type.name for t in reader.tensors}))
+
+
+def patch_stack_sha256(patches_dir: Path = PATCHES_DIR) -> bytes:
+    """SHA-256 over ``*.patch`` in name order: each name, NUL, the SHA-256 of its bytes.
+
+    Empty bytes when the directory is absent (an installed package without its source tree):
+    an unknown patch stack, which matches no other lane.
+    """
+    patches = sorted(patches_dir.glob("*.patch")) if patches_dir.is_dir() else []
+    if not patches:
+        return b""
+    digest = hashlib.sha256()
+    for patch in patches:
+        digest.update(patch.name.encode() + b"\0" + hashlib.sha256(patch.read_bytes()).digest())
+    return digest.digest()
+
+
+def dgr_version() -> str:
+    """The installed distribution's version, else ``pyproject.toml``'s, else ``0+unknown``."""
+    try:
+        return importlib.metadata.version("dgr")
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    pyproject = _PACKAGE_ROOT / "pyproject.toml"
+    try:
+        version = tomllib.loads(pyproject.read_text())["project"]["version"]
+        return f"{version}+source"
+    except (OSError, KeyError, tomllib.TOMLDecodeError):
+        return "0+unknown"
+
+
+def hardware_class() -> str:
+    """A coarse hardware class for the lane (the machine architecture)."""
+    return platform.machine() or "unknown"
+
+
+@attrs.frozen
+class BuildIdentity:
+    """The static half of an advert: the model file and the build serving it."""
+
+    model_sha256: bytes = attrs.field(repr=_hex)
+    quant_types: tuple[str, ...]
+    llama_cpp_commit: str
+    patch_stack_sha256: bytes = attrs.field(repr=_hex)
+    dgr_version: str
+    hardware: str
+    backend: str = "cpu"
+    kv_type: str = "f16"
+    """llama.cpp's default KV type, which ``native/src/dgr_shard.cpp`` keeps."""
+
+    @classmethod
+    def of_model(cls, model: str | os.PathLike[str], llama_cpp_commit: str) -> BuildIdentity:
+        """Hashes and reads ``model`` (streaming) and the patch stack."""
+        return cls(
+            model_sha256=file_sha256(model),
+            quant_types=gguf_tensor_types(model),
+            llama_cpp_commit=llama_cpp_commit,
+            patch_stack_sha256=patch_stack_sha256(),
+            dgr_version=dgr_version(),
+            hardware=hardware_class(),
+        )

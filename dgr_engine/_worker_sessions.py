@@ -1,0 +1,150 @@
+"""The worker's session table: wire session ids over one engine's session keys.
+
+The wire names sessions by strings; the engine by ``uint64`` keys. A session keeps its key over
+its epochs (so the engine fences them: a newer epoch discards the older one's state, an older
+one is refused) and loses it when closed. The table mirrors each session's epoch and next
+position so that ``Describe`` never waits for the engine.
+
+Threading: every method but :meth:`snapshot` is called from the worker's one engine thread,
+so engine calls and table updates never interleave; ``_lock`` only guards the dict against a
+concurrent :meth:`snapshot` (invariant: an entry exists iff its engine session is open).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+from collections.abc import Iterator
+from typing import Protocol
+
+import attrs
+import numpy as np
+
+from dgr_engine._worker_frames import FloatRows, ForwardFrame
+from dgr_engine.engine import FloatArray, ShardInfo
+from dgr_engine.errors import EngineError, StaleEpoch, UnknownSession
+
+
+class EngineLike(Protocol):
+    """What the worker needs of a ``ShardEngine`` (which is the only production engine)."""
+
+    info: ShardInfo
+
+    def open_session(self, session_id: int, epoch: int) -> None: ...
+    def close_session(self, session_id: int, epoch: int) -> None: ...
+    def forward(
+        self,
+        session_id: int,
+        epoch: int,
+        positions: np.ndarray,
+        *,
+        tokens: np.ndarray | None = None,
+        rows: np.ndarray | None = None,
+        want: np.ndarray | None = None,
+    ) -> FloatArray: ...
+    def close(self) -> None: ...
+
+
+@attrs.define
+class _Entry:
+    key: int
+    epoch: int
+    next_pos: int = 0
+
+
+@attrs.frozen
+class TableSnapshot:
+    sessions_open: int
+    kv_tokens_used: int
+
+
+class SessionTable:
+    """Sessions of one engine, by wire id."""
+
+    def __init__(self, engine: EngineLike) -> None:
+        self.engine = engine
+        self._lock = threading.Lock()
+        self._entries: dict[str, _Entry] = {}
+        self._keys = itertools.count(1)
+
+    def open(self, session_id: str, epoch: int) -> bool:
+        """Opens ``(session_id, epoch)``; True if an older epoch's state was discarded."""
+        entry = self._entries.get(session_id)
+        if entry is not None and epoch < entry.epoch:
+            raise self._stale(session_id, epoch, entry)
+        key = entry.key if entry is not None else next(self._keys)
+        with _naming(session_id, key):
+            self.engine.open_session(key, epoch)
+        discarded = entry is not None and epoch > entry.epoch
+        if entry is None or discarded:
+            with self._lock:
+                self._entries[session_id] = _Entry(key, epoch)
+        return discarded
+
+    def forward(self, frame: ForwardFrame) -> tuple[FloatRows, int]:
+        """Runs the frame; returns the output rows and the session's next position."""
+        entry = self._live(frame.session_id, frame.epoch)
+        with _naming(frame.session_id, entry.key):
+            out = self.engine.forward(
+                entry.key,
+                frame.epoch,
+                frame.positions,
+                tokens=frame.tokens,
+                rows=frame.rows,
+                want=frame.want,
+            )
+        entry.next_pos = int(frame.positions[-1]) + 1
+        return out, entry.next_pos
+
+    def close(self, session_id: str, epoch: int) -> None:
+        entry = self._live(session_id, epoch)
+        with _naming(session_id, entry.key):
+            self.engine.close_session(entry.key, epoch)
+        with self._lock:
+            del self._entries[session_id]
+
+    def close_all(self) -> int:
+        """Closes every session; returns how many were open."""
+        with self._lock:
+            entries = list(self._entries.values())
+            self._entries.clear()
+        for entry in entries:
+            self.engine.close_session(entry.key, entry.epoch)
+        return len(entries)
+
+    def snapshot(self) -> TableSnapshot:
+        """Counts for the advert (safe from any thread)."""
+        with self._lock:
+            used = sum(e.next_pos for e in self._entries.values())
+            return TableSnapshot(sessions_open=len(self._entries), kv_tokens_used=used)
+
+    def _live(self, session_id: str, epoch: int) -> _Entry:
+        entry = self._entries.get(session_id)
+        if entry is None:
+            raise UnknownSession(f"DGR_E_UNKNOWN_SESSION: session {session_id!r} is not open")
+        if epoch < entry.epoch:
+            raise self._stale(session_id, epoch, entry)
+        if epoch > entry.epoch:
+            raise UnknownSession(
+                f"DGR_E_UNKNOWN_SESSION: session {session_id!r} epoch {epoch} is not open "
+                f"(open epoch {entry.epoch})"
+            )
+        return entry
+
+    @staticmethod
+    def _stale(session_id: str, epoch: int, entry: _Entry) -> StaleEpoch:
+        return StaleEpoch(
+            f"DGR_E_STALE_EPOCH: session {session_id!r} epoch {epoch} is older than the open "
+            f"epoch {entry.epoch}"
+        )
+
+
+@contextlib.contextmanager
+def _naming(session_id: str, key: int) -> Iterator[None]:
+    """Engine messages name the engine's key; add the wire id (same exception, same status)."""
+    try:
+        yield
+    except EngineError as exc:
+        exc.args = (f"{exc.args[0] if exc.args else ''} [session {session_id!r} = key {key}]",)
+        raise

@@ -1,0 +1,146 @@
+"""Starting and stopping ``dgr worker`` subprocesses on loopback (tests, demo, benchmarks).
+
+:meth:`WorkerProcess.spawn` starts ``python -m dgr_engine.cli worker ... --port 0`` and waits,
+bounded in time, for its ``LISTENING HOST:PORT`` line; :meth:`stop` sends SIGTERM and waits
+(bounded) for a clean exit, then SIGKILLs. stdout is drained by a thread (so the ``STOPPED``
+line is kept); stderr goes to a temporary file, readable with :meth:`stderr_text`. Use as a
+context manager, or call :meth:`stop` in a ``finally``.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO
+
+_REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+class WorkerProcess:
+    """One worker subprocess. ``address`` is ``host:port`` once spawned."""
+
+    def __init__(self, proc: subprocess.Popen[str], stderr: IO[bytes], args: list[str]) -> None:
+        self.proc = proc
+        self.args = args
+        self.address = ""
+        self.stdout_lines: list[str] = []
+        self._stderr = stderr
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    @classmethod
+    def spawn(
+        cls,
+        model: str | os.PathLike[str],
+        layers: tuple[int, int],
+        *,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        extra_args: Sequence[str] = (),
+        startup_timeout: float = 60.0,
+    ) -> WorkerProcess:
+        """Starts a worker and waits for its LISTENING line (``TimeoutError`` after
+        ``startup_timeout`` s, ``RuntimeError`` if it exits first; either way it is stopped)."""
+        args = [
+            sys.executable,
+            "-m",
+            "dgr_engine.cli",
+            "worker",
+            "--model",
+            str(model),
+            "--layers",
+            f"{layers[0]}:{layers[1]}",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            *extra_args,
+        ]
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p
+        )
+        stderr = tempfile.TemporaryFile()
+        proc = subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=_REPO_ROOT
+        )
+        worker = cls(proc, stderr, args)
+        try:
+            worker._await_listening(startup_timeout)
+        except BaseException:
+            worker.kill()
+            raise
+        return worker
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def port(self) -> int:
+        return int(self.address.rsplit(":", 1)[1])
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM, wait up to ``timeout`` s, else SIGKILL; returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout)
+        self._reader.join(timeout)
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        """SIGKILL (a crash: no session is closed) and reap."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(15.0)
+        self._reader.join(15.0)
+
+    def __enter__(self) -> WorkerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stderr_text(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.stdout_lines.append(line.rstrip("\n"))
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def _await_listening(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"worker {self.args} not listening after {timeout} s")
+            try:
+                line = self._lines.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if line is None:
+                self.proc.wait(5.0)
+                raise RuntimeError(
+                    f"worker exited with {self.proc.returncode} before listening:\n"
+                    f"{self.stderr_text()[-4000:]}"
+                )
+            if line.startswith("LISTENING "):
+                self.address = line.split(" ", 1)[1]
+                return

@@ -1,0 +1,140 @@
+"""The one place that maps dgr failures to gRPC status codes and back.
+
+A worker that refuses a call aborts it with a conventional gRPC status code and puts the exact
+reason in the trailing metadata under :data:`STATUS_KEY` (``"dgr-status": "DGR_E_STALE_EPOCH"``).
+The client reads the reason back and raises the same typed exception the engine raised, so a
+caller handles a remote stage exactly like a local one.
+
+=====================  ============================  =============================================
+gRPC code              dgr-status                    exception (all ``EngineError``)
+=====================  ============================  =============================================
+INVALID_ARGUMENT       DGR_E_FRAME                   :class:`FrameRejected` (malformed frame)
+INVALID_ARGUMENT       DGR_E_EXPECTATION_*           :class:`ExpectationMismatch` (other model,
+                                                     range, width or schema)
+INVALID_ARGUMENT       DGR_E_SHAPE                   ``ShapeMismatch``
+INVALID_ARGUMENT       DGR_E_INVALID_ARGUMENT        ``InvalidArgument``
+FAILED_PRECONDITION    DGR_E_STALE_EPOCH             ``StaleEpoch``
+FAILED_PRECONDITION    DGR_E_POSITION                ``PositionMismatch``
+NOT_FOUND              DGR_E_UNKNOWN_SESSION         ``UnknownSession``
+RESOURCE_EXHAUSTED     DGR_E_CAPACITY                ``CapacityExceeded``
+RESOURCE_EXHAUSTED     DGR_E_CONTEXT_FULL            ``ContextFull``
+RESOURCE_EXHAUSTED     (none: gRPC's size limit)     :class:`FrameRejected` (DGR_E_MESSAGE_SIZE)
+DEADLINE_EXCEEDED      DGR_E_DEADLINE / (none)       :class:`ShardDeadlineExceeded`
+UNAVAILABLE            DGR_E_SHUTTING_DOWN / (none)  :class:`ShardUnavailable`
+INTERNAL               DGR_E_DECODE, DGR_E_INTERNAL  ``DecodeError``, ``InternalError``, ...
+=====================  ============================  =============================================
+
+A position mismatch is FAILED_PRECONDITION, not INVALID_ARGUMENT: the frame is well formed, the
+session's KV is simply elsewhere (gRPC: "rejected because the system is not in a state required
+for the operation"). A frame whose own positions are not contiguous, or do not start at its
+``expected_next_pos``, is malformed whatever the state: INVALID_ARGUMENT, ``DGR_E_FRAME``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import grpc
+
+from dgr_engine import errors as E
+
+STATUS_KEY = "dgr-status"
+"""Trailing-metadata key of the machine-readable reason."""
+
+
+class FrameRejected(E.EngineError, ValueError):
+    """A frame is malformed: wrong dtype, shape or byte length, missing or unexpected rows or
+    token ids, non-contiguous positions, or over the message size limit. The worker changed
+    nothing; the session lives on and may resend a correct frame."""
+
+    status = "DGR_E_FRAME"
+
+
+class ExpectationMismatch(E.EngineError, ValueError):
+    """The frame was meant for another worker: its model hash, layer range, boundary width or
+    schema version differs from what the worker serves (the ``status`` says which). Nothing
+    changed; the route is wrong, not the data: ask for another route."""
+
+    status = "DGR_E_EXPECTATION"
+
+
+class ShardUnavailable(E.EngineError, ConnectionError):
+    """The worker is unreachable or shutting down; its sessions' state is gone or going. The
+    route session must move to a new route (re-prefill under a new epoch)."""
+
+    status = "DGR_E_UNAVAILABLE"
+
+
+class ShardDeadlineExceeded(E.EngineError, TimeoutError):
+    """The call's deadline passed. With ``DGR_E_DEADLINE`` the engine never ran (nothing
+    changed); without it (the client gave up) the state may have advanced: treat the stage as
+    faulty and re-prefill under a new epoch."""
+
+    status = "DGR_E_DEADLINE"
+
+
+class ShardRpcError(E.EngineError):
+    """A gRPC failure without a dgr reason (``status`` is ``GRPC_<CODE>``), or a reply out of
+    protocol (``DGR_E_PROTOCOL``). Treat the stage as faulty."""
+
+    status = "DGR_E_RPC"
+
+
+_C = grpc.StatusCode
+
+_BY_STATUS: dict[str, tuple[grpc.StatusCode, type[E.EngineError]]] = {
+    "DGR_E_FRAME": (_C.INVALID_ARGUMENT, FrameRejected),
+    "DGR_E_MESSAGE_SIZE": (_C.RESOURCE_EXHAUSTED, FrameRejected),
+    "DGR_E_EXPECTATION": (_C.INVALID_ARGUMENT, ExpectationMismatch),
+    "DGR_E_EXPECTATION_SCHEMA": (_C.INVALID_ARGUMENT, ExpectationMismatch),
+    "DGR_E_EXPECTATION_MODEL": (_C.INVALID_ARGUMENT, ExpectationMismatch),
+    "DGR_E_EXPECTATION_RANGE": (_C.INVALID_ARGUMENT, ExpectationMismatch),
+    "DGR_E_EXPECTATION_WIDTH": (_C.INVALID_ARGUMENT, ExpectationMismatch),
+    "DGR_E_INVALID_ARGUMENT": (_C.INVALID_ARGUMENT, E.InvalidArgument),
+    "DGR_E_SHAPE": (_C.INVALID_ARGUMENT, E.ShapeMismatch),
+    "DGR_E_STALE_EPOCH": (_C.FAILED_PRECONDITION, E.StaleEpoch),
+    "DGR_E_POSITION": (_C.FAILED_PRECONDITION, E.PositionMismatch),
+    "DGR_E_UNKNOWN_SESSION": (_C.NOT_FOUND, E.UnknownSession),
+    "DGR_E_CAPACITY": (_C.RESOURCE_EXHAUSTED, E.CapacityExceeded),
+    "DGR_E_CONTEXT_FULL": (_C.RESOURCE_EXHAUSTED, E.ContextFull),
+    "DGR_E_DEADLINE": (_C.DEADLINE_EXCEEDED, ShardDeadlineExceeded),
+    "DGR_E_SHUTTING_DOWN": (_C.UNAVAILABLE, ShardUnavailable),
+    "DGR_E_UNAVAILABLE": (_C.UNAVAILABLE, ShardUnavailable),
+    "DGR_E_DECODE": (_C.INTERNAL, E.DecodeError),
+    "DGR_E_STATE": (_C.INTERNAL, E.StateError),
+    "DGR_E_UNSUPPORTED": (_C.INTERNAL, E.UnsupportedFeature),
+    "DGR_E_INTERNAL": (_C.INTERNAL, E.InternalError),
+}
+
+_BY_CODE: dict[grpc.StatusCode, type[E.EngineError]] = {
+    _C.UNAVAILABLE: ShardUnavailable,
+    _C.CANCELLED: ShardUnavailable,
+    _C.DEADLINE_EXCEEDED: ShardDeadlineExceeded,
+}
+
+
+def known_statuses() -> Iterable[str]:
+    """Every dgr-status a worker may send."""
+    return _BY_STATUS.keys()
+
+
+def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC code and dgr-status a worker answers ``exc`` with."""
+    if isinstance(exc, E.EngineClosed):
+        return _C.UNAVAILABLE, "DGR_E_SHUTTING_DOWN"
+    if isinstance(exc, E.EngineError) and exc.status in _BY_STATUS:
+        return _BY_STATUS[exc.status][0], exc.status
+    return _C.INTERNAL, "DGR_E_INTERNAL"
+
+
+def error_from_rpc(code: grpc.StatusCode, status: str | None, details: str) -> E.EngineError:
+    """The typed exception for a failed call: by dgr-status when the worker sent one, else by
+    gRPC code (connection failures, deadlines, gRPC's own size limit)."""
+    if status is not None and status in _BY_STATUS:
+        return _BY_STATUS[status][1](details, status=status)
+    if code == _C.RESOURCE_EXHAUSTED and "larger than max" in details:
+        return FrameRejected(details, status="DGR_E_MESSAGE_SIZE")
+    cls = _BY_CODE.get(code)
+    if cls is not None:
+        return cls(details)
+    return ShardRpcError(details, status=status or f"GRPC_{code.name}")

@@ -1,0 +1,250 @@
+"""The capability advert a shard worker returns from ``Describe``: what the tracker routes on.
+
+Exact compatibility is the session layer's own value objects (:class:`ModelIdentity`,
+:class:`Recipe`, :class:`Lane` from ``dgr_session.identity``), so a route built from adverts
+validates with ``dgr_session.route.validate_route`` unchanged (:meth:`Advert.stage_spec`). The
+rest says where the stage sits (range), how much it can take (capacity, load), what its seam
+costs, and how healthy it is. Serialization lives in :func:`advert_to_proto` /
+:func:`advert_from_proto`, outside the classes.
+
+Certification: a worker on this machine is always ``dark`` with ``fixture`` evidence; fixture
+evidence is never real-model evidence, and dark lanes are unroutable unless a caller opts in.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from dgr_engine.proto import shard_pb2 as pb
+from dgr_session.identity import (
+    CertificationStatus,
+    EvidenceClass,
+    Lane,
+    ModelIdentity,
+    Recipe,
+)
+from dgr_session.route import StageSpec
+
+
+@attrs.frozen
+class LayerSpan:
+    """Where the stage sits in the model."""
+
+    layer_begin: int
+    """First owned layer."""
+    layer_end: int
+    """One past the last owned layer."""
+    is_first: bool
+    """Takes token ids."""
+    is_last: bool
+    """Produces logits."""
+    needs_token_ids: bool
+    """Frames must carry the token-id sideband (first stage, hash-routed layers)."""
+
+
+@attrs.frozen
+class Capacity:
+    """Sessions and KV the stage can still take."""
+
+    sessions_max: int
+    """Concurrent sessions (engine slots)."""
+    sessions_open: int
+    """Sessions open now."""
+    kv_tokens_free: int
+    """Free KV positions over every slot, open or not."""
+    context_per_session: int
+    """KV positions per session."""
+    max_rows_per_forward: int
+    """Most rows one forward may carry (n_batch)."""
+
+
+@attrs.frozen
+class Load:
+    """How busy the stage is now."""
+
+    in_flight: int
+    """Forwards running or queued."""
+    queued: int
+    """Forwards waiting for the engine."""
+    rows_per_second: float
+    """Rows forwarded per second over the recent window."""
+    window_seconds: float
+    """Length of that window."""
+
+
+@attrs.frozen
+class SeamCost:
+    """What crosses the seam per token, payload only (no gRPC framing)."""
+
+    dtype: str
+    """Element type of boundary and logits rows (``"f32"``)."""
+    width_in: int
+    """Floats per input row; 0 on the first stage (token ids)."""
+    width_out: int
+    """Floats per output row; ``n_vocab`` on the last stage."""
+    bytes_per_token_in: int
+    """Boundary row + position + token id (where sent)."""
+    bytes_per_token_out: int
+    """One output row."""
+
+
+@attrs.frozen
+class Health:
+    """Reliability as the worker sees itself."""
+
+    uptime_seconds: float
+    """Since the worker started serving."""
+    recent_errors: int
+    """Refused or failed calls in the recent window."""
+    total_errors: int
+    """Refused or failed calls since start."""
+    window_seconds: float
+    """Length of the recent window."""
+
+
+@attrs.frozen
+class Advert:
+    """Everything one shard worker tells the tracker about itself."""
+
+    identity: ModelIdentity
+    """Which model (GGUF content hash, arch, n_layer)."""
+    recipe: Recipe
+    """Quant types, context, KV type."""
+    lane: Lane
+    """Backend, llama.cpp commit, patch stack, dgr version, hardware, certification."""
+    schema_version: int
+    """Wire schema the worker speaks."""
+    span: LayerSpan
+    capacity: Capacity
+    load: Load
+    seam: SeamCost
+    health: Health
+
+    def stage_spec(self, endpoint: str) -> StageSpec:
+        """This stage as a route element at ``endpoint``."""
+        return StageSpec(
+            endpoint=endpoint,
+            layer_begin=self.span.layer_begin,
+            layer_end=self.span.layer_end,
+            identity=self.identity,
+            recipe=self.recipe,
+            lane=self.lane,
+            boundary_in=self.seam.width_in,
+            boundary_out=0 if self.span.is_last else self.seam.width_out,
+        )
+
+
+# --- conversion --------------------------------------------------------------------------------
+
+_STATUS_TO_PB = {
+    CertificationStatus.DARK: pb.LANE_STATUS_DARK,
+    CertificationStatus.CERTIFIED: pb.LANE_STATUS_CERTIFIED,
+}
+_EVIDENCE_TO_PB = {
+    None: pb.EVIDENCE_CLASS_UNSPECIFIED,
+    EvidenceClass.FIXTURE: pb.EVIDENCE_CLASS_FIXTURE,
+    EvidenceClass.REAL_MODEL: pb.EVIDENCE_CLASS_REAL_MODEL,
+    EvidenceClass.REAL_HARDWARE: pb.EVIDENCE_CLASS_REAL_HARDWARE,
+    EvidenceClass.RELEASE: pb.EVIDENCE_CLASS_RELEASE,
+}
+_EVIDENCE_FROM_PB = {v: k for k, v in _EVIDENCE_TO_PB.items()}
+_DTYPE_TO_PB = {"f32": pb.DTYPE_F32, "f16": pb.DTYPE_F16, "bf16": pb.DTYPE_BF16}
+_DTYPE_FROM_PB = {v: k for k, v in _DTYPE_TO_PB.items()}
+
+
+def advert_to_proto(advert: Advert) -> pb.Advert:
+    """The advert as the ``dgr.shard.v1.Advert`` message."""
+    ident, recipe, lane = advert.identity, advert.recipe, advert.lane
+    return pb.Advert(
+        compatibility=pb.Compatibility(
+            model_sha256=ident.content_hash,
+            arch=ident.arch,
+            n_layer=ident.n_layer,
+            official_target_sha=ident.official_target_sha or "",
+            quant_types=recipe.quant_types,
+            context=recipe.context,
+            kv_type=recipe.kv_type,
+            backend=lane.backend,
+            llama_cpp_commit=lane.llama_cpp_commit,
+            patch_stack_sha256=lane.patch_stack_hash,
+            dgr_version=lane.dgr_version,
+            hardware=lane.hardware,
+            schema_version=advert.schema_version,
+        ),
+        range=pb.LayerRange(**attrs.asdict(advert.span)),
+        capacity=pb.Capacity(**attrs.asdict(advert.capacity)),
+        load=pb.Load(**attrs.asdict(advert.load)),
+        seam=pb.SeamCost(
+            dtype=_DTYPE_TO_PB[advert.seam.dtype],
+            width_in=advert.seam.width_in,
+            width_out=advert.seam.width_out,
+            bytes_per_token_in=advert.seam.bytes_per_token_in,
+            bytes_per_token_out=advert.seam.bytes_per_token_out,
+        ),
+        health=pb.Health(**attrs.asdict(advert.health)),
+        certification=pb.Certification(
+            status=_STATUS_TO_PB[lane.certification],
+            evidence=_EVIDENCE_TO_PB[lane.evidence],
+        ),
+    )
+
+
+def advert_from_proto(msg: pb.Advert) -> Advert:
+    """The advert of a ``dgr.shard.v1.Advert`` message. A lane status other than CERTIFIED
+    reads as dark (fail closed); ``ValueError`` if the message is not a valid advert."""
+    c = msg.compatibility
+    certified = msg.certification.status == pb.LANE_STATUS_CERTIFIED
+    if msg.seam.dtype not in _DTYPE_FROM_PB or msg.certification.evidence not in _EVIDENCE_FROM_PB:
+        raise ValueError(f"advert with an unknown dtype or evidence class: {msg.seam}")
+    return Advert(
+        identity=ModelIdentity(
+            content_hash=c.model_sha256,
+            arch=c.arch,
+            n_layer=c.n_layer,
+            official_target_sha=c.official_target_sha or None,
+        ),
+        recipe=Recipe(quant_types=tuple(c.quant_types), context=c.context, kv_type=c.kv_type),
+        lane=Lane(
+            backend=c.backend,
+            llama_cpp_commit=c.llama_cpp_commit,
+            patch_stack_hash=c.patch_stack_sha256,
+            dgr_version=c.dgr_version,
+            hardware=c.hardware,
+            certification=CertificationStatus.CERTIFIED if certified else CertificationStatus.DARK,
+            evidence=_EVIDENCE_FROM_PB[msg.certification.evidence],
+        ),
+        schema_version=c.schema_version,
+        span=LayerSpan(
+            layer_begin=msg.range.layer_begin,
+            layer_end=msg.range.layer_end,
+            is_first=msg.range.is_first,
+            is_last=msg.range.is_last,
+            needs_token_ids=msg.range.needs_token_ids,
+        ),
+        capacity=Capacity(
+            sessions_max=msg.capacity.sessions_max,
+            sessions_open=msg.capacity.sessions_open,
+            kv_tokens_free=msg.capacity.kv_tokens_free,
+            context_per_session=msg.capacity.context_per_session,
+            max_rows_per_forward=msg.capacity.max_rows_per_forward,
+        ),
+        load=Load(
+            in_flight=msg.load.in_flight,
+            queued=msg.load.queued,
+            rows_per_second=msg.load.rows_per_second,
+            window_seconds=msg.load.window_seconds,
+        ),
+        seam=SeamCost(
+            dtype=_DTYPE_FROM_PB[msg.seam.dtype],
+            width_in=msg.seam.width_in,
+            width_out=msg.seam.width_out,
+            bytes_per_token_in=msg.seam.bytes_per_token_in,
+            bytes_per_token_out=msg.seam.bytes_per_token_out,
+        ),
+        health=Health(
+            uptime_seconds=msg.health.uptime_seconds,
+            recent_errors=msg.health.recent_errors,
+            total_errors=msg.health.total_errors,
+            window_seconds=msg.health.window_seconds,
+        ),
+    )

@@ -1,0 +1,344 @@
+"""A typed asyncio client for one shard worker (``dgr.shard.v1.Shard``).
+
+Every failed call raises the typed exception the worker's engine raised (``StaleEpoch``,
+``UnknownSession``, ``CapacityExceeded``, ...), read back from the ``dgr-status`` trailing
+metadata, or one of the transport errors of ``dgr_engine._worker_status``
+(:class:`ShardUnavailable` is a ``ConnectionError``, :class:`ShardDeadlineExceeded` a
+``TimeoutError``). Each call has a deadline (``timeout``, per call or the client's default).
+
+::
+
+    async with ShardClient("127.0.0.1:50051") as shard:
+        advert = await shard.describe()
+        expect = expectations_of(advert)
+        await shard.open("s1", 0, expect)
+        result = await shard.forward("s1", 0, 0, expect, range(16), tokens=prompt)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+import grpc
+import numpy as np
+import numpy.typing as npt
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from dgr_engine._worker_frames import (
+    SCHEMA_VERSION,
+    Expectations,
+    FloatRows,
+    encode_forward,
+    expectations_to_proto,
+    output_from_reply,
+)
+from dgr_engine._worker_status import (
+    STATUS_KEY,
+    ExpectationMismatch,
+    FrameRejected,
+    ShardDeadlineExceeded,
+    ShardRpcError,
+    ShardUnavailable,
+    error_from_rpc,
+)
+from dgr_engine.advert import Advert, advert_from_proto
+from dgr_engine.errors import EngineError
+from dgr_engine.proto import shard_pb2 as pb
+from dgr_engine.proto import shard_pb2_grpc
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "ExpectationMismatch",
+    "Expectations",
+    "ForwardResult",
+    "FrameRejected",
+    "ShardClient",
+    "ShardDeadlineExceeded",
+    "ShardRpcError",
+    "ShardUnavailable",
+    "WorkerTimings",
+    "expectations_of",
+]
+
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
+"""Largest reply the client accepts by default (a 512-row prefill of full V4 logits is ~260 MB)."""
+
+
+def expectations_of(advert: Advert) -> Expectations:
+    """What to expect of the worker that sent ``advert``."""
+    return Expectations(
+        model_sha256=advert.identity.content_hash,
+        layer_begin=advert.span.layer_begin,
+        layer_end=advert.span.layer_end,
+        boundary_width=advert.seam.width_in,
+        schema_version=advert.schema_version,
+    )
+
+
+@attrs.frozen
+class WorkerTimings:
+    """Where the worker spent a forward, in microseconds."""
+
+    queue_us: int
+    """Waiting for the engine."""
+    compute_us: int
+    """In the engine."""
+    total_us: int
+    """In the handler, decode and encode included."""
+
+
+@attrs.frozen
+class ForwardResult:
+    """One forward's answer."""
+
+    output: FloatRows = attrs.field(repr=False)
+    """Boundary rows ``[n, width]`` or logits ``[n_wanted, n_vocab]`` (read-only view)."""
+    is_logits: bool
+    """The worker is the last stage."""
+    next_pos: int
+    """The session's next position on the worker."""
+    step: int
+    """The request's step, echoed."""
+    timings: WorkerTimings
+    rtt_us: int
+    """Round trip seen by the client (encode, call, decode)."""
+
+
+class ShardClient:
+    """One channel to one worker. Use ``async with`` or ``await aclose()``.
+
+    ``streaming`` (default): forwards go over one ``ForwardStream`` per session, about half the
+    per-frame cost of unary calls; a refused frame ends that session's stream (the error is
+    raised as for a unary call) and the next forward opens a new one. Forwards of one session
+    are serialized; different sessions run concurrently. ``streaming=False`` uses unary
+    ``Forward`` calls.
+    """
+
+    def __init__(
+        self,
+        target: str,
+        *,
+        timeout: float | None = 30.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        streaming: bool = True,
+    ) -> None:
+        self.target = target
+        self.timeout = timeout
+        self.streaming = streaming
+        self._streams: dict[str, _SessionStream] = {}
+        self._channel = grpc.aio.insecure_channel(
+            target,
+            options=[
+                ("grpc.max_receive_message_length", max_message_bytes),
+                ("grpc.max_send_message_length", max_message_bytes),
+            ],
+        )
+        self._stub = shard_pb2_grpc.ShardStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
+
+    async def __aenter__(self) -> ShardClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        for stream in self._streams.values():
+            stream.cancel()
+        self._streams.clear()
+        await self._channel.close()
+
+    # -- calls -------------------------------------------------------------------------------
+
+    async def serving(self, *, timeout: float | None = None) -> bool:
+        """True if the worker's health service says SERVING (False if not, or unreachable)."""
+        try:
+            reply = await self._health.Check(
+                health_pb2.HealthCheckRequest(service="dgr.shard.v1.Shard"),
+                timeout=timeout if timeout is not None else self.timeout,
+            )
+        except grpc.aio.AioRpcError:
+            return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    async def describe(self, *, timeout: float | None = None) -> Advert:
+        """The worker's capability advert."""
+        reply = await self._call(self._stub.Describe, pb.DescribeRequest(), timeout)
+        return advert_from_proto(reply)
+
+    async def open(
+        self, session_id: str, epoch: int, expect: Expectations, *, timeout: float | None = None
+    ) -> None:
+        """Opens ``(session_id, epoch)``; a newer epoch discards the older one's state."""
+        request = pb.OpenSessionRequest(
+            session_id=session_id, epoch=epoch, expect=expectations_to_proto(expect)
+        )
+        reply = await self._call(self._stub.OpenSession, request, timeout)
+        self._check_echo(reply, session_id, epoch)
+
+    async def close(self, session_id: str, epoch: int, *, timeout: float | None = None) -> None:
+        """Closes ``(session_id, epoch)`` and frees its state on the worker."""
+        stream = self._streams.pop(session_id, None)
+        if stream is not None:
+            await stream.finish()
+        request = pb.CloseSessionRequest(session_id=session_id, epoch=epoch)
+        reply = await self._call(self._stub.CloseSession, request, timeout)
+        self._check_echo(reply, session_id, epoch)
+
+    async def forward(
+        self,
+        session_id: str,
+        epoch: int,
+        step: int,
+        expect: Expectations,
+        positions: Sequence[int] | npt.NDArray[np.integer],
+        *,
+        tokens: Sequence[int] | npt.NDArray[np.integer] | None = None,
+        boundary: npt.NDArray[np.floating] | None = None,
+        logit_rows: Sequence[int] | None = None,
+        timeout: float | None = None,
+    ) -> ForwardResult:
+        """Runs rows at ``positions`` (contiguous, continuing the session's KV): ``tokens`` on
+        the first stage (and where the range needs them), ``boundary`` rows elsewhere. The last
+        stage returns the logits of ``logit_rows`` (default: the last row)."""
+        began = time.perf_counter_ns()
+        timeout = timeout if timeout is not None else self.timeout
+        request = encode_forward(
+            session_id,
+            epoch,
+            step,
+            expect,
+            positions,
+            tokens=tokens,
+            boundary=boundary,
+            logit_rows=logit_rows,
+            timeout=timeout,
+        )
+        if self.streaming:
+            reply = await self._stream_call(session_id, request, timeout)
+        else:
+            reply = await self._call(self._stub.Forward, request, timeout)
+        self._check_echo(reply, session_id, epoch)
+        if reply.step != step:
+            raise ShardRpcError(
+                f"reply for step {reply.step}, asked {step}", status="DGR_E_PROTOCOL"
+            )
+        try:
+            output = output_from_reply(reply)
+        except FrameRejected as exc:
+            raise ShardRpcError(f"malformed reply: {exc}", status="DGR_E_PROTOCOL") from exc
+        t = reply.timings
+        return ForwardResult(
+            output=output,
+            is_logits=reply.kind == pb.OUTPUT_KIND_LOGITS,
+            next_pos=reply.next_pos,
+            step=reply.step,
+            timings=WorkerTimings(t.queue_us, t.compute_us, t.total_us),
+            rtt_us=(time.perf_counter_ns() - began) // 1000,
+        )
+
+    # -- internals ---------------------------------------------------------------------------
+
+    async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
+        try:
+            return await method(request, timeout=timeout if timeout is not None else self.timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise _error_of(exc) from exc
+
+    async def _stream_call(
+        self, session_id: str, request: pb.ForwardRequest, timeout: float | None
+    ) -> pb.ForwardReply:
+        stream = self._streams.get(session_id)
+        if stream is None or stream.done():
+            stream = _SessionStream(self._stub.ForwardStream())
+            self._streams[session_id] = stream
+        try:
+            return await stream.exchange(request, timeout)
+        except BaseException:
+            # the stream is over (refused frame, timeout, cancellation): never reuse it
+            if self._streams.get(session_id) is stream:
+                del self._streams[session_id]
+            stream.cancel()
+            raise
+
+    @staticmethod
+    def _check_echo(reply: Any, session_id: str, epoch: int) -> None:
+        if reply.session_id != session_id or reply.epoch != epoch:
+            raise ShardRpcError(
+                f"reply for ({reply.session_id!r}, {reply.epoch}), asked ({session_id!r}, {epoch})",
+                status="DGR_E_PROTOCOL",
+            )
+
+
+def _error_of(exc: grpc.aio.AioRpcError) -> EngineError:
+    status = None
+    for key, value in exc.trailing_metadata() or ():
+        if key == STATUS_KEY:
+            status = value if isinstance(value, str) else value.decode()
+    return error_from_rpc(exc.code(), status, exc.details() or "")
+
+
+class _SessionStream:
+    """One session's ``ForwardStream``: one request out, one reply in, one at a time."""
+
+    def __init__(self, call: Any) -> None:
+        self.call = call
+        self._lock = asyncio.Lock()
+
+    def done(self) -> bool:
+        return bool(self.call.done())
+
+    def cancel(self) -> None:
+        self.call.cancel()
+
+    async def finish(self) -> None:
+        """Half-closes the stream and lets the worker end it."""
+        async with self._lock:
+            if not self.call.done():
+                try:
+                    await self.call.done_writing()
+                    await asyncio.wait_for(self.call.code(), 5.0)
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
+                    pass
+            self.call.cancel()
+
+    async def exchange(self, request: pb.ForwardRequest, timeout: float | None) -> pb.ForwardReply:
+        async with self._lock:
+            deadline = asyncio.timeout(timeout)  # no extra task, unlike wait_for
+            try:
+                async with deadline:
+                    return await self._exchange(request)
+            except TimeoutError:
+                if not deadline.expired():  # the worker's own DGR_E_DEADLINE refusal
+                    raise
+                raise ShardDeadlineExceeded(
+                    f"no reply within {timeout} s (stream cancelled)"
+                ) from None
+
+    async def _exchange(self, request: pb.ForwardRequest) -> pb.ForwardReply:
+        try:
+            await self.call.write(request)
+            reply = await self.call.read()
+        except grpc.aio.AioRpcError as exc:
+            error = _error_of(exc)
+            if exc.code() == grpc.StatusCode.INTERNAL and error.status == "GRPC_INTERNAL":
+                # gRPC reports a send on a stream whose connection died as INTERNAL, with no
+                # dgr-status (a worker's own refusals always carry one)
+                raise ShardUnavailable(f"the stream broke: {exc.debug_error_string()}") from exc
+            raise error from exc
+        except asyncio.InvalidStateError:
+            reply = grpc.aio.EOF
+        if reply is grpc.aio.EOF:
+            code = await self.call.code()
+            if code == grpc.StatusCode.OK:
+                raise ShardRpcError("the worker ended the stream", status="DGR_E_PROTOCOL")
+            status = None
+            for key, value in await self.call.trailing_metadata() or ():
+                if key == STATUS_KEY:
+                    status = value if isinstance(value, str) else value.decode()
+            raise error_from_rpc(code, status, await self.call.details() or "")
+        return reply

@@ -1,0 +1,288 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    DTYPE_F32: _ClassVar[DType]
+    DTYPE_F16: _ClassVar[DType]
+    DTYPE_BF16: _ClassVar[DType]
+
+class LaneStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LANE_STATUS_UNSPECIFIED: _ClassVar[LaneStatus]
+    LANE_STATUS_DARK: _ClassVar[LaneStatus]
+    LANE_STATUS_CERTIFIED: _ClassVar[LaneStatus]
+
+class EvidenceClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    EVIDENCE_CLASS_UNSPECIFIED: _ClassVar[EvidenceClass]
+    EVIDENCE_CLASS_FIXTURE: _ClassVar[EvidenceClass]
+    EVIDENCE_CLASS_REAL_MODEL: _ClassVar[EvidenceClass]
+    EVIDENCE_CLASS_REAL_HARDWARE: _ClassVar[EvidenceClass]
+    EVIDENCE_CLASS_RELEASE: _ClassVar[EvidenceClass]
+
+class OutputKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    OUTPUT_KIND_UNSPECIFIED: _ClassVar[OutputKind]
+    OUTPUT_KIND_BOUNDARY: _ClassVar[OutputKind]
+    OUTPUT_KIND_LOGITS: _ClassVar[OutputKind]
+DTYPE_UNSPECIFIED: DType
+DTYPE_F32: DType
+DTYPE_F16: DType
+DTYPE_BF16: DType
+LANE_STATUS_UNSPECIFIED: LaneStatus
+LANE_STATUS_DARK: LaneStatus
+LANE_STATUS_CERTIFIED: LaneStatus
+EVIDENCE_CLASS_UNSPECIFIED: EvidenceClass
+EVIDENCE_CLASS_FIXTURE: EvidenceClass
+EVIDENCE_CLASS_REAL_MODEL: EvidenceClass
+EVIDENCE_CLASS_REAL_HARDWARE: EvidenceClass
+EVIDENCE_CLASS_RELEASE: EvidenceClass
+OUTPUT_KIND_UNSPECIFIED: OutputKind
+OUTPUT_KIND_BOUNDARY: OutputKind
+OUTPUT_KIND_LOGITS: OutputKind
+
+class Tensor(_message.Message):
+    __slots__ = ("dtype", "shape", "data")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., shape: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class Expectations(_message.Message):
+    __slots__ = ("schema_version", "model_sha256", "layer_begin", "layer_end", "boundary_width")
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_WIDTH_FIELD_NUMBER: _ClassVar[int]
+    schema_version: int
+    model_sha256: bytes
+    layer_begin: int
+    layer_end: int
+    boundary_width: int
+    def __init__(self, schema_version: _Optional[int] = ..., model_sha256: _Optional[bytes] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., boundary_width: _Optional[int] = ...) -> None: ...
+
+class DescribeRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Compatibility(_message.Message):
+    __slots__ = ("model_sha256", "arch", "n_layer", "official_target_sha", "quant_types", "context", "kv_type", "backend", "llama_cpp_commit", "patch_stack_sha256", "dgr_version", "hardware", "schema_version")
+    MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
+    ARCH_FIELD_NUMBER: _ClassVar[int]
+    N_LAYER_FIELD_NUMBER: _ClassVar[int]
+    OFFICIAL_TARGET_SHA_FIELD_NUMBER: _ClassVar[int]
+    QUANT_TYPES_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    KV_TYPE_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    LLAMA_CPP_COMMIT_FIELD_NUMBER: _ClassVar[int]
+    PATCH_STACK_SHA256_FIELD_NUMBER: _ClassVar[int]
+    DGR_VERSION_FIELD_NUMBER: _ClassVar[int]
+    HARDWARE_FIELD_NUMBER: _ClassVar[int]
+    SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    model_sha256: bytes
+    arch: str
+    n_layer: int
+    official_target_sha: str
+    quant_types: _containers.RepeatedScalarFieldContainer[str]
+    context: int
+    kv_type: str
+    backend: str
+    llama_cpp_commit: str
+    patch_stack_sha256: bytes
+    dgr_version: str
+    hardware: str
+    schema_version: int
+    def __init__(self, model_sha256: _Optional[bytes] = ..., arch: _Optional[str] = ..., n_layer: _Optional[int] = ..., official_target_sha: _Optional[str] = ..., quant_types: _Optional[_Iterable[str]] = ..., context: _Optional[int] = ..., kv_type: _Optional[str] = ..., backend: _Optional[str] = ..., llama_cpp_commit: _Optional[str] = ..., patch_stack_sha256: _Optional[bytes] = ..., dgr_version: _Optional[str] = ..., hardware: _Optional[str] = ..., schema_version: _Optional[int] = ...) -> None: ...
+
+class LayerRange(_message.Message):
+    __slots__ = ("layer_begin", "layer_end", "is_first", "is_last", "needs_token_ids")
+    LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    IS_FIRST_FIELD_NUMBER: _ClassVar[int]
+    IS_LAST_FIELD_NUMBER: _ClassVar[int]
+    NEEDS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    layer_begin: int
+    layer_end: int
+    is_first: bool
+    is_last: bool
+    needs_token_ids: bool
+    def __init__(self, layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., needs_token_ids: _Optional[bool] = ...) -> None: ...
+
+class Capacity(_message.Message):
+    __slots__ = ("sessions_max", "sessions_open", "kv_tokens_free", "context_per_session", "max_rows_per_forward")
+    SESSIONS_MAX_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_OPEN_FIELD_NUMBER: _ClassVar[int]
+    KV_TOKENS_FREE_FIELD_NUMBER: _ClassVar[int]
+    CONTEXT_PER_SESSION_FIELD_NUMBER: _ClassVar[int]
+    MAX_ROWS_PER_FORWARD_FIELD_NUMBER: _ClassVar[int]
+    sessions_max: int
+    sessions_open: int
+    kv_tokens_free: int
+    context_per_session: int
+    max_rows_per_forward: int
+    def __init__(self, sessions_max: _Optional[int] = ..., sessions_open: _Optional[int] = ..., kv_tokens_free: _Optional[int] = ..., context_per_session: _Optional[int] = ..., max_rows_per_forward: _Optional[int] = ...) -> None: ...
+
+class Load(_message.Message):
+    __slots__ = ("in_flight", "queued", "rows_per_second", "window_seconds")
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    in_flight: int
+    queued: int
+    rows_per_second: float
+    window_seconds: float
+    def __init__(self, in_flight: _Optional[int] = ..., queued: _Optional[int] = ..., rows_per_second: _Optional[float] = ..., window_seconds: _Optional[float] = ...) -> None: ...
+
+class SeamCost(_message.Message):
+    __slots__ = ("dtype", "width_in", "width_out", "bytes_per_token_in", "bytes_per_token_out")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_IN_FIELD_NUMBER: _ClassVar[int]
+    WIDTH_OUT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TOKEN_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_TOKEN_OUT_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    width_in: int
+    width_out: int
+    bytes_per_token_in: int
+    bytes_per_token_out: int
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., width_in: _Optional[int] = ..., width_out: _Optional[int] = ..., bytes_per_token_in: _Optional[int] = ..., bytes_per_token_out: _Optional[int] = ...) -> None: ...
+
+class Health(_message.Message):
+    __slots__ = ("uptime_seconds", "recent_errors", "total_errors", "window_seconds")
+    UPTIME_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECENT_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    uptime_seconds: float
+    recent_errors: int
+    total_errors: int
+    window_seconds: float
+    def __init__(self, uptime_seconds: _Optional[float] = ..., recent_errors: _Optional[int] = ..., total_errors: _Optional[int] = ..., window_seconds: _Optional[float] = ...) -> None: ...
+
+class Certification(_message.Message):
+    __slots__ = ("status", "evidence")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    status: LaneStatus
+    evidence: EvidenceClass
+    def __init__(self, status: _Optional[_Union[LaneStatus, str]] = ..., evidence: _Optional[_Union[EvidenceClass, str]] = ...) -> None: ...
+
+class Advert(_message.Message):
+    __slots__ = ("compatibility", "range", "capacity", "load", "seam", "health", "certification")
+    COMPATIBILITY_FIELD_NUMBER: _ClassVar[int]
+    RANGE_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    LOAD_FIELD_NUMBER: _ClassVar[int]
+    SEAM_FIELD_NUMBER: _ClassVar[int]
+    HEALTH_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATION_FIELD_NUMBER: _ClassVar[int]
+    compatibility: Compatibility
+    range: LayerRange
+    capacity: Capacity
+    load: Load
+    seam: SeamCost
+    health: Health
+    certification: Certification
+    def __init__(self, compatibility: _Optional[_Union[Compatibility, _Mapping]] = ..., range: _Optional[_Union[LayerRange, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., seam: _Optional[_Union[SeamCost, _Mapping]] = ..., health: _Optional[_Union[Health, _Mapping]] = ..., certification: _Optional[_Union[Certification, _Mapping]] = ...) -> None: ...
+
+class OpenSessionRequest(_message.Message):
+    __slots__ = ("session_id", "epoch", "expect")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    expect: Expectations
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ...) -> None: ...
+
+class OpenSessionReply(_message.Message):
+    __slots__ = ("session_id", "epoch", "next_pos")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NEXT_POS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    next_pos: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., next_pos: _Optional[int] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id", "epoch")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class CloseSessionReply(_message.Message):
+    __slots__ = ("session_id", "epoch")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ForwardRequest(_message.Message):
+    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_FIELD_NUMBER: _ClassVar[int]
+    EXPECTED_NEXT_POS_FIELD_NUMBER: _ClassVar[int]
+    POSITIONS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    step: int
+    expect: Expectations
+    expected_next_pos: int
+    positions: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    boundary: Tensor
+    logit_rows: _containers.RepeatedScalarFieldContainer[int]
+    timeout_ms: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class Timings(_message.Message):
+    __slots__ = ("queue_us", "compute_us", "total_us")
+    QUEUE_US_FIELD_NUMBER: _ClassVar[int]
+    COMPUTE_US_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_US_FIELD_NUMBER: _ClassVar[int]
+    queue_us: int
+    compute_us: int
+    total_us: int
+    def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., total_us: _Optional[int] = ...) -> None: ...
+
+class ForwardReply(_message.Message):
+    __slots__ = ("session_id", "epoch", "step", "kind", "output", "next_pos", "timings")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_POS_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    step: int
+    kind: OutputKind
+    output: Tensor
+    next_pos: int
+    timings: Timings
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[OutputKind, str]] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., next_pos: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...

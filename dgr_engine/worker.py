@@ -1,0 +1,400 @@
+"""The shard worker: one ``ShardEngine`` over one layer range of one GGUF, served over gRPC.
+
+``ShardWorker`` hosts the ``dgr.shard.v1.Shard`` service (``proto/dgr/shard/v1/shard.proto``)
+and the standard ``grpc.health.v1.Health`` service on a ``grpc.aio`` server, bound to
+127.0.0.1 unless told otherwise. It checks every frame before touching state: expectations
+(model SHA-256, layer range, boundary width, schema) and the frame's own shape; the engine then
+fences epochs and positions. A refused call changes nothing, and never touches another session.
+Refusals carry conventional gRPC codes and the exact reason in the trailing metadata
+(``dgr-status``; the table is in ``dgr_engine._worker_status``).
+
+Engine calls block (cffi releases the GIL), so they run on one dedicated thread
+(``_worker_thread.EngineThread``): the event loop
+stays responsive (``Describe`` and health never wait for the engine), and calls reach the engine
+in arrival order. A forward whose deadline passes while queued is refused (DEADLINE_EXCEEDED)
+without running; one already running completes (its state advances even if the client has given
+up). Request sizes are capped at what ``n_batch`` rows can need.
+
+Shutdown (:meth:`ShardWorker.stop`) marks health NOT_SERVING, stops the server (in-flight calls
+get a short grace), closes every session's state and frees the engine. The library logs with
+loguru, bound to ``stage``/``session``/``epoch``, and adds no sinks (``dgr worker`` does).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any, NoReturn, TypeVar
+
+import attrs
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from loguru import logger
+
+from dgr_engine import _worker_frames as frames
+from dgr_engine._binding import LLAMA_COMMIT
+from dgr_engine._worker_identity import BuildIdentity
+from dgr_engine._worker_load import LoadMeter
+from dgr_engine._worker_sessions import EngineLike, SessionTable
+from dgr_engine._worker_status import STATUS_KEY, ShardDeadlineExceeded, grpc_status_for
+from dgr_engine._worker_thread import EngineThread
+from dgr_engine.advert import (
+    Advert,
+    Capacity,
+    Health,
+    LayerSpan,
+    Load,
+    SeamCost,
+    advert_to_proto,
+)
+from dgr_engine.engine import ShardEngine
+from dgr_engine.errors import EngineError
+from dgr_engine.proto import shard_pb2 as pb
+from dgr_engine.proto import shard_pb2_grpc
+from dgr_session.identity import CertificationStatus, EvidenceClass, Lane, ModelIdentity, Recipe
+
+SERVICE_NAME = "dgr.shard.v1.Shard"
+"""Full gRPC service name (also the health service's per-service key)."""
+
+_T = TypeVar("_T")
+_FRAME_OVERHEAD = 64 * 1024
+"""Bytes allowed per message beyond its rows (ids, expectations, framing)."""
+_SIDEBAND_PER_ROW = 16
+"""Bytes per row of positions, token ids and logit-row indices (packed varints, worst case)."""
+
+
+@attrs.frozen
+class WorkerConfig:
+    """How the worker serves (the engine's own options are ``ShardWorker.load``'s)."""
+
+    host: str = "127.0.0.1"
+    """Address to bind; loopback unless told otherwise."""
+    port: int = 0
+    """Port to bind; 0 picks a free one (see ``ShardWorker.address``)."""
+    max_message_bytes: int | None = None
+    """Cap on a request and on a reply; ``None``: what ``n_batch`` rows can need."""
+    grace_seconds: float = 2.0
+    """How long in-flight calls may finish at shutdown before they are cancelled."""
+    load_window_seconds: float = 10.0
+    """Window of the advert's rows per second and recent errors."""
+
+
+class ShardWorker:
+    """One engine served over gRPC. ``await start()``, then ``await stop()`` (idempotent)."""
+
+    def __init__(
+        self, engine: EngineLike, build: BuildIdentity, config: WorkerConfig | None = None
+    ) -> None:
+        self.engine = engine
+        self.build = build
+        self.config = config if config is not None else WorkerConfig()
+        self.info = engine.info
+        self.expect = frames.Expectations.of_shard(build.model_sha256, self.info)
+        self.table = SessionTable(engine)
+        self.meter = LoadMeter(self.config.load_window_seconds)
+        self.port = 0
+        self.log = logger.bind(stage=f"{self.info.layer_begin}:{self.info.layer_end}")
+        self._engine_thread = EngineThread()
+        self._health = health_aio.HealthServicer()
+        self._server: grpc.aio.Server | None = None
+        self._stopped: int | None = None  # sessions closed at stop; None until stopped
+
+    @classmethod
+    def load(
+        cls,
+        model: str | os.PathLike[str],
+        layers: tuple[int, int],
+        *,
+        max_sessions: int = 4,
+        n_ctx_per_session: int = 512,
+        n_threads: int = 2,
+        n_batch: int = 512,
+        n_ubatch: int = 512,
+        config: WorkerConfig | None = None,
+    ) -> ShardWorker:
+        """Hashes the GGUF (streaming), loads the engine over ``layers``. Blocking."""
+        build = BuildIdentity.of_model(model, LLAMA_COMMIT)
+        engine = ShardEngine(
+            Path(model),
+            layers=layers,
+            max_sessions=max_sessions,
+            n_ctx_per_session=n_ctx_per_session,
+            n_threads=n_threads,
+            n_batch=n_batch,
+            n_ubatch=n_ubatch,
+        )
+        return cls(engine, build, config)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def address(self) -> str:
+        """``host:port`` the server is bound to (after ``start``)."""
+        host = self.config.host
+        return f"[{host}]:{self.port}" if ":" in host else f"{host}:{self.port}"
+
+    def message_limits(self) -> tuple[int, int]:
+        """(receive, send) byte caps."""
+        if self.config.max_message_bytes is not None:
+            return self.config.max_message_bytes, self.config.max_message_bytes
+        rows = self.info.n_batch
+        receive = rows * (4 * self.info.in_width + _SIDEBAND_PER_ROW) + _FRAME_OVERHEAD
+        send = rows * 4 * self.info.out_width + _FRAME_OVERHEAD
+        return receive, send
+
+    async def start(self) -> str:
+        """Binds and starts serving; returns the address."""
+        receive, send = self.message_limits()
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", receive),
+                ("grpc.max_send_message_length", send),
+                ("grpc.so_reuseport", 0),  # two workers must never share a port
+            ]
+        )
+        shard_pb2_grpc.add_ShardServicer_to_server(_Servicer(self), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
+        self.port = server.add_insecure_port(f"{host}:{self.config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {host}:{self.config.port}")
+        await server.start()
+        self._server = server
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
+        self.log.info(
+            "serving layers [{}, {}) of {} on {}",
+            self.info.layer_begin,
+            self.info.layer_end,
+            self.build.model_sha256.hex()[:12],
+            self.address,
+        )
+        return self.address
+
+    async def stop(self) -> int:
+        """Stops serving, closes every session and the engine; returns the sessions closed."""
+        if self._stopped is not None:
+            return self._stopped
+        await self._health.enter_graceful_shutdown()
+        if self._server is not None:
+            await self._server.stop(self.config.grace_seconds)
+        closed = await self._engine_thread.run(self._close)
+        self._engine_thread.shutdown()
+        self._stopped = closed
+        self.log.info("stopped: closed {} session(s) and the engine", closed)
+        return closed
+
+    def _close(self) -> int:
+        try:
+            return self.table.close_all()
+        finally:
+            self.engine.close()
+
+    async def wait_for_termination(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    # -- the advert --------------------------------------------------------------------------
+
+    def advert(self) -> Advert:
+        """The capability advert now (never waits for the engine)."""
+        info, build = self.info, self.build
+        table = self.table.snapshot()
+        load = self.meter.snapshot()
+        token_bytes = 4 if (info.is_first or info.needs_token_ids) else 0
+        return Advert(
+            identity=ModelIdentity(
+                content_hash=build.model_sha256, arch=info.arch, n_layer=info.n_layer
+            ),
+            recipe=Recipe(
+                quant_types=build.quant_types,
+                context=info.n_ctx_per_session,
+                kv_type=build.kv_type,
+            ),
+            lane=Lane(
+                backend=build.backend,
+                llama_cpp_commit=build.llama_cpp_commit,
+                patch_stack_hash=build.patch_stack_sha256,
+                dgr_version=build.dgr_version,
+                hardware=build.hardware,
+                certification=CertificationStatus.DARK,
+                evidence=EvidenceClass.FIXTURE,
+            ),
+            schema_version=frames.SCHEMA_VERSION,
+            span=LayerSpan(
+                layer_begin=info.layer_begin,
+                layer_end=info.layer_end,
+                is_first=info.is_first,
+                is_last=info.is_last,
+                needs_token_ids=info.needs_token_ids,
+            ),
+            capacity=Capacity(
+                sessions_max=info.max_sessions,
+                sessions_open=table.sessions_open,
+                kv_tokens_free=info.max_sessions * info.n_ctx_per_session - table.kv_tokens_used,
+                context_per_session=info.n_ctx_per_session,
+                max_rows_per_forward=info.n_batch,
+            ),
+            load=Load(
+                in_flight=load.in_flight,
+                queued=load.queued,
+                rows_per_second=load.rows_per_second,
+                window_seconds=load.window_seconds,
+            ),
+            seam=SeamCost(
+                dtype="f32",
+                width_in=info.in_width,
+                width_out=info.out_width,
+                bytes_per_token_in=4 * info.in_width + 4 + token_bytes,
+                bytes_per_token_out=4 * info.out_width,
+            ),
+            health=Health(
+                uptime_seconds=load.uptime_seconds,
+                recent_errors=load.recent_errors,
+                total_errors=load.total_errors,
+                window_seconds=load.window_seconds,
+            ),
+        )
+
+    # -- engine thread -----------------------------------------------------------------------
+
+    async def run_on_engine(self, job: Callable[..., _T], *args: Any) -> _T:
+        """Runs ``job(*args)`` on the engine thread (queued behind earlier calls)."""
+        return await self._engine_thread.run(job, *args)
+
+
+def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def _details(exc: BaseException, status: str) -> str:
+    text = str(exc)
+    return text if text.startswith(status) else f"{status}: {text}"
+
+
+class _Servicer(shard_pb2_grpc.ShardServicer):
+    """The ``Shard`` service over one :class:`ShardWorker`."""
+
+    def __init__(self, worker: ShardWorker) -> None:
+        self.w = worker
+
+    async def Describe(
+        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.Advert:
+        return advert_to_proto(self.w.advert())
+
+    async def OpenSession(
+        self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.OpenSessionReply:
+        log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
+        try:
+            frames.check_session_id(request.session_id)
+            frames.check_expectations(request.expect, self.w.expect)
+            discarded = await self.w.run_on_engine(
+                self.w.table.open, request.session_id, int(request.epoch)
+            )
+        except Exception as exc:
+            await self._refuse(context, exc, request, "open")
+        log.info("session opened{}", " (older epoch discarded)" if discarded else "")
+        return pb.OpenSessionReply(session_id=request.session_id, epoch=request.epoch)
+
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.CloseSessionReply:
+        log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
+        try:
+            frames.check_session_id(request.session_id)
+            await self.w.run_on_engine(self.w.table.close, request.session_id, int(request.epoch))
+        except Exception as exc:
+            await self._refuse(context, exc, request, "close")
+        log.info("session closed")
+        return pb.CloseSessionReply(session_id=request.session_id, epoch=request.epoch)
+
+    async def Forward(
+        self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ForwardReply:
+        try:
+            return await self._forward(request, _deadline(context))
+        except Exception as exc:
+            await self._refuse(context, exc, request, f"forward step {request.step}")
+
+    async def ForwardStream(
+        self,
+        requests: AsyncIterator[pb.ForwardRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.ForwardReply]:
+        async for request in requests:
+            try:
+                reply = await self._forward(request, None)
+            except Exception as exc:
+                await self._refuse(context, exc, request, f"forward step {request.step} (stream)")
+            yield reply
+
+    async def _forward(self, request: pb.ForwardRequest, deadline: float | None) -> pb.ForwardReply:
+        """One frame: check, run on the engine thread, encode; raises on refusal."""
+        began = time.perf_counter_ns()
+        w = self.w
+        if request.timeout_ms:
+            own = time.monotonic() + request.timeout_ms / 1000
+            deadline = own if deadline is None else min(deadline, own)
+        w.meter.admitted()
+        rows = 0
+        try:
+            frame = frames.decode_forward(request, w.expect, w.info)
+            out, next_pos, queue_ns, compute_ns = await w.run_on_engine(
+                self._forward_job, frame, deadline, time.perf_counter_ns()
+            )
+            rows = frame.n_rows
+        finally:
+            w.meter.finished(rows)
+        reply = pb.ForwardReply(
+            session_id=frame.session_id,
+            epoch=frame.epoch,
+            step=frame.step,
+            kind=pb.OUTPUT_KIND_LOGITS if w.info.is_last else pb.OUTPUT_KIND_BOUNDARY,
+            next_pos=next_pos,
+        )
+        frames.fill_tensor(reply.output, out)
+        reply.timings.queue_us = queue_ns // 1000
+        reply.timings.compute_us = compute_ns // 1000
+        reply.timings.total_us = (time.perf_counter_ns() - began) // 1000
+        return reply
+
+    def _forward_job(
+        self, frame: frames.ForwardFrame, deadline: float | None, enqueued_ns: int
+    ) -> tuple[frames.FloatRows, int, int, int]:
+        """On the engine thread: run the frame unless its deadline has passed."""
+        started = time.perf_counter_ns()
+        if deadline is not None and time.monotonic() >= deadline:
+            raise ShardDeadlineExceeded(
+                "DGR_E_DEADLINE: the deadline passed while queued; not run",
+                status="DGR_E_DEADLINE",
+            )
+        self.w.meter.started()
+        try:
+            out, next_pos = self.w.table.forward(frame)
+        finally:
+            self.w.meter.stopped()
+        return out, next_pos, started - enqueued_ns, time.perf_counter_ns() - started
+
+    async def _refuse(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        exc: Exception,
+        request: Any,
+        what: str,
+    ) -> NoReturn:
+        """Aborts the call with the code and dgr-status for ``exc`` (never returns)."""
+        log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
+        code, status = grpc_status_for(exc)
+        self.w.meter.error()
+        if isinstance(exc, EngineError):
+            log.warning("{} refused: {} {}", what, code.name, _details(exc, status))
+        else:
+            log.opt(exception=exc).error("{} failed: {!r}", what, exc)
+        await context.abort(code, _details(exc, status), trailing_metadata=((STATUS_KEY, status),))
+        raise AssertionError("unreachable: abort raises")

@@ -1,0 +1,159 @@
+"""The capability advert: proto round trip, route building, and what it is computed from."""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from pathlib import Path
+
+import attrs
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dgr_engine import _worker_identity as ident
+from dgr_engine._worker_load import LoadMeter
+from dgr_engine.advert import (
+    Advert,
+    Capacity,
+    Health,
+    LayerSpan,
+    Load,
+    SeamCost,
+    advert_from_proto,
+    advert_to_proto,
+)
+from dgr_engine.proto import shard_pb2 as pb
+from dgr_session.errors import DarkLane, DarkLaneWarning
+from dgr_session.identity import CertificationStatus, EvidenceClass, Lane, ModelIdentity, Recipe
+from dgr_session.route import Route, validate_route
+
+HASH = hashlib.sha256(b"model").digest()
+
+
+def advert(begin: int, end: int, n_layer: int = 4, width: int = 64, **lane_kw: object) -> Advert:
+    is_first, is_last = begin == 0, end == n_layer
+    lane_args: dict[str, object] = {
+        "backend": "cpu",
+        "llama_cpp_commit": "abc",
+        "patch_stack_hash": b"\x01" * 32,
+        "dgr_version": "0.1.0",
+        "hardware": "x86_64",
+        "certification": CertificationStatus.DARK,
+        "evidence": EvidenceClass.FIXTURE,
+    }
+    lane_args.update(lane_kw)
+    return Advert(
+        identity=ModelIdentity(content_hash=HASH, arch="llama", n_layer=n_layer),
+        recipe=Recipe(quant_types=("F32",), context=256),
+        lane=Lane(**lane_args),  # type: ignore[arg-type]
+        schema_version=1,
+        span=LayerSpan(begin, end, is_first, is_last, is_first),
+        capacity=Capacity(4, 1, 900, 256, 64),
+        load=Load(1, 0, 12.5, 10.0),
+        seam=SeamCost("f32", 0 if is_first else width, 256 if is_last else width, 8, 256),
+        health=Health(3.5, 1, 2, 10.0),
+    )
+
+
+@given(
+    begin=st.integers(0, 40),
+    n=st.integers(1, 3),
+    free=st.integers(0, 2**63),
+    rps=st.floats(0, 1e9),
+    sha=st.one_of(st.none(), st.text("0123456789abcdef", min_size=40, max_size=40)),
+    evidence=st.sampled_from(list(EvidenceClass)),
+    certified=st.booleans(),
+)
+def test_advert_round_trips(
+    begin: int,
+    n: int,
+    free: int,
+    rps: float,
+    sha: str | None,
+    evidence: EvidenceClass,
+    certified: bool,
+) -> None:
+    status = CertificationStatus.CERTIFIED if certified else CertificationStatus.DARK
+    a = advert(begin, begin + n, n_layer=43, certification=status, evidence=evidence)
+    a = attrs.evolve(
+        a,
+        identity=attrs.evolve(a.identity, official_target_sha=sha),
+        capacity=attrs.evolve(a.capacity, kv_tokens_free=free),
+        load=attrs.evolve(a.load, rows_per_second=rps),
+    )
+    wire = pb.Advert.FromString(advert_to_proto(a).SerializeToString())
+    assert advert_from_proto(wire) == a
+
+
+def test_unspecified_lane_status_reads_dark_and_bad_dtypes_are_refused() -> None:
+    msg = advert_to_proto(advert(0, 4))
+    msg.certification.status = pb.LANE_STATUS_UNSPECIFIED
+    assert advert_from_proto(msg).lane.certification is CertificationStatus.DARK
+    msg.seam.dtype = pb.DTYPE_UNSPECIFIED
+    with pytest.raises(ValueError):
+        advert_from_proto(msg)
+
+
+def test_adverts_build_a_route_that_validates() -> None:
+    stages = [advert(0, 1), advert(1, 3), advert(3, 4)]
+    route = Route([a.stage_spec(f"127.0.0.1:{5000 + i}") for i, a in enumerate(stages)])
+    assert [s.boundary_in for s in route.stages] == [0, 64, 64]
+    assert [s.boundary_out for s in route.stages] == [64, 64, 0]
+    with pytest.raises(DarkLane):  # fixture evidence on a dark lane is never routable by default
+        validate_route(route)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DarkLaneWarning)
+        assert validate_route(route, allow_dark_lanes=True) is route
+
+
+# --- what the advert is computed from ----------------------------------------------------------
+
+
+def test_file_sha256_streams_the_whole_file(tiny_llama: Path) -> None:
+    assert ident.file_sha256(tiny_llama) == hashlib.sha256(tiny_llama.read_bytes()).digest()
+
+
+def test_tensor_types_come_from_the_gguf(tiny_llama: Path) -> None:
+    assert ident.gguf_tensor_types(tiny_llama) == ("F32",)
+
+
+def test_patch_stack_hash_covers_names_contents_and_order(tmp_path: Path) -> None:
+    assert ident.patch_stack_sha256(tmp_path / "absent") == b""
+    (tmp_path / "0001-a.patch").write_text("a")
+    (tmp_path / "0002-b.patch").write_text("b")
+    (tmp_path / "notes.txt").write_text("ignored")
+    first = ident.patch_stack_sha256(tmp_path)
+    assert len(first) == 32 and first == ident.patch_stack_sha256(tmp_path)
+    (tmp_path / "0002-b.patch").write_text("b2")
+    assert ident.patch_stack_sha256(tmp_path) != first
+    (tmp_path / "0002-b.patch").write_text("b")
+    (tmp_path / "0002-b.patch").rename(tmp_path / "0003-b.patch")
+    assert ident.patch_stack_sha256(tmp_path) != first
+
+
+def test_the_repository_patch_stack_is_hashed() -> None:
+    assert len(ident.patch_stack_sha256()) == 32
+    assert ident.dgr_version() != "0+unknown"
+
+
+def test_load_meter_windows() -> None:
+    now = [100.0]
+    meter = LoadMeter(window_seconds=10.0, clock=lambda: now[0])
+    meter.admitted()
+    meter.admitted()
+    meter.started()
+    snap = meter.snapshot()
+    assert (snap.in_flight, snap.queued) == (2, 1)
+    meter.stopped()
+    meter.finished(20)
+    meter.finished(0)
+    meter.error()
+    now[0] = 105.0
+    snap = meter.snapshot()
+    assert (snap.in_flight, snap.queued, snap.recent_errors, snap.total_errors) == (0, 0, 1, 1)
+    assert snap.rows_per_second == pytest.approx(20 / 5.0)
+    now[0] = 120.0
+    snap = meter.snapshot()
+    assert (snap.rows_per_second, snap.recent_errors, snap.total_errors) == (0.0, 0, 1)
+    assert snap.uptime_seconds == pytest.approx(20.0)

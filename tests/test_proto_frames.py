@@ -1,0 +1,287 @@
+"""The forward frame codec and the status table, without a network.
+
+Every way a frame can be malformed is refused with its typed error before any state is touched;
+well-formed frames round-trip bit for bit; every dgr-status maps to one gRPC code and back to
+the same exception class.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from dgr_engine import _worker_frames as F
+from dgr_engine import errors as E
+from dgr_engine._worker_status import (
+    ExpectationMismatch,
+    FrameRejected,
+    ShardDeadlineExceeded,
+    ShardRpcError,
+    ShardUnavailable,
+    error_from_rpc,
+    grpc_status_for,
+    known_statuses,
+)
+from dgr_engine.engine import ShardInfo
+from dgr_engine.proto import shard_pb2 as pb
+
+HASH = bytes(range(32))
+
+
+def shard(begin: int, end: int, width: int = 64, n_layer: int = 4) -> ShardInfo:
+    return ShardInfo(
+        arch="llama",
+        n_layer=n_layer,
+        layer_begin=begin,
+        layer_end=end,
+        n_embd=width,
+        n_vocab=256,
+        in_width=0 if begin == 0 else width,
+        out_width=256 if end == n_layer else width,
+        is_first=begin == 0,
+        is_last=end == n_layer,
+        needs_token_ids=begin == 0,
+        mtp_owner=end == n_layer,
+        max_sessions=4,
+        n_ctx_per_session=256,
+        n_batch=64,
+    )
+
+
+FIRST, MIDDLE, LAST = shard(0, 1), shard(1, 3), shard(3, 4)
+
+
+def mine(info: ShardInfo) -> F.Expectations:
+    return F.Expectations.of_shard(HASH, info)
+
+
+def rows(n: int, width: int = 64) -> np.ndarray:
+    return np.arange(n * width, dtype=np.float32).reshape(n, width) / 7
+
+
+def middle_request(n: int = 3, start: int = 5) -> pb.ForwardRequest:
+    return F.encode_forward("s", 1, 2, mine(MIDDLE), range(start, start + n), boundary=rows(n))
+
+
+# --- round trips -------------------------------------------------------------------------------
+
+
+@given(
+    n=st.integers(1, 8),
+    width=st.sampled_from([1, 64, 4 * 4096]),
+    start=st.integers(0, 2**31 - 10),
+    epoch=st.integers(0, 2**64 - 1),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_middle_frame_round_trips_bit_for_bit(
+    n: int, width: int, start: int, epoch: int, seed: int
+) -> None:
+    info = shard(1, 3, width)
+    bits = np.random.default_rng(seed).integers(0, 2**32, size=(n, width), dtype=np.uint32)
+    boundary = bits.view(np.float32)  # any bit pattern: NaN payloads, infinities, subnormals
+    request = F.encode_forward(
+        "sess", epoch, 7, mine(info), range(start, start + n), boundary=boundary
+    )
+    wire = pb.ForwardRequest.FromString(request.SerializeToString())
+    frame = F.decode_forward(wire, mine(info), info)
+    assert (frame.session_id, frame.epoch, frame.step) == ("sess", epoch, 7)
+    assert frame.positions.tolist() == list(range(start, start + n))
+    assert frame.rows is not None and np.array_equal(frame.rows.view(np.uint32), bits)
+    assert frame.tokens is None and frame.want is None
+
+
+def test_first_frame_carries_tokens_and_no_rows() -> None:
+    request = F.encode_forward("s", 0, 0, mine(FIRST), range(4), tokens=[1, 2, 3, 250])
+    frame = F.decode_forward(request, mine(FIRST), FIRST)
+    assert frame.tokens is not None and frame.tokens.tolist() == [1, 2, 3, 250]
+    assert frame.rows is None
+
+
+def test_last_frame_logit_rows_become_flags() -> None:
+    request = F.encode_forward("s", 0, 0, mine(LAST), range(4), boundary=rows(4), logit_rows=[0, 3])
+    frame = F.decode_forward(request, mine(LAST), LAST)
+    assert frame.want is not None and frame.want.tolist() == [1, 0, 0, 1]
+    default = F.decode_forward(
+        F.encode_forward("s", 0, 0, mine(LAST), range(4), boundary=rows(4)), mine(LAST), LAST
+    )
+    assert default.want is None  # the engine's default: the last row only
+
+
+def test_token_sideband_is_optional_on_later_stages() -> None:
+    request = F.encode_forward("s", 0, 0, mine(MIDDLE), [0, 1], tokens=[4, 5], boundary=rows(2))
+    assert F.decode_forward(request, mine(MIDDLE), MIDDLE).tokens is None
+
+
+def test_output_decoding_checks_the_reply() -> None:
+    out = rows(2, 256)
+    reply = pb.ForwardReply(output=F.tensor_to_proto(out))
+    assert np.array_equal(F.output_from_reply(reply), out)
+    reply.output.data = reply.output.data[:-4]
+    with pytest.raises(FrameRejected, match="bytes"):
+        F.output_from_reply(reply)
+
+
+def test_timeout_becomes_milliseconds() -> None:
+    assert F.encode_forward("s", 0, 0, mine(FIRST), [0], tokens=[1]).timeout_ms == 0
+    assert F.encode_forward("s", 0, 0, mine(FIRST), [0], tokens=[1], timeout=2.5).timeout_ms == 2500
+    assert F.encode_forward("s", 0, 0, mine(FIRST), [0], tokens=[1], timeout=1e-6).timeout_ms == 1
+
+
+# --- refusals ----------------------------------------------------------------------------------
+
+
+def _wrong_dtype(r: pb.ForwardRequest) -> None:
+    r.boundary.dtype = pb.DTYPE_F16
+
+
+def _wrong_shape(r: pb.ForwardRequest) -> None:
+    del r.boundary.shape[:]
+    r.boundary.shape.extend([1, 3 * 64])  # same byte count, wrong shape
+
+
+def _short_bytes(r: pb.ForwardRequest) -> None:
+    r.boundary.data = r.boundary.data[:-1]
+
+
+def _no_boundary(r: pb.ForwardRequest) -> None:
+    r.ClearField("boundary")
+
+
+def _gap_in_positions(r: pb.ForwardRequest) -> None:
+    r.positions[2] += 1
+
+
+def _expected_pos_differs(r: pb.ForwardRequest) -> None:
+    r.expected_next_pos += 1
+
+
+def _no_rows(r: pb.ForwardRequest) -> None:
+    del r.positions[:]
+
+
+def _token_count(r: pb.ForwardRequest) -> None:
+    r.token_ids.extend([1])
+
+
+def _empty_session(r: pb.ForwardRequest) -> None:
+    r.session_id = ""
+
+
+def _long_session(r: pb.ForwardRequest) -> None:
+    r.session_id = "x" * (F.MAX_SESSION_ID_BYTES + 1)
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [
+        _wrong_dtype,
+        _wrong_shape,
+        _short_bytes,
+        _no_boundary,
+        _gap_in_positions,
+        _expected_pos_differs,
+        _no_rows,
+        _token_count,
+        _empty_session,
+        _long_session,
+    ],
+)
+def test_malformed_frames_are_refused(spoil: Callable[[pb.ForwardRequest], None]) -> None:
+    request = middle_request()
+    spoil(request)
+    with pytest.raises(FrameRejected) as info:
+        F.decode_forward(request, mine(MIDDLE), MIDDLE)
+    assert info.value.status == "DGR_E_FRAME"
+    assert grpc_status_for(info.value) == (grpc.StatusCode.INVALID_ARGUMENT, "DGR_E_FRAME")
+
+
+def test_first_stage_refuses_rows_and_needs_tokens() -> None:
+    with_rows = F.encode_forward("s", 0, 0, mine(FIRST), [0], tokens=[1], boundary=rows(1))
+    with pytest.raises(FrameRejected, match="token ids, not boundary"):
+        F.decode_forward(with_rows, mine(FIRST), FIRST)
+    no_tokens = F.encode_forward("s", 0, 0, mine(FIRST), [0, 1])
+    with pytest.raises(FrameRejected, match="needs one per row"):
+        F.decode_forward(no_tokens, mine(FIRST), FIRST)
+
+
+def test_last_stage_refuses_bad_logit_rows() -> None:
+    for bad in ([4], [2, 1], [1, 1]):
+        request = F.encode_forward(
+            "s", 0, 0, mine(LAST), range(4), boundary=rows(4), logit_rows=bad
+        )
+        with pytest.raises(FrameRejected, match="logit_rows"):
+            F.decode_forward(request, mine(LAST), LAST)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "status"),
+    [
+        ("schema_version", 2, "DGR_E_EXPECTATION_SCHEMA"),
+        ("model_sha256", bytes(32), "DGR_E_EXPECTATION_MODEL"),
+        ("model_sha256", b"", "DGR_E_EXPECTATION_MODEL"),
+        ("layer_begin", 0, "DGR_E_EXPECTATION_RANGE"),
+        ("layer_end", 4, "DGR_E_EXPECTATION_RANGE"),
+        ("boundary_width", 65, "DGR_E_EXPECTATION_WIDTH"),
+    ],
+)
+def test_frames_for_another_worker_are_refused(field: str, value: object, status: str) -> None:
+    request = middle_request()
+    setattr(request.expect, field, value)
+    with pytest.raises(ExpectationMismatch) as info:
+        F.decode_forward(request, mine(MIDDLE), MIDDLE)
+    assert info.value.status == status
+    assert grpc_status_for(info.value) == (grpc.StatusCode.INVALID_ARGUMENT, status)
+
+
+# --- the status table --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (E.StaleEpoch("x"), grpc.StatusCode.FAILED_PRECONDITION),
+        (E.PositionMismatch("x"), grpc.StatusCode.FAILED_PRECONDITION),
+        (E.UnknownSession("x"), grpc.StatusCode.NOT_FOUND),
+        (E.CapacityExceeded("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (E.ContextFull("x"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (E.ShapeMismatch("x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (E.InvalidArgument("x"), grpc.StatusCode.INVALID_ARGUMENT),
+        (E.DecodeError("x"), grpc.StatusCode.INTERNAL),
+        (E.InternalError("x"), grpc.StatusCode.INTERNAL),
+        (E.EngineClosed("x"), grpc.StatusCode.UNAVAILABLE),
+        (RuntimeError("bug"), grpc.StatusCode.INTERNAL),
+    ],
+)
+def test_engine_errors_map_to_conventional_codes(exc: Exception, code: grpc.StatusCode) -> None:
+    got_code, status = grpc_status_for(exc)
+    assert got_code == code
+    back = error_from_rpc(got_code, status, "detail")
+    if isinstance(exc, E.EngineError) and not isinstance(exc, E.EngineClosed):
+        assert type(back) is type(exc) and back.status == exc.status
+
+
+@pytest.mark.parametrize("status", sorted(known_statuses()))
+def test_every_status_round_trips(status: str) -> None:
+    cls = type(error_from_rpc(grpc.StatusCode.UNKNOWN, status, "d"))
+    exc = cls("d", status=status)
+    code, again = grpc_status_for(exc)
+    assert again == status
+    assert type(error_from_rpc(code, again, "d")) is cls
+
+
+def test_codes_without_a_reason() -> None:
+    assert isinstance(error_from_rpc(grpc.StatusCode.UNAVAILABLE, None, ""), ShardUnavailable)
+    assert isinstance(error_from_rpc(grpc.StatusCode.UNAVAILABLE, None, ""), ConnectionError)
+    late = error_from_rpc(grpc.StatusCode.DEADLINE_EXCEEDED, None, "")
+    assert isinstance(late, ShardDeadlineExceeded) and isinstance(late, TimeoutError)
+    big = error_from_rpc(
+        grpc.StatusCode.RESOURCE_EXHAUSTED, None, "Received message larger than max (9 vs. 8)"
+    )
+    assert isinstance(big, FrameRejected) and big.status == "DGR_E_MESSAGE_SIZE"
+    other = error_from_rpc(grpc.StatusCode.PERMISSION_DENIED, None, "no")
+    assert isinstance(other, ShardRpcError) and other.status == "GRPC_PERMISSION_DENIED"

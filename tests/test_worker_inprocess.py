@@ -1,0 +1,166 @@
+"""The worker's parts in-process, on the real engine: the engine thread, the session table, and
+deadlines (which need the engine thread held busy, something only an in-process test can do).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Coroutine
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import pytest
+
+from dgr_engine import ShardEngine
+from dgr_engine import errors as E
+from dgr_engine._worker_frames import ForwardFrame, encode_forward
+from dgr_engine._worker_sessions import SessionTable
+from dgr_engine._worker_status import STATUS_KEY, ShardDeadlineExceeded
+from dgr_engine._worker_thread import EngineThread
+from dgr_engine.grpc_client import ShardClient, expectations_of
+from dgr_engine.proto import shard_pb2_grpc
+from dgr_engine.worker import ShardWorker, WorkerConfig
+
+T = TypeVar("T")
+KW: dict[str, Any] = {"max_sessions": 2, "n_ctx_per_session": 256, "n_threads": 1, "n_batch": 32}
+
+
+def run(coro: Coroutine[Any, Any, T], limit: float = 60.0) -> T:
+    return asyncio.run(asyncio.wait_for(coro, limit))
+
+
+# --- the engine thread -------------------------------------------------------------------------
+
+
+def test_engine_thread_runs_in_order_and_propagates_errors() -> None:
+    thread = EngineThread()
+    seen: list[int] = []
+
+    async def scenario() -> None:
+        results = await asyncio.gather(*(thread.run(seen.append, i) for i in range(50)))
+        assert results == [None] * 50 and seen == list(range(50))
+        with pytest.raises(ZeroDivisionError):
+            await thread.run(lambda: 1 / 0)
+        assert await thread.run(threading.current_thread) is not threading.current_thread()
+
+    try:
+        run(scenario())
+    finally:
+        thread.shutdown(5.0)
+    with pytest.raises(RuntimeError, match="shut down"):
+        run(thread.run(int))
+
+
+def test_engine_thread_skips_jobs_cancelled_while_queued() -> None:
+    thread = EngineThread()
+    gate = threading.Event()
+    ran: list[str] = []
+
+    async def scenario() -> None:
+        blocker = asyncio.ensure_future(thread.run(gate.wait, 10.0))
+        queued = asyncio.ensure_future(thread.run(ran.append, "cancelled"))
+        await asyncio.sleep(0)  # let both jobs be submitted
+        queued.cancel()
+        gate.set()
+        assert await blocker is True
+        await thread.run(ran.append, "after")
+
+    try:
+        run(scenario())
+    finally:
+        thread.shutdown(5.0)
+    assert ran == ["after"]
+
+
+# --- the session table -------------------------------------------------------------------------
+
+
+def frame(session: str, epoch: int, start: int, tokens: list[int]) -> ForwardFrame:
+    return ForwardFrame(
+        session_id=session,
+        epoch=epoch,
+        step=0,
+        positions=np.arange(start, start + len(tokens), dtype=np.int32),
+        tokens=np.asarray(tokens, dtype=np.int32),
+        rows=None,
+        want=None,
+    )
+
+
+def test_session_table_mirrors_the_engine(tiny_llama: Path) -> None:
+    with ShardEngine(tiny_llama, layers=(0, 2), **KW) as engine:
+        table = SessionTable(engine)
+        assert table.open("a", 3) is False
+        out, next_pos = table.forward(frame("a", 3, 0, [1, 2, 3]))
+        assert out.shape == (3, 64) and next_pos == 3
+        assert table.snapshot().kv_tokens_used == 3
+        with pytest.raises(E.StaleEpoch, match="'a' epoch 2 is older than the open epoch 3"):
+            table.open("a", 2)
+        with pytest.raises(E.UnknownSession, match="epoch 4 is not open"):
+            table.forward(frame("a", 4, 3, [4]))
+        assert table.open("a", 4) is True  # a newer epoch: the old state is discarded
+        assert table.snapshot().kv_tokens_used == 0
+        with pytest.raises(E.PositionMismatch):
+            table.forward(frame("a", 4, 3, [4]))
+        table.open("b", 0)
+        with pytest.raises(E.CapacityExceeded):
+            table.open("c", 0)
+        table.close("b", 0)
+        with pytest.raises(E.UnknownSession):
+            table.close("b", 0)
+        table.open("c", 0)
+        assert table.snapshot().sessions_open == 2
+        assert engine.stats().open_sessions == 2
+        assert table.close_all() == 2
+        assert engine.stats().open_sessions == 0 and table.snapshot().sessions_open == 0
+
+
+# --- deadlines ---------------------------------------------------------------------------------
+
+
+def test_a_frame_past_its_deadline_is_refused_without_running(tiny_llama: Path) -> None:
+    worker = ShardWorker.load(tiny_llama, (0, 4), **KW, config=WorkerConfig(port=0))
+
+    async def scenario() -> None:
+        address = await worker.start()
+        try:
+            async with ShardClient(address, timeout=20.0) as client:
+                expect = expectations_of(await client.describe())
+                await client.open("d", 0, expect)
+                gate = threading.Event()
+                busy = asyncio.ensure_future(worker.run_on_engine(gate.wait, 20.0))
+                request = encode_forward("d", 0, 0, expect, [0, 1], tokens=[1, 2], timeout=0.001)
+                async with grpc.aio.insecure_channel(address) as channel:
+                    call = shard_pb2_grpc.ShardStub(channel).Forward(request, timeout=20.0)
+                    # wait (bounded) until the frame is queued behind the busy engine thread
+                    limit = time.monotonic() + 20.0
+                    while worker.meter.snapshot().queued < 1:
+                        assert time.monotonic() < limit, "the frame never arrived"
+                        await asyncio.sleep(0.001)
+                    queued_at = time.monotonic()
+                    while time.monotonic() < queued_at + 0.002:  # its 1 ms deadline passes
+                        await asyncio.sleep(0.001)
+                    gate.set()
+                    with pytest.raises(grpc.aio.AioRpcError) as info:
+                        await call
+                assert await busy is True
+                assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                assert dict(info.value.trailing_metadata() or ())[STATUS_KEY] == "DGR_E_DEADLINE"
+                # it never ran: the session is still at position 0
+                result = await client.forward("d", 0, 1, expect, [0, 1], tokens=[1, 2])
+                assert result.next_pos == 2
+                # the client's own deadline: ShardDeadlineExceeded, a TimeoutError
+                gate.clear()
+                busy = asyncio.ensure_future(worker.run_on_engine(gate.wait, 20.0))
+                with pytest.raises(ShardDeadlineExceeded):
+                    await client.forward("d", 0, 2, expect, [2], tokens=[3], timeout=0.05)
+                gate.set()
+                await busy
+        finally:
+            assert await worker.stop() == 1
+
+    run(scenario())
