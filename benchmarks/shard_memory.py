@@ -105,9 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['peak_rss_bytes'] / MIB:>13.1f} {budget / MIB:>11.1f} "
                 f"{r['peak_rss_bytes'] / budget:>11.3f} {'yes' if ok else 'NO':>3}"
             )
-    print(
-        f"target (peak RSS <= weights + KV + 64 MiB on every shard): {'met' if all_ok else 'MISSED'}"
-    )
+    verdict = "met" if all_ok else "MISSED"
+    print(f"target (peak RSS <= weights + KV + 64 MiB on every shard): {verdict}")
     return 0 if all_ok else 1
 
 

@@ -21,7 +21,12 @@ from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import EngineClosed
 from dgr_engine.fixtures import ensure_fixture
 
-ENGINE_KW: dict[str, Any] = {"max_sessions": 8, "n_ctx_per_session": 256, "n_threads": 2, "n_batch": 64}
+ENGINE_KW: dict[str, Any] = {
+    "max_sessions": 8,
+    "n_ctx_per_session": 256,
+    "n_threads": 2,
+    "n_batch": 64,
+}
 
 
 def prompts(n_sessions: int, n_vocab: int) -> list[list[int]]:
