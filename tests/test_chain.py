@@ -1,4 +1,4 @@
-"""LocalChain validation, split points, the demo (README command 1) and the memory benchmark."""
+"""LocalChain validation, split points, the patch stack's headers and the memory benchmark."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine.chain import LocalChain, split_points
-from dgr_engine.demo import main as demo_main
 from dgr_engine.errors import ShapeMismatch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,14 +40,6 @@ def test_chain_refuses_gaps_and_short_covers(tiny_llama: Path, closing: list) ->
     with pytest.raises(ShapeMismatch):
         LocalChain([])
     assert len(LocalChain([a, b, c]).engines) == 3
-
-
-def test_demo_loses_a_stage_and_recovers_with_parity(capsys: pytest.CaptureFixture[str]) -> None:
-    assert demo_main(["--stages", "4", "--sessions", "2", "--steps", "10", "--lose-at", "3"]) == 0
-    out = capsys.readouterr().out
-    assert "lost" in out and "epoch 1" in out
-    assert out.count("whole-model equal: True") == 2
-    assert out.rstrip().endswith("PARITY OK")
 
 
 def test_shard_memory_benchmark_runs_on_the_tiny_fixture() -> None:
