@@ -21,6 +21,10 @@ def _short_ids(ids: tuple[int, ...]) -> str:
     return f"({', '.join(map(str, ids[:4]))}, ... {len(ids)} ids)"
 
 
+def _stage(stage: StageSpec) -> str:
+    return f"<{stage.endpoint} [{stage.layer_begin}, {stage.layer_end})>"
+
+
 class FinishReason(enum.StrEnum):
     """Why a session finished."""
 
@@ -48,7 +52,7 @@ class OpenStage:
     """Epoch to open."""
     stage_index: int
     """Stage's index in the route."""
-    stage: StageSpec
+    stage: StageSpec = attrs.field(repr=_stage)
     """Stage to open."""
 
 
@@ -69,7 +73,7 @@ class Forward:
     """Step (number of accepted tokens) this forward produces the next token for."""
     stage_index: int
     """Stage's index in the route."""
-    stage: StageSpec
+    stage: StageSpec = attrs.field(repr=_stage)
     """Stage to run."""
     positions: range
     """KV positions of the tokens, contiguous."""
@@ -92,7 +96,7 @@ class CloseStage:
     """Epoch to close."""
     stage_index: int
     """Stage's index in the route."""
-    stage: StageSpec
+    stage: StageSpec = attrs.field(repr=_stage)
     """Stage to close."""
 
 

@@ -230,6 +230,13 @@ class RouteSession:
         return self._route
 
     @property
+    def opened_stages(self) -> tuple[int, ...]:
+        """Stages of the live epoch that confirmed their open (empty when no epoch is live)."""
+        if not self._live:
+            return ()
+        return tuple(i for i in range(self._n_stages) if self._opened >> i & 1)
+
+    @property
     def kv_positions(self) -> int:
         """Positions the live epoch's stages hold KV for."""
         return self._kv_pos if self._live else 0
@@ -292,16 +299,16 @@ class RouteSession:
 
     def handle(self, event: Event) -> list[Command]:
         """Apply one event; return the commands to execute, in order."""
+        try:
+            handler = _HANDLERS[type(event)]
+        except KeyError:
+            raise TypeError(f"not a session event: {event!r}") from None
         if event.session_id != self.session_id:
             raise InvalidTransition(
                 f"event for session {event.session_id!r} fed to session {self.session_id!r}",
                 state=self._state,
                 event=type(event).__name__,
             )
-        try:
-            handler = _HANDLERS[type(event)]
-        except KeyError:
-            raise TypeError(f"not a session event: {event!r}") from None
         out: list[Command] = []
         handler(self, event, out)
         return out
@@ -483,7 +490,7 @@ class RouteSession:
             event="stage answer",
         )
 
-    def _fire(self, trigger: str) -> None:
+    def _fire(self, trigger: str, stage: int | None = None) -> None:
         source = self._state
         dest = NEXT_STATE.get((source, trigger))
         if dest is None:
@@ -492,7 +499,7 @@ class RouteSession:
             )
         self._machine.fire(self, trigger)
         if source != dest:
-            logger.bind(session=self.session_id, epoch=self._epoch).info(
+            logger.bind(session=self.session_id, epoch=self._epoch, stage=stage).info(
                 "{} -> {} on {} (step {})", source, dest.value, trigger, len(self._accepted)
             )
 
@@ -597,7 +604,7 @@ class RouteSession:
         elif self._route is not None and self._route_changes >= policy.max_route_changes:
             spent = f"route changes {self._route_changes} of {policy.max_route_changes} at step"
         else:
-            self._fire("stage_lost" if holding else "route_refused")
+            self._fire("stage_lost" if holding else "route_refused", stage_index)
             delay = policy.backoff_after(len(self._reports))
             self._backoff_until = now + delay
             if delay <= 0:
@@ -615,7 +622,7 @@ class RouteSession:
             fault=kind,
         )
         error.__cause__ = cause
-        self._fire("exhausted")
+        self._fire("exhausted", stage_index)
         self._end(FinishReason.FAILED, error, out)
 
     def _fail_session_deadline(self, out: list[Command]) -> None:

@@ -8,6 +8,7 @@ in :mod:`dgr_session.route`, serialization lives with whoever serializes.
 from __future__ import annotations
 
 import enum
+from collections.abc import Iterable
 
 import attrs
 
@@ -21,6 +22,10 @@ def short_hex(value: bytes) -> str:
 def _positive(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value <= 0:
         raise ValueError(f"{attribute.name} must be positive, got {value}")
+
+
+def _str_tuple(values: Iterable[str]) -> tuple[str, ...]:
+    return tuple(values)
 
 
 class EvidenceClass(enum.StrEnum):
@@ -59,7 +64,7 @@ class ModelIdentity:
 class Recipe:
     """How the model is quantized and run. Equal recipes are required along a route."""
 
-    quant_types: tuple[str, ...] = attrs.field(converter=tuple)
+    quant_types: tuple[str, ...] = attrs.field(converter=_str_tuple)
     """Quantization types present in the GGUF, e.g. ``("Q4_K", "Q6_K")``."""
     context: int = attrs.field(validator=_positive)
     """Context length (KV positions) every stage provides per session."""

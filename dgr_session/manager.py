@@ -120,7 +120,7 @@ class SessionHandle:
         # Events posted by operation tasks, not yet fed to the core. Invariant: the driver task
         # is either running or waiting on _waiter, which any post wakes.
         self._inbox: list[Event] = []
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[float | None] | None = None
         # Operation tasks (open/forward/route) still running; cancelled when the session ends.
         self._ops: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[SessionResult] | None = None
@@ -170,9 +170,9 @@ class SessionHandle:
             waiter.set_result(None)
 
 
-def _wake(waiter: asyncio.Future[None]) -> None:
+def _wake(waiter: asyncio.Future[float | None], when: float) -> None:
     if not waiter.done():
-        waiter.set_result(None)
+        waiter.set_result(when)
 
 
 class SessionManager:
@@ -222,6 +222,9 @@ class SessionManager:
         on_token: Callable[[int], None] | None = None,
     ) -> SessionHandle:
         """Start a session (needs a running loop); returns at once.
+
+        ``session_id`` must never be reused while workers may still hold (or be closing) an
+        earlier session of that id: stages key their state by it. The default is a fresh UUID.
 
         ``identity``/``recipe`` pin what every route must serve (else the first route pins
         them). ``on_token`` is called with each accepted token; it must not raise.
@@ -301,20 +304,28 @@ class SessionManager:
         try:
             self._execute(handle, core.handle(Start(sid, loop.time())))
             while not core.finished:
+                now = None
                 if not handle._inbox:
-                    await self._wait(handle, core.next_timer())
-                self._execute(handle, core.handle(ClockTick(sid, loop.time())))
+                    now = await self._wait(handle, core.next_timer())
+                # asyncio runs a timer up to one clock resolution early: a timer that fired
+                # means its time has come, or the core would see nothing due and we would spin.
+                self._execute(handle, core.handle(ClockTick(sid, max(loop.time(), now or 0.0))))
                 self._drain(handle)
             self._drain(handle)  # late answers are counted by the finished core
-        except BaseException:
-            if not core.finished:  # driver bug or task cancelled: still close the stages
+        except GeneratorExit:  # the loop is torn down without running us: nothing can be sent
+            if not core.finished:
+                core.handle(Cancel(sid, "event loop closed"))
+            raise
+        except BaseException:  # a driver bug or the task cancelled: still close the stages
+            if not core.finished:
                 self._execute(handle, core.handle(Cancel(sid, "driver stopped")))
             raise
         finally:
-            for task in handle._ops:
-                task.cancel()
-            handle._ops.clear()
             self._live.pop(sid, None)
+            ops, handle._ops = handle._ops, set()
+            if not loop.is_closed():
+                for task in ops:
+                    task.cancel()
         assert core.finish_reason is not None
         return SessionResult(
             session_id=sid,
@@ -334,13 +345,14 @@ class SessionManager:
             for event in events:
                 self._execute(handle, handle.core.handle(event))
 
-    async def _wait(self, handle: SessionHandle, when: float | None) -> None:
+    async def _wait(self, handle: SessionHandle, when: float | None) -> float | None:
+        """Wait for a posted event or until ``when``; return ``when`` if the timer fired."""
         loop = asyncio.get_running_loop()
-        waiter: asyncio.Future[None] = loop.create_future()
+        waiter: asyncio.Future[float | None] = loop.create_future()
         handle._waiter = waiter
-        timer = loop.call_at(when, _wake, waiter) if when is not None else None
+        timer = loop.call_at(when, _wake, waiter, when) if when is not None else None
         try:
-            await waiter
+            return await waiter
         finally:
             handle._waiter = None
             if timer is not None:

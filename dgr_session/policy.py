@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import attrs
 
@@ -29,6 +29,10 @@ def _delays(
             raise ValueError(f"{attribute.name} entries must be finite and >= 0, got {delay}")
 
 
+def _float_tuple(values: Iterable[float]) -> tuple[float, ...]:
+    return tuple(float(value) for value in values)
+
+
 @attrs.frozen
 class FailurePolicy:
     """Bounds on what a session spends on faults. Every default is finite.
@@ -52,7 +56,7 @@ class FailurePolicy:
     """Attempts allowed at one step (the first try counts); the fault that uses up the last
     attempt fails the session."""
     backoff: tuple[float, ...] = attrs.field(
-        default=(0.0, 0.5, 2.0), converter=tuple, validator=_delays
+        default=(0.0, 0.5, 2.0), converter=_float_tuple, validator=_delays
     )
     """Seconds to wait before asking for a route after the 1st, 2nd, ... fault of the session;
     the last entry repeats, an empty schedule means no wait."""

@@ -10,6 +10,7 @@ violation is a typed error naming the stage.
 from __future__ import annotations
 
 import warnings
+from collections.abc import Iterable
 
 import attrs
 from loguru import logger
@@ -61,6 +62,10 @@ class StageSpec:
         return self.layer_end - self.layer_begin
 
 
+def _stage_tuple(stages: Iterable[StageSpec]) -> tuple[StageSpec, ...]:
+    return tuple(stages)
+
+
 @attrs.frozen
 class Route:
     """An ordered list of stages meant to cover ``[0, n_layer)`` exactly once.
@@ -69,7 +74,7 @@ class Route:
     for every route they are assigned).
     """
 
-    stages: tuple[StageSpec, ...] = attrs.field(converter=tuple)
+    stages: tuple[StageSpec, ...] = attrs.field(converter=_stage_tuple)
     """Stages in forward order: stage 0 takes tokens, the last produces logits."""
 
     @stages.validator

@@ -1,0 +1,247 @@
+"""Control-plane benchmark: many concurrent route sessions, no data plane.
+
+Two measurements, both with 10,000 sessions alive at once by default:
+
+* core: sans-I/O ``RouteSession`` objects on one shared ``Machine``, driven round-robin through
+  start -> route -> open -> prefill -> decode; every ``handle()`` call is timed.
+* manager: one ``SessionManager`` over a no-op transport; memory per session is taken while
+  every session is parked mid-forward, then the sessions run to the end and the time spent in
+  the core per event is taken from inside the manager.
+
+Targets (issue 3): p99 <= 50 us per state transition, <= 16 KiB per session.
+
+    python benchmarks/control_plane.py [--sessions 10000] [--tokens 16] [--stages 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import statistics
+import sys
+import time
+import tracemalloc
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dgr_session import (  # noqa: E402
+    ClockTick,
+    FailurePolicy,
+    RouteAssigned,
+    RouteSession,
+    SessionManager,
+    StageOpened,
+    StageOutput,
+    Start,
+)
+from dgr_session.machine import SessionMachine  # noqa: E402
+from dgr_session.testing import (  # noqa: E402
+    FixedRouteProvider,
+    NullTransport,
+    fixture_identity,
+    make_route,
+)
+
+TARGET_P99_US = 50.0
+TARGET_BYTES = 16 * 1024
+POLICY = FailurePolicy(step_deadline=3600.0, session_deadline=36_000.0)
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+def summary(name: str, samples_ns: list[int]) -> dict[str, Any]:
+    values = sorted(v / 1000.0 for v in samples_ns)
+    return {
+        "name": name,
+        "count": len(values),
+        "median_us": statistics.median(values),
+        "p99_us": percentile(values, 0.99),
+        "max_us": values[-1],
+    }
+
+
+class CountingMachine(SessionMachine):
+    """The shared machine, counting the triggers it runs (to tell transitions from relays)."""
+
+    fired = 0
+
+    def fire(self, model: Any, trigger: str) -> None:
+        CountingMachine.fired += 1
+        super().fire(model, trigger)
+
+
+def bench_core(n_sessions: int, n_tokens: int, n_stages: int) -> dict[str, Any]:
+    identity = fixture_identity(n_stages * 2)
+    route = make_route(
+        [f"w{i}" for i in range(n_stages)], [2 * i for i in range(1, n_stages)], identity=identity
+    )
+    machine = CountingMachine()
+    prompt = tuple(range(32))
+    all_ns: list[int] = []
+    change_ns: list[int] = []
+    clock = time.perf_counter_ns
+
+    def feed(core: RouteSession, event: Any) -> None:
+        before = CountingMachine.fired
+        t0 = clock()
+        core.handle(event)
+        dt = clock() - t0
+        all_ns.append(dt)
+        if CountingMachine.fired != before:  # the event ran a transition of the table
+            change_ns.append(dt)
+
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    cores = [
+        RouteSession(f"s{i}", prompt, max_new_tokens=n_tokens, policy=POLICY, machine=machine)
+        for i in range(n_sessions)
+    ]
+    for core in cores:
+        core.handle(Start(core.session_id, 0.0))
+        core.handle(RouteAssigned(core.session_id, 1, route))
+        for index in range(n_stages):
+            core.handle(StageOpened(core.session_id, 1, index))
+    held = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    for core in cores:  # forget the untimed setup: start again on fresh sessions
+        core.handle(ClockTick(core.session_id, 0.0))
+    del cores
+    gc.collect()
+
+    cores = [
+        RouteSession(f"t{i}", prompt, max_new_tokens=n_tokens, policy=POLICY, machine=machine)
+        for i in range(n_sessions)
+    ]
+    for core in cores:
+        feed(core, Start(core.session_id, 0.0))
+    for core in cores:
+        feed(core, RouteAssigned(core.session_id, 1, route))
+    for index in range(n_stages):
+        for core in cores:
+            feed(core, StageOpened(core.session_id, 1, index))
+    t_start = time.perf_counter()
+    for step in range(n_tokens):
+        for index in range(n_stages):
+            last = index == n_stages - 1
+            for core in cores:
+                sid = core.session_id
+                if last:
+                    feed(core, StageOutput(sid, 1, step, index, token=step % 7))
+                else:
+                    feed(core, StageOutput(sid, 1, step, index, payload=None))
+    elapsed = time.perf_counter() - t_start
+    assert all(core.finished and len(core.tokens) == n_tokens for core in cores)
+    assert machine.member_count == 0
+    return {
+        "sessions": n_sessions,
+        "bytes_per_session": held / n_sessions,
+        "events": summary("core: every event", all_ns),
+        "transitions": summary("core: events running a transition", change_ns),
+        "decode_events_per_s": n_sessions * n_tokens * n_stages / elapsed,
+    }
+
+
+async def bench_manager(n_sessions: int, n_tokens: int, n_stages: int) -> dict[str, Any]:
+    identity = fixture_identity(n_stages * 2)
+    route = make_route(
+        [f"w{i}" for i in range(n_stages)], [2 * i for i in range(1, n_stages)], identity=identity
+    )
+    transport = NullTransport()
+    loop = asyncio.get_running_loop()
+    transport.gate = loop.create_future()
+    manager = SessionManager(transport, FixedRouteProvider(route), policy=POLICY)
+    prompt = tuple(range(32))
+
+    samples: list[int] = []
+    original: Callable[..., Any] = RouteSession.handle
+    clock = time.perf_counter_ns
+
+    def timed_handle(self: RouteSession, event: Any) -> Any:
+        t0 = clock()
+        out = original(self, event)
+        samples.append(clock() - t0)
+        return out
+
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    handles = [
+        manager.start(prompt, max_new_tokens=n_tokens, session_id=f"m{i}")
+        for i in range(n_sessions)
+    ]
+    for _ in range(10):  # every session reaches its first forward and parks on the gate
+        await asyncio.sleep(0)
+    parked = sum(1 for h in handles if h.core.state.value == "prefilling")
+    held = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+
+    RouteSession.handle = timed_handle  # type: ignore[method-assign]
+    try:
+        t_start = time.perf_counter()
+        transport.gate.set_result(None)
+        transport.gate = None
+        results = await asyncio.gather(*(h.wait() for h in handles))
+        elapsed = time.perf_counter() - t_start
+    finally:
+        RouteSession.handle = original  # type: ignore[method-assign]
+    assert all(len(r.tokens) == n_tokens for r in results)
+    return {
+        "sessions": n_sessions,
+        "parked": parked,
+        "bytes_per_session": held / n_sessions,
+        "events": summary("manager: core time per event", samples),
+        "wall_s": elapsed,
+        "tokens_per_s": n_sessions * n_tokens / elapsed,
+    }
+
+
+def report(core: dict[str, Any], managed: dict[str, Any]) -> bool:
+    ok = True
+    print(f"sessions alive at once: {core['sessions']}")
+    print()
+    print(f"{'measurement':<40} {'count':>9} {'median us':>10} {'p99 us':>8} {'max us':>8}")
+    for row in (core["events"], core["transitions"], managed["events"]):
+        print(
+            f"{row['name']:<40} {row['count']:>9} {row['median_us']:>10.2f}"
+            f" {row['p99_us']:>8.2f} {row['max_us']:>8.1f}"
+        )
+    print()
+    print(f"core decode throughput: {core['decode_events_per_s']:,.0f} events/s")
+    print(
+        f"manager: {managed['parked']} sessions parked mid-forward; end to end"
+        f" {managed['wall_s']:.2f} s, {managed['tokens_per_s']:,.0f} tokens/s (no-op transport)"
+    )
+    print()
+    for name, value in (("core", core), ("manager", managed)):
+        per = value["bytes_per_session"]
+        verdict = "ok" if per <= TARGET_BYTES else "OVER"
+        ok &= per <= TARGET_BYTES
+        print(f"memory per session ({name}): {per / 1024:.2f} KiB (target <= 16 KiB: {verdict})")
+    p99 = core["transitions"]["p99_us"]
+    verdict = "ok" if p99 <= TARGET_P99_US else "OVER"
+    ok &= p99 <= TARGET_P99_US
+    print(f"p99 per state transition: {p99:.2f} us (target <= 50 us: {verdict})")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="dgr control-plane benchmark")
+    parser.add_argument("--sessions", type=int, default=10_000)
+    parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--stages", type=int, default=3)
+    args = parser.parse_args(argv)
+    core = bench_core(args.sessions, args.tokens, args.stages)
+    managed = asyncio.run(bench_manager(args.sessions, args.tokens, args.stages))
+    return 0 if report(core, managed) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

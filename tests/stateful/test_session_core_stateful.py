@@ -1,0 +1,283 @@
+"""Stateful property test: many sessions in one SessionManager over a faulty fake transport.
+
+Rules start sessions, let virtual time pass, kill / hang / revive workers (reviving a hung worker
+delivers its held replies late, i.e. stale replies of dead epochs), inject engine errors and
+cancel sessions. After every rule the loop is settled (everything ready has run, the clock has
+not moved) and the invariants are checked against a trivially correct model: the fault-free
+whole-model greedy tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    Bundle,
+    MultipleResults,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    multiple,
+    precondition,
+    rule,
+)
+
+from dgr_session import (
+    FailureBudgetExhausted,
+    FailurePolicy,
+    NoRouteAvailable,
+    SessionDeadlineExceeded,
+    SessionFailed,
+    SessionHandle,
+    SessionMachine,
+    SessionManager,
+    SessionState,
+)
+from dgr_session.testing import (
+    FakeModel,
+    FakeTransport,
+    PoolRouteProvider,
+    VirtualClockLoop,
+    fixture_identity,
+    settle,
+)
+
+MODEL = FakeModel(n_layer=6, vocab=16)
+IDENTITY = fixture_identity(MODEL.n_layer)
+WORKERS = ("w0", "w1", "w2", "w3", "w4")
+POLICY = FailurePolicy(
+    step_deadline=1.0,
+    session_deadline=30.0,
+    max_route_changes=3,
+    max_attempts_per_step=3,
+    backoff=(0.0, 0.25, 0.5),
+)
+MAX_LIVE = 6
+
+layouts = st.lists(
+    st.lists(st.integers(1, MODEL.n_layer - 1), unique=True, max_size=3).map(sorted),
+    min_size=1,
+    max_size=3,
+)
+prompts = st.lists(st.integers(0, MODEL.vocab - 1), min_size=1, max_size=6).map(tuple)
+
+
+class SessionFleet(RuleBasedStateMachine):
+    sessions = Bundle("sessions")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loop = VirtualClockLoop()
+        self.transport = FakeTransport(MODEL)
+        self.machine = SessionMachine()
+        self.manager: SessionManager | None = None
+        self.handles: dict[str, SessionHandle] = {}
+        self.expected: dict[str, tuple[int, ...]] = {}
+        self.cancelled: set[str] = set()
+        self.last_epoch: dict[str, int] = {}
+        self.kills = dict.fromkeys(WORKERS, 0)
+        # kill counts when an epoch was first seen live: a worker killed since lost the slot
+        self.kills_at_epoch: dict[tuple[str, int], dict[str, int]] = {}
+        self.count = 0
+
+    def run(self, coro: object) -> object:
+        return self.loop.run_until_complete(coro)  # type: ignore[arg-type]
+
+    def settle(self) -> None:
+        self.run(settle())
+
+    # -- rules -------------------------------------------------------------------------------
+
+    @initialize(
+        target=sessions,
+        cuts=layouts,
+        latency=st.sampled_from([0.0, 0.05, 0.2]),
+        first=st.lists(st.tuples(prompts, st.integers(1, 6)), min_size=1, max_size=4),
+    )
+    def setup(
+        self, cuts: list[list[int]], latency: float, first: list[tuple[tuple[int, ...], int]]
+    ) -> MultipleResults[str]:
+        """A pool of workers, routes cut at random layers, each reply taking ``latency`` seconds
+        of loop time, and a first batch of sessions."""
+        provider = PoolRouteProvider(self.transport, WORKERS, cuts, identity=IDENTITY)
+        self.transport.latency = latency * POLICY.step_deadline
+        self.manager = SessionManager(self.transport, provider, policy=POLICY, machine=self.machine)
+        return multiple(*(self._start(prompt, max_new, set()) for prompt, max_new in first))
+
+    @precondition(lambda self: self.manager is not None and len(self.manager) < MAX_LIVE)
+    @rule(
+        target=sessions,
+        prompt=prompts,
+        max_new=st.integers(1, 6),
+        stop=st.sets(st.integers(0, MODEL.vocab - 1), max_size=2),
+    )
+    def start(self, prompt: tuple[int, ...], max_new: int, stop: set[int]) -> str:
+        return self._start(prompt, max_new, stop)
+
+    def _start(self, prompt: tuple[int, ...], max_new: int, stop: set[int]) -> str:
+        assert self.manager is not None
+        sid = f"s{self.count}"
+        self.count += 1
+        manager = self.manager
+
+        async def begin() -> SessionHandle:
+            return manager.start(prompt, max_new_tokens=max_new, session_id=sid, stop_tokens=stop)
+
+        self.handles[sid] = self.run(begin())  # type: ignore[assignment]
+        self.expected[sid] = MODEL.reference(prompt, max_new, stop)
+        self.settle()
+        return sid
+
+    @rule(dt=st.sampled_from([0.25, 0.5, 1.0, 2.5]))
+    def let_time_pass(self, dt: float) -> None:
+        self.run(asyncio.sleep(dt * POLICY.step_deadline))
+        self.settle()
+
+    @rule(worker=st.sampled_from(WORKERS))
+    def kill(self, worker: str) -> None:
+        self.transport.kill(worker)
+        self.kills[worker] += 1
+        self.settle()
+
+    @rule(worker=st.sampled_from(WORKERS))
+    def hang(self, worker: str) -> None:
+        self.transport.hang(worker)
+        self.settle()
+
+    @rule(worker=st.sampled_from(WORKERS))
+    def revive(self, worker: str) -> None:
+        """Bring a dead worker back, empty (a hung one is released as well)."""
+        self.transport.revive(worker)
+        self.settle()
+
+    @rule(worker=st.sampled_from(WORKERS))
+    def deliver_late_replies(self, worker: str) -> None:
+        """A hung worker answers: its held replies, often of epochs abandoned after a deadline,
+        arrive late and must be dropped, never applied."""
+        before = {sid: h.core.stale_events_dropped for sid, h in self.handles.items()}
+        self.transport.release(worker)
+        self.settle()
+        for sid, handle in self.handles.items():
+            assert handle.core.stale_events_dropped >= before[sid]
+
+    @rule(worker=st.sampled_from(WORKERS), count=st.integers(1, 2))
+    def engine_error(self, worker: str, count: int) -> None:
+        self.transport.fail_next(worker, count)
+        self.settle()
+
+    @rule(sid=sessions)
+    def cancel(self, sid: str) -> None:
+        handle = self.handles[sid]
+        was_live = not handle.core.finished
+        tokens = handle.core.tokens
+        handle.cancel("rule")
+        if was_live:
+            self.cancelled.add(sid)
+        self.settle()
+        # an error iff the model says so: a live session ends cancelled, a finished one is as it was
+        if was_live:
+            assert handle.core.state is SessionState.CANCELLED
+        else:
+            assert handle.core.state is not SessionState.CANCELLED or sid in self.cancelled
+        assert handle.core.tokens == tokens
+
+    # -- invariants --------------------------------------------------------------------------
+
+    @invariant()
+    def no_stage_ever_saw_an_incorrect_request(self) -> None:
+        """No duplicate open, no position that does not continue the KV, no wrong rows."""
+        assert self.transport.violations == []
+
+    @invariant()
+    def epochs_never_decrease(self) -> None:
+        for sid, handle in self.handles.items():
+            epoch = handle.core.epoch
+            assert epoch >= self.last_epoch.get(sid, 0)
+            self.last_epoch[sid] = epoch
+
+    @invariant()
+    def tokens_are_always_a_prefix_of_the_fault_free_tokens(self) -> None:
+        for sid, handle in self.handles.items():
+            tokens = handle.core.tokens
+            assert tokens == self.expected[sid][: len(tokens)], sid
+            if handle.core.state is SessionState.DONE:
+                assert tokens == self.expected[sid]
+
+    @invariant()
+    def ended_sessions_ended_for_a_reason_within_policy(self) -> None:
+        for sid, handle in self.handles.items():
+            core = handle.core
+            assert core.route_changes <= POLICY.max_route_changes
+            assert all(r.attempt <= POLICY.max_attempts_per_step for r in core.reports)
+            if core.state is SessionState.CANCELLED:
+                assert sid in self.cancelled
+            if core.state is not SessionState.FAILED:
+                continue
+            error = core.error
+            assert isinstance(error, SessionFailed)
+            assert core.started_at is not None and core.ended_at is not None
+            assert core.ended_at - core.started_at <= POLICY.session_deadline
+            if isinstance(error, SessionDeadlineExceeded):
+                assert core.ended_at - core.started_at == POLICY.session_deadline
+            else:
+                assert isinstance(error, FailureBudgetExhausted)
+                # the budget was really spent, not given up early
+                spent_attempts = error.attempts >= POLICY.max_attempts_per_step
+                spent_changes = error.route_changes >= POLICY.max_route_changes
+                assert spent_attempts or (spent_changes and not isinstance(error, NoRouteAvailable))
+                assert error.fault is not None and error.reports
+                assert error.reports[-1].fault is error.fault
+
+    @invariant()
+    def open_slots_match_the_sessions_held(self) -> None:
+        """Every slot on a worker belongs to the live epoch of a running session; every stage
+        that confirmed its open holds one, unless its worker was killed since."""
+        if self.manager is None:
+            return
+        allowed: dict[tuple[str, str], int] = {}
+        required: set[tuple[str, str]] = set()
+        for sid, handle in self.handles.items():
+            core = handle.core
+            if not core.live_epoch or core.route is None:
+                continue
+            seen = self.kills_at_epoch.setdefault((sid, core.epoch), dict(self.kills))
+            for index, stage in enumerate(core.route.stages):
+                allowed[(stage.endpoint, sid)] = core.epoch
+                ep = stage.endpoint
+                confirmed = index in core.opened_stages
+                if confirmed and self.transport.alive(ep) and self.kills[ep] == seen[ep]:
+                    required.add((ep, sid))
+        slots = self.transport.slots()
+        assert required <= slots.keys()
+        assert all(allowed.get(key) == epoch for key, epoch in slots.items()), (slots, allowed)
+        live = [h for h in self.handles.values() if not h.core.finished]
+        assert len(self.manager) == len(live) == self.machine.member_count
+        if not live:
+            assert slots == {}
+
+    def teardown(self) -> None:
+        try:
+            if self.manager is not None:
+                self.run(self.manager.aclose(grace=POLICY.step_deadline))
+                self.settle()
+                assert len(self.manager) == 0
+                assert self.transport.slots() == {}
+                assert self.machine.member_count == 0
+        finally:
+            leftover = asyncio.all_tasks(self.loop)
+            for task in leftover:
+                task.cancel()
+            if leftover:
+                self.run(asyncio.gather(*leftover, return_exceptions=True))
+            self.loop.close()
+
+
+SessionFleet.TestCase.settings = settings(
+    max_examples=200,
+    stateful_step_count=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestSessionFleet = SessionFleet.TestCase

@@ -1,0 +1,525 @@
+"""The sans-I/O core: events in, commands out, no I/O and no clock of its own."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from loguru import logger
+
+from dgr_session import (
+    Cancel,
+    ClockTick,
+    CloseStage,
+    Command,
+    EmitToken,
+    FailureBudgetExhausted,
+    FailurePolicy,
+    FaultKind,
+    Finish,
+    FinishReason,
+    Forward,
+    InvalidTransition,
+    NoRouteAvailable,
+    OpenStage,
+    RequestRoute,
+    Route,
+    RouteAssigned,
+    RouteSession,
+    RouteUnavailable,
+    SessionCancelled,
+    SessionDeadlineExceeded,
+    SessionState,
+    StageFailed,
+    StageOpened,
+    StageOutput,
+    Start,
+    StepDeadlineExceeded,
+)
+from dgr_session.machine import SessionMachine
+from dgr_session.testing import fixture_identity, fixture_lane, make_route
+
+IDENTITY = fixture_identity(6)
+POLICY = FailurePolicy(
+    step_deadline=1.0,
+    session_deadline=100.0,
+    max_route_changes=3,
+    max_attempts_per_step=3,
+    backoff=(0.0,),
+)
+SID = "s"
+
+
+def route(*endpoints: str) -> Route:
+    n = len(endpoints)
+    cuts = [IDENTITY.n_layer * k // n for k in range(1, n)]
+    return make_route(list(endpoints), cuts, identity=IDENTITY)
+
+
+def of(commands: Sequence[Command], kind: type) -> list[Any]:
+    return [c for c in commands if isinstance(c, kind)]
+
+
+class Driver:
+    """Feeds a core by hand and keeps every command it returned."""
+
+    def __init__(
+        self,
+        prompt: Sequence[int] = (1, 2, 3),
+        max_new_tokens: int = 4,
+        policy: FailurePolicy = POLICY,
+        **kwargs: object,
+    ) -> None:
+        self.core = RouteSession(
+            SID,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            policy=policy,
+            machine=SessionMachine(),
+            **kwargs,  # type: ignore[arg-type]
+        )
+        self.now = 0.0
+        self.log: list[Any] = []
+
+    def feed(self, event: object) -> list[Any]:
+        out = self.core.handle(event)  # type: ignore[arg-type]
+        self.log.extend(out)
+        return out
+
+    def tick(self, now: float) -> list[Any]:
+        self.now = now
+        return self.feed(ClockTick(SID, now))
+
+    def start(self) -> list[Any]:
+        return self.feed(Start(SID, self.now))
+
+    def assign(self, r: Route) -> list[Any]:
+        return self.feed(RouteAssigned(SID, self.core.epoch + 1, r))
+
+    def open_all(self) -> list[Any]:
+        out: list[Any] = []
+        assert self.core.route is not None
+        for index in range(len(self.core.route)):
+            out += self.feed(StageOpened(SID, self.core.epoch, index))
+        return out
+
+    def step(self, token: int) -> list[Any]:
+        """Answer the pending forward at every stage; the last picks ``token``."""
+        assert self.core.route is not None
+        out: list[Any] = []
+        last = len(self.core.route) - 1
+        for index in range(last + 1):
+            epoch, step = self.core.epoch, self.core.step
+            if index < last:
+                out += self.feed(StageOutput(SID, epoch, step, index, payload=("rows", index)))
+            else:
+                out += self.feed(StageOutput(SID, epoch, step, index, token=token))
+        return out
+
+    def running(self, r: Route) -> Driver:
+        self.start()
+        self.assign(r)
+        self.open_all()
+        return self
+
+
+# ------------------------------------------------------------------------------------------
+# Happy path
+
+
+def test_happy_path_commands_in_order() -> None:
+    d = Driver(max_new_tokens=2)
+    assert d.core.state is SessionState.NEW and d.core.epoch == 0
+    assert d.start() == [RequestRoute(SID, 1, None)]
+    r = route("a", "b")
+    opens = d.assign(r)
+    assert opens == [OpenStage(SID, 1, 0, r.stages[0]), OpenStage(SID, 1, 1, r.stages[1])]
+    assert d.core.state is SessionState.OPENING and d.core.epoch == 1
+    assert d.feed(StageOpened(SID, 1, 1)) == []
+    (forward,) = d.feed(StageOpened(SID, 1, 0))
+    assert d.core.state is SessionState.PREFILLING
+    assert forward == Forward(SID, 1, 0, 0, r.stages[0], range(0, 3), (1, 2, 3), None, False)
+    (relay,) = d.feed(StageOutput(SID, 1, 0, 0, payload="rows-0"))
+    assert relay.boundary == "rows-0" and relay.stage_index == 1 and relay.final
+    assert relay.positions == range(0, 3) and relay.token_ids == (1, 2, 3)
+    emit, decode = d.feed(StageOutput(SID, 1, 0, 1, token=9))
+    assert emit == EmitToken(SID, 1, 0, 9)
+    assert d.core.state is SessionState.DECODING
+    assert decode.positions == range(3, 4) and decode.token_ids == (9,) and decode.step == 1
+    d.feed(StageOutput(SID, 1, 1, 0, payload="rows-1"))
+    out = d.feed(StageOutput(SID, 1, 1, 1, token=4))
+    assert out[0] == EmitToken(SID, 1, 1, 4)
+    assert of(out, CloseStage) == [
+        CloseStage(SID, 1, 0, r.stages[0]),
+        CloseStage(SID, 1, 1, r.stages[1]),
+    ]
+    assert out[-1] == Finish(SID, 1, FinishReason.LENGTH, (9, 4), None)
+    assert d.core.state is SessionState.DONE and d.core.finished
+    assert d.core.tokens == (9, 4) and d.core.error is None
+    assert d.core.next_timer() is None
+
+
+def test_stop_token_finishes_with_reason_stop() -> None:
+    d = Driver(max_new_tokens=10, stop_tokens=[7]).running(route("a"))
+    d.step(3)
+    out = d.step(7)
+    assert out[-1].reason is FinishReason.STOP and d.core.tokens == (3, 7)
+    assert d.core.finish_reason is FinishReason.STOP
+
+
+def test_one_info_line_per_state_change_bound_to_session_and_epoch() -> None:
+    records: list[Any] = []
+    logger.enable("dgr_session")
+    sink = logger.add(lambda m: records.append(m.record), level="INFO")
+    try:
+        d = Driver(max_new_tokens=2).running(route("a", "b"))
+        d.step(1)
+        d.step(2)
+    finally:
+        logger.remove(sink)
+        logger.disable("dgr_session")
+    changes = [(r["message"].split()[0], r["message"].split()[2]) for r in records]
+    assert changes == [
+        ("new", "opening"),
+        ("opening", "prefilling"),
+        ("prefilling", "decoding"),
+        ("decoding", "done"),
+    ]
+    assert all(r["level"].name == "INFO" and r["extra"]["session"] == SID for r in records)
+    assert [r["extra"]["epoch"] for r in records] == [1, 1, 1, 1]
+
+
+def test_fault_lines_name_the_stage() -> None:
+    records: list[Any] = []
+    logger.enable("dgr_session")
+    sink = logger.add(lambda m: records.append(m.record), level="INFO")
+    try:
+        d = Driver().running(route("a", "b"))
+        d.feed(StageFailed(SID, 1, 1, FaultKind.DEAD))
+    finally:
+        logger.remove(sink)
+        logger.disable("dgr_session")
+    lost = [r for r in records if "-> route_lost" in r["message"]]
+    assert len(lost) == 1 and lost[0]["extra"]["stage"] == 1
+    assert lost[0]["extra"]["epoch"] == 1 and lost[0]["extra"]["session"] == SID
+
+
+def test_library_logging_is_disabled_by_default() -> None:
+    lines: list[str] = []
+    sink = logger.add(lines.append, level="DEBUG")
+    try:
+        Driver(max_new_tokens=1).running(route("a")).step(1)
+    finally:
+        logger.remove(sink)
+    assert lines == []
+
+
+# ------------------------------------------------------------------------------------------
+# Epochs, stale events, the Petals case
+
+
+def test_route_change_replays_prompt_and_accepted_tokens_from_position_zero() -> None:
+    d = Driver(prompt=(5, 6), max_new_tokens=5).running(route("a", "b"))
+    d.step(10)
+    d.step(11)
+    old = d.core.route
+    assert old is not None
+    out = d.feed(StageFailed(SID, 1, 1, FaultKind.DEAD, "gone", step=2))
+    assert of(out, CloseStage) == [CloseStage(SID, 1, i, s) for i, s in enumerate(old.stages)]
+    (request,) = of(out, RequestRoute)
+    assert request.epoch == 2
+    assert request.report.endpoint == "b" and request.report.fault is FaultKind.DEAD
+    assert request.report.stage_index == 1 and request.report.step == 2
+    assert d.core.state is SessionState.REROUTING
+    replacement = route("a", "c")
+    opens = d.assign(replacement)
+    assert [o.epoch for o in opens] == [2, 2] and d.core.epoch == 2
+    (forward,) = d.open_all()
+    # The replacement stage (and every other) starts a fresh epoch at position 0 with the
+    # whole replay: prompt + accepted tokens, nothing resampled.
+    assert forward.positions == range(0, 4)
+    assert forward.token_ids == (5, 6, 10, 11)
+    assert forward.step == 2 and forward.epoch == 2
+    relay = d.feed(StageOutput(SID, 2, 2, 0, payload="r"))[0]
+    assert relay.stage.endpoint == "c" and relay.positions == range(0, 4)
+    out = d.feed(StageOutput(SID, 2, 2, 1, token=12))
+    assert out[0] == EmitToken(SID, 2, 2, 12)
+    assert d.core.tokens == (10, 11, 12)
+    assert out[1].positions == range(4, 5) and out[1].token_ids == (12,)
+    assert d.core.route_changes == 1
+
+
+def test_events_of_an_old_epoch_are_dropped_and_counted() -> None:
+    d = Driver(max_new_tokens=5).running(route("a", "b"))
+    d.step(1)
+    d.feed(StageFailed(SID, 1, 0, FaultKind.DEADLINE, "slow", step=1))
+    d.assign(route("a", "b"))
+    before = d.core.state, d.core.epoch, d.core.step
+    late = [
+        StageOutput(SID, 1, 1, 0, payload="late"),
+        StageOutput(SID, 1, 1, 1, token=99),
+        StageOpened(SID, 1, 0),
+        StageFailed(SID, 1, 1, FaultKind.DEAD),
+        RouteAssigned(SID, 1, route("x")),
+        RouteUnavailable(SID, 2),
+    ]
+    for event in late:
+        assert d.feed(event) == []
+    assert (d.core.state, d.core.epoch, d.core.step) == before
+    assert d.core.stale_events_dropped == len(late)
+    assert d.core.tokens == (1,)
+
+
+def test_answers_after_a_fault_are_stale_even_before_the_new_epoch() -> None:
+    policy = FailurePolicy(step_deadline=1.0, session_deadline=100.0, backoff=(5.0,))
+    d = Driver(policy=policy).running(route("a", "b"))
+    d.feed(StageFailed(SID, 1, 0, FaultKind.ENGINE_ERROR, "oom", step=0))
+    assert d.core.state is SessionState.ROUTE_LOST and not d.core.live_epoch
+    assert d.feed(StageOutput(SID, 1, 0, 1, token=3)) == []
+    assert d.core.stale_events_dropped == 1 and d.core.tokens == ()
+
+
+def test_epoch_increments_once_per_assignment_and_never_decreases() -> None:
+    d = Driver(max_new_tokens=10, policy=FailurePolicy(max_route_changes=5, backoff=())).running(
+        route("a")
+    )
+    epochs = [d.core.epoch]
+    for n in range(5):
+        d.step(n)
+        d.feed(StageFailed(SID, d.core.epoch, 0, FaultKind.DEAD))
+        epochs.append(d.core.epoch)
+        d.assign(route("a"))
+        epochs.append(d.core.epoch)
+        d.open_all()
+    assert epochs == [1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6]
+
+
+def test_future_epoch_and_foreign_session_are_driver_bugs() -> None:
+    d = Driver().running(route("a"))
+    with pytest.raises(InvalidTransition):
+        d.feed(StageOutput(SID, 7, 0, 0, token=1))
+    with pytest.raises(InvalidTransition):
+        d.feed(RouteAssigned(SID, 9, route("a")))
+    with pytest.raises(InvalidTransition):
+        d.feed(StageOutput("other", 1, 0, 0, token=1))
+    with pytest.raises(InvalidTransition):
+        d.feed(StageOpened(SID, 1, 5))
+    with pytest.raises(InvalidTransition):
+        d.feed(Start(SID, 0.0))
+    with pytest.raises(TypeError):
+        d.feed("not an event")
+    assert d.core.state is SessionState.PREFILLING and d.core.stale_events_dropped == 0
+
+
+@pytest.mark.parametrize(
+    "event",
+    [
+        StageOutput(SID, 1, 0, 1, token=5),  # wrong hop: stage 0 is awaited
+        StageOutput(SID, 1, 3, 0, payload="x"),  # wrong step
+        StageOpened(SID, 1, 0),  # duplicate open
+    ],
+)
+def test_out_of_protocol_answers_are_faults_of_that_stage(event: object) -> None:
+    d = Driver().running(route("a", "b"))
+    out = d.feed(event)
+    (request,) = of(out, RequestRoute)
+    assert request.report.fault is FaultKind.PROTOCOL
+    assert request.report.stage_index == event.stage_index  # type: ignore[attr-defined]
+    assert d.core.tokens == ()
+
+
+def test_last_stage_without_a_token_is_a_protocol_fault() -> None:
+    d = Driver().running(route("a"))
+    out = d.feed(StageOutput(SID, 1, 0, 0, payload="rows but no token"))
+    assert of(out, RequestRoute)[0].report.fault is FaultKind.PROTOCOL
+
+
+# ------------------------------------------------------------------------------------------
+# Time, deadlines, budget
+
+
+def test_step_deadline_blames_the_awaited_stage() -> None:
+    d = Driver().running(route("a", "b", "c"))
+    d.feed(StageOutput(SID, 1, 0, 0, payload="r"))
+    assert d.core.next_timer() == 1.0
+    assert d.tick(0.99) == []
+    out = d.tick(1.0)
+    (request,) = of(out, RequestRoute)
+    assert request.report.fault is FaultKind.DEADLINE
+    assert request.report.stage_index == 1 and request.report.endpoint == "b"
+    assert request.report.waited == 1.0
+
+
+def test_opening_deadline_blames_the_first_unopened_stage() -> None:
+    d = Driver()
+    d.start()
+    d.assign(route("a", "b", "c"))
+    d.feed(StageOpened(SID, 1, 0))
+    d.feed(StageOpened(SID, 1, 2))
+    (request,) = of(d.tick(5.0), RequestRoute)
+    assert request.report.stage_index == 1 and request.report.fault is FaultKind.DEADLINE
+
+
+def test_backoff_waits_for_the_clock() -> None:
+    policy = FailurePolicy(step_deadline=1.0, backoff=(0.5, 2.0))
+    d = Driver(policy=policy).running(route("a"))
+    d.tick(0.25)
+    d.feed(StageFailed(SID, 1, 0, FaultKind.DEAD))
+    assert d.core.state is SessionState.ROUTE_LOST
+    assert d.core.next_timer() == 0.75
+    assert d.tick(0.7) == []
+    (request,) = d.tick(0.75)
+    assert isinstance(request, RequestRoute) and d.core.state is SessionState.REROUTING
+    d.assign(route("b"))
+    d.open_all()
+    d.feed(StageFailed(SID, 2, 0, FaultKind.DEAD))
+    assert d.core.next_timer() == 2.75  # second fault: second delay
+
+
+def test_route_request_deadline_and_no_route_count_as_attempts() -> None:
+    d = Driver()
+    d.start()
+    out = d.tick(1.0)  # provider silent for a whole step deadline
+    assert of(out, RequestRoute)[0].report.fault is FaultKind.DEADLINE
+    out = d.feed(RouteUnavailable(SID, 1, "empty pool"))
+    assert of(out, RequestRoute)[0].report.fault is FaultKind.NO_ROUTE
+    out = d.feed(RouteUnavailable(SID, 1))
+    assert d.core.state is SessionState.FAILED
+    error = d.core.error
+    assert isinstance(error, NoRouteAvailable)
+    assert error.attempts == 3 and error.fault is FaultKind.NO_ROUTE
+    assert len(error.reports) == 3 and out[-1].reason is FinishReason.FAILED
+
+
+def test_invalid_route_is_refused_and_reported() -> None:
+    d = Driver()
+    d.start()
+    bad = make_route(["x", "y"], [3], identity=IDENTITY, lane=fixture_lane(certified=False))
+    (request,) = of(d.assign(bad), RequestRoute)
+    assert request.report.fault is FaultKind.ROUTE_INVALID
+    assert request.report.stage_index == 0 and request.report.endpoint == "x"
+    assert d.core.epoch == 0 and d.core.state is SessionState.REROUTING
+    d.assign(route("a"))
+    assert d.core.epoch == 1 and d.core.route_changes == 0
+
+
+def test_later_routes_must_serve_the_pinned_model() -> None:
+    d = Driver().running(route("a"))
+    d.feed(StageFailed(SID, 1, 0, FaultKind.DEAD))
+    other = make_route(["z"], [], identity=fixture_identity(7))
+    (request,) = of(d.assign(other), RequestRoute)
+    assert request.report.fault is FaultKind.ROUTE_INVALID and d.core.epoch == 1
+
+
+def test_attempts_per_step_bound_the_faults_at_one_step() -> None:
+    policy = FailurePolicy(max_attempts_per_step=2, max_route_changes=10, backoff=())
+    d = Driver(policy=policy).running(route("a", "b"))
+    d.step(1)
+    d.feed(StageFailed(SID, 1, 1, FaultKind.ENGINE_ERROR, "boom", step=1))
+    d.assign(route("a", "b"))
+    d.open_all()
+    d.step(2)  # progress resets the per-step count
+    d.feed(StageFailed(SID, 2, 0, FaultKind.DEAD, step=2))
+    d.assign(route("a", "b"))
+    d.open_all()
+    out = d.feed(StageFailed(SID, 3, 1, FaultKind.ENGINE_ERROR, "boom", step=2))
+    error = d.core.error
+    assert isinstance(error, FailureBudgetExhausted) and not isinstance(error, NoRouteAvailable)
+    assert (error.stage_index, error.endpoint, error.fault) == (1, "b", FaultKind.ENGINE_ERROR)
+    assert error.attempts == 2 and error.step == 2 and error.route_changes == 2
+    assert "stage 1 (b)" in str(error) and "engine_error" in str(error)
+    assert out[-1] == Finish(SID, 3, FinishReason.FAILED, (1, 2), error)
+    assert len(of(out, CloseStage)) == 2
+
+
+def test_route_change_budget() -> None:
+    policy = FailurePolicy(max_route_changes=1, max_attempts_per_step=10, backoff=())
+    d = Driver(policy=policy, max_new_tokens=10).running(route("a"))
+    d.feed(StageFailed(SID, 1, 0, FaultKind.DEAD))
+    d.assign(route("b"))
+    d.open_all()
+    d.feed(StageFailed(SID, 2, 0, FaultKind.DEAD))
+    error = d.core.error
+    assert isinstance(error, FailureBudgetExhausted)
+    assert error.route_changes == 1 and error.endpoint == "b"
+    assert of(d.log, RequestRoute)[-1].report is not None
+    assert len(of(d.log, RequestRoute)) == 2  # first route + one change, no third request
+
+
+def test_deadline_cause_is_attached_when_it_spends_the_budget() -> None:
+    policy = FailurePolicy(step_deadline=1.0, max_route_changes=0, backoff=())
+    d = Driver(policy=policy).running(route("a"))
+    d.tick(1.0)
+    assert isinstance(d.core.error, FailureBudgetExhausted)
+    assert isinstance(d.core.error.__cause__, StepDeadlineExceeded)
+    assert d.core.error.fault is FaultKind.DEADLINE
+
+
+def test_session_deadline_fails_from_any_live_state() -> None:
+    policy = FailurePolicy(step_deadline=10.0, session_deadline=30.0, backoff=(100.0,))
+    d = Driver(policy=policy).running(route("a", "b"))
+    d.tick(9.0)
+    d.feed(StageFailed(SID, 1, 0, FaultKind.DEAD))
+    assert d.core.state is SessionState.ROUTE_LOST and d.core.next_timer() == 30.0
+    out = d.tick(30.0)
+    assert d.core.state is SessionState.FAILED
+    assert isinstance(d.core.error, SessionDeadlineExceeded)
+    assert out == [Finish(SID, 1, FinishReason.FAILED, (), d.core.error)]
+    assert d.core.ended_at == 30.0 and d.core.started_at == 0.0
+
+
+def test_clock_never_goes_back() -> None:
+    d = Driver().running(route("a"))
+    d.tick(0.9)
+    d.tick(0.1)
+    assert of(d.tick(0.95), RequestRoute) == []
+    assert of(d.tick(1.0), RequestRoute)
+
+
+# ------------------------------------------------------------------------------------------
+# Cancel
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+def test_cancel_closes_every_stage_of_the_epoch(stages: int) -> None:
+    r = route(*"abc"[:stages])
+    d = Driver()
+    d.start()
+    d.assign(r)
+    d.feed(StageOpened(SID, 1, 0))  # some stages still opening: they are closed too
+    out = d.feed(Cancel(SID, "user"))
+    assert of(out, CloseStage) == [CloseStage(SID, 1, i, s) for i, s in enumerate(r.stages)]
+    assert d.core.state is SessionState.CANCELLED
+    assert isinstance(out[-1].error, SessionCancelled) and "user" in str(out[-1].error)
+    assert d.feed(Cancel(SID)) == []  # idempotent
+    assert d.feed(StageOpened(SID, 1, 1)) == [] and d.core.stale_events_dropped == 1
+    assert d.tick(1e9) == []
+
+
+def test_cancel_after_a_fault_has_nothing_left_to_close() -> None:
+    d = Driver(policy=FailurePolicy(backoff=(3.0,))).running(route("a", "b"))
+    d.feed(StageFailed(SID, 1, 0, FaultKind.DEAD))
+    out = d.feed(Cancel(SID))
+    assert of(out, CloseStage) == [] and d.core.state is SessionState.CANCELLED
+
+
+def test_terminal_sessions_leave_the_shared_machine() -> None:
+    machine = SessionMachine()
+    cores = [RouteSession(f"s{i}", [1], max_new_tokens=1, machine=machine) for i in range(5)]
+    assert machine.member_count == 5
+    for core in cores[:3]:
+        core.handle(Cancel(core.session_id))
+    assert machine.member_count == 2
+    del cores
+    import gc
+
+    gc.collect()
+    assert machine.member_count == 0  # weak: a dropped live session is not kept alive
+
+
+def test_constructor_rejects_empty_prompt_and_no_tokens() -> None:
+    with pytest.raises(ValueError):
+        RouteSession("x", [], max_new_tokens=1)
+    with pytest.raises(ValueError):
+        RouteSession("x", [1], max_new_tokens=0)
