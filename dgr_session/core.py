@@ -438,6 +438,9 @@ class RouteSession:
             self._fault(index, FaultKind.PROTOCOL, f"last stage gave no token: {token!r}", out)
             return
         self._kv_pos = self._fwd_positions.stop
+        if self._kv_pos < len(self.prompt) + len(self._accepted):
+            self._start_forward(out)  # replaying accepted tokens: never resampled
+            return
         self._accept(token, out)
 
     def _on_failed(self, event: StageFailed, out: list[Command]) -> None:
@@ -523,10 +526,14 @@ class RouteSession:
 
     def _start_forward(self, out: list[Command]) -> None:
         assert self._route is not None  # live epoch
-        if self._kv_pos == 0:  # (re-)prefill: the whole history from position 0
-            tokens = self.prompt + tuple(self._accepted)
+        # (Re-)prefill sends the prompt in one call, then every accepted token in a call of its
+        # own, exactly as the first run fed them: a shard's KV is then rebuilt bit for bit (one
+        # batched call of prompt + accepted tokens rounds differently in the last bits and could
+        # flip a greedy near-tie). Decoding sends the newest accepted token.
+        if self._kv_pos == 0:
+            tokens = self.prompt
         else:
-            tokens = (self._accepted[-1],)
+            tokens = ((*self.prompt, *self._accepted)[self._kv_pos],)
         self._fwd_positions = range(self._kv_pos, self._kv_pos + len(tokens))
         self._fwd_tokens = tokens
         self._hop = 0

@@ -20,10 +20,11 @@ Happy path::
   counted, never applied.
 * ``opening``: every stage of the route opens the session's sequence for the epoch (in
   parallel). A stage that held an older epoch of this session discards it: a cache miss.
-* ``prefilling``: one forward of the prompt *and every token accepted so far* from position 0,
-  relayed stage to stage, produces the next token. After a route change this is the re-prefill:
-  accepted tokens are replayed, never resampled, and no KV or auxiliary state ever moves between
-  workers.
+* ``prefilling``: the prompt *and every token accepted so far* from position 0, relayed stage
+  to stage, produces the next token. After a route change this is the re-prefill: accepted
+  tokens are replayed, never resampled, in the first run's batching (the prompt in one forward,
+  then one forward per accepted token, so every shard rebuilds its KV bit for bit), and no KV or
+  auxiliary state ever moves between workers.
 * ``decoding``: one forward per token, at the next position.
 
 Loss and recovery::

@@ -105,17 +105,28 @@ class Driver:
         return out
 
     def step(self, token: int) -> list[Any]:
-        """Answer the pending forward at every stage; the last picks ``token``."""
+        """Answer the pending forward at every stage; the last picks ``token``. Forwards that
+        replay accepted tokens after a route change (no token emitted) are answered too."""
         assert self.core.route is not None
         out: list[Any] = []
         last = len(self.core.route) - 1
-        for index in range(last + 1):
-            epoch, step = self.core.epoch, self.core.step
-            if index < last:
-                out += self.feed(StageOutput(SID, epoch, step, index, payload=("rows", index)))
-            else:
-                out += self.feed(StageOutput(SID, epoch, step, index, token=token))
-        return out
+        for _ in range(1000):  # bounded: a replay is at most max_new_tokens forwards
+            answer: list[Any] = []
+            for index in range(last + 1):
+                epoch, step = self.core.epoch, self.core.step
+                if index < last:
+                    answer += self.feed(
+                        StageOutput(SID, epoch, step, index, payload=("rows", index))
+                    )
+                else:
+                    answer += self.feed(StageOutput(SID, epoch, step, index, token=token))
+            out += answer
+            replaying = not of(answer, EmitToken) and any(
+                isinstance(c, Forward) and c.stage_index == 0 for c in answer
+            )
+            if not replaying:
+                return out
+        raise AssertionError("replay did not end")
 
     def running(self, r: Route) -> Driver:
         self.start()
@@ -236,13 +247,23 @@ def test_route_change_replays_prompt_and_accepted_tokens_from_position_zero() ->
     opens = d.assign(replacement)
     assert [o.epoch for o in opens] == [2, 2] and d.core.epoch == 2
     (forward,) = d.open_all()
-    # The replacement stage (and every other) starts a fresh epoch at position 0 with the
-    # whole replay: prompt + accepted tokens, nothing resampled.
-    assert forward.positions == range(0, 4)
-    assert forward.token_ids == (5, 6, 10, 11)
+    # The replacement stage (and every other) starts a fresh epoch at position 0 and receives
+    # the whole replay in the first run's batching: the prompt in one call, then each accepted
+    # token in a call of its own; nothing is resampled (the tokens the last stage picks while
+    # replaying are ignored) and nothing is emitted until the replay is complete.
+    assert forward.positions == range(0, 2)
+    assert forward.token_ids == (5, 6)
     assert forward.step == 2 and forward.epoch == 2
     relay = d.feed(StageOutput(SID, 2, 2, 0, payload="r"))[0]
-    assert relay.stage.endpoint == "c" and relay.positions == range(0, 4)
+    assert relay.stage.endpoint == "c" and relay.positions == range(0, 2)
+    replay = d.feed(StageOutput(SID, 2, 2, 1, token=77))
+    assert not of(replay, EmitToken)
+    assert [(f.stage_index, f.positions, f.token_ids) for f in replay] == [(0, range(2, 3), (10,))]
+    d.feed(StageOutput(SID, 2, 2, 0, payload="r"))
+    replay = d.feed(StageOutput(SID, 2, 2, 1, token=78))
+    assert not of(replay, EmitToken)
+    assert [(f.stage_index, f.positions, f.token_ids) for f in replay] == [(0, range(3, 4), (11,))]
+    d.feed(StageOutput(SID, 2, 2, 0, payload="r"))
     out = d.feed(StageOutput(SID, 2, 2, 1, token=12))
     assert out[0] == EmitToken(SID, 2, 2, 12)
     assert d.core.tokens == (10, 11, 12)

@@ -141,13 +141,19 @@ def test_petals_case_replacement_stage_gets_the_whole_replay_from_position_zero(
     assert transport.violations == []
     expected = MODEL.reference(PROMPT, 6)
     replay = PROMPT + expected[:3]
-    # The replacement stage starts at position 0 of a fresh epoch with prompt + accepted tokens.
+    # The replacement stage starts at position 0 of a fresh epoch and receives the whole replay
+    # in the first run's batching: the prompt in one call, then one call per accepted token.
     c_calls = forwards(transport, "c", "p")
-    assert c_calls[0] == (2, range(0, len(replay)), replay)
-    assert [p for _, p, _ in c_calls[1:]] == [range(8, 9), range(9, 10)]
+    n = len(PROMPT)
+    replay_calls = [(2, range(0, n), PROMPT)] + [
+        (2, range(n + i, n + i + 1), (tok,)) for i, tok in enumerate(expected[:3])
+    ]
+    assert c_calls[: len(replay_calls)] == replay_calls
+    assert [p for _, p, _ in c_calls[len(replay_calls) :]] == [range(8, 9), range(9, 10)]
+    assert tuple(t for _, _, ids in c_calls[: len(replay_calls)] for t in ids) == replay
     # The surviving stage is reopened too: a cache miss, never a migration.
-    a_epoch2 = [(p, ids) for e, p, ids in forwards(transport, "a", "p") if e == 2]
-    assert a_epoch2[0] == (range(0, len(replay)), replay)
+    a_epoch2 = [(2, p, ids) for e, p, ids in forwards(transport, "a", "p") if e == 2]
+    assert a_epoch2[: len(replay_calls)] == replay_calls
     opens = [(c.endpoint, c.epoch) for c in transport.calls if c.op == "open"]
     assert opens == [("a", 1), ("b", 1), ("a", 2), ("c", 2)]
 
