@@ -1,0 +1,187 @@
+"""Route sessions over in-process ShardEngines: the Petals case, hangs, no route, engine errors.
+
+The session manager drives real engines (the tiny llama fixture in the patched llama.cpp) through
+``EngineTransport``; time is the virtual clock, so deadlines fire without waiting.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dgr_engine import ShardEngine
+from dgr_engine.chain import LocalChain
+from dgr_engine.engine_transport import EngineTransport
+from dgr_session import (
+    FailurePolicy,
+    FaultKind,
+    NoRouteAvailable,
+    SessionManager,
+    SessionState,
+)
+from dgr_session.testing import (
+    ScriptedRouteProvider,
+    fixture_identity,
+    make_route,
+    run_virtual,
+    settle,
+)
+
+PROMPT = (17, 4, 99, 230, 5, 61)
+KW = {"max_sessions": 4, "n_ctx_per_session": 64, "n_threads": 1, "n_batch": 32}
+POLICY = FailurePolicy(
+    step_deadline=1.0, session_deadline=20.0, max_route_changes=2, backoff=(0.0, 0.5)
+)
+IDENTITY = fixture_identity(4)
+
+
+@pytest.fixture()
+def transport(tiny_llama: Path) -> Iterator[EngineTransport]:
+    t = EngineTransport(lambda a, b: ShardEngine(tiny_llama, layers=(a, b), **KW))
+    for name, layers in [("a", (0, 1)), ("b", (1, 3)), ("c", (1, 3)), ("d", (3, 4))]:
+        t.start(name, layers)
+    yield t
+    t.shutdown()
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama: Path) -> tuple[int, ...]:
+    with ShardEngine(tiny_llama, **KW) as whole:
+        chain = LocalChain([whole])
+        chain.open(1, 0)
+        tokens, _ = chain.greedy(1, 0, PROMPT, 8)
+    return tuple(tokens)
+
+
+def route(*endpoints: str):
+    return make_route(endpoints, [1, 3], identity=IDENTITY, width=64)
+
+
+def test_parity_through_the_session_manager(transport, expected) -> None:
+    provider = ScriptedRouteProvider([route("a", "b", "d")])
+
+    async def main():
+        async with SessionManager(transport, provider, policy=POLICY) as manager:
+            return await manager.start(PROMPT, max_new_tokens=8).wait()
+
+    result = run_virtual(main)
+    assert result.state is SessionState.DONE and result.tokens == expected
+    assert all(e.stats().open_sessions == 0 for e in transport.engines().values())
+
+
+def test_killed_middle_stage_is_replaced_and_tokens_are_identical(transport, expected) -> None:
+    """The Petals case on the real engine: the replacement stage starts at position 0 of a
+    fresh epoch and receives the whole replay; the output equals the whole model's."""
+    provider = ScriptedRouteProvider([route("a", "b", "d"), route("a", "c", "d")])
+    replacement = transport.engines()["c"]
+
+    async def main():
+        manager = SessionManager(transport, provider, policy=POLICY)
+        accepted: list[int] = []
+
+        def on_token(token: int) -> None:
+            accepted.append(token)
+            if len(accepted) == 3:
+                transport.kill("b")
+
+        result = await manager.start(
+            PROMPT, max_new_tokens=8, session_id="p", on_token=on_token
+        ).wait()
+        await manager.aclose()
+        return result
+
+    result = run_virtual(main)
+    assert result.state is SessionState.DONE
+    assert result.tokens == expected
+    assert result.epoch == 2 and result.route_changes == 1
+    (report,) = result.reports
+    assert (report.endpoint, report.fault) == ("b", FaultKind.DEAD)
+    # the replacement ran the whole replay: prompt + 3 accepted tokens, then the rest
+    assert replacement.stats().rows_forwarded == len(PROMPT) + 3 + (8 - 3 - 1)
+    assert replacement.stats().open_sessions == 0
+
+
+def test_hung_stage_hits_the_deadline_and_its_late_reply_is_dropped(transport, expected) -> None:
+    provider = ScriptedRouteProvider([route("a", "b", "d"), route("a", "c", "d")])
+
+    async def main():
+        manager = SessionManager(transport, provider, policy=POLICY)
+        accepted: list[int] = []
+
+        def on_token(token: int) -> None:
+            accepted.append(token)
+            if len(accepted) == 2:
+                transport.hang("b")
+
+        handle = manager.start(PROMPT, max_new_tokens=8, session_id="h", on_token=on_token)
+        result = await handle.wait()
+        transport.release("b")  # the held reply of epoch 1 arrives late
+        await settle()
+        await manager.aclose()
+        return result, handle.core.stale_events_dropped
+
+    result, _ = run_virtual(main)
+    assert result.state is SessionState.DONE and result.tokens == expected
+    assert result.reports[0].fault is FaultKind.DEADLINE and result.epoch == 2
+    assert transport.engines()["b"].stats().open_sessions == 0
+
+
+def test_all_routes_gone_fails_with_a_typed_reason_within_the_policy(transport) -> None:
+    provider = ScriptedRouteProvider([route("a", "b", "d"), None])
+
+    async def main():
+        manager = SessionManager(transport, provider, policy=POLICY)
+
+        def on_token(token: int) -> None:
+            transport.kill("d")
+
+        loop_start = asyncio.get_running_loop().time()
+        result = await manager.start(PROMPT, max_new_tokens=8, on_token=on_token).wait()
+        elapsed = asyncio.get_running_loop().time() - loop_start
+        await manager.aclose()
+        return result, elapsed
+
+    result, elapsed = run_virtual(main)
+    assert result.state is SessionState.FAILED
+    assert isinstance(result.error, NoRouteAvailable)
+    assert len(result.tokens) == 1
+    assert elapsed <= POLICY.session_deadline
+    assert all(e.stats().open_sessions == 0 for e in transport.engines().values())
+
+
+def test_engine_errors_are_retried_within_the_budget(transport, expected) -> None:
+    provider = ScriptedRouteProvider([route("a", "b", "d"), route("a", "c", "d")])
+    transport.fail_next("b", 1)
+
+    async def main():
+        async with SessionManager(transport, provider, policy=POLICY) as manager:
+            return await manager.start(PROMPT, max_new_tokens=8).wait()
+
+    result = run_virtual(main)
+    assert result.state is SessionState.DONE and result.tokens == expected
+    assert result.reports[0].fault is FaultKind.ENGINE_ERROR
+
+
+def test_stale_epoch_from_an_engine_is_a_typed_session_error(tiny_llama: Path) -> None:
+    from dgr_session.errors import StaleEpoch
+
+    t = EngineTransport(lambda a, b: ShardEngine(tiny_llama, layers=(a, b), **KW))
+    t.start("x", (0, 4))
+    spec = make_route(["x"], [], identity=IDENTITY, width=64).stages[0]
+
+    async def main():
+        await t.open(spec, "s", 3)
+        with pytest.raises(StaleEpoch) as info:
+            await t.forward(spec, "s", 2, 0, range(0, 1), [1], None)
+        assert info.value.held_epoch == 3
+        logits = await t.forward(spec, "s", 3, 0, range(0, 1), [1], None)
+        assert np.isfinite(logits.values).all()
+        await t.close(spec, "s", 3)
+        await t.close(spec, "s", 3)  # not held any more: a no-op
+
+    run_virtual(main)
+    t.shutdown()
