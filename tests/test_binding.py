@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dgr_engine import ShardEngine
-from dgr_engine import _binding
+from dgr_engine import ShardEngine, _binding
 from dgr_engine.errors import AbiMismatch
 
 
