@@ -45,8 +45,21 @@ def test_script_check_fails_on_a_stale_file(tmp_path: Path) -> None:
     target = tmp_path / "state-diagram.md"
     setattr(module, "TARGET", target)  # noqa: B010 - patching a module loaded from a path
     setattr(module, "ROOT", tmp_path)  # noqa: B010
+    setattr(module, "README", tmp_path / "README.md")  # noqa: B010
     target.write_text("stale\n", encoding="utf-8")
     assert module.main(["--check"]) == 1
     assert module.main([]) == 0
     assert target.read_text(encoding="utf-8") == state_diagram_markdown()
     assert module.main(["--check"]) == 0
+
+
+def test_readme_diagram_equals_generated_output() -> None:
+    spec = importlib.util.spec_from_file_location("gen_state_diagram", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert module.BEGIN in readme
+    assert module.readme_with_diagram(readme) == readme, (
+        "README.md's state diagram is stale: run python scripts/gen_state_diagram.py"
+    )
