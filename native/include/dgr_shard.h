@@ -77,7 +77,9 @@ typedef enum dgr_status {
      * Nothing changed: the session keeps its state and position. */
     DGR_E_CONTEXT_FULL = 10,
     /* llama_decode failed. The rows of this call were rolled back: the session keeps the state
-     * and position it had before the call; other sessions are untouched. */
+     * and position it had before the call. Where the architecture's state cannot drop a tail
+     * (DeepSeek V4 compressed/indexer state) the session is emptied instead (next position 0;
+     * the message says so) and must be re-prefilled. Other sessions are untouched. */
     DGR_E_DECODE = 11,
     /* A saved state does not fit this engine (bad magic/version/range/width) - nothing changed -
      * or llama.cpp refused it, in which case the session is emptied (next position 0). */

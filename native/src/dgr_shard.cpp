@@ -548,11 +548,19 @@ int dgr_session_forward(dgr_engine * engine, uint64_t session_id, uint64_t epoch
     const int32_t rc = llama_decode(engine->ctx, batch);
     llama_batch_free(batch);
     if (rc != 0) {
-        // roll the rows of this call back: the session keeps its previous state and position
-        llama_memory_seq_rm(engine->mem(), slot->seq, slot->next_pos, -1);
         if (rc == 1) {
+            // llama.cpp restored the memory itself: the session keeps its state and position
             return fail(DGR_E_CONTEXT_FULL, "session %llu: no KV slot for %u rows", (unsigned long long) session_id,
                         n_rows);
+        }
+        // roll the rows of this call back: the session keeps its previous state and position;
+        // state that cannot drop a tail (DeepSeek V4 compressed/indexer state) is emptied instead
+        if (!llama_memory_seq_rm(engine->mem(), slot->seq, slot->next_pos, -1)) {
+            llama_memory_seq_rm(engine->mem(), slot->seq, -1, -1);
+            slot->next_pos = 0;
+            return fail(DGR_E_DECODE, "session %llu: llama_decode returned %d: %s; the session was emptied "
+                        "(next position 0): re-prefill it", (unsigned long long) session_id, rc,
+                        g_llama_last_log_error.c_str());
         }
         return fail(DGR_E_DECODE, "session %llu: llama_decode returned %d: %s", (unsigned long long) session_id, rc,
                     g_llama_last_log_error.c_str());
