@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+from _fleet_invariants import SessionOutcomeInvariants
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -25,11 +26,7 @@ from hypothesis.stateful import (
 )
 
 from dgr_session import (
-    FailureBudgetExhausted,
     FailurePolicy,
-    NoRouteAvailable,
-    SessionDeadlineExceeded,
-    SessionFailed,
     SessionHandle,
     SessionMachine,
     SessionManager,
@@ -64,7 +61,8 @@ layouts = st.lists(
 prompts = st.lists(st.integers(0, MODEL.vocab - 1), min_size=1, max_size=6).map(tuple)
 
 
-class SessionFleet(RuleBasedStateMachine):
+class SessionFleet(SessionOutcomeInvariants, RuleBasedStateMachine):
+    policy = POLICY
     sessions = Bundle("sessions")
 
     def __init__(self) -> None:
@@ -189,46 +187,6 @@ class SessionFleet(RuleBasedStateMachine):
     def no_stage_ever_saw_an_incorrect_request(self) -> None:
         """No duplicate open, no position that does not continue the KV, no wrong rows."""
         assert self.transport.violations == []
-
-    @invariant()
-    def epochs_never_decrease(self) -> None:
-        for sid, handle in self.handles.items():
-            epoch = handle.core.epoch
-            assert epoch >= self.last_epoch.get(sid, 0)
-            self.last_epoch[sid] = epoch
-
-    @invariant()
-    def tokens_are_always_a_prefix_of_the_fault_free_tokens(self) -> None:
-        for sid, handle in self.handles.items():
-            tokens = handle.core.tokens
-            assert tokens == self.expected[sid][: len(tokens)], sid
-            if handle.core.state is SessionState.DONE:
-                assert tokens == self.expected[sid]
-
-    @invariant()
-    def ended_sessions_ended_for_a_reason_within_policy(self) -> None:
-        for sid, handle in self.handles.items():
-            core = handle.core
-            assert core.route_changes <= POLICY.max_route_changes
-            assert all(r.attempt <= POLICY.max_attempts_per_step for r in core.reports)
-            if core.state is SessionState.CANCELLED:
-                assert sid in self.cancelled
-            if core.state is not SessionState.FAILED:
-                continue
-            error = core.error
-            assert isinstance(error, SessionFailed)
-            assert core.started_at is not None and core.ended_at is not None
-            assert core.ended_at - core.started_at <= POLICY.session_deadline
-            if isinstance(error, SessionDeadlineExceeded):
-                assert core.ended_at - core.started_at == POLICY.session_deadline
-            else:
-                assert isinstance(error, FailureBudgetExhausted)
-                # the budget was really spent, not given up early
-                spent_attempts = error.attempts >= POLICY.max_attempts_per_step
-                spent_changes = error.route_changes >= POLICY.max_route_changes
-                assert spent_attempts or (spent_changes and not isinstance(error, NoRouteAvailable))
-                assert error.fault is not None and error.reports
-                assert error.reports[-1].fault is error.fault
 
     @invariant()
     def open_slots_match_the_sessions_held(self) -> None:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from _fleet_invariants import SessionOutcomeInvariants
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -38,13 +39,9 @@ from dgr_engine.chain import LocalChain
 from dgr_engine.engine_transport import EngineTransport
 from dgr_engine.fixtures import ensure_fixture
 from dgr_session import (
-    FailureBudgetExhausted,
     FailurePolicy,
     FailureReport,
-    NoRouteAvailable,
     Route,
-    SessionDeadlineExceeded,
-    SessionFailed,
     SessionHandle,
     SessionMachine,
     SessionManager,
@@ -148,7 +145,8 @@ class RangePoolProvider:
         )
 
 
-class EngineFleet(RuleBasedStateMachine):
+class EngineFleet(SessionOutcomeInvariants, RuleBasedStateMachine):
+    policy = POLICY
     sessions = Bundle("sessions")
 
     def __init__(self) -> None:
@@ -286,42 +284,6 @@ class EngineFleet(RuleBasedStateMachine):
         assert handle.core.tokens == tokens
 
     # -- invariants --------------------------------------------------------------------------
-
-    @invariant()
-    def epochs_never_decrease(self) -> None:
-        for sid, handle in self.handles.items():
-            epoch = handle.core.epoch
-            assert epoch >= self.last_epoch.get(sid, 0)
-            self.last_epoch[sid] = epoch
-
-    @invariant()
-    def tokens_equal_the_whole_model_greedy_tokens(self) -> None:
-        for sid, handle in self.handles.items():
-            tokens = handle.core.tokens
-            assert tokens == self.expected[sid][: len(tokens)], sid
-            if handle.core.state is SessionState.DONE:
-                assert tokens == self.expected[sid]
-
-    @invariant()
-    def ended_sessions_ended_for_a_reason_within_policy(self) -> None:
-        for sid, handle in self.handles.items():
-            core = handle.core
-            assert core.route_changes <= POLICY.max_route_changes
-            assert all(r.attempt <= POLICY.max_attempts_per_step for r in core.reports)
-            if core.state is SessionState.CANCELLED:
-                assert sid in self.cancelled
-            if core.state is not SessionState.FAILED:
-                continue
-            error = core.error
-            assert isinstance(error, SessionFailed)
-            assert core.started_at is not None and core.ended_at is not None
-            assert core.ended_at - core.started_at <= POLICY.session_deadline
-            if not isinstance(error, SessionDeadlineExceeded):
-                assert isinstance(error, FailureBudgetExhausted)
-                spent_attempts = error.attempts >= POLICY.max_attempts_per_step
-                spent_changes = error.route_changes >= POLICY.max_route_changes
-                assert spent_attempts or (spent_changes and not isinstance(error, NoRouteAvailable))
-                assert error.fault is not None and error.reports
 
     @invariant()
     def engine_session_counts_match_the_sessions_held(self) -> None:
