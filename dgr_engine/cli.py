@@ -4,12 +4,17 @@
 
     dgr worker --model PATH --layers A:B [--port N] [--host 127.0.0.1] ...
     dgr worker --fixture tiny-llama --layers 0:2 --port 0
+    dgr generate --endpoints H:P,H:P,... [--prompt "1 2 3"] [-n 16]
+    dgr generate --spawn N --fixture tiny-llama [--prompt ...] [--check]
     dgr fixtures list | build NAME...      (same as python -m dgr_engine.fixtures)
 
 ``dgr worker`` prints one line ``LISTENING HOST:PORT`` on stdout once it serves (port 0 picks a
 free port), logs to stderr, and on SIGTERM or SIGINT closes every session and the engine, prints
 ``STOPPED sessions_closed=N`` and exits 0. Exit 2: bad arguments or the model could not be
 loaded.
+
+``dgr generate`` runs one route session over workers (``dgr_engine.generate``): the tokens on
+stdout, per-stage counters on stderr; ``dgr generate --help`` for its options.
 """
 
 from __future__ import annotations
@@ -59,12 +64,20 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--grace", type=float, default=2.0, help="shutdown grace in seconds")
     w.add_argument("--log-level", default="INFO")
 
+    g = sub.add_parser("generate", help="generate over a route of workers", add_help=False)
+    g.add_argument("args", nargs=argparse.REMAINDER)
+
     f = sub.add_parser("fixtures", help="list or build the generated fixture models")
     f.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["generate"]:  # its own parser (argparse's REMAINDER drops leading options)
+        from dgr_engine.generate import main as generate_main
+
+        return generate_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "fixtures":
         from dgr_engine.fixtures import main as fixtures_main

@@ -1,136 +1,325 @@
-"""The main job, as far as it exists: a route of shard engines on a generated fixture model,
-a stage lost mid-decode and recovered under a new epoch, output equal to the whole model.
+"""The main job: a route of shard workers on loopback, a stage lost mid-decode, the output equal
+to the whole model.
 
-Stages are in-process ``ShardEngine``s for now (gRPC worker processes come with the worker
-issue). Every figure printed is fixture evidence on this machine, not real-model evidence.
+What it does, on one machine:
 
-    python -m dgr_engine.demo [--fixture tiny-llama] [--stages 3] [--sessions 3] [--steps 24]
+1. builds the fixture model if missing (a generated GGUF: fixture evidence only);
+2. starts one ``dgr worker`` process per stage on 127.0.0.1, plus one spare for the stage it
+   will lose (``--no-spare``: the provider spawns a replacement on demand instead);
+3. runs ``--sessions`` concurrent route sessions in :class:`dgr_session.SessionManager` over
+   :class:`~dgr_engine.grpc_transport.GrpcStageTransport` (gRPC streams, deadlines);
+4. SIGKILLs the worker of stage ``--lose-stage`` when session 0 has accepted ``--lose-at``
+   tokens: every session loses its route mid-decode, reports the dead stage, gets a new route
+   with the replacement worker from the route provider and re-prefills under a new epoch;
+5. checks every session's tokens against the whole model run in-process (``ShardEngine``,
+   same engine options: 1 thread) and prints per-stage timings and seam bytes;
+6. ends with ``PARITY OK`` (exit 0) or ``PARITY FAILED`` (exit 1), and stops every process it
+   started, also on Ctrl-C or SIGTERM.
+
+    python -m dgr_engine.demo [--fixture tiny-llama|tiny-v4] [--stages 3] [--sessions 3]
+                              [--steps 24] [--lose-stage 1] [--lose-at 8] [--no-spare]
+                              [--verbose]
+
+Fixture lanes are dark (uncertified): the demo routes over them by explicit opt-in.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import sys
 import time
-from pathlib import Path
-from typing import Any
+import warnings
+from collections.abc import Sequence
 
+import attrs
 import numpy as np
 
-from dgr_engine.chain import LocalChain, split_points
-from dgr_engine.engine import ShardEngine
-from dgr_engine.errors import EngineClosed
-from dgr_engine.fixtures import ensure_fixture
+from dgr_engine.fixtures import ensure_fixture, lookup
+from dgr_engine.generate import (
+    engine_options,
+    even_layout,
+    sigterm_as_interrupt,
+    whole_model_greedy,
+    worker_args,
+)
+from dgr_engine.grpc_transport import ForwardRecord, GrpcStageTransport
+from dgr_engine.route_provider import LoopbackRouteProvider
+from dgr_session import (
+    DarkLaneWarning,
+    FailurePolicy,
+    FailureReport,
+    Route,
+    SessionManager,
+    SessionResult,
+)
 
-ENGINE_KW: dict[str, Any] = {
-    "max_sessions": 8,
-    "n_ctx_per_session": 256,
-    "n_threads": 2,
-    "n_batch": 64,
-}
+THREADS = 1
+CTX = 256
+BATCH = 64
+MAX_SESSIONS = 8
+PROMPT_LEN = 12
 
 
-def prompts(n_sessions: int, n_vocab: int) -> list[list[int]]:
+@attrs.frozen
+class DemoOutcome:
+    """What the demo measured (returned by :func:`run_demo` for tests)."""
+
+    results: tuple[SessionResult, ...]
+    expected: tuple[tuple[int, ...], ...]
+    killed: str
+    replacement: str | None
+    parity: bool
+
+
+def prompts(n_sessions: int, n_vocab: int, length: int = PROMPT_LEN) -> list[list[int]]:
     rng = np.random.default_rng(7)
-    return [[int(t) for t in rng.integers(0, n_vocab, size=12)] for _ in range(n_sessions)]
+    return [[int(t) for t in rng.integers(0, n_vocab, size=length)] for _ in range(n_sessions)]
 
 
-def whole_model_tokens(path: Path, prompt: list[int], n_steps: int) -> list[int]:
-    with ShardEngine(path, **ENGINE_KW) as whole:
-        chain = LocalChain([whole])
-        chain.open(0, 0)
-        tokens, _ = chain.greedy(0, 0, prompt, n_steps)
-    return tokens
+def _route_text(route: Route, provider: LoopbackRouteProvider) -> str:
+    parts = []
+    for stage in route.stages:
+        role = provider.worker(stage.endpoint).role
+        mark = "" if role == "primary" else f" ({role})"
+        parts.append(f"{stage.endpoint} [{stage.layer_begin},{stage.layer_end}){mark}")
+    return " -> ".join(parts)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fixture", default="tiny-llama")
-    parser.add_argument("--stages", type=int, default=3)
-    parser.add_argument("--sessions", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--lose-stage", type=int, default=1, help="stage index lost mid-decode")
-    parser.add_argument("--lose-at", type=int, default=8, help="decode step at which it is lost")
-    args = parser.parse_args(argv)
+def _say(text: str) -> None:
+    print(text, flush=True)
 
+
+async def run_demo(args: argparse.Namespace, providers: list[LoopbackRouteProvider]) -> DemoOutcome:
     path = ensure_fixture(args.fixture)
-    print(f"model     {path.name} (generated fixture: fixture evidence only)")
-    with ShardEngine(path, layers=(0, 1), **ENGINE_KW) as probe:
-        n_layer = probe.info.n_layer
-    ranges = split_points(n_layer, args.stages)
-    engines = [ShardEngine(path, layers=r, **ENGINE_KW) for r in ranges]
-    info = engines[0].info
-    print(f"route     {' -> '.join(f'[{a},{b})' for a, b in ranges)}  ({args.stages} stages)")
-    all_prompts = prompts(args.sessions, info.n_vocab)
-    expected = [whole_model_tokens(path, p, args.steps) for p in all_prompts]
+    spec = lookup(args.fixture)
+    layout = even_layout(spec.n_layer, args.stages)
+    if not 0 <= args.lose_stage < len(layout):
+        raise SystemExit(f"--lose-stage must be in [0, {len(layout)})")
+    lost_range = layout[args.lose_stage]
+    _say(f"model     {path.name}  ({spec.n_layer} layers; generated fixture: fixture evidence)")
+    _say("lanes     dark (uncertified): routed by explicit opt-in (allow_dark_lanes=True)")
 
-    epoch = 0
-    chain = LocalChain(engines)
-    histories = [list(p) for p in all_prompts]
-    generated: list[list[int]] = [[] for _ in all_prompts]
-    last_logits: list[np.ndarray] = []
-    for sid, prompt in enumerate(all_prompts):
-        chain.open(sid, epoch)
-        last_logits.append(chain.forward(sid, epoch, prompt, 0)[-1])
-    t0 = time.perf_counter()
-    seam_bytes = 0
-    recovered = False
-    step = 0
-    while step < args.steps:
-        if step == args.lose_at and not recovered:
-            lost = engines[args.lose_stage]
-            print(
-                f"step {step:>3}  stage {args.lose_stage} {lost.info.layers} lost (engine closed)"
-            )
-            lost.close()
-        try:
-            for sid in range(len(all_prompts)):
-                token = int(np.argmax(last_logits[sid]))
-                out = chain.forward(sid, epoch, [token], len(histories[sid]))
-                histories[sid].append(token)
-                generated[sid].append(token)
-                last_logits[sid] = out[-1]
-                seam_bytes += sum(e.info.out_width * 4 for e in engines[:-1])
-            step += 1
-        except EngineClosed:
-            # route change: a replacement stage for the lost range, a new epoch, a cache miss
-            # and a replay of prompt + accepted tokens; nothing migrates between stages
-            epoch += 1
-            engines[args.lose_stage] = ShardEngine(
-                path, layers=ranges[args.lose_stage], **ENGINE_KW
-            )
-            chain = LocalChain(engines)
-            print(f"step {step:>3}  replacement stage for {ranges[args.lose_stage]}: epoch {epoch}")
-            for sid, prompt in enumerate(all_prompts):
-                accepted = generated[sid][: len(histories[sid]) - len(prompt)]
-                chain.open(sid, epoch)
-                _, logits = chain.greedy(sid, epoch, prompt, 0, accepted=accepted)
-                last_logits[sid] = logits[-1][-1]
-                print(
-                    f"          session {sid}: re-prefilled {len(prompt)} + {len(accepted)} tokens"
-                )
-            recovered = True
-    elapsed = time.perf_counter() - t0
+    names = {f"demo-{i}": i for i in range(args.sessions)}
+    first_epoch: dict[str, int] = {}
 
-    ok = True
-    for sid, (got, want) in enumerate(zip(generated, expected, strict=True)):
-        same = got == want
-        ok &= same
-        print(f"session {sid}  epoch {epoch}  tokens {got[:12]}...  whole-model equal: {same}")
-    print()
-    print(
-        f"{'stage':>5}  {'layers':>8}  {'rows':>6}  {'calls':>6}  {'ms/call':>8}  {'weights':>10}"
+    def on_assign(sid: str, report: FailureReport | None, route: Route | None) -> None:
+        if report is None and route is not None and len(provider.assigned) == 1:
+            _say(f"route     {_route_text(route, provider)}")
+        if report is not None:
+            where = f"stage {report.stage_index} {report.endpoint}"
+            detail = report.detail if len(report.detail) < 90 else report.detail[:87] + "..."
+            _say(
+                f"  session {names[sid]}  epoch {report.epoch}  step {report.step}: {where} "
+                f"{report.fault.value} ({detail})"
+            )
+        if route is not None and report is not None:
+            _say(f"  session {names[sid]}  new route: {_route_text(route, provider)}")
+
+    def on_forward(record: ForwardRecord) -> None:
+        sid = record.session_id
+        if record.layers[0] != 0 or record.positions.start != 0:
+            return
+        first = first_epoch.setdefault(sid, record.epoch)
+        if record.epoch != first:
+            _say(
+                f"  session {names[sid]}  epoch {record.epoch}: re-prefill from position 0 (cache"
+                f" miss, no migration): {len(record.positions)} prompt tokens in one call, then"
+                f" {record.step} accepted tokens replayed one per call"
+            )
+
+    wargs = worker_args(THREADS, CTX, BATCH, MAX_SESSIONS)
+    provider = LoopbackRouteProvider(
+        path,
+        layout,
+        spares=[] if args.no_spare else [lost_range],
+        spawn_on_demand=args.no_spare,
+        worker_args=wargs,
+        observer=on_assign,
     )
-    for i, e in enumerate(engines):
-        s = e.stats()
-        per_call = 1000 * s.forward_seconds / max(1, s.forward_calls)
-        print(
-            f"{i:>5}  {str(e.info.layers):>8}  {s.rows_forwarded:>6}  {s.forward_calls:>6}  "
-            f"{per_call:>8.3f}  {s.weight_bytes:>10,}"
+    providers.append(provider)
+    try:
+        began = time.perf_counter()
+        await provider.start()
+        _say(
+            f"workers   started in {time.perf_counter() - began:.2f} s (dgr worker, 1 thread each)"
         )
-    print(f"seam bytes {seam_bytes:,} over {args.steps} decode steps; wall {elapsed:.3f}s")
-    for e in engines:
-        e.close()
-    print("PARITY OK" if ok else "PARITY FAILED")
+        for worker in provider.workers:
+            span, seam = worker.advert.span, worker.advert.seam
+            ids = "  +token ids" if (span.needs_token_ids and not span.is_first) else ""
+            _say(
+                f"          {worker.role:<8} [{worker.layers[0]},{worker.layers[1]})  pid "
+                f"{worker.pid:<7} {worker.endpoint}  seam in {seam.bytes_per_token_in} B/token,"
+                f" out {seam.bytes_per_token_out} B/token{ids}"
+            )
+        n_vocab = provider.workers[len(layout) - 1].advert.seam.width_out
+        all_prompts = prompts(args.sessions, n_vocab)
+        began = time.perf_counter()
+        options = engine_options(THREADS, CTX, BATCH, MAX_SESSIONS)
+        expected = await asyncio.to_thread(
+            whole_model_greedy, path, all_prompts, args.steps, options
+        )
+        _say(
+            f"reference whole-model greedy, in-process ShardEngine (same options), "
+            f"{time.perf_counter() - began:.2f} s"
+        )
+
+        killed: list[str] = []
+
+        def on_token(token: int) -> None:
+            handle = handles[0]
+            if killed or len(handle.tokens) != args.lose_at:
+                return
+            route = handle.core.route
+            assert route is not None
+            endpoint = route.stages[args.lose_stage].endpoint
+            worker = provider.kill(endpoint)
+            killed.append(endpoint)
+            _say(
+                f"step {args.lose_at:>3}  SIGKILL stage {args.lose_stage} "
+                f"[{lost_range[0]},{lost_range[1]}) pid {worker.pid} ({endpoint}) while the "
+                "sessions are mid-decode"
+            )
+
+        policy = FailurePolicy(step_deadline=10.0, session_deadline=120.0, backoff=(0.0, 0.2))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DarkLaneWarning)
+            async with GrpcStageTransport(timeout=10.0, observer=on_forward) as transport:
+                manager = SessionManager(transport, provider, policy=policy, allow_dark_lanes=True)
+                began = time.perf_counter()
+                handles = [
+                    manager.start(
+                        prompt,
+                        max_new_tokens=args.steps,
+                        session_id=sid,
+                        on_token=on_token if i == 0 else None,
+                    )
+                    for i, (sid, prompt) in enumerate(zip(names, all_prompts, strict=True))
+                ]
+                _say(
+                    f"sessions  {args.sessions} concurrent, {PROMPT_LEN}-token prompts, "
+                    f"{args.steps} new tokens each (SessionManager over gRPC streams)"
+                )
+                results = [await h.wait() for h in handles]
+                elapsed = time.perf_counter() - began
+                await manager.aclose()
+                stats = transport.stats()
+
+        _say("")
+        parity = True
+        for i, (result, want) in enumerate(zip(results, expected, strict=True)):
+            same = list(result.tokens) == want and result.error is None
+            parity &= same
+            shown = " ".join(map(str, result.tokens[:12]))
+            _say(
+                f"session {i}  {result.state.value}  epoch {first_epoch.get(result.session_id)}"
+                f" -> {result.epoch}  route changes {result.route_changes}  tokens {shown} ..."
+                f"  whole-model equal: {same}"
+            )
+            if result.error is not None:
+                _say(f"          error: {result.error}")
+        _say("")
+        _say(
+            f"{'stage endpoint':<22} {'layers':<7} {'fwd':>4} {'rows':>5} {'engine ms':>9} "
+            f"{'rtt ms':>7} {'overhead µs':>11} {'bytes in':>9} {'bytes out':>10}"
+        )
+        between = 0
+        for s in stats.values():
+            worker = provider.worker(s.endpoint)
+            note = (
+                " killed"
+                if s.endpoint in killed
+                else ("" if worker.role == "primary" else f" {worker.role}")
+            )
+            per = s.overhead_us / max(1, s.forwards)
+            _say(
+                f"{s.endpoint:<22} [{s.layers[0]},{s.layers[1]}){'':<2} {s.forwards:>4} "
+                f"{s.rows:>5} {s.compute_us / 1000:>9.1f} {s.rtt_us / 1000:>7.1f} {per:>11.0f} "
+                f"{s.bytes_sent:>9,} {s.bytes_received:>10,}{note}"
+            )
+            if s.layers[1] != spec.n_layer:
+                between += s.bytes_received
+        _say(
+            f"boundary bytes between stages: {between:,}; wall {elapsed:.2f} s for "
+            f"{args.sessions} x {args.steps} tokens"
+        )
+        replacement = None
+        if killed:
+            replacements = [w for w in provider.workers if w.role != "primary"]
+            replacement = next(
+                (
+                    w.endpoint
+                    for w in replacements
+                    if w.endpoint in stats and w.layers == lost_range
+                ),
+                None,
+            )
+        return DemoOutcome(
+            results=tuple(results),
+            expected=tuple(tuple(e) for e in expected),
+            killed=killed[0] if killed else "",
+            replacement=replacement,
+            parity=parity and bool(killed),
+        )
+    finally:
+        await provider.aclose()
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m dgr_engine.demo", description=(__doc__ or "").splitlines()[0]
+    )
+    p.add_argument("--fixture", default="tiny-llama", help="tiny-llama (default) or tiny-v4")
+    p.add_argument("--stages", type=int, default=3)
+    p.add_argument("--sessions", type=int, default=3)
+    p.add_argument("--steps", type=int, default=24, help="new tokens per session")
+    p.add_argument("--lose-stage", type=int, default=1, help="stage index killed mid-decode")
+    p.add_argument("--lose-at", type=int, default=8, help="tokens session 0 has when it is lost")
+    p.add_argument(
+        "--no-spare", action="store_true", help="no spare: spawn a replacement on demand"
+    )
+    p.add_argument(
+        "--verbose", action="store_true", help="log state changes and stage calls to stderr"
+    )
+    return p
+
+
+def _enable_logs() -> None:
+    """The demo is an application: it may add a sink (the libraries never do)."""
+    from loguru import logger
+
+    logger.remove()
+    logger.configure(extra={"session": "-", "epoch": "-", "stage": "-"})
+    logger.add(
+        sys.stderr,
+        level="DEBUG",
+        format="{time:HH:mm:ss.SSS} {level: <7} {extra[session]}/{extra[epoch]} "
+        "stage={extra[stage]} {message}",
+    )
+    logger.enable("dgr_session")
+    logger.enable("dgr_engine")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.verbose:
+        _enable_logs()
+    if not 0 < args.lose_at < args.steps:
+        print("--lose-at must be in (0, --steps)", file=sys.stderr)
+        return 2
+    providers: list[LoopbackRouteProvider] = []
+    outcome: DemoOutcome | None = None
+    try:
+        with sigterm_as_interrupt():
+            outcome = asyncio.run(run_demo(args, providers))
+    except KeyboardInterrupt:
+        print("interrupted: every worker stopped", file=sys.stderr)
+        return 130
+    finally:
+        for provider in providers:
+            provider.kill_all()  # no-op when already stopped
+    ok = outcome is not None and outcome.parity
+    print("PARITY OK" if ok else "PARITY FAILED", flush=True)
     return 0 if ok else 1
 
 

@@ -1,15 +1,106 @@
-"""README command 1: the demo loses a stage and recovers with whole-model parity."""
+"""README command 1: worker processes on loopback, a stage SIGKILLed mid-decode, a new route
+under a new epoch, output equal to the whole model; every process stopped, also on Ctrl-C."""
 
 from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
 
 import pytest
 
 from dgr_engine.demo import main as demo_main
 
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pids_in(text: str) -> list[int]:
+    return [int(p) for p in re.findall(r"\bpid (\d+)", text)]
+
+
+def assert_gone(pids: list[int]) -> None:
+    assert pids
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # stopped and reaped by the demo
+
 
 def test_demo_loses_a_stage_and_recovers_with_parity(capsys: pytest.CaptureFixture[str]) -> None:
-    assert demo_main(["--stages", "4", "--sessions", "2", "--steps", "10", "--lose-at", "3"]) == 0
+    args = ["--stages", "4", "--sessions", "2", "--steps", "10", "--lose-at", "3"]
+    assert demo_main(args) == 0
     out = capsys.readouterr().out
-    assert "lost" in out and "epoch 1" in out
+    assert re.search(r"SIGKILL stage 1 \[1,2\) pid \d+", out)
+    assert out.count("new route:") == 2 and "(spare)" in out
+    assert out.count("epoch 2: re-prefill from position 0") == 2
+    assert out.count("12 prompt tokens in one call, then") == 2
+    assert out.count("epoch 1 -> 2  route changes 1") == 2
+    assert out.count("whole-model equal: True") == 2
+    assert "boundary bytes between stages" in out and "killed" in out
+    assert out.rstrip().endswith("PARITY OK")
+    assert_gone(pids_in(out))
+
+
+def test_demo_on_tiny_v4_with_a_replacement_spawned_on_demand(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["--fixture", "tiny-v4", "--sessions", "2", "--steps", "12", "--no-spare"]
+    assert demo_main(args) == 0
+    out = capsys.readouterr().out
+    assert "+token ids" in out  # stage [2,4) owns hash-routed layer 2
+    assert "(replacement)" in out and "spare" not in out
     assert out.count("whole-model equal: True") == 2
     assert out.rstrip().endswith("PARITY OK")
+    assert_gone(pids_in(out))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_demo_stops_every_worker(sig: signal.Signals) -> None:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dgr_engine.demo", "--steps", "240", "--lose-at", "200"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
+    lines: queue.Queue[str | None] = queue.Queue()
+
+    def drain() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    seen: list[str] = []
+    try:
+        while True:
+            line = lines.get(timeout=60)
+            assert line is not None, f"demo ended early: {''.join(seen)}{proc.stderr}"
+            seen.append(line)
+            if line.startswith("sessions"):  # the workers run and the sessions have started
+                break
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    reader.join(10)
+    while (line := lines.get(timeout=10)) is not None:
+        seen.append(line)
+    out = "".join(seen)
+    assert proc.returncode == 130, out + err
+    assert "interrupted: every worker stopped" in err
+    assert "PARITY" not in out
+    assert len(pids_in(out)) == 4  # three stages and a spare
+    assert_gone(pids_in(out))

@@ -1,0 +1,357 @@
+"""Whole model vs dgr routes of loopback workers: decode and prefill speed, per-hop seam cost.
+
+Side by side in one run, one session at a time, greedy:
+
+* ``whole``: the whole model in-process (``ShardEngine``, same llama.cpp commit, same engine
+  options and thread count), driven like a route session: the prompt in one call, then one
+  token per call, argmax in Python.
+* ``dgr N``: a route of N ``dgr worker`` processes on 127.0.0.1 (even layer ranges), driven
+  by ``dgr_session.SessionManager`` over ``GrpcStageTransport`` (gRPC streams): what a user
+  of dgr gets. ``dgr 1`` (the whole model behind one worker) separates the cost of the
+  network path from the cost of cutting the model.
+
+Decode tokens/s is over the tokens after the first (the first one is the prefill's); prefill
+tokens/s is the prompt length over the prefill's wall time (from the first stage's request to
+the last stage's reply). Each is the median of ``--repeats`` runs.
+
+Per-hop seam overhead (µs, client round trip minus the engine time the worker reports, the
+method of ``benchmarks/seam_overhead.py``): for the route's dense boundary (measured on the
+2-stage route's decode steps) and, with ``seam_overhead``'s echo worker, for a 4 x 4096 f32
+boundary (DeepSeek V4's, 64 KiB per token in and out) and the dense width.
+
+Prints a table, saves ``benchmarks/out/pipeline.json`` and ``benchmarks/out/pipeline.png``
+(matplotlib when installed, else a plain bar chart written without it). Targets: decode
+ratio >= 0.90 at 2 stages and >= 0.85 at 4 stages; seam overhead <= 300 µs per hop for the
+4 x 4096 boundary.
+
+    .venv/bin/python benchmarks/pipeline.py [--fixture mid-llama] [--threads 1]
+        [--prompt 128] [--decode 64] [--repeats 3] [--stages 1 2 4] [--frames 300]
+
+Fixture evidence on this machine's CPUs (thread placement is the OS's: every worker and the
+client share the same cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import struct
+import sys
+import time
+import warnings
+import zlib
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import seam_overhead  # noqa: E402
+
+from dgr_engine.chain import split_points  # noqa: E402
+from dgr_engine.engine import ShardEngine  # noqa: E402
+from dgr_engine.fixtures import ensure_fixture, lookup  # noqa: E402
+from dgr_engine.generate import engine_options, worker_args  # noqa: E402
+from dgr_engine.grpc_transport import ForwardRecord, GrpcStageTransport  # noqa: E402
+from dgr_engine.route_provider import LoopbackRouteProvider  # noqa: E402
+from dgr_session import DarkLaneWarning, FailurePolicy, SessionManager  # noqa: E402
+
+V4_BOUNDARY = 4 * 4096
+TARGETS = {2: 0.90, 4: 0.85}
+SEAM_TARGET_US = 300.0
+
+
+@attrs.frozen
+class Speed:
+    name: str
+    stages: int
+    prefill_tps: float
+    decode_tps: float
+    decode_ms: float
+    hop_overhead_us: float | None = None
+    """Median per-hop overhead over the decode steps (rtt - engine), dgr routes only."""
+
+
+def _prompt(n: int, n_vocab: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(11).integers(0, n_vocab, size=n)]
+
+
+# --- whole model -------------------------------------------------------------------------------
+
+
+def whole_model(
+    path: Path, prompt: list[int], n_decode: int, options: dict[str, Any]
+) -> tuple[float, float, list[int]]:
+    """(prefill seconds, decode seconds, tokens) of one greedy run in-process."""
+    with ShardEngine(path, **options) as engine:
+        engine.open_session(1, 0)
+        began = time.perf_counter()
+        logits = engine.forward(1, 0, np.arange(len(prompt)), tokens=prompt)
+        token = int(np.argmax(logits[-1]))
+        prefill = time.perf_counter() - began
+        tokens, pos = [token], len(prompt)
+        began = time.perf_counter()
+        for _ in range(n_decode):
+            logits = engine.forward(1, 0, [pos], tokens=[token])
+            token = int(np.argmax(logits[-1]))
+            tokens.append(token)
+            pos += 1
+        return prefill, time.perf_counter() - began, tokens
+
+
+# --- dgr route ---------------------------------------------------------------------------------
+
+
+async def route_runs(
+    path: Path,
+    layout: list[tuple[int, int]],
+    prompt: list[int],
+    n_decode: int,
+    repeats: int,
+    wargs: list[str],
+) -> tuple[list[tuple[float, float, list[int]]], float]:
+    """Per run (prefill seconds, decode seconds, tokens), and the median per-hop overhead
+    (µs) of the decode forwards."""
+    provider = LoopbackRouteProvider(path, layout, worker_args=wargs)
+    records: list[tuple[float, ForwardRecord]] = []
+
+    def observe(record: ForwardRecord) -> None:
+        records.append((time.perf_counter(), record))
+
+    runs = []
+    await provider.start()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DarkLaneWarning)
+            async with GrpcStageTransport(timeout=60.0, observer=observe) as transport:
+                policy = FailurePolicy(step_deadline=60.0, session_deadline=600.0)
+                manager = SessionManager(transport, provider, policy=policy, allow_dark_lanes=True)
+                for run in range(repeats + 1):  # run 0 warms up (page cache, connections)
+                    records.clear()
+                    times: list[float] = []
+                    handle = manager.start(
+                        prompt,
+                        max_new_tokens=n_decode + 1,
+                        session_id=f"bench-{len(layout)}-{run}",
+                        on_token=partial(_stamp, times),
+                    )
+                    result = await handle.wait()
+                    if result.error is not None:
+                        raise result.error
+                    prefill = [(t, r) for t, r in records if r.positions.start == 0]
+                    start = prefill[0][0] - prefill[0][1].rtt_us / 1e6
+                    end = prefill[-1][0]
+                    if run:
+                        runs.append((end - start, times[-1] - times[0], list(result.tokens)))
+                await manager.aclose()
+    finally:
+        await provider.aclose()
+    hops = [r.rtt_us - r.compute_us for _, r in records if len(r.positions) == 1]
+    return runs, float(statistics.median(hops))
+
+
+def _stamp(times: list[float], token: int) -> None:
+    times.append(time.perf_counter())
+
+
+def speed(
+    name: str, stages: int, prompt_len: int, n_decode: int, runs: list[tuple[float, float]]
+) -> Speed:
+    prefill = statistics.median(p for p, _ in runs)
+    decode = statistics.median(d for _, d in runs)
+    return Speed(name, stages, prompt_len / prefill, n_decode / decode, 1000 * decode / n_decode)
+
+
+# --- seam overhead -----------------------------------------------------------------------------
+
+
+def echo_overhead(width: int, frames: int) -> float:
+    """Median per-hop overhead (µs) through seam_overhead's echo worker, streaming."""
+    worker = seam_overhead.EchoProcess.spawn_echo(width)
+    try:
+        values = asyncio.run(seam_overhead.measure(worker.address, width, frames, True))
+    finally:
+        worker.stop()
+    return float(statistics.median(values))
+
+
+# --- the plot ----------------------------------------------------------------------------------
+
+
+def plot(path: Path, speeds: list[Speed], seams: dict[str, float], title: str) -> str:
+    """Writes the PNG; returns how (``matplotlib`` or ``plain``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        _plain_png(path, speeds, seams)
+        return "plain (matplotlib not installed: bars only, numbers in pipeline.json)"
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
+    names = [s.name for s in speeds]
+    for ax, values, label in (
+        (axes[0], [s.decode_tps for s in speeds], "decode tokens/s"),
+        (axes[1], [s.prefill_tps for s in speeds], "prefill tokens/s"),
+    ):
+        bars = ax.bar(names, values, color=["#555"] + ["#2a7"] * (len(values) - 1))
+        ax.bar_label(bars, fmt="%.1f")
+        ax.set_title(label)
+    whole = speeds[0].decode_tps
+    for target in TARGETS.values():
+        axes[0].axhline(whole * target, ls=":", lw=1, color="#c33")
+        axes[0].text(len(names) - 0.5, whole * target, f" {target:.2f}x", va="bottom", fontsize=8)
+    bars = axes[2].bar(list(seams), list(seams.values()), color="#37a")
+    axes[2].bar_label(bars, fmt="%.0f")
+    axes[2].axhline(SEAM_TARGET_US, ls=":", lw=1, color="#c33")
+    axes[2].set_title("seam overhead µs / hop (stream)")
+    axes[2].tick_params(axis="x", labelsize=8)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return "matplotlib"
+
+
+def _plain_png(path: Path, speeds: list[Speed], seams: dict[str, float]) -> None:
+    """Three groups of bars (decode, prefill, seam), each scaled to its own maximum."""
+    height, bar, gap = 240, 28, 12
+    groups = [
+        [s.decode_tps for s in speeds],
+        [s.prefill_tps for s in speeds],
+        list(seams.values()),
+    ]
+    width = sum(len(g) * (bar + 4) + 3 * gap for g in groups) + gap
+    img = np.full((height, width, 3), 255, dtype=np.uint8)
+    x = gap
+    for colour, values in zip(((40, 160, 110), (40, 110, 160), (160, 90, 40)), groups, strict=True):
+        top = max(values) or 1.0
+        for value in values:
+            h = int((height - 20) * value / top)
+            img[height - 10 - h : height - 10, x : x + bar] = colour
+            x += bar + 4
+        x += 3 * gap
+    raw = b"".join(b"\x00" + row.tobytes() for row in img)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(raw, 9))
+        + chunk(b"IEND", b"")
+    )
+
+
+# --- main --------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--fixture", default="mid-llama")
+    parser.add_argument("--threads", type=int, default=1, help="engine threads (every engine)")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--decode", type=int, default=64, help="decode steps per run")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--frames", type=int, default=300, help="echo frames per seam case")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out")
+    args = parser.parse_args(argv)
+
+    path = ensure_fixture(args.fixture)
+    spec = lookup(args.fixture)
+    ctx = 1 << (args.prompt + args.decode + 2).bit_length()
+    batch = max(64, 1 << (args.prompt - 1).bit_length())
+    # two slots: a run's session may still be closing when the next one opens
+    options = engine_options(args.threads, ctx, batch, 2)
+    wargs = worker_args(args.threads, ctx, batch, 2)
+    prompt = _prompt(args.prompt, spec.n_vocab)
+    cores = os.cpu_count()
+    print(
+        f"{path.name}: {spec.n_layer} layers, n_embd {spec.n_embd}; {args.threads} engine "
+        f"thread(s) per engine, {cores} cores shared by every process; prompt {args.prompt}, "
+        f"{args.decode} decode steps, median of {args.repeats}"
+    )
+
+    whole_model(path, prompt, 4, options)  # warm the page cache
+    runs = [whole_model(path, prompt, args.decode, options) for _ in range(args.repeats)]
+    reference = runs[0][2]
+    speeds = [speed("whole", 0, args.prompt, args.decode, [(p, d) for p, d, _ in runs])]
+    dense_hop: float | None = None
+    for n in args.stages:
+        layout = split_points(spec.n_layer, n)
+        got, hop = asyncio.run(route_runs(path, layout, prompt, args.decode, args.repeats, wargs))
+        for _, _, tokens in got:
+            if tokens != reference:
+                raise SystemExit(f"dgr {n}: tokens differ from the whole model's")
+        s = speed(f"dgr {n}", n, args.prompt, args.decode, [(p, d) for p, d, _ in got])
+        speeds.append(attrs.evolve(s, hop_overhead_us=hop))
+        if n == 2:
+            dense_hop = hop
+    seams: dict[str, float] = {}
+    if dense_hop is not None:
+        seams[f"route dense {spec.n_embd}"] = dense_hop
+    seams[f"echo {spec.n_embd}"] = echo_overhead(spec.n_embd, args.frames)
+    seams["echo 4x4096"] = echo_overhead(V4_BOUNDARY, args.frames)
+
+    whole = speeds[0]
+    print()
+    print(
+        f"{'run':<8} {'stages':>6} {'decode tok/s':>12} {'ms/token':>9} {'ratio':>6} "
+        f"{'target':>6} {'prefill tok/s':>13} {'ratio':>6} {'hop µs':>7}"
+    )
+    for s in speeds:
+        ratio = s.decode_tps / whole.decode_tps
+        goal = TARGETS.get(s.stages)
+        mark = "" if goal is None else (" ok" if ratio >= goal else " MISS")
+        hop_text = "" if s.hop_overhead_us is None else f"{s.hop_overhead_us:.0f}"
+        print(
+            f"{s.name:<8} {s.stages:>6} {s.decode_tps:>12.1f} {s.decode_ms:>9.2f} {ratio:>6.3f} "
+            f"{'' if goal is None else f'{goal:.2f}':>6} {s.prefill_tps:>13.1f} "
+            f"{s.prefill_tps / whole.prefill_tps:>6.3f} {hop_text:>7}{mark}"
+        )
+    print()
+    print("per-hop seam overhead, µs (median; rtt - worker engine time; streaming)")
+    for name, value in seams.items():
+        note = ""
+        if name == "echo 4x4096":
+            note = f"  target <= {SEAM_TARGET_US:.0f}"
+            note += " ok" if value <= SEAM_TARGET_US else " MISS"
+        print(f"  {name:<22} {value:8.0f}{note}")
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "fixture": args.fixture,
+        "threads": args.threads,
+        "cores": cores,
+        "prompt": args.prompt,
+        "decode": args.decode,
+        "repeats": args.repeats,
+        "speeds": [attrs.asdict(s) for s in speeds],
+        "seam_overhead_us": seams,
+        "targets": {"decode_ratio": TARGETS, "seam_us": SEAM_TARGET_US},
+    }
+    (args.out / "pipeline.json").write_text(json.dumps(result, indent=2))
+    title = (
+        f"{args.fixture}: whole model vs dgr loopback routes, {args.threads} thread(s) per "
+        f"engine, {cores} shared cores (fixture evidence)"
+    )
+    how = plot(args.out / "pipeline.png", speeds, seams, title)
+    print(f"\nsaved {args.out / 'pipeline.json'} and {args.out / 'pipeline.png'} ({how})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,412 @@
+"""Route sessions over real shard workers: a ``StageTransport`` over gRPC.
+
+:class:`GrpcStageTransport` is the sibling of ``dgr_engine.engine_transport.EngineTransport``:
+the same :class:`dgr_session.transport.StageTransport`, with each stage a ``dgr worker``
+reached through one :class:`~dgr_engine.grpc_client.ShardClient` (one channel) per endpoint,
+created on first use and reused by every session. Forwards use the client's per-session
+``ForwardStream`` by default; every call has a deadline.
+
+What a stage is expected to be comes from the route (:class:`~dgr_session.route.StageSpec`):
+model hash, layer range and boundary width travel with every frame, so a worker that serves
+something else refuses the frame instead of computing garbage. Whether a stage needs the
+token-id sideband (the first stage, and V4 stages owning hash-routed layers) comes from the
+worker's advert, fetched once per endpoint with ``Describe`` (or handed in with :meth:`learn`).
+
+Failures are raised as what the session manager classifies
+(``dgr_session.manager.fault_kind``):
+
+=======================================  ==========================================  ===========
+what happened                            raised                                      fault kind
+=======================================  ==========================================  ===========
+unreachable, connection lost, shutdown   :class:`dgr_session.errors.StageDead`       dead
+call deadline passed                     ``ShardDeadlineExceeded`` (``TimeoutError``)  deadline
+epoch older than the worker holds        :class:`dgr_session.errors.StaleEpoch`      protocol
+any other refusal (position, capacity,   the engine's typed error (``EngineError``,  engine_error
+frame, expectation, ...)                 a ``DgrError``)
+=======================================  ==========================================  ===========
+
+Boundary rows are numpy ``float32`` arrays ``[n, width]`` (read-only views of the reply);
+:class:`~dgr_session.transport.Logits` holds the last row of logits as a numpy ``float32`` row.
+Per-endpoint counters (:meth:`stats`) give the per-stage timings and seam bytes.
+
+The library logs with loguru, bound to ``session``/``epoch``/``stage``, and adds no sinks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, NoReturn
+
+import attrs
+import numpy as np
+from loguru import logger
+
+from dgr_engine._worker_frames import SCHEMA_VERSION, Expectations
+from dgr_engine._worker_status import ExpectationMismatch, FrameRejected, ShardUnavailable
+from dgr_engine.advert import Advert
+from dgr_engine.errors import EngineError, UnknownSession
+from dgr_engine.errors import StaleEpoch as EngineStaleEpoch
+from dgr_engine.grpc_client import DEFAULT_MAX_MESSAGE_BYTES, ForwardResult, ShardClient
+from dgr_session.errors import StageDead, StaleEpoch
+from dgr_session.route import StageSpec
+from dgr_session.transport import Boundary, Logits, StageResult
+
+if TYPE_CHECKING:
+    from loguru import Logger
+
+__all__ = ["ForwardRecord", "GrpcStageTransport", "StageStats", "expectations_for"]
+
+_HELD_EPOCH = re.compile(r"open epoch (\d+)")
+
+
+def expectations_for(stage: StageSpec) -> Expectations:
+    """What the route says the worker at ``stage.endpoint`` is (sent with every frame)."""
+    return Expectations(
+        model_sha256=stage.identity.content_hash,
+        layer_begin=stage.layer_begin,
+        layer_end=stage.layer_end,
+        boundary_width=stage.boundary_in,
+        schema_version=SCHEMA_VERSION,
+    )
+
+
+@attrs.frozen
+class ForwardRecord:
+    """One successful forward, as seen by the transport (handed to the ``observer``)."""
+
+    endpoint: str
+    """Stage endpoint."""
+    layers: tuple[int, int]
+    """Stage's layer range."""
+    session_id: str
+    """Session."""
+    epoch: int
+    """Epoch."""
+    step: int
+    """Step."""
+    positions: range
+    """Positions forwarded (``start == 0``: a prefill, or a re-prefill when ``epoch > 0``)."""
+    bytes_sent: int
+    """Payload sent: boundary rows + positions + token ids (as the advert's seam cost counts)."""
+    bytes_received: int
+    """Payload received: boundary rows or logits."""
+    rtt_us: int
+    """Round trip seen by the client."""
+    compute_us: int
+    """Engine time reported by the worker."""
+    queue_us: int
+    """Time the frame waited for the worker's engine."""
+
+
+@attrs.frozen
+class StageStats:
+    """Counters of one endpoint over the transport's lifetime (successful forwards only)."""
+
+    endpoint: str
+    """Stage endpoint."""
+    layers: tuple[int, int]
+    """Layer range last seen for it."""
+    forwards: int
+    """Successful forwards."""
+    rows: int
+    """Rows forwarded."""
+    bytes_sent: int
+    """Payload bytes sent to the stage (boundary + positions + token ids)."""
+    bytes_received: int
+    """Payload bytes received from it (boundary rows or logits)."""
+    rtt_us: int
+    """Sum of client round trips."""
+    compute_us: int
+    """Sum of engine time the worker reported."""
+    queue_us: int
+    """Sum of time frames waited for the worker's engine."""
+    failures: int
+    """Calls (open, forward, close) that raised."""
+
+    @property
+    def overhead_us(self) -> int:
+        """Round trips minus engine time: the seam's cost (encode, gRPC, loopback, checks)."""
+        return self.rtt_us - self.compute_us
+
+
+@attrs.define
+class _Counters:
+    layers: tuple[int, int]
+    forwards: int = 0
+    rows: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    rtt_us: int = 0
+    compute_us: int = 0
+    queue_us: int = 0
+    failures: int = 0
+
+
+class GrpcStageTransport:
+    """:class:`~dgr_session.transport.StageTransport` over ``dgr worker`` processes.
+
+    ``timeout``: deadline of each open/forward call, seconds (keep it at or below the failure
+    policy's step deadline). ``close_timeout``: deadline of each close (closing a hung or dead
+    stage must not hold anything up). ``streaming``: forwards over per-session streams
+    (default) or unary calls. ``adverts``: adverts already known, by endpoint (else fetched
+    with ``Describe`` on first contact). ``observer`` is called with a :class:`ForwardRecord`
+    after each successful forward; it must not raise.
+
+    Use from one event loop; ``await aclose()`` (or ``async with``) closes every channel.
+    """
+
+    def __init__(
+        self,
+        *,
+        timeout: float = 10.0,
+        close_timeout: float = 2.0,
+        streaming: bool = True,
+        adverts: Mapping[str, Advert] | None = None,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        observer: Callable[[ForwardRecord], None] | None = None,
+    ) -> None:
+        self.timeout = timeout
+        self.close_timeout = close_timeout
+        self.streaming = streaming
+        self.observer = observer
+        self._max_message_bytes = max_message_bytes
+        # One client per endpoint, created on first use. Invariant: never closed while the
+        # transport is open (a dead worker's channel just fails fast; gRPC reconnects by itself).
+        self._clients: dict[str, ShardClient] = {}
+        # Adverts by endpoint; dropped when the endpoint is found dead (a restarted worker at
+        # the same address may serve another range).
+        self._adverts: dict[str, Advert] = dict(adverts or {})
+        self._counters: dict[str, _Counters] = {}
+        # Newest epoch an open was sent for, by (endpoint, session); dropped once closed. A
+        # close for a pair never opened here is a no-op without a call (nothing can be held).
+        self._sent_open: dict[tuple[str, str], int] = {}
+
+    async def __aenter__(self) -> GrpcStageTransport:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Closes every channel (sessions still open on workers stay there until closed)."""
+        clients, self._clients = self._clients, {}
+        for client in clients.values():
+            await client.aclose()
+
+    # -- what the transport knows --------------------------------------------------------------
+
+    def learn(self, endpoint: str, advert: Advert) -> None:
+        """Records the advert of ``endpoint`` (saves the ``Describe`` on first contact)."""
+        self._adverts[endpoint] = advert
+
+    async def advert(self, endpoint: str) -> Advert:
+        """The endpoint's advert: cached, else fetched with ``Describe``."""
+        advert = self._adverts.get(endpoint)
+        if advert is None:
+            try:
+                advert = await self.client(endpoint).describe(timeout=self.timeout)
+            except ShardUnavailable as exc:
+                raise StageDead(f"{endpoint}: unreachable ({exc})") from exc
+            self._adverts[endpoint] = advert
+        return advert
+
+    def client(self, endpoint: str) -> ShardClient:
+        """The endpoint's client (one channel, created on first use)."""
+        client = self._clients.get(endpoint)
+        if client is None:
+            client = ShardClient(
+                endpoint,
+                timeout=self.timeout,
+                streaming=self.streaming,
+                max_message_bytes=self._max_message_bytes,
+            )
+            self._clients[endpoint] = client
+        return client
+
+    def stats(self) -> dict[str, StageStats]:
+        """Counters per endpoint, in first-contact order."""
+        return {
+            endpoint: StageStats(endpoint=endpoint, **attrs.asdict(c))
+            for endpoint, c in self._counters.items()
+        }
+
+    # -- StageTransport ------------------------------------------------------------------------
+
+    async def open(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+        log = _log(stage, session_id, epoch)
+        try:
+            await self.advert(stage.endpoint)  # the token-id sideband is decided by the advert
+            key = (stage.endpoint, session_id)
+            self._sent_open[key] = max(epoch, self._sent_open.get(key, epoch))
+            await self.client(stage.endpoint).open(
+                session_id, epoch, expectations_for(stage), timeout=self.timeout
+            )
+        except Exception as exc:
+            self._raise(stage, session_id, epoch, "open", exc)
+        log.debug("opened")
+
+    async def forward(
+        self,
+        stage: StageSpec,
+        session_id: str,
+        epoch: int,
+        step: int,
+        positions: range,
+        token_ids: Sequence[int],
+        boundary: object | None,
+    ) -> StageResult:
+        n = len(positions)
+        try:
+            advert = self._adverts.get(stage.endpoint) or await self.advert(stage.endpoint)
+            send_ids = advert.span.is_first or advert.span.needs_token_ids
+            tokens = np.asarray(token_ids, dtype=np.int32) if send_ids else None
+            rows = None if boundary is None else _rows(boundary)
+            result = await self.client(stage.endpoint).forward(
+                session_id,
+                epoch,
+                step,
+                expectations_for(stage),
+                positions,
+                tokens=tokens,
+                boundary=rows,
+                timeout=self.timeout,
+            )
+        except Exception as exc:
+            self._raise(stage, session_id, epoch, f"forward step {step}", exc)
+        sent = 4 * n + (4 * n if send_ids else 0) + (0 if rows is None else rows.nbytes)
+        self._account(stage, positions, session_id, epoch, step, sent, result)
+        if result.is_logits:
+            return Logits(result.output[-1])
+        return Boundary(result.output)
+
+    async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+        key = (stage.endpoint, session_id)
+        client = self._clients.get(stage.endpoint)
+        if client is None or key not in self._sent_open:
+            return  # never asked to open it: the stage holds nothing of this session
+        log = _log(stage, session_id, epoch)
+        try:
+            # the client drops the session's stream at once (before any await), so a close of an
+            # old epoch never touches the stream of a newer one opened after it was issued
+            async with asyncio.timeout(self.close_timeout):
+                await client.close(session_id, epoch, timeout=self.close_timeout)
+        except UnknownSession:
+            self._forget(key, epoch)
+            return  # not held: nothing to release
+        except EngineStaleEpoch:
+            return  # a newer epoch is held: nothing of this one to release
+        except Exception as exc:
+            self._raise(stage, session_id, epoch, "close", exc)
+        self._forget(key, epoch)
+        log.debug("closed")
+
+    def _forget(self, key: tuple[str, str], epoch: int) -> None:
+        if self._sent_open.get(key, epoch + 1) <= epoch:
+            del self._sent_open[key]
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _counter(self, stage: StageSpec) -> _Counters:
+        layers = (stage.layer_begin, stage.layer_end)
+        counter = self._counters.get(stage.endpoint)
+        if counter is None:
+            counter = self._counters[stage.endpoint] = _Counters(layers)
+        counter.layers = layers
+        return counter
+
+    def _account(
+        self,
+        stage: StageSpec,
+        positions: range,
+        session_id: str,
+        epoch: int,
+        step: int,
+        sent: int,
+        result: ForwardResult,
+    ) -> None:
+        c = self._counter(stage)
+        received = int(result.output.nbytes)
+        t = result.timings
+        c.forwards += 1
+        c.rows += len(positions)
+        c.bytes_sent += sent
+        c.bytes_received += received
+        c.rtt_us += result.rtt_us
+        c.compute_us += t.compute_us
+        c.queue_us += t.queue_us
+        if self.observer is not None:
+            self.observer(
+                ForwardRecord(
+                    endpoint=stage.endpoint,
+                    layers=c.layers,
+                    session_id=session_id,
+                    epoch=epoch,
+                    step=step,
+                    positions=positions,
+                    bytes_sent=sent,
+                    bytes_received=received,
+                    rtt_us=result.rtt_us,
+                    compute_us=t.compute_us,
+                    queue_us=t.queue_us,
+                )
+            )
+
+    def _raise(
+        self,
+        stage: StageSpec,
+        session_id: str,
+        epoch: int,
+        what: str,
+        exc: Exception,
+    ) -> NoReturn:
+        """Raises what ``exc`` means (see the module's table); counts and logs it. Call from
+        the ``except`` block that caught ``exc``."""
+        self._counter(stage).failures += 1
+        endpoint = stage.endpoint
+        error: Exception
+        if isinstance(exc, StageDead | StaleEpoch):
+            error = exc
+        elif isinstance(exc, ShardUnavailable):
+            self._adverts.pop(endpoint, None)
+            error = StageDead(f"{endpoint}: {what}: stage unreachable ({exc})")
+        elif isinstance(exc, EngineStaleEpoch):
+            held = _HELD_EPOCH.search(str(exc))
+            error = StaleEpoch(
+                f"{endpoint}: {what}: {exc}",
+                session_id=session_id,
+                epoch=epoch,
+                held_epoch=int(held.group(1)) if held else epoch + 1,
+            )
+        elif isinstance(exc, TimeoutError):
+            error = exc  # ShardDeadlineExceeded, or our own close deadline: both TimeoutError
+        elif isinstance(exc, ExpectationMismatch | FrameRejected):
+            self._adverts.pop(endpoint, None)  # the worker is not what we knew: ask it again
+            error = exc
+        elif isinstance(exc, EngineError):
+            error = exc
+        else:
+            error = exc  # not a gRPC failure (a bug, cancellation is not caught): as is
+        _log(stage, session_id, epoch).debug("{} failed: {}: {}", what, type(error).__name__, error)
+        if error is exc:
+            raise exc
+        raise error from exc
+
+
+def _log(stage: StageSpec, session_id: str, epoch: int) -> Logger:
+    return logger.bind(
+        session=session_id,
+        epoch=epoch,
+        stage=f"{stage.endpoint}[{stage.layer_begin}:{stage.layer_end})",
+    )
+
+
+def _rows(boundary: object) -> np.ndarray:
+    """The previous stage's rows as a float32 ``[n, width]`` array (no copy if already one)."""
+    rows = np.asarray(boundary, dtype=np.float32)
+    if rows.ndim != 2:
+        raise EngineError(
+            f"boundary rows must be [n, width], got shape {rows.shape}", status="DGR_E_SHAPE"
+        )
+    return rows

@@ -1,0 +1,296 @@
+"""Route providers over real workers: a local stand-in for the tracker.
+
+* :class:`LoopbackRouteProvider` spawns ``dgr worker`` subprocesses on 127.0.0.1 for a layout
+  (contiguous layer ranges), plus optional spares, and assigns routes from them as a tracker
+  with honest failure reports would: a worker named by a failure report (dead, deadline,
+  engine or protocol fault) is never routed to again, and its range goes to a spare, or to a
+  worker spawned on demand (``spawn_on_demand``), or to nobody (then no route). It owns every
+  process it started: :meth:`~LoopbackRouteProvider.aclose` stops them all (SIGCONT first for
+  a stopped one), :meth:`~LoopbackRouteProvider.kill_all` is the synchronous last resort.
+* :class:`EndpointRouteProvider` routes over fixed endpoints given in order (``dgr generate
+  --endpoints``): the route of their adverts while every one of them is serving, else none.
+
+Routing policy is the tracker's; these exist for the demo, ``dgr generate`` and the tests.
+Every wait is bounded (worker start-up, ``Describe``, health checks, shutdown).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+from loguru import logger
+
+from dgr_engine._worker_spawn import WorkerProcess
+from dgr_engine.advert import Advert
+from dgr_engine.grpc_client import ShardClient
+from dgr_session.faults import FailureReport, FaultKind
+from dgr_session.route import Route, StageSpec
+
+__all__ = ["EndpointRouteProvider", "LoopbackRouteProvider", "PooledWorker", "describe"]
+
+_BLAMED = frozenset(
+    {FaultKind.DEAD, FaultKind.DEADLINE, FaultKind.ENGINE_ERROR, FaultKind.PROTOCOL}
+)
+"""Faults that disqualify the worker named by the report."""
+
+
+async def describe(endpoint: str, *, timeout: float = 10.0) -> Advert:
+    """The advert of the worker at ``endpoint`` (one short-lived channel)."""
+    async with ShardClient(endpoint, timeout=timeout) as client:
+        return await client.describe()
+
+
+@attrs.define(eq=False)
+class PooledWorker:
+    """One worker process of a :class:`LoopbackRouteProvider`."""
+
+    process: WorkerProcess = attrs.field(repr=False)
+    """The subprocess."""
+    layers: tuple[int, int]
+    """Owned range."""
+    advert: Advert = attrs.field(repr=False)
+    """Its advert at start-up."""
+    role: str
+    """``"primary"``, ``"spare"`` or ``"replacement"``."""
+    excluded: str | None = None
+    """Why it is no longer routed to (``None``: routable)."""
+
+    @property
+    def endpoint(self) -> str:
+        """``127.0.0.1:PORT``."""
+        return self.process.address
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def stage(self) -> StageSpec:
+        """This worker as a route stage."""
+        return self.advert.stage_spec(self.endpoint)
+
+    @property
+    def running(self) -> bool:
+        """The process has not exited (it may still be stopped or hung)."""
+        return self.process.proc.poll() is None
+
+
+class LoopbackRouteProvider:
+    """A :class:`dgr_session.transport.RouteProvider` over worker subprocesses on loopback.
+
+    ``layout``: the ranges of a route, in order, covering the model. ``spares``: extra workers
+    to start with (a range may repeat). ``worker_args``: extra ``dgr worker`` arguments
+    (``--threads 1`` etc.). ``observer(session_id, report, route)`` is called with each
+    request's answer (``route`` ``None``: no route); it must not raise. Call ``await start()``
+    first; ``await aclose()`` at the end, in a ``finally`` (or ``async with``).
+    """
+
+    def __init__(
+        self,
+        model: str | os.PathLike[str],
+        layout: Sequence[tuple[int, int]],
+        *,
+        spares: Sequence[tuple[int, int]] = (),
+        spawn_on_demand: bool = False,
+        worker_args: Sequence[str] = (),
+        startup_timeout: float = 60.0,
+        stop_timeout: float = 10.0,
+        observer: Callable[[str, FailureReport | None, Route | None], None] | None = None,
+    ) -> None:
+        if not layout:
+            raise ValueError("a layout needs at least one range")
+        self.model = Path(model)
+        self.layout = tuple((int(a), int(b)) for a, b in layout)
+        self.spares = tuple((int(a), int(b)) for a, b in spares)
+        self.spawn_on_demand = spawn_on_demand
+        self.worker_args = tuple(worker_args)
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self.observer = observer
+        #: Every worker started, in start order (also those that died or were excluded).
+        self.workers: list[PooledWorker] = []
+        #: Every report received, in order.
+        self.reports: list[FailureReport] = []
+        #: Routes assigned, in order, as ``(session_id, route)``.
+        self.assigned: list[tuple[str, Route]] = []
+        # Serialises assignment: concurrent sessions that lost the same worker share one
+        # replacement instead of spawning one each.
+        self._lock = asyncio.Lock()
+        # Every process started (list.append is atomic: threads add to it), stopped at the end.
+        self._processes: list[WorkerProcess] = []
+        self._closed = False
+        self._log = logger.bind(stage="provider")
+
+    async def __aenter__(self) -> LoopbackRouteProvider:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    # -- workers -------------------------------------------------------------------------------
+
+    async def start(self) -> list[PooledWorker]:
+        """Spawns the layout's workers and the spares, concurrently; returns them."""
+        jobs = [(r, "primary") for r in self.layout] + [(r, "spare") for r in self.spares]
+        results = await asyncio.gather(
+            *(self._start_one(r, role) for r, role in jobs), return_exceptions=True
+        )
+        started = [r for r in results if isinstance(r, PooledWorker)]
+        self.workers.extend(started)  # in layout order: primaries are preferred to spares
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors:
+            raise errors[0]
+        return started
+
+    async def spawn(self, layers: tuple[int, int], role: str = "replacement") -> PooledWorker:
+        """Starts one more worker for ``layers`` and reads its advert."""
+        worker = await self._start_one(layers, role)
+        self.workers.append(worker)
+        return worker
+
+    async def _start_one(self, layers: tuple[int, int], role: str) -> PooledWorker:
+        if self._closed:
+            raise RuntimeError("the provider is closed")
+        process = await asyncio.to_thread(self._spawn_process, layers)
+        try:
+            advert = await describe(process.address, timeout=self.startup_timeout)
+        except BaseException:
+            await asyncio.to_thread(process.kill)
+            raise
+        if self._closed:  # closed while it started: stop it too
+            await asyncio.to_thread(process.stop, self.stop_timeout)
+            raise RuntimeError("the provider is closed")
+        worker = PooledWorker(process, layers, advert, role)
+        self._log.info(
+            "{} worker pid {} serves {} on {}", role, worker.pid, layers, worker.endpoint
+        )
+        return worker
+
+    def _spawn_process(self, layers: tuple[int, int]) -> WorkerProcess:
+        # On a worker thread. Recorded here, not by the awaiting task: if that task is
+        # cancelled (Ctrl-C) while the worker starts, the process is still stopped at the end.
+        process = WorkerProcess.spawn(
+            self.model, layers, extra_args=self.worker_args, startup_timeout=self.startup_timeout
+        )
+        self._processes.append(process)
+        return process
+
+    def worker(self, endpoint: str) -> PooledWorker:
+        """The worker at ``endpoint`` (``KeyError`` if none)."""
+        for worker in self.workers:
+            if worker.endpoint == endpoint:
+                return worker
+        raise KeyError(endpoint)
+
+    def kill(self, endpoint: str) -> PooledWorker:
+        """SIGKILLs the worker at ``endpoint`` (a crash: nothing is closed). Returns at once."""
+        worker = self.worker(endpoint)
+        if worker.running:
+            worker.process.proc.send_signal(signal.SIGKILL)
+        return worker
+
+    def suspend(self, endpoint: str) -> PooledWorker:
+        """SIGSTOPs the worker at ``endpoint`` (a hung stage); :meth:`aclose` resumes it."""
+        worker = self.worker(endpoint)
+        if worker.running:
+            worker.process.proc.send_signal(signal.SIGSTOP)
+        return worker
+
+    def exclude(self, endpoint: str, why: str) -> None:
+        """Never route to ``endpoint`` again."""
+        worker = self.worker(endpoint)
+        if worker.excluded is None:
+            worker.excluded = why
+            self._log.info("excluded {} {}: {}", worker.layers, endpoint, why)
+
+    async def aclose(self) -> None:
+        """Stops every worker started (SIGTERM, bounded wait, then SIGKILL). Idempotent."""
+        self._closed = True
+        await asyncio.gather(*(asyncio.to_thread(self._stop, p) for p in list(self._processes)))
+
+    def kill_all(self) -> None:
+        """Synchronous last resort (e.g. after the event loop is gone): stop every worker."""
+        self._closed = True
+        for process in list(self._processes):
+            self._stop(process)
+
+    def _stop(self, process: WorkerProcess) -> None:
+        if process.proc.poll() is None:
+            process.proc.send_signal(signal.SIGCONT)  # a stopped worker cannot handle SIGTERM
+        process.stop(self.stop_timeout)
+
+    # -- RouteProvider -------------------------------------------------------------------------
+
+    async def assign(self, session_id: str, report: FailureReport | None) -> Route | None:
+        async with self._lock:
+            if report is not None:
+                self.reports.append(report)
+                if report.endpoint is not None and report.fault in _BLAMED:
+                    try:
+                        self.exclude(report.endpoint, f"{report.fault.value}: {report.detail}")
+                    except KeyError:
+                        pass  # not one of ours
+            route = await self._route(session_id)
+            if route is not None:
+                self.assigned.append((session_id, route))
+            if self.observer is not None:
+                self.observer(session_id, report, route)
+            return route
+
+    async def _route(self, session_id: str) -> Route | None:
+        stages: list[StageSpec] = []
+        for layers in self.layout:
+            worker = await self._routable(layers)
+            if worker is None:
+                self._log.bind(session=session_id).info("no route: nobody serves {}", layers)
+                return None
+            stages.append(worker.stage)
+        return Route(stages)
+
+    async def _routable(self, layers: tuple[int, int]) -> PooledWorker | None:
+        for worker in self.workers:
+            if worker.layers != layers or worker.excluded is not None:
+                continue
+            if not worker.running:
+                self.exclude(worker.endpoint, f"process exited ({worker.process.proc.returncode})")
+                continue
+            return worker
+        if not self.spawn_on_demand or self._closed:
+            return None
+        return await self.spawn(layers)
+
+
+class EndpointRouteProvider:
+    """Routes over fixed endpoints, in the order given (each serving the next range).
+
+    Every request checks that all endpoints are serving (health, ``probe_timeout``) and
+    re-reads their adverts; if one is not, there is no route (no alternative exists).
+    """
+
+    def __init__(self, endpoints: Sequence[str], *, probe_timeout: float = 5.0) -> None:
+        if not endpoints:
+            raise ValueError("at least one endpoint is needed")
+        self.endpoints = tuple(endpoints)
+        self.probe_timeout = probe_timeout
+        #: Every report received, in order.
+        self.reports: list[FailureReport] = []
+        self.adverts: dict[str, Advert] = {}
+
+    async def assign(self, session_id: str, report: FailureReport | None) -> Route | None:
+        if report is not None:
+            self.reports.append(report)
+        stages = []
+        for endpoint in self.endpoints:
+            async with ShardClient(endpoint, timeout=self.probe_timeout) as client:
+                if not await client.serving():
+                    return None
+                advert = await client.describe()
+            self.adverts[endpoint] = advert
+            stages.append(advert.stage_spec(endpoint))
+        return Route(stages)

@@ -1,0 +1,60 @@
+"""Smoke run of ``benchmarks/pipeline.py`` on tiny-llama: few steps, the table, JSON and PNG."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_pipeline_benchmark_smoke(tmp_path: Path) -> None:
+    args = ["--fixture", "tiny-llama", "--prompt", "8", "--decode", "8", "--repeats", "1"]
+    args += ["--stages", "2", "--frames", "20", "--out", str(tmp_path)]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "whole " in done.stdout and "dgr 2 " in done.stdout
+    assert "echo 4x4096" in done.stdout
+    result = json.loads((tmp_path / "pipeline.json").read_text())
+    assert [s["name"] for s in result["speeds"]] == ["whole", "dgr 2"]
+    assert all(s["decode_tps"] > 0 and s["prefill_tps"] > 0 for s in result["speeds"])
+    assert set(result["seam_overhead_us"]) == {"route dense 64", "echo 64", "echo 4x4096"}
+    assert (tmp_path / "pipeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_plot_is_written_without_matplotlib(tmp_path: Path) -> None:
+    import importlib.util
+    import struct
+    import zlib
+
+    spec = importlib.util.spec_from_file_location("pipeline", ROOT / "benchmarks" / "pipeline.py")
+    assert spec is not None and spec.loader is not None
+    pipeline = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pipeline)
+    speeds = [
+        pipeline.Speed("whole", 0, 200.0, 60.0, 16.7),
+        pipeline.Speed("dgr 2", 2, 190, 50, 20),
+    ]
+    out = tmp_path / "plain.png"
+    pipeline._plain_png(out, speeds, {"echo 4x4096": 400.0})
+    data = out.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR"
+    width, height = struct.unpack(">II", data[16:24])
+    (length,) = struct.unpack(">I", data[33:37])
+    assert data[37:41] == b"IDAT"
+    raw = zlib.decompress(data[41 : 41 + length])
+    assert len(raw) == height * (1 + 3 * width)
