@@ -201,7 +201,7 @@ def assert_rejected(prd: dict[str, Any], fragment: str, root: Path = REPO_ROOT) 
 
 
 def test_rejects_done_without_evidence(prd: dict[str, Any]) -> None:
-    assert_rejected(broken(prd, "DGR-P003", status="done"), "done without evidence")
+    assert_rejected(broken(prd, "DGR-P003", status="done", evidence=[]), "done without evidence")
 
 
 def test_rejects_missing_evidence_path(prd: dict[str, Any]) -> None:
