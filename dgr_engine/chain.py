@@ -80,10 +80,16 @@ class LocalChain:
         n_steps: int,
         *,
         accepted: Sequence[int] = (),
+        all_prefill_logits: bool = True,
     ) -> tuple[list[int], list[FloatArray]]:
         """Prefills ``prompt``, replays ``accepted`` tokens (never resampled), then decodes
         ``n_steps`` greedy tokens. Returns the new tokens and the logits of the prefill (every
-        row) followed by those of each replayed and each decoded step.
+        row, or with ``all_prefill_logits=False`` the last row only) followed by those of each
+        replayed and each decoded step.
+
+        Asking for every prefill row changes the head's matmul batching and so the last bits of
+        the last row's logits: compare like with like. Route sessions ask for the last row only;
+        a reference for them passes ``all_prefill_logits=False``.
 
         Replay keeps the original batching - the prompt in one call, then one token per call -
         so the KV it rebuilds is bit for bit the KV of the first run: a batched re-prefill of
@@ -91,7 +97,9 @@ class LocalChain:
         near-tie.
         """
         history = list(prompt)
-        logits: list[FloatArray] = [self.forward(session_id, epoch, history, 0, all_logits=True)]
+        logits: list[FloatArray] = [
+            self.forward(session_id, epoch, history, 0, all_logits=all_prefill_logits)
+        ]
         for token in accepted:
             logits.append(self.forward(session_id, epoch, [token], len(history)))
             history.append(int(token))

@@ -90,8 +90,10 @@ class ContextFull(EngineError):
 
 
 class DecodeError(EngineError):
-    """llama_decode failed; the rows of the call were rolled back. The session keeps its
-    previous state and position; other sessions are untouched."""
+    """llama_decode failed. The rows of the call were rolled back: the session keeps its
+    previous state and position - except where the state cannot drop a tail (DeepSeek V4),
+    where the session is emptied (next position 0) and the message says so. Other sessions are
+    untouched."""
 
     code, status = 11, "DGR_E_DECODE"
 

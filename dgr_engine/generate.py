@@ -117,12 +117,15 @@ def even_layout(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
 
 
 def n_layer_of(model: Path) -> int:
-    """``n_layer`` of a GGUF (from its metadata, without loading tensors)."""
+    """Main layers of a GGUF (from its metadata, without loading tensors): ``block_count``
+    less the MTP/nextn layers, which are never routed (as the C engine counts them)."""
     from gguf import GGUFReader
 
     reader = GGUFReader(model)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    return int(reader.fields[f"{arch}.block_count"].parts[-1][0])
+    nextn = reader.fields.get(f"{arch}.nextn_predict_layers")
+    n_nextn = int(nextn.parts[-1][0]) if nextn is not None else 0
+    return int(reader.fields[f"{arch}.block_count"].parts[-1][0]) - n_nextn
 
 
 @contextmanager

@@ -4,7 +4,8 @@
 and the standard ``grpc.health.v1.Health`` service on a ``grpc.aio`` server, bound to
 127.0.0.1 unless told otherwise. It checks every frame before touching state: expectations
 (model SHA-256, layer range, boundary width, schema) and the frame's own shape; the engine then
-fences epochs and positions. A refused call changes nothing, and never touches another session.
+fences epochs and positions. A refused call changes nothing (a V4 decode failure empties that
+one session, and says so) and never touches another session.
 Refusals carry conventional gRPC codes and the exact reason in the trailing metadata
 (``dgr-status``; the table is in ``dgr_engine._worker_status``).
 

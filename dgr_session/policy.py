@@ -46,8 +46,9 @@ class FailurePolicy:
     """
 
     step_deadline: float = attrs.field(default=30.0, validator=_finite_positive)
-    """Seconds allowed for one wait: a route request, opening the stages, or one step's forward
-    through the whole route (prefill or one decoded token)."""
+    """Seconds allowed for one wait: a route request, opening the stages, or one forward through
+    the whole route (the prompt, one replayed accepted token, or one decoded token; a re-prefill
+    of k accepted tokens is k + 1 such waits)."""
     session_deadline: float = attrs.field(default=600.0, validator=_finite_positive)
     """Seconds allowed for the whole session, from its start."""
     max_route_changes: int = attrs.field(default=3, validator=_at_least(0))

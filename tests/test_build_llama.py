@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tarfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -524,12 +523,19 @@ def test_concurrent_builds_build_once(project: Any, monkeypatch: pytest.MonkeyPa
     """flock serialises two builders of the same key; the second one reuses the first's."""
     calls: list[int] = []
     started = threading.Event()
+    second_is_waiting = threading.Event()
 
     def slow_cmake(*args: Any) -> dict[str, Any]:
         calls.append(1)
         started.set()
-        time.sleep(0.3)
+        # hold the lock until the second builder has found it held (bounded)
+        assert second_is_waiting.wait(10)
         return _fake_cmake(*args)
+
+    def second_log(line: str) -> None:
+        logs.append(line)
+        if "waiting for lock" in line:
+            second_is_waiting.set()
 
     monkeypatch.setattr(bl, "run_cmake", slow_cmake)
     results: list[Path] = []
@@ -537,7 +543,7 @@ def test_concurrent_builds_build_once(project: Any, monkeypatch: pytest.MonkeyPa
     first = threading.Thread(target=lambda: results.append(bl.ensure_llama(paths=project)))
     first.start()
     assert started.wait(10)
-    results.append(bl.ensure_llama(log=logs.append, paths=project))
+    results.append(bl.ensure_llama(log=second_log, paths=project))
     first.join(10)
     assert len(calls) == 1
     assert len(results) == 2 and results[0] == results[1]

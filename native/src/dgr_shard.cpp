@@ -169,6 +169,17 @@ struct dgr_engine {
 
     llama_memory_t mem() const { return llama_get_memory(ctx); }
 
+    // Undoes the rows a failed forward added past slot.next_pos. State that cannot drop a tail
+    // (DeepSeek V4 compressed/indexer state) is emptied instead. Says which happened.
+    const char * roll_back(session_slot & slot) {
+        if (llama_memory_seq_rm(mem(), slot.seq, slot.next_pos, -1)) {
+            return "the call's rows were rolled back";
+        }
+        llama_memory_seq_rm(mem(), slot.seq, -1, -1);
+        slot.next_pos = 0;
+        return "the session was emptied (next position 0): re-prefill it";
+    }
+
     // Finds (session_id, epoch) for an operation on an open epoch.
     int find(uint64_t session_id, uint64_t epoch, session_slot ** out) {
         auto it = sessions.find(session_id);
@@ -415,9 +426,9 @@ int dgr_session_open(dgr_engine * engine, uint64_t session_id, uint64_t epoch) {
     session_slot slot;
     slot.epoch = epoch;
     slot.seq = engine->free_seqs.back();
-    engine->free_seqs.pop_back();
     llama_memory_seq_rm(engine->mem(), slot.seq, -1, -1);
     engine->sessions.emplace(session_id, slot);
+    engine->free_seqs.pop_back();  // only once the session holds the slot
     return ok();
     DGR_GUARD_END
 }
@@ -555,22 +566,17 @@ int dgr_session_forward(dgr_engine * engine, uint64_t session_id, uint64_t epoch
         }
         // roll the rows of this call back: the session keeps its previous state and position;
         // state that cannot drop a tail (DeepSeek V4 compressed/indexer state) is emptied instead
-        if (!llama_memory_seq_rm(engine->mem(), slot->seq, slot->next_pos, -1)) {
-            llama_memory_seq_rm(engine->mem(), slot->seq, -1, -1);
-            slot->next_pos = 0;
-            return fail(DGR_E_DECODE, "session %llu: llama_decode returned %d: %s; the session was emptied "
-                        "(next position 0): re-prefill it", (unsigned long long) session_id, rc,
-                        g_llama_last_log_error.c_str());
-        }
-        return fail(DGR_E_DECODE, "session %llu: llama_decode returned %d: %s", (unsigned long long) session_id, rc,
-                    g_llama_last_log_error.c_str());
+        const char * what = engine->roll_back(*slot);
+        return fail(DGR_E_DECODE, "session %llu: llama_decode returned %d: %s; %s", (unsigned long long) session_id,
+                    rc, g_llama_last_log_error.c_str(), what);
     }
     for (size_t k = 0; k < out_rows.size(); ++k) {
         const float * src = info.is_last ? llama_get_logits_ith(engine->ctx, (int32_t) out_rows[k])
                                          : llama_get_embeddings_ith(engine->ctx, (int32_t) out_rows[k]);
         if (src == nullptr) {
-            llama_memory_seq_rm(engine->mem(), slot->seq, slot->next_pos, -1);
-            return fail(DGR_E_DECODE, "session %llu: no output for row %u", (unsigned long long) session_id, out_rows[k]);
+            const char * what = engine->roll_back(*slot);
+            return fail(DGR_E_DECODE, "session %llu: no output for row %u; %s", (unsigned long long) session_id,
+                        out_rows[k], what);
         }
         std::memcpy(out + k * (size_t) info.out_width, src, sizeof(float) * (size_t) info.out_width);
     }
