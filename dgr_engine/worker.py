@@ -67,6 +67,12 @@ _SIDEBAND_PER_ROW = 16
 """Bytes per row of positions, token ids and logit-row indices (packed varints, worst case)."""
 
 
+#: Refusals that are this worker's own fault and count against its health in the advert; the
+#: rest (stale epochs, unknown sessions, malformed frames, wrong expectations, capacity) are the
+#: caller's or routine around route changes.
+_WORKER_FAULTS = frozenset({"DGR_E_DECODE", "DGR_E_INTERNAL", "DGR_E_DEADLINE"})
+
+
 @attrs.frozen
 class WorkerConfig:
     """How the worker serves (the engine's own options are ``ShardWorker.load``'s)."""
@@ -392,7 +398,8 @@ class _Servicer(shard_pb2_grpc.ShardServicer):
         """Aborts the call with the code and dgr-status for ``exc`` (never returns)."""
         log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
         code, status = grpc_status_for(exc)
-        self.w.meter.error()
+        if status in _WORKER_FAULTS or not isinstance(exc, EngineError):
+            self.w.meter.error()  # the advert's health counts the worker's own faults only
         if isinstance(exc, EngineError):
             log.warning("{} refused: {} {}", what, code.name, _details(exc, status))
         else:

@@ -371,7 +371,7 @@ def test_capacity_context_and_size_limits(tiny_llama: Path) -> None:
                 advert = await c.describe()
                 assert advert.capacity.sessions_open == 2
                 assert advert.capacity.kv_tokens_free == 2 * ctx - ctx
-                assert advert.health.total_errors >= 4
+                assert advert.health.total_errors == 0  # refusals of callers' frames: not faults
 
         run(scenario())
         assert worker.stop() == 0

@@ -150,6 +150,7 @@ def test_a_frame_past_its_deadline_is_refused_without_running(tiny_llama: Path) 
                 assert await busy is True
                 assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 assert dict(info.value.trailing_metadata() or ())[STATUS_KEY] == "DGR_E_DEADLINE"
+                assert worker.meter.snapshot().total_errors == 1  # the worker's own fault
                 # it never ran: the session is still at position 0
                 result = await client.forward("d", 0, 1, expect, [0, 1], tokens=[1, 2])
                 assert result.next_pos == 2
