@@ -115,7 +115,9 @@ def validate_route(
     its first route); otherwise the first stage's are required of the rest. ``min_context`` is the
     number of KV positions the caller will use. Checks run stage by stage, in order:
 
-    * :class:`RouteIncompatible`: identity, recipe or context differ from what is needed;
+    * :class:`RouteIncompatible`: identity, recipe or context differ from what is needed, or a
+      stage runs another build than the first stage (llama.cpp commit or patch-stack hash: the
+      boundary format and the numerics), or one whose patch stack is unknown (empty hash);
     * :class:`RouteInvalid`: a gap, an overlap, or a cover that does not end at ``n_layer``;
     * :class:`BoundaryMismatch`: neighbours' widths differ, or the first stage does not take
       tokens (width 0 in) or the last does not produce logits (width 0 out);
@@ -139,6 +141,16 @@ def validate_route(
             raise _at(
                 RouteIncompatible, index, stage, f"runs {stage.recipe!r}, need {want_recipe!r}"
             )
+        build = (stage.lane.llama_cpp_commit, stage.lane.patch_stack_hash)
+        want_build = (route.stages[0].lane.llama_cpp_commit, route.stages[0].lane.patch_stack_hash)
+        if not stage.lane.patch_stack_hash:
+            raise _at(RouteIncompatible, index, stage, "unknown patch stack (empty hash)")
+        if build != want_build:
+            message = (
+                f"runs llama.cpp {build[0][:12]} + patches {build[1].hex()[:12]}, stage 0 runs "
+                f"{want_build[0][:12]} + {want_build[1].hex()[:12]}"
+            )
+            raise _at(RouteIncompatible, index, stage, message)
         if stage.recipe.context < min_context:
             message = f"context {stage.recipe.context} < {min_context} positions needed"
             raise _at(RouteIncompatible, index, stage, message)

@@ -54,6 +54,24 @@ def test_valid_route_passes_and_is_returned() -> None:
         (0, {"boundary_in": 16}, BoundaryMismatch, "token IDs"),
         (2, {"boundary_out": 16}, BoundaryMismatch, "logits"),
         (1, {"lane": fixture_lane(certified=False)}, DarkLane, "dark"),
+        (
+            2,
+            {"lane": attrs.evolve(fixture_lane(), llama_cpp_commit="1" * 40)},
+            RouteIncompatible,
+            "runs llama.cpp 111111111111",
+        ),
+        (
+            1,
+            {"lane": attrs.evolve(fixture_lane(), patch_stack_hash=b"\x01" * 8)},
+            RouteIncompatible,
+            "patches 010101",
+        ),
+        (
+            1,
+            {"lane": attrs.evolve(fixture_lane(), patch_stack_hash=b"")},
+            RouteIncompatible,
+            "unknown",
+        ),
     ],
 )
 def test_each_violation_names_its_stage(
