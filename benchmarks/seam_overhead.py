@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -117,14 +116,7 @@ def serve_echo(width: int) -> None:
 class EchoProcess(WorkerProcess):
     @classmethod
     def spawn_echo(cls, width: int) -> EchoProcess:
-        args = [sys.executable, __file__, "--serve-echo", str(width)]
-        import tempfile
-
-        stderr = tempfile.TemporaryFile()
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT)
-        worker = cls(proc, stderr, args)
-        worker._await_listening(60.0)
-        return worker
+        return cls.launch([sys.executable, __file__, "--serve-echo", str(width)], 60.0)
 
 
 # --- measurement -------------------------------------------------------------------------------

@@ -65,15 +65,21 @@ class WorkerProcess:
             str(port),
             *extra_args,
         ]
+        return cls.launch(args, startup_timeout)
+
+    @classmethod
+    def launch(cls, args: Sequence[str], startup_timeout: float = 60.0) -> WorkerProcess:
+        """Starts ``args`` (a program that prints "LISTENING host:port" when ready) from the repo
+        root and waits for that line; a process that does not get there is stopped."""
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p
         )
         stderr = tempfile.TemporaryFile()
         proc = subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=_REPO_ROOT
+            list(args), stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=_REPO_ROOT
         )
-        worker = cls(proc, stderr, args)
+        worker = cls(proc, stderr, list(args))
         try:
             worker._await_listening(startup_timeout)
         except BaseException:

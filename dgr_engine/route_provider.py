@@ -127,7 +127,7 @@ class LoopbackRouteProvider:
         self._log = logger.bind(stage="provider")
 
     async def __aenter__(self) -> LoopbackRouteProvider:
-        await self.start()
+        await self.start()  # stops what it started if it fails
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -136,7 +136,8 @@ class LoopbackRouteProvider:
     # -- workers -------------------------------------------------------------------------------
 
     async def start(self) -> list[PooledWorker]:
-        """Spawns the layout's workers and the spares, concurrently; returns them."""
+        """Spawns the layout's workers and the spares, concurrently; returns them. If any fails
+        to start, every process started so far is stopped before the error is raised."""
         jobs = [(r, "primary") for r in self.layout] + [(r, "spare") for r in self.spares]
         results = await asyncio.gather(
             *(self._start_one(r, role) for r, role in jobs), return_exceptions=True
@@ -145,6 +146,7 @@ class LoopbackRouteProvider:
         self.workers.extend(started)  # in layout order: primaries are preferred to spares
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors:
+            await self.aclose()
             raise errors[0]
         return started
 
