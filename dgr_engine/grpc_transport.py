@@ -182,6 +182,9 @@ class GrpcStageTransport:
         # Newest epoch an open was sent for, by (endpoint, session); dropped once closed. A
         # close for a pair never opened here is a no-op without a call (nothing can be held).
         self._sent_open: dict[tuple[str, str], int] = {}
+        # Opens in flight, by (endpoint, session, epoch): a close of that epoch first waits
+        # (bounded) for its open to land, so that the worker cannot open after the close.
+        self._opening: dict[tuple[str, str, int], asyncio.Event] = {}
 
     async def __aenter__(self) -> GrpcStageTransport:
         return self
@@ -236,15 +239,29 @@ class GrpcStageTransport:
 
     async def open(self, stage: StageSpec, session_id: str, epoch: int) -> None:
         log = _log(stage, session_id, epoch)
+        key = (stage.endpoint, session_id)
+        # recorded before any await: a close issued from now on knows the stage may hold it
+        before = self._sent_open.get(key)
+        self._sent_open[key] = max(epoch, before if before is not None else epoch)
+        landed = self._opening[(*key, epoch)] = asyncio.Event()
+        sent = False
         try:
             await self.advert(stage.endpoint)  # the token-id sideband is decided by the advert
-            key = (stage.endpoint, session_id)
-            self._sent_open[key] = max(epoch, self._sent_open.get(key, epoch))
+            sent = True
             await self.client(stage.endpoint).open(
                 session_id, epoch, expectations_for(stage), timeout=self.timeout
             )
         except Exception as exc:
+            if not sent:  # never reached the stage: it holds nothing more than before
+                if before is None:
+                    self._sent_open.pop(key, None)
+                else:
+                    self._sent_open[key] = before
             self._raise(stage, session_id, epoch, "open", exc)
+        finally:
+            landed.set()
+            if self._opening.get((*key, epoch)) is landed:
+                del self._opening[(*key, epoch)]
         log.debug("opened")
 
     async def forward(
@@ -283,10 +300,20 @@ class GrpcStageTransport:
 
     async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
         key = (stage.endpoint, session_id)
-        client = self._clients.get(stage.endpoint)
-        if client is None or key not in self._sent_open:
+        if key not in self._sent_open:
             return  # never asked to open it: the stage holds nothing of this session
         log = _log(stage, session_id, epoch)
+        opening = self._opening.get((*key, epoch))
+        if opening is not None:  # its open is in flight: let it land first (bounded)
+            try:
+                async with asyncio.timeout(self.close_timeout):
+                    await opening.wait()
+            except TimeoutError:
+                pass  # close anyway, bounded: an open landing later holds its slot until the
+                # session's next epoch there or a close
+            if key not in self._sent_open:
+                return  # the open never reached the stage
+        client = self.client(stage.endpoint)
         try:
             # the client drops the session's stream at once (before any await), so a close of an
             # old epoch never touches the stream of a newer one opened after it was issued

@@ -202,3 +202,21 @@ def test_a_hung_stage_times_out_and_a_killed_one_is_dead(tiny_llama: Path) -> No
         if worker.proc.poll() is None:
             worker.proc.send_signal(signal.SIGCONT)
         worker.stop()
+
+
+def test_a_close_racing_its_open_leaves_no_session_behind(
+    two: list[tuple[WorkerProcess, Advert]],
+) -> None:
+    """A session that faults while a stage is still opening closes that stage: the close waits
+    for the open to land instead of arriving first and leaking the worker's slot."""
+    first, _ = stages(two)
+
+    async def scenario() -> int:
+        async with GrpcStageTransport() as transport:  # fresh: its first open must Describe
+            opening = asyncio.ensure_future(transport.open(first, "race", 0))
+            await asyncio.sleep(0)  # the open has started (awaiting the advert), not landed
+            await transport.close(first, "race", 0)
+            await opening
+            return (await describe(two[0][0].address)).capacity.sessions_open
+
+    assert run(scenario()) == 0
