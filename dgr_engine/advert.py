@@ -131,6 +131,7 @@ class Advert:
             lane=self.lane,
             boundary_in=self.seam.width_in,
             boundary_out=0 if self.span.is_last else self.seam.width_out,
+            max_rows=self.capacity.max_rows_per_forward,
         )
 
 

@@ -90,6 +90,7 @@ class RouteSession:
         "_n_stages",
         "_accepted",
         "_kv_pos",
+        "_chunk",
         "_opened",
         "_hop",
         "_hop_started",
@@ -125,11 +126,14 @@ class RouteSession:
         recipe: Recipe | None = None,
         allow_dark_lanes: bool = False,
         machine: SessionMachine | None = None,
+        prefill_chunk: int | None = None,
     ) -> None:
         if not prompt:
             raise ValueError("the prompt needs at least one token")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
         #: Session id; every event must name it.
         self.session_id = session_id
         #: Prompt token ids.
@@ -147,6 +151,10 @@ class RouteSession:
         # Pinned by the first accepted route when not given: every later route must match.
         self._identity = identity
         self._recipe = recipe
+        # Prompt tokens per prefill forward: given, or the smallest max_rows of the first route
+        # (the whole prompt when no stage says). Pinned, so a re-prefill feeds the prompt in the
+        # first run's chunks and every shard rebuilds its KV bit for bit.
+        self._chunk = prefill_chunk
         # Route and epoch. Invariant: _live is True only while the stages of _route hold (or are
         # opening) the session under _epoch, i.e. in opening/prefilling/decoding.
         self._epoch = 0
@@ -348,12 +356,17 @@ class RouteSession:
             return
         self._awaiting_route = False
         route = event.route
+        chunk = self._chunk
+        if chunk is None:
+            limits = [stage.max_rows for stage in route.stages if stage.max_rows > 0]
+            chunk = min([len(self.prompt), *limits])
         try:
             validate_route(
                 route,
                 identity=self._identity,
                 recipe=self._recipe,
                 min_context=len(self.prompt) + self.max_new_tokens - 1,
+                min_rows=min(chunk, len(self.prompt)),
                 allow_dark_lanes=self.allow_dark_lanes,
             )
         except RouteInvalid as err:
@@ -367,6 +380,7 @@ class RouteSession:
             self._identity = route.identity
         if self._recipe is None:
             self._recipe = route.recipe
+        self._chunk = chunk
         self._epoch = event.epoch
         self._route = route
         self._n_stages = len(route.stages)
@@ -526,12 +540,13 @@ class RouteSession:
 
     def _start_forward(self, out: list[Command]) -> None:
         assert self._route is not None  # live epoch
-        # (Re-)prefill sends the prompt in one call, then every accepted token in a call of its
-        # own, exactly as the first run fed them: a shard's KV is then rebuilt bit for bit (one
-        # batched call of prompt + accepted tokens rounds differently in the last bits and could
-        # flip a greedy near-tie). Decoding sends the newest accepted token.
-        if self._kv_pos == 0:
-            tokens = self.prompt
+        # (Re-)prefill sends the prompt in pinned chunks, then every accepted token in a call of
+        # its own, exactly as the first run fed them: a shard's KV is then rebuilt bit for bit
+        # (one batched call of prompt + accepted tokens rounds differently in the last bits and
+        # could flip a greedy near-tie). Decoding sends the newest accepted token.
+        if self._kv_pos < len(self.prompt):
+            assert self._chunk is not None  # pinned by the first route
+            tokens = self.prompt[self._kv_pos : self._kv_pos + self._chunk]
         else:
             tokens = ((*self.prompt, *self._accepted)[self._kv_pos],)
         self._fwd_positions = range(self._kv_pos, self._kv_pos + len(tokens))

@@ -220,6 +220,7 @@ class SessionManager:
         identity: ModelIdentity | None = None,
         recipe: Recipe | None = None,
         on_token: Callable[[int], None] | None = None,
+        prefill_chunk: int | None = None,
     ) -> SessionHandle:
         """Start a session (needs a running loop); returns at once.
 
@@ -228,6 +229,8 @@ class SessionManager:
 
         ``identity``/``recipe`` pin what every route must serve (else the first route pins
         them). ``on_token`` is called with each accepted token; it must not raise.
+        ``prefill_chunk`` is the most prompt tokens per forward (default: the smallest
+        ``max_rows`` of the first route's stages, else the whole prompt).
         """
         sid = session_id if session_id is not None else uuid.uuid4().hex
         if sid in self._live:
@@ -242,6 +245,7 @@ class SessionManager:
             recipe=recipe,
             allow_dark_lanes=self._allow_dark_lanes,
             machine=self._machine,
+            prefill_chunk=prefill_chunk,
         )
         handle = SessionHandle(core, sampler if sampler is not None else self._sampler, on_token)
         self._live[sid] = handle

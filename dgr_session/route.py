@@ -55,6 +55,8 @@ class StageSpec:
     """Boundary width taken per token (f32 values); 0 when the stage takes token IDs (layer 0)."""
     boundary_out: int = attrs.field(default=0, validator=_non_negative)
     """Boundary width produced per token; 0 when the stage produces logits (last layer)."""
+    max_rows: int = attrs.field(default=0, validator=_non_negative)
+    """Most rows (tokens) one forward may carry (the shard's batch); 0 when not known."""
 
     @property
     def n_layers(self) -> int:
@@ -107,15 +109,18 @@ def validate_route(
     identity: ModelIdentity | None = None,
     recipe: Recipe | None = None,
     min_context: int = 0,
+    min_rows: int = 0,
     allow_dark_lanes: bool = False,
 ) -> Route:
     """Check ``route`` and return it unchanged, or raise the first violation found.
 
     ``identity`` and ``recipe``, when given, are what the caller needs (a session pins them from
     its first route); otherwise the first stage's are required of the rest. ``min_context`` is the
-    number of KV positions the caller will use. Checks run stage by stage, in order:
+    number of KV positions the caller will use, ``min_rows`` the most rows it will send in one
+    forward (its prefill chunk). Checks run stage by stage, in order:
 
-    * :class:`RouteIncompatible`: identity, recipe or context differ from what is needed, or a
+    * :class:`RouteIncompatible`: identity, recipe, context or rows per forward differ from what
+      is needed, or a
       stage runs another build than the first stage (llama.cpp commit or patch-stack hash: the
       boundary format and the numerics), or one whose patch stack is unknown (empty hash);
     * :class:`RouteInvalid`: a gap, an overlap, or a cover that does not end at ``n_layer``;
@@ -150,6 +155,9 @@ def validate_route(
                 f"runs llama.cpp {build[0][:12]} + patches {build[1].hex()[:12]}, stage 0 runs "
                 f"{want_build[0][:12]} + {want_build[1].hex()[:12]}"
             )
+            raise _at(RouteIncompatible, index, stage, message)
+        if 0 < stage.max_rows < min_rows:
+            message = f"takes at most {stage.max_rows} rows per forward, {min_rows} needed"
             raise _at(RouteIncompatible, index, stage, message)
         if stage.recipe.context < min_context:
             message = f"context {stage.recipe.context} < {min_context} positions needed"

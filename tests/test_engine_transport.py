@@ -10,6 +10,7 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import numpy as np
 import pytest
 
@@ -20,6 +21,7 @@ from dgr_session import (
     FailurePolicy,
     FaultKind,
     NoRouteAvailable,
+    Route,
     SessionManager,
     SessionState,
 )
@@ -185,3 +187,49 @@ def test_stale_epoch_from_an_engine_is_a_typed_session_error(tiny_llama: Path) -
 
     run_virtual(main)
     t.shutdown()
+
+
+def test_a_prompt_longer_than_a_shards_batch_is_chunked_and_survives_a_kill(
+    tiny_llama: Path,
+) -> None:
+    """Stages take at most 8 rows per forward (n_batch 8); a 20-token prompt is fed in chunks
+    of 8, and after a kill the re-prefill uses the same chunks: tokens equal the whole model's
+    fed the same way."""
+    small = {**KW, "n_batch": 8}
+    prompt = tuple(int(t) for t in (np.arange(20) * 29 + 3) % 256)
+    with ShardEngine(tiny_llama, **small) as whole:
+        chain = LocalChain([whole])
+        chain.open(1, 0)
+        for start in range(0, len(prompt), 8):
+            logits = chain.forward(1, 0, prompt[start : start + 8], start)
+        expected = []
+        for step in range(8):
+            expected.append(int(np.argmax(logits[-1])))
+            logits = chain.forward(1, 0, [expected[-1]], len(prompt) + step)
+    t = EngineTransport(lambda a, b: ShardEngine(tiny_llama, layers=(a, b), **small))
+    for name, layers in [("a", (0, 1)), ("b", (1, 3)), ("c", (1, 3)), ("d", (3, 4))]:
+        t.start(name, layers)
+
+    def limited(*endpoints: str):
+        r = route(*endpoints)
+        return Route(attrs.evolve(s, max_rows=8) for s in r.stages)
+
+    provider = ScriptedRouteProvider([limited("a", "b", "d"), limited("a", "c", "d")])
+
+    async def main():
+        manager = SessionManager(t, provider, policy=POLICY)
+
+        def on_token(token: int) -> None:
+            if token == expected[2]:
+                t.kill("b")
+
+        result = await manager.start(prompt, max_new_tokens=8, on_token=on_token).wait()
+        await manager.aclose()
+        return result
+
+    try:
+        result = run_virtual(main)
+    finally:
+        t.shutdown()
+    assert result.state is SessionState.DONE
+    assert result.tokens == tuple(expected) and result.epoch == 2

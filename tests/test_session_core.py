@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import pytest
 from loguru import logger
 
@@ -544,3 +545,33 @@ def test_constructor_rejects_empty_prompt_and_no_tokens() -> None:
         RouteSession("x", [], max_new_tokens=1)
     with pytest.raises(ValueError):
         RouteSession("x", [1], max_new_tokens=0)
+
+
+def with_max_rows(r: Route, max_rows: int) -> Route:
+    return Route(attrs.evolve(stage, max_rows=max_rows) for stage in r.stages)
+
+
+def test_prefill_is_chunked_to_the_routes_max_rows_and_replayed_in_the_same_chunks() -> None:
+    d = Driver(prompt=tuple(range(10)), max_new_tokens=4)
+    d.start()
+    d.assign(with_max_rows(route("a", "b"), 4))
+    (first,) = d.open_all()
+    assert (first.positions, first.token_ids) == (range(0, 4), (0, 1, 2, 3))
+    d.feed(StageOutput(SID, 1, 0, 0, payload="r"))
+    (second,) = d.feed(StageOutput(SID, 1, 0, 1, token=99))  # mid-prompt: nothing emitted
+    assert second.positions == range(4, 8)
+    d.feed(StageOutput(SID, 1, 0, 0, payload="r"))
+    (third,) = d.feed(StageOutput(SID, 1, 0, 1, token=98))
+    assert (third.positions, third.token_ids) == (range(8, 10), (8, 9))
+    d.feed(StageOutput(SID, 1, 0, 0, payload="r"))
+    out = d.feed(StageOutput(SID, 1, 0, 1, token=7))
+    assert out[0] == EmitToken(SID, 1, 0, 7) and d.core.tokens == (7,)
+    # a later route whose stages take fewer rows than the pinned chunk is refused...
+    d.feed(StageFailed(SID, 1, 1, FaultKind.DEAD, "gone", step=1))
+    out = d.assign(with_max_rows(route("a", "c"), 2))
+    assert of(out, RequestRoute) and d.core.reports[-1].fault is FaultKind.ROUTE_INVALID
+    assert "at most 2 rows" in d.core.reports[-1].detail
+    # ...and one that takes them re-prefills in the first run's chunks
+    d.assign(with_max_rows(route("a", "c"), 8))
+    (replay,) = d.open_all()
+    assert replay.positions == range(0, 4)
