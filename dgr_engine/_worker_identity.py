@@ -35,6 +35,32 @@ def file_sha256(path: str | os.PathLike[str]) -> bytes:
     return digest.digest()
 
 
+def model_sha256(path: str | os.PathLike[str], cache_dir: Path | None = None) -> bytes:
+    """SHA-256 of a model file, computed once per machine: cached under ``cache_dir`` (default
+    ``$DGR_CACHE_DIR`` or ``~/.cache/dgr``) by absolute path, size and modification time, so a
+    worker restart does not read every layer of a large GGUF it mostly does not own."""
+    real = Path(path).resolve()
+    stat = real.stat()
+    root = cache_dir or Path(os.environ.get("DGR_CACHE_DIR") or Path.home() / ".cache" / "dgr")
+    key = hashlib.sha256(f"{real}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    entry = root / "model-sha256" / key[:32]
+    try:
+        cached = bytes.fromhex(entry.read_text().strip())
+        if len(cached) == 32:
+            return cached
+    except (OSError, ValueError):
+        pass
+    digest = file_sha256(real)
+    try:
+        entry.parent.mkdir(parents=True, exist_ok=True)
+        tmp = entry.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(digest.hex())
+        tmp.replace(entry)
+    except OSError:
+        pass  # an unwritable cache only costs the next start a re-hash
+    return digest
+
+
 def gguf_tensor_types(path: str | os.PathLike[str]) -> tuple[str, ...]:
     """The tensor types present in a GGUF (e.g. ``("F16", "F32")``), sorted."""
     from gguf import GGUFReader
@@ -95,7 +121,7 @@ class BuildIdentity:
     def of_model(cls, model: str | os.PathLike[str], llama_cpp_commit: str) -> BuildIdentity:
         """Hashes and reads ``model`` (streaming) and the patch stack."""
         return cls(
-            model_sha256=file_sha256(model),
+            model_sha256=model_sha256(model),
             quant_types=gguf_tensor_types(model),
             llama_cpp_commit=llama_cpp_commit,
             patch_stack_sha256=patch_stack_sha256(),

@@ -157,3 +157,17 @@ def test_load_meter_windows() -> None:
     snap = meter.snapshot()
     assert (snap.rows_per_second, snap.recent_errors, snap.total_errors) == (0.0, 0, 1)
     assert snap.uptime_seconds == pytest.approx(20.0)
+
+
+def test_model_sha256_is_cached_by_path_size_and_mtime(tiny_llama: Path, tmp_path: Path) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(tiny_llama.read_bytes())
+    cache = tmp_path / "cache"
+    want = hashlib.sha256(model.read_bytes()).digest()
+    assert ident.model_sha256(model, cache) == want
+    (entry,) = (cache / "model-sha256").iterdir()
+    entry.write_text("ab" * 32)  # a cache hit is not re-hashed...
+    assert ident.model_sha256(model, cache) == bytes.fromhex("ab" * 32)
+    with model.open("ab") as f:  # ...a changed file (size, mtime) is
+        f.write(b"\0")
+    assert ident.model_sha256(model, cache) == hashlib.sha256(model.read_bytes()).digest()
