@@ -124,8 +124,9 @@ async def run_demo(args: argparse.Namespace, providers: list[LoopbackRouteProvid
         if record.epoch != first:
             _say(
                 f"  session {names[sid]}  epoch {record.epoch}: re-prefill from position 0 (cache"
-                f" miss, no migration): {len(record.positions)} prompt tokens in one call, then"
-                f" {record.step} accepted tokens replayed one per call"
+                f" miss, no migration): the prompt in the first run's chunks (first call"
+                f" {len(record.positions)} tokens), then {record.step} accepted tokens replayed"
+                " one per call"
             )
 
     wargs = worker_args(THREADS, CTX, BATCH, MAX_SESSIONS)

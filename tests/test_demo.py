@@ -39,7 +39,7 @@ def test_demo_loses_a_stage_and_recovers_with_parity(capsys: pytest.CaptureFixtu
     assert re.search(r"SIGKILL stage 1 \[1,2\) pid \d+", out)
     assert out.count("new route:") == 2 and "(spare)" in out
     assert out.count("epoch 2: re-prefill from position 0") == 2
-    assert out.count("12 prompt tokens in one call, then") == 2
+    assert out.count("(first call 12 tokens), then") == 2
     assert out.count("epoch 1 -> 2  route changes 1") == 2
     assert out.count("whole-model equal: True") == 2
     assert "boundary bytes between stages" in out and "killed" in out
