@@ -64,7 +64,18 @@ def test_demo_on_tiny_v4_with_a_replacement_spawned_on_demand(
 def test_an_interrupted_demo_stops_every_worker(sig: signal.Signals) -> None:
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "dgr_engine.demo", "--steps", "240", "--lose-at", "200"],
+        # long enough (8 sessions x 240 tokens) that the signal lands mid-run even on a loaded box
+        [
+            sys.executable,
+            "-m",
+            "dgr_engine.demo",
+            "--sessions",
+            "8",
+            "--steps",
+            "240",
+            "--lose-at",
+            "239",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
