@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 
 from dgr_engine.engine import ShardEngine
-from dgr_engine.errors import EngineError, UnknownSession
+from dgr_engine.errors import EngineError, PositionMismatch, ShapeMismatch, UnknownSession
 from dgr_engine.errors import StaleEpoch as EngineStaleEpoch
 from dgr_session.errors import StageDead, StaleEpoch
 from dgr_session.route import StageSpec
@@ -50,12 +50,18 @@ class EngineTransport:
     for the transport's lifetime.
     """
 
-    def __init__(self, factory: Callable[[int, int], ShardEngine]) -> None:
+    def __init__(self, factory: Callable[[int, int], ShardEngine], *, latency: float = 0.0) -> None:
         self._factory = factory
+        #: Seconds (loop clock) each reply takes, so that faults can land while calls are in
+        #: flight; killing the worker meanwhile fails the call.
+        self.latency = latency
         self._endpoints: dict[str, _Endpoint] = {}
         self._ranges: dict[str, tuple[int, int]] = {}
         self._ids: dict[str, int] = {}
         self._next_id = itertools.count(1)
+        #: Requests a correct driver never sends, as the engines refused them: positions that
+        #: do not continue an epoch's KV from 0 (the Petals bug), rows of the wrong shape.
+        self.violations: list[str] = []
 
     # -- workers -----------------------------------------------------------------------------
 
@@ -197,12 +203,25 @@ class EngineTransport:
                     epoch=epoch,
                     held_epoch=int(held.group(1)) if held else epoch + 1,
                 )
+            except (PositionMismatch, ShapeMismatch) as err:
+                self.violations.append(f"{stage.endpoint} {session_id} epoch {epoch}: {err}")
+                error = err
             except EngineError as err:
                 error = err
-        if ep.hanging:
-            future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if ep.hanging or self.latency > 0:
+            loop = asyncio.get_running_loop()
+            future: asyncio.Future[None] = loop.create_future()
             ep.held.append(future)
+            if not ep.hanging:
+                loop.call_later(self.latency, _deliver, ep, future)
             await future
         if error is not None:
             raise error
         return result  # type: ignore[return-value]
+
+
+def _deliver(ep: _Endpoint, future: asyncio.Future[None]) -> None:
+    if not future.done():  # a kill may have failed it first
+        future.set_result(None)
+    if future in ep.held:
+        ep.held.remove(future)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from dgr_engine import ShardEngine
+from dgr_engine import errors as E
 from dgr_engine.chain import LocalChain
 from dgr_engine.engine_transport import EngineTransport
 from dgr_session import (
@@ -233,3 +234,16 @@ def test_a_prompt_longer_than_a_shards_batch_is_chunked_and_survives_a_kill(
         t.shutdown()
     assert result.state is SessionState.DONE
     assert result.tokens == tuple(expected) and result.epoch == 2
+
+
+def test_requests_a_correct_driver_never_sends_are_recorded(transport) -> None:
+    spec = route("a", "b", "d").stages[0]
+
+    async def main():
+        await transport.open(spec, "v", 1)
+        with pytest.raises(E.PositionMismatch):
+            await transport.forward(spec, "v", 1, 0, range(3, 4), [1], None)
+
+    run_virtual(main)
+    (violation,) = transport.violations
+    assert "continues at 0" in violation

@@ -181,12 +181,15 @@ class EngineFleet(SessionOutcomeInvariants, RuleBasedStateMachine):
     @initialize(
         target=sessions,
         cuts=layouts,
+        latency=st.sampled_from([0.0, 0.05, 0.2]),
         first=st.lists(st.tuples(prompts, st.integers(1, 6)), min_size=1, max_size=3),
     )
     def setup(
-        self, cuts: list[list[int]], first: list[tuple[tuple[int, ...], int]]
+        self, cuts: list[list[int]], latency: float, first: list[tuple[tuple[int, ...], int]]
     ) -> MultipleResults[str]:
-        """Engines for every range the layouts use (two replicas each), and first sessions."""
+        """Engines for every range the layouts use (two replicas each), each reply taking
+        ``latency`` step deadlines of loop time (so faults land mid-decode), first sessions."""
+        self.transport.latency = latency * POLICY.step_deadline
         for layout in cuts:
             bounds = [0, *layout, N_LAYER]
             for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
@@ -284,6 +287,12 @@ class EngineFleet(SessionOutcomeInvariants, RuleBasedStateMachine):
         assert handle.core.tokens == tokens
 
     # -- invariants --------------------------------------------------------------------------
+
+    @invariant()
+    def no_engine_ever_saw_an_incorrect_request(self) -> None:
+        """Every epoch's forwards start at position 0 and continue its KV exactly (a replacement
+        stage receives the whole replay), with rows of the right shape."""
+        assert self.transport.violations == []
 
     @invariant()
     def engine_session_counts_match_the_sessions_held(self) -> None:
