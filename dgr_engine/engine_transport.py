@@ -9,7 +9,6 @@ the tiny fixtures take well under a millisecond, and it keeps test runs determin
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import re
 from collections.abc import Callable, Sequence
@@ -23,6 +22,7 @@ from dgr_engine.errors import EngineError, PositionMismatch, ShapeMismatch, Unkn
 from dgr_engine.errors import StaleEpoch as EngineStaleEpoch
 from dgr_session.errors import StageDead, StaleEpoch
 from dgr_session.route import StageSpec
+from dgr_session.testing import ReplyGate
 from dgr_session.transport import Boundary, Logits, StageResult
 
 T = TypeVar("T")
@@ -37,9 +37,8 @@ class InjectedEngineError(EngineError):
 @attrs.define
 class _Endpoint:
     engine: ShardEngine | None
-    hanging: bool = False
     failures: int = 0
-    held: list[asyncio.Future[None]] = attrs.Factory(list)
+    gate: ReplyGate = attrs.Factory(ReplyGate)
 
 
 class EngineTransport:
@@ -79,11 +78,7 @@ class EngineTransport:
         if ep.engine is not None:
             ep.engine.close()
         ep.engine = None
-        ep.hanging = False
-        for future in ep.held:
-            if not future.done():
-                future.set_exception(StageDead(f"{endpoint}: connection lost"))
-        ep.held.clear()
+        ep.gate.fail(StageDead(f"{endpoint}: connection lost"))
 
     def revive(self, endpoint: str) -> None:
         """A killed worker restarts with no state; a hanging one stops hanging (late replies)."""
@@ -95,16 +90,11 @@ class EngineTransport:
 
     def hang(self, endpoint: str) -> None:
         """Replies from ``endpoint`` are held until :meth:`release` or :meth:`kill`."""
-        self._endpoints[endpoint].hanging = True
+        self._endpoints[endpoint].gate.hanging = True
 
     def release(self, endpoint: str) -> None:
         """Held replies are delivered now (late; the session drops those of an old epoch)."""
-        ep = self._endpoints[endpoint]
-        ep.hanging = False
-        for future in ep.held:
-            if not future.done():
-                future.set_result(None)
-        ep.held.clear()
+        self._endpoints[endpoint].gate.release()
 
     def fail_next(self, endpoint: str, count: int = 1) -> None:
         """The next ``count`` open/forward calls to ``endpoint`` raise an engine error."""
@@ -208,20 +198,7 @@ class EngineTransport:
                 error = err
             except EngineError as err:
                 error = err
-        if ep.hanging or self.latency > 0:
-            loop = asyncio.get_running_loop()
-            future: asyncio.Future[None] = loop.create_future()
-            ep.held.append(future)
-            if not ep.hanging:
-                loop.call_later(self.latency, _deliver, ep, future)
-            await future
+        await ep.gate.pass_through(self.latency)
         if error is not None:
             raise error
         return result  # type: ignore[return-value]
-
-
-def _deliver(ep: _Endpoint, future: asyncio.Future[None]) -> None:
-    if not future.done():  # a kill may have failed it first
-        future.set_result(None)
-    if future in ep.held:
-        ep.held.remove(future)

@@ -8,6 +8,8 @@
 * :class:`FakeTransport`: a :class:`~dgr_session.transport.StageTransport` over the fake model
   with per-``(session, epoch)`` state per endpoint and fault injection: kill, hang (replies are
   computed, then held), release (held replies arrive late), fail the next calls.
+* :class:`ReplyGate`: the hang / release / latency machinery of an endpoint, shared with
+  ``dgr_engine.engine_transport.EngineTransport`` (the same faults over real engines).
 * :class:`PoolRouteProvider` and :class:`ScriptedRouteProvider`: route providers for tests.
 * :class:`NullTransport`: answers at once with constant results (benchmarks).
 * :class:`VirtualClockLoop`: an asyncio loop whose clock jumps to the next timer whenever
@@ -203,12 +205,59 @@ class _Sequence:
 
 
 @attrs.define
+class ReplyGate:
+    """Holds one endpoint's replies, for test transports: while the endpoint *hangs*, until
+    :meth:`release` (delivered late) or :meth:`fail` (the connection drops); otherwise for the
+    transport's latency in loop time (a reply still waits if the endpoint hangs meanwhile)."""
+
+    hanging: bool = False
+    """Replies are held until released or failed."""
+    _held: list[asyncio.Future[None]] = attrs.Factory(list)
+
+    async def pass_through(self, latency: float) -> None:
+        """Returns when the reply may be delivered; raises what :meth:`fail` was given."""
+        if not self.hanging and latency <= 0:
+            return
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[None] = loop.create_future()
+        self._held.append(future)
+        if not self.hanging:
+            loop.call_later(latency, self._deliver, future)
+        await future
+
+    def release(self) -> None:
+        """Stop hanging; held replies are delivered now (late)."""
+        self.hanging = False
+        for future in self._held:
+            if not future.done():
+                future.set_result(None)
+        self._held.clear()
+
+    def fail(self, error: BaseException) -> None:
+        """Stop hanging; held replies fail with ``error``."""
+        self.hanging = False
+        for future in self._held:
+            if not future.done():
+                future.set_exception(error)
+        self._held.clear()
+
+    def pending(self) -> int:
+        """Replies not delivered yet."""
+        return sum(1 for future in self._held if not future.done())
+
+    def _deliver(self, future: asyncio.Future[None]) -> None:
+        # The latency elapsed: deliver, unless the endpoint hangs now (then it waits for release).
+        if not future.done() and not self.hanging:
+            future.set_result(None)
+            self._held.remove(future)
+
+
+@attrs.define
 class _Stage:
     alive: bool = True
-    hanging: bool = False
     failures: int = 0  # the next `failures` open/forward calls raise FakeEngineError
     sessions: dict[str, _Sequence] = attrs.Factory(dict)
-    held: list[asyncio.Future[None]] = attrs.Factory(list)
+    gate: ReplyGate = attrs.Factory(ReplyGate)
 
 
 class FakeTransport:
@@ -237,25 +286,16 @@ class FakeTransport:
         """The worker dies: its sessions are lost, held replies fail, calls raise StageDead."""
         stage = self._stage(endpoint)
         stage.alive = False
-        stage.hanging = False
         stage.sessions.clear()
-        for future in stage.held:
-            if not future.done():
-                future.set_exception(StageDead(f"{endpoint}: connection lost"))
-        stage.held.clear()
+        stage.gate.fail(StageDead(f"{endpoint}: connection lost"))
 
     def hang(self, endpoint: str) -> None:
         """Replies from ``endpoint`` are held until :meth:`release` or :meth:`kill`."""
-        self._stage(endpoint).hanging = True
+        self._stage(endpoint).gate.hanging = True
 
     def release(self, endpoint: str) -> None:
         """Stop hanging; held replies are delivered now (late)."""
-        stage = self._stage(endpoint)
-        stage.hanging = False
-        for future in stage.held:
-            if not future.done():
-                future.set_result(None)
-        stage.held.clear()
+        self._stage(endpoint).gate.release()
 
     def revive(self, endpoint: str) -> None:
         """Bring a killed worker back (empty) or release a hanging one."""
@@ -272,7 +312,7 @@ class FakeTransport:
     def healthy(self, endpoint: str) -> bool:
         """Alive and not hanging."""
         stage = self._stage(endpoint)
-        return stage.alive and not stage.hanging
+        return stage.alive and not stage.gate.hanging
 
     def alive(self, endpoint: str) -> bool:
         """Not killed."""
@@ -289,7 +329,7 @@ class FakeTransport:
     def held_replies(self, endpoint: str | None = None) -> int:
         """Replies not delivered yet (held by hanging endpoints or in transit)."""
         stages = self._stages.values() if endpoint is None else [self._stage(endpoint)]
-        return sum(1 for stage in stages for future in stage.held if not future.done())
+        return sum(stage.gate.pending() for stage in stages)
 
     # -- StageTransport ----------------------------------------------------------------------
 
@@ -347,13 +387,7 @@ class FakeTransport:
                 result = apply(stage)
             except DgrError as err:
                 error = err
-        if stage.hanging or self.latency > 0:
-            loop = asyncio.get_running_loop()
-            future: asyncio.Future[None] = loop.create_future()
-            stage.held.append(future)
-            if not stage.hanging:
-                loop.call_later(self.latency, _deliver, stage, future)
-            await future
+        await stage.gate.pass_through(self.latency)
         if error is not None:
             raise error
         return result  # type: ignore[return-value]
@@ -430,13 +464,6 @@ class FakeTransport:
         held = stage.sessions.get(sid)
         if held is not None and held.epoch <= epoch:
             del stage.sessions[sid]
-
-
-def _deliver(stage: _Stage, future: asyncio.Future[None]) -> None:
-    # The latency elapsed: deliver, unless the worker hangs now (then it waits for release).
-    if not future.done() and not stage.hanging:
-        future.set_result(None)
-        stage.held.remove(future)
 
 
 def _layers(spec: StageSpec) -> tuple[int, int]:
