@@ -25,26 +25,27 @@ def pids_in(text: str) -> list[int]:
     return [int(p) for p in re.findall(r"\bpid (\d+)", text)]
 
 
-def assert_gone(pids: list[int]) -> None:
-    assert pids
+def assert_gone(pids: list[int], out: str = "") -> None:
+    assert pids, out
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)  # stopped and reaped by the demo
+            print(f"pid {pid} is still there\n{out}")
 
 
 def test_demo_loses_a_stage_and_recovers_with_parity(capsys: pytest.CaptureFixture[str]) -> None:
     args = ["--stages", "4", "--sessions", "2", "--steps", "10", "--lose-at", "3"]
     assert demo_main(args) == 0
     out = capsys.readouterr().out
-    assert re.search(r"SIGKILL stage 1 \[1,2\) pid \d+", out)
-    assert out.count("new route:") == 2 and "(spare)" in out
-    assert out.count("epoch 2: re-prefill from position 0") == 2
-    assert out.count("(first call 12 tokens), then") == 2
-    assert out.count("epoch 1 -> 2  route changes 1") == 2
-    assert out.count("whole-model equal: True") == 2
-    assert "boundary bytes between stages" in out and "killed" in out
-    assert out.rstrip().endswith("PARITY OK")
-    assert_gone(pids_in(out))
+    assert re.search(r"SIGKILL stage 1 \[1,2\) pid \d+", out), out
+    assert out.count("new route:") == 2 and "(spare)" in out, out
+    assert out.count("epoch 2: re-prefill from position 0") == 2, out
+    assert out.count("(first call 12 tokens), then") == 2, out
+    assert out.count("epoch 1 -> 2  route changes 1") == 2, out
+    assert out.count("whole-model equal: True") == 2, out
+    assert "boundary bytes between stages" in out and "killed" in out, out
+    assert out.rstrip().endswith("PARITY OK"), out
+    assert_gone(pids_in(out), out)
 
 
 def test_demo_on_tiny_v4_with_a_replacement_spawned_on_demand(
@@ -53,11 +54,11 @@ def test_demo_on_tiny_v4_with_a_replacement_spawned_on_demand(
     args = ["--fixture", "tiny-v4", "--sessions", "2", "--steps", "12", "--no-spare"]
     assert demo_main(args) == 0
     out = capsys.readouterr().out
-    assert "+token ids" in out  # stage [2,4) owns hash-routed layer 2
-    assert "(replacement)" in out and "spare" not in out
-    assert out.count("whole-model equal: True") == 2
-    assert out.rstrip().endswith("PARITY OK")
-    assert_gone(pids_in(out))
+    assert "+token ids" in out, out  # stage [2,4) owns hash-routed layer 2
+    assert "(replacement)" in out and "spare" not in out, out
+    assert out.count("whole-model equal: True") == 2, out
+    assert out.rstrip().endswith("PARITY OK"), out
+    assert_gone(pids_in(out), out)
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
