@@ -42,42 +42,12 @@ STATUS_KEY = "dgr-status"
 """Trailing-metadata key of the machine-readable reason."""
 
 
-class FrameRejected(E.EngineError, ValueError):
-    """A frame is malformed: wrong dtype, shape or byte length, missing or unexpected rows or
-    token ids, non-contiguous positions, or over the message size limit. The worker changed
-    nothing; the session lives on and may resend a correct frame."""
-
-    status = "DGR_E_FRAME"
-
-
-class ExpectationMismatch(E.EngineError, ValueError):
-    """The frame was meant for another worker: its model hash, layer range, boundary width or
-    schema version differs from what the worker serves (the ``status`` says which). Nothing
-    changed; the route is wrong, not the data: ask for another route."""
-
-    status = "DGR_E_EXPECTATION"
-
-
-class ShardUnavailable(E.EngineError, ConnectionError):
-    """The worker is unreachable or shutting down; its sessions' state is gone or going. The
-    route session must move to a new route (re-prefill under a new epoch)."""
-
-    status = "DGR_E_UNAVAILABLE"
-
-
-class ShardDeadlineExceeded(E.EngineError, TimeoutError):
-    """The call's deadline passed. With ``DGR_E_DEADLINE`` the engine never ran (nothing
-    changed); without it (the client gave up) the state may have advanced: treat the stage as
-    faulty and re-prefill under a new epoch."""
-
-    status = "DGR_E_DEADLINE"
-
-
-class ShardRpcError(E.EngineError):
-    """A gRPC failure without a dgr reason (``status`` is ``GRPC_<CODE>``), or a reply out of
-    protocol (``DGR_E_PROTOCOL``). Treat the stage as faulty."""
-
-    status = "DGR_E_RPC"
+# the worker's and client's own refusals live with the engine's, in dgr_engine.errors
+FrameRejected = E.FrameRejected
+ExpectationMismatch = E.ExpectationMismatch
+ShardUnavailable = E.ShardUnavailable
+ShardDeadlineExceeded = E.ShardDeadlineExceeded
+ShardRpcError = E.ShardRpcError
 
 
 _C = grpc.StatusCode

@@ -121,6 +121,47 @@ class EngineClosed(EngineError):
     """The engine handle was closed; it cannot be used any more."""
 
 
+# -- refusals of the gRPC worker and its client (no C status of their own) --------------------
+
+
+class FrameRejected(EngineError, ValueError):
+    """A frame is malformed: wrong dtype, shape or byte length, missing or unexpected rows or
+    token ids, non-contiguous positions, or over the message size limit. The worker changed
+    nothing; the session lives on and may resend a correct frame."""
+
+    status = "DGR_E_FRAME"
+
+
+class ExpectationMismatch(EngineError, ValueError):
+    """The frame was meant for another worker: its model hash, layer range, boundary width or
+    schema version differs from what the worker serves (the ``status`` says which). Nothing
+    changed; the route is wrong, not the data: ask for another route."""
+
+    status = "DGR_E_EXPECTATION"
+
+
+class ShardUnavailable(EngineError, ConnectionError):
+    """The worker is unreachable or shutting down; its sessions' state is gone or going. The
+    route session must move to a new route (re-prefill under a new epoch)."""
+
+    status = "DGR_E_UNAVAILABLE"
+
+
+class ShardDeadlineExceeded(EngineError, TimeoutError):
+    """The call's deadline passed. With ``DGR_E_DEADLINE`` the engine never ran (nothing
+    changed); without it (the client gave up) the state may have advanced: treat the stage as
+    faulty and re-prefill under a new epoch."""
+
+    status = "DGR_E_DEADLINE"
+
+
+class ShardRpcError(EngineError):
+    """A gRPC failure without a dgr reason (``status`` is ``GRPC_<CODE>``), or a reply out of
+    protocol (``DGR_E_PROTOCOL``). Treat the stage as faulty."""
+
+    status = "DGR_E_RPC"
+
+
 class AbiMismatch(ImportError):
     """The compiled native module does not match this Python package's ABI version."""
 
