@@ -671,12 +671,18 @@ def run_virtual(main: Callable[[], Coroutine[Any, Any, T]] | Coroutine[Any, Any,
     try:
         return loop.run_until_complete(main() if callable(main) else main)
     finally:
-        try:
-            leftover = asyncio.all_tasks(loop)
-            for task in leftover:
-                task.cancel()
-            if leftover:
-                loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-        finally:
-            loop.close()
+        close_loop(loop)
+
+
+def close_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """Cancel every task left on ``loop``, let them finish, and close it (like the end of
+    :func:`asyncio.run`)."""
+    try:
+        leftover = asyncio.all_tasks(loop)
+        for task in leftover:
+            task.cancel()
+        if leftover:
+            loop.run_until_complete(asyncio.gather(*leftover, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()

@@ -37,6 +37,7 @@ from dgr_session.testing import (
     FakeTransport,
     PoolRouteProvider,
     VirtualClockLoop,
+    close_loop,
     fixture_identity,
     settle,
 )
@@ -224,12 +225,7 @@ class SessionFleet(SessionOutcomeInvariants, RuleBasedStateMachine):
                 assert self.transport.slots() == {}
                 assert self.machine.member_count == 0
         finally:
-            leftover = asyncio.all_tasks(self.loop)
-            for task in leftover:
-                task.cancel()
-            if leftover:
-                self.run(asyncio.gather(*leftover, return_exceptions=True))
-            self.loop.close()
+            close_loop(self.loop)
 
 
 SessionFleet.TestCase.settings = settings(

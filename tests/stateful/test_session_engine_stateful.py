@@ -49,6 +49,7 @@ from dgr_session import (
 )
 from dgr_session.testing import (
     VirtualClockLoop,
+    close_loop,
     fixture_identity,
     fixture_lane,
     fixture_recipe,
@@ -334,12 +335,7 @@ class EngineFleet(SessionOutcomeInvariants, RuleBasedStateMachine):
                     assert engine.stats().open_sessions == 0, ep
                 assert self.machine.member_count == 0
         finally:
-            leftover = asyncio.all_tasks(self.loop)
-            for task in leftover:
-                task.cancel()
-            if leftover:
-                self.run(asyncio.gather(*leftover, return_exceptions=True))
-            self.loop.close()
+            close_loop(self.loop)
             self.transport.shutdown()
 
 
