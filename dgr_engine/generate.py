@@ -87,26 +87,21 @@ def whole_model_reference(
     Fed as a route session feeds its stages: the prompt in one call asking for the last row's
     logits only (asking for every row's changes the output matmul's batching, hence the last
     bits), then one token per call."""
+    from dgr_engine.chain import LocalChain
     from dgr_engine.engine import ShardEngine
 
+    if n_tokens < 1:
+        raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
     out = []
     with ShardEngine(model, **options) as whole:
+        chain = LocalChain([whole])
         for index, prompt in enumerate(prompts):
-            whole.open_session(index, 0)
-            history = list(prompt)
-            logits = whole.forward(index, 0, np.arange(len(history)), tokens=history)[-1].copy()
-            tokens: list[int] = []
-            rows: list[npt.NDArray[np.float32]] = []
-            for _ in range(n_tokens):
-                token = int(np.argmax(logits))
-                tokens.append(token)
-                rows.append(logits)
-                if len(tokens) == n_tokens:
-                    break
-                logits = whole.forward(index, 0, [len(history)], tokens=[token])[-1].copy()
-                history.append(token)
-            whole.close_session(index, 0)
-            out.append((tokens, rows))
+            chain.open(index, 0)
+            tokens, logits = chain.greedy(index, 0, prompt, n_tokens - 1, all_prefill_logits=False)
+            # the last token is chosen from the last step's logits: no forward needed after it
+            tokens.append(int(np.argmax(logits[-1][-1])))
+            chain.close(index, 0)
+            out.append((tokens, [step[-1] for step in logits]))
     return out
 
 
