@@ -55,6 +55,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import grpc_floor  # noqa: E402
 import seam_overhead  # noqa: E402
 
 from dgr_engine.chain import split_points  # noqa: E402
@@ -81,6 +82,29 @@ class Speed:
     """Median per-hop overhead over the decode steps (rtt - engine), dgr routes only."""
 
 
+@attrs.frozen
+class Breakdown:
+    """Where a route's decode time goes, per token (medians over the runs), and the floor."""
+
+    stages: int
+    engine_ms: float
+    """Engine time of all stages (what the workers report)."""
+    seam_ms: float
+    """Round trips minus engine time, summed over the stages."""
+    client_ms: float
+    """The rest: the client between a reply and the next request (session, sampling)."""
+    whole_ms: float
+    """The whole model's time per token in the same rounds."""
+    floor_us: float
+    """Bare grpc.aio hop under the same compute and idle times (``grpc_floor.py``)."""
+
+    @property
+    def best_ratio(self) -> float:
+        """The decode ratio a route would reach if each hop cost only the bare-gRPC floor and
+        the stages computed exactly as fast as the whole model."""
+        return self.whole_ms / (self.whole_ms + self.stages * self.floor_us / 1000)
+
+
 def _prompt(n: int, n_vocab: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(11).integers(0, n_vocab, size=n)]
 
@@ -89,74 +113,89 @@ def _prompt(n: int, n_vocab: int) -> list[int]:
 
 
 def whole_model(
-    path: Path, prompt: list[int], n_decode: int, options: dict[str, Any]
+    engine: ShardEngine, session: int, prompt: list[int], n_decode: int
 ) -> tuple[float, float, list[int]]:
-    """(prefill seconds, decode seconds, tokens) of one greedy run in-process."""
-    with ShardEngine(path, **options) as engine:
-        engine.open_session(1, 0)
+    """(prefill seconds, decode seconds, tokens) of one greedy run on the whole model."""
+    engine.open_session(session, 0)
+    try:
         began = time.perf_counter()
-        logits = engine.forward(1, 0, np.arange(len(prompt)), tokens=prompt)
+        logits = engine.forward(session, 0, np.arange(len(prompt)), tokens=prompt)
         token = int(np.argmax(logits[-1]))
         prefill = time.perf_counter() - began
         tokens, pos = [token], len(prompt)
         began = time.perf_counter()
         for _ in range(n_decode):
-            logits = engine.forward(1, 0, [pos], tokens=[token])
+            logits = engine.forward(session, 0, [pos], tokens=[token])
             token = int(np.argmax(logits[-1]))
             tokens.append(token)
             pos += 1
         return prefill, time.perf_counter() - began, tokens
+    finally:
+        engine.close_session(session, 0)
 
 
 # --- dgr route ---------------------------------------------------------------------------------
 
 
-async def route_runs(
-    path: Path,
-    layout: list[tuple[int, int]],
-    prompt: list[int],
-    n_decode: int,
-    repeats: int,
-    wargs: list[str],
-) -> tuple[list[tuple[float, float, list[int]]], float]:
-    """Per run (prefill seconds, decode seconds, tokens), and the median per-hop overhead
-    (µs) of the decode forwards."""
-    provider = LoopbackRouteProvider(path, layout, worker_args=wargs)
-    records: list[tuple[float, ForwardRecord]] = []
+@attrs.frozen
+class RouteRun:
+    """One greedy run over a route."""
 
-    def observe(record: ForwardRecord) -> None:
-        records.append((time.perf_counter(), record))
+    prefill_s: float
+    decode_s: float
+    tokens: list[int]
+    decode_records: list[ForwardRecord]
+    """The forwards of the decode steps after the first token (one row each)."""
 
-    runs = []
-    await provider.start()
-    try:
+
+class RouteBench:
+    """A route of loopback ``dgr worker`` processes and a session manager over it, kept up
+    across runs so that runs of every layout can be interleaved."""
+
+    def __init__(self, path: Path, layout: list[tuple[int, int]], wargs: list[str]) -> None:
+        self.stages = len(layout)
+        self.provider = LoopbackRouteProvider(path, layout, worker_args=wargs)
+        self._records: list[tuple[float, ForwardRecord]] = []
+        self.transport = GrpcStageTransport(timeout=60.0, observer=self._observe)
+        policy = FailurePolicy(step_deadline=60.0, session_deadline=600.0)
+        self.manager = SessionManager(
+            self.transport, self.provider, policy=policy, allow_dark_lanes=True
+        )
+        self._runs = 0
+
+    def _observe(self, record: ForwardRecord) -> None:
+        self._records.append((time.perf_counter(), record))
+
+    async def start(self) -> None:
+        await self.provider.start()
+
+    async def aclose(self) -> None:
+        try:
+            await self.manager.aclose()
+            await self.transport.aclose()
+        finally:
+            await self.provider.aclose()
+
+    async def run(self, prompt: list[int], n_decode: int) -> RouteRun:
+        self._records.clear()
+        times: list[float] = []
+        self._runs += 1
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DarkLaneWarning)
-            async with GrpcStageTransport(timeout=60.0, observer=observe) as transport:
-                policy = FailurePolicy(step_deadline=60.0, session_deadline=600.0)
-                manager = SessionManager(transport, provider, policy=policy, allow_dark_lanes=True)
-                for run in range(repeats + 1):  # run 0 warms up (page cache, connections)
-                    records.clear()
-                    times: list[float] = []
-                    handle = manager.start(
-                        prompt,
-                        max_new_tokens=n_decode + 1,
-                        session_id=f"bench-{len(layout)}-{run}",
-                        on_token=partial(_stamp, times),
-                    )
-                    result = await handle.wait()
-                    if result.error is not None:
-                        raise result.error
-                    prefill = [(t, r) for t, r in records if r.positions.start == 0]
-                    start = prefill[0][0] - prefill[0][1].rtt_us / 1e6
-                    end = prefill[-1][0]
-                    if run:
-                        runs.append((end - start, times[-1] - times[0], list(result.tokens)))
-                await manager.aclose()
-    finally:
-        await provider.aclose()
-    hops = [r.rtt_us - r.compute_us for _, r in records if len(r.positions) == 1]
-    return runs, float(statistics.median(hops))
+            handle = self.manager.start(
+                prompt,
+                max_new_tokens=n_decode + 1,
+                session_id=f"bench-{self.stages}-{self._runs}",
+                on_token=partial(_stamp, times),
+            )
+            result = await handle.wait()
+        if result.error is not None:
+            raise result.error
+        prefill = [(t, r) for t, r in self._records if r.positions.start == 0]
+        start = prefill[0][0] - prefill[0][1].rtt_us / 1e6
+        first_token_at = times[0]
+        decode = [r for t, r in self._records if t > first_token_at and len(r.positions) == 1]
+        return RouteRun(prefill[-1][0] - start, times[-1] - times[0], list(result.tokens), decode)
 
 
 def _stamp(times: list[float], token: int) -> None:
@@ -169,6 +208,31 @@ def speed(
     prefill = statistics.median(p for p, _ in runs)
     decode = statistics.median(d for _, d in runs)
     return Speed(name, stages, prompt_len / prefill, n_decode / decode, 1000 * decode / n_decode)
+
+
+def breakdown(
+    stages: int, runs: list[RouteRun], n_decode: int, whole_ms: float, floor_us: float
+) -> Breakdown:
+    engine, seam, client = [], [], []
+    for run in runs:
+        compute = sum(r.compute_us for r in run.decode_records) / n_decode / 1000
+        rtt = sum(r.rtt_us for r in run.decode_records) / n_decode / 1000
+        engine.append(compute)
+        seam.append(rtt - compute)
+        client.append(1000 * run.decode_s / n_decode - rtt)
+    return Breakdown(
+        stages,
+        statistics.median(engine),
+        statistics.median(seam),
+        statistics.median(client),
+        whole_ms,
+        floor_us,
+    )
+
+
+def stage_compute_s(runs: list[RouteRun]) -> float:
+    """Median engine time of one stage's decode forward."""
+    return statistics.median(r.compute_us for run in runs for r in run.decode_records) / 1e6
 
 
 # --- seam overhead -----------------------------------------------------------------------------
@@ -258,13 +322,50 @@ def _plain_png(path: Path, speeds: list[Speed], seams: dict[str, float]) -> None
 # --- main --------------------------------------------------------------------------------------
 
 
+async def interleaved_rounds(
+    path: Path,
+    layouts: dict[int, list[tuple[int, int]]],
+    prompt: list[int],
+    n_decode: int,
+    repeats: int,
+    options: dict[str, Any],
+    wargs: list[str],
+) -> tuple[list[tuple[float, float, list[int]]], dict[int, list[RouteRun]]]:
+    """``repeats`` rounds (after one warm-up round), each running the whole model and every
+    route once, in an order rotated from round to round: a slow spell of this shared machine
+    lands on every configuration alike instead of on whichever ran last."""
+    benches = {n: RouteBench(path, layout, wargs) for n, layout in layouts.items()}
+    whole_runs: list[tuple[float, float, list[int]]] = []
+    route_runs: dict[int, list[RouteRun]] = {n: [] for n in layouts}
+    try:
+        for bench in benches.values():
+            await bench.start()
+        with ShardEngine(path, **options) as engine:
+            configs: list[int | None] = [None, *layouts]
+            for round_ in range(repeats + 1):
+                shift = round_ % len(configs)
+                for config in configs[shift:] + configs[:shift]:
+                    if config is None:
+                        result = whole_model(engine, round_ + 1, prompt, n_decode)
+                        if round_:
+                            whole_runs.append(result)
+                    else:
+                        run = await benches[config].run(prompt, n_decode)
+                        if round_:
+                            route_runs[config].append(run)
+    finally:
+        for bench in benches.values():
+            await bench.aclose()
+    return whole_runs, route_runs
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--fixture", default="mid-llama")
     parser.add_argument("--threads", type=int, default=1, help="engine threads (every engine)")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     parser.add_argument("--decode", type=int, default=64, help="decode steps per run")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--frames", type=int, default=300, help="echo frames per seam case")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out")
@@ -282,24 +383,42 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"{path.name}: {spec.n_layer} layers, n_embd {spec.n_embd}; {args.threads} engine "
         f"thread(s) per engine, {cores} cores shared by every process; prompt {args.prompt}, "
-        f"{args.decode} decode steps, median of {args.repeats}"
+        f"{args.decode} decode steps, median of {args.repeats} interleaved rounds"
     )
 
-    whole_model(path, prompt, 4, options)  # warm the page cache
-    runs = [whole_model(path, prompt, args.decode, options) for _ in range(args.repeats)]
-    reference = runs[0][2]
-    speeds = [speed("whole", 0, args.prompt, args.decode, [(p, d) for p, d, _ in runs])]
+    layouts = {n: split_points(spec.n_layer, n) for n in args.stages}
+    whole_runs, route_runs = asyncio.run(
+        interleaved_rounds(path, layouts, prompt, args.decode, args.repeats, options, wargs)
+    )
+    reference = whole_runs[0][2]
+    speeds = [speed("whole", 0, args.prompt, args.decode, [(p, d) for p, d, _ in whole_runs])]
+    whole_ms = speeds[0].decode_ms
+    breakdowns: list[Breakdown] = []
     dense_hop: float | None = None
-    for n in args.stages:
-        layout = split_points(spec.n_layer, n)
-        got, hop = asyncio.run(route_runs(path, layout, prompt, args.decode, args.repeats, wargs))
-        for _, _, tokens in got:
-            if tokens != reference:
+    floor_server = grpc_floor.spawn_floor()
+    try:
+        for n, got in route_runs.items():
+            if any(run.tokens != reference for run in got):
                 raise SystemExit(f"dgr {n}: tokens differ from the whole model's")
-        s = speed(f"dgr {n}", n, args.prompt, args.decode, [(p, d) for p, d, _ in got])
-        speeds.append(attrs.evolve(s, hop_overhead_us=hop))
-        if n == 2:
-            dense_hop = hop
+            hops = [r.rtt_us - r.compute_us for run in got for r in run.decode_records]
+            hop = float(statistics.median(hops))
+            s = speed(
+                f"dgr {n}", n, args.prompt, args.decode, [(r.prefill_s, r.decode_s) for r in got]
+            )
+            speeds.append(attrs.evolve(s, hop_overhead_us=hop))
+            if n == 2:
+                dense_hop = hop
+            busy = stage_compute_s(got)
+            floor = grpc_floor.floor_us(
+                floor_server.address,
+                4 * spec.n_embd,
+                busy,
+                max(30, args.frames // 3),
+                (n - 1) * busy,
+            )
+            breakdowns.append(breakdown(n, got, args.decode, whole_ms, floor))
+    finally:
+        floor_server.stop()
     seams: dict[str, float] = {}
     if dense_hop is not None:
         seams[f"route dense {spec.n_embd}"] = dense_hop
@@ -323,6 +442,24 @@ def main(argv: list[str] | None = None) -> int:
             f"{s.prefill_tps / whole.prefill_tps:>6.3f} {hop_text:>7}{mark}"
         )
     print()
+    print(
+        "where a route's decode time goes, ms per token (median of runs): engines, seam "
+        "(rtt - engine), client (between a reply and the next request); floor = bare grpc.aio "
+        "hop under the same compute and idle times; best = the ratio with floor-cost hops and "
+        "whole-model-speed engines"
+    )
+    print(
+        f"{'stages':>6} {'whole':>7} {'engines':>8} {'seam':>6} {'client':>7} "
+        f"{'floor µs/hop':>13} {'best ratio':>10} {'target':>6}"
+    )
+    for b in breakdowns:
+        goal = TARGETS.get(b.stages)
+        print(
+            f"{b.stages:>6} {b.whole_ms:>7.2f} {b.engine_ms:>8.2f} {b.seam_ms:>6.2f} "
+            f"{b.client_ms:>7.2f} {b.floor_us:>13.0f} {b.best_ratio:>10.3f} "
+            f"{'' if goal is None else f'{goal:.2f}':>6}"
+        )
+    print()
     print("per-hop seam overhead, µs (median; rtt - worker engine time; streaming)")
     for name, value in seams.items():
         note = ""
@@ -341,6 +478,9 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "speeds": [attrs.asdict(s) for s in speeds],
         "seam_overhead_us": seams,
+        "breakdown_ms_per_token": [
+            {**attrs.asdict(b), "best_ratio": b.best_ratio} for b in breakdowns
+        ],
         "targets": {"decode_ratio": TARGETS, "seam_us": SEAM_TARGET_US},
     }
     (args.out / "pipeline.json").write_text(json.dumps(result, indent=2))

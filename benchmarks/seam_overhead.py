@@ -115,7 +115,7 @@ def serve_echo(width: int) -> None:
 
 class EchoProcess(WorkerProcess):
     @classmethod
-    def spawn_echo(cls, width: int) -> EchoProcess:
+    def spawn_echo(cls, width: int) -> WorkerProcess:
         return cls.launch([sys.executable, __file__, "--serve-echo", str(width)], 60.0)
 
 

@@ -5,6 +5,10 @@ A minimal single-thread executor for asyncio. ``concurrent.futures.ThreadPoolExe
 ``SimpleQueue`` in and ``call_soon_threadsafe`` out measured ~22 µs, and this hop is paid on
 every forward of every stage. A job whose future was cancelled before it started (the caller
 gave up, the server is stopping) is skipped.
+
+``idle`` tells the loop that no job is queued or running, so that a short call made from the
+loop right now cannot wait behind one (the worker runs one-row frames that way, without the
+hop: see ``WorkerConfig.inline_max_rows``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,14 @@ class EngineThread:
         self._thread = threading.Thread(target=self._main, name=name, daemon=True)
         self._thread.start()
         self._closed = False
+        # one writer each (the loop thread submits, this thread finishes): plain ints suffice
+        self._submitted = 0
+        self._finished = 0
+
+    @property
+    def idle(self) -> bool:
+        """No job is queued or running (read from the loop thread, the only submitter)."""
+        return self._finished == self._submitted
 
     async def run(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Runs ``fn(*args)`` on the thread after every earlier job; its result or exception."""
@@ -35,6 +47,7 @@ class EngineThread:
             raise RuntimeError("the engine thread is shut down")
         loop = asyncio.get_running_loop()
         future: asyncio.Future[_T] = loop.create_future()
+        self._submitted += 1
         self._jobs.put((loop, future, fn, args))
         return await future
 
@@ -48,14 +61,17 @@ class EngineThread:
     def _main(self) -> None:
         while (job := self._jobs.get()) is not None:
             loop, future, fn, args = job
-            if future.cancelled():
-                continue
             try:
-                result = fn(*args)
-            except BaseException as exc:
-                _deliver(loop, future, _set_exception, exc)
-            else:
-                _deliver(loop, future, _set_result, result)
+                if future.cancelled():
+                    continue
+                try:
+                    result = fn(*args)
+                except BaseException as exc:
+                    _deliver(loop, future, _set_exception, exc)
+                else:
+                    _deliver(loop, future, _set_result, result)
+            finally:
+                self._finished += 1
 
 
 def _deliver(

@@ -62,6 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     w.add_argument("--batch", type=int, default=512, help="most rows per forward")
     w.add_argument("--max-message-bytes", type=int, default=None)
     w.add_argument("--grace", type=float, default=2.0, help="shutdown grace in seconds")
+    w.add_argument(
+        "--inline-max-rows",
+        type=int,
+        default=1,
+        help="frames of at most this many rows run on the event loop when the engine is idle "
+        "(no thread hop; default 1: decode steps); 0 turns it off",
+    )
     w.add_argument("--log-level", default="INFO")
 
     g = sub.add_parser("generate", help="generate over a route of workers", add_help=False)
@@ -104,6 +111,7 @@ async def _serve(args: argparse.Namespace) -> int:
         port=args.port,
         max_message_bytes=args.max_message_bytes,
         grace_seconds=args.grace,
+        inline_max_rows=args.inline_max_rows,
     )
     try:
         model = args.model if args.model is not None else ensure_fixture(args.fixture)

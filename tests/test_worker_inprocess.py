@@ -11,6 +11,7 @@ from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
+import attrs
 import grpc
 import numpy as np
 import pytest
@@ -74,6 +75,31 @@ def test_engine_thread_skips_jobs_cancelled_while_queued() -> None:
     finally:
         thread.shutdown(5.0)
     assert ran == ["after"]
+
+
+def test_engine_thread_is_idle_only_with_nothing_queued_or_running() -> None:
+    thread = EngineThread()
+    gate = threading.Event()
+
+    async def scenario() -> None:
+        assert thread.idle
+        running = asyncio.ensure_future(thread.run(gate.wait, 10.0))
+        queued = asyncio.ensure_future(thread.run(int, "7"))
+        await asyncio.sleep(0)  # both submitted
+        assert not thread.idle
+        cancelled = asyncio.ensure_future(thread.run(int, "8"))
+        await asyncio.sleep(0)
+        cancelled.cancel()  # its caller gave up: still counted until the thread skips it
+        assert not thread.idle
+        gate.set()
+        assert await running is True and await queued == 7
+        await thread.run(int, "9")  # FIFO: the skipped job is behind us
+        assert thread.idle
+
+    try:
+        run(scenario())
+    finally:
+        thread.shutdown(5.0)
 
 
 # --- the session table -------------------------------------------------------------------------
@@ -161,6 +187,54 @@ def test_a_frame_past_its_deadline_is_refused_without_running(tiny_llama: Path) 
                     await client.forward("d", 0, 2, expect, [2], tokens=[3], timeout=0.05)
                 gate.set()
                 await busy
+        finally:
+            assert await worker.stop() == 1
+
+    run(scenario())
+
+
+# --- one-row frames on the loop ----------------------------------------------------------------
+
+
+def test_one_row_frames_run_on_the_loop_only_when_the_engine_thread_is_idle(
+    tiny_llama: Path,
+) -> None:
+    worker = ShardWorker.load(tiny_llama, (0, 4), **KW, config=WorkerConfig(port=0))
+    ran_on: list[str] = []
+    table_forward = worker.table.forward
+
+    def spy(frame: ForwardFrame) -> Any:
+        ran_on.append(threading.current_thread().name)
+        return table_forward(frame)
+
+    worker.table.forward = spy  # type: ignore[method-assign]
+
+    async def scenario() -> None:
+        address = await worker.start()
+        loop_thread = threading.current_thread().name
+        try:
+            async with ShardClient(address, timeout=20.0) as client:
+                expect = expectations_of(await client.describe())
+                await client.open("i", 0, expect)
+                await client.forward("i", 0, 0, expect, [0, 1, 2], tokens=[1, 2, 3])
+                await client.forward("i", 0, 1, expect, [3], tokens=[4])
+                assert ran_on == ["dgr-engine", loop_thread]
+                # the engine thread busy: a one-row frame waits for it, and the loop goes on
+                gate = threading.Event()
+                busy = asyncio.ensure_future(worker.run_on_engine(gate.wait, 20.0))
+                waiting = asyncio.ensure_future(client.forward("i", 0, 2, expect, [4], tokens=[5]))
+                limit = time.monotonic() + 20.0
+                while worker.meter.snapshot().queued < 1:
+                    assert time.monotonic() < limit, "the frame never arrived"
+                    await asyncio.sleep(0.001)
+                assert (await client.describe()).capacity.sessions_open == 1  # loop answers
+                gate.set()
+                assert await busy is True and (await waiting).next_pos == 5
+                assert ran_on[-1] == "dgr-engine"
+                # inline_max_rows=0: always the engine thread
+                worker.config = attrs.evolve(worker.config, inline_max_rows=0)
+                await client.forward("i", 0, 3, expect, [5], tokens=[6])
+                assert ran_on[-1] == "dgr-engine"
         finally:
             assert await worker.stop() == 1
 
