@@ -33,6 +33,11 @@ def test_pipeline_benchmark_smoke(tmp_path: Path) -> None:
     assert [s["name"] for s in result["speeds"]] == ["whole", "dgr 2"]
     assert all(s["decode_tps"] > 0 and s["prefill_tps"] > 0 for s in result["speeds"])
     assert set(result["seam_overhead_us"]) == {"route dense 64", "echo 64", "echo 4x4096"}
+    # where the route's time goes, beside the bare-gRPC floor measured in the same run
+    (part,) = result["breakdown_ms_per_token"]
+    assert part["stages"] == 2 and part["floor_us"] > 0 and 0 < part["best_ratio"] < 1
+    assert part["engine_ms"] > 0 and part["seam_ms"] > 0
+    assert "floor µs/hop" in done.stdout and "best ratio" in done.stdout
     assert (tmp_path / "pipeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -58,3 +63,24 @@ def test_the_plot_is_written_without_matplotlib(tmp_path: Path) -> None:
     assert data[37:41] == b"IDAT"
     raw = zlib.decompress(data[41 : 41 + length])
     assert len(raw) == height * (1 + 3 * width)
+
+
+def test_grpc_floor_benchmark_smoke() -> None:
+    args = ["--bytes", "64", "--busy-ms", "0", "1", "--frames", "20"]
+    args += ["--idle-ms", "1", "--busy-kind", "memory", "spin"]
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "grpc_floor.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [line.split() for line in done.stdout.splitlines()[2:]]
+    assert [(r[0], r[2]) for r in rows] == [
+        ("memory", "0.0"),
+        ("memory", "1.0"),
+        ("spin", "0.0"),
+        ("spin", "1.0"),
+    ]
+    assert all(float(r[3]) > 0 for r in rows)
