@@ -3,10 +3,12 @@
 A server process echoes raw bytes (no protobuf message, no checks, no engine) over one
 bidirectional stream; before each reply it keeps its CPU busy for ``--busy-ms`` (as a stage
 does while its engine computes), so the client sits idle in between, as a route session's
-client does; the client also idles ``--idle-ms`` before each request (the other stages of a
-route computing). Busy work is ``memory`` (default: reading a 256 MiB buffer, as an engine
-reads its weights, which leaves every cache cold for the code that runs next) or ``spin``
-(a loop that leaves the caches warm: the floor of an idealised engine).
+client does. With ``--servers N`` the client relays frames to N such servers in turn, as a
+route session relays a token through its stages (each server idle while the others work);
+``--idle-ms`` adds client idle time before each request. Busy work is ``memory`` (default:
+reading a 256 MiB buffer, as an engine reads its weights, which leaves every cache cold for
+the code that runs next) or ``spin`` (a loop that leaves the caches warm: the floor of an
+idealised engine).
 
 The client's round trip minus that busy time is the cheapest possible hop through gRPC-Python
 on this machine: a dgr hop (checks, tensors, the engine call, the session's own
@@ -14,7 +16,7 @@ work) can only cost more. ``benchmarks/pipeline.py`` measures it side by side wi
 to tell dgr's own overhead from the platform's.
 
     .venv/bin/python benchmarks/grpc_floor.py [--bytes 4096 65536] [--busy-ms 0 4 8]
-        [--idle-ms 0] [--busy-kind memory spin] [--frames 300]
+        [--servers 1] [--idle-ms 0] [--busy-kind memory spin] [--frames 300]
 
 Fixture-free and model-free; the numbers are this machine's, nothing else's.
 """
@@ -26,7 +28,7 @@ import asyncio
 import statistics
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -97,40 +99,58 @@ def spawn_floor(kind: str = "memory") -> WorkerProcess:
 
 
 async def measure(
-    address: str, payload_bytes: int, busy_s: float, frames: int, idle_s: float = 0.0
+    addresses: Sequence[str],
+    payload_bytes: int,
+    busy_s: float,
+    frames: int,
+    idle_s: float = 0.0,
 ) -> list[float]:
-    """Round trip minus the server's busy time (µs) of ``frames`` echoes after a warm-up; the
-    client waits ``idle_s`` before each frame (a route's other stages computing meanwhile)."""
+    """Round trip minus the server's busy time (µs) of ``frames`` echoes after a warm-up, sent
+    to ``addresses`` in turn (one stream each), as a route session relays a token through its
+    stages; the client waits ``idle_s`` before each frame."""
     limit = 64 << 20
     options = [
         ("grpc.max_receive_message_length", limit),
         ("grpc.max_send_message_length", limit),
     ]
-    async with grpc.aio.insecure_channel(address, options=options) as channel:
-        call = channel.stream_stream(_METHOD, request_serializer=_same, response_deserializer=_same)
-        stream = call()
+    channels = [grpc.aio.insecure_channel(a, options=options) for a in addresses]
+    try:
+        streams = [
+            c.stream_stream(_METHOD, request_serializer=_same, response_deserializer=_same)()
+            for c in channels
+        ]
         request = int(busy_s * 1e6).to_bytes(8, "little") + bytes(payload_bytes)
+        warm = 10 * len(streams)
         values: list[float] = []
-        for i in range(frames + 20):
+        for i in range(frames + warm):
             if idle_s:
                 await asyncio.sleep(idle_s)
+            stream = streams[i % len(streams)]
             began = time.perf_counter_ns()
             await stream.write(request)
             reply = await stream.read()
             rtt_us = (time.perf_counter_ns() - began) / 1000
             if len(reply) != payload_bytes:
                 raise RuntimeError(f"echo returned {len(reply)} bytes, sent {payload_bytes}")
-            if i >= 20:
+            if i >= warm:
                 values.append(rtt_us - busy_s * 1e6)
-        await stream.done_writing()
+        for stream in streams:
+            await stream.done_writing()
+    finally:
+        for channel in channels:
+            await channel.close()
     return values
 
 
 def floor_us(
-    address: str, payload_bytes: int, busy_s: float, frames: int, idle_s: float = 0.0
+    addresses: Sequence[str],
+    payload_bytes: int,
+    busy_s: float,
+    frames: int,
+    idle_s: float = 0.0,
 ) -> float:
-    """Median floor (µs per hop) for one payload size, busy time and client idle time."""
-    values = asyncio.run(measure(address, payload_bytes, busy_s, frames, idle_s))
+    """Median floor (µs per hop): see :func:`measure`."""
+    values = asyncio.run(measure(addresses, payload_bytes, busy_s, frames, idle_s))
     return float(statistics.median(values))
 
 
@@ -138,6 +158,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--bytes", type=int, nargs="+", default=[4096, 65536])
     parser.add_argument("--busy-ms", type=float, nargs="+", default=[0.0, 4.0, 8.0])
+    parser.add_argument("--servers", type=int, default=1, help="echo servers relayed in turn")
     parser.add_argument("--idle-ms", type=float, default=0.0)
     parser.add_argument("--busy-kind", choices=("memory", "spin"), nargs="+", default=["memory"])
     parser.add_argument("--frames", type=int, default=300)
@@ -147,20 +168,22 @@ def main() -> int:
         serve(args.serve)
         return 0
     print(
-        f"bare grpc.aio echo, µs per hop (median rtt - server busy time); the client idles "
-        f"{args.idle_ms} ms before each request"
+        f"bare grpc.aio echo, µs per hop (median rtt - server busy time); {args.servers} "
+        f"server(s) relayed in turn; the client idles {args.idle_ms} ms before each request"
     )
     print(f"{'busy kind':>9} {'bytes':>8} {'busy ms':>8} {'floor µs':>9}")
     for kind in args.busy_kind:
-        server = spawn_floor(kind)
+        servers = [spawn_floor(kind) for _ in range(args.servers)]
         try:
+            addresses = [server.address for server in servers]
             for size in args.bytes:
                 for busy in args.busy_ms:
                     frames = args.frames if busy <= 1 else max(50, args.frames // 3)
-                    value = floor_us(server.address, size, busy / 1000, frames, args.idle_ms / 1000)
+                    value = floor_us(addresses, size, busy / 1000, frames, args.idle_ms / 1000)
                     print(f"{kind:>9} {size:>8} {busy:>8.1f} {value:>9.0f}")
         finally:
-            server.stop()
+            for server in servers:
+                server.stop()
     return 0
 
 

@@ -96,7 +96,8 @@ class Breakdown:
     whole_ms: float
     """The whole model's time per token in the same rounds."""
     floor_us: float
-    """Bare grpc.aio hop under the same compute and idle times (``grpc_floor.py``)."""
+    """A hop of the same route shape over bare grpc.aio echo servers, each busy for a stage's
+    engine time (``grpc_floor.py``)."""
 
     @property
     def best_ratio(self) -> float:
@@ -395,8 +396,9 @@ def main(argv: list[str] | None = None) -> int:
     whole_ms = speeds[0].decode_ms
     breakdowns: list[Breakdown] = []
     dense_hop: float | None = None
-    floor_server = grpc_floor.spawn_floor()
+    floor_servers = [grpc_floor.spawn_floor() for _ in range(max(args.stages))]
     try:
+        addresses = [server.address for server in floor_servers]
         for n, got in route_runs.items():
             if any(run.tokens != reference for run in got):
                 raise SystemExit(f"dgr {n}: tokens differ from the whole model's")
@@ -408,17 +410,13 @@ def main(argv: list[str] | None = None) -> int:
             speeds.append(attrs.evolve(s, hop_overhead_us=hop))
             if n == 2:
                 dense_hop = hop
+            # the same route shape with bare echo servers: each busy for a stage's engine time
             busy = stage_compute_s(got)
-            floor = grpc_floor.floor_us(
-                floor_server.address,
-                4 * spec.n_embd,
-                busy,
-                max(30, args.frames // 3),
-                (n - 1) * busy,
-            )
+            floor = grpc_floor.floor_us(addresses[:n], 4 * spec.n_embd, busy, 40 * n)
             breakdowns.append(breakdown(n, got, args.decode, whole_ms, floor))
     finally:
-        floor_server.stop()
+        for server in floor_servers:
+            server.stop()
     seams: dict[str, float] = {}
     if dense_hop is not None:
         seams[f"route dense {spec.n_embd}"] = dense_hop
@@ -444,9 +442,10 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(
         "where a route's decode time goes, ms per token (median of runs): engines, seam "
-        "(rtt - engine), client (between a reply and the next request); floor = bare grpc.aio "
-        "hop under the same compute and idle times; best = the ratio with floor-cost hops and "
-        "whole-model-speed engines"
+        "(rtt - engine), client (between a reply and the next request).\nfloor = the same "
+        "route shape over bare grpc.aio echo servers, each busy (reading memory) for a "
+        "stage's engine time; best = the ratio with floor-cost hops and whole-model-speed "
+        "engines"
     )
     print(
         f"{'stages':>6} {'whole':>7} {'engines':>8} {'seam':>6} {'client':>7} "
