@@ -69,6 +69,12 @@ def _parser() -> argparse.ArgumentParser:
         help="frames of at most this many rows run on the event loop when the engine is idle "
         "(no thread hop; default 1: decode steps); 0 turns it off",
     )
+    w.add_argument(
+        "--inline-max-ms",
+        type=float,
+        default=20.0,
+        help="...but only while the last such frame took at most this long (default 20)",
+    )
     w.add_argument("--log-level", default="INFO")
 
     g = sub.add_parser("generate", help="generate over a route of workers", add_help=False)
@@ -112,6 +118,7 @@ async def _serve(args: argparse.Namespace) -> int:
         max_message_bytes=args.max_message_bytes,
         grace_seconds=args.grace,
         inline_max_rows=args.inline_max_rows,
+        inline_max_ms=args.inline_max_ms,
     )
     try:
         model = args.model if args.model is not None else ensure_fixture(args.fixture)
