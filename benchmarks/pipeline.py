@@ -12,7 +12,15 @@ Side by side in one run, one session at a time, greedy:
 
 Decode tokens/s is over the tokens after the first (the first one is the prefill's); prefill
 tokens/s is the prompt length over the prefill's wall time (from the first stage's request to
-the last stage's reply). Each is the median of ``--repeats`` runs.
+the last stage's reply). Each is the median of ``--repeats`` rounds; every round runs the
+whole model and every route once (order rotated per round, all routes' workers up throughout),
+after one warm-up round, so that a slow spell of this shared machine hits them all alike.
+
+Where a route's decode time goes, per token: its engines (what the workers report), the seam
+(round trips minus engine time) and the client (between a reply and the next request), beside
+the **floor**: the same route shape over bare grpc.aio echo servers (``grpc_floor.py``, raw
+bytes, no dgr code) that each read memory for a stage's median engine time. ``best`` is the
+ratio a route would reach with floor-cost hops and engines as fast as the whole model.
 
 Per-hop seam overhead (µs, client round trip minus the engine time the worker reports, the
 method of ``benchmarks/seam_overhead.py``): for the route's dense boundary (measured on the
@@ -25,7 +33,7 @@ ratio >= 0.90 at 2 stages and >= 0.85 at 4 stages; seam overhead <= 300 µs per 
 4 x 4096 boundary.
 
     .venv/bin/python benchmarks/pipeline.py [--fixture mid-llama] [--threads 1]
-        [--prompt 128] [--decode 64] [--repeats 3] [--stages 1 2 4] [--frames 300]
+        [--prompt 128] [--decode 64] [--repeats 5] [--stages 1 2 4] [--frames 300]
 
 Fixture evidence on this machine's CPUs (thread placement is the OS's: every worker and the
 client share the same cores).

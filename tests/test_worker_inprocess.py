@@ -196,7 +196,7 @@ def test_a_frame_past_its_deadline_is_refused_without_running(tiny_llama: Path) 
 # --- one-row frames on the loop ----------------------------------------------------------------
 
 
-def test_one_row_frames_run_on_the_loop_only_when_the_engine_thread_is_idle(
+def test_one_row_frames_run_on_the_loop_when_the_engine_is_idle_and_steps_are_short(
     tiny_llama: Path,
 ) -> None:
     worker = ShardWorker.load(tiny_llama, (0, 4), **KW, config=WorkerConfig(port=0))
@@ -219,12 +219,12 @@ def test_one_row_frames_run_on_the_loop_only_when_the_engine_thread_is_idle(
                 await client.forward("i", 0, 0, expect, [0, 1, 2], tokens=[1, 2, 3])
                 # the first one-row frame measures on the engine thread, the next runs inline
                 await client.forward("i", 0, 1, expect, [3], tokens=[4])
-                await client.forward("i", 0, 1, expect, [4], tokens=[5])
+                await client.forward("i", 0, 2, expect, [4], tokens=[5])
                 assert ran_on == ["dgr-engine", "dgr-engine", loop_thread]
                 # the engine thread busy: a one-row frame waits for it, and the loop goes on
                 gate = threading.Event()
                 busy = asyncio.ensure_future(worker.run_on_engine(gate.wait, 20.0))
-                waiting = asyncio.ensure_future(client.forward("i", 0, 2, expect, [5], tokens=[6]))
+                waiting = asyncio.ensure_future(client.forward("i", 0, 3, expect, [5], tokens=[6]))
                 limit = time.monotonic() + 20.0
                 while worker.meter.snapshot().queued < 1:
                     assert time.monotonic() < limit, "the frame never arrived"
@@ -233,17 +233,17 @@ def test_one_row_frames_run_on_the_loop_only_when_the_engine_thread_is_idle(
                 gate.set()
                 assert await busy is True and (await waiting).next_pos == 6
                 assert ran_on[-1] == "dgr-engine"
-                await client.forward("i", 0, 3, expect, [6], tokens=[7])
+                await client.forward("i", 0, 4, expect, [6], tokens=[7])
                 assert ran_on[-1] == loop_thread
                 # a step slower than inline_max_ms (20 ms): the next one runs on the engine
                 # thread; it measured fast, so the one after is back on the loop
                 worker.small_frame_ns = 30e6
-                await client.forward("i", 0, 4, expect, [7], tokens=[8])
-                await client.forward("i", 0, 5, expect, [8], tokens=[9])
+                await client.forward("i", 0, 5, expect, [7], tokens=[8])
+                await client.forward("i", 0, 6, expect, [8], tokens=[9])
                 assert ran_on[-2:] == ["dgr-engine", loop_thread]
                 # inline_max_rows=0: always the engine thread
                 worker.config = attrs.evolve(worker.config, inline_max_rows=0)
-                await client.forward("i", 0, 6, expect, [9], tokens=[10])
+                await client.forward("i", 0, 7, expect, [9], tokens=[10])
                 assert ran_on[-1] == "dgr-engine"
         finally:
             assert await worker.stop() == 1
