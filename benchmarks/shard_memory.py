@@ -14,10 +14,16 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 MIB = 1024 * 1024
 SLACK = 64 * MIB
-CHILD_KW = {"max_sessions": 1, "n_ctx_per_session": 512, "n_threads": 2, "n_batch": 64}
+CHILD_KW: dict[str, Any] = {
+    "max_sessions": 1,
+    "n_ctx_per_session": 512,
+    "n_threads": 2,
+    "n_batch": 64,
+}
 
 
 def child(path: str, begin: int, end: int) -> None:
