@@ -1,13 +1,19 @@
-"""Invariants shared by the stateful session tests (fake transport and real engine).
+"""Rules and invariants shared by the stateful session tests (fake transport and real engine).
 
-A mixin for a ``RuleBasedStateMachine`` that keeps ``handles`` (session id -> handle),
-``expected`` (session id -> fault-free whole-model tokens), ``cancelled`` (ids the test
-cancelled), ``last_epoch`` (session id -> epoch last seen) and a class attribute ``policy``.
+A mixin for a ``RuleBasedStateMachine`` over one ``SessionManager`` on a virtual-clock loop:
+it keeps ``handles`` (session id -> handle), ``expected`` (session id -> fault-free whole-model
+tokens), ``cancelled`` (ids the test cancelled) and ``last_epoch`` (session id -> epoch last
+seen); a subclass sets the class attribute ``policy``, calls ``init_fleet()`` from its
+``__init__``, creates ``self.manager`` in its setup, starts sessions with ``start_session`` and
+says what the fault-free tokens are (``reference``).
 """
 
 from __future__ import annotations
 
-from hypothesis.stateful import invariant
+import asyncio
+
+from hypothesis import strategies as st
+from hypothesis.stateful import Bundle, invariant, rule
 
 from dgr_session import (
     FailureBudgetExhausted,
@@ -16,8 +22,13 @@ from dgr_session import (
     SessionDeadlineExceeded,
     SessionFailed,
     SessionHandle,
+    SessionManager,
     SessionState,
 )
+from dgr_session.testing import VirtualClockLoop, settle
+
+sessions = Bundle("sessions")
+"""Session ids (a bundle is found by name: subclasses' ``Bundle("sessions")`` is this one)."""
 
 
 class SessionOutcomeInvariants:
@@ -26,6 +37,63 @@ class SessionOutcomeInvariants:
     expected: dict[str, tuple[int, ...]]
     cancelled: set[str]
     last_epoch: dict[str, int]
+
+    def init_fleet(self) -> None:
+        self.loop = VirtualClockLoop()
+        self.manager: SessionManager | None = None
+        self.handles = {}
+        self.expected = {}
+        self.cancelled = set()
+        self.last_epoch = {}
+        self.count = 0
+
+    def reference(self, prompt: tuple[int, ...], max_new: int, stop: set[int]) -> tuple[int, ...]:
+        """The fault-free whole-model tokens of a session."""
+        raise NotImplementedError
+
+    def run(self, coro: object) -> object:
+        return self.loop.run_until_complete(coro)  # type: ignore[arg-type]
+
+    def settle(self) -> None:
+        self.run(settle())
+
+    def start_session(self, prompt: tuple[int, ...], max_new: int, stop: set[int]) -> str:
+        assert self.manager is not None
+        sid = f"s{self.count}"
+        self.count += 1
+        manager = self.manager
+
+        async def begin() -> SessionHandle:
+            return manager.start(prompt, max_new_tokens=max_new, session_id=sid, stop_tokens=stop)
+
+        self.handles[sid] = self.run(begin())  # type: ignore[assignment]
+        self.expected[sid] = self.reference(prompt, max_new, stop)
+        self.settle()
+        return sid
+
+    # -- shared rules ------------------------------------------------------------------------
+
+    @rule(dt=st.sampled_from([0.25, 0.5, 1.0, 2.5]))
+    def let_time_pass(self, dt: float) -> None:
+        self.run(asyncio.sleep(dt * self.policy.step_deadline))
+        self.settle()
+
+    @rule(sid=sessions)
+    def cancel(self, sid: str) -> None:
+        handle = self.handles[sid]
+        was_live = not handle.core.finished
+        tokens = handle.core.tokens
+        handle.cancel("rule")
+        if was_live:
+            self.cancelled.add(sid)
+        self.settle()
+        # a live session ends cancelled; a finished one is as it was (and, by the invariant
+        # below, cancelled only if the test cancelled it)
+        if was_live:
+            assert handle.core.state is SessionState.CANCELLED
+        assert handle.core.tokens == tokens
+
+    # -- invariants --------------------------------------------------------------------------
 
     @invariant()
     def epochs_never_decrease(self) -> None:

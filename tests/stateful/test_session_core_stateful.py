@@ -9,8 +9,6 @@ whole-model greedy tokens.
 
 from __future__ import annotations
 
-import asyncio
-
 from _fleet_invariants import SessionOutcomeInvariants
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
@@ -27,19 +25,15 @@ from hypothesis.stateful import (
 
 from dgr_session import (
     FailurePolicy,
-    SessionHandle,
     SessionMachine,
     SessionManager,
-    SessionState,
 )
 from dgr_session.testing import (
     FakeModel,
     FakeTransport,
     PoolRouteProvider,
-    VirtualClockLoop,
     close_loop,
     fixture_identity,
-    settle,
 )
 
 MODEL = FakeModel(n_layer=6, vocab=16)
@@ -68,24 +62,15 @@ class SessionFleet(SessionOutcomeInvariants, RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.loop = VirtualClockLoop()
+        self.init_fleet()
         self.transport = FakeTransport(MODEL)
         self.machine = SessionMachine()
-        self.manager: SessionManager | None = None
-        self.handles: dict[str, SessionHandle] = {}
-        self.expected: dict[str, tuple[int, ...]] = {}
-        self.cancelled: set[str] = set()
-        self.last_epoch: dict[str, int] = {}
         self.kills = dict.fromkeys(WORKERS, 0)
         # kill counts when an epoch was first seen live: a worker killed since lost the slot
         self.kills_at_epoch: dict[tuple[str, int], dict[str, int]] = {}
-        self.count = 0
 
-    def run(self, coro: object) -> object:
-        return self.loop.run_until_complete(coro)  # type: ignore[arg-type]
-
-    def settle(self) -> None:
-        self.run(settle())
+    def reference(self, prompt: tuple[int, ...], max_new: int, stop: set[int]) -> tuple[int, ...]:
+        return MODEL.reference(prompt, max_new, stop)
 
     # -- rules -------------------------------------------------------------------------------
 
@@ -103,7 +88,7 @@ class SessionFleet(SessionOutcomeInvariants, RuleBasedStateMachine):
         provider = PoolRouteProvider(self.transport, WORKERS, cuts, identity=IDENTITY)
         self.transport.latency = latency * POLICY.step_deadline
         self.manager = SessionManager(self.transport, provider, policy=POLICY, machine=self.machine)
-        return multiple(*(self._start(prompt, max_new, set()) for prompt, max_new in first))
+        return multiple(*(self.start_session(p, max_new, set()) for p, max_new in first))
 
     @precondition(lambda self: self.manager is not None and len(self.manager) < MAX_LIVE)
     @rule(
@@ -113,26 +98,7 @@ class SessionFleet(SessionOutcomeInvariants, RuleBasedStateMachine):
         stop=st.sets(st.integers(0, MODEL.vocab - 1), max_size=2),
     )
     def start(self, prompt: tuple[int, ...], max_new: int, stop: set[int]) -> str:
-        return self._start(prompt, max_new, stop)
-
-    def _start(self, prompt: tuple[int, ...], max_new: int, stop: set[int]) -> str:
-        assert self.manager is not None
-        sid = f"s{self.count}"
-        self.count += 1
-        manager = self.manager
-
-        async def begin() -> SessionHandle:
-            return manager.start(prompt, max_new_tokens=max_new, session_id=sid, stop_tokens=stop)
-
-        self.handles[sid] = self.run(begin())  # type: ignore[assignment]
-        self.expected[sid] = MODEL.reference(prompt, max_new, stop)
-        self.settle()
-        return sid
-
-    @rule(dt=st.sampled_from([0.25, 0.5, 1.0, 2.5]))
-    def let_time_pass(self, dt: float) -> None:
-        self.run(asyncio.sleep(dt * POLICY.step_deadline))
-        self.settle()
+        return self.start_session(prompt, max_new, stop)
 
     @rule(worker=st.sampled_from(WORKERS))
     def kill(self, worker: str) -> None:
@@ -165,22 +131,6 @@ class SessionFleet(SessionOutcomeInvariants, RuleBasedStateMachine):
     def engine_error(self, worker: str, count: int) -> None:
         self.transport.fail_next(worker, count)
         self.settle()
-
-    @rule(sid=sessions)
-    def cancel(self, sid: str) -> None:
-        handle = self.handles[sid]
-        was_live = not handle.core.finished
-        tokens = handle.core.tokens
-        handle.cancel("rule")
-        if was_live:
-            self.cancelled.add(sid)
-        self.settle()
-        # an error iff the model says so: a live session ends cancelled, a finished one is as it was
-        if was_live:
-            assert handle.core.state is SessionState.CANCELLED
-        else:
-            assert handle.core.state is not SessionState.CANCELLED or sid in self.cancelled
-        assert handle.core.tokens == tokens
 
     # -- invariants --------------------------------------------------------------------------
 

@@ -13,7 +13,6 @@ sessions hold there; once all sessions end, every engine reports zero open sessi
 
 from __future__ import annotations
 
-import asyncio
 import functools
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,19 +41,15 @@ from dgr_session import (
     FailurePolicy,
     FailureReport,
     Route,
-    SessionHandle,
     SessionMachine,
     SessionManager,
-    SessionState,
 )
 from dgr_session.testing import (
-    VirtualClockLoop,
     close_loop,
     fixture_identity,
     fixture_lane,
     fixture_recipe,
     make_route,
-    settle,
 )
 
 N_LAYER = 4
@@ -152,26 +147,17 @@ class EngineFleet(SessionOutcomeInvariants, RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.loop = VirtualClockLoop()
+        self.init_fleet()
         self.transport = EngineTransport(
             lambda begin, end: ShardEngine(model_path(), layers=(begin, end), **ENGINE_KW)
         )
         self.provider: RangePoolProvider | None = None
         self.machine = SessionMachine()
-        self.manager: SessionManager | None = None
-        self.handles: dict[str, SessionHandle] = {}
-        self.expected: dict[str, tuple[int, ...]] = {}
-        self.cancelled: set[str] = set()
-        self.last_epoch: dict[str, int] = {}
         self.kills: dict[str, int] = {}
         self.kills_at_epoch: dict[tuple[str, int], dict[str, int]] = {}
-        self.count = 0
 
-    def run(self, coro: object) -> object:
-        return self.loop.run_until_complete(coro)  # type: ignore[arg-type]
-
-    def settle(self) -> None:
-        self.run(settle())
+    def reference(self, prompt: tuple[int, ...], max_new: int, stop: set[int]) -> tuple[int, ...]:
+        return reference(prompt, max_new, frozenset(stop))
 
     @property
     def endpoints(self) -> list[str]:
@@ -203,7 +189,7 @@ class EngineFleet(SessionOutcomeInvariants, RuleBasedStateMachine):
         self.manager = SessionManager(
             self.transport, self.provider, policy=POLICY, machine=self.machine
         )
-        return multiple(*(self._start(prompt, max_new, set()) for prompt, max_new in first))
+        return multiple(*(self.start_session(p, max_new, set()) for p, max_new in first))
 
     @precondition(lambda self: self.manager is not None and len(self.manager) < MAX_LIVE)
     @rule(
@@ -213,26 +199,7 @@ class EngineFleet(SessionOutcomeInvariants, RuleBasedStateMachine):
         stop=st.sets(st.integers(0, VOCAB - 1), max_size=2),
     )
     def start(self, prompt: tuple[int, ...], max_new: int, stop: set[int]) -> str:
-        return self._start(prompt, max_new, stop)
-
-    def _start(self, prompt: tuple[int, ...], max_new: int, stop: set[int]) -> str:
-        assert self.manager is not None
-        sid = f"s{self.count}"
-        self.count += 1
-        manager = self.manager
-
-        async def begin() -> SessionHandle:
-            return manager.start(prompt, max_new_tokens=max_new, session_id=sid, stop_tokens=stop)
-
-        self.handles[sid] = self.run(begin())  # type: ignore[assignment]
-        self.expected[sid] = reference(prompt, max_new, frozenset(stop))
-        self.settle()
-        return sid
-
-    @rule(dt=st.sampled_from([0.25, 0.5, 1.0, 2.5]))
-    def let_time_pass(self, dt: float) -> None:
-        self.run(asyncio.sleep(dt * POLICY.step_deadline))
-        self.settle()
+        return self.start_session(prompt, max_new, stop)
 
     @precondition(lambda self: bool(self.kills))
     @rule(data=st.data())
@@ -273,19 +240,6 @@ class EngineFleet(SessionOutcomeInvariants, RuleBasedStateMachine):
         if self.transport.alive(ep):
             self.transport.fail_next(ep, count)
         self.settle()
-
-    @rule(sid=sessions)
-    def cancel(self, sid: str) -> None:
-        handle = self.handles[sid]
-        was_live = not handle.core.finished
-        tokens = handle.core.tokens
-        handle.cancel("rule")
-        if was_live:
-            self.cancelled.add(sid)
-        self.settle()
-        if was_live:
-            assert handle.core.state is SessionState.CANCELLED
-        assert handle.core.tokens == tokens
 
     # -- invariants --------------------------------------------------------------------------
 
