@@ -40,6 +40,10 @@ sys.path.insert(0, str(ROOT))
 from dgr_engine._worker_spawn import WorkerProcess  # noqa: E402
 
 _METHOD = "/floor.Echo/Stream"
+_OPTIONS = [  # a 4 x 4096 f32 row is 64 KiB; gRPC's default limit is 4 MiB
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+]
 
 
 def _same(data: bytes) -> bytes:
@@ -76,13 +80,7 @@ def serve(kind: str) -> None:
             "floor.Echo",
             {"Stream": grpc.stream_stream_rpc_method_handler(echo, _same, _same)},
         )
-        limit = 64 << 20
-        server = grpc.aio.server(
-            options=[
-                ("grpc.max_receive_message_length", limit),
-                ("grpc.max_send_message_length", limit),
-            ]
-        )
+        server = grpc.aio.server(options=_OPTIONS)
         server.add_generic_rpc_handlers((handler,))
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
@@ -108,12 +106,7 @@ async def measure(
     """Round trip minus the server's busy time (µs) of ``frames`` echoes after a warm-up, sent
     to ``addresses`` in turn (one stream each), as a route session relays a token through its
     stages; the client waits ``idle_s`` before each frame."""
-    limit = 64 << 20
-    options = [
-        ("grpc.max_receive_message_length", limit),
-        ("grpc.max_send_message_length", limit),
-    ]
-    channels = [grpc.aio.insecure_channel(a, options=options) for a in addresses]
+    channels = [grpc.aio.insecure_channel(a, options=_OPTIONS) for a in addresses]
     try:
         streams = [
             c.stream_stream(_METHOD, request_serializer=_same, response_deserializer=_same)()

@@ -98,10 +98,6 @@ class ForwardRecord:
     """Engine time reported by the worker."""
     queue_us: int
     """Time the frame waited for the worker's engine."""
-    worker_us: int = 0
-    """The worker's own time for the frame, from decoding it to its reply built (checks, the
-    engine thread hop, compute, encoding); ``rtt_us - worker_us`` is gRPC, loopback and the
-    client's encode/decode."""
 
 
 @attrs.frozen
@@ -381,7 +377,6 @@ class GrpcStageTransport:
                     rtt_us=result.rtt_us,
                     compute_us=t.compute_us,
                     queue_us=t.queue_us,
-                    worker_us=t.total_us,
                 )
             )
 
