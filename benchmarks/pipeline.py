@@ -92,15 +92,22 @@ class Speed:
 
 @attrs.frozen
 class Breakdown:
-    """Where a route's decode time goes, per token (medians over the runs), and the floor."""
+    """Where a route's decode time goes, per token (medians over the runs), and the floor.
+
+    The four parts add up to the route's time per token: ``engine_ms`` + ``worker_ms`` (the
+    worker's handler around the engine) + ``transit_ms`` (inside gRPC, both ways: serialising,
+    HTTP/2, loopback, thread hand-offs) + ``client_ms`` (the client's own code: session
+    manager, transport, frames, sampling)."""
 
     stages: int
     engine_ms: float
     """Engine time of all stages (what the workers report)."""
-    seam_ms: float
-    """Round trips minus engine time, summed over the stages."""
+    worker_ms: float
+    """The workers' handlers minus their engine time: frame checks, reply building."""
+    transit_ms: float
+    """The client's time inside gRPC minus the workers' handler time, summed over the stages."""
     client_ms: float
-    """The rest: the client between a reply and the next request (session, sampling)."""
+    """The rest: the client's own code between a reply and the next request."""
     whole_ms: float
     """The whole model's time per token in the same rounds."""
     floor_us: float
@@ -108,10 +115,21 @@ class Breakdown:
     engine time (``grpc_floor.py``)."""
 
     @property
+    def seam_ms(self) -> float:
+        """Round trips minus engine time (the client's view of the seam)."""
+        return self.worker_ms + self.transit_ms
+
+    @property
     def best_ratio(self) -> float:
         """The decode ratio a route would reach if each hop cost only the bare-gRPC floor and
         the stages computed exactly as fast as the whole model."""
         return self.whole_ms / (self.whole_ms + self.stages * self.floor_us / 1000)
+
+    @property
+    def dgr_free_ratio(self) -> float:
+        """The decode ratio of this route's own engines and gRPC transit alone, as measured:
+        what it would reach if dgr's code (client and worker handlers) cost nothing."""
+        return self.whole_ms / (self.engine_ms + self.transit_ms)
 
 
 def _prompt(n: int, n_vocab: int) -> list[int]:
@@ -222,18 +240,23 @@ def speed(
 def breakdown(
     stages: int, runs: list[RouteRun], n_decode: int, whole_ms: float, floor_us: float
 ) -> Breakdown:
-    engine, seam, client = [], [], []
+    parts: dict[str, list[float]] = {"engine": [], "worker": [], "transit": [], "client": []}
     for run in runs:
-        compute = sum(r.compute_us for r in run.decode_records) / n_decode / 1000
-        rtt = sum(r.rtt_us for r in run.decode_records) / n_decode / 1000
-        engine.append(compute)
-        seam.append(rtt - compute)
-        client.append(1000 * run.decode_s / n_decode - rtt)
+        records = run.decode_records
+
+        def per_token(values: list[int]) -> float:
+            return sum(values) / n_decode / 1000
+
+        engine = per_token([r.compute_us for r in records])
+        handler = per_token([r.handler_us for r in records])
+        wire = per_token([r.wire_us for r in records])
+        parts["engine"].append(engine)
+        parts["worker"].append(handler - engine)
+        parts["transit"].append(wire - handler)
+        parts["client"].append(1000 * run.decode_s / n_decode - wire)
     return Breakdown(
         stages,
-        statistics.median(engine),
-        statistics.median(seam),
-        statistics.median(client),
+        *(statistics.median(values) for values in parts.values()),
         whole_ms,
         floor_us,
     )
@@ -449,21 +472,23 @@ def main(argv: list[str] | None = None) -> int:
         )
     print()
     print(
-        "where a route's decode time goes, ms per token (median of runs): engines, seam "
-        "(rtt - engine), client (between a reply and the next request).\nfloor = the same "
-        "route shape over bare grpc.aio echo servers, each busy (reading memory) for a "
-        "stage's engine time; best = the ratio with floor-cost hops and whole-model-speed "
-        "engines"
+        "where a route's decode time goes, ms per token (median of runs): engines; worker "
+        "(handlers minus engines); transit (inside gRPC both ways, minus handlers); client "
+        "(the client's own code).\nfloor = the same route shape over bare grpc.aio echo "
+        "servers, each busy (reading memory) for a stage's engine time; best = the ratio with "
+        "floor-cost hops and whole-model-speed engines; dgr-free = the ratio of this route's "
+        "measured engines and transit alone (dgr's own code at zero cost)"
     )
     print(
-        f"{'stages':>6} {'whole':>7} {'engines':>8} {'seam':>6} {'client':>7} "
-        f"{'floor µs/hop':>13} {'best ratio':>10} {'target':>6}"
+        f"{'stages':>6} {'whole':>7} {'engines':>8} {'worker':>7} {'transit':>8} {'client':>7} "
+        f"{'floor µs/hop':>13} {'best':>6} {'dgr-free':>8} {'target':>6}"
     )
     for b in breakdowns:
         goal = TARGETS.get(b.stages)
         print(
-            f"{b.stages:>6} {b.whole_ms:>7.2f} {b.engine_ms:>8.2f} {b.seam_ms:>6.2f} "
-            f"{b.client_ms:>7.2f} {b.floor_us:>13.0f} {b.best_ratio:>10.3f} "
+            f"{b.stages:>6} {b.whole_ms:>7.2f} {b.engine_ms:>8.2f} {b.worker_ms:>7.2f} "
+            f"{b.transit_ms:>8.2f} {b.client_ms:>7.2f} {b.floor_us:>13.0f} "
+            f"{b.best_ratio:>6.3f} {b.dgr_free_ratio:>8.3f} "
             f"{'' if goal is None else f'{goal:.2f}':>6}"
         )
     print()
@@ -486,7 +511,13 @@ def main(argv: list[str] | None = None) -> int:
         "speeds": [attrs.asdict(s) for s in speeds],
         "seam_overhead_us": seams,
         "breakdown_ms_per_token": [
-            {**attrs.asdict(b), "best_ratio": b.best_ratio} for b in breakdowns
+            {
+                **attrs.asdict(b),
+                "seam_ms": b.seam_ms,
+                "best_ratio": b.best_ratio,
+                "dgr_free_ratio": b.dgr_free_ratio,
+            }
+            for b in breakdowns
         ],
         "targets": {"decode_ratio": TARGETS, "seam_us": SEAM_TARGET_US},
     }

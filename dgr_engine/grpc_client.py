@@ -106,6 +106,10 @@ class ForwardResult:
     timings: WorkerTimings
     rtt_us: int
     """Round trip seen by the client (encode, call, decode)."""
+    wire_us: int
+    """Part of ``rtt_us`` inside gRPC: from the request handed to it (serialised there) to the
+    reply handed back (parsed there). ``wire_us - timings.total_us`` is the transit both ways;
+    ``rtt_us - wire_us`` is this client's own code."""
 
 
 class ShardClient:
@@ -219,9 +223,11 @@ class ShardClient:
             timeout=timeout,
         )
         if self.streaming:
-            reply = await self._stream_call(session_id, request, timeout)
+            reply, wire_ns = await self._stream_call(session_id, request, timeout)
         else:
+            sent = time.perf_counter_ns()
             reply = await self._call(self._stub.Forward, request, timeout)
+            wire_ns = time.perf_counter_ns() - sent
         self._check_echo(reply, session_id, epoch)
         if reply.step != step:
             raise ShardRpcError(
@@ -239,6 +245,7 @@ class ShardClient:
             step=reply.step,
             timings=WorkerTimings(t.queue_us, t.compute_us, t.total_us),
             rtt_us=(time.perf_counter_ns() - began) // 1000,
+            wire_us=wire_ns // 1000,
         )
 
     # -- internals ---------------------------------------------------------------------------
@@ -251,7 +258,8 @@ class ShardClient:
 
     async def _stream_call(
         self, session_id: str, request: pb.ForwardRequest, timeout: float | None
-    ) -> pb.ForwardReply:
+    ) -> tuple[pb.ForwardReply, int]:
+        """The reply and the time (ns) inside gRPC, over the session's stream."""
         stream = self._streams.get(session_id)
         if stream is None or stream.done():
             stream = _SessionStream(self._stub.ForwardStream())
@@ -306,7 +314,10 @@ class _SessionStream:
                     pass
             self.call.cancel()
 
-    async def exchange(self, request: pb.ForwardRequest, timeout: float | None) -> pb.ForwardReply:
+    async def exchange(
+        self, request: pb.ForwardRequest, timeout: float | None
+    ) -> tuple[pb.ForwardReply, int]:
+        """Sends ``request``, returns the reply and the ns from the write to the read's end."""
         async with self._lock:
             deadline = asyncio.timeout(timeout)  # no extra task, unlike wait_for
             try:
@@ -319,10 +330,12 @@ class _SessionStream:
                     f"no reply within {timeout} s (stream cancelled)"
                 ) from None
 
-    async def _exchange(self, request: pb.ForwardRequest) -> pb.ForwardReply:
+    async def _exchange(self, request: pb.ForwardRequest) -> tuple[pb.ForwardReply, int]:
         try:
+            sent = time.perf_counter_ns()
             await self.call.write(request)
             reply = await self.call.read()
+            wire_ns = time.perf_counter_ns() - sent
         except grpc.aio.AioRpcError as exc:
             error = _error_of(exc)
             if exc.code() == grpc.StatusCode.INTERNAL and error.status == "GRPC_INTERNAL":
@@ -341,4 +354,4 @@ class _SessionStream:
                 if key == STATUS_KEY:
                     status = value if isinstance(value, str) else value.decode()
             raise error_from_rpc(code, status, await self.call.details() or "")
-        return reply
+        return reply, wire_ns

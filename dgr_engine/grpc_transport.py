@@ -94,6 +94,10 @@ class ForwardRecord:
     """Payload received: boundary rows or logits."""
     rtt_us: int
     """Round trip seen by the client."""
+    wire_us: int
+    """Part of ``rtt_us`` inside gRPC (request handed over to reply handed back)."""
+    handler_us: int
+    """Time in the worker's handler (frame checks, engine, reply built)."""
     compute_us: int
     """Engine time reported by the worker."""
     queue_us: int
@@ -375,6 +379,8 @@ class GrpcStageTransport:
                     bytes_sent=sent,
                     bytes_received=received,
                     rtt_us=result.rtt_us,
+                    wire_us=result.wire_us,
+                    handler_us=t.total_us,
                     compute_us=t.compute_us,
                     queue_us=t.queue_us,
                 )

@@ -36,8 +36,13 @@ def test_pipeline_benchmark_smoke(tmp_path: Path) -> None:
     # where the route's time goes, beside the bare-gRPC floor measured in the same run
     (part,) = result["breakdown_ms_per_token"]
     assert part["stages"] == 2 and part["floor_us"] > 0 and 0 < part["best_ratio"] < 1
-    assert part["engine_ms"] > 0 and part["seam_ms"] > 0
-    assert "floor µs/hop" in done.stdout and "best ratio" in done.stdout
+    assert part["engine_ms"] > 0 and part["seam_ms"] > 0 and part["transit_ms"] > 0
+    assert part["worker_ms"] >= 0 and 0 < part["dgr_free_ratio"]
+    # one round: the four parts are that run's time per token, nothing left out
+    (route,) = [s for s in result["speeds"] if s["name"] == "dgr 2"]
+    total = sum(part[k] for k in ("engine_ms", "worker_ms", "transit_ms", "client_ms"))
+    assert total == pytest.approx(route["decode_ms"], rel=1e-6)
+    assert "floor µs/hop" in done.stdout and "dgr-free" in done.stdout
     assert (tmp_path / "pipeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
