@@ -89,3 +89,28 @@ def test_grpc_floor_benchmark_smoke() -> None:
         ("spin", "1.0"),
     ]
     assert all(float(r[3]) > 0 for r in rows)
+
+
+def test_engine_idle_benchmark_smoke(tmp_path: Path) -> None:
+    args = ["--fixture", "tiny-llama", "--gaps", "1", "--forwards", "4", "--repeats", "1"]
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "engine_idle.py"),
+            *args,
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"),
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    table = json.loads((tmp_path / "engine_idle.json").read_text())["ms_per_forward_by_gap"]
+    # back to back (gap 0) is always measured, for the whole model and its first half
+    assert set(table) == {"whole", "first half"}
+    assert all(set(by_gap) == {"0", "1"} for by_gap in table.values())
+    assert all(ms > 0 for by_gap in table.values() for ms in by_gap.values())
+    assert "vs 0" in done.stdout
