@@ -77,6 +77,7 @@ from dgr_session import DarkLaneWarning, FailurePolicy, SessionManager  # noqa: 
 V4_BOUNDARY = 4 * 4096
 TARGETS = {2: 0.90, 4: 0.85}
 SEAM_TARGET_US = 300.0
+ECHO_PARTS = ("client", "transit", "worker")
 
 
 @attrs.frozen
@@ -254,11 +255,15 @@ def breakdown(
         parts["worker"].append(handler - engine)
         parts["transit"].append(wire - handler)
         parts["client"].append(1000 * run.decode_s / n_decode - wire)
+    median = {name: statistics.median(values) for name, values in parts.items()}
     return Breakdown(
-        stages,
-        *(statistics.median(values) for values in parts.values()),
-        whole_ms,
-        floor_us,
+        stages=stages,
+        engine_ms=median["engine"],
+        worker_ms=median["worker"],
+        transit_ms=median["transit"],
+        client_ms=median["client"],
+        whole_ms=whole_ms,
+        floor_us=floor_us,
     )
 
 
@@ -270,14 +275,16 @@ def stage_compute_s(runs: list[RouteRun]) -> float:
 # --- seam overhead -----------------------------------------------------------------------------
 
 
-def echo_overhead(width: int, frames: int) -> float:
-    """Median per-hop overhead (µs) through seam_overhead's echo worker, streaming."""
+def echo_overhead(width: int, frames: int) -> tuple[float, dict[str, float]]:
+    """Median per-hop overhead (µs) through seam_overhead's echo worker, streaming, and the
+    medians of its parts (client code, transit inside gRPC, worker code)."""
     worker = seam_overhead.EchoProcess.spawn_echo(width)
     try:
-        values = asyncio.run(seam_overhead.measure(worker.address, width, frames, True))
+        hops = asyncio.run(seam_overhead.measure(worker.address, width, frames, True))
     finally:
         worker.stop()
-    return float(statistics.median(values))
+    parts = {k: float(statistics.median(getattr(h, k) for h in hops)) for k in ECHO_PARTS}
+    return float(statistics.median(h.overhead for h in hops)), parts
 
 
 # --- the plot ----------------------------------------------------------------------------------
@@ -451,8 +458,9 @@ def main(argv: list[str] | None = None) -> int:
     seams: dict[str, float] = {}
     if dense_hop is not None:
         seams[f"route dense {spec.n_embd}"] = dense_hop
-    seams[f"echo {spec.n_embd}"] = echo_overhead(spec.n_embd, args.frames)
-    seams["echo 4x4096"] = echo_overhead(V4_BOUNDARY, args.frames)
+    seam_parts: dict[str, dict[str, float]] = {}
+    for name, width in ((f"echo {spec.n_embd}", spec.n_embd), ("echo 4x4096", V4_BOUNDARY)):
+        seams[name], seam_parts[name] = echo_overhead(width, args.frames)
 
     whole = speeds[0]
     print()
@@ -492,11 +500,16 @@ def main(argv: list[str] | None = None) -> int:
             f"{'' if goal is None else f'{goal:.2f}':>6}"
         )
     print()
-    print("per-hop seam overhead, µs (median; rtt - worker engine time; streaming)")
+    print(
+        "per-hop seam overhead, µs (median; rtt - worker engine time; streaming); echo hops "
+        "split into client code / transit inside gRPC / worker code (medians)"
+    )
     for name, value in seams.items():
         note = ""
+        if name in seam_parts:
+            note = "  (" + " / ".join(f"{seam_parts[name][k]:.0f}" for k in ECHO_PARTS) + ")"
         if name == "echo 4x4096":
-            note = f"  target <= {SEAM_TARGET_US:.0f}"
+            note += f"  target <= {SEAM_TARGET_US:.0f}"
             note += " ok" if value <= SEAM_TARGET_US else " MISS"
         print(f"  {name:<22} {value:8.0f}{note}")
 
@@ -510,6 +523,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "speeds": [attrs.asdict(s) for s in speeds],
         "seam_overhead_us": seams,
+        "seam_parts_us": seam_parts,
         "breakdown_ms_per_token": [
             {
                 **attrs.asdict(b),

@@ -29,6 +29,7 @@ import sys
 import time
 from pathlib import Path
 
+import attrs
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,12 +123,25 @@ class EchoProcess(WorkerProcess):
 # --- measurement -------------------------------------------------------------------------------
 
 
-async def measure(address: str, width: int, frames: int, streaming: bool) -> list[float]:
-    """Overheads (rtt - compute, µs) of ``frames`` one-row forwards after a warm-up."""
+@attrs.frozen
+class Hop:
+    """One measured hop, µs: ``overhead`` (rtt - engine) = ``client`` + ``transit`` + ``worker``."""
+
+    overhead: int
+    client: int
+    """The client's own code (rtt - time inside gRPC)."""
+    transit: int
+    """Inside gRPC both ways, minus the worker's handler time."""
+    worker: int
+    """The worker's handler minus its engine time."""
+
+
+async def measure(address: str, width: int, frames: int, streaming: bool) -> list[Hop]:
+    """The hops of ``frames`` one-row forwards after a warm-up."""
     async with ShardClient(address, streaming=streaming) as client:
         expect = expectations_of(await client.describe())
         rows = np.random.default_rng(0).standard_normal((1, width)).astype(np.float32)
-        overheads: list[float] = []
+        hops: list[Hop] = []
         epoch = 0
         await client.open("bench", epoch, expect)
         pos = 0
@@ -139,12 +153,23 @@ async def measure(address: str, width: int, frames: int, streaming: bool) -> lis
             result = await client.forward("bench", epoch, i, expect, [pos], boundary=rows)
             pos += 1
             if i >= 50:
-                overheads.append(result.rtt_us - result.timings.compute_us)
+                t = result.timings
+                hops.append(
+                    Hop(
+                        overhead=result.rtt_us - t.compute_us,
+                        client=result.rtt_us - result.wire_us,
+                        transit=result.wire_us - t.total_us,
+                        worker=t.total_us - t.compute_us,
+                    )
+                )
         await client.close("bench", epoch)
-    return overheads
+    return hops
 
 
-def summary(values: list[float]) -> tuple[float, float, float]:
+_PARTS = ("client", "transit", "worker")
+
+
+def summary(values: list[int]) -> tuple[float, float, float]:
     ordered = sorted(values)
     n = len(ordered)
     return statistics.median(ordered), ordered[n // 10], ordered[(9 * n) // 10]
@@ -177,15 +202,20 @@ def main() -> int:
         cases.append(("echo-64", 64, EchoProcess.spawn_echo(64)))
         cases.append(("echo-4x4096", V4_BOUNDARY, EchoProcess.spawn_echo(V4_BOUNDARY)))
         print(f"per-hop seam overhead, µs (rtt - worker compute), {args.frames} one-row frames")
-        print(f"{'case':<30} {'mode':<7} {'median':>8} {'p10':>8} {'p90':>8}")
+        print(
+            f"{'case':<30} {'mode':<7} {'median':>8} {'p10':>8} {'p90':>8}   medians: "
+            f"{'client':>6} {'transit':>7} {'worker':>6}"
+        )
         for name, width, worker in cases:
             for streaming in (False, True):
                 began = time.monotonic()
-                values = asyncio.run(measure(worker.address, width, args.frames, streaming))
-                med, p10, p90 = summary(values)
+                hops = asyncio.run(measure(worker.address, width, args.frames, streaming))
+                med, p10, p90 = summary([h.overhead for h in hops])
                 mode = "stream" if streaming else "unary"
+                parts = [statistics.median(getattr(h, k) for h in hops) for k in _PARTS]
                 print(
-                    f"{name:<30} {mode:<7} {med:8.0f} {p10:8.0f} {p90:8.0f}"
+                    f"{name:<30} {mode:<7} {med:8.0f} {p10:8.0f} {p90:8.0f}   {'':8}"
+                    f"{parts[0]:>6.0f} {parts[1]:>7.0f} {parts[2]:>6.0f}"
                     f"   ({time.monotonic() - began:.1f} s)"
                 )
     finally:

@@ -33,6 +33,8 @@ def test_pipeline_benchmark_smoke(tmp_path: Path) -> None:
     assert [s["name"] for s in result["speeds"]] == ["whole", "dgr 2"]
     assert all(s["decode_tps"] > 0 and s["prefill_tps"] > 0 for s in result["speeds"])
     assert set(result["seam_overhead_us"]) == {"route dense 64", "echo 64", "echo 4x4096"}
+    for name, parts in result["seam_parts_us"].items():  # the echo hops, split
+        assert set(parts) == {"client", "transit", "worker"} and parts["transit"] > 0, name
     # where the route's time goes, beside the bare-gRPC floor measured in the same run
     (part,) = result["breakdown_ms_per_token"]
     assert part["stages"] == 2 and part["floor_us"] > 0 and 0 < part["best_ratio"] < 1
