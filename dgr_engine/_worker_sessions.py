@@ -136,7 +136,8 @@ class SessionTable:
     def _stale(session_id: str, epoch: int, entry: _Entry) -> StaleEpoch:
         return StaleEpoch(
             f"DGR_E_STALE_EPOCH: session {session_id!r} epoch {epoch} is older than the open "
-            f"epoch {entry.epoch}"
+            f"epoch {entry.epoch}",
+            held_epoch=entry.epoch,
         )
 
 

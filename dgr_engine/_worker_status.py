@@ -1,9 +1,10 @@
 """The one place that maps dgr failures to gRPC status codes and back.
 
 A worker that refuses a call aborts it with a conventional gRPC status code and puts the exact
-reason in the trailing metadata under :data:`STATUS_KEY` (``"dgr-status": "DGR_E_STALE_EPOCH"``).
-The client reads the reason back and raises the same typed exception the engine raised, so a
-caller handles a remote stage exactly like a local one.
+reason in the trailing metadata under :data:`STATUS_KEY` (``"dgr-status": "DGR_E_STALE_EPOCH"``);
+a stale-epoch refusal also names the epoch the worker holds under :data:`HELD_EPOCH_KEY`. The
+client reads them back and raises the same typed exception the engine raised (a ``StaleEpoch``
+with its ``held_epoch``), so a caller handles a remote stage exactly like a local one.
 
 =====================  ============================  =============================================
 gRPC code              dgr-status                    exception (all ``EngineError``)
@@ -40,6 +41,10 @@ from dgr_engine import errors as E
 
 STATUS_KEY = "dgr-status"
 """Trailing-metadata key of the machine-readable reason."""
+
+HELD_EPOCH_KEY = "dgr-held-epoch"
+"""Trailing-metadata key of the epoch a worker holds, sent with a ``DGR_E_STALE_EPOCH``
+refusal (decimal)."""
 
 
 # the worker's and client's own refusals live with the engine's, in dgr_engine.errors
@@ -95,6 +100,31 @@ def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(exc, E.EngineError) and exc.status in _BY_STATUS:
         return _BY_STATUS[exc.status][0], exc.status
     return _C.INTERNAL, "DGR_E_INTERNAL"
+
+
+def refusal_trailers(exc: BaseException, status: str) -> tuple[tuple[str, str], ...]:
+    """The trailing metadata a worker refuses a call with: the dgr-status, and the epoch it
+    holds for a stale-epoch refusal."""
+    held = exc.held_epoch if isinstance(exc, E.StaleEpoch) else None
+    if held is None:
+        return ((STATUS_KEY, status),)
+    return ((STATUS_KEY, status), (HELD_EPOCH_KEY, str(held)))
+
+
+def error_from_trailers(
+    code: grpc.StatusCode, trailers: Iterable[tuple[str, str | bytes]] | None, details: str
+) -> E.EngineError:
+    """The typed exception for a failed call, from its code, trailing metadata and details
+    (see :func:`error_from_rpc`); a stale-epoch refusal carries the worker's held epoch."""
+    found: dict[str, str] = {}
+    for key, value in trailers or ():
+        if key in (STATUS_KEY, HELD_EPOCH_KEY):
+            found[key] = value if isinstance(value, str) else value.decode()
+    error = error_from_rpc(code, found.get(STATUS_KEY), details)
+    held = found.get(HELD_EPOCH_KEY, "")
+    if isinstance(error, E.StaleEpoch) and held.isdigit():
+        error.held_epoch = int(held)
+    return error
 
 
 def error_from_rpc(code: grpc.StatusCode, status: str | None, details: str) -> E.EngineError:

@@ -59,9 +59,23 @@ class UnknownSession(EngineError, KeyError):
 
 class StaleEpoch(EngineError):
     """The epoch is older than the session's current one. Nothing changed; the newer epoch's
-    state is untouched. The caller's session lives on under its newer epoch."""
+    state is untouched. The caller's session lives on under its newer epoch.
+
+    ``held_epoch``: the epoch the refusing side holds, when it says (a worker sends it with
+    its refusal); ``None`` when unknown."""
 
     code, status = 6, "DGR_E_STALE_EPOCH"
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        code: int | None = None,
+        status: str | None = None,
+        held_epoch: int | None = None,
+    ) -> None:
+        super().__init__(message, code=code, status=status)
+        self.held_epoch = held_epoch
 
 
 class CapacityExceeded(EngineError):

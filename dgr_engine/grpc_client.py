@@ -37,13 +37,12 @@ from dgr_engine._worker_frames import (
     output_from_reply,
 )
 from dgr_engine._worker_status import (
-    STATUS_KEY,
     ExpectationMismatch,
     FrameRejected,
     ShardDeadlineExceeded,
     ShardRpcError,
     ShardUnavailable,
-    error_from_rpc,
+    error_from_trailers,
 )
 from dgr_engine.advert import Advert, advert_from_proto
 from dgr_engine.errors import EngineError
@@ -283,11 +282,7 @@ class ShardClient:
 
 
 def _error_of(exc: grpc.aio.AioRpcError) -> EngineError:
-    status = None
-    for key, value in exc.trailing_metadata() or ():
-        if key == STATUS_KEY:
-            status = value if isinstance(value, str) else value.decode()
-    return error_from_rpc(exc.code(), status, exc.details() or "")
+    return error_from_trailers(exc.code(), exc.trailing_metadata(), exc.details() or "")
 
 
 class _SessionStream:
@@ -349,9 +344,6 @@ class _SessionStream:
             code = await self.call.code()
             if code == grpc.StatusCode.OK:
                 raise ShardRpcError("the worker ended the stream", status="DGR_E_PROTOCOL")
-            status = None
-            for key, value in await self.call.trailing_metadata() or ():
-                if key == STATUS_KEY:
-                    status = value if isinstance(value, str) else value.decode()
-            raise error_from_rpc(code, status, await self.call.details() or "")
+            trailers = await self.call.trailing_metadata()
+            raise error_from_trailers(code, trailers, await self.call.details() or "")
         return reply, wire_ns

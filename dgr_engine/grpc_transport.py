@@ -35,7 +35,6 @@ The library logs with loguru, bound to ``session``/``epoch``/``stage``, and adds
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
@@ -57,8 +56,6 @@ if TYPE_CHECKING:
     from loguru import Logger
 
 __all__ = ["ForwardRecord", "GrpcStageTransport", "StageStats", "expectations_for"]
-
-_HELD_EPOCH = re.compile(r"open epoch (\d+)")
 
 
 def expectations_for(stage: StageSpec) -> Expectations:
@@ -405,12 +402,12 @@ class GrpcStageTransport:
             self._adverts.pop(endpoint, None)
             error = StageDead(f"{endpoint}: {what}: stage unreachable ({exc})")
         elif isinstance(exc, EngineStaleEpoch):
-            held = _HELD_EPOCH.search(str(exc))
             error = StaleEpoch(
                 f"{endpoint}: {what}: {exc}",
                 session_id=session_id,
                 epoch=epoch,
-                held_epoch=int(held.group(1)) if held else epoch + 1,
+                # the worker sends the epoch it holds; one that did not holds a newer one
+                held_epoch=exc.held_epoch if exc.held_epoch is not None else epoch + 1,
             )
         elif isinstance(exc, TimeoutError):
             error = exc  # ShardDeadlineExceeded, or our own close deadline: both TimeoutError

@@ -40,7 +40,11 @@ from dgr_engine._binding import LLAMA_COMMIT
 from dgr_engine._worker_identity import BuildIdentity
 from dgr_engine._worker_load import LoadMeter
 from dgr_engine._worker_sessions import EngineLike, SessionTable
-from dgr_engine._worker_status import STATUS_KEY, ShardDeadlineExceeded, grpc_status_for
+from dgr_engine._worker_status import (
+    ShardDeadlineExceeded,
+    grpc_status_for,
+    refusal_trailers,
+)
 from dgr_engine._worker_thread import EngineThread
 from dgr_engine.advert import (
     Advert,
@@ -432,5 +436,7 @@ class _Servicer(shard_pb2_grpc.ShardServicer):
             log.warning("{} refused: {} {}", what, code.name, _details(exc, status))
         else:
             log.opt(exception=exc).error("{} failed: {!r}", what, exc)
-        await context.abort(code, _details(exc, status), trailing_metadata=((STATUS_KEY, status),))
+        await context.abort(
+            code, _details(exc, status), trailing_metadata=refusal_trailers(exc, status)
+        )
         raise AssertionError("unreachable: abort raises")

@@ -141,11 +141,12 @@ def test_failures_are_what_the_manager_classifies(two: list[tuple[WorkerProcess,
             assert fault_kind(dead.value) is FaultKind.DEAD
             await t.close(nowhere, "f", 0)  # nothing held there: a no-op
 
-            # a newer epoch is held: dgr_session's StaleEpoch naming both epochs
+            # a newer epoch is held: dgr_session's StaleEpoch naming both epochs (the held one
+            # as the worker says it, not guessed: two ahead of the stale one)
             await t.open(first, "f", 2)
             with pytest.raises(StaleEpoch) as stale:
-                await t.forward(first, "f", 1, 0, range(3), [1, 2, 3], None)
-            assert (stale.value.session_id, stale.value.epoch) == ("f", 1)
+                await t.forward(first, "f", 0, 0, range(3), [1, 2, 3], None)
+            assert (stale.value.session_id, stale.value.epoch) == ("f", 0)
             assert stale.value.held_epoch == 2
             assert fault_kind(stale.value) is FaultKind.PROTOCOL
             with pytest.raises(StaleEpoch):

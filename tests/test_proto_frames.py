@@ -24,8 +24,10 @@ from dgr_engine._worker_status import (
     ShardRpcError,
     ShardUnavailable,
     error_from_rpc,
+    error_from_trailers,
     grpc_status_for,
     known_statuses,
+    refusal_trailers,
 )
 from dgr_engine.engine import ShardInfo
 from dgr_engine.proto import shard_pb2 as pb
@@ -285,3 +287,27 @@ def test_codes_without_a_reason() -> None:
     assert isinstance(big, FrameRejected) and big.status == "DGR_E_MESSAGE_SIZE"
     other = error_from_rpc(grpc.StatusCode.PERMISSION_DENIED, None, "no")
     assert isinstance(other, ShardRpcError) and other.status == "GRPC_PERMISSION_DENIED"
+
+
+def test_a_stale_epoch_refusal_carries_the_held_epoch_in_its_trailers() -> None:
+    # the message text is for people: the held epoch travels as its own trailer
+    refused = E.StaleEpoch("not a parseable text", held_epoch=7)
+    code, status = grpc_status_for(refused)
+    trailers = refusal_trailers(refused, status)
+    assert dict(trailers) == {"dgr-status": "DGR_E_STALE_EPOCH", "dgr-held-epoch": "7"}
+    back = error_from_trailers(code, trailers, "not a parseable text")
+    assert isinstance(back, E.StaleEpoch) and back.held_epoch == 7
+
+    # as gRPC may hand them back (bytes values), and without the trailer: unknown
+    def held(error: Exception) -> int | None:
+        assert isinstance(error, E.StaleEpoch)
+        return error.held_epoch
+
+    assert held(error_from_trailers(code, [(k, v.encode()) for k, v in trailers], "d")) == 7
+    assert held(error_from_trailers(code, trailers[:1], "d")) is None
+    # only a stale-epoch refusal has one; a garbled trailer is ignored, not trusted
+    assert refusal_trailers(E.UnknownSession("x"), "DGR_E_UNKNOWN_SESSION") == (
+        ("dgr-status", "DGR_E_UNKNOWN_SESSION"),
+    )
+    garbled = (("dgr-status", "DGR_E_STALE_EPOCH"), ("dgr-held-epoch", "-1x"))
+    assert held(error_from_trailers(code, garbled, "d")) is None
