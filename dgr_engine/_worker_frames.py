@@ -159,12 +159,13 @@ def tensor_from_proto(tensor: pb.Tensor, n_rows: int, width: int, what: str) -> 
     shape = tuple(tensor.shape)
     if shape != (n_rows, width):
         raise FrameRejected(f"{what}: shape {list(shape)}, expected [{n_rows}, {width}]")
-    if len(tensor.data) != n_rows * width * F32.itemsize:
+    data = tensor.data  # each read of a bytes field copies it: read once
+    if len(data) != n_rows * width * F32.itemsize:
         raise FrameRejected(
-            f"{what}: {len(tensor.data)} bytes for shape [{n_rows}, {width}] f32 "
+            f"{what}: {len(data)} bytes for shape [{n_rows}, {width}] f32 "
             f"({n_rows * width * F32.itemsize} expected)"
         )
-    return np.frombuffer(tensor.data, dtype=F32).reshape(n_rows, width)
+    return np.frombuffer(data, dtype=F32).reshape(n_rows, width)
 
 
 # --- forward request ---------------------------------------------------------------------------
