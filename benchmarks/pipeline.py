@@ -16,11 +16,13 @@ the last stage's reply). Each is the median of ``--repeats`` rounds; every round
 whole model and every route once (order rotated per round, all routes' workers up throughout),
 after one warm-up round, so that a slow spell of this shared machine hits them all alike.
 
-Where a route's decode time goes, per token: its engines (what the workers report), the seam
-(round trips minus engine time) and the client (between a reply and the next request), beside
-the **floor**: the same route shape over bare grpc.aio echo servers (``grpc_floor.py``, raw
-bytes, no dgr code) that each read memory for a stage's median engine time. ``best`` is the
-ratio a route would reach with floor-cost hops and engines as fast as the whole model.
+Where a route's decode time goes, per token: its engines (what the workers report), the
+workers' handlers around them, the transit (the client's time inside gRPC minus the handlers)
+and the client's own code; ``dgr-free`` is the ratio of the engines and transit alone (dgr's
+code at zero cost). Beside it the **floor**: the same route shape over bare grpc.aio echo
+servers (``grpc_floor.py``, raw bytes, no dgr code) that each read memory for a stage's median
+engine time; ``best`` is the ratio a route would reach with floor-cost hops and engines as fast
+as the whole model.
 
 Per-hop seam overhead (µs, client round trip minus the engine time the worker reports, the
 method of ``benchmarks/seam_overhead.py``): for the route's dense boundary (measured on the
@@ -244,13 +246,9 @@ def breakdown(
     parts: dict[str, list[float]] = {"engine": [], "worker": [], "transit": [], "client": []}
     for run in runs:
         records = run.decode_records
-
-        def per_token(values: list[int]) -> float:
-            return sum(values) / n_decode / 1000
-
-        engine = per_token([r.compute_us for r in records])
-        handler = per_token([r.handler_us for r in records])
-        wire = per_token([r.wire_us for r in records])
+        engine = sum(r.compute_us for r in records) / n_decode / 1000
+        handler = sum(r.handler_us for r in records) / n_decode / 1000
+        wire = sum(r.wire_us for r in records) / n_decode / 1000
         parts["engine"].append(engine)
         parts["worker"].append(handler - engine)
         parts["transit"].append(wire - handler)
