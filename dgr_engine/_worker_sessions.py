@@ -5,9 +5,13 @@ its epochs (so the engine fences them: a newer epoch discards the older one's st
 one is refused) and loses it when closed. The table mirrors each session's epoch and next
 position so that ``Describe`` never waits for the engine.
 
-Threading: every method but :meth:`snapshot` is called from the worker's one engine thread,
-so engine calls and table updates never interleave; ``_lock`` only guards the dict against a
-concurrent :meth:`snapshot` (invariant: an entry exists iff its engine session is open).
+Each session also remembers when it was last used (opened or forwarded) so that the worker can
+close sessions whose client vanished without closing them (:meth:`SessionTable.expire_idle`,
+the worker's session lease).
+
+Threading: every method but :meth:`snapshot` and :meth:`oldest_use` is called from the worker's
+one engine thread, so engine calls and table updates never interleave; ``_lock`` only guards the
+dict against a concurrent reader (invariant: an entry exists iff its engine session is open).
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import Protocol
 
 import attrs
@@ -50,7 +55,18 @@ class EngineLike(Protocol):
 class _Entry:
     key: int
     epoch: int
+    last_used: float
     next_pos: int = 0
+
+
+@attrs.define
+class LeaseSweep:
+    """What :meth:`SessionTable.expire_idle` did."""
+
+    closed: list[tuple[str, int]] = attrs.Factory(list)
+    """``(session_id, epoch)`` of the sessions closed."""
+    failed: list[tuple[str, int, EngineError]] = attrs.Factory(list)
+    """Sessions whose engine close failed (still open), with the error."""
 
 
 @attrs.frozen
@@ -60,10 +76,11 @@ class TableSnapshot:
 
 
 class SessionTable:
-    """Sessions of one engine, by wire id."""
+    """Sessions of one engine, by wire id. ``clock`` (seconds, monotonic) times their use."""
 
-    def __init__(self, engine: EngineLike) -> None:
+    def __init__(self, engine: EngineLike, clock: Callable[[], float] = time.monotonic) -> None:
         self.engine = engine
+        self.clock = clock
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._keys = itertools.count(1)
@@ -79,21 +96,26 @@ class SessionTable:
         discarded = entry is not None and epoch > entry.epoch
         if entry is None or discarded:
             with self._lock:
-                self._entries[session_id] = _Entry(key, epoch)
+                self._entries[session_id] = _Entry(key, epoch, self.clock())
+        else:
+            entry.last_used = self.clock()
         return discarded
 
     def forward(self, frame: ForwardFrame) -> tuple[FloatRows, int]:
         """Runs the frame; returns the output rows and the session's next position."""
         entry = self._live(frame.session_id, frame.epoch)
-        with _naming(frame.session_id, entry.key):
-            out = self.engine.forward(
-                entry.key,
-                frame.epoch,
-                frame.positions,
-                tokens=frame.tokens,
-                rows=frame.rows,
-                want=frame.want,
-            )
+        try:
+            with _naming(frame.session_id, entry.key):
+                out = self.engine.forward(
+                    entry.key,
+                    frame.epoch,
+                    frame.positions,
+                    tokens=frame.tokens,
+                    rows=frame.rows,
+                    want=frame.want,
+                )
+        finally:
+            entry.last_used = self.clock()  # a refused frame still shows the client is there
         entry.next_pos = int(frame.positions[-1]) + 1
         return out, entry.next_pos
 
@@ -112,6 +134,34 @@ class SessionTable:
         for entry in entries:
             self.engine.close_session(entry.key, entry.epoch)
         return len(entries)
+
+    def expire_idle(self, lease_seconds: float) -> LeaseSweep:
+        """Closes every session unused (not opened or forwarded) for at least
+        ``lease_seconds``. A session whose engine close fails stays open (and listed as
+        failed)."""
+        now = self.clock()
+        with self._lock:
+            idle = [
+                (sid, e) for sid, e in self._entries.items() if now - e.last_used >= lease_seconds
+            ]
+        sweep = LeaseSweep()
+        for session_id, entry in idle:
+            try:
+                with _naming(session_id, entry.key):
+                    self.engine.close_session(entry.key, entry.epoch)
+            except EngineError as exc:
+                sweep.failed.append((session_id, entry.epoch, exc))
+                continue
+            with self._lock:
+                del self._entries[session_id]
+            sweep.closed.append((session_id, entry.epoch))
+        return sweep
+
+    def oldest_use(self) -> float | None:
+        """When the least recently used session was last used (``None``: no session open);
+        safe from any thread."""
+        with self._lock:
+            return min((e.last_used for e in self._entries.values()), default=None)
 
     def snapshot(self) -> TableSnapshot:
         """Counts for the advert (safe from any thread)."""

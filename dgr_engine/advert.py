@@ -56,6 +56,9 @@ class Capacity:
     """KV positions per session."""
     max_rows_per_forward: int
     """Most rows one forward may carry (n_batch)."""
+    session_lease_seconds: float = 0.0
+    """A session nobody opens or forwards for this long is closed by the stage (its next
+    frame is refused as unknown: re-prefill); 0: never."""
 
 
 @attrs.frozen
@@ -228,6 +231,7 @@ def advert_from_proto(msg: pb.Advert) -> Advert:
             kv_tokens_free=msg.capacity.kv_tokens_free,
             context_per_session=msg.capacity.context_per_session,
             max_rows_per_forward=msg.capacity.max_rows_per_forward,
+            session_lease_seconds=msg.capacity.session_lease_seconds,
         ),
         load=Load(
             in_flight=msg.load.in_flight,

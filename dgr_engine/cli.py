@@ -75,6 +75,12 @@ def _parser() -> argparse.ArgumentParser:
         default=20.0,
         help="...but only while the last such frame took at most this long (default 20)",
     )
+    w.add_argument(
+        "--session-lease",
+        type=float,
+        default=600.0,
+        help="close a session nobody has used for this many seconds (default 600); 0: never",
+    )
     w.add_argument("--log-level", default="INFO")
 
     g = sub.add_parser("generate", help="generate over a route of workers", add_help=False)
@@ -119,6 +125,7 @@ async def _serve(args: argparse.Namespace) -> int:
         grace_seconds=args.grace,
         inline_max_rows=args.inline_max_rows,
         inline_max_ms=args.inline_max_ms,
+        session_lease_seconds=args.session_lease if args.session_lease > 0 else None,
     )
     try:
         model = args.model if args.model is not None else ensure_fixture(args.fixture)

@@ -16,6 +16,11 @@ in arrival order. A forward whose deadline passes while queued is refused (DEADL
 without running; one already running completes (its state advances even if the client has given
 up). Request sizes are capped at what ``n_batch`` rows can need.
 
+A session nobody has opened or forwarded for ``WorkerConfig.session_lease_seconds`` is closed by
+the worker itself (its slot and KV freed): a client that vanished without closing cannot hold
+the capacity for ever. Its next frame, if one ever comes, is refused as an unknown session
+(NOT_FOUND), which a route session handles like any lost stage state: re-prefill.
+
 Shutdown (:meth:`ShardWorker.stop`) marks health NOT_SERVING, stops the server (in-flight calls
 get a short grace), closes every session's state and frees the engine. The library logs with
 loguru, bound to ``stage``/``session``/``epoch``, and adds no sinks (``dgr worker`` does).
@@ -23,6 +28,8 @@ loguru, bound to ``stage``/``session``/``epoch``, and adds no sinks (``dgr worke
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -102,20 +109,36 @@ class WorkerConfig:
     """Run small frames on the loop only while the last one took at most this long in the
     engine (the first one always runs on the engine thread, to measure): a model whose decode
     steps are slow never holds the loop, and for it the hop saved is noise anyway."""
+    session_lease_seconds: float | None = 600.0
+    """A session neither opened nor forwarded for this long is closed by the worker (checked
+    while serving, see ``ShardWorker.expire_idle_sessions``); ``None``: never."""
+
+    def __attrs_post_init__(self) -> None:
+        lease = self.session_lease_seconds
+        if lease is not None and not lease > 0:
+            raise ValueError(f"session_lease_seconds must be > 0 or None, got {lease}")
 
 
 class ShardWorker:
     """One engine served over gRPC. ``await start()``, then ``await stop()`` (idempotent)."""
 
     def __init__(
-        self, engine: EngineLike, build: BuildIdentity, config: WorkerConfig | None = None
+        self,
+        engine: EngineLike,
+        build: BuildIdentity,
+        config: WorkerConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
         self.build = build
         self.config = config if config is not None else WorkerConfig()
         self.info = engine.info
         self.expect = frames.Expectations.of_shard(build.model_sha256, self.info)
-        self.table = SessionTable(engine)
+        self.table = SessionTable(engine, clock)
+        self.sessions_expired = 0
+        """Sessions closed because their lease ran out."""
+        self._sweeper: asyncio.Task[None] | None = None
         self.meter = LoadMeter(self.config.load_window_seconds)
         self.port = 0
         self.log = logger.bind(stage=f"{self.info.layer_begin}:{self.info.layer_end}")
@@ -187,6 +210,10 @@ class ShardWorker:
             raise OSError(f"could not bind {host}:{self.config.port}")
         await server.start()
         self._server = server
+        if self.config.session_lease_seconds is not None:
+            self._sweeper = asyncio.get_running_loop().create_task(
+                self._sweep_leases(self.config.session_lease_seconds), name="dgr-session-leases"
+            )
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.log.info(
@@ -203,6 +230,10 @@ class ShardWorker:
         if self._stopped is not None:
             return self._stopped
         await self._health.enter_graceful_shutdown()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
         if self._server is not None:
             await self._server.stop(self.config.grace_seconds)
         closed = await self._engine_thread.run(self._close)
@@ -216,6 +247,43 @@ class ShardWorker:
             return self.table.close_all()
         finally:
             self.engine.close()
+
+    # -- session leases ----------------------------------------------------------------------
+
+    async def expire_idle_sessions(self) -> list[tuple[str, int]]:
+        """Closes (on the engine thread) every session unused for the lease or longer; returns
+        their ``(session_id, epoch)``. While serving, the worker calls this itself when the
+        oldest session's lease runs out."""
+        lease = self.config.session_lease_seconds
+        if lease is None:
+            return []
+        sweep = await self._engine_thread.run(self.table.expire_idle, lease)
+        for session_id, epoch in sweep.closed:
+            self.log.bind(session=session_id, epoch=epoch).warning(
+                "session closed: unused for {} s (its lease ran out)", lease
+            )
+        for session_id, epoch, exc in sweep.failed:
+            self.meter.error()
+            self.log.bind(session=session_id, epoch=epoch).error(
+                "session lease ran out but closing it failed: {}", exc
+            )
+        self.sessions_expired += len(sweep.closed)
+        return sweep.closed
+
+    async def _sweep_leases(self, lease: float) -> None:
+        # Wakes when the least recently used session's lease runs out (a lease at most when
+        # none is open), and never more often than every lease/16 (bounded even if a close
+        # keeps failing).
+        pause = min(lease / 16, 1.0)
+        while True:
+            oldest = self.table.oldest_use()
+            due = lease if oldest is None else oldest + lease - self.table.clock()
+            await asyncio.sleep(max(due, pause))
+            try:
+                await self.expire_idle_sessions()
+            except Exception as exc:  # noqa: BLE001 - the sweeper must outlive one bad sweep
+                self.meter.error()
+                self.log.opt(exception=exc).error("session lease sweep failed: {!r}", exc)
 
     async def wait_for_termination(self) -> None:
         if self._server is not None:
@@ -261,6 +329,7 @@ class ShardWorker:
                 kv_tokens_free=info.max_sessions * info.n_ctx_per_session - table.kv_tokens_used,
                 context_per_session=info.n_ctx_per_session,
                 max_rows_per_forward=info.n_batch,
+                session_lease_seconds=self.config.session_lease_seconds or 0.0,
             ),
             load=Load(
                 in_flight=load.in_flight,

@@ -49,7 +49,7 @@ def advert(begin: int, end: int, n_layer: int = 4, width: int = 64, **lane_kw: o
         lane=Lane(**lane_args),  # type: ignore[arg-type]
         schema_version=1,
         span=LayerSpan(begin, end, is_first, is_last, is_first),
-        capacity=Capacity(4, 1, 900, 256, 64),
+        capacity=Capacity(4, 1, 900, 256, 64, 600.0),
         load=Load(1, 0, 12.5, 10.0),
         seam=SeamCost("f32", 0 if is_first else width, 256 if is_last else width, 8, 256),
         health=Health(3.5, 1, 2, 10.0),

@@ -18,7 +18,9 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine import errors as E
+from dgr_engine._binding import LLAMA_COMMIT
 from dgr_engine._worker_frames import ForwardFrame, encode_forward
+from dgr_engine._worker_identity import BuildIdentity
 from dgr_engine._worker_sessions import SessionTable
 from dgr_engine._worker_status import STATUS_KEY, ShardDeadlineExceeded
 from dgr_engine._worker_thread import EngineThread
@@ -145,6 +147,45 @@ def test_session_table_mirrors_the_engine(tiny_llama: Path) -> None:
         assert engine.stats().open_sessions == 0 and table.snapshot().sessions_open == 0
 
 
+class FakeClock:
+    """Seconds that move only when told."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_table_expires_sessions_unused_for_the_lease(tiny_llama: Path) -> None:
+    clock = FakeClock()
+    with ShardEngine(tiny_llama, layers=(0, 2), **KW) as engine:
+        table = SessionTable(engine, clock)
+        assert table.oldest_use() is None and table.expire_idle(10.0).closed == []
+        table.open("idle", 0)
+        clock.now += 6
+        table.open("busy", 2)
+        assert table.oldest_use() == 1000.0
+        clock.now += 3
+        table.forward(frame("busy", 2, 0, [1, 2]))  # used at 1009
+        with pytest.raises(E.PositionMismatch):
+            table.forward(frame("idle", 0, 5, [1]))  # refused, but the client is there: 1009
+        clock.now += 9.5
+        assert table.expire_idle(10.0).closed == []  # both used 9.5 s ago
+        clock.now += 0.5
+        table.forward(frame("busy", 2, 2, [3]))  # 1019: busy is fresh again
+        sweep = table.expire_idle(10.0)  # idle: unused for exactly the lease
+        assert sweep.closed == [("idle", 0)] and sweep.failed == []
+        assert engine.stats().open_sessions == 1 and table.snapshot().sessions_open == 1
+        with pytest.raises(E.UnknownSession):
+            table.forward(frame("idle", 0, 0, [1]))
+        assert table.oldest_use() == 1019.0
+        # the slot is free again; the kept session's KV is untouched
+        table.open("idle", 0)
+        out, next_pos = table.forward(frame("busy", 2, 3, [4]))
+        assert next_pos == 4 and out.shape == (1, 64)
+
+
 # --- deadlines ---------------------------------------------------------------------------------
 
 
@@ -247,5 +288,76 @@ def test_one_row_frames_run_on_the_loop_when_the_engine_is_idle_and_steps_are_sh
                 assert ran_on[-1] == "dgr-engine"
         finally:
             assert await worker.stop() == 1
+
+    run(scenario())
+
+
+# --- session leases ----------------------------------------------------------------------------
+
+
+def test_a_lease_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="session_lease_seconds"):
+        WorkerConfig(session_lease_seconds=0)
+    assert WorkerConfig(session_lease_seconds=None).session_lease_seconds is None
+
+
+def test_an_expired_session_is_closed_and_refused_while_others_go_on(tiny_llama: Path) -> None:
+    clock = FakeClock()
+    engine = ShardEngine(tiny_llama, layers=(0, 4), **KW)
+    build = BuildIdentity.of_model(tiny_llama, LLAMA_COMMIT)
+    config = WorkerConfig(port=0, session_lease_seconds=30.0)
+    worker = ShardWorker(engine, build, config, clock=clock)
+
+    async def scenario() -> None:
+        address = await worker.start()
+        try:
+            async with ShardClient(address, timeout=20.0) as client:
+                advert = await client.describe()
+                assert advert.capacity.session_lease_seconds == 30.0  # the tracker can see it
+                expect = expectations_of(advert)
+                await client.open("gone", 0, expect)
+                await client.open("here", 0, expect)
+                await client.forward("gone", 0, 0, expect, [0, 1], tokens=[1, 2])
+                clock.now += 20
+                await client.forward("here", 0, 0, expect, [0, 1], tokens=[1, 2])
+                clock.now += 10  # "gone" unused for 30 s, "here" for 10
+                assert await worker.expire_idle_sessions() == [("gone", 0)]
+                assert worker.sessions_expired == 1
+                assert (await client.describe()).capacity.sessions_open == 1
+                with pytest.raises(E.UnknownSession):  # NOT_FOUND: a route re-prefills
+                    await client.forward("gone", 0, 1, expect, [2], tokens=[3])
+                result = await client.forward("here", 0, 1, expect, [2], tokens=[3])
+                assert result.next_pos == 3
+                # the freed slot serves a new session
+                await client.open("new", 0, expect)
+                assert (await client.describe()).capacity.sessions_open == 2
+        finally:
+            assert await worker.stop() == 2
+
+    run(scenario())
+
+
+def test_the_worker_expires_an_abandoned_session_by_itself(tiny_llama: Path) -> None:
+    lease = 0.2
+    config = WorkerConfig(port=0, session_lease_seconds=lease)
+    worker = ShardWorker.load(tiny_llama, (0, 4), **KW, config=config)
+
+    async def scenario() -> None:
+        address = await worker.start()
+        try:
+            async with ShardClient(address, timeout=20.0) as client:
+                expect = expectations_of(await client.describe())
+                await client.open("abandoned", 0, expect)
+                opened = time.monotonic()
+                # the client goes away without closing; wait (bounded) for the worker to notice
+                limit = opened + 20.0
+                while worker.table.snapshot().sessions_open:
+                    assert time.monotonic() < limit, "the lease never ran out"
+                    await asyncio.sleep(0.01)
+                assert time.monotonic() - opened >= lease
+                assert worker.sessions_expired == 1
+                assert (await client.describe()).capacity.sessions_open == 0
+        finally:
+            assert await worker.stop() == 0
 
     run(scenario())
