@@ -24,9 +24,13 @@ from dgr_engine._worker_identity import BuildIdentity
 from dgr_engine._worker_sessions import SessionTable
 from dgr_engine._worker_status import STATUS_KEY, ShardDeadlineExceeded
 from dgr_engine._worker_thread import EngineThread
+from dgr_engine.generate import whole_model_reference
 from dgr_engine.grpc_client import ShardClient, expectations_of
+from dgr_engine.grpc_transport import GrpcStageTransport
 from dgr_engine.proto import shard_pb2_grpc
+from dgr_engine.route_provider import EndpointRouteProvider
 from dgr_engine.worker import ShardWorker, WorkerConfig
+from dgr_session import FaultKind, SessionManager, SessionResult, SessionState
 
 T = TypeVar("T")
 KW: dict[str, Any] = {"max_sessions": 2, "n_ctx_per_session": 256, "n_threads": 1, "n_batch": 32}
@@ -240,7 +244,10 @@ def test_a_frame_past_its_deadline_is_refused_without_running(tiny_llama: Path) 
 def test_one_row_frames_run_on_the_loop_when_the_engine_is_idle_and_steps_are_short(
     tiny_llama: Path,
 ) -> None:
-    worker = ShardWorker.load(tiny_llama, (0, 4), **KW, config=WorkerConfig(port=0))
+    # a threshold no hiccup of this shared machine reaches (a one-row tiny-llama step takes
+    # well under a millisecond); "slow" steps are made by hand below
+    config = WorkerConfig(port=0, inline_max_ms=10_000.0)
+    worker = ShardWorker.load(tiny_llama, (0, 4), **KW, config=config)
     ran_on: list[str] = []
     table_forward = worker.table.forward
 
@@ -276,9 +283,9 @@ def test_one_row_frames_run_on_the_loop_when_the_engine_is_idle_and_steps_are_sh
                 assert ran_on[-1] == "dgr-engine"
                 await client.forward("i", 0, 4, expect, [6], tokens=[7])
                 assert ran_on[-1] == loop_thread
-                # a step slower than inline_max_ms (20 ms): the next one runs on the engine
+                # a step slower than inline_max_ms (10 s): the next one runs on the engine
                 # thread; it measured fast, so the one after is back on the loop
-                worker.small_frame_ns = 30e6
+                worker.small_frame_ns = 11e9
                 await client.forward("i", 0, 5, expect, [7], tokens=[8])
                 await client.forward("i", 0, 6, expect, [8], tokens=[9])
                 assert ran_on[-2:] == ["dgr-engine", loop_thread]
@@ -361,3 +368,55 @@ def test_the_worker_expires_an_abandoned_session_by_itself(tiny_llama: Path) -> 
             assert await worker.stop() == 0
 
     run(scenario())
+
+
+@pytest.mark.filterwarnings("ignore::dgr_session.DarkLaneWarning")
+def test_a_route_session_survives_a_lease_expiry_by_re_prefilling(tiny_llama: Path) -> None:
+    prompt = [5, 17, 3, 99, 42, 7, 1, 250]
+    n_tokens = 10
+    ((want, _),) = whole_model_reference(tiny_llama, [prompt], n_tokens, KW)
+    build = BuildIdentity.of_model(tiny_llama, LLAMA_COMMIT)
+    clocks = [FakeClock(), FakeClock()]
+    workers = [
+        ShardWorker(
+            ShardEngine(tiny_llama, layers=layers, **KW),
+            build,
+            WorkerConfig(port=0, session_lease_seconds=30.0),
+            clock=clock,
+        )
+        for layers, clock in zip(((0, 2), (2, 4)), clocks, strict=True)
+    ]
+    expiries: list[asyncio.Future[list[tuple[str, int]]]] = []
+
+    async def scenario() -> SessionResult:
+        addresses = [await worker.start() for worker in workers]
+        try:
+            async with GrpcStageTransport(timeout=20.0) as transport:
+                manager = SessionManager(
+                    transport, EndpointRouteProvider(addresses), allow_dark_lanes=True
+                )
+
+                def on_token(token: int) -> None:
+                    if len(handle.tokens) == 4 and not expiries:
+                        # the second stage has not heard of the session for 31 s: its lease
+                        # runs out before the next step's frame arrives
+                        clocks[1].now += 31
+                        expiries.append(asyncio.ensure_future(workers[1].expire_idle_sessions()))
+
+                handle = manager.start(prompt, max_new_tokens=n_tokens, on_token=on_token)
+                result = await handle.wait()
+                await manager.aclose()
+                return result
+        finally:
+            for worker in workers:
+                assert await worker.stop() == 0  # every epoch closed by the session
+
+    result = run(scenario())
+    assert expiries and expiries[0].result() == [(result.session_id, 1)]  # the first epoch
+    assert workers[1].sessions_expired == 1
+    # refused as unknown (NOT_FOUND) at the next step: a new epoch, re-prefilled, same tokens
+    assert result.state is SessionState.DONE and list(result.tokens) == want
+    assert (result.epoch, result.route_changes) == (2, 1)
+    (report,) = result.reports
+    assert report.fault is FaultKind.ENGINE_ERROR and report.stage_index == 1
+    assert "UnknownSession" in report.detail and report.step == 4
