@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from pathlib import Path
+from typing import Any
 
 from cffi import FFI
 
@@ -38,22 +39,32 @@ def cdef_from_header(text: str) -> str:
     return "\n".join(keep)
 
 
-def llama_prefix() -> Path:
-    """The installed prefix of the patched static libllama (built on first use, then cached)."""
-    override = os.environ.get("DGR_LLAMA_PREFIX")
-    if override:
-        return Path(override)
+def _build_llama() -> Any:
+    """``native/build_llama.py`` as a module."""
     sys.path.insert(0, str(ROOT / "native"))
     try:
         import build_llama
     finally:
         sys.path.pop(0)
-    return Path(build_llama.ensure_llama(log=lambda msg: print(msg, file=sys.stderr, flush=True)))
+    return build_llama
+
+
+def llama_prefix() -> Path:
+    """The installed prefix of the patched static libllama (built on first use, then cached)."""
+    override = os.environ.get("DGR_LLAMA_PREFIX")
+    if override:
+        return Path(override)
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    return Path(_build_llama().ensure_llama(log=log))
 
 
 def make_ffibuilder() -> FFI:
     prefix = llama_prefix()
     commit = json.loads(MANIFEST.read_text())["upstream"]["commit"]
+    # the stack the library is built with (the build key covers the same files), stated by
+    # every worker's advert
+    build_llama = _build_llama()
+    stack = build_llama.patch_stack_sha256(build_llama.read_patches(ROOT / "patches")).hex()
     ffibuilder = FFI()
     ffibuilder.cdef(cdef_from_header(HEADER.read_text()))
     ffibuilder.set_source(
@@ -65,7 +76,10 @@ def make_ffibuilder() -> FFI:
         extra_objects=[str(prefix / "lib" / name) for name in STATIC_LIBS],
         libraries=["gomp", "pthread", "m", "stdc++"],
         extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden"],
-        define_macros=[("DGR_LLAMA_COMMIT", f'"{commit}"')],
+        define_macros=[
+            ("DGR_LLAMA_COMMIT", f'"{commit}"'),
+            ("DGR_PATCH_STACK_SHA256", f'"{stack}"'),
+        ],
     )
     return ffibuilder
 

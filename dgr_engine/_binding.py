@@ -8,7 +8,7 @@ from typing import Any
 from dgr_engine.errors import AbiMismatch
 
 #: The C ABI version this Python package was written against (native/include/dgr_shard.h).
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 try:
     _native: Any = importlib.import_module("dgr_engine._native")
@@ -29,3 +29,6 @@ if _runtime != ABI_VERSION or int(lib.DGR_ABI_VERSION) != ABI_VERSION:
     )
 
 LLAMA_COMMIT: str = ffi.string(lib.dgr_llama_commit()).decode()
+"""The llama.cpp commit the binding was built from."""
+PATCH_STACK_SHA256: bytes = bytes.fromhex(ffi.string(lib.dgr_patch_stack_sha256()).decode())
+"""The patch stack the binding was built with (empty if unknown): what adverts state."""

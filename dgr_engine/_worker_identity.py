@@ -1,8 +1,9 @@
 """What a worker's advert states about the files and the build it runs: computed once at start.
 
 The GGUF's SHA-256 is streamed (the file may be far larger than memory); the tensor types come
-from the GGUF header (``gguf.GGUFReader``, memory-mapped); the patch-stack hash covers
-``patches/*.patch`` in order, names and contents, read from the source tree at run time.
+from the GGUF header (``gguf.GGUFReader``, memory-mapped); the llama.cpp commit and the
+patch-stack hash are the ones the binding was built with (``dgr_engine._binding``), never read
+from a source tree that may have changed since.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from pathlib import Path
 
 import attrs
 
+from dgr_engine._binding import LLAMA_COMMIT, PATCH_STACK_SHA256
+
 _CHUNK = 8 * 1024 * 1024
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
-PATCHES_DIR = _PACKAGE_ROOT / "patches"
-"""The patch stack applied to the pinned llama.cpp (in the source tree)."""
 
 
 def _hex(value: bytes) -> str:
@@ -69,21 +70,6 @@ def gguf_tensor_types(path: str | os.PathLike[str]) -> tuple[str, ...]:
     return tuple(sorted({t.tensor_type.name for t in reader.tensors}))
 
 
-def patch_stack_sha256(patches_dir: Path = PATCHES_DIR) -> bytes:
-    """SHA-256 over ``*.patch`` in name order: each name, NUL, the SHA-256 of its bytes.
-
-    Empty bytes when the directory is absent (an installed package without its source tree):
-    an unknown patch stack, which matches no other lane.
-    """
-    patches = sorted(patches_dir.glob("*.patch")) if patches_dir.is_dir() else []
-    if not patches:
-        return b""
-    digest = hashlib.sha256()
-    for patch in patches:
-        digest.update(patch.name.encode() + b"\0" + hashlib.sha256(patch.read_bytes()).digest())
-    return digest.digest()
-
-
 def dgr_version() -> str:
     """The installed distribution's version, else ``pyproject.toml``'s, else ``0+unknown``."""
     try:
@@ -118,13 +104,13 @@ class BuildIdentity:
     """llama.cpp's default KV type, which ``native/src/dgr_shard.cpp`` keeps."""
 
     @classmethod
-    def of_model(cls, model: str | os.PathLike[str], llama_cpp_commit: str) -> BuildIdentity:
-        """Hashes and reads ``model`` (streaming) and the patch stack."""
+    def of_model(cls, model: str | os.PathLike[str]) -> BuildIdentity:
+        """Hashes and reads ``model`` (streaming); the build's half from the binding."""
         return cls(
             model_sha256=model_sha256(model),
             quant_types=gguf_tensor_types(model),
-            llama_cpp_commit=llama_cpp_commit,
-            patch_stack_sha256=patch_stack_sha256(),
+            llama_cpp_commit=LLAMA_COMMIT,
+            patch_stack_sha256=PATCH_STACK_SHA256,
             dgr_version=dgr_version(),
             hardware=hardware_class(),
         )

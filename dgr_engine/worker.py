@@ -43,7 +43,6 @@ from grpc_health.v1.health import aio as health_aio
 from loguru import logger
 
 from dgr_engine import _worker_frames as frames
-from dgr_engine._binding import LLAMA_COMMIT
 from dgr_engine._worker_identity import BuildIdentity
 from dgr_engine._worker_load import LoadMeter
 from dgr_engine._worker_sessions import EngineLike, SessionTable
@@ -163,7 +162,7 @@ class ShardWorker:
         config: WorkerConfig | None = None,
     ) -> ShardWorker:
         """Hashes the GGUF (streaming), loads the engine over ``layers``. Blocking."""
-        build = BuildIdentity.of_model(model, LLAMA_COMMIT)
+        build = BuildIdentity.of_model(model)
         engine = ShardEngine(
             Path(model),
             layers=layers,

@@ -189,6 +189,17 @@ def read_patches(patches_dir: Path) -> list[PatchFile]:
     return [PatchFile(p.name, p.read_bytes()) for p in list_patches(patches_dir)]
 
 
+def patch_stack_sha256(patches: Sequence[PatchFile]) -> bytes:
+    """The patch stack's identity, as a worker's advert states it: SHA-256 over the patches in
+    order, each its name, NUL, and the SHA-256 of its bytes. Empty for no patches."""
+    if not patches:
+        return b""
+    digest = hashlib.sha256()
+    for patch in patches:
+        digest.update(patch.name.encode() + b"\0" + hashlib.sha256(patch.data).digest())
+    return digest.digest()
+
+
 def compute_key(manifest_bytes: bytes, patches: Sequence[PatchFile], script_bytes: bytes) -> str:
     """sha256 over the manifest, each patch (name + bytes, in order) and the build script."""
     h = hashlib.sha256()

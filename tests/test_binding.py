@@ -18,6 +18,7 @@ from dgr_engine.errors import AbiMismatch
 def test_abi_version_matches() -> None:
     assert int(_binding.lib.dgr_abi_version()) == _binding.ABI_VERSION
     assert len(_binding.LLAMA_COMMIT) == 40
+    assert _binding.ABI_VERSION == 2  # dgr_patch_stack_sha256 is ABI 2
 
 
 def test_abi_mismatch_raises_import_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -219,6 +219,31 @@ def test_missing_patches_dir_means_no_patches(tmp_path: Path) -> None:
     assert bl.list_patches(tmp_path / "nope") == []
 
 
+def test_patch_stack_hash_covers_names_contents_and_order(tmp_path: Path) -> None:
+    def stack() -> bytes:
+        return bl.patch_stack_sha256(bl.read_patches(tmp_path))  # type: ignore[no-any-return]
+
+    assert stack() == b""  # no patches: unknown, matches no lane
+    (tmp_path / "0001-a.patch").write_text("a")
+    (tmp_path / "0002-b.patch").write_text("b")
+    (tmp_path / "notes.txt").write_text("ignored")
+    first = stack()
+    assert len(first) == 32 and first == stack()
+    (tmp_path / "0002-b.patch").write_text("b2")
+    assert stack() != first
+    (tmp_path / "0002-b.patch").write_text("b")
+    (tmp_path / "0002-b.patch").rename(tmp_path / "0003-b.patch")
+    assert stack() != first
+
+
+def test_the_binding_states_the_patch_stack_it_was_built_with() -> None:
+    from dgr_engine import _binding
+
+    # a fresh checkout builds its binding from its own patches/
+    assert _binding.PATCH_STACK_SHA256 == bl.patch_stack_sha256(bl.read_patches(REPO / "patches"))
+    assert len(_binding.PATCH_STACK_SHA256) == 32
+
+
 # --- manifest -----------------------------------------------------------------------------
 
 

@@ -21,9 +21,8 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine import errors as E
-from dgr_engine._binding import LLAMA_COMMIT
+from dgr_engine._binding import LLAMA_COMMIT, PATCH_STACK_SHA256
 from dgr_engine._worker_frames import Expectations, encode_forward
-from dgr_engine._worker_identity import patch_stack_sha256
 from dgr_engine._worker_spawn import WorkerProcess
 from dgr_engine._worker_status import STATUS_KEY, FrameRejected, ShardUnavailable
 from dgr_engine.chain import LocalChain
@@ -405,7 +404,9 @@ def test_describe_and_health(routes: dict[str, list[WorkerProcess]], tiny_llama:
             assert (advert.identity.arch, advert.identity.n_layer) == ("llama", 4)
             assert advert.recipe.quant_types == ("F32",) and advert.recipe.context == 256
             assert advert.lane.llama_cpp_commit == LLAMA_COMMIT
-            assert advert.lane.patch_stack_hash == patch_stack_sha256()
+            assert (
+                advert.lane.patch_stack_hash == PATCH_STACK_SHA256 and len(PATCH_STACK_SHA256) == 32
+            )
             assert advert.lane.backend == "cpu"
             assert advert.lane.certification is CertificationStatus.DARK
             assert advert.lane.evidence is EvidenceClass.FIXTURE

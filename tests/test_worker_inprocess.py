@@ -18,7 +18,6 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine import errors as E
-from dgr_engine._binding import LLAMA_COMMIT
 from dgr_engine._worker_frames import ForwardFrame, encode_forward
 from dgr_engine._worker_identity import BuildIdentity
 from dgr_engine._worker_sessions import SessionTable
@@ -311,7 +310,7 @@ def test_a_lease_must_be_positive() -> None:
 def test_an_expired_session_is_closed_and_refused_while_others_go_on(tiny_llama: Path) -> None:
     clock = FakeClock()
     engine = ShardEngine(tiny_llama, layers=(0, 4), **KW)
-    build = BuildIdentity.of_model(tiny_llama, LLAMA_COMMIT)
+    build = BuildIdentity.of_model(tiny_llama)
     config = WorkerConfig(port=0, session_lease_seconds=30.0)
     worker = ShardWorker(engine, build, config, clock=clock)
 
@@ -375,7 +374,7 @@ def test_a_route_session_survives_a_lease_expiry_by_re_prefilling(tiny_llama: Pa
     prompt = [5, 17, 3, 99, 42, 7, 1, 250]
     n_tokens = 10
     ((want, _),) = whole_model_reference(tiny_llama, [prompt], n_tokens, KW)
-    build = BuildIdentity.of_model(tiny_llama, LLAMA_COMMIT)
+    build = BuildIdentity.of_model(tiny_llama)
     clocks = [FakeClock(), FakeClock()]
     workers = [
         ShardWorker(

@@ -43,7 +43,7 @@
 extern "C" {
 #endif
 
-#define DGR_ABI_VERSION 1
+#define DGR_ABI_VERSION 2
 
 /* Magic and version at the head of a saved session state (see dgr_session_state_save). */
 #define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
@@ -103,6 +103,10 @@ uint32_t dgr_abi_version(void);
 
 /* The llama.cpp commit this library was built from (from the manifest), or "unknown". */
 const char * dgr_llama_commit(void);
+
+/* The patch stack this library was built with: lowercase hex SHA-256 over patches/ in order
+ * (each name, NUL, SHA-256 of its bytes; native/build_llama.py), or "" if unknown. (ABI 2) */
+const char * dgr_patch_stack_sha256(void);
 
 typedef struct dgr_engine dgr_engine;
 

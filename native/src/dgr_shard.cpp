@@ -27,6 +27,9 @@
 #ifndef DGR_LLAMA_COMMIT
 #define DGR_LLAMA_COMMIT "unknown"
 #endif
+#ifndef DGR_PATCH_STACK_SHA256
+#define DGR_PATCH_STACK_SHA256 ""
+#endif
 
 namespace {
 
@@ -239,6 +242,8 @@ const char * dgr_last_error(void) { return g_last_error.c_str(); }
 uint32_t dgr_abi_version(void) { return DGR_ABI_VERSION; }
 
 const char * dgr_llama_commit(void) { return DGR_LLAMA_COMMIT; }
+
+const char * dgr_patch_stack_sha256(void) { return DGR_PATCH_STACK_SHA256; }
 
 dgr_engine_params dgr_engine_default_params(void) {
     dgr_engine_params p{};
