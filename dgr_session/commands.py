@@ -104,7 +104,7 @@ class CloseStage:
 class RequestRoute:
     """Ask the route provider for a route; answer with
     :class:`~dgr_session.events.RouteAssigned` or :class:`~dgr_session.events.RouteUnavailable`
-    naming ``epoch``."""
+    naming ``epoch`` and ``attempt``."""
 
     session_id: str
     """Session."""
@@ -112,6 +112,9 @@ class RequestRoute:
     """Epoch the assigned route will run under."""
     report: FailureReport | None
     """The fault that made the route necessary (``None`` for the first route)."""
+    attempt: int = 1
+    """Which request for ``epoch`` this is (1, 2, ...): the answer names it, so that a late
+    answer to a request that timed out is not taken for the answer to its retry."""
 
 
 @attrs.frozen

@@ -105,6 +105,7 @@ class RouteSession:
         "_wait_deadline",
         "_backoff_until",
         "_awaiting_route",
+        "_route_attempt",
         "_route_changes",
         "_faults_at_step",
         "_reports",
@@ -184,6 +185,9 @@ class RouteSession:
         self._backoff_until = 0.0
         # Invariant: True exactly while a RequestRoute for epoch _epoch + 1 is unanswered.
         self._awaiting_route = False
+        # Route requests issued for epoch _epoch + 1 (0 once a route is in use): only an answer
+        # naming the newest is applied; one to a request that timed out is late, hence stale.
+        self._route_attempt = 0
         # Budget spent: route assignments after the first, and faults at the current step.
         self._route_changes = 0
         self._faults_at_step = 0
@@ -216,6 +220,11 @@ class RouteSession:
     def epoch(self) -> int:
         """Current epoch: 0 before the first route, +1 per route assignment. Never decreases."""
         return self._epoch
+
+    @property
+    def route_attempt(self) -> int:
+        """Route requests issued for the next epoch so far (an answer must name the newest)."""
+        return self._route_attempt
 
     @property
     def live_epoch(self) -> bool:
@@ -352,7 +361,7 @@ class RouteSession:
             self._fault(stage_index, FaultKind.DEADLINE, detail, out, cause=cause)
 
     def _on_route_assigned(self, event: RouteAssigned, out: list[Command]) -> None:
-        if not self._route_answer_applies(event.epoch):
+        if not self._route_answer_applies(event.epoch, event.attempt):
             return
         self._awaiting_route = False
         route = event.route
@@ -382,6 +391,7 @@ class RouteSession:
             self._recipe = route.recipe
         self._chunk = chunk
         self._epoch = event.epoch
+        self._route_attempt = 0
         self._route = route
         self._n_stages = len(route.stages)
         self._live = True
@@ -394,7 +404,7 @@ class RouteSession:
             out.append(OpenStage(self.session_id, self._epoch, index, stage))
 
     def _on_route_unavailable(self, event: RouteUnavailable, out: list[Command]) -> None:
-        if not self._route_answer_applies(event.epoch):
+        if not self._route_answer_applies(event.epoch, event.attempt):
             return
         self._awaiting_route = False
         self._fault(None, FaultKind.NO_ROUTE, event.detail or "no route available", out)
@@ -477,14 +487,16 @@ class RouteSession:
     # ----------------------------------------------------------------------------------------
     # Helpers
 
-    def _route_answer_applies(self, epoch: int) -> bool:
-        if self._awaiting_route and epoch == self._epoch + 1:
+    def _route_answer_applies(self, epoch: int, attempt: int) -> bool:
+        nxt = self._epoch + 1
+        if self._awaiting_route and epoch == nxt and attempt == self._route_attempt:
             return True
-        if epoch <= self._epoch + 1:
+        if epoch < nxt or (epoch == nxt and attempt <= self._route_attempt):
             self._stale += 1  # an answer to a request that timed out or was superseded
             return False
         raise InvalidTransition(
-            f"route answer for epoch {epoch}; session is at epoch {self._epoch}",
+            f"route answer for epoch {epoch} attempt {attempt}; session is at epoch "
+            f"{self._epoch}, {self._route_attempt} request(s) issued for the next",
             state=self._state,
             event="route answer",
         )
@@ -526,8 +538,9 @@ class RouteSession:
 
     def _ask_route(self, report: FailureReport | None, out: list[Command]) -> None:
         self._awaiting_route = True
+        self._route_attempt += 1
         self._begin_wait()
-        out.append(RequestRoute(self.session_id, self._epoch + 1, report))
+        out.append(RequestRoute(self.session_id, self._epoch + 1, report, self._route_attempt))
 
     def _awaited_stage(self) -> int | None:
         if self._state == _S.OPENING.value:

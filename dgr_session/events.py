@@ -42,6 +42,8 @@ class RouteAssigned:
     """The epoch named by the request (the session's epoch + 1)."""
     route: Route
     """The assigned route; validated by the session before use."""
+    attempt: int = 1
+    """The request's ``attempt`` (only the newest request's answer is applied)."""
 
 
 @attrs.frozen
@@ -54,6 +56,8 @@ class RouteUnavailable:
     """The epoch named by the request."""
     detail: str = ""
     """Why, if known."""
+    attempt: int = 1
+    """The request's ``attempt`` (only the newest request's answer is applied)."""
 
 
 @attrs.frozen

@@ -429,15 +429,16 @@ class SessionManager:
             handle._post(StageFailed(sid, epoch, index, FaultKind.PROTOCOL, detail, step))
 
     async def _request_route(self, handle: SessionHandle, cmd: RequestRoute) -> None:
+        sid, epoch, attempt = cmd.session_id, cmd.epoch, cmd.attempt
         try:
-            route = await self._provider.assign(cmd.session_id, cmd.report)
+            route = await self._provider.assign(sid, cmd.report)
         except Exception as err:  # noqa: BLE001 - a provider failure means no route this time
-            handle._post(RouteUnavailable(cmd.session_id, cmd.epoch, f"provider error: {err!r}"))
+            handle._post(RouteUnavailable(sid, epoch, f"provider error: {err!r}", attempt))
             return
         if route is None:
-            handle._post(RouteUnavailable(cmd.session_id, cmd.epoch, "provider has no route"))
+            handle._post(RouteUnavailable(sid, epoch, "provider has no route", attempt))
         else:
-            handle._post(RouteAssigned(cmd.session_id, cmd.epoch, route))
+            handle._post(RouteAssigned(sid, epoch, route, attempt))
 
     async def _close(self, cmd: CloseStage) -> None:
         try:

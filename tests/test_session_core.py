@@ -96,7 +96,8 @@ class Driver:
         return self.feed(Start(SID, self.now))
 
     def assign(self, r: Route) -> list[Any]:
-        return self.feed(RouteAssigned(SID, self.core.epoch + 1, r))
+        """Answers the newest route request with ``r``."""
+        return self.feed(RouteAssigned(SID, self.core.epoch + 1, r, self.core.route_attempt))
 
     def open_all(self) -> list[Any]:
         out: list[Any] = []
@@ -403,15 +404,37 @@ def test_route_request_deadline_and_no_route_count_as_attempts() -> None:
     d = Driver()
     d.start()
     out = d.tick(1.0)  # provider silent for a whole step deadline
-    assert of(out, RequestRoute)[0].report.fault is FaultKind.DEADLINE
-    out = d.feed(RouteUnavailable(SID, 1, "empty pool"))
-    assert of(out, RequestRoute)[0].report.fault is FaultKind.NO_ROUTE
-    out = d.feed(RouteUnavailable(SID, 1))
+    (retry,) = of(out, RequestRoute)
+    assert retry.report.fault is FaultKind.DEADLINE and retry.attempt == 2
+    out = d.feed(RouteUnavailable(SID, 1, "empty pool", attempt=2))
+    (retry,) = of(out, RequestRoute)
+    assert retry.report.fault is FaultKind.NO_ROUTE and retry.attempt == 3
+    out = d.feed(RouteUnavailable(SID, 1, attempt=3))
     assert d.core.state is SessionState.FAILED
     error = d.core.error
     assert isinstance(error, NoRouteAvailable)
     assert error.attempts == 3 and error.fault is FaultKind.NO_ROUTE
     assert len(error.reports) == 3 and out[-1].reason is FinishReason.FAILED
+
+
+def test_a_late_answer_to_a_timed_out_route_request_is_not_taken_for_its_retry() -> None:
+    d = Driver()
+    assert d.start() == [RequestRoute(SID, 1, None, attempt=1)]
+    (retry,) = of(d.tick(1.0), RequestRoute)  # the provider is silent: timed out, asked again
+    assert (retry.epoch, retry.attempt) == (1, 2) and d.core.route_attempt == 2
+    # the first request's answers arrive late: dropped (counted stale), nothing opened
+    assert d.feed(RouteAssigned(SID, 1, route("late"), attempt=1)) == []
+    assert d.feed(RouteUnavailable(SID, 1, "late too", attempt=1)) == []
+    assert d.core.stale_events_dropped == 2 and d.core.route is None
+    assert d.core.state is SessionState.REROUTING and d.core.epoch == 0
+    # the retry's answer is the one applied
+    fresh = route("fresh")
+    opens = of(d.feed(RouteAssigned(SID, 1, fresh, attempt=2)), OpenStage)
+    assert [o.stage.endpoint for o in opens] == ["fresh"]
+    assert d.core.route is fresh and d.core.epoch == 1 and d.core.route_attempt == 0
+    # an answer to a request never made is a protocol error, as for an epoch never asked
+    with pytest.raises(InvalidTransition):
+        d.feed(RouteAssigned(SID, 2, fresh, attempt=1))
 
 
 def test_invalid_route_is_refused_and_reported() -> None:

@@ -106,10 +106,10 @@ class Drive:
         self.feed(ClockTick("t", self.now))
 
     def assign(self) -> None:
-        self.feed(RouteAssigned("t", self.core.epoch + 1, ROUTE))
+        self.feed(RouteAssigned("t", self.core.epoch + 1, ROUTE, self.core.route_attempt))
 
     def refuse(self) -> None:
-        self.feed(RouteUnavailable("t", self.core.epoch + 1))
+        self.feed(RouteUnavailable("t", self.core.epoch + 1, "", self.core.route_attempt))
 
     def open_all(self) -> None:
         for index in range(2):
