@@ -181,10 +181,12 @@ def encode_forward(
     tokens: Sequence[int] | npt.NDArray[np.integer] | None = None,
     boundary: npt.NDArray[np.floating] | None = None,
     logit_rows: Sequence[int] | None = None,
+    no_logits: bool = False,
     timeout: float | None = None,
 ) -> pb.ForwardRequest:
     """A forward request; ``expected_next_pos`` is ``positions[0]``; ``timeout`` (seconds)
-    becomes the frame's own deadline (``timeout_ms``)."""
+    becomes the frame's own deadline (``timeout_ms``); ``no_logits`` asks a last stage for
+    none."""
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
     request = pb.ForwardRequest(
         session_id=session_id,
@@ -201,6 +203,8 @@ def encode_forward(
         fill_tensor(request.boundary, boundary)
     if logit_rows:
         request.logit_rows.extend(int(i) for i in logit_rows)
+    if no_logits:
+        request.no_logits = True
     return request
 
 
@@ -241,7 +245,11 @@ def decode_forward(request: pb.ForwardRequest, mine: Expectations, info: ShardIn
         rows = tensor_from_proto(request.boundary, n, info.in_width, "boundary")
 
     want: npt.NDArray[np.uint8] | None = None
-    if info.is_last and request.logit_rows:
+    if request.no_logits and request.logit_rows:
+        raise FrameRejected("no_logits with logit_rows: ask for some logits or none")
+    if info.is_last and request.no_logits:
+        want = np.zeros(n, dtype=np.uint8)  # no output row: the output head is skipped
+    elif info.is_last and request.logit_rows:
         idx = np.fromiter(request.logit_rows, dtype=np.int64, count=len(request.logit_rows))
         if int(idx[-1]) >= n or (idx.size > 1 and not np.all(np.diff(idx) > 0)):
             raise FrameRejected(f"logit_rows must be strictly increasing row indices < {n}")

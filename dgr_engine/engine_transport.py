@@ -127,10 +127,14 @@ class EngineTransport:
         positions: range,
         token_ids: Sequence[int],
         boundary: object | None,
+        *,
+        want_logits: bool = True,
     ) -> StageResult:
         sid = self._sid(session_id)
         pos = np.arange(positions.start, positions.stop, dtype=np.int32)
         tokens = np.asarray(token_ids, dtype=np.int32)
+        # no logits wanted: no output row (the engine skips the output head)
+        none = None if want_logits else np.zeros(len(pos), dtype=np.uint8)
 
         def run(engine: ShardEngine) -> StageResult:
             info = engine.info
@@ -141,8 +145,11 @@ class EngineTransport:
                 pos,
                 tokens=tokens if info.needs_token_ids else None,
                 rows=rows,  # type: ignore[arg-type]
+                want=none if info.is_last else None,
             )
-            return Logits(out[-1]) if info.is_last else Boundary(out)
+            if not info.is_last:
+                return Boundary(out)
+            return Logits(out[-1] if len(out) else out.reshape(-1))
 
         return await self._call(stage, session_id, epoch, True, run)
 

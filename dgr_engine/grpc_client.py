@@ -203,11 +203,13 @@ class ShardClient:
         tokens: Sequence[int] | npt.NDArray[np.integer] | None = None,
         boundary: npt.NDArray[np.floating] | None = None,
         logit_rows: Sequence[int] | None = None,
+        logits: bool = True,
         timeout: float | None = None,
     ) -> ForwardResult:
         """Runs rows at ``positions`` (contiguous, continuing the session's KV): ``tokens`` on
         the first stage (and where the range needs them), ``boundary`` rows elsewhere. The last
-        stage returns the logits of ``logit_rows`` (default: the last row)."""
+        stage returns the logits of ``logit_rows`` (default: the last row); ``logits=False``:
+        none (``[0, n_vocab]``; it skips the output head; other stages ignore it)."""
         began = time.perf_counter_ns()
         timeout = timeout if timeout is not None else self.timeout
         request = encode_forward(
@@ -219,6 +221,7 @@ class ShardClient:
             tokens=tokens,
             boundary=boundary,
             logit_rows=logit_rows,
+            no_logits=not logits,
             timeout=timeout,
         )
         if self.streaming:

@@ -274,6 +274,8 @@ class GrpcStageTransport:
         positions: range,
         token_ids: Sequence[int],
         boundary: object | None,
+        *,
+        want_logits: bool = True,
     ) -> StageResult:
         n = len(positions)
         try:
@@ -289,15 +291,17 @@ class GrpcStageTransport:
                 positions,
                 tokens=tokens,
                 boundary=rows,
+                logits=want_logits,
                 timeout=self.timeout,
             )
         except Exception as exc:
             self._raise(stage, session_id, epoch, f"forward step {step}", exc)
         sent = 4 * n + (4 * n if send_ids else 0) + (0 if rows is None else rows.nbytes)
         self._account(stage, positions, session_id, epoch, step, sent, result)
-        if result.is_logits:
-            return Logits(result.output[-1])
-        return Boundary(result.output)
+        if not result.is_logits:
+            return Boundary(result.output)
+        out = result.output
+        return Logits(out[-1] if len(out) else out.reshape(-1))  # none asked: empty
 
     async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
         key = (stage.endpoint, session_id)

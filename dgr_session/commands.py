@@ -83,6 +83,10 @@ class Forward:
     """Previous stage's output rows, relayed untouched; ``None`` for stage 0."""
     final: bool
     """True for the last stage: its answer is logits, from which the driver picks a token."""
+    wants_logits: bool = True
+    """False when nobody reads this forward's logits: a prefill chunk before the prompt's last,
+    or an accepted token replayed after a route change. The last stage is then asked for no
+    logits (no output head, nothing shipped) and its answer carries no token."""
 
 
 @attrs.frozen

@@ -97,6 +97,7 @@ class RouteSession:
         "_hop_seconds",
         "_fwd_positions",
         "_fwd_tokens",
+        "_fwd_wants_logits",
         "_now",
         "_started_at",
         "_ended_at",
@@ -174,6 +175,8 @@ class RouteSession:
         self._hop_seconds: list[float | None] = []
         self._fwd_positions = range(0)
         self._fwd_tokens: tuple[int, ...] = ()
+        # Whether the step in flight reaches the newest position (its logits pick a token).
+        self._fwd_wants_logits = True
         # Time, all from events. _wait_deadline bounds the current wait (route request, opening,
         # or one step's forward); _backoff_until ends route_lost.
         self._now = 0.0
@@ -454,17 +457,19 @@ class RouteSession:
                     self._fwd_tokens,
                     event.payload,
                     index + 1 == last,
+                    self._fwd_wants_logits,
                 )
             )
+            return
+        if not self._fwd_wants_logits:  # a prefill chunk or a replayed token: no token to take
+            self._kv_pos = self._fwd_positions.stop
+            self._start_forward(out)
             return
         token = event.token
         if not isinstance(token, int) or isinstance(token, bool) or token < 0:
             self._fault(index, FaultKind.PROTOCOL, f"last stage gave no token: {token!r}", out)
             return
         self._kv_pos = self._fwd_positions.stop
-        if self._kv_pos < len(self.prompt) + len(self._accepted):
-            self._start_forward(out)  # replaying accepted tokens: never resampled
-            return
         self._accept(token, out)
 
     def _on_failed(self, event: StageFailed, out: list[Command]) -> None:
@@ -564,6 +569,9 @@ class RouteSession:
             tokens = ((*self.prompt, *self._accepted)[self._kv_pos],)
         self._fwd_positions = range(self._kv_pos, self._kv_pos + len(tokens))
         self._fwd_tokens = tokens
+        # only the forward reaching the newest position is sampled: earlier prompt chunks and
+        # replayed accepted tokens (never resampled) ask the last stage for no logits
+        self._fwd_wants_logits = self._fwd_positions.stop == len(self.prompt) + len(self._accepted)
         self._hop = 0
         self._hop_started = self._now
         self._begin_wait()
@@ -578,6 +586,7 @@ class RouteSession:
                 tokens,
                 None,
                 self._n_stages == 1,
+                self._fwd_wants_logits,
             )
         )
 

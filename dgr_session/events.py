@@ -92,7 +92,8 @@ class StageOutput:
     payload: object = attrs.field(default=None, repr=False)
     """Boundary rows produced by a middle stage (``None`` from the last stage)."""
     token: int | None = None
-    """Token id chosen from the last stage's logits (``None`` from a middle stage)."""
+    """Token id chosen from the last stage's logits (``None`` from a middle stage, and from the
+    last stage when the forward wanted no logits)."""
 
 
 @attrs.frozen

@@ -405,7 +405,14 @@ class SessionManager:
         sid, epoch, step, index = cmd.session_id, cmd.epoch, cmd.step, cmd.stage_index
         try:
             result = await self._transport.forward(
-                cmd.stage, sid, epoch, step, cmd.positions, cmd.token_ids, cmd.boundary
+                cmd.stage,
+                sid,
+                epoch,
+                step,
+                cmd.positions,
+                cmd.token_ids,
+                cmd.boundary,
+                want_logits=cmd.wants_logits,
             )
         except Exception as err:  # noqa: BLE001 - every failure becomes a typed fault
             handle._post(StageFailed(sid, epoch, index, fault_kind(err), repr(err), step))
@@ -414,6 +421,9 @@ class SessionManager:
             if not isinstance(result, Logits):
                 detail = f"last stage answered {type(result).__name__}, expected Logits"
                 handle._post(StageFailed(sid, epoch, index, FaultKind.PROTOCOL, detail, step))
+                return
+            if not cmd.wants_logits:  # a prefill chunk or a replayed token: nothing to sample
+                handle._post(StageOutput(sid, epoch, step, index))
                 return
             try:
                 token = int(handle._sampler(result.values, step))

@@ -191,6 +191,8 @@ class Call:
     """Token ids (forward only)."""
     layers: tuple[int, int] = (0, 0)
     """Layer range of the stage addressed."""
+    want_logits: bool = True
+    """Whether the forward asked for logits (forward only)."""
 
 
 @attrs.define
@@ -346,16 +348,20 @@ class FakeTransport:
         positions: range,
         token_ids: Sequence[int],
         boundary: object | None,
+        *,
+        want_logits: bool = True,
     ) -> StageResult:
         ids = tuple(token_ids)
-        self._log(
-            Call("forward", stage.endpoint, session_id, epoch, step, positions, ids, _layers(stage))
+        call = Call(
+            "forward", stage.endpoint, session_id, epoch, step, positions, ids, _layers(stage)
         )
-        return await self._call(
-            stage,
-            True,
-            lambda st: self._forward(st, stage, session_id, epoch, positions, ids, boundary),
-        )
+        self._log(attrs.evolve(call, want_logits=want_logits))
+
+        def forward(st: _Stage) -> StageResult:
+            result = self._forward(st, stage, session_id, epoch, positions, ids, boundary)
+            return result if want_logits or isinstance(result, Boundary) else Logits(())
+
+        return await self._call(stage, True, forward)
 
     async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
         self._log(Call("close", stage.endpoint, session_id, epoch, layers=_layers(stage)))
@@ -573,6 +579,8 @@ class NullTransport:
         positions: range,
         token_ids: Sequence[int],
         boundary: object | None,
+        *,
+        want_logits: bool = True,
     ) -> StageResult:
         if self.gate is not None:
             await self.gate

@@ -33,7 +33,8 @@ class Boundary:
 
 @attrs.frozen
 class Logits:
-    """The last stage's answer: logits for the last position forwarded."""
+    """The last stage's answer: logits for the last position forwarded (empty when the forward
+    wanted none)."""
 
     values: Any = attrs.field(repr=False)
     """Scores per token id: a sequence of floats or an array with ``argmax``."""
@@ -61,9 +62,14 @@ class StageTransport(Protocol):
         positions: range,
         token_ids: Sequence[int],
         boundary: object | None,
+        *,
+        want_logits: bool = True,
     ) -> StageResult:
         """Run tokens at ``positions`` (``boundary``: the previous stage's rows, ``None`` for
-        stage 0). Return :class:`Boundary` from a middle stage, :class:`Logits` from the last."""
+        stage 0). Return :class:`Boundary` from a middle stage, :class:`Logits` from the last.
+        ``want_logits=False``: nobody reads the last stage's logits this time (a prefill chunk
+        or a replayed token); a transport may skip computing and shipping them (its
+        :class:`Logits` may then be empty)."""
         ...
 
     async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:

@@ -256,8 +256,11 @@ def test_route_change_replays_prompt_and_accepted_tokens_from_position_zero() ->
     assert forward.positions == range(0, 2)
     assert forward.token_ids == (5, 6)
     assert forward.step == 2 and forward.epoch == 2
+    # nobody reads a replay's logits: every stage is told, the last computes none
+    assert not forward.wants_logits
     relay = d.feed(StageOutput(SID, 2, 2, 0, payload="r"))[0]
     assert relay.stage.endpoint == "c" and relay.positions == range(0, 2)
+    assert not relay.wants_logits
     replay = d.feed(StageOutput(SID, 2, 2, 1, token=77))
     assert not of(replay, EmitToken)
     assert [(f.stage_index, f.positions, f.token_ids) for f in replay] == [(0, range(2, 3), (10,))]
@@ -265,7 +268,8 @@ def test_route_change_replays_prompt_and_accepted_tokens_from_position_zero() ->
     replay = d.feed(StageOutput(SID, 2, 2, 1, token=78))
     assert not of(replay, EmitToken)
     assert [(f.stage_index, f.positions, f.token_ids) for f in replay] == [(0, range(3, 4), (11,))]
-    d.feed(StageOutput(SID, 2, 2, 0, payload="r"))
+    (relay,) = d.feed(StageOutput(SID, 2, 2, 0, payload="r"))
+    assert relay.wants_logits  # the newest accepted token: its logits pick the next one
     out = d.feed(StageOutput(SID, 2, 2, 1, token=12))
     assert out[0] == EmitToken(SID, 2, 2, 12)
     assert d.core.tokens == (10, 11, 12)
@@ -580,13 +584,16 @@ def test_prefill_is_chunked_to_the_routes_max_rows_and_replayed_in_the_same_chun
     d.assign(with_max_rows(route("a", "b"), 4))
     (first,) = d.open_all()
     assert (first.positions, first.token_ids) == (range(0, 4), (0, 1, 2, 3))
+    assert not first.wants_logits  # a chunk before the prompt's last: no logits asked
     d.feed(StageOutput(SID, 1, 0, 0, payload="r"))
-    (second,) = d.feed(StageOutput(SID, 1, 0, 1, token=99))  # mid-prompt: nothing emitted
-    assert second.positions == range(4, 8)
+    (second,) = d.feed(StageOutput(SID, 1, 0, 1))  # mid-prompt: no token, nothing emitted
+    assert second.positions == range(4, 8) and not second.wants_logits
     d.feed(StageOutput(SID, 1, 0, 0, payload="r"))
-    (third,) = d.feed(StageOutput(SID, 1, 0, 1, token=98))
+    (third,) = d.feed(StageOutput(SID, 1, 0, 1, token=98))  # a token anyway: ignored
     assert (third.positions, third.token_ids) == (range(8, 10), (8, 9))
-    d.feed(StageOutput(SID, 1, 0, 0, payload="r"))
+    assert third.wants_logits  # the prompt's last chunk: its logits pick the first token
+    (last,) = d.feed(StageOutput(SID, 1, 0, 0, payload="r"))
+    assert last.final and last.wants_logits
     out = d.feed(StageOutput(SID, 1, 0, 1, token=7))
     assert out[0] == EmitToken(SID, 1, 0, 7) and d.core.tokens == (7,)
     # a later route whose stages take fewer rows than the pinned chunk is refused...

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from typing import Any
 
 import attrs
 import pytest
@@ -27,6 +28,7 @@ from dgr_session import (
     StaleEpoch,
     StepDeadlineExceeded,
     fault_kind,
+    greedy,
 )
 from dgr_session.testing import (
     HANG,
@@ -121,15 +123,21 @@ def test_petals_case_replacement_stage_gets_the_whole_replay_from_position_zero(
     async def main() -> None:
         manager = SessionManager(transport, provider, policy=POLICY)
         accepted: list[int] = []
+        sampled: list[int] = []
 
         def on_token(token: int) -> None:
             accepted.append(token)
             if len(accepted) == 3:
                 transport.kill("b")
 
+        def sampler(logits: Any, step: int) -> int:
+            sampled.append(step)
+            return greedy(logits, step)
+
         result = await manager.start(
-            PROMPT, max_new_tokens=6, session_id="p", on_token=on_token
+            PROMPT, max_new_tokens=6, session_id="p", on_token=on_token, sampler=sampler
         ).wait()
+        assert sampled == [0, 1, 2, 3, 4, 5]  # once per token: replayed steps are not sampled
         assert result.state is SessionState.DONE
         assert result.tokens == MODEL.reference(PROMPT, 6)
         assert result.epoch == 2 and result.route_changes == 1
@@ -156,6 +164,11 @@ def test_petals_case_replacement_stage_gets_the_whole_replay_from_position_zero(
     assert a_epoch2[: len(replay_calls)] == replay_calls
     opens = [(c.endpoint, c.epoch) for c in transport.calls if c.op == "open"]
     assert opens == [("a", 1), ("b", 1), ("a", 2), ("c", 2)]
+    # logits are asked for only where a token is picked: not for the replay of the prompt and
+    # the first two accepted tokens (the third, the newest, picks the fourth token)
+    wants = [c.want_logits for c in transport.calls if c.op == "forward" and c.endpoint == "c"]
+    assert wants[: len(replay_calls)] == [False, False, False, True]
+    assert all(wants[len(replay_calls) :])
 
 
 def test_hang_hits_the_step_deadline_and_the_late_reply_is_dropped() -> None:
@@ -378,9 +391,18 @@ def test_wrong_answer_kind_is_a_protocol_fault() -> None:
             positions: range,
             token_ids: Sequence[int],
             boundary: object | None,
+            *,
+            want_logits: bool = True,
         ) -> StageResult:
             result = await super().forward(
-                stage, session_id, epoch, step, positions, token_ids, boundary
+                stage,
+                session_id,
+                epoch,
+                step,
+                positions,
+                token_ids,
+                boundary,
+                want_logits=want_logits,
             )
             return Logits([1.0]) if stage.endpoint == "bad" else result
 

@@ -419,3 +419,50 @@ def test_a_route_session_survives_a_lease_expiry_by_re_prefilling(tiny_llama: Pa
     (report,) = result.reports
     assert report.fault is FaultKind.ENGINE_ERROR and report.stage_index == 1
     assert "UnknownSession" in report.detail and report.step == 4
+
+
+# --- frames that want no logits ----------------------------------------------------------------
+
+
+def test_a_frame_wanting_no_logits_skips_them_and_changes_nothing_after(tiny_llama: Path) -> None:
+    prompt = [5, 17, 3, 99, 42, 7, 1, 250]
+    with ShardEngine(tiny_llama, **KW) as engine:  # the same frames, logits asked every time
+        engine.open_session(1, 0)
+        engine.forward(1, 0, np.arange(4), tokens=prompt[:4])
+        want = engine.forward(1, 0, np.arange(4, 8), tokens=prompt[4:])
+    worker = ShardWorker.load(tiny_llama, (0, 4), **KW, config=WorkerConfig(port=0))
+    middle = ShardWorker.load(tiny_llama, (0, 2), **KW, config=WorkerConfig(port=0))
+
+    async def scenario() -> None:
+        address, middle_address = await worker.start(), await middle.start()
+        try:
+            async with ShardClient(address) as client, ShardClient(middle_address) as first:
+                expect = expectations_of(await client.describe())
+                await client.open("n", 0, expect)
+                skipped = await client.forward(
+                    "n", 0, 0, expect, range(4), tokens=prompt[:4], logits=False
+                )
+                assert skipped.is_logits and skipped.output.shape == (0, 256)
+                got = await client.forward("n", 0, 0, expect, range(4, 8), tokens=prompt[4:])
+                assert np.array_equal(got.output, want)  # the KV is what logits would leave
+                # asking for none and for some at once is malformed; nothing changes
+                bad = encode_forward("n", 0, 1, expect, [8], tokens=[3], logit_rows=[0])
+                bad.no_logits = True
+                async with grpc.aio.insecure_channel(address) as channel:
+                    with pytest.raises(grpc.aio.AioRpcError) as refused:
+                        await shard_pb2_grpc.ShardStub(channel).Forward(bad, timeout=5.0)
+                assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert dict(refused.value.trailing_metadata() or ())[STATUS_KEY] == "DGR_E_FRAME"
+                assert (await client.forward("n", 0, 1, expect, [8], tokens=[3])).next_pos == 9
+                # a middle stage has no logits to skip: its boundary rows come back as ever
+                m_expect = expectations_of(await first.describe())
+                await first.open("n", 0, m_expect)
+                rows = await first.forward(
+                    "n", 0, 0, m_expect, range(2), tokens=[1, 2], logits=False
+                )
+                assert not rows.is_logits and rows.output.shape == (2, 64)
+        finally:
+            assert await worker.stop() == 1
+            assert await middle.stop() == 1
+
+    run(scenario())
