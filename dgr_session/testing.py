@@ -352,10 +352,19 @@ class FakeTransport:
         want_logits: bool = True,
     ) -> StageResult:
         ids = tuple(token_ids)
-        call = Call(
-            "forward", stage.endpoint, session_id, epoch, step, positions, ids, _layers(stage)
+        self._log(
+            Call(
+                "forward",
+                stage.endpoint,
+                session_id,
+                epoch,
+                step,
+                positions,
+                ids,
+                _layers(stage),
+                want_logits,
+            )
         )
-        self._log(attrs.evolve(call, want_logits=want_logits))
 
         def forward(st: _Stage) -> StageResult:
             result = self._forward(st, stage, session_id, epoch, positions, ids, boundary)
