@@ -1,4 +1,5 @@
-"""Smoke run of ``benchmarks/pipeline.py`` on tiny-llama: few steps, the table, JSON and PNG."""
+"""Smoke runs of the benchmarks that stand behind issue figures (``pipeline.py``, ``grpc_floor.py``,
+``engine_idle.py``) on tiny inputs: they run, and print and save what they claim."""
 
 from __future__ import annotations
 
@@ -15,11 +16,10 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def test_pipeline_benchmark_smoke(tmp_path: Path) -> None:
-    args = ["--fixture", "tiny-llama", "--prompt", "8", "--decode", "8", "--repeats", "1"]
-    args += ["--stages", "2", "--frames", "20", "--out", str(tmp_path)]
+def run_benchmark(script: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+    """Runs ``benchmarks/<script>`` with ``args`` (bounded); asserts it exited 0."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "pipeline.py"), *args],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -27,6 +27,13 @@ def test_pipeline_benchmark_smoke(tmp_path: Path) -> None:
         timeout=120,
     )
     assert done.returncode == 0, done.stderr
+    return done
+
+
+def test_pipeline_benchmark_smoke(tmp_path: Path) -> None:
+    args = ["--fixture", "tiny-llama", "--prompt", "8", "--decode", "8", "--repeats", "1"]
+    args += ["--stages", "2", "--frames", "20", "--out", str(tmp_path)]
+    done = run_benchmark("pipeline.py", args)
     assert "whole " in done.stdout and "dgr 2 " in done.stdout
     assert "echo 4x4096" in done.stdout
     result = json.loads((tmp_path / "pipeline.json").read_text())
@@ -75,14 +82,7 @@ def test_the_plot_is_written_without_matplotlib(tmp_path: Path) -> None:
 def test_grpc_floor_benchmark_smoke() -> None:
     args = ["--bytes", "64", "--busy-ms", "0", "1", "--frames", "20"]
     args += ["--idle-ms", "1", "--busy-kind", "memory", "spin"]
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "grpc_floor.py"), *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
+    done = run_benchmark("grpc_floor.py", args)
     rows = [line.split() for line in done.stdout.splitlines()[2:]]
     assert [(r[0], r[2]) for r in rows] == [
         ("memory", "0.0"),
@@ -95,21 +95,7 @@ def test_grpc_floor_benchmark_smoke() -> None:
 
 def test_engine_idle_benchmark_smoke(tmp_path: Path) -> None:
     args = ["--fixture", "tiny-llama", "--gaps", "1", "--forwards", "4", "--repeats", "1"]
-    done = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "engine_idle.py"),
-            *args,
-            "--out",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"),
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stderr
+    done = run_benchmark("engine_idle.py", [*args, "--out", str(tmp_path)])
     table = json.loads((tmp_path / "engine_idle.json").read_text())["ms_per_forward_by_gap"]
     # back to back (gap 0) is always measured, for the whole model and its first half
     assert set(table) == {"whole", "first half"}
