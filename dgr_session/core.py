@@ -97,7 +97,6 @@ class RouteSession:
         "_hop_seconds",
         "_fwd_positions",
         "_fwd_tokens",
-        "_fwd_wants_logits",
         "_now",
         "_started_at",
         "_ended_at",
@@ -175,8 +174,6 @@ class RouteSession:
         self._hop_seconds: list[float | None] = []
         self._fwd_positions = range(0)
         self._fwd_tokens: tuple[int, ...] = ()
-        # Whether the step in flight reaches the newest position (its logits pick a token).
-        self._fwd_wants_logits = True
         # Time, all from events. _wait_deadline bounds the current wait (route request, opening,
         # or one step's forward); _backoff_until ends route_lost.
         self._now = 0.0
@@ -457,11 +454,11 @@ class RouteSession:
                     self._fwd_tokens,
                     event.payload,
                     index + 1 == last,
-                    self._fwd_wants_logits,
+                    self._fwd_wants_logits(),
                 )
             )
             return
-        if not self._fwd_wants_logits:  # a prefill chunk or a replayed token: no token to take
+        if not self._fwd_wants_logits():  # a prefill chunk or a replayed token: no token to take
             self._kv_pos = self._fwd_positions.stop
             self._start_forward(out)
             return
@@ -569,9 +566,6 @@ class RouteSession:
             tokens = ((*self.prompt, *self._accepted)[self._kv_pos],)
         self._fwd_positions = range(self._kv_pos, self._kv_pos + len(tokens))
         self._fwd_tokens = tokens
-        # only the forward reaching the newest position is sampled: earlier prompt chunks and
-        # replayed accepted tokens (never resampled) ask the last stage for no logits
-        self._fwd_wants_logits = self._fwd_positions.stop == len(self.prompt) + len(self._accepted)
         self._hop = 0
         self._hop_started = self._now
         self._begin_wait()
@@ -586,9 +580,15 @@ class RouteSession:
                 tokens,
                 None,
                 self._n_stages == 1,
-                self._fwd_wants_logits,
+                self._fwd_wants_logits(),
             )
         )
+
+    def _fwd_wants_logits(self) -> bool:
+        """Whether the forward in flight reaches the newest position, so that its logits pick
+        the next token; earlier prompt chunks and replayed accepted tokens (never resampled) ask
+        the last stage for no logits."""
+        return self._fwd_positions.stop == len(self.prompt) + len(self._accepted)
 
     def _accept(self, token: int, out: list[Command]) -> None:
         step = len(self._accepted)
