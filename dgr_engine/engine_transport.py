@@ -149,7 +149,7 @@ class EngineTransport:
             )
             if not info.is_last:
                 return Boundary(out)
-            return Logits(out[-1] if len(out) else out.reshape(-1))
+            return Logits.last_row(out)
 
         return await self._call(stage, session_id, epoch, True, run)
 

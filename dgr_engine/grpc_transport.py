@@ -300,8 +300,7 @@ class GrpcStageTransport:
         self._account(stage, positions, session_id, epoch, step, sent, result)
         if not result.is_logits:
             return Boundary(result.output)
-        out = result.output
-        return Logits(out[-1] if len(out) else out.reshape(-1))  # none asked: empty
+        return Logits.last_row(result.output)
 
     async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
         key = (stage.endpoint, session_id)

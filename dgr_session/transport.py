@@ -39,6 +39,12 @@ class Logits:
     values: Any = attrs.field(repr=False)
     """Scores per token id: a sequence of floats or an array with ``argmax``."""
 
+    @classmethod
+    def last_row(cls, rows: Any) -> Logits:
+        """The logits of the last of ``rows`` (the logit rows a stage returned), empty when it
+        returned none (the forward wanted no logits)."""
+        return cls(rows[-1] if len(rows) else ())
+
 
 #: What a stage answers to a forward.
 StageResult = Boundary | Logits
