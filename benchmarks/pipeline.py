@@ -79,7 +79,6 @@ from dgr_session import DarkLaneWarning, FailurePolicy, SessionManager  # noqa: 
 V4_BOUNDARY = 4 * 4096
 TARGETS = {2: 0.90, 4: 0.85}
 SEAM_TARGET_US = 300.0
-ECHO_PARTS = ("client", "transit", "worker")
 
 
 @attrs.frozen
@@ -281,8 +280,7 @@ def echo_overhead(width: int, frames: int) -> tuple[float, dict[str, float]]:
         hops = asyncio.run(seam_overhead.measure(worker.address, width, frames, True))
     finally:
         worker.stop()
-    parts = {k: float(statistics.median(getattr(h, k) for h in hops)) for k in ECHO_PARTS}
-    return float(statistics.median(h.overhead for h in hops)), parts
+    return float(statistics.median(h.overhead for h in hops)), seam_overhead.part_medians(hops)
 
 
 # --- the plot ----------------------------------------------------------------------------------
@@ -505,7 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, value in seams.items():
         note = ""
         if name in seam_parts:
-            note = "  (" + " / ".join(f"{seam_parts[name][k]:.0f}" for k in ECHO_PARTS) + ")"
+            parts = seam_parts[name]
+            note = "  (" + " / ".join(f"{parts[k]:.0f}" for k in seam_overhead.PARTS) + ")"
         if name == "echo 4x4096":
             note += f"  target <= {SEAM_TARGET_US:.0f}"
             note += " ok" if value <= SEAM_TARGET_US else " MISS"

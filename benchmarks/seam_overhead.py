@@ -166,7 +166,13 @@ async def measure(address: str, width: int, frames: int, streaming: bool) -> lis
     return hops
 
 
-_PARTS = ("client", "transit", "worker")
+PARTS = ("client", "transit", "worker")
+"""The parts of a hop's overhead, in the order printed."""
+
+
+def part_medians(hops: list[Hop]) -> dict[str, float]:
+    """The median of each of :data:`PARTS` over ``hops`` (µs)."""
+    return {k: float(statistics.median(getattr(h, k) for h in hops)) for k in PARTS}
 
 
 def summary(values: list[int]) -> tuple[float, float, float]:
@@ -212,10 +218,10 @@ def main() -> int:
                 hops = asyncio.run(measure(worker.address, width, args.frames, streaming))
                 med, p10, p90 = summary([h.overhead for h in hops])
                 mode = "stream" if streaming else "unary"
-                parts = [statistics.median(getattr(h, k) for h in hops) for k in _PARTS]
+                parts = part_medians(hops)
                 print(
                     f"{name:<30} {mode:<7} {med:8.0f} {p10:8.0f} {p90:8.0f}   {'':8}"
-                    f"{parts[0]:>6.0f} {parts[1]:>7.0f} {parts[2]:>6.0f}"
+                    f"{parts['client']:>6.0f} {parts['transit']:>7.0f} {parts['worker']:>6.0f}"
                     f"   ({time.monotonic() - began:.1f} s)"
                 )
     finally:
