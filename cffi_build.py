@@ -49,21 +49,21 @@ def _build_llama() -> Any:
     return build_llama
 
 
-def llama_prefix() -> Path:
+def llama_prefix(build_llama: Any) -> Path:
     """The installed prefix of the patched static libllama (built on first use, then cached)."""
     override = os.environ.get("DGR_LLAMA_PREFIX")
     if override:
         return Path(override)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    return Path(_build_llama().ensure_llama(log=log))
+    return Path(build_llama.ensure_llama(log=log))
 
 
 def make_ffibuilder() -> FFI:
-    prefix = llama_prefix()
+    build_llama = _build_llama()
+    prefix = llama_prefix(build_llama)
     commit = json.loads(MANIFEST.read_text())["upstream"]["commit"]
     # the stack the library is built with (the build key covers the same files), stated by
     # every worker's advert
-    build_llama = _build_llama()
     stack = build_llama.patch_stack_sha256(build_llama.read_patches(ROOT / "patches")).hex()
     ffibuilder = FFI()
     ffibuilder.cdef(cdef_from_header(HEADER.read_text()))
