@@ -10,7 +10,6 @@ the tiny fixtures take well under a millisecond, and it keeps test runs determin
 from __future__ import annotations
 
 import itertools
-import re
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
@@ -193,12 +192,11 @@ class EngineTransport:
             try:
                 result = apply(ep.engine)
             except EngineStaleEpoch as err:
-                held = re.search(r"current epoch (\d+)", str(err))
                 error = StaleEpoch(
                     str(err),
                     session_id=session_id,
                     epoch=epoch,
-                    held_epoch=int(held.group(1)) if held else epoch + 1,
+                    held_epoch=err.held_epoch if err.held_epoch is not None else epoch + 1,
                 )
             except (PositionMismatch, ShapeMismatch) as err:
                 self.violations.append(f"{stage.endpoint} {session_id} epoch {epoch}: {err}")

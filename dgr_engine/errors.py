@@ -7,6 +7,8 @@ that do not know dgr.
 
 from __future__ import annotations
 
+import re
+
 from dgr_session.errors import DgrError
 
 
@@ -201,7 +203,18 @@ _BY_CODE: dict[int, type[EngineError]] = {
 }
 
 
+_HELD_EPOCH = re.compile(r"\(current epoch (\d+)\)")
+"""How ``native/src/dgr_shard.cpp`` names the epoch it holds in a stale-epoch message."""
+
+
 def error_for_status(code: int, status: str, message: str) -> EngineError:
-    """The typed exception for a failed C call (the one place that maps status codes)."""
+    """The typed exception for a failed C call (the one place that maps status codes); a
+    stale epoch carries the epoch the engine holds."""
     cls = _BY_CODE.get(code, EngineError)
-    return cls(f"{status}: {message}", code=code, status=status)
+    text = f"{status}: {message}"
+    if cls is StaleEpoch:
+        held = _HELD_EPOCH.search(message)
+        return StaleEpoch(
+            text, code=code, status=status, held_epoch=int(held.group(1)) if held else None
+        )
+    return cls(text, code=code, status=status)

@@ -127,6 +127,7 @@ def test_stale_epoch(h: Harness) -> None:
         h, E.StaleEpoch, lambda: h.first.forward(6, 0, [2], tokens=[3]), "epoch 0 is stale"
     )
     assert err.code == 6
+    assert isinstance(err, E.StaleEpoch) and err.held_epoch == 2  # the epoch the engine holds
     refused(h, E.StaleEpoch, lambda: h.first.open_session(6, 1), "stale")
     refused(h, E.StaleEpoch, lambda: h.first.close_session(6, 1), "stale")
     assert h.first.next_pos(6, 2) == 0
