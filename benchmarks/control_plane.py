@@ -10,7 +10,7 @@ Two measurements, both with 10,000 sessions alive at once by default:
 
 Targets (issue 3): p99 <= 50 us per state transition, <= 16 KiB per session.
 
-    python benchmarks/control_plane.py [--sessions 10000] [--tokens 16] [--stages 3]
+    python -m benchmarks.control_plane [--sessions 10000] [--tokens 16] [--stages 3]
 """
 
 from __future__ import annotations
@@ -19,16 +19,12 @@ import argparse
 import asyncio
 import gc
 import statistics
-import sys
 import time
 import tracemalloc
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dgr_session import (  # noqa: E402
+from dgr_session import (
     ClockTick,
     FailurePolicy,
     RouteAssigned,
@@ -38,8 +34,8 @@ from dgr_session import (  # noqa: E402
     StageOutput,
     Start,
 )
-from dgr_session.machine import SessionMachine  # noqa: E402
-from dgr_session.testing import (  # noqa: E402
+from dgr_session.machine import SessionMachine
+from dgr_session.testing import (
     FixedRouteProvider,
     NullTransport,
     fixture_identity,

@@ -12,7 +12,7 @@ how much of that any process on this machine pays just for having been idle (a s
 colder core), which no seam or session code can remove. Rounds are interleaved (gap order
 rotated) so that a slow spell hits every gap alike.
 
-    .venv/bin/python benchmarks/engine_idle.py [--fixture mid-llama] [--threads 1]
+    python -m benchmarks.engine_idle [--fixture mid-llama] [--threads 1]
         [--gaps 0 2 8 16] [--forwards 24] [--repeats 5]
 
 Fixture evidence on this machine's CPUs only.
@@ -24,19 +24,18 @@ import argparse
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before the engine loads libgomp
 
 from dgr_engine.engine import ShardEngine  # noqa: E402
 from dgr_engine.fixtures import ensure_fixture, lookup  # noqa: E402
-from dgr_engine.generate import engine_options  # noqa: E402
+from dgr_engine.options import EngineOptions  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 _PROMPT = 32
 _WARM = 4  # forwards per run not counted (the first after a prefill)
@@ -76,11 +75,13 @@ def main(argv: list[str] | None = None) -> int:
     path = ensure_fixture(args.fixture)
     spec = lookup(args.fixture)
     ctx = 1 << (_PROMPT + args.forwards + _WARM).bit_length()
-    options = engine_options(args.threads, ctx, 64, 1)
+    options = EngineOptions(
+        n_threads=args.threads, n_ctx_per_session=ctx, n_batch=64, max_sessions=1
+    )
     shapes = {"whole": None, "first half": (0, spec.n_layer // 2)}
     medians: dict[str, dict[float, list[float]]] = {name: {} for name in shapes}
     for name, layers in shapes.items():
-        with ShardEngine(path, layers=layers, **options) as engine:
+        with ShardEngine(path, layers=layers, **options.engine_kwargs()) as engine:
             session = 0
             for round_ in range(args.repeats + 1):  # round 0 warms up
                 shift = round_ % len(args.gaps)

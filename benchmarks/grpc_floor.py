@@ -15,7 +15,7 @@ on this machine: a dgr hop (checks, tensors, the engine call, the session's own
 work) can only cost more. ``benchmarks/pipeline.py`` measures it side by side with the routes
 to tell dgr's own overhead from the platform's.
 
-    .venv/bin/python benchmarks/grpc_floor.py [--bytes 4096 65536] [--busy-ms 0 4 8]
+    python -m benchmarks.grpc_floor [--bytes 4096 65536] [--busy-ms 0 4 8]
         [--servers 1] [--idle-ms 0] [--busy-kind memory spin] [--frames 300]
 
 Fixture-free and model-free; the numbers are this machine's, nothing else's.
@@ -34,10 +34,9 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from dgr_engine.processes import WorkerProcess
 
-from dgr_engine._worker_spawn import WorkerProcess  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 _METHOD = "/floor.Echo/Stream"
 _OPTIONS = [  # a 4 x 4096 f32 row is 64 KiB; gRPC's default limit is 4 MiB
@@ -93,7 +92,9 @@ def serve(kind: str) -> None:
 def spawn_floor(kind: str = "memory") -> WorkerProcess:
     """Starts the echo server process (stop it with ``.stop()``); ``kind``: its busy work,
     ``memory`` or ``spin``."""
-    return WorkerProcess.launch([sys.executable, __file__, "--serve", kind], 60.0)
+    return WorkerProcess.launch(
+        [sys.executable, "-m", "benchmarks.grpc_floor", "--serve", kind], 60.0, cwd=ROOT
+    )
 
 
 async def measure(

@@ -34,7 +34,7 @@ Prints a table, saves ``benchmarks/out/pipeline.json`` and ``benchmarks/out/pipe
 ratio >= 0.90 at 2 stages and >= 0.85 at 4 stages; seam overhead <= 300 µs per hop for the
 4 x 4096 boundary.
 
-    .venv/bin/python benchmarks/pipeline.py [--fixture mid-llama] [--threads 1]
+    python -m benchmarks.pipeline [--fixture mid-llama] [--threads 1]
         [--prompt 128] [--decode 64] [--repeats 5] [--stages 1 2 4] [--frames 300]
 
 Fixture evidence on this machine's CPUs (thread placement is the OS's: every worker and the
@@ -49,32 +49,27 @@ import json
 import os
 import statistics
 import struct
-import sys
 import time
 import warnings
 import zlib
 from functools import partial
 from pathlib import Path
-from typing import Any
 
 import attrs
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before the engine loads libgomp
 
-import grpc_floor  # noqa: E402
-import seam_overhead  # noqa: E402
-
+from benchmarks import grpc_floor, seam_overhead  # noqa: E402
 from dgr_engine.chain import split_points  # noqa: E402
 from dgr_engine.engine import ShardEngine  # noqa: E402
 from dgr_engine.fixtures import ensure_fixture, lookup  # noqa: E402
-from dgr_engine.generate import engine_options, worker_args  # noqa: E402
-from dgr_engine.grpc_transport import ForwardRecord, GrpcStageTransport  # noqa: E402
+from dgr_engine.options import EngineOptions  # noqa: E402
 from dgr_engine.route_provider import LoopbackRouteProvider  # noqa: E402
+from dgr_engine.stage_transport import ForwardRecord, GrpcStageTransport  # noqa: E402
 from dgr_session import DarkLaneWarning, FailurePolicy, SessionManager  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
 
 V4_BOUNDARY = 4 * 4096
 TARGETS = {2: 0.90, 4: 0.85}
@@ -181,9 +176,9 @@ class RouteBench:
     """A route of loopback ``dgr worker`` processes and a session manager over it, kept up
     across runs so that runs of every layout can be interleaved."""
 
-    def __init__(self, path: Path, layout: list[tuple[int, int]], wargs: list[str]) -> None:
+    def __init__(self, path: Path, layout: list[tuple[int, int]], options: EngineOptions) -> None:
         self.stages = len(layout)
-        self.provider = LoopbackRouteProvider(path, layout, worker_args=wargs)
+        self.provider = LoopbackRouteProvider(path, layout, options=options)
         self._records: list[tuple[float, ForwardRecord]] = []
         self.transport = GrpcStageTransport(timeout=60.0, observer=self._observe)
         policy = FailurePolicy(step_deadline=60.0, session_deadline=600.0)
@@ -363,19 +358,18 @@ async def interleaved_rounds(
     prompt: list[int],
     n_decode: int,
     repeats: int,
-    options: dict[str, Any],
-    wargs: list[str],
+    options: EngineOptions,
 ) -> tuple[list[tuple[float, float, list[int]]], dict[int, list[RouteRun]]]:
     """``repeats`` rounds (after one warm-up round), each running the whole model and every
     route once, in an order rotated from round to round: a slow spell of this shared machine
     lands on every configuration alike instead of on whichever ran last."""
-    benches = {n: RouteBench(path, layout, wargs) for n, layout in layouts.items()}
+    benches = {n: RouteBench(path, layout, options) for n, layout in layouts.items()}
     whole_runs: list[tuple[float, float, list[int]]] = []
     route_runs: dict[int, list[RouteRun]] = {n: [] for n in layouts}
     try:
         for bench in benches.values():
             await bench.start()
-        with ShardEngine(path, **options) as engine:
+        with ShardEngine(path, **options.engine_kwargs()) as engine:
             configs: list[int | None] = [None, *layouts]
             for round_ in range(repeats + 1):
                 shift = round_ % len(configs)
@@ -411,8 +405,9 @@ def main(argv: list[str] | None = None) -> int:
     ctx = 1 << (args.prompt + args.decode + 2).bit_length()
     batch = max(64, 1 << (args.prompt - 1).bit_length())
     # two slots: a run's session may still be closing when the next one opens
-    options = engine_options(args.threads, ctx, batch, 2)
-    wargs = worker_args(args.threads, ctx, batch, 2)
+    options = EngineOptions(
+        n_threads=args.threads, n_ctx_per_session=ctx, n_batch=batch, max_sessions=2
+    )
     prompt = _prompt(args.prompt, spec.n_vocab)
     cores = os.cpu_count()
     print(
@@ -423,7 +418,7 @@ def main(argv: list[str] | None = None) -> int:
 
     layouts = {n: split_points(spec.n_layer, n) for n in args.stages}
     whole_runs, route_runs = asyncio.run(
-        interleaved_rounds(path, layouts, prompt, args.decode, args.repeats, options, wargs)
+        interleaved_rounds(path, layouts, prompt, args.decode, args.repeats, options)
     )
     reference = whole_runs[0][2]
     speeds = [speed("whole", 0, args.prompt, args.decode, [(p, d) for p, d, _ in whole_runs])]

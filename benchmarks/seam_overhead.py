@@ -15,7 +15,7 @@ Cases (each measured over unary ``Forward`` and over ``ForwardStream``):
 
 Workers are separate processes (as across a WAN seam), each on 127.0.0.1. Run::
 
-    .venv/bin/python benchmarks/seam_overhead.py [--frames 500] [--threads 1]
+    python -m benchmarks.seam_overhead [--frames 500] [--threads 1]
 
 Fixture evidence on this machine's CPUs; the absolute numbers depend on the machine.
 """
@@ -32,12 +32,11 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.fixtures import ensure_fixture
+from dgr_engine.processes import WorkerProcess
 
-from dgr_engine._worker_spawn import WorkerProcess  # noqa: E402
-from dgr_engine.fixtures import ensure_fixture  # noqa: E402
-from dgr_engine.grpc_client import ShardClient, expectations_of  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 V4_BOUNDARY = 4 * 4096
 
@@ -47,9 +46,9 @@ V4_BOUNDARY = 4 * 4096
 
 def serve_echo(width: int) -> None:
     """Hosts ``ShardWorker`` over an engine that echoes its rows; prints LISTENING."""
-    from dgr_engine._worker_identity import BuildIdentity
     from dgr_engine.engine import ShardInfo
     from dgr_engine.worker import ShardWorker
+    from dgr_engine.worker.identity import BuildIdentity
 
     info = ShardInfo(
         arch="echo",
@@ -117,7 +116,8 @@ def serve_echo(width: int) -> None:
 class EchoProcess(WorkerProcess):
     @classmethod
     def spawn_echo(cls, width: int) -> WorkerProcess:
-        return cls.launch([sys.executable, __file__, "--serve-echo", str(width)], 60.0)
+        args = [sys.executable, "-m", "benchmarks.seam_overhead", "--serve-echo", str(width)]
+        return cls.launch(args, 60.0, cwd=ROOT)
 
 
 # --- measurement -------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Each shard is loaded in a process of its own (peak RSS is per process), runs a s
 a few decode steps, and reports its engine stats. Target: every shard's peak RSS <= its weights +
 its KV + 64 MiB. Fixture evidence only (random weights, this machine).
 
-    python benchmarks/shard_memory.py [--fixture mid-llama] [--stages 1 2 4]
+    python -m benchmarks.shard_memory [--fixture mid-llama] [--stages 1 2 4]
 """
 
 from __future__ import annotations
@@ -64,7 +64,16 @@ def child(path: str, begin: int, end: int) -> None:
 
 def measure(path: Path, begin: int, end: int) -> dict[str, int]:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", str(path), str(begin), str(end)],
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.shard_memory",
+            "--child",
+            str(path),
+            str(begin),
+            str(end),
+        ],
+        cwd=Path(__file__).resolve().parent.parent,
         check=True,
         capture_output=True,
         text=True,

@@ -1,18 +1,22 @@
-"""An in-process chain of shard engines: the simplest complete route, with no network.
+"""An in-process chain of shard engines: the simplest complete route, with no network, and the
+whole-model reference run that routes are compared with.
 
 ``LocalChain`` relays what stage k returns into stage k+1 (token ids into the first stage,
-boundary rows after it, logits out of the last). It is the reference driver for parity tests
-and the demo; the route-session manager drives the same engines through its transports.
+boundary rows after it, logits out of the last).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
+import numpy.typing as npt
 
 from dgr_engine.engine import FloatArray, ShardEngine
 from dgr_engine.errors import ShapeMismatch
+from dgr_engine.options import EngineOptions
 
 
 class LocalChain:
@@ -118,3 +122,52 @@ def split_points(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
         raise ValueError(f"cannot cut {n_layer} layers into {n_stages} stages")
     bounds = [round(i * n_layer / n_stages) for i in range(n_stages + 1)]
     return list(zip(bounds[:-1], bounds[1:], strict=True))
+
+
+def n_layer_of(model: str | os.PathLike[str]) -> int:
+    """Main layers of a GGUF (from its metadata, without loading tensors): ``block_count``
+    less the MTP/nextn layers, which are never routed (as the C engine counts them)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(model)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    nextn = reader.fields.get(f"{arch}.nextn_predict_layers")
+    n_nextn = int(nextn.parts[-1][0]) if nextn is not None else 0
+    return int(reader.fields[f"{arch}.block_count"].parts[-1][0]) - n_nextn
+
+
+def whole_model_reference(
+    model: str | os.PathLike[str],
+    prompts: Sequence[Sequence[int]],
+    n_tokens: int,
+    options: EngineOptions,
+) -> list[tuple[list[int], list[npt.NDArray[np.float32]]]]:
+    """Per prompt: the whole model's greedy tokens and, for each step, the logits row the
+    token was chosen from (step 0: the prompt's last row).
+
+    Fed as a route session feeds its stages: the prompt in one call asking for the last row's
+    logits only (asking for every row's changes the output matmul's batching, hence the last
+    bits), then one token per call."""
+    if n_tokens < 1:
+        raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
+    out = []
+    with ShardEngine(Path(model), **options.engine_kwargs()) as whole:
+        chain = LocalChain([whole])
+        for index, prompt in enumerate(prompts):
+            chain.open(index, 0)
+            tokens, logits = chain.greedy(index, 0, prompt, n_tokens - 1, all_prefill_logits=False)
+            # the last token is chosen from the last step's logits: no forward needed after it
+            tokens.append(int(np.argmax(logits[-1][-1])))
+            chain.close(index, 0)
+            out.append((tokens, [step[-1] for step in logits]))
+    return out
+
+
+def whole_model_greedy(
+    model: str | os.PathLike[str],
+    prompts: Sequence[Sequence[int]],
+    n_tokens: int,
+    options: EngineOptions,
+) -> list[list[int]]:
+    """Whole-model greedy tokens per prompt (:func:`whole_model_reference` without logits)."""
+    return [tokens for tokens, _ in whole_model_reference(model, prompts, n_tokens, options)]

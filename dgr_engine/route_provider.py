@@ -25,9 +25,10 @@ from pathlib import Path
 import attrs
 from loguru import logger
 
-from dgr_engine._worker_spawn import WorkerProcess
-from dgr_engine.advert import Advert
-from dgr_engine.grpc_client import ShardClient
+from dgr_engine.client import ShardClient
+from dgr_engine.options import EngineOptions
+from dgr_engine.processes import WorkerProcess
+from dgr_engine.wire.advert import Advert
 from dgr_session.faults import FailureReport, FaultKind
 from dgr_session.route import Route, StageSpec
 
@@ -84,10 +85,11 @@ class LoopbackRouteProvider:
     """A :class:`dgr_session.transport.RouteProvider` over worker subprocesses on loopback.
 
     ``layout``: the ranges of a route, in order, covering the model. ``spares``: extra workers
-    to start with (a range may repeat). ``worker_args``: extra ``dgr worker`` arguments
-    (``--threads 1`` etc.). ``observer(session_id, report, route)`` is called with each
-    request's answer (``route`` ``None``: no route); it must not raise. Call ``await start()``
-    first; ``await aclose()`` at the end, in a ``finally`` (or ``async with``).
+    to start with (a range may repeat). ``options``: the workers' engine options;
+    ``worker_args``: further ``dgr worker`` arguments. ``observer(session_id, report, route)``
+    is called with each request's answer (``route`` ``None``: no route); it must not raise.
+    Call ``await start()`` first; ``await aclose()`` at the end, in a ``finally`` (or
+    ``async with``).
     """
 
     def __init__(
@@ -97,6 +99,7 @@ class LoopbackRouteProvider:
         *,
         spares: Sequence[tuple[int, int]] = (),
         spawn_on_demand: bool = False,
+        options: EngineOptions | None = None,
         worker_args: Sequence[str] = (),
         startup_timeout: float = 60.0,
         stop_timeout: float = 10.0,
@@ -108,6 +111,7 @@ class LoopbackRouteProvider:
         self.layout = tuple((int(a), int(b)) for a, b in layout)
         self.spares = tuple((int(a), int(b)) for a, b in spares)
         self.spawn_on_demand = spawn_on_demand
+        self.options = options if options is not None else EngineOptions()
         self.worker_args = tuple(worker_args)
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
@@ -178,7 +182,12 @@ class LoopbackRouteProvider:
         # On a worker thread. Recorded here, not by the awaiting task: if that task is
         # cancelled (Ctrl-C) while the worker starts, the process is still stopped at the end.
         process = WorkerProcess.spawn(
-            self.model, layers, extra_args=self.worker_args, startup_timeout=self.startup_timeout
+            self.model,
+            layers,
+            options=self.options,
+            log_level="WARNING",
+            extra_args=self.worker_args,
+            startup_timeout=self.startup_timeout,
         )
         self._processes.append(process)
         return process

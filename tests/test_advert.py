@@ -11,9 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dgr_engine import _worker_identity as ident
-from dgr_engine._worker_load import LoadMeter
-from dgr_engine.advert import (
+from dgr_engine.wire.advert import (
     Advert,
     Capacity,
     Health,
@@ -23,7 +21,9 @@ from dgr_engine.advert import (
     advert_from_proto,
     advert_to_proto,
 )
-from dgr_engine.proto import shard_pb2 as pb
+from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_engine.worker import identity as ident
+from dgr_engine.worker.load import LoadMeter
 from dgr_session.errors import DarkLane, DarkLaneWarning
 from dgr_session.identity import CertificationStatus, EvidenceClass, Lane, ModelIdentity, Recipe
 from dgr_session.route import Route, validate_route

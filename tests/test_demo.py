@@ -14,7 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from dgr_engine.demo import main as demo_main
+from dgr_engine import cli
+
+
+def demo_main(args: list[str]) -> int:
+    return cli.main(["demo", *args])
+
 
 pytestmark = pytest.mark.slow
 
@@ -63,13 +68,14 @@ def test_demo_on_tiny_v4_with_a_replacement_spawned_on_demand(
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_an_interrupted_demo_stops_every_worker(sig: signal.Signals) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     proc = subprocess.Popen(
         # long enough (8 sessions x 240 tokens) that the signal lands mid-run even on a loaded box
         [
             sys.executable,
             "-m",
-            "dgr_engine.demo",
+            "dgr_engine.cli",
+            "demo",
             "--sessions",
             "8",
             "--steps",

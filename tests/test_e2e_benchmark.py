@@ -1,5 +1,5 @@
-"""Smoke runs of the benchmarks that stand behind issue figures (``pipeline.py``, ``grpc_floor.py``,
-``engine_idle.py``) on tiny inputs: they run, and print and save what they claim."""
+"""Smoke runs of the benchmarks that stand behind issue figures (``pipeline``, ``grpc_floor``,
+``engine_idle``) on tiny inputs: they run, and print and save what they claim."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_benchmark(script: str, args: list[str]) -> subprocess.CompletedProcess[str]:
-    """Runs ``benchmarks/<script>`` with ``args`` (bounded); asserts it exited 0."""
+def run_benchmark(name: str, args: list[str]) -> subprocess.CompletedProcess[str]:
+    """Runs ``python -m benchmarks.<name>`` with ``args`` (bounded); asserts it exited 0."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        [sys.executable, "-m", f"benchmarks.{name}", *args],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -33,7 +33,7 @@ def run_benchmark(script: str, args: list[str]) -> subprocess.CompletedProcess[s
 def test_pipeline_benchmark_smoke(tmp_path: Path) -> None:
     args = ["--fixture", "tiny-llama", "--prompt", "8", "--decode", "8", "--repeats", "1"]
     args += ["--stages", "2", "--frames", "20", "--out", str(tmp_path)]
-    done = run_benchmark("pipeline.py", args)
+    done = run_benchmark("pipeline", args)
     assert "whole " in done.stdout and "dgr 2 " in done.stdout
     assert "echo 4x4096" in done.stdout
     result = json.loads((tmp_path / "pipeline.json").read_text())
@@ -56,14 +56,11 @@ def test_pipeline_benchmark_smoke(tmp_path: Path) -> None:
 
 
 def test_the_plot_is_written_without_matplotlib(tmp_path: Path) -> None:
-    import importlib.util
     import struct
     import zlib
 
-    spec = importlib.util.spec_from_file_location("pipeline", ROOT / "benchmarks" / "pipeline.py")
-    assert spec is not None and spec.loader is not None
-    pipeline = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(pipeline)
+    from benchmarks import pipeline
+
     speeds = [
         pipeline.Speed("whole", 0, 200.0, 60.0, 16.7),
         pipeline.Speed("dgr 2", 2, 190, 50, 20),
@@ -82,7 +79,7 @@ def test_the_plot_is_written_without_matplotlib(tmp_path: Path) -> None:
 def test_grpc_floor_benchmark_smoke() -> None:
     args = ["--bytes", "64", "--busy-ms", "0", "1", "--frames", "20"]
     args += ["--idle-ms", "1", "--busy-kind", "memory", "spin"]
-    done = run_benchmark("grpc_floor.py", args)
+    done = run_benchmark("grpc_floor", args)
     rows = [line.split() for line in done.stdout.splitlines()[2:]]
     assert [(r[0], r[2]) for r in rows] == [
         ("memory", "0.0"),
@@ -95,7 +92,7 @@ def test_grpc_floor_benchmark_smoke() -> None:
 
 def test_engine_idle_benchmark_smoke(tmp_path: Path) -> None:
     args = ["--fixture", "tiny-llama", "--gaps", "1", "--forwards", "4", "--repeats", "1"]
-    done = run_benchmark("engine_idle.py", [*args, "--out", str(tmp_path)])
+    done = run_benchmark("engine_idle", [*args, "--out", str(tmp_path)])
     table = json.loads((tmp_path / "engine_idle.json").read_text())["ms_per_forward_by_gap"]
     # back to back (gap 0) is always measured, for the whole model and its first half
     assert set(table) == {"whole", "first half"}

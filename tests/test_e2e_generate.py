@@ -11,17 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from dgr_engine._worker_spawn import WorkerProcess
-from dgr_engine.generate import DEFAULT_PROMPT, engine_options, whole_model_greedy, worker_args
+from dgr_engine.chain import whole_model_greedy
+from dgr_engine.cli.generate import DEFAULT_PROMPT
+from dgr_engine.options import EngineOptions
+from dgr_engine.processes import WorkerProcess
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-ARGS = worker_args(threads=1, ctx=256, batch=64, sessions=4)
+OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=4)
 
 
 def dgr(*args: str) -> subprocess.CompletedProcess[str]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     return subprocess.run(
         [sys.executable, "-m", "dgr_engine.cli", *args],
         capture_output=True,
@@ -34,7 +36,7 @@ def dgr(*args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.fixture(scope="module")
 def workers(tiny_llama: Path) -> Iterator[list[WorkerProcess]]:
-    started = [WorkerProcess.spawn(tiny_llama, r, extra_args=ARGS) for r in ((0, 3), (3, 4))]
+    started = [WorkerProcess.spawn(tiny_llama, r, options=OPTIONS) for r in ((0, 3), (3, 4))]
     try:
         yield started
     finally:
@@ -47,8 +49,7 @@ def test_generate_over_given_endpoints(workers: list[WorkerProcess], tiny_llama:
     done = dgr("generate", "--endpoints", endpoints, "-n", "10", "--allow-dark-lanes", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    options = engine_options(threads=1, ctx=256, batch=64, sessions=4)
-    assert report["tokens"] == whole_model_greedy(tiny_llama, [DEFAULT_PROMPT], 10, options)[0]
+    assert report["tokens"] == whole_model_greedy(tiny_llama, [DEFAULT_PROMPT], 10, OPTIONS)[0]
     assert (report["state"], report["epoch"], report["route_changes"]) == ("done", 1, 0)
     assert [s["layers"] for s in report["stages"]] == [[0, 3], [3, 4]]
 

@@ -20,9 +20,10 @@ import attrs
 import numpy as np
 import pytest
 
-from dgr_engine.generate import engine_options, whole_model_reference, worker_args
-from dgr_engine.grpc_transport import GrpcStageTransport
+from dgr_engine.chain import whole_model_reference
+from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import LoopbackRouteProvider
+from dgr_engine.stage_transport import GrpcStageTransport
 from dgr_session import (
     DarkLaneWarning,
     FailurePolicy,
@@ -38,8 +39,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::dgr_session.
 
 T = TypeVar("T")
 N_TOKENS = 16
-ARGS = worker_args(threads=1, ctx=256, batch=64, sessions=4)
-OPTIONS = engine_options(threads=1, ctx=256, batch=64, sessions=4)
+OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=4)
 PROMPTS = [
     [int(t) for t in np.random.default_rng(seed).integers(0, 256, size=12)] for seed in range(3)
 ]
@@ -159,7 +159,7 @@ def assert_not_running(provider: LoopbackRouteProvider) -> None:
 def test_parity_through_the_manager_and_grpc(
     tiny_llama: Path, reference: Reference, layout: tuple[tuple[int, int], ...]
 ) -> None:
-    provider = LoopbackRouteProvider(tiny_llama, layout, worker_args=ARGS)
+    provider = LoopbackRouteProvider(tiny_llama, layout, options=OPTIONS)
     out = run(drive(provider, PROMPTS, policy=FailurePolicy(step_deadline=10.0)))
     for result, recorder, (tokens, logits) in zip(
         out.results, out.recorders, reference, strict=True
@@ -181,7 +181,7 @@ def test_sigkill_of_a_middle_stage_mid_decode_recovers_at_the_next_epoch(
     tiny_llama: Path, reference: Reference
 ) -> None:
     layout = ((0, 1), (1, 3), (3, 4))
-    provider = LoopbackRouteProvider(tiny_llama, layout, spares=[(1, 3)], worker_args=ARGS)
+    provider = LoopbackRouteProvider(tiny_llama, layout, spares=[(1, 3)], options=OPTIONS)
     killed: list[str] = []
 
     def kill(p: LoopbackRouteProvider, session: SessionHandle) -> str:
@@ -217,7 +217,7 @@ def test_a_hung_stage_meets_the_step_deadline_and_the_session_moves_on(
     tiny_llama: Path, reference: Reference
 ) -> None:
     layout = ((0, 1), (1, 3), (3, 4))
-    provider = LoopbackRouteProvider(tiny_llama, layout, spares=[(1, 3)], worker_args=ARGS)
+    provider = LoopbackRouteProvider(tiny_llama, layout, spares=[(1, 3)], options=OPTIONS)
     hung: list[str] = []
 
     def suspend(p: LoopbackRouteProvider, session: SessionHandle) -> str:
@@ -258,7 +258,7 @@ def test_a_hung_stage_meets_the_step_deadline_and_the_session_moves_on(
 def test_all_routes_gone_fails_typed_within_the_policy_bound(
     tiny_llama: Path, reference: Reference
 ) -> None:
-    provider = LoopbackRouteProvider(tiny_llama, ((0, 2), (2, 4)), worker_args=ARGS)
+    provider = LoopbackRouteProvider(tiny_llama, ((0, 2), (2, 4)), options=OPTIONS)
     policy = FailurePolicy(
         step_deadline=2.0, max_attempts_per_step=3, max_route_changes=3, backoff=(0.05, 0.1)
     )

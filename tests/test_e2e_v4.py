@@ -18,11 +18,12 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from dgr_engine._gguf_deepseek4 import Deepseek4Spec
+from dgr_engine.chain import whole_model_reference
 from dgr_engine.fixtures import FIXTURES, ensure_fixture
-from dgr_engine.generate import engine_options, whole_model_reference, worker_args
-from dgr_engine.grpc_transport import GrpcStageTransport, StageStats
+from dgr_engine.fixtures.deepseek4 import Deepseek4Spec
+from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import LoopbackRouteProvider
+from dgr_engine.stage_transport import GrpcStageTransport, StageStats
 from dgr_session import (
     DarkLaneWarning,
     FailurePolicy,
@@ -41,8 +42,7 @@ assert isinstance(_SPEC, Deepseek4Spec)
 SPEC: Deepseek4Spec = _SPEC
 LAYOUT = ((0, 1), (1, 3), (3, 6))
 N_TOKENS = 16
-ARGS = worker_args(threads=1, ctx=256, batch=64, sessions=4)
-OPTIONS = engine_options(threads=1, ctx=256, batch=64, sessions=4)
+OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=4)
 PROMPTS = [[int(t) for t in np.random.default_rng(40 + s).integers(0, 256, 24)] for s in range(2)]
 BOUNDARY_BYTES = 4 * SPEC.n_embd * 4  # hc 4 streams of n_embd f32 per token
 
@@ -68,7 +68,7 @@ def test_v4_route_over_grpc_survives_a_killed_hash_layer_stage(tiny_v4: Path) ->
 
         return greedy
 
-    provider = LoopbackRouteProvider(tiny_v4, LAYOUT, spares=[(1, 3)], worker_args=ARGS)
+    provider = LoopbackRouteProvider(tiny_v4, LAYOUT, spares=[(1, 3)], options=OPTIONS)
     killed: list[str] = []
     handles: list[SessionHandle] = []
 

@@ -16,7 +16,7 @@ import pytest
 from dgr_engine import ShardEngine
 from dgr_engine import errors as E
 from dgr_engine.chain import LocalChain
-from dgr_engine.fixtures import write_corrupt_copy, write_truncated_copy
+from dgr_engine.testing import write_corrupt_copy, write_truncated_copy
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 KW = {"max_sessions": 3, "n_ctx_per_session": 256, "n_batch": 32}

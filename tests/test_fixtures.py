@@ -14,18 +14,19 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 
-from dgr_engine import _gguf_llama, fixtures
+from dgr_engine import cli, testing
 from dgr_engine.fixtures import (
     FIXTURES,
-    HEADER_ALLOWANCE,
     FixtureSpec,
+    catalog,
     ensure_fixture,
     estimated_bytes,
+    llama,
     spec_digest,
-    write_corrupt_copy,
     write_fixture,
-    write_truncated_copy,
 )
+from dgr_engine.fixtures.catalog import HEADER_ALLOWANCE
+from dgr_engine.testing import write_corrupt_copy, write_truncated_copy
 
 TINY = ["tiny-llama", "tiny-llama-tied", "tiny-qwen2"]
 
@@ -155,28 +156,28 @@ def test_qwen2_has_qkv_biases(built: dict[str, Path]) -> None:
 def test_values_round_trip_and_are_scaled(built: dict[str, Path]) -> None:
     spec = FIXTURES["tiny-llama"]
     reader = GGUFReader(built["tiny-llama"])
-    plans = {p.name: p for p in _gguf_llama.tensor_plan(spec)}
+    plans = {p.name: p for p in llama.tensor_plan(spec)}
     for t in reader.tensors:
         data = np.asarray(t.data)
         assert np.isfinite(data).all(), t.name
-        expected = _gguf_llama.make_tensor(spec, plans[t.name])
+        expected = llama.make_tensor(spec, plans[t.name])
         assert np.array_equal(data.reshape(expected.shape), expected), t.name
     assert reader.tensors[1].name == "output_norm.weight"
     norm = np.asarray(reader.tensors[1].data)
     assert abs(float(norm.mean()) - 1.0) < 0.02 and float(norm.std()) < 0.05
-    wq = _gguf_llama.make_tensor(spec, plans["blk.2.attn_q.weight"])
+    wq = llama.make_tensor(spec, plans["blk.2.attn_q.weight"])
     assert float(wq.std()) == pytest.approx(spec.n_embd**-0.5, rel=0.1)
 
 
 def test_tensor_values_do_not_depend_on_order() -> None:
     spec = FIXTURES["tiny-llama"]
-    plans = _gguf_llama.tensor_plan(spec)
-    last = _gguf_llama.make_tensor(spec, plans[-1])
-    again = [v for _, v in _gguf_llama.iter_tensors(spec, list(reversed(plans)))][0]
+    plans = llama.tensor_plan(spec)
+    last = llama.make_tensor(spec, plans[-1])
+    again = [v for _, v in llama.iter_tensors(spec, list(reversed(plans)))][0]
     assert np.array_equal(last, again)
     k, v = (next(p for p in plans if p.name == f"blk.0.attn_{x}.weight") for x in "kv")
     assert k.shape == v.shape
-    assert not np.array_equal(_gguf_llama.make_tensor(spec, k), _gguf_llama.make_tensor(spec, v))
+    assert not np.array_equal(llama.make_tensor(spec, k), llama.make_tensor(spec, v))
 
 
 def test_f16_spec_stores_f16_matrices_and_f32_norms(tmp_path: Path) -> None:
@@ -207,21 +208,21 @@ def test_changed_spec_or_generator_changes_cache_key(monkeypatch: pytest.MonkeyP
     assert spec_digest(spec) != spec_digest(attrs.evolve(spec, n_layer=5))
     assert spec_digest(spec) == spec_digest(attrs.evolve(spec, description="other words"))
     old = spec_digest(spec)
-    monkeypatch.setattr(fixtures, "GENERATOR_VERSION", fixtures.GENERATOR_VERSION + 1)
+    monkeypatch.setattr(catalog, "GENERATOR_VERSION", catalog.GENERATOR_VERSION + 1)
     assert spec_digest(spec) != old
 
 
 def test_default_directory_from_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv(fixtures.FIXTURES_DIR_ENV, str(tmp_path / "env"))
+    monkeypatch.setenv(catalog.FIXTURES_DIR_ENV, str(tmp_path / "env"))
     path = ensure_fixture("tiny-qwen2")
     assert path.parent == tmp_path / "env"
     assert path.is_file()
 
 
 def test_default_directory_without_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv(fixtures.FIXTURES_DIR_ENV, raising=False)
-    repo_root = Path(fixtures.__file__).resolve().parent.parent
-    assert fixtures.default_fixtures_dir() == repo_root / "fixtures"
+    monkeypatch.delenv(catalog.FIXTURES_DIR_ENV, raising=False)
+    repo_root = Path(catalog.__file__).resolve().parents[2]
+    assert catalog.default_fixtures_dir() == repo_root / "fixtures"
 
 
 def test_unknown_fixture_is_refused(tmp_path: Path) -> None:
@@ -277,7 +278,7 @@ def test_truncated_copy(built: dict[str, Path], tmp_path: Path) -> None:
     ("kind", "offset", "width"), [("magic", 0, 4), ("version", 4, 4), ("tensor_count", 8, 8)]
 )
 def test_corrupt_copy(
-    kind: fixtures.CorruptionKind, offset: int, width: int, built: dict[str, Path], tmp_path: Path
+    kind: testing.CorruptionKind, offset: int, width: int, built: dict[str, Path], tmp_path: Path
 ) -> None:
     src = built["tiny-llama"]
     data = src.read_bytes()
@@ -298,11 +299,11 @@ def test_corrupt_copy_refuses_non_gguf(tmp_path: Path) -> None:
 
 
 def test_cli_build_and_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert fixtures.main(["build", "tiny-llama", "--dir", str(tmp_path)]) == 0
+    assert cli.main(["fixtures", "build", "tiny-llama", "--dir", str(tmp_path)]) == 0
     printed = Path(capsys.readouterr().out.strip())
-    assert printed == tmp_path / fixtures.fixture_filename(FIXTURES["tiny-llama"])
+    assert printed == tmp_path / catalog.fixture_filename(FIXTURES["tiny-llama"])
     assert printed.is_file()
-    assert fixtures.main(["list"]) == 0
+    assert cli.main(["fixtures", "list"]) == 0
     out = capsys.readouterr().out
     for name in FIXTURES:
         assert name in out

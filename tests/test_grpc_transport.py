@@ -21,11 +21,11 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine import errors as E
-from dgr_engine._worker_spawn import WorkerProcess
-from dgr_engine.advert import Advert
-from dgr_engine.generate import engine_options, worker_args
-from dgr_engine.grpc_transport import ForwardRecord, GrpcStageTransport
+from dgr_engine.options import EngineOptions
+from dgr_engine.processes import WorkerProcess
 from dgr_engine.route_provider import describe
+from dgr_engine.stage_transport import ForwardRecord, GrpcStageTransport
+from dgr_engine.wire.advert import Advert
 from dgr_session import (
     Boundary,
     FaultKind,
@@ -40,8 +40,7 @@ pytestmark = pytest.mark.slow
 
 T = TypeVar("T")
 PROMPT = [int(t) for t in (np.arange(16) * 37 + 11) % 256]
-ARGS = worker_args(threads=1, ctx=256, batch=64, sessions=4)
-OPTIONS = engine_options(threads=1, ctx=256, batch=64, sessions=4)
+OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=4)
 
 
 def run(coro: Coroutine[Any, Any, T], limit: float = 60.0) -> T:
@@ -51,7 +50,7 @@ def run(coro: Coroutine[Any, Any, T], limit: float = 60.0) -> T:
 @pytest.fixture(scope="module")
 def two(tiny_llama: Path) -> Iterator[list[tuple[WorkerProcess, Advert]]]:
     """Workers for [0, 2) and [2, 4) with their adverts."""
-    workers = [WorkerProcess.spawn(tiny_llama, r, extra_args=ARGS) for r in ((0, 2), (2, 4))]
+    workers = [WorkerProcess.spawn(tiny_llama, r, options=OPTIONS) for r in ((0, 2), (2, 4))]
     try:
         yield [(w, run(describe(w.address))) for w in workers]
     finally:
@@ -72,7 +71,7 @@ def free_port() -> int:
 def test_rows_and_logits_are_numpy_and_equal_the_whole_model(
     two: list[tuple[WorkerProcess, Advert]], tiny_llama: Path
 ) -> None:
-    with ShardEngine(tiny_llama, **OPTIONS) as whole:
+    with ShardEngine(tiny_llama, **OPTIONS.engine_kwargs()) as whole:
         whole.open_session(1, 0)
         want = whole.forward(1, 0, np.arange(len(PROMPT)), tokens=PROMPT)[-1]
     first, last = stages(two)
@@ -174,7 +173,7 @@ def test_failures_are_what_the_manager_classifies(two: list[tuple[WorkerProcess,
 
 
 def test_a_hung_stage_times_out_and_a_killed_one_is_dead(tiny_llama: Path) -> None:
-    worker = WorkerProcess.spawn(tiny_llama, (0, 4), extra_args=ARGS)
+    worker = WorkerProcess.spawn(tiny_llama, (0, 4), options=OPTIONS)
     try:
         stage = run(describe(worker.address)).stage_spec(worker.address)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import grpc_tools
 import pytest
 
-from dgr_engine.proto import generate, shard_pb2, shard_pb2_grpc
+from dgr_engine.wire.proto import shard_pb2, shard_pb2_grpc
+from scripts import gen_proto as generate
 
 
 def test_generated_code_matches_the_proto_byte_for_byte() -> None:
@@ -18,13 +19,13 @@ def test_generated_code_matches_the_proto_byte_for_byte() -> None:
         version = getattr(grpc_tools, "__version__", "?")
         pytest.fail(
             f"stale generated code {stale} (grpcio-tools {version}): edit the .proto, then run "
-            "`python -m dgr_engine.proto.generate` and commit the result"
+            "`python scripts/gen_proto.py` and commit the result"
         )
 
 
 def test_grpc_module_imports_messages_from_this_package() -> None:
     text = (generate.PACKAGE_DIR / "shard_pb2_grpc.py").read_text()
-    assert "from dgr_engine.proto import shard_pb2 as" in text
+    assert "from dgr_engine.wire.proto import shard_pb2 as" in text
     assert "from dgr.shard.v1" not in text
 
 

@@ -15,9 +15,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from dgr_engine import _worker_frames as F
 from dgr_engine import errors as E
-from dgr_engine._worker_status import (
+from dgr_engine.engine import ShardInfo
+from dgr_engine.wire import frames as F
+from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_engine.wire.status import (
     ExpectationMismatch,
     FrameRejected,
     ShardDeadlineExceeded,
@@ -29,8 +31,6 @@ from dgr_engine._worker_status import (
     known_statuses,
     refusal_trailers,
 )
-from dgr_engine.engine import ShardInfo
-from dgr_engine.proto import shard_pb2 as pb
 
 HASH = bytes(range(32))
 

@@ -11,16 +11,17 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType, GGUFReader
 
-from dgr_engine import ShardEngine, _gguf_deepseek4
-from dgr_engine._gguf_deepseek4 import Deepseek4Spec
+from dgr_engine import ShardEngine
 from dgr_engine.fixtures import (
     FIXTURES,
+    deepseek4,
     ensure_fixture,
     estimated_bytes,
     fixture_filename,
     spec_digest,
     write_fixture,
 )
+from dgr_engine.fixtures.deepseek4 import Deepseek4Spec
 
 V4 = ["tiny-v4", "v4-12"]
 
@@ -87,8 +88,8 @@ def test_reads_back_with_keys_and_tensors(name: str, built: dict[str, Path]) -> 
 
     tensors = {t.name: t for t in reader.tensors}
     assert not any(".nextn." in n for n in tensors)
-    assert len(tensors) == len(_gguf_deepseek4.tensor_plan(spec))
-    data_bytes = sum(_gguf_deepseek4.padded(int(t.n_bytes)) for t in reader.tensors)
+    assert len(tensors) == len(deepseek4.tensor_plan(spec))
+    data_bytes = sum(deepseek4.padded(int(t.n_bytes)) for t in reader.tensors)
     assert data_bytes == estimated_bytes(spec)
     e, hc = spec.n_embd, spec.hc_mult
     assert tensors["output_hc_fn.weight"].shape.tolist() == [hc * e, hc]

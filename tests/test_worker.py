@@ -22,13 +22,13 @@ import pytest
 from dgr_engine import ShardEngine
 from dgr_engine import errors as E
 from dgr_engine._binding import LLAMA_COMMIT, PATCH_STACK_SHA256
-from dgr_engine._worker_frames import Expectations, encode_forward
-from dgr_engine._worker_spawn import WorkerProcess
-from dgr_engine._worker_status import STATUS_KEY, FrameRejected, ShardUnavailable
 from dgr_engine.chain import LocalChain
-from dgr_engine.grpc_client import ShardClient, expectations_of
-from dgr_engine.proto import shard_pb2 as pb
-from dgr_engine.proto import shard_pb2_grpc
+from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.processes import WorkerProcess
+from dgr_engine.wire.frames import Expectations, encode_forward
+from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_engine.wire.proto import shard_pb2_grpc
+from dgr_engine.wire.status import STATUS_KEY, FrameRejected, ShardUnavailable
 from dgr_session.identity import CertificationStatus, EvidenceClass
 
 pytestmark = pytest.mark.slow
@@ -377,7 +377,7 @@ def test_capacity_context_and_size_limits(tiny_llama: Path) -> None:
 
 
 async def raw_open(address: str, session: str, expect: Expectations) -> tuple[grpc.StatusCode, str]:
-    from dgr_engine._worker_frames import expectations_to_proto
+    from dgr_engine.wire.frames import expectations_to_proto
 
     async with grpc.aio.insecure_channel(address) as channel:
         request = pb.OpenSessionRequest(

@@ -18,21 +18,23 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine import errors as E
-from dgr_engine._worker_frames import ForwardFrame, encode_forward
-from dgr_engine._worker_identity import BuildIdentity
-from dgr_engine._worker_sessions import SessionTable
-from dgr_engine._worker_status import STATUS_KEY, ShardDeadlineExceeded
-from dgr_engine._worker_thread import EngineThread
-from dgr_engine.generate import whole_model_reference
-from dgr_engine.grpc_client import ShardClient, expectations_of
-from dgr_engine.grpc_transport import GrpcStageTransport
-from dgr_engine.proto import shard_pb2_grpc
+from dgr_engine.chain import whole_model_reference
+from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import EndpointRouteProvider
+from dgr_engine.stage_transport import GrpcStageTransport
+from dgr_engine.wire.frames import ForwardFrame, encode_forward
+from dgr_engine.wire.proto import shard_pb2_grpc
+from dgr_engine.wire.status import STATUS_KEY, ShardDeadlineExceeded
 from dgr_engine.worker import ShardWorker, WorkerConfig
+from dgr_engine.worker.engine_thread import EngineThread
+from dgr_engine.worker.identity import BuildIdentity
+from dgr_engine.worker.sessions import SessionTable
 from dgr_session import FaultKind, SessionManager, SessionResult, SessionState
 
 T = TypeVar("T")
-KW: dict[str, Any] = {"max_sessions": 2, "n_ctx_per_session": 256, "n_threads": 1, "n_batch": 32}
+OPTIONS = EngineOptions(max_sessions=2, n_ctx_per_session=256, n_threads=1, n_batch=32)
+KW: dict[str, Any] = OPTIONS.engine_kwargs()
 
 
 def run(coro: Coroutine[Any, Any, T], limit: float = 60.0) -> T:
@@ -373,7 +375,7 @@ def test_the_worker_expires_an_abandoned_session_by_itself(tiny_llama: Path) -> 
 def test_a_route_session_survives_a_lease_expiry_by_re_prefilling(tiny_llama: Path) -> None:
     prompt = [5, 17, 3, 99, 42, 7, 1, 250]
     n_tokens = 10
-    ((want, _),) = whole_model_reference(tiny_llama, [prompt], n_tokens, KW)
+    ((want, _),) = whole_model_reference(tiny_llama, [prompt], n_tokens, OPTIONS)
     build = BuildIdentity.of_model(tiny_llama)
     clocks = [FakeClock(), FakeClock()]
     workers = [

@@ -1,17 +1,19 @@
-"""A :class:`dgr_session.transport.StageTransport` over in-process ``ShardEngine``s.
+"""Test doubles of the data plane, for users' own suites (as ``trio.testing`` is).
 
-The same route sessions that run over gRPC workers run here with no network: each endpoint
-names one engine (``inproc://...``), and faults are injected per endpoint - kill (the worker and
-its state are gone), hang (replies are computed, then held past any deadline; released late or
-dropped), fail the next calls with an engine error. Engine calls run on the event loop thread:
-the tiny fixtures take well under a millisecond, and it keeps test runs deterministic.
+* :class:`EngineTransport`: a :class:`~dgr_session.transport.StageTransport` over in-process
+  ``ShardEngine``s with fault injection per endpoint (kill, hang, release, fail the next calls).
+* :func:`write_truncated_copy`, :func:`write_corrupt_copy`: damaged GGUF files.
+
+Production code never imports this module.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from pathlib import Path
+from typing import Literal, TypeVar
 
 import attrs
 import numpy as np
@@ -207,3 +209,46 @@ class EngineTransport:
         if error is not None:
             raise error
         return result  # type: ignore[return-value]
+
+
+# -- bad-input files ---------------------------------------------------------------------------
+
+CorruptionKind = Literal["magic", "version", "tensor_count"]
+"""How :func:`write_corrupt_copy` damages a GGUF header."""
+
+
+def write_truncated_copy(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], keep_fraction: float
+) -> Path:
+    """Copy the first ``keep_fraction`` (0 < f < 1) of ``src``'s bytes to ``dst``."""
+    if not 0.0 < keep_fraction < 1.0:
+        raise ValueError(f"keep_fraction must be in (0, 1), got {keep_fraction}")
+    data = Path(src).read_bytes()
+    dst = Path(dst)
+    dst.write_bytes(data[: int(len(data) * keep_fraction)])
+    return dst
+
+
+def write_corrupt_copy(
+    src: str | os.PathLike[str], dst: str | os.PathLike[str], kind: CorruptionKind = "magic"
+) -> Path:
+    """Copy ``src`` to ``dst`` with a damaged header; the rest is unchanged.
+
+    - ``magic``: the 4-byte ``GGUF`` magic becomes ``XXXX``.
+    - ``version``: the format version becomes 0xFFFF (unsupported).
+    - ``tensor_count``: the tensor count becomes 2**62 (more than the file can hold).
+    """
+    data = bytearray(Path(src).read_bytes())
+    if data[:4] != b"GGUF":
+        raise ValueError(f"{src} is not a GGUF file")
+    if kind == "magic":
+        data[0:4] = b"XXXX"
+    elif kind == "version":
+        data[4:8] = (0xFFFF).to_bytes(4, "little")
+    elif kind == "tensor_count":
+        data[8:16] = (1 << 62).to_bytes(8, "little")
+    else:
+        raise ValueError(f"unknown corruption kind {kind!r}")
+    dst = Path(dst)
+    dst.write_bytes(bytes(data))
+    return dst

@@ -1,8 +1,8 @@
 """Route sessions over real shard workers: a ``StageTransport`` over gRPC.
 
-:class:`GrpcStageTransport` is the sibling of ``dgr_engine.engine_transport.EngineTransport``:
+:class:`GrpcStageTransport` is the sibling of ``dgr_engine.testing.EngineTransport``:
 the same :class:`dgr_session.transport.StageTransport`, with each stage a ``dgr worker``
-reached through one :class:`~dgr_engine.grpc_client.ShardClient` (one channel) per endpoint,
+reached through one :class:`~dgr_engine.client.ShardClient` (one channel) per endpoint,
 created on first use and reused by every session. Forwards use the client's per-session
 ``ForwardStream`` by default; every call has a deadline.
 
@@ -42,12 +42,12 @@ import attrs
 import numpy as np
 from loguru import logger
 
-from dgr_engine._worker_frames import SCHEMA_VERSION, Expectations
-from dgr_engine._worker_status import ExpectationMismatch, FrameRejected, ShardUnavailable
-from dgr_engine.advert import Advert
+from dgr_engine.client import DEFAULT_MAX_MESSAGE_BYTES, ForwardResult, ShardClient
 from dgr_engine.errors import EngineError, UnknownSession
 from dgr_engine.errors import StaleEpoch as EngineStaleEpoch
-from dgr_engine.grpc_client import DEFAULT_MAX_MESSAGE_BYTES, ForwardResult, ShardClient
+from dgr_engine.wire.advert import Advert
+from dgr_engine.wire.frames import SCHEMA_VERSION, Expectations
+from dgr_engine.wire.status import ExpectationMismatch, FrameRejected, ShardUnavailable
 from dgr_session.errors import StageDead, StaleEpoch
 from dgr_session.route import StageSpec
 from dgr_session.transport import Boundary, Logits, StageResult

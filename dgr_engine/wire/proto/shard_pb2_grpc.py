@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from dgr_engine.proto import shard_pb2 as dgr_dot_shard_dot_v1_dot_shard__pb2
+from dgr_engine.wire.proto import shard_pb2 as dgr_dot_shard_dot_v1_dot_shard__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

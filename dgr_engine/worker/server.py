@@ -7,7 +7,7 @@ and the standard ``grpc.health.v1.Health`` service on a ``grpc.aio`` server, bou
 fences epochs and positions. A refused call changes nothing (a V4 decode failure empties that
 one session, and says so) and never touches another session.
 Refusals carry conventional gRPC codes and the exact reason in the trailing metadata
-(``dgr-status``; the table is in ``dgr_engine._worker_status``).
+(``dgr-status``; the table is in ``dgr_engine.wire.status``).
 
 Engine calls block (cffi releases the GIL), so they run on one dedicated thread
 (``_worker_thread.EngineThread``): the event loop
@@ -32,9 +32,9 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 import attrs
 import grpc
@@ -42,29 +42,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from loguru import logger
 
-from dgr_engine import _worker_frames as frames
-from dgr_engine._worker_identity import BuildIdentity
-from dgr_engine._worker_load import LoadMeter
-from dgr_engine._worker_sessions import EngineLike, SessionTable
-from dgr_engine._worker_status import (
-    ShardDeadlineExceeded,
-    grpc_status_for,
-    refusal_trailers,
-)
-from dgr_engine._worker_thread import EngineThread
-from dgr_engine.advert import (
+from dgr_engine.engine import ShardEngine
+from dgr_engine.wire import frames as frames
+from dgr_engine.wire.advert import (
     Advert,
     Capacity,
     Health,
     LayerSpan,
     Load,
     SeamCost,
-    advert_to_proto,
 )
-from dgr_engine.engine import ShardEngine
-from dgr_engine.errors import EngineError
-from dgr_engine.proto import shard_pb2 as pb
-from dgr_engine.proto import shard_pb2_grpc
+from dgr_engine.wire.proto import shard_pb2_grpc
+from dgr_engine.worker.engine_thread import EngineThread
+from dgr_engine.worker.identity import BuildIdentity
+from dgr_engine.worker.load import LoadMeter
+from dgr_engine.worker.servicer import ShardServicer
+from dgr_engine.worker.sessions import EngineLike, SessionTable
 from dgr_session.identity import CertificationStatus, EvidenceClass, Lane, ModelIdentity, Recipe
 
 SERVICE_NAME = "dgr.shard.v1.Shard"
@@ -75,12 +68,6 @@ _FRAME_OVERHEAD = 64 * 1024
 """Bytes allowed per message beyond its rows (ids, expectations, framing)."""
 _SIDEBAND_PER_ROW = 16
 """Bytes per row of positions, token ids and logit-row indices (packed varints, worst case)."""
-
-
-#: Refusals that are this worker's own fault and count against its health in the advert; the
-#: rest (stale epochs, unknown sessions, malformed frames, wrong expectations, capacity) are the
-#: caller's or routine around route changes.
-_WORKER_FAULTS = frozenset({"DGR_E_DECODE", "DGR_E_INTERNAL", "DGR_E_DEADLINE"})
 
 
 @attrs.frozen
@@ -201,7 +188,7 @@ class ShardWorker:
                 ("grpc.so_reuseport", 0),  # two workers must never share a port
             ]
         )
-        shard_pb2_grpc.add_ShardServicer_to_server(_Servicer(self), server)
+        shard_pb2_grpc.add_ShardServicer_to_server(ShardServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         self.port = server.add_insecure_port(f"{host}:{self.config.port}")
@@ -363,148 +350,3 @@ class ShardWorker:
         if inline_ok and self._engine_thread.idle:
             return job(*args)
         return await self._engine_thread.run(job, *args)
-
-
-def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
-    remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
-
-
-def _details(exc: BaseException, status: str) -> str:
-    text = str(exc)
-    return text if text.startswith(status) else f"{status}: {text}"
-
-
-class _Servicer(shard_pb2_grpc.ShardServicer):
-    """The ``Shard`` service over one :class:`ShardWorker`."""
-
-    def __init__(self, worker: ShardWorker) -> None:
-        self.w = worker
-
-    async def Describe(
-        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.Advert:
-        return advert_to_proto(self.w.advert())
-
-    async def OpenSession(
-        self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.OpenSessionReply:
-        log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
-        try:
-            frames.check_session_id(request.session_id)
-            frames.check_expectations(request.expect, self.w.expect)
-            discarded = await self.w.run_on_engine(
-                self.w.table.open, request.session_id, int(request.epoch)
-            )
-        except Exception as exc:
-            await self._refuse(context, exc, request, "open")
-        log.info("session opened{}", " (older epoch discarded)" if discarded else "")
-        return pb.OpenSessionReply(session_id=request.session_id, epoch=request.epoch)
-
-    async def CloseSession(
-        self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.CloseSessionReply:
-        log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
-        try:
-            frames.check_session_id(request.session_id)
-            await self.w.run_on_engine(self.w.table.close, request.session_id, int(request.epoch))
-        except Exception as exc:
-            await self._refuse(context, exc, request, "close")
-        log.info("session closed")
-        return pb.CloseSessionReply(session_id=request.session_id, epoch=request.epoch)
-
-    async def Forward(
-        self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ForwardReply:
-        try:
-            return await self._forward(request, _deadline(context))
-        except Exception as exc:
-            await self._refuse(context, exc, request, f"forward step {request.step}")
-
-    async def ForwardStream(
-        self,
-        requests: AsyncIterator[pb.ForwardRequest],
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> AsyncIterator[pb.ForwardReply]:
-        async for request in requests:
-            try:
-                reply = await self._forward(request, None)
-            except Exception as exc:
-                await self._refuse(context, exc, request, f"forward step {request.step} (stream)")
-            yield reply
-
-    async def _forward(self, request: pb.ForwardRequest, deadline: float | None) -> pb.ForwardReply:
-        """One frame: check, run on the engine (thread, or the loop: ``inline_max_rows``),
-        encode; raises on refusal."""
-        began = time.perf_counter_ns()
-        w = self.w
-        if request.timeout_ms:
-            own = time.monotonic() + request.timeout_ms / 1000
-            deadline = own if deadline is None else min(deadline, own)
-        w.meter.admitted()
-        rows = 0
-        try:
-            frame = frames.decode_forward(request, w.expect, w.info)
-            small = frame.n_rows <= w.config.inline_max_rows
-            out, next_pos, queue_ns, compute_ns = await w.run_on_engine(
-                self._forward_job,
-                frame,
-                deadline,
-                time.perf_counter_ns(),
-                inline_ok=small and w.small_frame_ns <= w.config.inline_max_ms * 1e6,
-            )
-            if small:
-                w.small_frame_ns = compute_ns
-            rows = frame.n_rows
-        finally:
-            w.meter.finished(rows)
-        reply = pb.ForwardReply(
-            session_id=frame.session_id,
-            epoch=frame.epoch,
-            step=frame.step,
-            kind=pb.OUTPUT_KIND_LOGITS if w.info.is_last else pb.OUTPUT_KIND_BOUNDARY,
-            next_pos=next_pos,
-        )
-        frames.fill_tensor(reply.output, out)
-        reply.timings.queue_us = queue_ns // 1000
-        reply.timings.compute_us = compute_ns // 1000
-        reply.timings.total_us = (time.perf_counter_ns() - began) // 1000
-        return reply
-
-    def _forward_job(
-        self, frame: frames.ForwardFrame, deadline: float | None, enqueued_ns: int
-    ) -> tuple[frames.FloatRows, int, int, int]:
-        """On the engine thread: run the frame unless its deadline has passed."""
-        started = time.perf_counter_ns()
-        if deadline is not None and time.monotonic() >= deadline:
-            raise ShardDeadlineExceeded(
-                "DGR_E_DEADLINE: the deadline passed while queued; not run",
-                status="DGR_E_DEADLINE",
-            )
-        self.w.meter.started()
-        try:
-            out, next_pos = self.w.table.forward(frame)
-        finally:
-            self.w.meter.stopped()
-        return out, next_pos, started - enqueued_ns, time.perf_counter_ns() - started
-
-    async def _refuse(
-        self,
-        context: grpc.aio.ServicerContext[Any, Any],
-        exc: Exception,
-        request: Any,
-        what: str,
-    ) -> NoReturn:
-        """Aborts the call with the code and dgr-status for ``exc`` (never returns)."""
-        log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
-        code, status = grpc_status_for(exc)
-        if status in _WORKER_FAULTS or not isinstance(exc, EngineError):
-            self.w.meter.error()  # the advert's health counts the worker's own faults only
-        if isinstance(exc, EngineError):
-            log.warning("{} refused: {} {}", what, code.name, _details(exc, status))
-        else:
-            log.opt(exception=exc).error("{} failed: {!r}", what, exc)
-        await context.abort(
-            code, _details(exc, status), trailing_metadata=refusal_trailers(exc, status)
-        )
-        raise AssertionError("unreachable: abort raises")

@@ -1,15 +1,15 @@
-"""Regenerates the Python code of ``proto/dgr/shard/v1/shard.proto`` into this package.
+"""Regenerates the Python code of ``proto/dgr/shard/v1/shard.proto`` into ``dgr_engine/wire/proto``.
 
 The generated modules are committed; ``tests/test_proto_drift.py`` regenerates them into a
 temporary directory and compares byte for byte, so they cannot drift from the ``.proto``.
 Run after editing the ``.proto`` (needs ``grpcio-tools``; the generated code names its exact
 version, so use the pinned one)::
 
-    python -m dgr_engine.proto.generate          # rewrite the committed files
-    python -m dgr_engine.proto.generate --check  # exit 1 if they differ from a fresh run
+    python scripts/gen_proto.py          # rewrite the committed files
+    python scripts/gen_proto.py --check  # exit 1 if they differ from a fresh run
 
 protoc writes ``shard_pb2_grpc.py`` with ``from dgr.shard.v1 import shard_pb2``; that one line
-is rewritten to import from this package (the only change made to protoc's output).
+is rewritten to import from the package (the only change made to protoc's output).
 """
 
 from __future__ import annotations
@@ -20,9 +20,10 @@ import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-"""Where the committed generated modules live (``dgr_engine/proto``)."""
-PROTO_ROOT = PACKAGE_DIR.parent.parent / "proto"
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_DIR = ROOT / "dgr_engine" / "wire" / "proto"
+"""Where the committed generated modules live."""
+PROTO_ROOT = ROOT / "proto"
 """The ``-I`` root: ``proto/`` at the top of the repository."""
 PROTO_FILE = "dgr/shard/v1/shard.proto"
 """The one ``.proto``, relative to ``PROTO_ROOT`` (also its name in the descriptor pool)."""
@@ -30,7 +31,7 @@ OUTPUTS = ("shard_pb2.py", "shard_pb2.pyi", "shard_pb2_grpc.py")
 """Generated files, by name."""
 
 _PROTOC_IMPORT = b"from dgr.shard.v1 import shard_pb2 as"
-_PACKAGE_IMPORT = b"from dgr_engine.proto import shard_pb2 as"
+_PACKAGE_IMPORT = b"from dgr_engine.wire.proto import shard_pb2 as"
 
 
 def generate() -> dict[str, bytes]:
@@ -82,13 +83,13 @@ def write(directory: Path = PACKAGE_DIR) -> list[Path]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dgr_engine.proto.generate")
+    parser = argparse.ArgumentParser(prog="scripts/gen_proto.py")
     parser.add_argument("--check", action="store_true", help="compare only; exit 1 on drift")
     args = parser.parse_args(argv)
     if args.check:
         stale = stale_files()
         for name in stale:
-            print(f"stale: dgr_engine/proto/{name} (run python -m dgr_engine.proto.generate)")
+            print(f"stale: dgr_engine/wire/proto/{name} (run python scripts/gen_proto.py)")
         return 1 if stale else 0
     for path in write():
         print(path)

@@ -1,27 +1,41 @@
-"""Starting and stopping ``dgr worker`` subprocesses on loopback (tests, demo, benchmarks).
+"""Starting and stopping ``dgr worker`` processes on loopback (tracker code, demo, tests).
 
-:meth:`WorkerProcess.spawn` starts ``python -m dgr_engine.cli worker ... --port 0`` and waits,
-bounded in time, for its ``LISTENING HOST:PORT`` line; :meth:`stop` sends SIGTERM and waits
-(bounded) for a clean exit, then SIGKILLs. stdout is drained by a thread (so the ``STOPPED``
-line is kept); stderr goes to a temporary file, readable with :meth:`stderr_text`. Use as a
-context manager, or call :meth:`stop` in a ``finally``.
+:meth:`WorkerProcess.spawn` runs the installed ``dgr`` entry point (the one beside the running
+interpreter, else the first on ``PATH``), from any directory, and waits, bounded in time, for
+its ``LISTENING HOST:PORT`` line; :meth:`~WorkerProcess.stop` sends SIGTERM and waits (bounded)
+for a clean exit, then SIGKILLs. Use as a context manager, or call ``stop`` in a ``finally``.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+from dgr_engine.options import EngineOptions
+
+
+def dgr_command() -> str:
+    """The path of the installed ``dgr`` program; ``FileNotFoundError`` if dgr is not
+    installed (``pip install .``)."""
+    beside = Path(sys.executable).with_name("dgr")
+    if beside.is_file() and os.access(beside, os.X_OK):
+        return str(beside)
+    found = shutil.which("dgr")
+    if found is None:
+        raise FileNotFoundError(
+            f"no `dgr` program beside {sys.executable} or on PATH: install dgr (pip install .)"
+        )
+    return found
 
 
 class WorkerProcess:
@@ -45,15 +59,16 @@ class WorkerProcess:
         *,
         port: int = 0,
         host: str = "127.0.0.1",
+        options: EngineOptions | None = None,
+        log_level: str = "INFO",
         extra_args: Sequence[str] = (),
         startup_timeout: float = 60.0,
     ) -> WorkerProcess:
-        """Starts a worker and waits for its LISTENING line (``TimeoutError`` after
-        ``startup_timeout`` s, ``RuntimeError`` if it exits first; either way it is stopped)."""
+        """Starts ``dgr worker`` and waits for its LISTENING line (``TimeoutError`` after
+        ``startup_timeout`` s, ``RuntimeError`` if it exits first; either way it is stopped).
+        ``options`` defaults to the worker's own defaults."""
         args = [
-            sys.executable,
-            "-m",
-            "dgr_engine.cli",
+            dgr_command(),
             "worker",
             "--model",
             str(model),
@@ -63,21 +78,32 @@ class WorkerProcess:
             host,
             "--port",
             str(port),
+            *(options or EngineOptions()).worker_argv(),
+            "--log-level",
+            log_level,
             *extra_args,
         ]
         return cls.launch(args, startup_timeout)
 
     @classmethod
-    def launch(cls, args: Sequence[str], startup_timeout: float = 60.0) -> WorkerProcess:
-        """Starts ``args`` (a program that prints "LISTENING host:port" when ready) from the repo
-        root and waits for that line; a process that does not get there is stopped."""
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(_REPO_ROOT), env.get("PYTHONPATH", "")) if p
-        )
+    def launch(
+        cls,
+        args: Sequence[str],
+        startup_timeout: float = 60.0,
+        *,
+        cwd: str | os.PathLike[str] | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> WorkerProcess:
+        """Starts ``args`` (a program that prints "LISTENING host:port" when ready) and waits
+        for that line; a process that does not get there is stopped."""
         stderr = tempfile.TemporaryFile()
         proc = subprocess.Popen(
-            list(args), stdout=subprocess.PIPE, stderr=stderr, text=True, env=env, cwd=_REPO_ROOT
+            list(args),
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            cwd=cwd,
+            env=None if env is None else dict(env),
         )
         worker = cls(proc, stderr, list(args))
         try:

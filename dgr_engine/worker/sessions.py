@@ -26,9 +26,9 @@ from typing import Protocol
 import attrs
 import numpy as np
 
-from dgr_engine._worker_frames import FloatRows, ForwardFrame
 from dgr_engine.engine import FloatArray, ShardInfo
 from dgr_engine.errors import EngineError, StaleEpoch, UnknownSession
+from dgr_engine.wire.frames import FloatRows, ForwardFrame
 
 
 class EngineLike(Protocol):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import attrs
 
-from dgr_engine.proto import shard_pb2 as pb
+from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_session.identity import (
     CertificationStatus,
     EvidenceClass,

@@ -2,7 +2,7 @@
 
 Every failed call raises the typed exception the worker's engine raised (``StaleEpoch``,
 ``UnknownSession``, ``CapacityExceeded``, ...), read back from the ``dgr-status`` trailing
-metadata, or one of the transport errors of ``dgr_engine._worker_status``
+metadata, or one of the transport errors of ``dgr_engine.wire.status``
 (:class:`ShardUnavailable` is a ``ConnectionError``, :class:`ShardDeadlineExceeded` a
 ``TimeoutError``). Each call has a deadline (``timeout``, per call or the client's default).
 
@@ -28,7 +28,9 @@ import numpy as np
 import numpy.typing as npt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dgr_engine._worker_frames import (
+from dgr_engine.errors import EngineError
+from dgr_engine.wire.advert import Advert, advert_from_proto
+from dgr_engine.wire.frames import (
     SCHEMA_VERSION,
     Expectations,
     FloatRows,
@@ -36,7 +38,9 @@ from dgr_engine._worker_frames import (
     expectations_to_proto,
     output_from_reply,
 )
-from dgr_engine._worker_status import (
+from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_engine.wire.proto import shard_pb2_grpc
+from dgr_engine.wire.status import (
     ExpectationMismatch,
     FrameRejected,
     ShardDeadlineExceeded,
@@ -44,10 +48,6 @@ from dgr_engine._worker_status import (
     ShardUnavailable,
     error_from_trailers,
 )
-from dgr_engine.advert import Advert, advert_from_proto
-from dgr_engine.errors import EngineError
-from dgr_engine.proto import shard_pb2 as pb
-from dgr_engine.proto import shard_pb2_grpc
 
 __all__ = [
     "SCHEMA_VERSION",

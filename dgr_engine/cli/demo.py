@@ -1,5 +1,4 @@
-"""The main job: a route of shard workers on loopback, a stage lost mid-decode, the output equal
-to the whole model.
+"""The main job: a local route of shard workers, a stage lost and recovered, whole-model parity.
 
 What it does, on one machine:
 
@@ -7,7 +6,7 @@ What it does, on one machine:
 2. starts one ``dgr worker`` process per stage on 127.0.0.1, plus one spare for the stage it
    will lose (``--no-spare``: the provider spawns a replacement on demand instead);
 3. runs ``--sessions`` concurrent route sessions in :class:`dgr_session.SessionManager` over
-   :class:`~dgr_engine.grpc_transport.GrpcStageTransport` (gRPC streams, deadlines);
+   :class:`~dgr_engine.stage_transport.GrpcStageTransport` (gRPC streams, deadlines);
 4. SIGKILLs the worker of stage ``--lose-stage`` when session 0 has accepted ``--lose-at``
    tokens: every session loses its route mid-decode, reports the dead stage, gets a new route
    with the replacement worker from the route provider and re-prefills under a new epoch;
@@ -15,10 +14,6 @@ What it does, on one machine:
    same engine options: 1 thread) and prints per-stage timings and seam bytes;
 6. ends with ``PARITY OK`` (exit 0) or ``PARITY FAILED`` (exit 1), and stops every process it
    started, also on Ctrl-C or SIGTERM.
-
-    python -m dgr_engine.demo [--fixture tiny-llama|tiny-v4] [--stages 3] [--sessions 3]
-                              [--steps 24] [--lose-stage 1] [--lose-at 8] [--no-spare]
-                              [--verbose]
 
 Fixture lanes are dark (uncertified): the demo routes over them by explicit opt-in.
 """
@@ -30,21 +25,17 @@ import asyncio
 import sys
 import time
 import warnings
-from collections.abc import Sequence
 
 import attrs
 import numpy as np
 
+from dgr_engine.chain import split_points, whole_model_greedy
+from dgr_engine.cli._logs import log_to_stderr
+from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.fixtures import ensure_fixture, lookup
-from dgr_engine.generate import (
-    engine_options,
-    even_layout,
-    sigterm_as_interrupt,
-    whole_model_greedy,
-    worker_args,
-)
-from dgr_engine.grpc_transport import ForwardRecord, GrpcStageTransport
+from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import LoopbackRouteProvider
+from dgr_engine.stage_transport import ForwardRecord, GrpcStageTransport
 from dgr_session import (
     DarkLaneWarning,
     FailurePolicy,
@@ -54,10 +45,8 @@ from dgr_session import (
     SessionResult,
 )
 
-THREADS = 1
-CTX = 256
-BATCH = 64
-MAX_SESSIONS = 8
+OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=8)
+"""The workers' and the whole-model reference's engine options."""
 PROMPT_LEN = 12
 
 
@@ -93,7 +82,7 @@ def _say(text: str) -> None:
 async def run_demo(args: argparse.Namespace, providers: list[LoopbackRouteProvider]) -> DemoOutcome:
     path = ensure_fixture(args.fixture)
     spec = lookup(args.fixture)
-    layout = even_layout(spec.n_layer, args.stages)
+    layout = split_points(spec.n_layer, args.stages)
     if not 0 <= args.lose_stage < len(layout):
         raise SystemExit(f"--lose-stage must be in [0, {len(layout)})")
     lost_range = layout[args.lose_stage]
@@ -129,13 +118,12 @@ async def run_demo(args: argparse.Namespace, providers: list[LoopbackRouteProvid
                 " one per call"
             )
 
-    wargs = worker_args(THREADS, CTX, BATCH, MAX_SESSIONS)
     provider = LoopbackRouteProvider(
         path,
         layout,
         spares=[] if args.no_spare else [lost_range],
         spawn_on_demand=args.no_spare,
-        worker_args=wargs,
+        options=OPTIONS,
         observer=on_assign,
     )
     providers.append(provider)
@@ -156,9 +144,8 @@ async def run_demo(args: argparse.Namespace, providers: list[LoopbackRouteProvid
         n_vocab = provider.workers[len(layout) - 1].advert.seam.width_out
         all_prompts = prompts(args.sessions, n_vocab)
         began = time.perf_counter()
-        options = engine_options(THREADS, CTX, BATCH, MAX_SESSIONS)
         expected = await asyncio.to_thread(
-            whole_model_greedy, path, all_prompts, args.steps, options
+            whole_model_greedy, path, all_prompts, args.steps, OPTIONS
         )
         _say(
             f"reference whole-model greedy, in-process ShardEngine (same options), "
@@ -266,45 +253,30 @@ async def run_demo(args: argparse.Namespace, providers: list[LoopbackRouteProvid
         await provider.aclose()
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m dgr_engine.demo", description=(__doc__ or "").splitlines()[0]
+def configure(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--fixture", default="tiny-llama", help="the model: tiny-llama (default) or tiny-v4"
     )
-    p.add_argument("--fixture", default="tiny-llama", help="tiny-llama (default) or tiny-v4")
-    p.add_argument("--stages", type=int, default=3)
-    p.add_argument("--sessions", type=int, default=3)
-    p.add_argument("--steps", type=int, default=24, help="new tokens per session")
-    p.add_argument("--lose-stage", type=int, default=1, help="stage index killed mid-decode")
-    p.add_argument("--lose-at", type=int, default=8, help="tokens session 0 has when it is lost")
+    p.add_argument("--stages", type=int, default=3, help="stages of the route (default 3)")
+    p.add_argument("--sessions", type=int, default=3, help="concurrent route sessions (default 3)")
+    p.add_argument("--steps", type=int, default=24, help="new tokens per session (default 24)")
+    p.add_argument(
+        "--lose-stage", type=int, default=1, help="stage index killed mid-decode (default 1)"
+    )
+    p.add_argument(
+        "--lose-at", type=int, default=8, help="tokens session 0 has when it is lost (default 8)"
+    )
     p.add_argument(
         "--no-spare", action="store_true", help="no spare: spawn a replacement on demand"
     )
     p.add_argument(
         "--verbose", action="store_true", help="log state changes and stage calls to stderr"
     )
-    return p
 
 
-def _enable_logs() -> None:
-    """The demo is an application: it may add a sink (the libraries never do)."""
-    from loguru import logger
-
-    logger.remove()
-    logger.configure(extra={"session": "-", "epoch": "-", "stage": "-"})
-    logger.add(
-        sys.stderr,
-        level="DEBUG",
-        format="{time:HH:mm:ss.SSS} {level: <7} {extra[session]}/{extra[epoch]} "
-        "stage={extra[stage]} {message}",
-    )
-    logger.enable("dgr_session")
-    logger.enable("dgr_engine")
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
     if args.verbose:
-        _enable_logs()
+        log_to_stderr("DEBUG")
     if not 0 < args.lose_at < args.steps:
         print("--lose-at must be in (0, --steps)", file=sys.stderr)
         return 2
@@ -322,7 +294,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok = outcome is not None and outcome.parity
     print("PARITY OK" if ok else "PARITY FAILED", flush=True)
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""dgr's benchmarks, each run from the repository root as ``python -m benchmarks.NAME``."""

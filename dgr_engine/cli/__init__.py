@@ -1,0 +1,43 @@
+"""The ``dgr`` command: one module per subcommand, each with ``configure(parser)`` and
+``run(args) -> exit code``.
+
+::
+
+    dgr worker    serve one layer range of a GGUF over gRPC
+    dgr generate  generate tokens over a route of workers
+    dgr demo      the main job: a local route, a stage lost and recovered, whole-model parity
+    dgr fixtures  list or build the generated fixture models
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from dgr_engine.cli import demo, fixtures, generate, worker
+
+_SUBCOMMANDS = {"worker": worker, "generate": generate, "demo": demo, "fixtures": fixtures}
+
+
+def parser() -> argparse.ArgumentParser:
+    """The whole command line (every subcommand's options)."""
+    top = argparse.ArgumentParser(prog="dgr", description="Distributed GGUF Runtime")
+    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in _SUBCOMMANDS.items():
+        summary = (module.__doc__ or "").strip().splitlines()[0]
+        module.configure(
+            sub.add_parser(
+                name,
+                help=summary,
+                description=module.__doc__,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+            )
+        )
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    code: int = _SUBCOMMANDS[args.command].run(args)
+    return code

@@ -1,0 +1,193 @@
+"""Generate tokens over a route of shard workers.
+
+``--endpoints``: workers already running, in route order (each serving the next range).
+``--spawn N``: N workers started on 127.0.0.1 over even layer ranges of ``--model`` or
+``--fixture`` (stopped at the end, also on Ctrl-C); a lost worker is replaced by a new one.
+Sampling is greedy; prompts are token ids (the fixtures have no tokenizer). ``--check``
+compares with the whole model run in-process (same engine options) and exits 1 on a
+difference. Fixture lanes are dark: routing over them is an explicit opt-in
+(``--allow-dark-lanes``, implied by ``--spawn``).
+
+Prints the tokens on one line, then per-stage counters on stderr; ``--json`` prints one JSON
+object instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from dgr_engine.chain import n_layer_of, split_points, whole_model_greedy
+from dgr_engine.cli._signals import sigterm_as_interrupt
+from dgr_engine.options import EngineOptions
+from dgr_engine.route_provider import EndpointRouteProvider, LoopbackRouteProvider
+from dgr_engine.stage_transport import GrpcStageTransport, StageStats
+from dgr_session import DarkLaneWarning, FailurePolicy, SessionManager, SessionResult
+from dgr_session.transport import RouteProvider
+
+DEFAULT_PROMPT = (1, 17, 42, 99, 7, 64, 128, 3)
+"""The prompt when none is given."""
+
+OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=4)
+"""The engine options of the workers ``--spawn`` starts (and of ``--check``'s whole model),
+unless given."""
+
+
+def _parse_prompt(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a prompt is token ids, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("the prompt needs at least one token id")
+    return ids
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--endpoints", help="H:P,H:P,... workers already running, in route order")
+    where.add_argument("--spawn", type=int, metavar="N", help="start N workers on 127.0.0.1")
+    model = p.add_mutually_exclusive_group()
+    model.add_argument("--model", type=Path, help="GGUF file (for --spawn and --check)")
+    model.add_argument("--fixture", help="a generated fixture by name (built if missing)")
+    p.add_argument(
+        "--prompt",
+        type=_parse_prompt,
+        default=list(DEFAULT_PROMPT),
+        help="token ids, separated by spaces or commas (default: 8 fixed ids)",
+    )
+    p.add_argument(
+        "-n", "--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)"
+    )
+    EngineOptions.add_arguments(p, **attrs.asdict(OPTIONS))
+    p.add_argument(
+        "--step-deadline", type=float, default=10.0, help="seconds per step (default 10)"
+    )
+    p.add_argument(
+        "--check", action="store_true", help="compare with the whole model; exit 1 if unequal"
+    )
+    p.add_argument(
+        "--allow-dark-lanes", action="store_true", help="route over uncertified (dark) lanes"
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def run(args: argparse.Namespace) -> int:
+    model: Path | None = args.model
+    if args.fixture is not None:
+        from dgr_engine.fixtures import ensure_fixture
+
+        model = ensure_fixture(args.fixture)
+    if (args.spawn is not None or args.check) and model is None:
+        print("dgr generate: --spawn and --check need --model or --fixture", file=sys.stderr)
+        return 2
+    providers: list[LoopbackRouteProvider] = []
+    try:
+        with sigterm_as_interrupt():
+            outcome = asyncio.run(_run(args, model, providers))
+    except KeyboardInterrupt:
+        print("dgr generate: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        for provider in providers:
+            provider.kill_all()  # idempotent: a no-op once aclose stopped them
+    result, stats, seconds = outcome
+    expected = None
+    if args.check:
+        assert model is not None
+        options = EngineOptions.from_args(args)
+        expected = whole_model_greedy(model, [args.prompt], args.max_new_tokens, options)[0]
+    tokens = list(result.tokens)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "state": result.state.value,
+                    "tokens": tokens,
+                    "epoch": result.epoch,
+                    "route_changes": result.route_changes,
+                    "error": None if result.error is None else str(result.error),
+                    "seconds": seconds,
+                    "whole_model_equal": None if expected is None else tokens == expected,
+                    "stages": [_stats_dict(s) for s in stats.values()],
+                }
+            )
+        )
+    else:
+        print(" ".join(map(str, tokens)))
+        print(
+            f"state {result.state.value}  epoch {result.epoch}  route changes "
+            f"{result.route_changes}  {len(tokens)} tokens in {seconds:.3f} s",
+            file=sys.stderr,
+        )
+        for s in stats.values():
+            print(
+                f"  {s.endpoint} [{s.layers[0]},{s.layers[1]})  forwards {s.forwards}  rows "
+                f"{s.rows}  engine {s.compute_us / 1000:.1f} ms  rtt {s.rtt_us / 1000:.1f} ms  "
+                f"bytes in {s.bytes_sent}  out {s.bytes_received}",
+                file=sys.stderr,
+            )
+        if result.error is not None:
+            print(f"failed: {result.error}", file=sys.stderr)
+        if expected is not None:
+            print(f"whole-model equal: {tokens == expected}", file=sys.stderr)
+    if result.error is not None:
+        return 1
+    return 1 if expected is not None and tokens != expected else 0
+
+
+def _stats_dict(s: StageStats) -> dict[str, Any]:
+    return {
+        "endpoint": s.endpoint,
+        "layers": list(s.layers),
+        "forwards": s.forwards,
+        "rows": s.rows,
+        "bytes_sent": s.bytes_sent,
+        "bytes_received": s.bytes_received,
+        "rtt_us": s.rtt_us,
+        "compute_us": s.compute_us,
+    }
+
+
+async def _run(
+    args: argparse.Namespace, model: Path | None, providers: list[LoopbackRouteProvider]
+) -> tuple[SessionResult, dict[str, StageStats], float]:
+    provider: RouteProvider
+    allow_dark = bool(args.allow_dark_lanes)
+    local: LoopbackRouteProvider | None = None
+    if args.spawn is not None:
+        assert model is not None
+        layout = split_points(n_layer_of(model), args.spawn)
+        options = EngineOptions.from_args(args)
+        local = LoopbackRouteProvider(model, layout, spawn_on_demand=True, options=options)
+        providers.append(local)
+        provider = local
+        allow_dark = True  # our own fixture/dev workers
+    else:
+        provider = EndpointRouteProvider([e.strip() for e in args.endpoints.split(",") if e])
+    policy = FailurePolicy(step_deadline=args.step_deadline)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DarkLaneWarning)
+        try:
+            if local is not None:
+                await local.start()
+            async with GrpcStageTransport(timeout=args.step_deadline) as transport:
+                manager = SessionManager(
+                    transport, provider, policy=policy, allow_dark_lanes=allow_dark
+                )
+                began = time.perf_counter()
+                result = await manager.start(args.prompt, max_new_tokens=args.max_new_tokens).wait()
+                seconds = time.perf_counter() - began
+                await manager.aclose()
+                return result, transport.stats(), seconds
+        finally:
+            if local is not None:
+                await local.aclose()

@@ -1,0 +1,69 @@
+"""Engine options: one frozen value that renders both the ``ShardEngine`` keyword arguments and
+the ``dgr worker`` command line, so an in-process engine and a worker process built from the
+same options compute the same bits."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import attrs
+
+
+def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
+    if value < 1:
+        raise ValueError(f"{attribute.name} must be >= 1, got {value}")
+
+
+def _option(default: int, flag: str, help: str) -> Any:
+    return attrs.field(default=default, validator=_positive, metadata={"flag": flag, "help": help})
+
+
+@attrs.frozen
+class EngineOptions:
+    """How a shard engine is set up. Defaults are ``dgr worker``'s."""
+
+    n_threads: int = _option(2, "--threads", "engine threads")
+    """Threads of the engine's compute."""
+    n_ctx_per_session: int = _option(512, "--ctx", "KV positions per session")
+    """KV positions each session may hold."""
+    n_batch: int = _option(512, "--batch", "most rows per forward")
+    """Most rows one forward may carry (also the micro-batch: rows are never split)."""
+    max_sessions: int = _option(4, "--max-sessions", "sessions held at once")
+    """Session slots of the engine."""
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments of :class:`~dgr_engine.engine.ShardEngine`."""
+        return {
+            "max_sessions": self.max_sessions,
+            "n_ctx_per_session": self.n_ctx_per_session,
+            "n_threads": self.n_threads,
+            "n_batch": self.n_batch,
+            "n_ubatch": self.n_batch,
+        }
+
+    def worker_argv(self) -> list[str]:
+        """The ``dgr worker`` arguments that set up the same engine."""
+        argv: list[str] = []
+        for field in attrs.fields(EngineOptions):
+            argv += [field.metadata["flag"], str(getattr(self, field.name))]
+        return argv
+
+    @staticmethod
+    def add_arguments(parser: argparse.ArgumentParser, **defaults: int) -> None:
+        """Adds one option per field to ``parser`` (``defaults`` overrides field defaults by
+        name, for programs with other defaults than the worker's)."""
+        for field in attrs.fields(EngineOptions):
+            default = defaults.get(field.name, field.default)
+            parser.add_argument(
+                field.metadata["flag"],
+                dest=field.name,
+                type=int,
+                default=default,
+                help=f"{field.metadata['help']} (default {default})",
+            )
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> EngineOptions:
+        """The options :meth:`add_arguments` parsed."""
+        return cls(**{field.name: getattr(args, field.name) for field in attrs.fields(cls)})

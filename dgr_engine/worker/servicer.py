@@ -1,0 +1,171 @@
+"""The ``dgr.shard.v1.Shard`` service of a :class:`~dgr_engine.worker.server.ShardWorker`: each
+call checked, run on the engine, answered; each refusal aborted with its gRPC code and
+``dgr-status`` (``dgr_engine.wire.status``)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import grpc
+
+from dgr_engine.errors import EngineError
+from dgr_engine.wire import frames
+from dgr_engine.wire.advert import advert_to_proto
+from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_engine.wire.proto import shard_pb2_grpc
+from dgr_engine.wire.status import ShardDeadlineExceeded, grpc_status_for, refusal_trailers
+
+if TYPE_CHECKING:
+    from dgr_engine.worker.server import ShardWorker
+
+#: Refusals that are this worker's own fault and count against its health in the advert; the
+#: rest (stale epochs, unknown sessions, malformed frames, wrong expectations, capacity) are the
+#: caller's or routine around route changes.
+_WORKER_FAULTS = frozenset({"DGR_E_DECODE", "DGR_E_INTERNAL", "DGR_E_DEADLINE"})
+
+
+def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+def _details(exc: BaseException, status: str) -> str:
+    text = str(exc)
+    return text if text.startswith(status) else f"{status}: {text}"
+
+
+class ShardServicer(shard_pb2_grpc.ShardServicer):
+    """The ``Shard`` service over one :class:`ShardWorker`."""
+
+    def __init__(self, worker: ShardWorker) -> None:
+        self.w = worker
+
+    async def Describe(
+        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.Advert:
+        return advert_to_proto(self.w.advert())
+
+    async def OpenSession(
+        self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.OpenSessionReply:
+        log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
+        try:
+            frames.check_session_id(request.session_id)
+            frames.check_expectations(request.expect, self.w.expect)
+            discarded = await self.w.run_on_engine(
+                self.w.table.open, request.session_id, int(request.epoch)
+            )
+        except Exception as exc:
+            await self._refuse(context, exc, request, "open")
+        log.info("session opened{}", " (older epoch discarded)" if discarded else "")
+        return pb.OpenSessionReply(session_id=request.session_id, epoch=request.epoch)
+
+    async def CloseSession(
+        self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.CloseSessionReply:
+        log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
+        try:
+            frames.check_session_id(request.session_id)
+            await self.w.run_on_engine(self.w.table.close, request.session_id, int(request.epoch))
+        except Exception as exc:
+            await self._refuse(context, exc, request, "close")
+        log.info("session closed")
+        return pb.CloseSessionReply(session_id=request.session_id, epoch=request.epoch)
+
+    async def Forward(
+        self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ForwardReply:
+        try:
+            return await self._forward(request, _deadline(context))
+        except Exception as exc:
+            await self._refuse(context, exc, request, f"forward step {request.step}")
+
+    async def ForwardStream(
+        self,
+        requests: AsyncIterator[pb.ForwardRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> AsyncIterator[pb.ForwardReply]:
+        async for request in requests:
+            try:
+                reply = await self._forward(request, None)
+            except Exception as exc:
+                await self._refuse(context, exc, request, f"forward step {request.step} (stream)")
+            yield reply
+
+    async def _forward(self, request: pb.ForwardRequest, deadline: float | None) -> pb.ForwardReply:
+        """One frame: check, run on the engine (thread, or the loop: ``inline_max_rows``),
+        encode; raises on refusal."""
+        began = time.perf_counter_ns()
+        w = self.w
+        if request.timeout_ms:
+            own = time.monotonic() + request.timeout_ms / 1000
+            deadline = own if deadline is None else min(deadline, own)
+        w.meter.admitted()
+        rows = 0
+        try:
+            frame = frames.decode_forward(request, w.expect, w.info)
+            small = frame.n_rows <= w.config.inline_max_rows
+            out, next_pos, queue_ns, compute_ns = await w.run_on_engine(
+                self._forward_job,
+                frame,
+                deadline,
+                time.perf_counter_ns(),
+                inline_ok=small and w.small_frame_ns <= w.config.inline_max_ms * 1e6,
+            )
+            if small:
+                w.small_frame_ns = compute_ns
+            rows = frame.n_rows
+        finally:
+            w.meter.finished(rows)
+        reply = pb.ForwardReply(
+            session_id=frame.session_id,
+            epoch=frame.epoch,
+            step=frame.step,
+            kind=pb.OUTPUT_KIND_LOGITS if w.info.is_last else pb.OUTPUT_KIND_BOUNDARY,
+            next_pos=next_pos,
+        )
+        frames.fill_tensor(reply.output, out)
+        reply.timings.queue_us = queue_ns // 1000
+        reply.timings.compute_us = compute_ns // 1000
+        reply.timings.total_us = (time.perf_counter_ns() - began) // 1000
+        return reply
+
+    def _forward_job(
+        self, frame: frames.ForwardFrame, deadline: float | None, enqueued_ns: int
+    ) -> tuple[frames.FloatRows, int, int, int]:
+        """On the engine thread: run the frame unless its deadline has passed."""
+        started = time.perf_counter_ns()
+        if deadline is not None and time.monotonic() >= deadline:
+            raise ShardDeadlineExceeded(
+                "DGR_E_DEADLINE: the deadline passed while queued; not run",
+                status="DGR_E_DEADLINE",
+            )
+        self.w.meter.started()
+        try:
+            out, next_pos = self.w.table.forward(frame)
+        finally:
+            self.w.meter.stopped()
+        return out, next_pos, started - enqueued_ns, time.perf_counter_ns() - started
+
+    async def _refuse(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        exc: Exception,
+        request: Any,
+        what: str,
+    ) -> NoReturn:
+        """Aborts the call with the code and dgr-status for ``exc`` (never returns)."""
+        log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
+        code, status = grpc_status_for(exc)
+        if status in _WORKER_FAULTS or not isinstance(exc, EngineError):
+            self.w.meter.error()  # the advert's health counts the worker's own faults only
+        if isinstance(exc, EngineError):
+            log.warning("{} refused: {} {}", what, code.name, _details(exc, status))
+        else:
+            log.opt(exception=exc).error("{} failed: {!r}", what, exc)
+        await context.abort(
+            code, _details(exc, status), trailing_metadata=refusal_trailers(exc, status)
+        )
+        raise AssertionError("unreachable: abort raises")
