@@ -59,6 +59,7 @@ class EngineOptions:
                 field.metadata["flag"],
                 dest=field.name,
                 type=int,
+                metavar="N",
                 default=default,
                 help=f"{field.metadata['help']} (default {default})",
             )

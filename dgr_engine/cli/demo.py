@@ -1,19 +1,13 @@
 """The main job: a local route of shard workers, a stage lost and recovered, whole-model parity.
 
-What it does, on one machine:
-
-1. builds the fixture model if missing (a generated GGUF: fixture evidence only);
-2. starts one ``dgr worker`` process per stage on 127.0.0.1, plus one spare for the stage it
-   will lose (``--no-spare``: the provider spawns a replacement on demand instead);
-3. runs ``--sessions`` concurrent route sessions in :class:`dgr_session.SessionManager` over
-   :class:`~dgr_engine.stage_transport.GrpcStageTransport` (gRPC streams, deadlines);
-4. SIGKILLs the worker of stage ``--lose-stage`` when session 0 has accepted ``--lose-at``
-   tokens: every session loses its route mid-decode, reports the dead stage, gets a new route
-   with the replacement worker from the route provider and re-prefills under a new epoch;
-5. checks every session's tokens against the whole model run in-process (``ShardEngine``,
-   same engine options: 1 thread) and prints per-stage timings and seam bytes;
-6. ends with ``PARITY OK`` (exit 0) or ``PARITY FAILED`` (exit 1), and stops every process it
-   started, also on Ctrl-C or SIGTERM.
+On one machine: builds the fixture model if missing (a generated GGUF: fixture evidence only);
+starts one 'dgr worker' process per stage on 127.0.0.1, plus a spare for the stage it will lose
+(--no-spare: a replacement is started on demand instead); runs --sessions concurrent route
+sessions over gRPC; SIGKILLs the worker of stage --lose-stage when session 0 has --lose-at
+tokens, so every session loses its route mid-decode, gets a new route and re-prefills under a
+new epoch; checks every session's tokens against the whole model run in-process with the same
+engine options; prints per-stage timings and seam bytes. Ends with PARITY OK (exit 0) or PARITY
+FAILED (exit 1), and stops every process it started, also on Ctrl-C or SIGTERM.
 
 Fixture lanes are dark (uncertified): the demo routes over them by explicit opt-in.
 """

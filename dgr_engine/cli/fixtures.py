@@ -1,6 +1,6 @@
 """List or build the generated fixture models (random weights: fixture evidence only).
 
-``dgr fixtures list`` prints one line per fixture; ``dgr fixtures build NAME...`` builds the
+'dgr fixtures list' prints one line per fixture; 'dgr fixtures build NAME...' builds the
 named fixtures (or finds them cached) and prints their paths.
 """
 

@@ -1,14 +1,13 @@
 """Generate tokens over a route of shard workers.
 
-``--endpoints``: workers already running, in route order (each serving the next range).
-``--spawn N``: N workers started on 127.0.0.1 over even layer ranges of ``--model`` or
-``--fixture`` (stopped at the end, also on Ctrl-C); a lost worker is replaced by a new one.
-Sampling is greedy; prompts are token ids (the fixtures have no tokenizer). ``--check``
-compares with the whole model run in-process (same engine options) and exits 1 on a
-difference. Fixture lanes are dark: routing over them is an explicit opt-in
-(``--allow-dark-lanes``, implied by ``--spawn``).
+--endpoints: workers already running, in route order (each serving the next range).
+--spawn N: N workers started on 127.0.0.1 over even layer ranges of --model or --fixture
+(stopped at the end, also on Ctrl-C); a lost worker is replaced by a new one. Sampling is
+greedy; prompts are token ids (the fixtures have no tokenizer). --check compares with the
+whole model run in-process (same engine options) and exits 1 on a difference. Fixture lanes
+are dark: routing over them is an explicit opt-in (--allow-dark-lanes, implied by --spawn).
 
-Prints the tokens on one line, then per-stage counters on stderr; ``--json`` prints one JSON
+Prints the tokens on one line, then per-stage counters on stderr; --json prints one JSON
 object instead.
 """
 

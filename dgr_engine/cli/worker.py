@@ -1,8 +1,8 @@
-"""Serve one layer range of a GGUF over gRPC (``dgr.shard.v1``).
+"""Serve one layer range of a GGUF over gRPC (dgr.shard.v1).
 
-Prints one line ``LISTENING HOST:PORT`` on stdout once it serves (port 0 picks a free port) and
+Prints one line "LISTENING HOST:PORT" on stdout once it serves (port 0 picks a free port) and
 logs to stderr. On SIGTERM or SIGINT it closes every session and the engine, prints
-``STOPPED sessions_closed=N`` and exits 0. Exit 2: bad arguments, a model that cannot be loaded,
+"STOPPED sessions_closed=N" and exits 0. Exit 2: bad arguments, a model that cannot be loaded,
 or an address that cannot be bound.
 """
 

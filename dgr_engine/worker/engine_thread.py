@@ -1,15 +1,5 @@
-"""The worker's engine thread: runs blocking engine calls one at a time, in arrival order.
-
-A minimal single-thread executor for asyncio. ``concurrent.futures.ThreadPoolExecutor`` via
-``run_in_executor`` measured ~60 µs per round trip on the project's 2-core CI box; a
-``SimpleQueue`` in and ``call_soon_threadsafe`` out measured ~22 µs, and this hop is paid on
-every forward of every stage. A job whose future was cancelled before it started (the caller
-gave up, the server is stopping) is skipped.
-
-``idle`` tells the loop that no job is queued or running, so that a short call made from the
-loop right now cannot wait behind one (the worker runs one-row frames that way, without the
-hop: see ``WorkerConfig.inline_max_rows``).
-"""
+"""The worker's engine thread: runs blocking engine calls one at a time, in arrival order, and
+says when it is idle (``docs/worker.md``: why not ``run_in_executor``)."""
 
 from __future__ import annotations
 

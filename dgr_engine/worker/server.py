@@ -1,29 +1,6 @@
-"""The shard worker: one ``ShardEngine`` over one layer range of one GGUF, served over gRPC.
-
-``ShardWorker`` hosts the ``dgr.shard.v1.Shard`` service (``proto/dgr/shard/v1/shard.proto``)
-and the standard ``grpc.health.v1.Health`` service on a ``grpc.aio`` server, bound to
-127.0.0.1 unless told otherwise. It checks every frame before touching state: expectations
-(model SHA-256, layer range, boundary width, schema) and the frame's own shape; the engine then
-fences epochs and positions. A refused call changes nothing (a V4 decode failure empties that
-one session, and says so) and never touches another session.
-Refusals carry conventional gRPC codes and the exact reason in the trailing metadata
-(``dgr-status``; the table is in ``dgr_engine.wire.status``).
-
-Engine calls block (cffi releases the GIL), so they run on one dedicated thread
-(``_worker_thread.EngineThread``): the event loop
-stays responsive (``Describe`` and health never wait for the engine), and calls reach the engine
-in arrival order. A forward whose deadline passes while queued is refused (DEADLINE_EXCEEDED)
-without running; one already running completes (its state advances even if the client has given
-up). Request sizes are capped at what ``n_batch`` rows can need.
-
-A session nobody has opened or forwarded for ``WorkerConfig.session_lease_seconds`` is closed by
-the worker itself (its slot and KV freed): a client that vanished without closing cannot hold
-the capacity for ever. Its next frame, if one ever comes, is refused as an unknown session
-(NOT_FOUND), which a route session handles like any lost stage state: re-prefill.
-
-Shutdown (:meth:`ShardWorker.stop`) marks health NOT_SERVING, stops the server (in-flight calls
-get a short grace), closes every session's state and frees the engine. The library logs with
-loguru, bound to ``stage``/``session``/``epoch``, and adds no sinks (``dgr worker`` does).
+"""The shard worker's lifecycle: load one ``ShardEngine`` over one layer range, serve it over
+gRPC (``ShardServicer`` and the health service), state its advert, expire idle sessions, stop.
+Why it is built this way: ``docs/worker.md``.
 """
 
 from __future__ import annotations
@@ -86,11 +63,8 @@ class WorkerConfig:
     """Window of the advert's rows per second and recent errors."""
     inline_max_rows: int = 1
     """Frames of at most this many rows (decode steps) run on the event loop itself when the
-    engine thread is idle, saving the hop to the thread and back (measured: the worker's own
-    time per decode frame falls from ~270 to ~140 µs on the project's 2-core box). The loop
-    answers nothing else meanwhile (health checks and other frames wait one such step), so
-    this happens only while such frames are short (``inline_max_ms``); larger frames
-    (prefills) always run on the engine thread. 0 turns this off."""
+    engine thread is idle, saving the hop to the thread and back, while such frames are short
+    (``inline_max_ms``; ``docs/worker.md``). 0 turns this off."""
     inline_max_ms: float = 20.0
     """Run small frames on the loop only while the last one took at most this long in the
     engine (the first one always runs on the engine thread, to measure): a model whose decode

@@ -1,17 +1,9 @@
-"""The worker's session table: wire session ids over one engine's session keys.
+"""The worker's session table: wire session ids over one engine's session keys, with each
+session's epoch, next position and last use mirrored for ``Describe`` and the lease sweeper.
 
-The wire names sessions by strings; the engine by ``uint64`` keys. A session keeps its key over
-its epochs (so the engine fences them: a newer epoch discards the older one's state, an older
-one is refused) and loses it when closed. The table mirrors each session's epoch and next
-position so that ``Describe`` never waits for the engine.
-
-Each session also remembers when it was last used (opened or forwarded) so that the worker can
-close sessions whose client vanished without closing them (:meth:`SessionTable.expire_idle`,
-the worker's session lease).
-
-Threading: every method but :meth:`snapshot` and :meth:`oldest_use` is called from the worker's
-one engine thread, so engine calls and table updates never interleave; ``_lock`` only guards the
-dict against a concurrent reader (invariant: an entry exists iff its engine session is open).
+Every method but :meth:`SessionTable.snapshot` and :meth:`SessionTable.oldest_use` runs on the
+engine thread; ``_lock`` only guards the dict against a concurrent reader (invariant: an entry
+exists iff its engine session is open).
 """
 
 from __future__ import annotations
@@ -187,6 +179,8 @@ class SessionTable:
         return StaleEpoch(
             f"DGR_E_STALE_EPOCH: session {session_id!r} epoch {epoch} is older than the open "
             f"epoch {entry.epoch}",
+            session_id=session_id,
+            epoch=epoch,
             held_epoch=entry.epoch,
         )
 
