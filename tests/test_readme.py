@@ -1,4 +1,5 @@
-"""The README's first screen is true: its two commands exist and its example runs."""
+"""The README's first screen is true: its two commands exist and its example runs, and is
+``examples/local_chain.py``."""
 
 from __future__ import annotations
 
@@ -23,3 +24,11 @@ def test_python_example_runs() -> None:
     exec(compile(example, "README.md", "exec"), namespace)  # noqa: S102 - our own README
     for engine in [*namespace["stages"], *namespace["whole"].engines]:  # type: ignore[attr-defined]
         engine.close()
+
+
+def test_the_example_is_examples_local_chain() -> None:
+    """The README shows ``examples/local_chain.py``'s marked block, word for word."""
+    (example,) = re.findall(r"```python\n(.*?)```", README, flags=re.S)
+    source = (ROOT / "examples" / "local_chain.py").read_text(encoding="utf-8")
+    (block,) = re.findall(r"# --- readme:begin ---\n(.*?)# --- readme:end ---", source, flags=re.S)
+    assert example == block

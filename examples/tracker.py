@@ -1,0 +1,173 @@
+"""How tracker code uses dgr as a library: workers, adverts, its own routing, billing.
+
+Run: ``.venv/bin/python examples/tracker.py``. Starts four ``dgr worker`` processes on 127.0.0.1
+(two layouts of the generated 4-layer fixture, so there is a choice: [0,2)+[2,4) and
+[0,1)+[1,4)), reads every worker's advert, and routes with the tracker's OWN route provider
+(below): dgr supplies the inputs, the routing policy is the tracker's. Three sessions run over
+gRPC; a worker on their route is SIGKILLed mid-decode, the provider avoids the blamed endpoint
+and moves them to the other layout. Tokens are checked against the whole model, and the per-stage
+counters are printed as a bill. Every worker is stopped at the end, also on an error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import warnings
+
+from dgr_engine.chain import whole_model_greedy
+from dgr_engine.client import ShardClient
+from dgr_engine.fixtures import ensure_fixture
+from dgr_engine.options import EngineOptions
+from dgr_engine.processes import WorkerProcess
+from dgr_engine.route_provider import describe
+from dgr_engine.stage_transport import GrpcStageTransport
+from dgr_engine.wire.advert import Advert
+from dgr_session import (
+    DarkLaneWarning,
+    FailurePolicy,
+    FailureReport,
+    ModelIdentity,
+    Route,
+    SessionManager,
+)
+
+PATH = ensure_fixture("tiny-llama")  # a generated GGUF: fixture evidence only
+OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=128, n_batch=32, max_sessions=4)
+RANGES = [(0, 2), (2, 4), (0, 1), (1, 4)]
+PROMPTS = [[1, 17, 42, 99, 7, 64], [5, 8, 13, 21, 34], [250, 3, 77, 12, 9, 200, 31]]
+N_NEW = 12
+
+
+def stage_cost(advert: Advert) -> float:
+    """The tracker's price of a stage: the bytes it ships to the next stage per token (the last
+    stage's logits go to the client whatever the route), how busy it is, its recent errors."""
+    seam = 0 if advert.span.is_last else advert.seam.bytes_per_token_out
+    busy = advert.capacity.sessions_open / advert.capacity.sessions_max + advert.load.in_flight
+    return seam + 1000 * busy + 10_000 * advert.health.recent_errors
+
+
+class CheapestRoute:
+    """A ``dgr_session.RouteProvider``: fresh adverts of the workers not blamed yet, the
+    compatible ones with a free slot, then the cheapest chain of ranges covering every layer."""
+
+    def __init__(self, endpoints: list[str], model: ModelIdentity) -> None:
+        self.endpoints = endpoints
+        self.model = model  # what the client asked for: GGUF hash, arch, n_layer
+        self.blamed: set[str] = set()
+
+    async def assign(self, session_id: str, report: FailureReport | None) -> Route | None:
+        if report is not None and report.endpoint is not None:
+            print(f"  {session_id}: {report.endpoint} {report.fault.value} at step {report.step}")
+            self.blamed.add(report.endpoint)  # never route to it again
+        pool: dict[str, Advert] = {}
+        for endpoint in self.endpoints:
+            if endpoint in self.blamed:
+                continue
+            try:
+                pool[endpoint] = await describe(endpoint, timeout=2.0)
+            except (ConnectionError, TimeoutError):
+                continue  # unreachable: not routable now
+        pool = {
+            e: a
+            for e, a in pool.items()
+            # the model asked for (validate_route checks the rest: recipe, build, widths, cover);
+            # a production tracker also requires a.lane.certified
+            if a.identity == self.model and a.capacity.sessions_open < a.capacity.sessions_max
+        }
+
+        def chains(layer: int) -> list[list[str]]:  # every way to cover [layer, n_layer)
+            if layer == self.model.n_layer:
+                return [[]]
+            return [
+                [e, *rest]
+                for e, a in pool.items()
+                if a.span.layer_begin == layer
+                for rest in chains(a.span.layer_end)
+            ]
+
+        options = chains(0)
+        if not options:
+            return None  # the session waits its backoff and asks again, within its budget
+        best = min(options, key=lambda c: sum(stage_cost(pool[e]) for e in c))
+        return Route(pool[e].stage_spec(e) for e in best)
+
+
+async def read_adverts(endpoints: list[str]) -> dict[str, Advert]:
+    """What the tracker reads from every worker (``dgr_engine.wire.advert`` has every field)."""
+    adverts = {}
+    for endpoint in endpoints:
+        async with ShardClient(endpoint, timeout=10.0) as client:
+            assert await client.serving()  # the standard gRPC health service
+            a = adverts[endpoint] = await client.describe()
+        print(
+            f"{endpoint} [{a.span.layer_begin},{a.span.layer_end}) model "
+            f"{a.identity.content_hash.hex()[:12]} slots {a.capacity.sessions_open}/"
+            f"{a.capacity.sessions_max} in flight {a.load.in_flight} seam "
+            f"{a.seam.bytes_per_token_in}/{a.seam.bytes_per_token_out} B/token errors "
+            f"{a.health.recent_errors} lane {a.lane.certification.value}"
+        )
+    return adverts
+
+
+async def track(workers: dict[str, WorkerProcess]) -> None:
+    adverts = await read_adverts(list(workers))
+    provider = CheapestRoute(list(workers), model=next(iter(adverts.values())).identity)
+    policy = FailurePolicy(step_deadline=10.0, session_deadline=120.0, backoff=(0.0, 0.2))
+    killed: list[str] = []
+
+    def on_token(token: int) -> None:  # session 0's tokens: lose its last stage at 4 tokens
+        route = handles[0].core.route
+        if len(handles[0].tokens) == 4 and route is not None and not killed:
+            killed.append(route.endpoints[-1])
+            print(f"  SIGKILL {killed[0]} mid-decode")
+            workers[killed[0]].kill()
+
+    # Fixture lanes are dark (uncertified): validation refuses them unless the caller opts in
+    # with allow_dark_lanes=True, which warns (DarkLaneWarning) for every route it accepts. A
+    # fixture/dev mode only, as `dgr generate` uses it; a production tracker routes certified
+    # lanes and leaves both alone.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DarkLaneWarning)
+        async with GrpcStageTransport(timeout=10.0) as transport:
+            async with SessionManager(
+                transport, provider, policy=policy, allow_dark_lanes=True
+            ) as manager:
+                hooks = [on_token, None, None]
+                handles = [
+                    manager.start(p, max_new_tokens=N_NEW, session_id=f"s{i}", on_token=hook)
+                    for i, (p, hook) in enumerate(zip(PROMPTS, hooks, strict=True))
+                ]
+                results = [await h.wait() for h in handles]
+            stats = transport.stats()
+    for endpoint in workers.keys() - set(killed):  # every stage closed what it opened
+        assert (await describe(endpoint)).capacity.sessions_open == 0
+
+    expected = whole_model_greedy(PATH, PROMPTS, N_NEW, OPTIONS)
+    for result, want in zip(results, expected, strict=True):
+        print(f"{result.session_id}: {result.state.value}, {result.route_changes} route change(s)")
+        assert list(result.tokens) == want, result.error  # the whole model's tokens
+    assert results[0].route_changes == 1 and provider.blamed == set(killed)
+    print("bill (per stage; successful forwards only):")
+    for s in stats.values():
+        print(
+            f"  {s.endpoint} [{s.layers[0]},{s.layers[1]}) forwards {s.forwards} rows {s.rows}"
+            f" (layer-rows {s.rows * (s.layers[1] - s.layers[0])}) bytes in {s.bytes_sent}"
+            f" out {s.bytes_received}"
+        )
+
+
+def main() -> None:
+    workers: dict[str, WorkerProcess] = {}
+    try:
+        for layers in RANGES:  # spawn returns once the worker printed LISTENING 127.0.0.1:PORT
+            worker = WorkerProcess.spawn(PATH, layers, options=OPTIONS, log_level="WARNING")
+            workers[worker.address] = worker
+        asyncio.run(track(workers))
+    finally:
+        for worker in workers.values():
+            worker.stop()  # SIGTERM, bounded wait, then SIGKILL; a no-op once it has exited
+    print("tracker: OK")
+
+
+if __name__ == "__main__":
+    main()
