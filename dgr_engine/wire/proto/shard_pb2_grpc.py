@@ -88,8 +88,8 @@ class ShardServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ForwardStream(self, request_iterator, context):
-        """Forward over one long-lived stream (measured about half the per-frame cost of unary calls
-        on loopback): one reply per request, in order. A refused frame ends the stream with the
+        """Forward over one long-lived stream (cheaper per frame than unary calls; see
+        benchmarks/seam_overhead.py): one reply per request, in order. A refused frame ends the stream with the
         status code and dgr-status Forward would return (nothing changed); the client opens a new
         stream. Use one stream per session, so that a refusal ends only that session's stream.
         """
