@@ -130,9 +130,19 @@ def bench_core(n_sessions: int, n_tokens: int, n_stages: int) -> dict[str, Any]:
             for core in cores:
                 sid = core.session_id
                 if last:
-                    feed(core, StageOutput(sid, 1, step, index, token=step % 7))
+                    feed(
+                        core,
+                        StageOutput(
+                            session_id=sid, epoch=1, step=step, stage_index=index, token=step % 7
+                        ),
+                    )
                 else:
-                    feed(core, StageOutput(sid, 1, step, index, payload=None))
+                    feed(
+                        core,
+                        StageOutput(
+                            session_id=sid, epoch=1, step=step, stage_index=index, payload=None
+                        ),
+                    )
     elapsed = time.perf_counter() - t_start
     assert all(core.finished and len(core.tokens) == n_tokens for core in cores)
     assert machine.member_count == 0

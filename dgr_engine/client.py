@@ -2,9 +2,9 @@
 
 Every failed call raises the typed exception the worker's engine raised (``StaleEpoch``,
 ``UnknownSession``, ``CapacityExceeded``, ...), read back from the ``dgr-status`` trailing
-metadata, or one of the transport errors of ``dgr_engine.wire.status``
-(:class:`ShardUnavailable` is a ``ConnectionError``, :class:`ShardDeadlineExceeded` a
-``TimeoutError``). Each call has a deadline (``timeout``, per call or the client's default).
+metadata, or one of the client's own errors of ``dgr_engine.errors`` (``ShardUnavailable`` is
+a ``dgr_session.errors.StageDead``, ``ShardDeadlineExceeded`` a ``TimeoutError``). Each call has
+a deadline (``timeout``, per call or the client's default).
 
 ::
 
@@ -28,7 +28,13 @@ import numpy as np
 import numpy.typing as npt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from dgr_engine.errors import EngineError
+from dgr_engine.errors import (
+    EngineError,
+    FrameRejected,
+    ShardDeadlineExceeded,
+    ShardRpcError,
+    ShardUnavailable,
+)
 from dgr_engine.wire.advert import Advert, advert_from_proto
 from dgr_engine.wire.frames import (
     SCHEMA_VERSION,
@@ -40,25 +46,13 @@ from dgr_engine.wire.frames import (
 )
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
-from dgr_engine.wire.status import (
-    ExpectationMismatch,
-    FrameRejected,
-    ShardDeadlineExceeded,
-    ShardRpcError,
-    ShardUnavailable,
-    error_from_trailers,
-)
+from dgr_engine.wire.status import error_from_trailers
 
 __all__ = [
     "SCHEMA_VERSION",
-    "ExpectationMismatch",
     "Expectations",
     "ForwardResult",
-    "FrameRejected",
     "ShardClient",
-    "ShardDeadlineExceeded",
-    "ShardRpcError",
-    "ShardUnavailable",
     "WorkerTimings",
     "expectations_of",
 ]

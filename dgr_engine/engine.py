@@ -302,7 +302,8 @@ class ShardEngine:
         if code != 0:
             status = ffi.string(lib.dgr_status_name(code)).decode()
             message = ffi.string(lib.dgr_last_error()).decode(errors="replace")
-            raise error_for_status(int(code), status, message)
+            held = int(lib.dgr_last_held_epoch())  # -1 unless the call failed with a stale epoch
+            raise error_for_status(int(code), status, message, held_epoch=held)
 
     def _read_info(self) -> ShardInfo:
         i = ffi.new("dgr_shard_info *")

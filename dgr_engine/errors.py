@@ -1,15 +1,18 @@
 """Typed errors of the shard engine, one per C status code, and the one place that maps codes.
 
-Every class documents what happened to the session's state, as the C header does for its code.
-Each also inherits the builtin it resembles, so ``except ValueError`` keeps working for callers
-that do not know dgr.
+Every class documents what happened to the session's state, as the C header does for its code,
+and declares the fault kind a route session files it under (``fault_kind``), so transports raise
+it as it is. Each also inherits the builtin it resembles, so ``except ValueError`` keeps working
+for callers that do not know dgr.
 """
 
 from __future__ import annotations
 
-import re
+from typing import ClassVar
 
+from dgr_session import errors as session_errors
 from dgr_session.errors import DgrError
+from dgr_session.faults import FaultKind
 
 
 class EngineError(DgrError):
@@ -17,6 +20,7 @@ class EngineError(DgrError):
 
     code: int = -1
     status: str = "DGR_E_UNKNOWN_STATUS"
+    fault_kind: ClassVar[FaultKind] = FaultKind.ENGINE_ERROR
 
     def __init__(self, message: str, *, code: int | None = None, status: str | None = None) -> None:
         super().__init__(message)
@@ -36,6 +40,7 @@ class ModelLoadError(EngineError, OSError):
     """The GGUF is missing, truncated or corrupt. No engine was created."""
 
     code, status = 2, "DGR_E_MODEL_LOAD"
+    fault_kind = FaultKind.DEAD  # an OSError: no engine, as if its worker had died
 
 
 class UnsupportedArchitecture(EngineError, ValueError):
@@ -59,14 +64,16 @@ class UnknownSession(EngineError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-class StaleEpoch(EngineError):
+class StaleEpoch(EngineError, session_errors.StaleEpoch):
     """The epoch is older than the session's current one. Nothing changed; the newer epoch's
     state is untouched. The caller's session lives on under its newer epoch.
 
-    ``held_epoch``: the epoch the refusing side holds, when it says (a worker sends it with
-    its refusal); ``None`` when unknown."""
+    The engine's side of :class:`dgr_session.errors.StaleEpoch`: ``held_epoch`` is the epoch the
+    refusing engine holds (from the C ABI, or the worker's refusal); ``session_id`` and ``epoch``
+    name the refused call where the raiser knows them. Each is ``None`` when unknown."""
 
     code, status = 6, "DGR_E_STALE_EPOCH"
+    fault_kind = FaultKind.PROTOCOL
 
     def __init__(
         self,
@@ -74,9 +81,14 @@ class StaleEpoch(EngineError):
         *,
         code: int | None = None,
         status: str | None = None,
+        session_id: str | None = None,
+        epoch: int | None = None,
         held_epoch: int | None = None,
     ) -> None:
+        # EngineError's super() reaches dgr_session's StaleEpoch with the message only
         super().__init__(message, code=code, status=status)
+        self.session_id = session_id
+        self.epoch = epoch
         self.held_epoch = held_epoch
 
 
@@ -134,7 +146,10 @@ class InternalError(EngineError):
 
 
 class EngineClosed(EngineError):
-    """The engine handle was closed; it cannot be used any more."""
+    """The engine handle was closed; it cannot be used any more. A stage whose engine is closed
+    is dead: the route session moves to a new route."""
+
+    fault_kind = FaultKind.DEAD
 
 
 # -- refusals of the gRPC worker and its client (no C status of their own) --------------------
@@ -156,11 +171,14 @@ class ExpectationMismatch(EngineError, ValueError):
     status = "DGR_E_EXPECTATION"
 
 
-class ShardUnavailable(EngineError, ConnectionError):
+class ShardUnavailable(EngineError, session_errors.StageDead):
     """The worker is unreachable or shutting down; its sessions' state is gone or going. The
-    route session must move to a new route (re-prefill under a new epoch)."""
+    route session must move to a new route (re-prefill under a new epoch): it lives on.
+
+    The worker client's side of :class:`dgr_session.errors.StageDead` (a ``ConnectionError``)."""
 
     status = "DGR_E_UNAVAILABLE"
+    fault_kind = FaultKind.DEAD
 
 
 class ShardDeadlineExceeded(EngineError, TimeoutError):
@@ -169,6 +187,7 @@ class ShardDeadlineExceeded(EngineError, TimeoutError):
     faulty and re-prefill under a new epoch."""
 
     status = "DGR_E_DEADLINE"
+    fault_kind = FaultKind.DEADLINE
 
 
 class ShardRpcError(EngineError):
@@ -203,18 +222,15 @@ _BY_CODE: dict[int, type[EngineError]] = {
 }
 
 
-_HELD_EPOCH = re.compile(r"\(current epoch (\d+)\)")
-"""How ``native/src/dgr_shard.cpp`` names the epoch it holds in a stale-epoch message."""
-
-
-def error_for_status(code: int, status: str, message: str) -> EngineError:
+def error_for_status(
+    code: int, status: str, message: str, *, held_epoch: int | None = None
+) -> EngineError:
     """The typed exception for a failed C call (the one place that maps status codes); a
-    stale epoch carries the epoch the engine holds."""
+    stale epoch carries ``held_epoch``, the epoch the engine holds (``dgr_last_held_epoch()``;
+    ``None`` or negative: unknown)."""
     cls = _BY_CODE.get(code, EngineError)
     text = f"{status}: {message}"
     if cls is StaleEpoch:
-        held = _HELD_EPOCH.search(message)
-        return StaleEpoch(
-            text, code=code, status=status, held_epoch=int(held.group(1)) if held else None
-        )
+        held = held_epoch if held_epoch is not None and held_epoch >= 0 else None
+        return StaleEpoch(text, code=code, status=status, held_epoch=held)
     return cls(text, code=code, status=status)

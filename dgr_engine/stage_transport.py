@@ -12,18 +12,19 @@ something else refuses the frame instead of computing garbage. Whether a stage n
 token-id sideband (the first stage, and V4 stages owning hash-routed layers) comes from the
 worker's advert, fetched once per endpoint with ``Describe`` (or handed in with :meth:`learn`).
 
-Failures are raised as what the session manager classifies
-(``dgr_session.manager.fault_kind``):
+Failures are raised as the client raised them, each declaring the fault kind the session
+manager files it under (``fault_kind``):
 
-=======================================  ==========================================  ===========
-what happened                            raised                                      fault kind
-=======================================  ==========================================  ===========
-unreachable, connection lost, shutdown   :class:`dgr_session.errors.StageDead`       dead
+=======================================  ===========================================  ==========
+what happened                            raised (``dgr_engine.errors``)               fault kind
+=======================================  ===========================================  ==========
+unreachable, connection lost, shutdown   ``ShardUnavailable`` (a ``StageDead``)       dead
 call deadline passed                     ``ShardDeadlineExceeded`` (``TimeoutError``)  deadline
-epoch older than the worker holds        :class:`dgr_session.errors.StaleEpoch`      protocol
-any other refusal (position, capacity,   the engine's typed error (``EngineError``,  engine_error
-frame, expectation, ...)                 a ``DgrError``)
-=======================================  ==========================================  ===========
+epoch older than the worker holds        ``StaleEpoch`` (dgr_session's, with the      protocol
+                                         worker's ``held_epoch``)
+any other refusal (position, capacity,   the engine's typed error (``EngineError``)   engine_error
+frame, expectation, ...)
+=======================================  ===========================================  ==========
 
 Boundary rows are numpy ``float32`` arrays ``[n, width]`` (read-only views of the reply);
 :class:`~dgr_session.transport.Logits` holds the last row of logits as a numpy ``float32`` row.
@@ -43,12 +44,16 @@ import numpy as np
 from loguru import logger
 
 from dgr_engine.client import DEFAULT_MAX_MESSAGE_BYTES, ForwardResult, ShardClient
-from dgr_engine.errors import EngineError, UnknownSession
-from dgr_engine.errors import StaleEpoch as EngineStaleEpoch
+from dgr_engine.errors import (
+    EngineError,
+    ExpectationMismatch,
+    FrameRejected,
+    StaleEpoch,
+    UnknownSession,
+)
 from dgr_engine.wire.advert import Advert
 from dgr_engine.wire.frames import SCHEMA_VERSION, Expectations
-from dgr_engine.wire.status import ExpectationMismatch, FrameRejected, ShardUnavailable
-from dgr_session.errors import StageDead, StaleEpoch
+from dgr_session.errors import StageDead
 from dgr_session.route import StageSpec
 from dgr_session.transport import Boundary, Logits, StageResult
 
@@ -206,13 +211,11 @@ class GrpcStageTransport:
         self._adverts[endpoint] = advert
 
     async def advert(self, endpoint: str) -> Advert:
-        """The endpoint's advert: cached, else fetched with ``Describe``."""
+        """The endpoint's advert: cached, else fetched with ``Describe`` (an unreachable worker
+        raises ``ShardUnavailable``, a :class:`~dgr_session.errors.StageDead`)."""
         advert = self._adverts.get(endpoint)
         if advert is None:
-            try:
-                advert = await self.client(endpoint).describe(timeout=self.timeout)
-            except ShardUnavailable as exc:
-                raise StageDead(f"{endpoint}: unreachable ({exc})") from exc
+            advert = await self.client(endpoint).describe(timeout=self.timeout)
             self._adverts[endpoint] = advert
         return advert
 
@@ -326,7 +329,7 @@ class GrpcStageTransport:
         except UnknownSession:
             self._forget(key, epoch)
             return  # not held: nothing to release
-        except EngineStaleEpoch:
+        except StaleEpoch:
             return  # a newer epoch is held: nothing of this one to release
         except Exception as exc:
             self._raise(stage, session_id, epoch, "close", exc)
@@ -394,37 +397,20 @@ class GrpcStageTransport:
         what: str,
         exc: Exception,
     ) -> NoReturn:
-        """Raises what ``exc`` means (see the module's table); counts and logs it. Call from
-        the ``except`` block that caught ``exc``."""
+        """Re-raises ``exc`` as it is (each error declares its fault kind; see the module's
+        table), its message prefixed with the endpoint and the call; counts and logs it. Call
+        from the ``except`` block that caught ``exc``."""
         self._counter(stage).failures += 1
         endpoint = stage.endpoint
-        error: Exception
-        if isinstance(exc, StageDead | StaleEpoch):
-            error = exc
-        elif isinstance(exc, ShardUnavailable):
+        if isinstance(exc, StageDead | ExpectationMismatch | FrameRejected):
+            # gone, or not what we knew: ask it again next time
             self._adverts.pop(endpoint, None)
-            error = StageDead(f"{endpoint}: {what}: stage unreachable ({exc})")
-        elif isinstance(exc, EngineStaleEpoch):
-            error = StaleEpoch(
-                f"{endpoint}: {what}: {exc}",
-                session_id=session_id,
-                epoch=epoch,
-                # the worker sends the epoch it holds; one that did not holds a newer one
-                held_epoch=exc.held_epoch if exc.held_epoch is not None else epoch + 1,
-            )
-        elif isinstance(exc, TimeoutError):
-            error = exc  # ShardDeadlineExceeded, or our own close deadline: both TimeoutError
-        elif isinstance(exc, ExpectationMismatch | FrameRejected):
-            self._adverts.pop(endpoint, None)  # the worker is not what we knew: ask it again
-            error = exc
-        elif isinstance(exc, EngineError):
-            error = exc
-        else:
-            error = exc  # not a gRPC failure (a bug, cancellation is not caught): as is
-        _log(stage, session_id, epoch).debug("{} failed: {}: {}", what, type(error).__name__, error)
-        if error is exc:
-            raise exc
-        raise error from exc
+        if isinstance(exc, StaleEpoch):  # the wire names the held epoch, not the refused call
+            exc.session_id = session_id if exc.session_id is None else exc.session_id
+            exc.epoch = epoch if exc.epoch is None else exc.epoch
+        exc.args = (f"{endpoint}: {what}: {exc}", *exc.args[1:])
+        _log(stage, session_id, epoch).debug("{} failed: {}: {}", what, type(exc).__name__, exc)
+        raise exc
 
 
 def _log(stage: StageSpec, session_id: str, epoch: int) -> Logger:

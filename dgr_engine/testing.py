@@ -19,9 +19,14 @@ import attrs
 import numpy as np
 
 from dgr_engine.engine import ShardEngine
-from dgr_engine.errors import EngineError, PositionMismatch, ShapeMismatch, UnknownSession
-from dgr_engine.errors import StaleEpoch as EngineStaleEpoch
-from dgr_session.errors import StageDead, StaleEpoch
+from dgr_engine.errors import (
+    EngineError,
+    PositionMismatch,
+    ShapeMismatch,
+    StaleEpoch,
+    UnknownSession,
+)
+from dgr_session.errors import StageDead
 from dgr_session.route import StageSpec
 from dgr_session.testing import ReplyGate
 from dgr_session.transport import Boundary, Logits, StageResult
@@ -160,7 +165,7 @@ class EngineTransport:
         def run(engine: ShardEngine) -> None:
             try:
                 engine.close_session(sid, epoch)
-            except (UnknownSession, EngineStaleEpoch):
+            except (UnknownSession, StaleEpoch):
                 pass  # not held (or a newer epoch is): nothing to release
 
         await self._call(stage, session_id, epoch, False, run)
@@ -193,13 +198,9 @@ class EngineTransport:
         else:
             try:
                 result = apply(ep.engine)
-            except EngineStaleEpoch as err:
-                error = StaleEpoch(
-                    str(err),
-                    session_id=session_id,
-                    epoch=epoch,
-                    held_epoch=err.held_epoch if err.held_epoch is not None else epoch + 1,
-                )
+            except StaleEpoch as err:  # the engine names the epoch it holds, not the call's
+                err.session_id, err.epoch = session_id, epoch
+                error = err
             except (PositionMismatch, ShapeMismatch) as err:
                 self.violations.append(f"{stage.endpoint} {session_id} epoch {epoch}: {err}")
                 error = err

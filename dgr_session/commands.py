@@ -56,7 +56,7 @@ class OpenStage:
     """Stage to open."""
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class Forward:
     """Run ``token_ids`` at ``positions`` through one stage; answer with
     :class:`~dgr_session.events.StageOutput` or :class:`~dgr_session.events.StageFailed`.

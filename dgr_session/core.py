@@ -445,16 +445,16 @@ class RouteSession:
             self._hop_started = self._now
             out.append(
                 Forward(
-                    self.session_id,
-                    self._epoch,
-                    step,
-                    index + 1,
-                    self._route.stages[index + 1],
-                    self._fwd_positions,
-                    self._fwd_tokens,
-                    event.payload,
-                    index + 1 == last,
-                    self._fwd_wants_logits(),
+                    session_id=self.session_id,
+                    epoch=self._epoch,
+                    step=step,
+                    stage_index=index + 1,
+                    stage=self._route.stages[index + 1],
+                    positions=self._fwd_positions,
+                    token_ids=self._fwd_tokens,
+                    boundary=event.payload,
+                    final=index + 1 == last,
+                    wants_logits=self._fwd_wants_logits(),
                 )
             )
             return
@@ -571,16 +571,16 @@ class RouteSession:
         self._begin_wait()
         out.append(
             Forward(
-                self.session_id,
-                self._epoch,
-                len(self._accepted),
-                0,
-                self._route.stages[0],
-                self._fwd_positions,
-                tokens,
-                None,
-                self._n_stages == 1,
-                self._fwd_wants_logits(),
+                session_id=self.session_id,
+                epoch=self._epoch,
+                step=len(self._accepted),
+                stage_index=0,
+                stage=self._route.stages[0],
+                positions=self._fwd_positions,
+                token_ids=tokens,
+                boundary=None,
+                final=self._n_stages == 1,
+                wants_logits=self._fwd_wants_logits(),
             )
         )
 

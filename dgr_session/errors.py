@@ -13,10 +13,12 @@ the error lives on:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
+
+from dgr_session.faults import FaultKind
 
 if TYPE_CHECKING:
-    from dgr_session.faults import FailureReport, FaultKind
+    from dgr_session.faults import FailureReport
 
 
 class DgrError(Exception):
@@ -90,15 +92,25 @@ class StaleEpoch(DgrError):
 
     Raised by stages and transports when asked to act for an old epoch (the newer epoch is kept
     and lives on). The session core never raises it: it drops stale events and counts them.
+    The engine's refusal (``dgr_engine.errors.StaleEpoch``) is this class too.
     """
 
-    def __init__(self, message: str, *, session_id: str, epoch: int, held_epoch: int) -> None:
+    fault_kind: ClassVar[FaultKind] = FaultKind.PROTOCOL
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        session_id: str | None = None,
+        epoch: int | None = None,
+        held_epoch: int | None = None,
+    ) -> None:
         super().__init__(message)
-        #: Session the message belonged to.
+        #: Session the message belonged to, or ``None`` when the refusing side did not say.
         self.session_id = session_id
-        #: Epoch the message named.
+        #: Epoch the message named, or ``None`` when the refusing side did not say.
         self.epoch = epoch
-        #: Newer epoch the receiver holds.
+        #: Newer epoch the receiver holds, or ``None`` when it did not say.
         self.held_epoch = held_epoch
 
 
@@ -106,7 +118,10 @@ class StageDead(DgrError, ConnectionError):
     """A stage is unreachable or its worker died (its per-session state is gone).
 
     Transports raise it; the session moves to a new route within its failure budget: it lives on.
+    The worker client's ``dgr_engine.errors.ShardUnavailable`` is this class too.
     """
+
+    fault_kind: ClassVar[FaultKind] = FaultKind.DEAD
 
 
 class StepDeadlineExceeded(DgrError, TimeoutError):
@@ -114,6 +129,8 @@ class StepDeadlineExceeded(DgrError, TimeoutError):
     policy's per-step deadline. The waited-on stage is reported as faulty and the session moves
     to a new route within its failure budget: it lives on. Attached as ``__cause__`` of the
     terminal error when the deadline was the fault that spent the budget."""
+
+    fault_kind: ClassVar[FaultKind] = FaultKind.DEADLINE
 
     def __init__(self, message: str, *, stage_index: int | None, deadline: float) -> None:
         super().__init__(message)

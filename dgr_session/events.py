@@ -72,7 +72,7 @@ class StageOpened:
     """Stage that opened."""
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class StageOutput:
     """A stage answered :class:`~dgr_session.commands.Forward`.
 
@@ -96,7 +96,7 @@ class StageOutput:
     last stage when the forward wanted no logits)."""
 
 
-@attrs.frozen
+@attrs.frozen(kw_only=True)
 class StageFailed:
     """A stage operation (open or forward) failed."""
 

@@ -27,7 +27,7 @@ from dgr_session.commands import (
     RequestRoute,
 )
 from dgr_session.core import RouteSession
-from dgr_session.errors import DgrError, StaleEpoch
+from dgr_session.errors import DgrError
 from dgr_session.events import (
     Cancel,
     ClockTick,
@@ -50,18 +50,17 @@ from dgr_session.transport import Boundary, Logits, RouteProvider, Sampler, Stag
 def fault_kind(error: BaseException) -> FaultKind:
     """Classify an exception raised by a transport.
 
-    An exception may name its kind in a ``fault_kind`` attribute; otherwise timeouts are
-    ``deadline``, :class:`~dgr_session.errors.StaleEpoch` is ``protocol``, connection and OS
-    errors (:class:`~dgr_session.errors.StageDead`) are ``dead``, anything else is
-    ``engine_error``.
+    dgr's errors declare their kind in a ``fault_kind`` attribute
+    (:class:`~dgr_session.errors.StaleEpoch`: ``protocol``,
+    :class:`~dgr_session.errors.StageDead`: ``dead``, each engine error its own), and so may any
+    exception. A foreign one without it: timeouts are ``deadline``, connection and OS errors
+    ``dead``, anything else ``engine_error``.
     """
     kind = getattr(error, "fault_kind", None)
     if isinstance(kind, FaultKind):
         return kind
     if isinstance(error, TimeoutError):
         return FaultKind.DEADLINE
-    if isinstance(error, StaleEpoch):
-        return FaultKind.PROTOCOL
     if isinstance(error, OSError):
         return FaultKind.DEAD
     return FaultKind.ENGINE_ERROR
@@ -396,13 +395,35 @@ class SessionManager:
             await self._transport.open(cmd.stage, cmd.session_id, cmd.epoch)
         except Exception as err:  # noqa: BLE001 - every failure becomes a typed fault
             handle._post(
-                StageFailed(cmd.session_id, cmd.epoch, cmd.stage_index, fault_kind(err), repr(err))
+                StageFailed(
+                    session_id=cmd.session_id,
+                    epoch=cmd.epoch,
+                    stage_index=cmd.stage_index,
+                    kind=fault_kind(err),
+                    detail=repr(err),
+                )
             )
             return
         handle._post(StageOpened(cmd.session_id, cmd.epoch, cmd.stage_index))
 
     async def _forward(self, handle: SessionHandle, cmd: Forward) -> None:
         sid, epoch, step, index = cmd.session_id, cmd.epoch, cmd.step, cmd.stage_index
+
+        def failed(kind: FaultKind, detail: str) -> StageFailed:
+            return StageFailed(
+                session_id=sid, epoch=epoch, stage_index=index, kind=kind, detail=detail, step=step
+            )
+
+        def output(*, payload: object = None, token: int | None = None) -> StageOutput:
+            return StageOutput(
+                session_id=sid,
+                epoch=epoch,
+                step=step,
+                stage_index=index,
+                payload=payload,
+                token=token,
+            )
+
         try:
             result = await self._transport.forward(
                 cmd.stage,
@@ -415,28 +436,28 @@ class SessionManager:
                 want_logits=cmd.wants_logits,
             )
         except Exception as err:  # noqa: BLE001 - every failure becomes a typed fault
-            handle._post(StageFailed(sid, epoch, index, fault_kind(err), repr(err), step))
+            handle._post(failed(fault_kind(err), repr(err)))
             return
         if cmd.final:
             if not isinstance(result, Logits):
                 detail = f"last stage answered {type(result).__name__}, expected Logits"
-                handle._post(StageFailed(sid, epoch, index, FaultKind.PROTOCOL, detail, step))
+                handle._post(failed(FaultKind.PROTOCOL, detail))
                 return
             if not cmd.wants_logits:  # a prefill chunk or a replayed token: nothing to sample
-                handle._post(StageOutput(sid, epoch, step, index))
+                handle._post(output())
                 return
             try:
                 token = int(handle._sampler(result.values, step))
             except Exception as err:  # noqa: BLE001 - unusable logits are the stage's fault
                 detail = f"cannot sample from logits: {err!r}"
-                handle._post(StageFailed(sid, epoch, index, FaultKind.PROTOCOL, detail, step))
+                handle._post(failed(FaultKind.PROTOCOL, detail))
                 return
-            handle._post(StageOutput(sid, epoch, step, index, token=token))
+            handle._post(output(token=token))
         elif isinstance(result, Boundary):
-            handle._post(StageOutput(sid, epoch, step, index, payload=result.rows))
+            handle._post(output(payload=result.rows))
         else:
             detail = f"middle stage answered {type(result).__name__}, expected Boundary"
-            handle._post(StageFailed(sid, epoch, index, FaultKind.PROTOCOL, detail, step))
+            handle._post(failed(FaultKind.PROTOCOL, detail))
 
     async def _request_route(self, handle: SessionHandle, cmd: RequestRoute) -> None:
         sid, epoch, attempt = cmd.session_id, cmd.epoch, cmd.attempt

@@ -13,10 +13,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dgr_engine import ShardEngine
+from dgr_engine import ShardEngine, _binding
 from dgr_engine import errors as E
 from dgr_engine.chain import LocalChain
 from dgr_engine.testing import write_corrupt_copy, write_truncated_copy
+from dgr_session import errors as session_errors
+from dgr_session.faults import FaultKind
+from dgr_session.manager import fault_kind
 
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
 KW = {"max_sessions": 3, "n_ctx_per_session": 256, "n_batch": 32}
@@ -135,6 +138,45 @@ def test_stale_epoch(h: Harness) -> None:
     h.first.forward(6, 2, [0], tokens=[1])
 
 
+def test_a_stale_epoch_refusal_carries_the_epoch_the_engine_holds(h: Harness) -> None:
+    h.first.open_session(8, 5)
+    calls = {
+        "open": lambda: h.first.open_session(8, 3),
+        "forward": lambda: h.first.forward(8, 3, [0], tokens=[1]),
+        "close": lambda: h.first.close_session(8, 3),
+    }
+    for name, call in calls.items():
+        err = refused(h, E.StaleEpoch, call, "epoch 3 is stale")
+        assert isinstance(err, E.StaleEpoch) and err.held_epoch == 5, name
+        assert isinstance(err, session_errors.StaleEpoch)  # one concept, one class to catch
+        assert err.fault_kind is FaultKind.PROTOCOL
+
+
+def test_the_held_epoch_accessor_names_only_a_stale_epoch_failure(h: Harness) -> None:
+    lib = _binding.lib
+    h.first.open_session(9, 4)
+    with pytest.raises(E.StaleEpoch):
+        h.first.open_session(9, 2)
+    assert int(lib.dgr_last_held_epoch()) == 4
+    with pytest.raises(E.UnknownSession):  # another failure on this thread: no held epoch
+        h.first.close_session(78, 0)
+    assert int(lib.dgr_last_held_epoch()) == -1
+    with pytest.raises(E.StaleEpoch):
+        h.first.open_session(9, 2)
+    h.first.open_session(9, 4)  # a success clears it too
+    assert int(lib.dgr_last_held_epoch()) == -1
+
+
+def test_the_held_epoch_is_never_read_from_the_message() -> None:
+    text = "session 1: epoch 3 is stale (current epoch 9)"
+    err = E.error_for_status(6, "DGR_E_STALE_EPOCH", text)
+    assert isinstance(err, E.StaleEpoch) and err.held_epoch is None
+    err = E.error_for_status(6, "DGR_E_STALE_EPOCH", text, held_epoch=-1)  # the C "unknown"
+    assert isinstance(err, E.StaleEpoch) and err.held_epoch is None
+    err = E.error_for_status(6, "DGR_E_STALE_EPOCH", "no number here", held_epoch=7)
+    assert isinstance(err, E.StaleEpoch) and err.held_epoch == 7
+
+
 def test_more_sessions_than_allowed(h: Harness) -> None:
     h.first.open_session(20, 0)
     h.first.open_session(21, 0)
@@ -233,3 +275,26 @@ def test_error_table_is_complete() -> None:
     assert codes == set(range(1, 15))
     err = E.error_for_status(99, "DGR_E_UNKNOWN_STATUS", "odd")
     assert type(err) is E.EngineError
+
+
+NOT_ENGINE_ERROR = {
+    E.StaleEpoch: FaultKind.PROTOCOL,
+    E.ShardUnavailable: FaultKind.DEAD,
+    E.EngineClosed: FaultKind.DEAD,
+    E.ModelLoadError: FaultKind.DEAD,  # an OSError, as the manager filed it before
+    E.ShardDeadlineExceeded: FaultKind.DEADLINE,
+}
+
+
+def test_each_engine_error_declares_its_fault_kind() -> None:
+    classes = [c for c in vars(E).values() if isinstance(c, type) and issubclass(c, E.EngineError)]
+    assert len(classes) == 21  # EngineError, 14 C statuses, EngineClosed, 5 of the wire
+    for cls in classes:
+        kind = NOT_ENGINE_ERROR.get(cls, FaultKind.ENGINE_ERROR)
+        assert cls.fault_kind is kind, cls
+        assert fault_kind(cls("x")) is kind, cls
+    # one concept each: the session layer catches the engine's errors by its own classes
+    assert issubclass(E.ShardUnavailable, session_errors.StageDead)
+    assert issubclass(E.ShardUnavailable, ConnectionError)
+    assert issubclass(E.StaleEpoch, session_errors.StaleEpoch)
+    assert issubclass(E.ShardDeadlineExceeded, TimeoutError)

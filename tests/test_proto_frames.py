@@ -17,14 +17,16 @@ from hypothesis import strategies as st
 
 from dgr_engine import errors as E
 from dgr_engine.engine import ShardInfo
-from dgr_engine.wire import frames as F
-from dgr_engine.wire.proto import shard_pb2 as pb
-from dgr_engine.wire.status import (
+from dgr_engine.errors import (
     ExpectationMismatch,
     FrameRejected,
     ShardDeadlineExceeded,
     ShardRpcError,
     ShardUnavailable,
+)
+from dgr_engine.wire import frames as F
+from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_engine.wire.status import (
     error_from_rpc,
     error_from_trailers,
     grpc_status_for,

@@ -118,10 +118,20 @@ class Driver:
                 epoch, step = self.core.epoch, self.core.step
                 if index < last:
                     answer += self.feed(
-                        StageOutput(SID, epoch, step, index, payload=("rows", index))
+                        StageOutput(
+                            session_id=SID,
+                            epoch=epoch,
+                            step=step,
+                            stage_index=index,
+                            payload=("rows", index),
+                        )
                     )
                 else:
-                    answer += self.feed(StageOutput(SID, epoch, step, index, token=token))
+                    answer += self.feed(
+                        StageOutput(
+                            session_id=SID, epoch=epoch, step=step, stage_index=index, token=token
+                        )
+                    )
             out += answer
             replaying = not of(answer, EmitToken) and any(
                 isinstance(c, Forward) and c.stage_index == 0 for c in answer
@@ -152,16 +162,26 @@ def test_happy_path_commands_in_order() -> None:
     assert d.feed(StageOpened(SID, 1, 1)) == []
     (forward,) = d.feed(StageOpened(SID, 1, 0))
     assert d.core.state is SessionState.PREFILLING
-    assert forward == Forward(SID, 1, 0, 0, r.stages[0], range(0, 3), (1, 2, 3), None, False)
-    (relay,) = d.feed(StageOutput(SID, 1, 0, 0, payload="rows-0"))
+    assert forward == Forward(
+        session_id=SID,
+        epoch=1,
+        step=0,
+        stage_index=0,
+        stage=r.stages[0],
+        positions=range(0, 3),
+        token_ids=(1, 2, 3),
+        boundary=None,
+        final=False,
+    )
+    (relay,) = d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=0, payload="rows-0"))
     assert relay.boundary == "rows-0" and relay.stage_index == 1 and relay.final
     assert relay.positions == range(0, 3) and relay.token_ids == (1, 2, 3)
-    emit, decode = d.feed(StageOutput(SID, 1, 0, 1, token=9))
+    emit, decode = d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=1, token=9))
     assert emit == EmitToken(SID, 1, 0, 9)
     assert d.core.state is SessionState.DECODING
     assert decode.positions == range(3, 4) and decode.token_ids == (9,) and decode.step == 1
-    d.feed(StageOutput(SID, 1, 1, 0, payload="rows-1"))
-    out = d.feed(StageOutput(SID, 1, 1, 1, token=4))
+    d.feed(StageOutput(session_id=SID, epoch=1, step=1, stage_index=0, payload="rows-1"))
+    out = d.feed(StageOutput(session_id=SID, epoch=1, step=1, stage_index=1, token=4))
     assert out[0] == EmitToken(SID, 1, 1, 4)
     assert of(out, CloseStage) == [
         CloseStage(SID, 1, 0, r.stages[0]),
@@ -209,7 +229,7 @@ def test_fault_lines_name_the_stage() -> None:
     sink = logger.add(lambda m: records.append(m.record), level="INFO")
     try:
         d = Driver().running(route("a", "b"))
-        d.feed(StageFailed(SID, 1, 1, FaultKind.DEAD))
+        d.feed(StageFailed(session_id=SID, epoch=1, stage_index=1, kind=FaultKind.DEAD))
     finally:
         logger.remove(sink)
         logger.disable("dgr_session")
@@ -238,7 +258,11 @@ def test_route_change_replays_prompt_and_accepted_tokens_from_position_zero() ->
     d.step(11)
     old = d.core.route
     assert old is not None
-    out = d.feed(StageFailed(SID, 1, 1, FaultKind.DEAD, "gone", step=2))
+    out = d.feed(
+        StageFailed(
+            session_id=SID, epoch=1, stage_index=1, kind=FaultKind.DEAD, detail="gone", step=2
+        )
+    )
     assert of(out, CloseStage) == [CloseStage(SID, 1, i, s) for i, s in enumerate(old.stages)]
     (request,) = of(out, RequestRoute)
     assert request.epoch == 2
@@ -258,19 +282,19 @@ def test_route_change_replays_prompt_and_accepted_tokens_from_position_zero() ->
     assert forward.step == 2 and forward.epoch == 2
     # nobody reads a replay's logits: every stage is told, the last computes none
     assert not forward.wants_logits
-    relay = d.feed(StageOutput(SID, 2, 2, 0, payload="r"))[0]
+    relay = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=0, payload="r"))[0]
     assert relay.stage.endpoint == "c" and relay.positions == range(0, 2)
     assert not relay.wants_logits
-    replay = d.feed(StageOutput(SID, 2, 2, 1, token=77))
+    replay = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=1, token=77))
     assert not of(replay, EmitToken)
     assert [(f.stage_index, f.positions, f.token_ids) for f in replay] == [(0, range(2, 3), (10,))]
-    d.feed(StageOutput(SID, 2, 2, 0, payload="r"))
-    replay = d.feed(StageOutput(SID, 2, 2, 1, token=78))
+    d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=0, payload="r"))
+    replay = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=1, token=78))
     assert not of(replay, EmitToken)
     assert [(f.stage_index, f.positions, f.token_ids) for f in replay] == [(0, range(3, 4), (11,))]
-    (relay,) = d.feed(StageOutput(SID, 2, 2, 0, payload="r"))
+    (relay,) = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=0, payload="r"))
     assert relay.wants_logits  # the newest accepted token: its logits pick the next one
-    out = d.feed(StageOutput(SID, 2, 2, 1, token=12))
+    out = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=1, token=12))
     assert out[0] == EmitToken(SID, 2, 2, 12)
     assert d.core.tokens == (10, 11, 12)
     assert out[1].positions == range(4, 5) and out[1].token_ids == (12,)
@@ -280,14 +304,18 @@ def test_route_change_replays_prompt_and_accepted_tokens_from_position_zero() ->
 def test_events_of_an_old_epoch_are_dropped_and_counted() -> None:
     d = Driver(max_new_tokens=5).running(route("a", "b"))
     d.step(1)
-    d.feed(StageFailed(SID, 1, 0, FaultKind.DEADLINE, "slow", step=1))
+    d.feed(
+        StageFailed(
+            session_id=SID, epoch=1, stage_index=0, kind=FaultKind.DEADLINE, detail="slow", step=1
+        )
+    )
     d.assign(route("a", "b"))
     before = d.core.state, d.core.epoch, d.core.step
     late = [
-        StageOutput(SID, 1, 1, 0, payload="late"),
-        StageOutput(SID, 1, 1, 1, token=99),
+        StageOutput(session_id=SID, epoch=1, step=1, stage_index=0, payload="late"),
+        StageOutput(session_id=SID, epoch=1, step=1, stage_index=1, token=99),
         StageOpened(SID, 1, 0),
-        StageFailed(SID, 1, 1, FaultKind.DEAD),
+        StageFailed(session_id=SID, epoch=1, stage_index=1, kind=FaultKind.DEAD),
         RouteAssigned(SID, 1, route("x")),
         RouteUnavailable(SID, 2),
     ]
@@ -301,9 +329,18 @@ def test_events_of_an_old_epoch_are_dropped_and_counted() -> None:
 def test_answers_after_a_fault_are_stale_even_before_the_new_epoch() -> None:
     policy = FailurePolicy(step_deadline=1.0, session_deadline=100.0, backoff=(5.0,))
     d = Driver(policy=policy).running(route("a", "b"))
-    d.feed(StageFailed(SID, 1, 0, FaultKind.ENGINE_ERROR, "oom", step=0))
+    d.feed(
+        StageFailed(
+            session_id=SID,
+            epoch=1,
+            stage_index=0,
+            kind=FaultKind.ENGINE_ERROR,
+            detail="oom",
+            step=0,
+        )
+    )
     assert d.core.state is SessionState.ROUTE_LOST and not d.core.live_epoch
-    assert d.feed(StageOutput(SID, 1, 0, 1, token=3)) == []
+    assert d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=1, token=3)) == []
     assert d.core.stale_events_dropped == 1 and d.core.tokens == ()
 
 
@@ -314,7 +351,7 @@ def test_epoch_increments_once_per_assignment_and_never_decreases() -> None:
     epochs = [d.core.epoch]
     for n in range(5):
         d.step(n)
-        d.feed(StageFailed(SID, d.core.epoch, 0, FaultKind.DEAD))
+        d.feed(StageFailed(session_id=SID, epoch=d.core.epoch, stage_index=0, kind=FaultKind.DEAD))
         epochs.append(d.core.epoch)
         d.assign(route("a"))
         epochs.append(d.core.epoch)
@@ -325,11 +362,11 @@ def test_epoch_increments_once_per_assignment_and_never_decreases() -> None:
 def test_future_epoch_and_foreign_session_are_driver_bugs() -> None:
     d = Driver().running(route("a"))
     with pytest.raises(InvalidTransition):
-        d.feed(StageOutput(SID, 7, 0, 0, token=1))
+        d.feed(StageOutput(session_id=SID, epoch=7, step=0, stage_index=0, token=1))
     with pytest.raises(InvalidTransition):
         d.feed(RouteAssigned(SID, 9, route("a")))
     with pytest.raises(InvalidTransition):
-        d.feed(StageOutput("other", 1, 0, 0, token=1))
+        d.feed(StageOutput(session_id="other", epoch=1, step=0, stage_index=0, token=1))
     with pytest.raises(InvalidTransition):
         d.feed(StageOpened(SID, 1, 5))
     with pytest.raises(InvalidTransition):
@@ -342,8 +379,10 @@ def test_future_epoch_and_foreign_session_are_driver_bugs() -> None:
 @pytest.mark.parametrize(
     "event",
     [
-        StageOutput(SID, 1, 0, 1, token=5),  # wrong hop: stage 0 is awaited
-        StageOutput(SID, 1, 3, 0, payload="x"),  # wrong step
+        StageOutput(
+            session_id=SID, epoch=1, step=0, stage_index=1, token=5
+        ),  # wrong hop: stage 0 is awaited
+        StageOutput(session_id=SID, epoch=1, step=3, stage_index=0, payload="x"),  # wrong step
         StageOpened(SID, 1, 0),  # duplicate open
     ],
 )
@@ -358,7 +397,9 @@ def test_out_of_protocol_answers_are_faults_of_that_stage(event: object) -> None
 
 def test_last_stage_without_a_token_is_a_protocol_fault() -> None:
     d = Driver().running(route("a"))
-    out = d.feed(StageOutput(SID, 1, 0, 0, payload="rows but no token"))
+    out = d.feed(
+        StageOutput(session_id=SID, epoch=1, step=0, stage_index=0, payload="rows but no token")
+    )
     assert of(out, RequestRoute)[0].report.fault is FaultKind.PROTOCOL
 
 
@@ -368,7 +409,7 @@ def test_last_stage_without_a_token_is_a_protocol_fault() -> None:
 
 def test_step_deadline_blames_the_awaited_stage() -> None:
     d = Driver().running(route("a", "b", "c"))
-    d.feed(StageOutput(SID, 1, 0, 0, payload="r"))
+    d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=0, payload="r"))
     assert d.core.next_timer() == 1.0
     assert d.tick(0.99) == []
     out = d.tick(1.0)
@@ -392,7 +433,7 @@ def test_backoff_waits_for_the_clock() -> None:
     policy = FailurePolicy(step_deadline=1.0, backoff=(0.5, 2.0))
     d = Driver(policy=policy).running(route("a"))
     d.tick(0.25)
-    d.feed(StageFailed(SID, 1, 0, FaultKind.DEAD))
+    d.feed(StageFailed(session_id=SID, epoch=1, stage_index=0, kind=FaultKind.DEAD))
     assert d.core.state is SessionState.ROUTE_LOST
     assert d.core.next_timer() == 0.75
     assert d.tick(0.7) == []
@@ -400,7 +441,7 @@ def test_backoff_waits_for_the_clock() -> None:
     assert isinstance(request, RequestRoute) and d.core.state is SessionState.REROUTING
     d.assign(route("b"))
     d.open_all()
-    d.feed(StageFailed(SID, 2, 0, FaultKind.DEAD))
+    d.feed(StageFailed(session_id=SID, epoch=2, stage_index=0, kind=FaultKind.DEAD))
     assert d.core.next_timer() == 2.75  # second fault: second delay
 
 
@@ -455,7 +496,7 @@ def test_invalid_route_is_refused_and_reported() -> None:
 
 def test_later_routes_must_serve_the_pinned_model() -> None:
     d = Driver().running(route("a"))
-    d.feed(StageFailed(SID, 1, 0, FaultKind.DEAD))
+    d.feed(StageFailed(session_id=SID, epoch=1, stage_index=0, kind=FaultKind.DEAD))
     other = make_route(["z"], [], identity=fixture_identity(7))
     (request,) = of(d.assign(other), RequestRoute)
     assert request.report.fault is FaultKind.ROUTE_INVALID and d.core.epoch == 1
@@ -465,14 +506,32 @@ def test_attempts_per_step_bound_the_faults_at_one_step() -> None:
     policy = FailurePolicy(max_attempts_per_step=2, max_route_changes=10, backoff=())
     d = Driver(policy=policy).running(route("a", "b"))
     d.step(1)
-    d.feed(StageFailed(SID, 1, 1, FaultKind.ENGINE_ERROR, "boom", step=1))
+    d.feed(
+        StageFailed(
+            session_id=SID,
+            epoch=1,
+            stage_index=1,
+            kind=FaultKind.ENGINE_ERROR,
+            detail="boom",
+            step=1,
+        )
+    )
     d.assign(route("a", "b"))
     d.open_all()
     d.step(2)  # progress resets the per-step count
-    d.feed(StageFailed(SID, 2, 0, FaultKind.DEAD, step=2))
+    d.feed(StageFailed(session_id=SID, epoch=2, stage_index=0, kind=FaultKind.DEAD, step=2))
     d.assign(route("a", "b"))
     d.open_all()
-    out = d.feed(StageFailed(SID, 3, 1, FaultKind.ENGINE_ERROR, "boom", step=2))
+    out = d.feed(
+        StageFailed(
+            session_id=SID,
+            epoch=3,
+            stage_index=1,
+            kind=FaultKind.ENGINE_ERROR,
+            detail="boom",
+            step=2,
+        )
+    )
     error = d.core.error
     assert isinstance(error, FailureBudgetExhausted) and not isinstance(error, NoRouteAvailable)
     assert (error.stage_index, error.endpoint, error.fault) == (1, "b", FaultKind.ENGINE_ERROR)
@@ -485,10 +544,10 @@ def test_attempts_per_step_bound_the_faults_at_one_step() -> None:
 def test_route_change_budget() -> None:
     policy = FailurePolicy(max_route_changes=1, max_attempts_per_step=10, backoff=())
     d = Driver(policy=policy, max_new_tokens=10).running(route("a"))
-    d.feed(StageFailed(SID, 1, 0, FaultKind.DEAD))
+    d.feed(StageFailed(session_id=SID, epoch=1, stage_index=0, kind=FaultKind.DEAD))
     d.assign(route("b"))
     d.open_all()
-    d.feed(StageFailed(SID, 2, 0, FaultKind.DEAD))
+    d.feed(StageFailed(session_id=SID, epoch=2, stage_index=0, kind=FaultKind.DEAD))
     error = d.core.error
     assert isinstance(error, FailureBudgetExhausted)
     assert error.route_changes == 1 and error.endpoint == "b"
@@ -509,7 +568,7 @@ def test_session_deadline_fails_from_any_live_state() -> None:
     policy = FailurePolicy(step_deadline=10.0, session_deadline=30.0, backoff=(100.0,))
     d = Driver(policy=policy).running(route("a", "b"))
     d.tick(9.0)
-    d.feed(StageFailed(SID, 1, 0, FaultKind.DEAD))
+    d.feed(StageFailed(session_id=SID, epoch=1, stage_index=0, kind=FaultKind.DEAD))
     assert d.core.state is SessionState.ROUTE_LOST and d.core.next_timer() == 30.0
     out = d.tick(30.0)
     assert d.core.state is SessionState.FAILED
@@ -548,7 +607,7 @@ def test_cancel_closes_every_stage_of_the_epoch(stages: int) -> None:
 
 def test_cancel_after_a_fault_has_nothing_left_to_close() -> None:
     d = Driver(policy=FailurePolicy(backoff=(3.0,))).running(route("a", "b"))
-    d.feed(StageFailed(SID, 1, 0, FaultKind.DEAD))
+    d.feed(StageFailed(session_id=SID, epoch=1, stage_index=0, kind=FaultKind.DEAD))
     out = d.feed(Cancel(SID))
     assert of(out, CloseStage) == [] and d.core.state is SessionState.CANCELLED
 
@@ -585,19 +644,27 @@ def test_prefill_is_chunked_to_the_routes_max_rows_and_replayed_in_the_same_chun
     (first,) = d.open_all()
     assert (first.positions, first.token_ids) == (range(0, 4), (0, 1, 2, 3))
     assert not first.wants_logits  # a chunk before the prompt's last: no logits asked
-    d.feed(StageOutput(SID, 1, 0, 0, payload="r"))
-    (second,) = d.feed(StageOutput(SID, 1, 0, 1))  # mid-prompt: no token, nothing emitted
+    d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=0, payload="r"))
+    (second,) = d.feed(
+        StageOutput(session_id=SID, epoch=1, step=0, stage_index=1)
+    )  # mid-prompt: no token, nothing emitted
     assert second.positions == range(4, 8) and not second.wants_logits
-    d.feed(StageOutput(SID, 1, 0, 0, payload="r"))
-    (third,) = d.feed(StageOutput(SID, 1, 0, 1, token=98))  # a token anyway: ignored
+    d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=0, payload="r"))
+    (third,) = d.feed(
+        StageOutput(session_id=SID, epoch=1, step=0, stage_index=1, token=98)
+    )  # a token anyway: ignored
     assert (third.positions, third.token_ids) == (range(8, 10), (8, 9))
     assert third.wants_logits  # the prompt's last chunk: its logits pick the first token
-    (last,) = d.feed(StageOutput(SID, 1, 0, 0, payload="r"))
+    (last,) = d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=0, payload="r"))
     assert last.final and last.wants_logits
-    out = d.feed(StageOutput(SID, 1, 0, 1, token=7))
+    out = d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=1, token=7))
     assert out[0] == EmitToken(SID, 1, 0, 7) and d.core.tokens == (7,)
     # a later route whose stages take fewer rows than the pinned chunk is refused...
-    d.feed(StageFailed(SID, 1, 1, FaultKind.DEAD, "gone", step=1))
+    d.feed(
+        StageFailed(
+            session_id=SID, epoch=1, stage_index=1, kind=FaultKind.DEAD, detail="gone", step=1
+        )
+    )
     out = d.assign(with_max_rows(route("a", "c"), 2))
     assert of(out, RequestRoute) and d.core.reports[-1].fault is FaultKind.ROUTE_INVALID
     assert "at most 2 rows" in d.core.reports[-1].detail

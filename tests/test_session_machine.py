@@ -117,11 +117,21 @@ class Drive:
 
     def step(self, token: int = 3) -> None:
         epoch, step = self.core.epoch, self.core.step
-        self.feed(StageOutput("t", epoch, step, 0, payload=("rows",)))
-        self.feed(StageOutput("t", epoch, step, 1, token=token))
+        self.feed(
+            StageOutput(session_id="t", epoch=epoch, step=step, stage_index=0, payload=("rows",))
+        )
+        self.feed(StageOutput(session_id="t", epoch=epoch, step=step, stage_index=1, token=token))
 
     def lose_stage(self) -> None:
-        self.feed(StageFailed("t", self.core.epoch, 0, FaultKind.DEAD, "killed"))
+        self.feed(
+            StageFailed(
+                session_id="t",
+                epoch=self.core.epoch,
+                stage_index=0,
+                kind=FaultKind.DEAD,
+                detail="killed",
+            )
+        )
 
 
 def reach(state: SessionState) -> Drive:

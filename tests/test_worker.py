@@ -24,11 +24,12 @@ from dgr_engine import errors as E
 from dgr_engine._binding import LLAMA_COMMIT, PATCH_STACK_SHA256
 from dgr_engine.chain import LocalChain
 from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.errors import FrameRejected, ShardUnavailable
 from dgr_engine.processes import WorkerProcess
 from dgr_engine.wire.frames import Expectations, encode_forward
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
-from dgr_engine.wire.status import STATUS_KEY, FrameRejected, ShardUnavailable
+from dgr_engine.wire.status import STATUS_KEY
 from dgr_session.identity import CertificationStatus, EvidenceClass
 
 pytestmark = pytest.mark.slow

@@ -20,12 +20,13 @@ from dgr_engine import ShardEngine
 from dgr_engine import errors as E
 from dgr_engine.chain import whole_model_reference
 from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.errors import ShardDeadlineExceeded
 from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import EndpointRouteProvider
 from dgr_engine.stage_transport import GrpcStageTransport
 from dgr_engine.wire.frames import ForwardFrame, encode_forward
 from dgr_engine.wire.proto import shard_pb2_grpc
-from dgr_engine.wire.status import STATUS_KEY, ShardDeadlineExceeded
+from dgr_engine.wire.status import STATUS_KEY
 from dgr_engine.worker import ShardWorker, WorkerConfig
 from dgr_engine.worker.engine_thread import EngineThread
 from dgr_engine.worker.identity import BuildIdentity

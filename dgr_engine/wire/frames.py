@@ -15,8 +15,8 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
+from dgr_engine.errors import ExpectationMismatch, FrameRejected
 from dgr_engine.wire.proto import shard_pb2 as pb
-from dgr_engine.wire.status import ExpectationMismatch, FrameRejected
 
 if TYPE_CHECKING:
     from dgr_engine.engine import ShardInfo

@@ -47,24 +47,16 @@ HELD_EPOCH_KEY = "dgr-held-epoch"
 refusal (decimal)."""
 
 
-# the worker's and client's own refusals live with the engine's, in dgr_engine.errors
-FrameRejected = E.FrameRejected
-ExpectationMismatch = E.ExpectationMismatch
-ShardUnavailable = E.ShardUnavailable
-ShardDeadlineExceeded = E.ShardDeadlineExceeded
-ShardRpcError = E.ShardRpcError
-
-
 _C = grpc.StatusCode
 
 _BY_STATUS: dict[str, tuple[grpc.StatusCode, type[E.EngineError]]] = {
-    "DGR_E_FRAME": (_C.INVALID_ARGUMENT, FrameRejected),
-    "DGR_E_MESSAGE_SIZE": (_C.RESOURCE_EXHAUSTED, FrameRejected),
-    "DGR_E_EXPECTATION": (_C.INVALID_ARGUMENT, ExpectationMismatch),
-    "DGR_E_EXPECTATION_SCHEMA": (_C.INVALID_ARGUMENT, ExpectationMismatch),
-    "DGR_E_EXPECTATION_MODEL": (_C.INVALID_ARGUMENT, ExpectationMismatch),
-    "DGR_E_EXPECTATION_RANGE": (_C.INVALID_ARGUMENT, ExpectationMismatch),
-    "DGR_E_EXPECTATION_WIDTH": (_C.INVALID_ARGUMENT, ExpectationMismatch),
+    "DGR_E_FRAME": (_C.INVALID_ARGUMENT, E.FrameRejected),
+    "DGR_E_MESSAGE_SIZE": (_C.RESOURCE_EXHAUSTED, E.FrameRejected),
+    "DGR_E_EXPECTATION": (_C.INVALID_ARGUMENT, E.ExpectationMismatch),
+    "DGR_E_EXPECTATION_SCHEMA": (_C.INVALID_ARGUMENT, E.ExpectationMismatch),
+    "DGR_E_EXPECTATION_MODEL": (_C.INVALID_ARGUMENT, E.ExpectationMismatch),
+    "DGR_E_EXPECTATION_RANGE": (_C.INVALID_ARGUMENT, E.ExpectationMismatch),
+    "DGR_E_EXPECTATION_WIDTH": (_C.INVALID_ARGUMENT, E.ExpectationMismatch),
     "DGR_E_INVALID_ARGUMENT": (_C.INVALID_ARGUMENT, E.InvalidArgument),
     "DGR_E_SHAPE": (_C.INVALID_ARGUMENT, E.ShapeMismatch),
     "DGR_E_STALE_EPOCH": (_C.FAILED_PRECONDITION, E.StaleEpoch),
@@ -72,9 +64,9 @@ _BY_STATUS: dict[str, tuple[grpc.StatusCode, type[E.EngineError]]] = {
     "DGR_E_UNKNOWN_SESSION": (_C.NOT_FOUND, E.UnknownSession),
     "DGR_E_CAPACITY": (_C.RESOURCE_EXHAUSTED, E.CapacityExceeded),
     "DGR_E_CONTEXT_FULL": (_C.RESOURCE_EXHAUSTED, E.ContextFull),
-    "DGR_E_DEADLINE": (_C.DEADLINE_EXCEEDED, ShardDeadlineExceeded),
-    "DGR_E_SHUTTING_DOWN": (_C.UNAVAILABLE, ShardUnavailable),
-    "DGR_E_UNAVAILABLE": (_C.UNAVAILABLE, ShardUnavailable),
+    "DGR_E_DEADLINE": (_C.DEADLINE_EXCEEDED, E.ShardDeadlineExceeded),
+    "DGR_E_SHUTTING_DOWN": (_C.UNAVAILABLE, E.ShardUnavailable),
+    "DGR_E_UNAVAILABLE": (_C.UNAVAILABLE, E.ShardUnavailable),
     "DGR_E_DECODE": (_C.INTERNAL, E.DecodeError),
     "DGR_E_STATE": (_C.INTERNAL, E.StateError),
     "DGR_E_UNSUPPORTED": (_C.INTERNAL, E.UnsupportedFeature),
@@ -82,9 +74,9 @@ _BY_STATUS: dict[str, tuple[grpc.StatusCode, type[E.EngineError]]] = {
 }
 
 _BY_CODE: dict[grpc.StatusCode, type[E.EngineError]] = {
-    _C.UNAVAILABLE: ShardUnavailable,
-    _C.CANCELLED: ShardUnavailable,
-    _C.DEADLINE_EXCEEDED: ShardDeadlineExceeded,
+    _C.UNAVAILABLE: E.ShardUnavailable,
+    _C.CANCELLED: E.ShardUnavailable,
+    _C.DEADLINE_EXCEEDED: E.ShardDeadlineExceeded,
 }
 
 
@@ -133,8 +125,8 @@ def error_from_rpc(code: grpc.StatusCode, status: str | None, details: str) -> E
     if status is not None and status in _BY_STATUS:
         return _BY_STATUS[status][1](details, status=status)
     if code == _C.RESOURCE_EXHAUSTED and "larger than max" in details:
-        return FrameRejected(details, status="DGR_E_MESSAGE_SIZE")
+        return E.FrameRejected(details, status="DGR_E_MESSAGE_SIZE")
     cls = _BY_CODE.get(code)
     if cls is not None:
         return cls(details)
-    return ShardRpcError(details, status=status or f"GRPC_{code.name}")
+    return E.ShardRpcError(details, status=status or f"GRPC_{code.name}")

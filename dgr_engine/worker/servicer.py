@@ -10,12 +10,12 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
-from dgr_engine.errors import EngineError
+from dgr_engine.errors import EngineError, ShardDeadlineExceeded
 from dgr_engine.wire import frames
 from dgr_engine.wire.advert import advert_to_proto
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
-from dgr_engine.wire.status import ShardDeadlineExceeded, grpc_status_for, refusal_trailers
+from dgr_engine.wire.status import grpc_status_for, refusal_trailers
 
 if TYPE_CHECKING:
     from dgr_engine.worker.server import ShardWorker

@@ -26,7 +26,8 @@
  *
  * Conventions (llama.h / zstd style):
  *  - every function that can fail returns a dgr_status; DGR_OK is 0;
- *  - the message of the last failure on the calling thread is dgr_last_error();
+ *  - the message of the last failure on the calling thread is dgr_last_error(); for a
+ *    DGR_E_STALE_EPOCH failure, the epoch the engine holds is dgr_last_held_epoch();
  *  - every status below says what happened to the session's state;
  *  - handles are opaque; dgr_engine_free(NULL) is a no-op;
  *  - one engine handle must not be used by two threads at once (the Python binding holds one lock
@@ -43,7 +44,7 @@
 extern "C" {
 #endif
 
-#define DGR_ABI_VERSION 2
+#define DGR_ABI_VERSION 3
 
 /* Magic and version at the head of a saved session state (see dgr_session_state_save). */
 #define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
@@ -97,6 +98,11 @@ const char * dgr_status_name(int status);
 
 /* Message of the last failure on the calling thread ("" if none). Valid until the next call. */
 const char * dgr_last_error(void);
+
+/* When the last failure on the calling thread was DGR_E_STALE_EPOCH: the epoch the engine holds
+ * for the session that call named (newer than the refused one). -1 after any other failure or
+ * after a success. Valid until the next call. (ABI 3) */
+int64_t dgr_last_held_epoch(void);
 
 /* Runtime ABI version: compare with DGR_ABI_VERSION. */
 uint32_t dgr_abi_version(void);

@@ -34,19 +34,37 @@
 namespace {
 
 thread_local std::string g_last_error;
+thread_local int64_t g_last_held_epoch = -1;  // >= 0 only after a DGR_E_STALE_EPOCH failure
+
+int vfail(int status, const char * fmt, va_list args) {
+    char buf[1024];
+    std::vsnprintf(buf, sizeof(buf), fmt, args);
+    g_last_error = buf;
+    g_last_held_epoch = -1;
+    return status;
+}
 
 int fail(int status, const char * fmt, ...) {
-    char buf[1024];
     va_list args;
     va_start(args, fmt);
-    std::vsnprintf(buf, sizeof(buf), fmt, args);
+    vfail(status, fmt, args);
     va_end(args);
-    g_last_error = buf;
     return status;
+}
+
+// A DGR_E_STALE_EPOCH failure: also records the epoch the engine holds (dgr_last_held_epoch).
+int fail_stale(uint64_t held_epoch, const char * fmt, ...) {
+    va_list args;
+    va_start(args, fmt);
+    vfail(DGR_E_STALE_EPOCH, fmt, args);
+    va_end(args);
+    g_last_held_epoch = static_cast<int64_t>(held_epoch);
+    return DGR_E_STALE_EPOCH;
 }
 
 int ok() {
     g_last_error.clear();
+    g_last_held_epoch = -1;
     return DGR_OK;
 }
 
@@ -190,9 +208,9 @@ struct dgr_engine {
             return fail(DGR_E_UNKNOWN_SESSION, "unknown session %llu", (unsigned long long) session_id);
         }
         if (epoch < it->second.epoch) {
-            return fail(DGR_E_STALE_EPOCH, "session %llu: epoch %llu is stale (current epoch %llu)",
-                        (unsigned long long) session_id, (unsigned long long) epoch,
-                        (unsigned long long) it->second.epoch);
+            return fail_stale(it->second.epoch, "session %llu: epoch %llu is stale (current epoch %llu)",
+                              (unsigned long long) session_id, (unsigned long long) epoch,
+                              (unsigned long long) it->second.epoch);
         }
         if (epoch > it->second.epoch) {
             return fail(DGR_E_UNKNOWN_SESSION, "session %llu: epoch %llu is not open (current epoch %llu)",
@@ -238,6 +256,8 @@ const char * dgr_status_name(int status) {
 }
 
 const char * dgr_last_error(void) { return g_last_error.c_str(); }
+
+int64_t dgr_last_held_epoch(void) { return g_last_held_epoch; }
 
 uint32_t dgr_abi_version(void) { return DGR_ABI_VERSION; }
 
@@ -413,8 +433,9 @@ int dgr_session_open(dgr_engine * engine, uint64_t session_id, uint64_t epoch) {
     if (it != engine->sessions.end()) {
         session_slot & slot = it->second;
         if (epoch < slot.epoch) {
-            return fail(DGR_E_STALE_EPOCH, "session %llu: epoch %llu is stale (current epoch %llu)",
-                        (unsigned long long) session_id, (unsigned long long) epoch, (unsigned long long) slot.epoch);
+            return fail_stale(slot.epoch, "session %llu: epoch %llu is stale (current epoch %llu)",
+                              (unsigned long long) session_id, (unsigned long long) epoch,
+                              (unsigned long long) slot.epoch);
         }
         if (epoch > slot.epoch) {
             // cache miss: the older epoch's state is discarded, the new epoch starts empty
