@@ -1,36 +1,10 @@
 """Route sessions over real shard workers: a ``StageTransport`` over gRPC.
 
-:class:`GrpcStageTransport` is the sibling of ``dgr_engine.testing.EngineTransport``:
-the same :class:`dgr_session.transport.StageTransport`, with each stage a ``dgr worker``
-reached through one :class:`~dgr_engine.client.ShardClient` (one channel) per endpoint,
-created on first use and reused by every session. Forwards use the client's per-session
-``ForwardStream`` by default; every call has a deadline.
-
-What a stage is expected to be comes from the route (:class:`~dgr_session.route.StageSpec`):
-model hash, layer range and boundary width travel with every frame, so a worker that serves
-something else refuses the frame instead of computing garbage. Whether a stage needs the
-token-id sideband (the first stage, and V4 stages owning hash-routed layers) comes from the
-worker's advert, fetched once per endpoint with ``Describe`` (or handed in with :meth:`learn`).
-
-Failures are raised as the client raised them, each declaring the fault kind the session
-manager files it under (``fault_kind``):
-
-=======================================  ===========================================  ==========
-what happened                            raised (``dgr_engine.errors``)               fault kind
-=======================================  ===========================================  ==========
-unreachable, connection lost, shutdown   ``ShardUnavailable`` (a ``StageDead``)       dead
-call deadline passed                     ``ShardDeadlineExceeded`` (``TimeoutError``)  deadline
-epoch older than the worker holds        ``StaleEpoch`` (dgr_session's, with the      protocol
-                                         worker's ``held_epoch``)
-any other refusal (position, capacity,   the engine's typed error (``EngineError``)   engine_error
-frame, expectation, ...)
-=======================================  ===========================================  ==========
-
-Boundary rows are numpy ``float32`` arrays ``[n, width]`` (read-only views of the reply);
-:class:`~dgr_session.transport.Logits` holds the last row of logits as a numpy ``float32`` row.
-Per-endpoint counters (:meth:`stats`) give the per-stage timings and seam bytes.
-
-The library logs with loguru, bound to ``session``/``epoch``/``stage``, and adds no sinks.
+:class:`GrpcStageTransport` gives each stage a ``dgr worker`` reached through one
+:class:`~dgr_engine.client.ShardClient` per endpoint, shared by every session; forwards use a
+per-session stream, every call has a deadline, and per-endpoint counters (:meth:`stats`) give
+timings and seam bytes. Failures are raised as the client raised them, each declaring its fault
+kind (``docs/wire.md``).
 """
 
 from __future__ import annotations

@@ -1,35 +1,6 @@
-"""The one place that maps dgr failures to gRPC status codes and back.
-
-A worker that refuses a call aborts it with a conventional gRPC status code and puts the exact
-reason in the trailing metadata under :data:`STATUS_KEY` (``"dgr-status": "DGR_E_STALE_EPOCH"``);
-a stale-epoch refusal also names the epoch the worker holds under :data:`HELD_EPOCH_KEY`. The
-client reads them back and raises the same typed exception the engine raised (a ``StaleEpoch``
-with its ``held_epoch``), so a caller handles a remote stage exactly like a local one.
-
-=====================  ============================  =============================================
-gRPC code              dgr-status                    exception (all ``EngineError``)
-=====================  ============================  =============================================
-INVALID_ARGUMENT       DGR_E_FRAME                   :class:`FrameRejected` (malformed frame)
-INVALID_ARGUMENT       DGR_E_EXPECTATION_*           :class:`ExpectationMismatch` (other model,
-                                                     range, width or schema)
-INVALID_ARGUMENT       DGR_E_SHAPE                   ``ShapeMismatch``
-INVALID_ARGUMENT       DGR_E_INVALID_ARGUMENT        ``InvalidArgument``
-FAILED_PRECONDITION    DGR_E_STALE_EPOCH             ``StaleEpoch``
-FAILED_PRECONDITION    DGR_E_POSITION                ``PositionMismatch``
-NOT_FOUND              DGR_E_UNKNOWN_SESSION         ``UnknownSession``
-RESOURCE_EXHAUSTED     DGR_E_CAPACITY                ``CapacityExceeded``
-RESOURCE_EXHAUSTED     DGR_E_CONTEXT_FULL            ``ContextFull``
-RESOURCE_EXHAUSTED     (none: gRPC's size limit)     :class:`FrameRejected` (DGR_E_MESSAGE_SIZE)
-DEADLINE_EXCEEDED      DGR_E_DEADLINE / (none)       :class:`ShardDeadlineExceeded`
-UNAVAILABLE            DGR_E_SHUTTING_DOWN / (none)  :class:`ShardUnavailable`
-INTERNAL               DGR_E_DECODE, DGR_E_INTERNAL  ``DecodeError``, ``InternalError``, ...
-=====================  ============================  =============================================
-
-A position mismatch is FAILED_PRECONDITION, not INVALID_ARGUMENT: the frame is well formed, the
-session's KV is simply elsewhere (gRPC: "rejected because the system is not in a state required
-for the operation"). A frame whose own positions are not contiguous, or do not start at its
-``expected_next_pos``, is malformed whatever the state: INVALID_ARGUMENT, ``DGR_E_FRAME``.
-"""
+"""The one place that maps dgr failures to gRPC status codes and back: a refusal's code, its
+``dgr-status`` and ``dgr-held-epoch`` trailers, and the typed exception a client raises for
+them (the table: ``docs/wire.md``)."""
 
 from __future__ import annotations
 
