@@ -45,7 +45,7 @@ case "${1:-}" in
     demo)
         shift
         ensure_env
-        exec .venv/bin/python -m dgr_engine.cli.demo "$@"
+        exec .venv/bin/dgr demo "$@"
         ;;
     test)
         shift

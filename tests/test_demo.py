@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import queue
 import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -24,6 +25,26 @@ def demo_main(args: list[str]) -> int:
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def dgr_sh_command(branch: str) -> list[str]:
+    """The program ``./dgr.sh BRANCH`` execs once its venv is ready, with this test run's venv
+    (the one ``dgr.sh`` made) for ``.venv/bin``."""
+    script = (ROOT / "dgr.sh").read_text()
+    body = script.split(f"    {branch})\n", 1)[1].split(";;", 1)[0]
+    (line,) = [s.strip() for s in body.splitlines() if s.strip().startswith("exec ")]
+    words = [w for w in shlex.split(line)[1:] if w != "$@"]
+    venv_bin = Path(sys.executable).parent
+    return [
+        str(venv_bin / w.removeprefix(".venv/bin/")) if w.startswith(".venv/") else w for w in words
+    ]
+
+
+def test_dgr_sh_demo_runs_the_dgr_demo_program() -> None:
+    command = dgr_sh_command("demo")
+    assert Path(command[0]).name == "dgr" and command[1:] == ["demo"], command
+    done = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "PARITY OK" in done.stdout, done.stdout + done.stderr
 
 
 def pids_in(text: str) -> list[int]:
@@ -71,18 +92,7 @@ def test_an_interrupted_demo_stops_every_worker(sig: signal.Signals) -> None:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     proc = subprocess.Popen(
         # long enough (8 sessions x 240 tokens) that the signal lands mid-run even on a loaded box
-        [
-            sys.executable,
-            "-m",
-            "dgr_engine.cli",
-            "demo",
-            "--sessions",
-            "8",
-            "--steps",
-            "240",
-            "--lose-at",
-            "239",
-        ],
+        [*dgr_sh_command("demo"), "--sessions", "8", "--steps", "240", "--lose-at", "239"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
