@@ -61,7 +61,9 @@ def llama_prefix(build_llama: Any) -> Path:
 def make_ffibuilder() -> FFI:
     build_llama = _build_llama()
     prefix = llama_prefix(build_llama)
-    commit = json.loads(MANIFEST.read_text())["upstream"]["commit"]
+    manifest = json.loads(MANIFEST.read_text())
+    commit = manifest["upstream"]["commit"]
+    flags = ";".join(f"{k}={v}" for k, v in sorted(manifest["cmake"]["options"].items()))
     # the stack the library is built with (the build key covers the same files), stated by
     # every worker's advert
     stack = build_llama.patch_stack_sha256(build_llama.read_patches(ROOT / "patches")).hex()
@@ -79,6 +81,7 @@ def make_ffibuilder() -> FFI:
         define_macros=[
             ("DGR_LLAMA_COMMIT", f'"{commit}"'),
             ("DGR_PATCH_STACK_SHA256", f'"{stack}"'),
+            ("DGR_BUILD_FLAGS", f'"{flags}"'),
         ],
     )
     return ffibuilder

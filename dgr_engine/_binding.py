@@ -8,7 +8,7 @@ from typing import Any
 from dgr_engine.errors import AbiMismatch
 
 #: The C ABI version this Python package was written against (native/include/dgr_shard.h).
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 try:
     _native: Any = importlib.import_module("dgr_engine._native")
@@ -32,3 +32,7 @@ LLAMA_COMMIT: str = ffi.string(lib.dgr_llama_commit()).decode()
 """The llama.cpp commit the binding was built from."""
 PATCH_STACK_SHA256: bytes = bytes.fromhex(ffi.string(lib.dgr_patch_stack_sha256()).decode())
 """The patch stack the binding was built with (empty if unknown): what adverts state."""
+BUILD_FLAGS: str = ffi.string(lib.dgr_build_flags()).decode()
+"""The cmake options the patched libllama was built with (``KEY=VALUE;...``, sorted)."""
+SYSTEM_INFO: str = ffi.string(lib.dgr_system_info()).decode().strip()
+"""What ggml was compiled to use (instruction sets, OpenMP): part of the lane's build."""

@@ -59,6 +59,7 @@ class UnknownSession(EngineError, KeyError):
     """No open session has this id, or its epoch has not been opened. Nothing changed."""
 
     code, status = 5, "DGR_E_UNKNOWN_SESSION"
+    fault_kind = FaultKind.STATE_LOST  # a cache miss on a healthy stage: re-prefill
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""

@@ -46,7 +46,7 @@ from dgr_session.events import (
     Start,
 )
 from dgr_session.faults import FailureReport, FaultKind
-from dgr_session.identity import ModelIdentity, Recipe
+from dgr_session.identity import EvidenceClass, ModelIdentity, Recipe
 from dgr_session.machine import (
     HOLDING_STATES,
     NEXT_STATE,
@@ -79,7 +79,7 @@ class RouteSession:
         "max_new_tokens",
         "policy",
         "stop_tokens",
-        "allow_dark_lanes",
+        "required_evidence",
         "_machine",
         "_state",
         "_identity",
@@ -125,7 +125,7 @@ class RouteSession:
         stop_tokens: Iterable[int] = (),
         identity: ModelIdentity | None = None,
         recipe: Recipe | None = None,
-        allow_dark_lanes: bool = False,
+        required_evidence: EvidenceClass = EvidenceClass.REAL_HARDWARE,
         machine: SessionMachine | None = None,
         prefill_chunk: int | None = None,
     ) -> None:
@@ -145,8 +145,8 @@ class RouteSession:
         self.policy = policy if policy is not None else FailurePolicy()
         #: Token ids that end the session (state ``done``, reason ``stop``) once accepted.
         self.stop_tokens = frozenset(stop_tokens)
-        #: Whether routes over uncertified lanes are accepted (loudly). Fixture/dev use only.
-        self.allow_dark_lanes = allow_dark_lanes
+        #: Evidence class every stage's lane must be certified at (dark lanes never route).
+        self.required_evidence = required_evidence
         self._machine = machine if machine is not None else shared_machine()
         self._state: str = _S.NEW.value  # set by the machine (its model attribute)
         # Pinned by the first accepted route when not given: every later route must match.
@@ -376,7 +376,7 @@ class RouteSession:
                 recipe=self._recipe,
                 min_context=len(self.prompt) + self.max_new_tokens - 1,
                 min_rows=min(chunk, len(self.prompt)),
-                allow_dark_lanes=self.allow_dark_lanes,
+                required_evidence=self.required_evidence,
             )
         except RouteInvalid as err:
             self._fault(

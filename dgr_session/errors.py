@@ -75,12 +75,12 @@ class BoundaryMismatch(RouteInvalid):
 
 class DarkLane(RouteInvalid):
     """A stage runs on a lane that is not certified (compiled is not certified). Dark lanes are
-    unroutable unless the caller opts in explicitly (``allow_dark_lanes=True``, which logs a
-    WARNING and emits :class:`DarkLaneWarning`). The session refuses the route and lives on."""
+    unroutable; there is no opt-in. The session refuses the route and lives on."""
 
 
-class DarkLaneWarning(UserWarning):
-    """Emitted when a route with a dark lane is accepted because of an explicit opt-in."""
+class InsufficientEvidence(DarkLane):
+    """A stage's lane is certified, but by evidence of a lower class than the route requires
+    (e.g. fixture evidence where real-hardware is required): for this route it is dark."""
 
 
 # --------------------------------------------------------------------------------------------

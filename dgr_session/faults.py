@@ -22,6 +22,9 @@ class FaultKind(enum.StrEnum):
     ENGINE_ERROR = "engine_error"
     #: The stage replied out of protocol (wrong step, duplicate, wrong payload kind).
     PROTOCOL = "protocol"
+    #: The stage is healthy but no longer holds the session's state (closed under it, lease
+    #: expired, worker restarted): a cache miss. The session re-prefills; nobody is to blame.
+    STATE_LOST = "state_lost"
     #: The provider assigned a route that failed validation.
     ROUTE_INVALID = "route_invalid"
     #: The provider had no route.

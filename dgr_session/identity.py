@@ -36,11 +36,25 @@ class EvidenceClass(enum.StrEnum):
     REAL_HARDWARE = "real-hardware"
     RELEASE = "release"
 
+    @property
+    def rank(self) -> int:
+        """Position in ``fixture < real-model < real-hardware < release``: each class holds the
+        facts of the ones below it (a real-hardware record is a real-model record made on the
+        exact hardware and build its lane names), never the other way round."""
+        return _EVIDENCE_ORDER.index(self)
+
+    def satisfies(self, required: EvidenceClass) -> bool:
+        """True when evidence of this class meets a requirement of class ``required``."""
+        return self.rank >= required.rank
+
+
+_EVIDENCE_ORDER = tuple(EvidenceClass)
+
 
 class CertificationStatus(enum.StrEnum):
     """Whether a lane may carry traffic. Compiling a lane does not certify it."""
 
-    #: Built (maybe tested) but not certified: unroutable unless explicitly opted in.
+    #: Built (maybe tested) but not certified: unroutable.
     DARK = "dark"
     #: Holds a certification record; see the lane's evidence class for what backs it.
     CERTIFIED = "certified"
@@ -92,11 +106,17 @@ class Lane:
     dgr_version: str
     """dgr version of the worker."""
     hardware: str
-    """Hardware class the lane was certified on, e.g. ``"h200"`` or ``"x86-avx2"``."""
+    """Hardware class (fingerprint) the stage runs on, e.g. a CPU model and its instruction-set
+    flags, or a GPU name, driver and compute capability."""
     certification: CertificationStatus = CertificationStatus.DARK
     """Certification status; only certified lanes are routable."""
     evidence: EvidenceClass | None = attrs.field(default=None, validator=_check_evidence)
     """Class of the evidence behind the certification (required when certified)."""
+    lane_id: str = ""
+    """Content hash of the lane's canonical form (backend, build, hardware, model, recipe),
+    computed by whoever built the lane; ``""`` when not known."""
+    record_id: str = ""
+    """Id of the certification record behind a certified lane; ``""`` when dark."""
 
     @property
     def certified(self) -> bool:

@@ -40,7 +40,7 @@ from dgr_session.events import (
     Start,
 )
 from dgr_session.faults import FailureReport, FaultKind
-from dgr_session.identity import ModelIdentity, Recipe
+from dgr_session.identity import EvidenceClass, ModelIdentity, Recipe
 from dgr_session.machine import SessionMachine, SessionState
 from dgr_session.policy import FailurePolicy
 from dgr_session.sampling import greedy
@@ -188,14 +188,14 @@ class SessionManager:
         *,
         policy: FailurePolicy | None = None,
         sampler: Sampler = greedy,
-        allow_dark_lanes: bool = False,
+        required_evidence: EvidenceClass = EvidenceClass.REAL_HARDWARE,
         machine: SessionMachine | None = None,
     ) -> None:
         self._transport = transport
         self._provider = provider
         self._policy = policy if policy is not None else FailurePolicy()
         self._sampler = sampler
-        self._allow_dark_lanes = allow_dark_lanes
+        self._required_evidence = required_evidence
         self._machine = machine
         # Invariant: holds exactly the sessions whose driver task has not finished.
         self._live: dict[str, SessionHandle] = {}
@@ -242,7 +242,7 @@ class SessionManager:
             stop_tokens=stop_tokens,
             identity=identity,
             recipe=recipe,
-            allow_dark_lanes=self._allow_dark_lanes,
+            required_evidence=self._required_evidence,
             machine=self._machine,
             prefill_chunk=prefill_chunk,
         )

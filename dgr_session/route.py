@@ -3,26 +3,24 @@
 A route is an ordered tuple of stages; each stage owns a contiguous layer range on one endpoint.
 :func:`validate_route` checks a route before any traffic: an exact contiguous cover of
 ``[0, n_layer)``, the same model identity and recipe on every stage, matching boundary widths
-between neighbours, and certified lanes only (unless explicitly and loudly opted in). Every
-violation is a typed error naming the stage.
+between neighbours, and lanes certified at the evidence class the caller requires (dark lanes
+are never routable). Every violation is a typed error naming the stage.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterable
 
 import attrs
-from loguru import logger
 
 from dgr_session.errors import (
     BoundaryMismatch,
     DarkLane,
-    DarkLaneWarning,
+    InsufficientEvidence,
     RouteIncompatible,
     RouteInvalid,
 )
-from dgr_session.identity import Lane, ModelIdentity, Recipe
+from dgr_session.identity import EvidenceClass, Lane, ModelIdentity, Recipe
 
 
 def _non_negative(_inst: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -110,7 +108,7 @@ def validate_route(
     recipe: Recipe | None = None,
     min_context: int = 0,
     min_rows: int = 0,
-    allow_dark_lanes: bool = False,
+    required_evidence: EvidenceClass = EvidenceClass.REAL_HARDWARE,
 ) -> Route:
     """Check ``route`` and return it unchanged, or raise the first violation found.
 
@@ -126,8 +124,9 @@ def validate_route(
     * :class:`RouteInvalid`: a gap, an overlap, or a cover that does not end at ``n_layer``;
     * :class:`BoundaryMismatch`: neighbours' widths differ, or the first stage does not take
       tokens (width 0 in) or the last does not produce logits (width 0 out);
-    * :class:`DarkLane`: an uncertified lane, unless ``allow_dark_lanes`` (logged at WARNING and
-      emitted as :class:`~dgr_session.errors.DarkLaneWarning`: a fixture/dev mode only).
+    * :class:`DarkLane`: an uncertified lane; :class:`InsufficientEvidence` (a ``DarkLane``): a
+      lane certified by evidence below ``required_evidence`` (default ``real-hardware``: a
+      fixture or real-model certification does not make a lane routable for production).
     """
     want_identity = identity if identity is not None else route.stages[0].identity
     want_recipe = recipe if recipe is not None else route.stages[0].recipe
@@ -183,8 +182,7 @@ def validate_route(
             if produced == 0 or produced != stage.boundary_in:
                 message = f"takes width {stage.boundary_in}, stage {index - 1} produces {produced}"
                 raise _at(BoundaryMismatch, index, stage, message)
-        if not stage.lane.certified:
-            _dark_lane(stage.lane, index, stage.endpoint, allow_dark_lanes)
+        _check_certified(stage, index, required_evidence)
         expected_begin = stage.layer_end
     return route
 
@@ -193,11 +191,15 @@ def _at(cls: type[RouteInvalid], index: int, stage: StageSpec, message: str) -> 
     return cls(message, stage_index=index, endpoint=stage.endpoint)
 
 
-def _dark_lane(lane: Lane, index: int, endpoint: str, allowed: bool) -> None:
-    message = f"lane {lane.backend}/{lane.hardware} is {lane.certification.value}"
-    if not allowed:
-        message += " (pass allow_dark_lanes=True for fixture/dev use only)"
-        raise DarkLane(message, stage_index=index, endpoint=endpoint)
-    text = f"routing over a DARK lane (explicit opt-in): stage {index} ({endpoint}): {message}"
-    logger.bind(stage=index).warning(text)
-    warnings.warn(text, DarkLaneWarning, stacklevel=3)
+def _check_certified(stage: StageSpec, index: int, required: EvidenceClass) -> None:
+    lane = stage.lane
+    where = f"lane {lane.lane_id[:12] or '?'} ({lane.backend}/{lane.hardware})"
+    if not lane.certified or lane.evidence is None:
+        message = f"{where} is dark: no certification record matches it"
+        raise _at(DarkLane, index, stage, message)
+    if not lane.evidence.satisfies(required):
+        message = (
+            f"{where} is certified with {lane.evidence.value} evidence (record "
+            f"{lane.record_id[:12] or '?'}); this route requires {required.value}"
+        )
+        raise _at(InsufficientEvidence, index, stage, message)

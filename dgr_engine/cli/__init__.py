@@ -7,6 +7,8 @@
     dgr generate  generate tokens over a route of workers
     dgr demo      the main job: a local route, a stage lost and recovered, whole-model parity
     dgr fixtures  list or build the generated fixture models
+    dgr certify   certify a lane here: its scenarios over real workers, one evidence record
+    dgr gate      evaluate DGR-020, DGR-054 or DGR-070 from the records, against the lock
 """
 
 from __future__ import annotations
@@ -15,9 +17,16 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dgr_engine.cli import demo, fixtures, generate, worker
+from dgr_engine.cli import certify, demo, fixtures, gate, generate, worker
 
-_SUBCOMMANDS = {"worker": worker, "generate": generate, "demo": demo, "fixtures": fixtures}
+_SUBCOMMANDS = {
+    "worker": worker,
+    "generate": generate,
+    "demo": demo,
+    "fixtures": fixtures,
+    "certify": certify,
+    "gate": gate,
+}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -9,7 +9,10 @@ new epoch; checks every session's tokens against the whole model run in-process 
 engine options; prints per-stage timings and seam bytes. Ends with PARITY OK (exit 0) or PARITY
 FAILED (exit 1), and stops every process it started, also on Ctrl-C or SIGTERM.
 
-Fixture lanes are dark (uncertified): the demo routes over them by explicit opt-in.
+Dark lanes are unroutable: first the demo certifies the fixture lane on this machine ('dgr
+certify', or reuses a passing record of exactly this lane under the lock), its workers load that
+record, and its sessions require fixture evidence. Fixture evidence is not real-model or
+real-hardware evidence, and the demo says so.
 """
 
 from __future__ import annotations
@@ -18,20 +21,23 @@ import argparse
 import asyncio
 import sys
 import time
-import warnings
+from pathlib import Path
 
 import attrs
 import numpy as np
 
+from dgr_engine.certification.lock import load_lock
+from dgr_engine.certification.record import default_evidence_dir
 from dgr_engine.chain import split_points, whole_model_greedy
 from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.cli._signals import sigterm_as_interrupt
+from dgr_engine.cli.certify import CERTIFY_OPTIONS, certify_or_reuse
 from dgr_engine.fixtures import ensure_fixture, lookup
 from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import LoopbackRouteProvider
 from dgr_engine.stage_transport import ForwardRecord, GrpcStageTransport
 from dgr_session import (
-    DarkLaneWarning,
+    EvidenceClass,
     FailurePolicy,
     FailureReport,
     Route,
@@ -39,8 +45,9 @@ from dgr_session import (
     SessionResult,
 )
 
-OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=8)
-"""The workers' and the whole-model reference's engine options."""
+OPTIONS = EngineOptions(**CERTIFY_OPTIONS)
+"""The workers' and the whole-model reference's engine options: those ``dgr certify`` uses by
+default, so the lane certified is the lane routed."""
 PROMPT_LEN = 12
 
 
@@ -81,7 +88,14 @@ async def run_demo(args: argparse.Namespace, providers: list[LoopbackRouteProvid
         raise SystemExit(f"--lose-stage must be in [0, {len(layout)})")
     lost_range = layout[args.lose_stage]
     _say(f"model     {path.name}  ({spec.n_layer} layers; generated fixture: fixture evidence)")
-    _say("lanes     dark (uncertified): routed by explicit opt-in (allow_dark_lanes=True)")
+    evidence = args.evidence if args.evidence is not None else default_evidence_dir()
+    _say(f"certify   the fixture lane on this machine (records in {evidence})")
+    if await certify_or_reuse(path, OPTIONS, load_lock(), evidence, reuse=True) != 0:
+        raise SystemExit("the fixture lane did not pass certification: not routing over it")
+    _say(
+        "lanes     certified with FIXTURE evidence (generated model: not real-model or "
+        "real-hardware evidence); sessions require fixture evidence"
+    )
 
     names = {f"demo-{i}": i for i in range(args.sessions)}
     first_epoch: dict[str, int] = {}
@@ -118,6 +132,7 @@ async def run_demo(args: argparse.Namespace, providers: list[LoopbackRouteProvid
         spares=[] if args.no_spare else [lost_range],
         spawn_on_demand=args.no_spare,
         options=OPTIONS,
+        worker_args=["--evidence", str(evidence)],
         observer=on_assign,
     )
     providers.append(provider)
@@ -164,28 +179,28 @@ async def run_demo(args: argparse.Namespace, providers: list[LoopbackRouteProvid
             )
 
         policy = FailurePolicy(step_deadline=10.0, session_deadline=120.0, backoff=(0.0, 0.2))
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DarkLaneWarning)
-            async with GrpcStageTransport(timeout=10.0, observer=on_forward) as transport:
-                manager = SessionManager(transport, provider, policy=policy, allow_dark_lanes=True)
-                began = time.perf_counter()
-                handles = [
-                    manager.start(
-                        prompt,
-                        max_new_tokens=args.steps,
-                        session_id=sid,
-                        on_token=on_token if i == 0 else None,
-                    )
-                    for i, (sid, prompt) in enumerate(zip(names, all_prompts, strict=True))
-                ]
-                _say(
-                    f"sessions  {args.sessions} concurrent, {PROMPT_LEN}-token prompts, "
-                    f"{args.steps} new tokens each (SessionManager over gRPC streams)"
+        async with GrpcStageTransport(timeout=10.0, observer=on_forward) as transport:
+            manager = SessionManager(
+                transport, provider, policy=policy, required_evidence=EvidenceClass.FIXTURE
+            )
+            began = time.perf_counter()
+            handles = [
+                manager.start(
+                    prompt,
+                    max_new_tokens=args.steps,
+                    session_id=sid,
+                    on_token=on_token if i == 0 else None,
                 )
-                results = [await h.wait() for h in handles]
-                elapsed = time.perf_counter() - began
-                await manager.aclose()
-                stats = transport.stats()
+                for i, (sid, prompt) in enumerate(zip(names, all_prompts, strict=True))
+            ]
+            _say(
+                f"sessions  {args.sessions} concurrent, {PROMPT_LEN}-token prompts, "
+                f"{args.steps} new tokens each (SessionManager over gRPC streams)"
+            )
+            results = [await h.wait() for h in handles]
+            elapsed = time.perf_counter() - began
+            await manager.aclose()
+            stats = transport.stats()
 
         _say("")
         parity = True
@@ -262,6 +277,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--no-spare", action="store_true", help="no spare: spawn a replacement on demand"
+    )
+    p.add_argument(
+        "--evidence",
+        type=Path,
+        default=None,
+        help="evidence directory (default: $DGR_EVIDENCE_DIR, else the checkout's evidence/)",
     )
     p.add_argument(
         "--verbose", action="store_true", help="log state changes and stage calls to stderr"

@@ -4,8 +4,10 @@
 --spawn N: N workers started on 127.0.0.1 over even layer ranges of --model or --fixture
 (stopped at the end, also on Ctrl-C); a lost worker is replaced by a new one. Sampling is
 greedy; prompts are token ids (the fixtures have no tokenizer). --check compares with the
-whole model run in-process (same engine options) and exits 1 on a difference. Fixture lanes
-are dark: routing over them is an explicit opt-in (--allow-dark-lanes, implied by --spawn).
+whole model run in-process (same engine options) and exits 1 on a difference. Every stage's
+lane must be certified at --require (default real-hardware); dark lanes are never routed. For
+the fixtures: 'dgr certify --fixture NAME' first, then --require fixture (spawned workers read
+--evidence, default the checkout's evidence/).
 
 Prints the tokens on one line, then per-stage counters on stderr; --json prints one JSON
 object instead.
@@ -18,7 +20,6 @@ import asyncio
 import json
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -26,18 +27,19 @@ import attrs
 
 from dgr_engine.chain import n_layer_of, split_points, whole_model_greedy
 from dgr_engine.cli._signals import sigterm_as_interrupt
+from dgr_engine.cli.certify import CERTIFY_OPTIONS
 from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import EndpointRouteProvider, LoopbackRouteProvider
 from dgr_engine.stage_transport import GrpcStageTransport, StageStats
-from dgr_session import DarkLaneWarning, FailurePolicy, SessionManager, SessionResult
+from dgr_session import EvidenceClass, FailurePolicy, FaultKind, SessionManager, SessionResult
 from dgr_session.transport import RouteProvider
 
 DEFAULT_PROMPT = (1, 17, 42, 99, 7, 64, 128, 3)
 """The prompt when none is given."""
 
-OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=4)
+OPTIONS = EngineOptions(**CERTIFY_OPTIONS)
 """The engine options of the workers ``--spawn`` starts (and of ``--check``'s whole model),
-unless given."""
+unless given: ``dgr certify``'s, so a lane certified with its defaults is the lane spawned."""
 
 
 def _parse_prompt(text: str) -> list[int]:
@@ -74,7 +76,16 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--check", action="store_true", help="compare with the whole model; exit 1 if unequal"
     )
     p.add_argument(
-        "--allow-dark-lanes", action="store_true", help="route over uncertified (dark) lanes"
+        "--require",
+        choices=[c.value for c in EvidenceClass],
+        default=EvidenceClass.REAL_HARDWARE.value,
+        help="evidence class every stage's lane must be certified at (default real-hardware)",
+    )
+    p.add_argument(
+        "--evidence",
+        type=Path,
+        default=None,
+        help="evidence directory the --spawn workers read (default: the worker's default)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -136,6 +147,13 @@ def run(args: argparse.Namespace) -> int:
             )
         if result.error is not None:
             print(f"failed: {result.error}", file=sys.stderr)
+            if any(r.fault is FaultKind.ROUTE_INVALID for r in result.reports):
+                print(
+                    "the route was refused (see above); if a lane is not certified at the "
+                    "required class: certify it ('dgr certify') or state the class the route "
+                    "needs (--require)",
+                    file=sys.stderr,
+                )
         if expected is not None:
             print(f"whole-model equal: {tokens == expected}", file=sys.stderr)
     if result.error is not None:
@@ -160,33 +178,31 @@ async def _run(
     args: argparse.Namespace, model: Path | None, providers: list[LoopbackRouteProvider]
 ) -> tuple[SessionResult, dict[str, StageStats], float]:
     provider: RouteProvider
-    allow_dark = bool(args.allow_dark_lanes)
     local: LoopbackRouteProvider | None = None
     if args.spawn is not None:
         assert model is not None
         layout = split_points(n_layer_of(model), args.spawn)
         options = EngineOptions.from_args(args)
-        local = LoopbackRouteProvider(model, layout, spawn_on_demand=True, options=options)
+        evidence = [] if args.evidence is None else ["--evidence", str(args.evidence)]
+        local = LoopbackRouteProvider(
+            model, layout, spawn_on_demand=True, options=options, worker_args=evidence
+        )
         providers.append(local)
         provider = local
-        allow_dark = True  # our own fixture/dev workers
     else:
         provider = EndpointRouteProvider([e.strip() for e in args.endpoints.split(",") if e])
     policy = FailurePolicy(step_deadline=args.step_deadline)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DarkLaneWarning)
-        try:
-            if local is not None:
-                await local.start()
-            async with GrpcStageTransport(timeout=args.step_deadline) as transport:
-                manager = SessionManager(
-                    transport, provider, policy=policy, allow_dark_lanes=allow_dark
-                )
-                began = time.perf_counter()
-                result = await manager.start(args.prompt, max_new_tokens=args.max_new_tokens).wait()
-                seconds = time.perf_counter() - began
-                await manager.aclose()
-                return result, transport.stats(), seconds
-        finally:
-            if local is not None:
-                await local.aclose()
+    required = EvidenceClass(args.require)
+    try:
+        if local is not None:
+            await local.start()
+        async with GrpcStageTransport(timeout=args.step_deadline) as transport:
+            manager = SessionManager(transport, provider, policy=policy, required_evidence=required)
+            began = time.perf_counter()
+            result = await manager.start(args.prompt, max_new_tokens=args.max_new_tokens).wait()
+            seconds = time.perf_counter() - began
+            await manager.aclose()
+            return result, transport.stats(), seconds
+    finally:
+        if local is not None:
+            await local.aclose()

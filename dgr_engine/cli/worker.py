@@ -66,6 +66,16 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=600.0,
         help="close a session nobody has used for this many seconds (default 600); 0: never",
     )
+    p.add_argument(
+        "--evidence",
+        type=Path,
+        default=None,
+        help="certification records to read (default: $DGR_EVIDENCE_DIR, else the checkout's "
+        "evidence/, else ~/.cache/dgr/evidence); only a record of exactly this lane certifies it",
+    )
+    p.add_argument(
+        "--lock", type=Path, default=None, help="the lock (default: certification/lock.json)"
+    )
     p.add_argument("--log-level", default="INFO", help="least level logged to stderr")
 
 
@@ -75,6 +85,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    from dgr_engine.certification.record import default_evidence_dir
     from dgr_engine.errors import EngineError
     from dgr_engine.fixtures import ensure_fixture
     from dgr_engine.worker import ShardWorker, WorkerConfig
@@ -91,6 +102,8 @@ async def _serve(args: argparse.Namespace) -> int:
         inline_max_rows=args.inline_max_rows,
         inline_max_ms=args.inline_max_ms,
         session_lease_seconds=args.session_lease if args.session_lease > 0 else None,
+        evidence_dir=args.evidence if args.evidence is not None else default_evidence_dir(),
+        lock_path=args.lock,
     )
     try:
         model = args.model if args.model is not None else ensure_fixture(args.fixture)

@@ -7,8 +7,9 @@ rest says where the stage sits (range), how much it can take (capacity, load), w
 costs, and how healthy it is. Serialization lives in :func:`advert_to_proto` /
 :func:`advert_from_proto`, outside the classes.
 
-Certification: a worker on this machine is always ``dark`` with ``fixture`` evidence; fixture
-evidence is never real-model evidence, and dark lanes are unroutable unless a caller opts in.
+Certification: a worker is ``certified`` only when an evidence record of its exact lane is
+loaded (``dgr_engine.certification.registry``); the advert then names the record's evidence
+class and id. Otherwise it is ``dark``, and dark lanes are unroutable.
 """
 
 from __future__ import annotations
@@ -189,6 +190,8 @@ def advert_to_proto(advert: Advert) -> pb.Advert:
         certification=pb.Certification(
             status=_STATUS_TO_PB[lane.certification],
             evidence=_EVIDENCE_TO_PB[lane.evidence],
+            lane_id=lane.lane_id,
+            record_id=lane.record_id,
         ),
     )
 
@@ -215,7 +218,9 @@ def advert_from_proto(msg: pb.Advert) -> Advert:
             dgr_version=c.dgr_version,
             hardware=c.hardware,
             certification=CertificationStatus.CERTIFIED if certified else CertificationStatus.DARK,
-            evidence=_EVIDENCE_FROM_PB[msg.certification.evidence],
+            evidence=_EVIDENCE_FROM_PB[msg.certification.evidence] if certified else None,
+            lane_id=msg.certification.lane_id,
+            record_id=msg.certification.record_id if certified else "",
         ),
         schema_version=c.schema_version,
         span=LayerSpan(

@@ -11,13 +11,15 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
-import platform
 import tomllib
 from pathlib import Path
 
 import attrs
 
-from dgr_engine._binding import LLAMA_COMMIT, PATCH_STACK_SHA256
+from dgr_engine._binding import BUILD_FLAGS, LLAMA_COMMIT, PATCH_STACK_SHA256, SYSTEM_INFO
+from dgr_engine.certification.classify import FIXTURE_MARK_KEY
+from dgr_engine.certification.hardware import hardware_fingerprint
+from dgr_engine.certification.lane import LaneKey
 
 _CHUNK = 8 * 1024 * 1024
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
@@ -62,12 +64,29 @@ def model_sha256(path: str | os.PathLike[str], cache_dir: Path | None = None) ->
     return digest
 
 
-def gguf_tensor_types(path: str | os.PathLike[str]) -> tuple[str, ...]:
-    """The tensor types present in a GGUF (e.g. ``("F16", "F32")``), sorted."""
+@attrs.frozen
+class GgufFacts:
+    """What a worker reads from the GGUF's header (memory-mapped, no tensor data)."""
+
+    quant_types: tuple[str, ...]
+    """Tensor types present, sorted (e.g. ``("F16", "F32")``)."""
+    fixture_mark: str | None
+    """The fixture writers' ``dgr.fixture`` mark; ``None`` for any other GGUF."""
+
+
+def gguf_facts(path: str | os.PathLike[str]) -> GgufFacts:
+    """The tensor types and the fixture mark of a GGUF."""
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
-    return tuple(sorted({t.tensor_type.name for t in reader.tensors}))
+    mark_field = reader.get_field(FIXTURE_MARK_KEY)
+    mark = None if mark_field is None else str(mark_field.contents())
+    return GgufFacts(tuple(sorted({t.tensor_type.name for t in reader.tensors})), mark)
+
+
+def gguf_tensor_types(path: str | os.PathLike[str]) -> tuple[str, ...]:
+    """The tensor types present in a GGUF (e.g. ``("F16", "F32")``), sorted."""
+    return gguf_facts(path).quant_types
 
 
 def dgr_version() -> str:
@@ -84,11 +103,6 @@ def dgr_version() -> str:
         return "0+unknown"
 
 
-def hardware_class() -> str:
-    """A coarse hardware class for the lane (the machine architecture)."""
-    return platform.machine() or "unknown"
-
-
 @attrs.frozen
 class BuildIdentity:
     """The static half of an advert: the model file and the build serving it."""
@@ -99,18 +113,52 @@ class BuildIdentity:
     patch_stack_sha256: bytes = attrs.field(repr=_hex)
     dgr_version: str
     hardware: str
+    build_flags: str = ""
+    """cmake options of the patched libllama (``KEY=VALUE;...``)."""
+    system_info: str = ""
+    """What ggml was compiled to use (instruction sets, OpenMP)."""
+    fixture_mark: str | None = None
+    """The GGUF's ``dgr.fixture`` mark (``None``: not a generated fixture)."""
     backend: str = "cpu"
     kv_type: str = "f16"
     """llama.cpp's default KV type, which ``native/src/dgr_shard.cpp`` keeps."""
+    flash_attn: str = "auto"
+    """llama.cpp's default flash-attention mode, which ``native/src/dgr_shard.cpp`` keeps."""
+    placement: str = "cpu"
+    """Every owned layer runs on the CPU backend (the only one built)."""
 
     @classmethod
     def of_model(cls, model: str | os.PathLike[str]) -> BuildIdentity:
         """Hashes and reads ``model`` (streaming); the build's half from the binding."""
+        facts = gguf_facts(model)
         return cls(
             model_sha256=model_sha256(model),
-            quant_types=gguf_tensor_types(model),
+            quant_types=facts.quant_types,
             llama_cpp_commit=LLAMA_COMMIT,
             patch_stack_sha256=PATCH_STACK_SHA256,
             dgr_version=dgr_version(),
-            hardware=hardware_class(),
+            hardware=hardware_fingerprint(),
+            build_flags=BUILD_FLAGS,
+            system_info=SYSTEM_INFO,
+            fixture_mark=facts.fixture_mark,
+        )
+
+    def lane_key(self, *, arch: str, n_layer: int, context_per_session: int) -> LaneKey:
+        """The exact lane this build serves the model on, with this context per session."""
+        return LaneKey(
+            backend=self.backend,
+            llama_cpp_commit=self.llama_cpp_commit,
+            patch_stack_sha256=self.patch_stack_sha256.hex(),
+            dgr_version=self.dgr_version,
+            build_flags=self.build_flags,
+            system_info=self.system_info,
+            hardware=self.hardware,
+            model_sha256=self.model_sha256.hex(),
+            arch=arch,
+            n_layer=n_layer,
+            quant_types=self.quant_types,
+            kv_type=self.kv_type,
+            flash_attn=self.flash_attn,
+            context_per_session=context_per_session,
+            placement=self.placement,
         )

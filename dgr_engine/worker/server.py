@@ -19,6 +19,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from loguru import logger
 
+from dgr_engine.certification.errors import EvidenceError
+from dgr_engine.certification.lock import load_lock
+from dgr_engine.certification.registry import LaneLookup, find_certification
 from dgr_engine.engine import ShardEngine
 from dgr_engine.wire import frames as frames
 from dgr_engine.wire.advert import (
@@ -35,7 +38,7 @@ from dgr_engine.worker.identity import BuildIdentity
 from dgr_engine.worker.load import LoadMeter
 from dgr_engine.worker.servicer import ShardServicer
 from dgr_engine.worker.sessions import EngineLike, SessionTable
-from dgr_session.identity import CertificationStatus, EvidenceClass, Lane, ModelIdentity, Recipe
+from dgr_session.identity import CertificationStatus, Lane, ModelIdentity, Recipe
 
 SERVICE_NAME = "dgr.shard.v1.Shard"
 """Full gRPC service name (also the health service's per-service key)."""
@@ -72,6 +75,11 @@ class WorkerConfig:
     session_lease_seconds: float | None = 600.0
     """A session neither opened nor forwarded for this long is closed by the worker (checked
     while serving, see ``ShardWorker.expire_idle_sessions``); ``None``: never."""
+    evidence_dir: Path | None = None
+    """Where certification records are read from (``evidence/<class>/<lane-id>/``); the lane
+    is certified only by a record of exactly its lane. ``None``: the lane is dark."""
+    lock_path: Path | None = None
+    """The lock records must be made under (default: ``$DGR_LOCK`` or the checkout's)."""
 
     def __attrs_post_init__(self) -> None:
         lease = self.session_lease_seconds
@@ -102,6 +110,12 @@ class ShardWorker:
         self.meter = LoadMeter(self.config.load_window_seconds)
         self.port = 0
         self.log = logger.bind(stage=f"{self.info.layer_begin}:{self.info.layer_end}")
+        self.lane_key = build.lane_key(
+            arch=self.info.arch,
+            n_layer=self.info.n_layer,
+            context_per_session=self.info.n_ctx_per_session,
+        )
+        self.lane_lookup = self._find_certification()
         self._engine_thread = EngineThread()
         self._health = health_aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -251,6 +265,45 @@ class ShardWorker:
 
     # -- the advert --------------------------------------------------------------------------
 
+    def _find_certification(self) -> LaneLookup:
+        lock = None
+        if self.config.lock_path is not None:
+            try:
+                lock = load_lock(self.config.lock_path)
+            except EvidenceError as exc:
+                self.log.warning("lane dark: {}", exc)
+                return LaneLookup(None, (str(exc),))
+        found = find_certification(self.lane_key, self.config.evidence_dir, lock=lock)
+        lane = self.lane_key.lane_id[:12]
+        if found.certification is None:
+            self.log.info("lane {} dark: {}", lane, "; ".join(found.reasons))
+        else:
+            cert = found.certification
+            self.log.info(
+                "lane {} certified: {} evidence, record {}",
+                lane,
+                cert.evidence_class.value,
+                cert.record_id[:12],
+            )
+        return found
+
+    def lane(self) -> Lane:
+        """The lane with its certification (dark unless a record of exactly it was loaded)."""
+        build, cert = self.build, self.lane_lookup.certification
+        return Lane(
+            backend=build.backend,
+            llama_cpp_commit=build.llama_cpp_commit,
+            patch_stack_hash=build.patch_stack_sha256,
+            dgr_version=build.dgr_version,
+            hardware=build.hardware,
+            certification=CertificationStatus.DARK
+            if cert is None
+            else CertificationStatus.CERTIFIED,
+            evidence=None if cert is None else cert.evidence_class,
+            lane_id=self.lane_key.lane_id,
+            record_id="" if cert is None else cert.record_id,
+        )
+
     def advert(self) -> Advert:
         """The capability advert now (never waits for the engine)."""
         info, build = self.info, self.build
@@ -266,15 +319,7 @@ class ShardWorker:
                 context=info.n_ctx_per_session,
                 kv_type=build.kv_type,
             ),
-            lane=Lane(
-                backend=build.backend,
-                llama_cpp_commit=build.llama_cpp_commit,
-                patch_stack_hash=build.patch_stack_sha256,
-                dgr_version=build.dgr_version,
-                hardware=build.hardware,
-                certification=CertificationStatus.DARK,
-                evidence=EvidenceClass.FIXTURE,
-            ),
+            lane=self.lane(),
             schema_version=frames.SCHEMA_VERSION,
             span=LayerSpan(
                 layer_begin=info.layer_begin,

@@ -44,7 +44,7 @@
 extern "C" {
 #endif
 
-#define DGR_ABI_VERSION 3
+#define DGR_ABI_VERSION 4
 
 /* Magic and version at the head of a saved session state (see dgr_session_state_save). */
 #define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
@@ -113,6 +113,14 @@ const char * dgr_llama_commit(void);
 /* The patch stack this library was built with: lowercase hex SHA-256 over patches/ in order
  * (each name, NUL, SHA-256 of its bytes; native/build_llama.py), or "" if unknown. (ABI 2) */
 const char * dgr_patch_stack_sha256(void);
+
+/* The build options that can change results: the manifest's cmake options this library was
+ * built with, as sorted "KEY=VALUE" pairs joined by ';' (cffi_build.py), or "" if unknown. (ABI 4) */
+const char * dgr_build_flags(void);
+
+/* What ggml was compiled to use on this build (llama_print_system_info: instruction sets,
+ * OpenMP, backends). Static text. (ABI 4) */
+const char * dgr_system_info(void);
 
 typedef struct dgr_engine dgr_engine;
 

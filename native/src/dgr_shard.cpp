@@ -265,6 +265,14 @@ const char * dgr_llama_commit(void) { return DGR_LLAMA_COMMIT; }
 
 const char * dgr_patch_stack_sha256(void) { return DGR_PATCH_STACK_SHA256; }
 
+#ifndef DGR_BUILD_FLAGS
+#define DGR_BUILD_FLAGS ""
+#endif
+
+const char * dgr_build_flags(void) { return DGR_BUILD_FLAGS; }
+
+const char * dgr_system_info(void) { return llama_print_system_info(); }
+
 dgr_engine_params dgr_engine_default_params(void) {
     dgr_engine_params p{};
     p.model_path = nullptr;

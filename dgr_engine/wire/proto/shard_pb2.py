@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64gr/shard/v1/shard.proto\x12\x0c\x64gr.shard.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.dgr.shard.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"|\n\x0c\x45xpectations\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x14\n\x0cmodel_sha256\x18\x02 \x01(\x0c\x12\x13\n\x0blayer_begin\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x16\n\x0e\x62oundary_width\x18\x05 \x01(\r\"\x11\n\x0f\x44\x65scribeRequest\"\x9e\x02\n\rCompatibility\x12\x14\n\x0cmodel_sha256\x18\x01 \x01(\x0c\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x0f\n\x07n_layer\x18\x03 \x01(\r\x12\x1b\n\x13official_target_sha\x18\x04 \x01(\t\x12\x13\n\x0bquant_types\x18\x05 \x03(\t\x12\x0f\n\x07\x63ontext\x18\x06 \x01(\r\x12\x0f\n\x07kv_type\x18\x07 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x18\n\x10llama_cpp_commit\x18\t \x01(\t\x12\x1a\n\x12patch_stack_sha256\x18\n \x01(\x0c\x12\x13\n\x0b\x64gr_version\x18\x0b \x01(\t\x12\x10\n\x08hardware\x18\x0c \x01(\t\x12\x16\n\x0eschema_version\x18\r \x01(\r\"p\n\nLayerRange\x12\x13\n\x0blayer_begin\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x10\n\x08is_first\x18\x03 \x01(\x08\x12\x0f\n\x07is_last\x18\x04 \x01(\x08\x12\x17\n\x0fneeds_token_ids\x18\x05 \x01(\x08\"\xa9\x01\n\x08\x43\x61pacity\x12\x14\n\x0csessions_max\x18\x01 \x01(\r\x12\x15\n\rsessions_open\x18\x02 \x01(\r\x12\x16\n\x0ekv_tokens_free\x18\x03 \x01(\x04\x12\x1b\n\x13\x63ontext_per_session\x18\x04 \x01(\r\x12\x1c\n\x14max_rows_per_forward\x18\x05 \x01(\r\x12\x1d\n\x15session_lease_seconds\x18\x06 \x01(\x01\"Z\n\x04Load\x12\x11\n\tin_flight\x18\x01 \x01(\r\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x17\n\x0frows_per_second\x18\x03 \x01(\x01\x12\x16\n\x0ewindow_seconds\x18\x04 \x01(\x01\"\x8c\x01\n\x08SeamCost\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.dgr.shard.v1.DType\x12\x10\n\x08width_in\x18\x02 \x01(\r\x12\x11\n\twidth_out\x18\x03 \x01(\r\x12\x1a\n\x12\x62ytes_per_token_in\x18\x04 \x01(\r\x12\x1b\n\x13\x62ytes_per_token_out\x18\x05 \x01(\r\"e\n\x06Health\x12\x16\n\x0euptime_seconds\x18\x01 \x01(\x01\x12\x15\n\rrecent_errors\x18\x02 \x01(\r\x12\x14\n\x0ctotal_errors\x18\x03 \x01(\x04\x12\x16\n\x0ewindow_seconds\x18\x04 \x01(\x01\"h\n\rCertification\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.dgr.shard.v1.LaneStatus\x12-\n\x08\x65vidence\x18\x02 \x01(\x0e\x32\x1b.dgr.shard.v1.EvidenceClass\"\xb1\x02\n\x06\x41\x64vert\x12\x32\n\rcompatibility\x18\x01 \x01(\x0b\x32\x1b.dgr.shard.v1.Compatibility\x12\'\n\x05range\x18\x02 \x01(\x0b\x32\x18.dgr.shard.v1.LayerRange\x12(\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\x16.dgr.shard.v1.Capacity\x12 \n\x04load\x18\x04 \x01(\x0b\x32\x12.dgr.shard.v1.Load\x12$\n\x04seam\x18\x05 \x01(\x0b\x32\x16.dgr.shard.v1.SeamCost\x12$\n\x06health\x18\x06 \x01(\x0b\x32\x14.dgr.shard.v1.Health\x12\x32\n\rcertification\x18\x07 \x01(\x0b\x32\x1b.dgr.shard.v1.Certification\"c\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12*\n\x06\x65xpect\x18\x03 \x01(\x0b\x32\x1a.dgr.shard.v1.Expectations\"G\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08next_pos\x18\x03 \x01(\r\"8\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"6\n\x11\x43loseSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x9d\x02\n\x0e\x46orwardRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12*\n\x06\x65xpect\x18\x04 \x01(\x0b\x32\x1a.dgr.shard.v1.Expectations\x12\x19\n\x11\x65xpected_next_pos\x18\x05 \x01(\r\x12\x15\n\tpositions\x18\x06 \x03(\rB\x02\x10\x01\x12\x15\n\ttoken_ids\x18\x07 \x03(\x05\x42\x02\x10\x01\x12&\n\x08\x62oundary\x18\x08 \x01(\x0b\x32\x14.dgr.shard.v1.Tensor\x12\x16\n\nlogit_rows\x18\t \x03(\rB\x02\x10\x01\x12\x12\n\ntimeout_ms\x18\n \x01(\r\x12\x11\n\tno_logits\x18\x0b \x01(\x08\"A\n\x07Timings\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\x12\x10\n\x08total_us\x18\x03 \x01(\x04\"\xc7\x01\n\x0c\x46orwardReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12&\n\x04kind\x18\x04 \x01(\x0e\x32\x18.dgr.shard.v1.OutputKind\x12$\n\x06output\x18\x05 \x01(\x0b\x32\x14.dgr.shard.v1.Tensor\x12\x10\n\x08next_pos\x18\x06 \x01(\r\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.dgr.shard.v1.Timings*L\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\r\n\tDTYPE_F32\x10\x01\x12\r\n\tDTYPE_F16\x10\x02\x12\x0e\n\nDTYPE_BF16\x10\x03*Z\n\nLaneStatus\x12\x1b\n\x17LANE_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10LANE_STATUS_DARK\x10\x01\x12\x19\n\x15LANE_STATUS_CERTIFIED\x10\x02*\xa8\x01\n\rEvidenceClass\x12\x1e\n\x1a\x45VIDENCE_CLASS_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x45VIDENCE_CLASS_FIXTURE\x10\x01\x12\x1d\n\x19\x45VIDENCE_CLASS_REAL_MODEL\x10\x02\x12 \n\x1c\x45VIDENCE_CLASS_REAL_HARDWARE\x10\x03\x12\x1a\n\x16\x45VIDENCE_CLASS_RELEASE\x10\x04*[\n\nOutputKind\x12\x1b\n\x17OUTPUT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14OUTPUT_KIND_BOUNDARY\x10\x01\x12\x16\n\x12OUTPUT_KIND_LOGITS\x10\x02\x32\x81\x03\n\x05Shard\x12?\n\x08\x44\x65scribe\x12\x1d.dgr.shard.v1.DescribeRequest\x1a\x14.dgr.shard.v1.Advert\x12O\n\x0bOpenSession\x12 .dgr.shard.v1.OpenSessionRequest\x1a\x1e.dgr.shard.v1.OpenSessionReply\x12\x43\n\x07\x46orward\x12\x1c.dgr.shard.v1.ForwardRequest\x1a\x1a.dgr.shard.v1.ForwardReply\x12M\n\rForwardStream\x12\x1c.dgr.shard.v1.ForwardRequest\x1a\x1a.dgr.shard.v1.ForwardReply(\x01\x30\x01\x12R\n\x0c\x43loseSession\x12!.dgr.shard.v1.CloseSessionRequest\x1a\x1f.dgr.shard.v1.CloseSessionReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18\x64gr/shard/v1/shard.proto\x12\x0c\x64gr.shard.v1\"I\n\x06Tensor\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.dgr.shard.v1.DType\x12\r\n\x05shape\x18\x02 \x03(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"|\n\x0c\x45xpectations\x12\x16\n\x0eschema_version\x18\x01 \x01(\r\x12\x14\n\x0cmodel_sha256\x18\x02 \x01(\x0c\x12\x13\n\x0blayer_begin\x18\x03 \x01(\r\x12\x11\n\tlayer_end\x18\x04 \x01(\r\x12\x16\n\x0e\x62oundary_width\x18\x05 \x01(\r\"\x11\n\x0f\x44\x65scribeRequest\"\x9e\x02\n\rCompatibility\x12\x14\n\x0cmodel_sha256\x18\x01 \x01(\x0c\x12\x0c\n\x04\x61rch\x18\x02 \x01(\t\x12\x0f\n\x07n_layer\x18\x03 \x01(\r\x12\x1b\n\x13official_target_sha\x18\x04 \x01(\t\x12\x13\n\x0bquant_types\x18\x05 \x03(\t\x12\x0f\n\x07\x63ontext\x18\x06 \x01(\r\x12\x0f\n\x07kv_type\x18\x07 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x08 \x01(\t\x12\x18\n\x10llama_cpp_commit\x18\t \x01(\t\x12\x1a\n\x12patch_stack_sha256\x18\n \x01(\x0c\x12\x13\n\x0b\x64gr_version\x18\x0b \x01(\t\x12\x10\n\x08hardware\x18\x0c \x01(\t\x12\x16\n\x0eschema_version\x18\r \x01(\r\"p\n\nLayerRange\x12\x13\n\x0blayer_begin\x18\x01 \x01(\r\x12\x11\n\tlayer_end\x18\x02 \x01(\r\x12\x10\n\x08is_first\x18\x03 \x01(\x08\x12\x0f\n\x07is_last\x18\x04 \x01(\x08\x12\x17\n\x0fneeds_token_ids\x18\x05 \x01(\x08\"\xa9\x01\n\x08\x43\x61pacity\x12\x14\n\x0csessions_max\x18\x01 \x01(\r\x12\x15\n\rsessions_open\x18\x02 \x01(\r\x12\x16\n\x0ekv_tokens_free\x18\x03 \x01(\x04\x12\x1b\n\x13\x63ontext_per_session\x18\x04 \x01(\r\x12\x1c\n\x14max_rows_per_forward\x18\x05 \x01(\r\x12\x1d\n\x15session_lease_seconds\x18\x06 \x01(\x01\"Z\n\x04Load\x12\x11\n\tin_flight\x18\x01 \x01(\r\x12\x0e\n\x06queued\x18\x02 \x01(\r\x12\x17\n\x0frows_per_second\x18\x03 \x01(\x01\x12\x16\n\x0ewindow_seconds\x18\x04 \x01(\x01\"\x8c\x01\n\x08SeamCost\x12\"\n\x05\x64type\x18\x01 \x01(\x0e\x32\x13.dgr.shard.v1.DType\x12\x10\n\x08width_in\x18\x02 \x01(\r\x12\x11\n\twidth_out\x18\x03 \x01(\r\x12\x1a\n\x12\x62ytes_per_token_in\x18\x04 \x01(\r\x12\x1b\n\x13\x62ytes_per_token_out\x18\x05 \x01(\r\"e\n\x06Health\x12\x16\n\x0euptime_seconds\x18\x01 \x01(\x01\x12\x15\n\rrecent_errors\x18\x02 \x01(\r\x12\x14\n\x0ctotal_errors\x18\x03 \x01(\x04\x12\x16\n\x0ewindow_seconds\x18\x04 \x01(\x01\"\x8c\x01\n\rCertification\x12(\n\x06status\x18\x01 \x01(\x0e\x32\x18.dgr.shard.v1.LaneStatus\x12-\n\x08\x65vidence\x18\x02 \x01(\x0e\x32\x1b.dgr.shard.v1.EvidenceClass\x12\x0f\n\x07lane_id\x18\x03 \x01(\t\x12\x11\n\trecord_id\x18\x04 \x01(\t\"\xb1\x02\n\x06\x41\x64vert\x12\x32\n\rcompatibility\x18\x01 \x01(\x0b\x32\x1b.dgr.shard.v1.Compatibility\x12\'\n\x05range\x18\x02 \x01(\x0b\x32\x18.dgr.shard.v1.LayerRange\x12(\n\x08\x63\x61pacity\x18\x03 \x01(\x0b\x32\x16.dgr.shard.v1.Capacity\x12 \n\x04load\x18\x04 \x01(\x0b\x32\x12.dgr.shard.v1.Load\x12$\n\x04seam\x18\x05 \x01(\x0b\x32\x16.dgr.shard.v1.SeamCost\x12$\n\x06health\x18\x06 \x01(\x0b\x32\x14.dgr.shard.v1.Health\x12\x32\n\rcertification\x18\x07 \x01(\x0b\x32\x1b.dgr.shard.v1.Certification\"c\n\x12OpenSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12*\n\x06\x65xpect\x18\x03 \x01(\x0b\x32\x1a.dgr.shard.v1.Expectations\"G\n\x10OpenSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x10\n\x08next_pos\x18\x03 \x01(\r\"8\n\x13\x43loseSessionRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"6\n\x11\x43loseSessionReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\"\x9d\x02\n\x0e\x46orwardRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12*\n\x06\x65xpect\x18\x04 \x01(\x0b\x32\x1a.dgr.shard.v1.Expectations\x12\x19\n\x11\x65xpected_next_pos\x18\x05 \x01(\r\x12\x15\n\tpositions\x18\x06 \x03(\rB\x02\x10\x01\x12\x15\n\ttoken_ids\x18\x07 \x03(\x05\x42\x02\x10\x01\x12&\n\x08\x62oundary\x18\x08 \x01(\x0b\x32\x14.dgr.shard.v1.Tensor\x12\x16\n\nlogit_rows\x18\t \x03(\rB\x02\x10\x01\x12\x12\n\ntimeout_ms\x18\n \x01(\r\x12\x11\n\tno_logits\x18\x0b \x01(\x08\"A\n\x07Timings\x12\x10\n\x08queue_us\x18\x01 \x01(\x04\x12\x12\n\ncompute_us\x18\x02 \x01(\x04\x12\x10\n\x08total_us\x18\x03 \x01(\x04\"\xc7\x01\n\x0c\x46orwardReply\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x0c\n\x04step\x18\x03 \x01(\x04\x12&\n\x04kind\x18\x04 \x01(\x0e\x32\x18.dgr.shard.v1.OutputKind\x12$\n\x06output\x18\x05 \x01(\x0b\x32\x14.dgr.shard.v1.Tensor\x12\x10\n\x08next_pos\x18\x06 \x01(\r\x12&\n\x07timings\x18\x07 \x01(\x0b\x32\x15.dgr.shard.v1.Timings*L\n\x05\x44Type\x12\x15\n\x11\x44TYPE_UNSPECIFIED\x10\x00\x12\r\n\tDTYPE_F32\x10\x01\x12\r\n\tDTYPE_F16\x10\x02\x12\x0e\n\nDTYPE_BF16\x10\x03*Z\n\nLaneStatus\x12\x1b\n\x17LANE_STATUS_UNSPECIFIED\x10\x00\x12\x14\n\x10LANE_STATUS_DARK\x10\x01\x12\x19\n\x15LANE_STATUS_CERTIFIED\x10\x02*\xa8\x01\n\rEvidenceClass\x12\x1e\n\x1a\x45VIDENCE_CLASS_UNSPECIFIED\x10\x00\x12\x1a\n\x16\x45VIDENCE_CLASS_FIXTURE\x10\x01\x12\x1d\n\x19\x45VIDENCE_CLASS_REAL_MODEL\x10\x02\x12 \n\x1c\x45VIDENCE_CLASS_REAL_HARDWARE\x10\x03\x12\x1a\n\x16\x45VIDENCE_CLASS_RELEASE\x10\x04*[\n\nOutputKind\x12\x1b\n\x17OUTPUT_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14OUTPUT_KIND_BOUNDARY\x10\x01\x12\x16\n\x12OUTPUT_KIND_LOGITS\x10\x02\x32\x81\x03\n\x05Shard\x12?\n\x08\x44\x65scribe\x12\x1d.dgr.shard.v1.DescribeRequest\x1a\x14.dgr.shard.v1.Advert\x12O\n\x0bOpenSession\x12 .dgr.shard.v1.OpenSessionRequest\x1a\x1e.dgr.shard.v1.OpenSessionReply\x12\x43\n\x07\x46orward\x12\x1c.dgr.shard.v1.ForwardRequest\x1a\x1a.dgr.shard.v1.ForwardReply\x12M\n\rForwardStream\x12\x1c.dgr.shard.v1.ForwardRequest\x1a\x1a.dgr.shard.v1.ForwardReply(\x01\x30\x01\x12R\n\x0c\x43loseSession\x12!.dgr.shard.v1.CloseSessionRequest\x1a\x1f.dgr.shard.v1.CloseSessionReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,14 +37,14 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_FORWARDREQUEST'].fields_by_name['token_ids']._serialized_options = b'\020\001'
   _globals['_FORWARDREQUEST'].fields_by_name['logit_rows']._loaded_options = None
   _globals['_FORWARDREQUEST'].fields_by_name['logit_rows']._serialized_options = b'\020\001'
-  _globals['_DTYPE']._serialized_start=2434
-  _globals['_DTYPE']._serialized_end=2510
-  _globals['_LANESTATUS']._serialized_start=2512
-  _globals['_LANESTATUS']._serialized_end=2602
-  _globals['_EVIDENCECLASS']._serialized_start=2605
-  _globals['_EVIDENCECLASS']._serialized_end=2773
-  _globals['_OUTPUTKIND']._serialized_start=2775
-  _globals['_OUTPUTKIND']._serialized_end=2866
+  _globals['_DTYPE']._serialized_start=2471
+  _globals['_DTYPE']._serialized_end=2547
+  _globals['_LANESTATUS']._serialized_start=2549
+  _globals['_LANESTATUS']._serialized_end=2639
+  _globals['_EVIDENCECLASS']._serialized_start=2642
+  _globals['_EVIDENCECLASS']._serialized_end=2810
+  _globals['_OUTPUTKIND']._serialized_start=2812
+  _globals['_OUTPUTKIND']._serialized_end=2903
   _globals['_TENSOR']._serialized_start=42
   _globals['_TENSOR']._serialized_end=115
   _globals['_EXPECTATIONS']._serialized_start=117
@@ -63,24 +63,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SEAMCOST']._serialized_end=1070
   _globals['_HEALTH']._serialized_start=1072
   _globals['_HEALTH']._serialized_end=1173
-  _globals['_CERTIFICATION']._serialized_start=1175
-  _globals['_CERTIFICATION']._serialized_end=1279
-  _globals['_ADVERT']._serialized_start=1282
-  _globals['_ADVERT']._serialized_end=1587
-  _globals['_OPENSESSIONREQUEST']._serialized_start=1589
-  _globals['_OPENSESSIONREQUEST']._serialized_end=1688
-  _globals['_OPENSESSIONREPLY']._serialized_start=1690
-  _globals['_OPENSESSIONREPLY']._serialized_end=1761
-  _globals['_CLOSESESSIONREQUEST']._serialized_start=1763
-  _globals['_CLOSESESSIONREQUEST']._serialized_end=1819
-  _globals['_CLOSESESSIONREPLY']._serialized_start=1821
-  _globals['_CLOSESESSIONREPLY']._serialized_end=1875
-  _globals['_FORWARDREQUEST']._serialized_start=1878
-  _globals['_FORWARDREQUEST']._serialized_end=2163
-  _globals['_TIMINGS']._serialized_start=2165
-  _globals['_TIMINGS']._serialized_end=2230
-  _globals['_FORWARDREPLY']._serialized_start=2233
-  _globals['_FORWARDREPLY']._serialized_end=2432
-  _globals['_SHARD']._serialized_start=2869
-  _globals['_SHARD']._serialized_end=3254
+  _globals['_CERTIFICATION']._serialized_start=1176
+  _globals['_CERTIFICATION']._serialized_end=1316
+  _globals['_ADVERT']._serialized_start=1319
+  _globals['_ADVERT']._serialized_end=1624
+  _globals['_OPENSESSIONREQUEST']._serialized_start=1626
+  _globals['_OPENSESSIONREQUEST']._serialized_end=1725
+  _globals['_OPENSESSIONREPLY']._serialized_start=1727
+  _globals['_OPENSESSIONREPLY']._serialized_end=1798
+  _globals['_CLOSESESSIONREQUEST']._serialized_start=1800
+  _globals['_CLOSESESSIONREQUEST']._serialized_end=1856
+  _globals['_CLOSESESSIONREPLY']._serialized_start=1858
+  _globals['_CLOSESESSIONREPLY']._serialized_end=1912
+  _globals['_FORWARDREQUEST']._serialized_start=1915
+  _globals['_FORWARDREQUEST']._serialized_end=2200
+  _globals['_TIMINGS']._serialized_start=2202
+  _globals['_TIMINGS']._serialized_end=2267
+  _globals['_FORWARDREPLY']._serialized_start=2270
+  _globals['_FORWARDREPLY']._serialized_end=2469
+  _globals['_SHARD']._serialized_start=2906
+  _globals['_SHARD']._serialized_end=3291
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,312 @@
+"""``dgr certify``: run the certification scenarios of one lane here and write its record.
+
+The lane is the model, this build, this machine's hardware class and the recipe; the evidence
+class is derived from facts (:mod:`~dgr_engine.certification.classify`), never chosen. Stage
+layouts come from the lock's stage counts and the model's layer count (a count above the
+layers is skipped: 10+ stages only where the model has the layers). Per layout, over real
+worker processes: route parity and relayed-chain parity against the whole model, each stage
+alone, and each shard's peak RSS; on the 2-stage layout, session isolation; on the lock's speed
+layouts, the useful-speed figures; on the 3-stage layout (else the last), a stage lost
+mid-decode. Progress goes to ``progress`` as it runs.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import attrs
+import numpy as np
+
+from dgr_engine.certification import scenarios
+from dgr_engine.certification.classify import derive_facts
+from dgr_engine.certification.gates import HOP_PARTS
+from dgr_engine.certification.lane import LaneKey
+from dgr_engine.certification.lock import Lock
+from dgr_engine.certification.record import (
+    EvidenceRecord,
+    Figure,
+    RecordKind,
+    Requirement,
+    Verdict,
+    write_record,
+)
+from dgr_engine.certification.scenarios import Layout, Reference
+from dgr_engine.chain import n_layer_of, split_points, whole_model_reference
+from dgr_engine.options import EngineOptions
+from dgr_engine.route_provider import LoopbackRouteProvider
+from dgr_engine.worker.identity import BuildIdentity
+
+_CHECKOUT = Path(__file__).resolve().parents[2]
+PROMPT_LEN = 12
+
+
+@attrs.frozen
+class CertifyResult:
+    """The record written, where, and how long the run took."""
+
+    record: EvidenceRecord
+    path: Path
+    seconds: float
+
+
+def layouts_for(n_layer: int, stage_counts: Sequence[int]) -> list[Layout]:
+    """Even layouts for each stage count the model has the layers for."""
+    return [tuple(split_points(n_layer, k)) for k in sorted(set(stage_counts)) if k <= n_layer]
+
+
+def git_commit() -> tuple[str, bool]:
+    """(dgr's commit, ``+dirty`` appended when the tree has changes; whether clean)."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", "-C", str(_CHECKOUT), *args], capture_output=True, text=True, timeout=20
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if head is None:
+        return "unknown", False
+    dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
+    return head + ("+dirty" if dirty else ""), not dirty
+
+
+def _arch_and_vocab(model: Path) -> tuple[str, int]:
+    from gguf import GGUFReader
+
+    reader = GGUFReader(model)
+    arch_field = reader.get_field("general.architecture")
+    arch = str(arch_field.contents()) if arch_field is not None else "?"
+    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
+    return arch, int(embd.shape[-1])
+
+
+def _machine(hardware: str) -> dict[str, str]:
+    return {
+        "hardware": hardware,
+        "cpus": str(os.cpu_count() or 0),
+        "os": platform.platform(),
+        "python": platform.python_version(),
+    }
+
+
+def _prompts(n: int, n_vocab: int) -> tuple[tuple[int, ...], ...]:
+    rng = np.random.default_rng(11)
+    return tuple(tuple(int(t) for t in rng.integers(0, n_vocab, PROMPT_LEN)) for _ in range(n))
+
+
+def lane_of(model: str | os.PathLike[str], options: EngineOptions) -> LaneKey:
+    """The lane ``model`` served with ``options`` has on this machine and build."""
+    build = BuildIdentity.of_model(model)
+    arch, _ = _arch_and_vocab(Path(model))
+    return build.lane_key(
+        arch=arch, n_layer=n_layer_of(model), context_per_session=options.n_ctx_per_session
+    )
+
+
+async def certify(
+    model: str | os.PathLike[str],
+    *,
+    options: EngineOptions,
+    lock: Lock,
+    evidence_dir: str | os.PathLike[str],
+    command: Sequence[str],
+    progress: Callable[[str], None] = lambda _text: None,
+) -> CertifyResult:
+    """Certify the lane of ``model`` with ``options`` on this machine; write the record."""
+    began = time.perf_counter()
+    started = dt.datetime.now(dt.UTC)
+    model = Path(model).resolve()
+    lock.require_committed()
+    lock.admit(lock.sha256, started, path=None)  # refuses before work that could not count
+    build = BuildIdentity.of_model(model)
+    arch, n_vocab = _arch_and_vocab(model)
+    n_layer = n_layer_of(model)
+    lane = build.lane_key(arch=arch, n_layer=n_layer, context_per_session=options.n_ctx_per_session)
+    commit, clean = git_commit()
+    facts = derive_facts(lane, fixture_mark=build.fixture_mark, lock=lock, clean_tree=clean)
+    evidence = facts.evidence_class  # UnclassifiableModel before anything runs
+    limits = lock.thresholds
+    layouts = layouts_for(n_layer, limits.layout_stage_counts)
+    failure_layout = next((lay for lay in layouts if len(lay) == 3), layouts[-1])
+    lose_stage = 1 if len(failure_layout) >= 3 else len(failure_layout) - 1
+    progress(
+        f"lane {lane.lane_id[:12]} ({arch}, {n_layer} layers, {evidence.value} evidence: "
+        f"{'fixture mark ' + repr(facts.fixture_mark) if facts.fixture_mark else facts.real_model})"
+    )
+    progress(f"layouts: {', '.join(f'{len(lay)} stages' for lay in layouts)}")
+
+    prompts = _prompts(limits.isolation_sessions, n_vocab)
+    ref = await _reference(model, prompts, limits.isolation_tokens, options)
+    progress(f"whole-model reference: {len(prompts)} prompts x {limits.isolation_tokens} tokens")
+
+    figures: list[Figure] = []
+    parity_notes: list[str] = []
+    stage_notes: list[str] = []
+    rss_notes: list[str] = []
+    decode_notes: list[str] = []
+    prefill_notes: list[str] = []
+    parity_ok = stage_ok = rss_ok = True
+    decode_ok = prefill_ok = True
+    isolation: scenarios.Outcome | None = None
+    failure: scenarios.Outcome | None = None
+    shares: dict[str, float] | None = None
+    speed_prompt = list(np.resize(np.asarray(prompts[0]), limits.speed.prefill_tokens))
+    with tempfile.TemporaryDirectory(prefix="dgr-certify-") as empty:
+        for index, layout in enumerate(layouts):
+            text = scenarios._layout_text(layout)
+            progress(f"[{index + 1}/{len(layouts)}] {len(layout)} stages {text}: starting workers")
+            spares = [layout[lose_stage]] if layout == failure_layout else []
+            provider = LoopbackRouteProvider(
+                model,
+                layout,
+                spares=spares,
+                options=options,
+                worker_args=["--evidence", empty],
+            )
+            try:
+                await provider.start()
+                results = await scenarios.run_sessions(
+                    provider,
+                    evidence,
+                    ref.prompts[:1],
+                    limits.isolation_tokens,
+                    deadline=limits.step_deadline_seconds,
+                )
+                if scenarios.compare(results, ref, [0]):
+                    parity_ok = False
+                    parity_notes.append(f"{len(layout)} stages: route tokens differ")
+                chain_ok, alone_ok, note, sizes = await scenarios.stage_checks(
+                    provider, model, layout, options, ref, f"certify-{index}"
+                )
+                parity_ok &= chain_ok
+                stage_ok &= alone_ok
+                if note:
+                    (parity_notes if not chain_ok else stage_notes).append(
+                        f"{len(layout)} stages: {note}"
+                    )
+                progress(
+                    f"      parity {'bit-exact' if chain_ok and not results[0].error else 'FAILED'}"
+                    f", each stage alone {'bit-exact' if alone_ok else 'FAILED'}"
+                )
+                if len(layout) in limits.speed.stage_counts:
+                    measured = await scenarios.speed(
+                        provider, evidence, model, options, speed_prompt, limits, len(layout)
+                    )
+                    figures += measured.figures
+                    if shares is None:
+                        shares = measured.shares
+                    decode_ok &= measured.decode_ratio >= limits.speed.decode_ratio_min
+                    prefill_ok &= measured.prefill_ratio >= limits.speed.prefill_ratio_min
+                    decode_notes.append(f"{len(layout)} stages {measured.decode_ratio:.2f}")
+                    prefill_notes.append(f"{len(layout)} stages {measured.prefill_ratio:.2f}")
+                    progress(
+                        f"      speed (whole/route): decode {measured.decode_ratio:.2f}, "
+                        f"prefill {measured.prefill_ratio:.2f}"
+                    )
+                if len(layout) == 2 or (isolation is None and index == len(layouts) - 1):
+                    isolation = await scenarios.isolation(provider, evidence, ref, limits)
+                    figures += isolation.figures
+                    progress(f"      isolation: {isolation.requirement.verdict.value}")
+                rss_figures, ok, note = scenarios.resources(provider, layout, sizes, limits)
+                figures += rss_figures
+                rss_ok &= ok
+                if note:
+                    rss_notes.append(f"{len(layout)} stages: {note}")
+                if layout == failure_layout:
+                    failure = await scenarios.bounded_failure(
+                        provider, evidence, ref, limits, lose_stage
+                    )
+                    figures += failure.figures
+                    progress(f"      stage lost mid-decode: {failure.requirement.detail}")
+            finally:
+                await provider.aclose()
+    assert isolation is not None and failure is not None
+    if shares is not None:
+        figures += [Figure(f"hop.{p}_share", shares[p], "share", "decode") for p in HOP_PARTS]
+    seconds = time.perf_counter() - began
+    figures.append(Figure("certify.seconds", seconds, "s", ""))
+    n_text = ", ".join(str(len(lay)) for lay in layouts)
+    requirements = [
+        _req(
+            "parity.layouts",
+            parity_ok,
+            f"{n_text} stages: tokens and logits bit-exact against the whole model"
+            if parity_ok
+            else "; ".join(parity_notes),
+        ),
+        _req(
+            "execution.per_stage",
+            stage_ok,
+            "every stage of every layout alone bit-exact against its in-process range"
+            if stage_ok
+            else "; ".join(stage_notes),
+        ),
+        isolation.requirement,
+        failure.requirement,
+        _req(
+            "resources.rss",
+            rss_ok,
+            f"peak RSS <= {limits.rss_factor:g} x (weights + KV) + {limits.rss_slack_mib:g} MiB"
+            if rss_ok
+            else "; ".join(rss_notes),
+        ),
+        _req(
+            "speed.decode",
+            decode_ok,
+            f"whole/route >= {limits.speed.decode_ratio_min:g}: {', '.join(decode_notes)}",
+        ),
+        _req(
+            "speed.prefill",
+            prefill_ok,
+            f"whole/route >= {limits.speed.prefill_ratio_min:g}: {', '.join(prefill_notes)}",
+        ),
+        Requirement(
+            "speed.vs_rpc",
+            Verdict.NOT_MEASURED,
+            "llama.cpp RPC with the same split is not built in this workspace",
+        ),
+        _req("mtp.off", True, "MTP off: no shard loads or runs MTP/nextn layers"),
+    ]
+    record = EvidenceRecord(
+        kind=RecordKind.CERTIFICATION,
+        lane=lane,
+        lock_sha256=lock.sha256,
+        facts=facts,
+        family="v4" if arch == "deepseek4" else "dense",
+        command=tuple(command),
+        dgr_commit=commit,
+        machine=_machine(lane.hardware),
+        started_at=started,
+        ended_at=dt.datetime.now(dt.UTC),
+        figures=tuple(figures),
+        requirements=tuple(requirements),
+    )
+    path = write_record(record, evidence_dir)
+    return CertifyResult(record, path, seconds)
+
+
+def _req(rid: str, ok: bool, detail: str) -> Requirement:
+    return Requirement(rid, Verdict.PASS if ok else Verdict.FAIL, detail)
+
+
+async def _reference(
+    model: Path, prompts: Sequence[Sequence[int]], n_tokens: int, options: EngineOptions
+) -> Reference:
+    import asyncio
+
+    runs = await asyncio.to_thread(whole_model_reference, model, prompts, n_tokens, options)
+    return Reference(
+        prompts=tuple(tuple(p) for p in prompts),
+        tokens=tuple(tuple(tokens) for tokens, _ in runs),
+        logits=tuple(tuple(logits) for _, logits in runs),
+    )

@@ -1,0 +1,113 @@
+"""A lane, exactly: backend x build x hardware class x model identity x recipe.
+
+Two lanes are equal only when every part is; the lane id is the SHA-256 of the lane's
+canonical JSON (sorted keys, no spaces), so it is stable across runs and across machines of the
+same hardware class. Stage layouts are not part of a lane: the 2-4 and 10+ stage layouts are
+certification scenarios (``docs/certification.md``), never product constants, so a certified
+lane covers any contiguous layer range of its model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from dgr_engine.certification.errors import EvidenceInvalid
+
+
+def _tuple(values: Any) -> tuple[str, ...]:
+    return tuple(values)
+
+
+@attrs.frozen
+class LaneKey:
+    """Every part of a lane. Field order is the canonical order of the docs, not of the hash
+    (the canonical JSON sorts keys)."""
+
+    backend: str
+    """``"cpu"`` (built here), ``"cuda"``, ``"rocm"``, ``"vulkan"``, ``"metal"``."""
+    llama_cpp_commit: str
+    """Exact llama.cpp commit of the build."""
+    patch_stack_sha256: str
+    """Hex SHA-256 of the applied patch stack."""
+    dgr_version: str
+    """dgr's version."""
+    build_flags: str
+    """The cmake options of the build (``KEY=VALUE;...``)."""
+    system_info: str
+    """What ggml was compiled to use (instruction sets, OpenMP), from the build itself."""
+    hardware: str
+    """Hardware class (:func:`~dgr_engine.certification.hardware.hardware_fingerprint`)."""
+    model_sha256: str
+    """Hex content hash of the GGUF (or of a split manifest)."""
+    arch: str
+    """GGUF architecture."""
+    n_layer: int
+    """Main layers of the model."""
+    quant_types: tuple[str, ...] = attrs.field(converter=_tuple)
+    """Tensor types present in the GGUF, sorted."""
+    kv_type: str
+    """KV cache element type."""
+    flash_attn: str
+    """Flash-attention mode (``on``, ``off``, ``auto``)."""
+    context_per_session: int
+    """KV positions per session."""
+    placement: str
+    """Where the layers run (``"cpu"``: every owned layer on the CPU backend)."""
+
+    def canonical(self) -> dict[str, Any]:
+        """The lane as a JSON-ready mapping (lists for tuples)."""
+        out = attrs.asdict(self)
+        out["quant_types"] = list(self.quant_types)
+        return out
+
+    @property
+    def lane_id(self) -> str:
+        """SHA-256 (hex) of the canonical JSON."""
+        return canonical_sha256(self.canonical())
+
+    def differences(self, other: LaneKey) -> list[str]:
+        """Names of the parts in which ``other`` differs from this lane (empty: equal)."""
+        mine, theirs = self.canonical(), other.canonical()
+        return [name for name in mine if mine[name] != theirs[name]]
+
+    @classmethod
+    def from_canonical(cls, data: Any, *, where: str = "lane") -> LaneKey:
+        """The lane of a canonical mapping; :class:`EvidenceInvalid` naming the field that is
+        missing, unknown or of the wrong type."""
+        if not isinstance(data, Mapping):
+            raise EvidenceInvalid(f"{where}: not an object", field=where)
+        fields = {a.name: a for a in attrs.fields(cls)}
+        for name in data.keys() - fields.keys():
+            raise EvidenceInvalid(f"{where}.{name}: unknown field", field=f"{where}.{name}")
+        values: dict[str, Any] = {}
+        for name in fields:
+            if name not in data:
+                raise EvidenceInvalid(f"{where}.{name}: missing", field=f"{where}.{name}")
+            value = data[name]
+            if name == "quant_types":
+                ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+            elif name in ("n_layer", "context_per_session"):
+                ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            else:
+                ok = isinstance(value, str)
+            if not ok:
+                raise EvidenceInvalid(
+                    f"{where}.{name}: wrong type or value {value!r}", field=f"{where}.{name}"
+                )
+            values[name] = value
+        return cls(**values)
+
+
+def canonical_json(data: Any) -> str:
+    """JSON with sorted keys and no insignificant whitespace (what hashes are taken of)."""
+    return json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def canonical_sha256(data: Any) -> str:
+    """Hex SHA-256 of :func:`canonical_json`."""
+    return hashlib.sha256(canonical_json(data).encode()).hexdigest()

@@ -1,0 +1,128 @@
+"""Certify a lane on this machine: run its scenarios over real workers, write its record.
+
+The lane is the model (--model or --fixture), this build, this machine's hardware class and
+the recipe (the engine options below; the context per session is part of the lane). The
+evidence class is derived from facts: a generated fixture gives fixture evidence, whatever
+anyone claims. The record goes to EVIDENCE/<class>/<lane-id>/<record-id>.json. With --reuse,
+a passing record of exactly this lane under this lock is reused instead of running again.
+
+Exit status: 0 when every correctness requirement passed (parity, per-stage execution,
+isolation, bounded failure, resources; speed is reported, and judged by 'dgr gate'), 1 when
+one failed, 2 when nothing could be certified (no lock, an unclassifiable model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+import time
+from pathlib import Path
+
+from dgr_engine.cli._logs import log_to_stderr
+from dgr_engine.cli._signals import sigterm_as_interrupt
+from dgr_engine.options import EngineOptions
+
+CERTIFY_OPTIONS = {"n_threads": 1, "n_ctx_per_session": 256, "n_batch": 64, "max_sessions": 8}
+"""Engine options of ``dgr certify`` and ``dgr demo`` by default (so the demo's lane is the
+lane certified by default)."""
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    model = p.add_mutually_exclusive_group(required=True)
+    model.add_argument("--model", type=Path, help="the GGUF file")
+    model.add_argument("--fixture", help="a generated fixture by name (built if missing)")
+    EngineOptions.add_arguments(p, **CERTIFY_OPTIONS)
+    p.add_argument(
+        "--evidence",
+        type=Path,
+        default=None,
+        help="evidence directory (default: $DGR_EVIDENCE_DIR, else the checkout's evidence/)",
+    )
+    p.add_argument("--lock", type=Path, default=None, help="the lock (default: the repo's)")
+    p.add_argument(
+        "--reuse",
+        action="store_true",
+        help="reuse a passing record of exactly this lane under this lock if there is one",
+    )
+    p.add_argument("--verbose", action="store_true", help="log to stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dgr_engine.certification.errors import EvidenceError
+    from dgr_engine.certification.lock import load_lock
+    from dgr_engine.certification.record import default_evidence_dir
+    from dgr_engine.fixtures import ensure_fixture
+
+    if args.verbose:
+        log_to_stderr("INFO")
+    try:
+        lock = load_lock(args.lock)
+        model = args.model if args.model is not None else ensure_fixture(args.fixture)
+    except (EvidenceError, ValueError, OSError) as exc:
+        print(f"dgr certify: {exc}", file=sys.stderr)
+        return 2
+    evidence = args.evidence if args.evidence is not None else default_evidence_dir()
+    options = EngineOptions.from_args(args)
+    try:
+        with sigterm_as_interrupt():
+            return asyncio.run(certify_or_reuse(model, options, lock, evidence, args.reuse))
+    except KeyboardInterrupt:
+        print("interrupted: every worker stopped, no record written", file=sys.stderr)
+        return 130
+    except EvidenceError as exc:
+        print(f"dgr certify: {exc}", file=sys.stderr)
+        return 2
+
+
+async def certify_or_reuse(
+    model: Path, options: EngineOptions, lock: object, evidence: Path, reuse: bool
+) -> int:
+    """Reuse a matching passing record (with ``reuse``) or certify; print the outcome."""
+    from dgr_engine.certification.certify import certify
+    from dgr_engine.certification.gates import CORRECTNESS
+    from dgr_engine.certification.lock import Lock
+    from dgr_engine.certification.record import Verdict
+
+    assert isinstance(lock, Lock)
+    if reuse:
+        found = await asyncio.to_thread(matching_record, model, options, lock, evidence)
+        if found is not None:
+            print(f"reusing record {found} (same lane, same lock)", flush=True)
+            return 0
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+
+    began = time.perf_counter()
+    argv = ["dgr", "certify", "--model", str(model), *options.worker_argv()]
+    result = await certify(
+        model, options=options, lock=lock, evidence_dir=evidence, command=argv, progress=say
+    )
+    record = result.record
+    say(
+        f"record {result.path} ({record.evidence_class.value} evidence), "
+        f"{time.perf_counter() - began:.1f} s"
+    )
+    failed = []
+    for req in record.requirements:
+        say(f"  {req.verdict.value:<12} {req.id}: {req.detail}")
+        if req.id in CORRECTNESS and req.verdict is not Verdict.PASS:
+            failed.append(req.id)
+    return 1 if failed else 0
+
+
+def matching_record(
+    model: Path, options: EngineOptions, lock: object, evidence: Path
+) -> str | None:
+    """Path of a passing record of exactly the lane ``model`` + ``options`` has here."""
+    from dgr_engine.certification.certify import lane_of
+    from dgr_engine.certification.lock import Lock
+    from dgr_engine.certification.registry import find_certification
+
+    assert isinstance(lock, Lock)
+    lane = lane_of(model, options)
+    found = find_certification(lane, evidence, lock=lock)
+    if found.certification is None:
+        return None
+    return str(found.certification.path)
