@@ -49,8 +49,8 @@ import json
 import os
 import statistics
 import struct
+import subprocess
 import time
-import warnings
 import zlib
 from functools import partial
 from pathlib import Path
@@ -65,9 +65,10 @@ from dgr_engine.chain import split_points  # noqa: E402
 from dgr_engine.engine import ShardEngine  # noqa: E402
 from dgr_engine.fixtures import ensure_fixture, lookup  # noqa: E402
 from dgr_engine.options import EngineOptions  # noqa: E402
+from dgr_engine.processes import dgr_command  # noqa: E402
 from dgr_engine.route_provider import LoopbackRouteProvider  # noqa: E402
 from dgr_engine.stage_transport import ForwardRecord, GrpcStageTransport  # noqa: E402
-from dgr_session import DarkLaneWarning, FailurePolicy, SessionManager  # noqa: E402
+from dgr_session import EvidenceClass, FailurePolicy, SessionManager  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -183,7 +184,7 @@ class RouteBench:
         self.transport = GrpcStageTransport(timeout=60.0, observer=self._observe)
         policy = FailurePolicy(step_deadline=60.0, session_deadline=600.0)
         self.manager = SessionManager(
-            self.transport, self.provider, policy=policy, allow_dark_lanes=True
+            self.transport, self.provider, policy=policy, required_evidence=EvidenceClass.FIXTURE
         )
         self._runs = 0
 
@@ -204,15 +205,13 @@ class RouteBench:
         self._records.clear()
         times: list[float] = []
         self._runs += 1
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DarkLaneWarning)
-            handle = self.manager.start(
-                prompt,
-                max_new_tokens=n_decode + 1,
-                session_id=f"bench-{self.stages}-{self._runs}",
-                on_token=partial(_stamp, times),
-            )
-            result = await handle.wait()
+        handle = self.manager.start(
+            prompt,
+            max_new_tokens=n_decode + 1,
+            session_id=f"bench-{self.stages}-{self._runs}",
+            on_token=partial(_stamp, times),
+        )
+        result = await handle.wait()
         if result.error is not None:
             raise result.error
         prefill = [(t, r) for t, r in self._records if r.positions.start == 0]
@@ -416,6 +415,14 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.decode} decode steps, median of {args.repeats} interleaved rounds"
     )
 
+    # dark lanes are unroutable: the fixture lane of these options is certified first (its
+    # record reused when one of exactly this lane exists); the routes require fixture evidence
+    certify = attrs.evolve(options, max_sessions=8)  # the isolation scenario's sessions
+    subprocess.run(
+        [dgr_command(), "certify", "--fixture", args.fixture, "--reuse", *certify.worker_argv()],
+        check=True,
+        timeout=1800,
+    )
     layouts = {n: split_points(spec.n_layer, n) for n in args.stages}
     whole_runs, route_runs = asyncio.run(
         interleaved_rounds(path, layouts, prompt, args.decode, args.repeats, options)

@@ -1,6 +1,9 @@
 """How tracker code uses dgr as a library: workers, adverts, its own routing, billing.
 
-Run: ``.venv/bin/python examples/tracker.py``. Starts four ``dgr worker`` processes on 127.0.0.1
+Run: ``.venv/bin/python examples/tracker.py``. First the provider's side: the fixture lane is
+certified on this machine (``dgr certify --reuse``: a record of exactly this lane, reused when
+one exists), so its workers advertise ``certified`` with fixture evidence. Then four
+``dgr worker`` processes on 127.0.0.1
 (two layouts of the generated 4-layer fixture, so there is a choice: [0,2)+[2,4) and
 [0,1)+[1,4)), reads every worker's advert, and routes with the tracker's OWN route provider
 (below): dgr supplies the inputs, the routing policy is the tracker's. Three sessions run over
@@ -12,18 +15,18 @@ counters are printed as a bill. Every worker is stopped at the end, also on an e
 from __future__ import annotations
 
 import asyncio
-import warnings
+import subprocess
 
 from dgr_engine.chain import whole_model_greedy
 from dgr_engine.client import ShardClient
 from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.options import EngineOptions
-from dgr_engine.processes import WorkerProcess
+from dgr_engine.processes import WorkerProcess, dgr_command
 from dgr_engine.route_provider import describe
 from dgr_engine.stage_transport import GrpcStageTransport
 from dgr_engine.wire.advert import Advert
 from dgr_session import (
-    DarkLaneWarning,
+    EvidenceClass,
     FailurePolicy,
     FailureReport,
     ModelIdentity,
@@ -32,7 +35,10 @@ from dgr_session import (
 )
 
 PATH = ensure_fixture("tiny-llama")  # a generated GGUF: fixture evidence only
-OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=128, n_batch=32, max_sessions=4)
+OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=32, max_sessions=4)
+# The model is a generated fixture: its lanes can hold fixture evidence at most. A production
+# tracker leaves required_evidence at its default, real-hardware.
+REQUIRED = EvidenceClass.FIXTURE
 RANGES = [(0, 2), (2, 4), (0, 1), (1, 4)]
 PROMPTS = [[1, 17, 42, 99, 7, 64], [5, 8, 13, 21, 34], [250, 3, 77, 12, 9, 200, 31]]
 N_NEW = 12
@@ -70,9 +76,12 @@ class CheapestRoute:
         pool = {
             e: a
             for e, a in pool.items()
-            # the model asked for (validate_route checks the rest: recipe, build, widths, cover);
-            # a production tracker also requires a.lane.certified
-            if a.identity == self.model and a.capacity.sessions_open < a.capacity.sessions_max
+            # the model asked for, certified at the class the route needs (validate_route checks
+            # it all again: recipe, build, widths, cover, certification)
+            if a.identity == self.model
+            and a.lane.evidence is not None
+            and a.lane.evidence.satisfies(REQUIRED)
+            and a.capacity.sessions_open < a.capacity.sessions_max
         }
 
         def chains(layer: int) -> list[list[str]]:  # every way to cover [layer, n_layer)
@@ -104,7 +113,8 @@ async def read_adverts(endpoints: list[str]) -> dict[str, Advert]:
             f"{a.identity.content_hash.hex()[:12]} slots {a.capacity.sessions_open}/"
             f"{a.capacity.sessions_max} in flight {a.load.in_flight} seam "
             f"{a.seam.bytes_per_token_in}/{a.seam.bytes_per_token_out} B/token errors "
-            f"{a.health.recent_errors} lane {a.lane.certification.value}"
+            f"{a.health.recent_errors} lane {a.lane.certification.value} "
+            f"({a.lane.evidence.value if a.lane.evidence else 'no'} evidence)"
         )
     return adverts
 
@@ -122,23 +132,18 @@ async def track(workers: dict[str, WorkerProcess]) -> None:
             print(f"  SIGKILL {killed[0]} mid-decode")
             workers[killed[0]].kill()
 
-    # Fixture lanes are dark (uncertified): validation refuses them unless the caller opts in
-    # with allow_dark_lanes=True, which warns (DarkLaneWarning) for every route it accepts. A
-    # fixture/dev mode only, as `dgr generate` uses it; a production tracker routes certified
-    # lanes and leaves both alone.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DarkLaneWarning)
-        async with GrpcStageTransport(timeout=10.0) as transport:
-            async with SessionManager(
-                transport, provider, policy=policy, allow_dark_lanes=True
-            ) as manager:
-                hooks = [on_token, None, None]
-                handles = [
-                    manager.start(p, max_new_tokens=N_NEW, session_id=f"s{i}", on_token=hook)
-                    for i, (p, hook) in enumerate(zip(PROMPTS, hooks, strict=True))
-                ]
-                results = [await h.wait() for h in handles]
-            stats = transport.stats()
+    # Dark lanes are never routable; the sessions require the class this model can have.
+    async with GrpcStageTransport(timeout=10.0) as transport:
+        async with SessionManager(
+            transport, provider, policy=policy, required_evidence=REQUIRED
+        ) as manager:
+            hooks = [on_token, None, None]
+            handles = [
+                manager.start(p, max_new_tokens=N_NEW, session_id=f"s{i}", on_token=hook)
+                for i, (p, hook) in enumerate(zip(PROMPTS, hooks, strict=True))
+            ]
+            results = [await h.wait() for h in handles]
+        stats = transport.stats()
     for endpoint in workers.keys() - set(killed):  # every stage closed what it opened
         assert (await describe(endpoint)).capacity.sessions_open == 0
 
@@ -157,6 +162,12 @@ async def track(workers: dict[str, WorkerProcess]) -> None:
 
 
 def main() -> None:
+    # The provider's side, before it advertises: certify the lane (or reuse its record).
+    subprocess.run(
+        [dgr_command(), "certify", "--fixture", "tiny-llama", "--reuse", *OPTIONS.worker_argv()],
+        check=True,
+        timeout=600,
+    )
     workers: dict[str, WorkerProcess] = {}
     try:
         for layers in RANGES:  # spawn returns once the worker printed LISTENING 127.0.0.1:PORT

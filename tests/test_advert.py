@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import warnings
 from pathlib import Path
 
 import attrs
@@ -24,7 +23,7 @@ from dgr_engine.wire.advert import (
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.worker import identity as ident
 from dgr_engine.worker.load import LoadMeter
-from dgr_session.errors import DarkLane, DarkLaneWarning
+from dgr_session.errors import DarkLane, InsufficientEvidence
 from dgr_session.identity import CertificationStatus, EvidenceClass, Lane, ModelIdentity, Recipe
 from dgr_session.route import Route, validate_route
 
@@ -40,7 +39,8 @@ def advert(begin: int, end: int, n_layer: int = 4, width: int = 64, **lane_kw: o
         "dgr_version": "0.1.0",
         "hardware": "x86_64",
         "certification": CertificationStatus.DARK,
-        "evidence": EvidenceClass.FIXTURE,
+        "evidence": None,
+        "lane_id": "ab" * 32,
     }
     lane_args.update(lane_kw)
     return Advert(
@@ -75,7 +75,14 @@ def test_advert_round_trips(
     certified: bool,
 ) -> None:
     status = CertificationStatus.CERTIFIED if certified else CertificationStatus.DARK
-    a = advert(begin, begin + n, n_layer=43, certification=status, evidence=evidence)
+    a = advert(
+        begin,
+        begin + n,
+        n_layer=43,
+        certification=status,
+        evidence=evidence if certified else None,  # a dark lane names no evidence
+        record_id="ef" * 32 if certified else "",
+    )
     a = attrs.evolve(
         a,
         identity=attrs.evolve(a.identity, official_target_sha=sha),
@@ -100,11 +107,37 @@ def test_adverts_build_a_route_that_validates() -> None:
     route = Route([a.stage_spec(f"127.0.0.1:{5000 + i}") for i, a in enumerate(stages)])
     assert [s.boundary_in for s in route.stages] == [0, 64, 64]
     assert [s.boundary_out for s in route.stages] == [64, 64, 0]
-    with pytest.raises(DarkLane):  # fixture evidence on a dark lane is never routable by default
-        validate_route(route)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DarkLaneWarning)
-        assert validate_route(route, allow_dark_lanes=True) is route
+    for required in EvidenceClass:  # a dark lane is never routable, whatever is required
+        with pytest.raises(DarkLane, match="is dark"):
+            validate_route(route, required_evidence=required)
+    stages = [
+        advert(
+            a,
+            b,
+            certification=CertificationStatus.CERTIFIED,
+            evidence=EvidenceClass.FIXTURE,
+            record_id="cd" * 32,
+        )
+        for a, b in ((0, 1), (1, 3), (3, 4))
+    ]
+    route = Route([a.stage_spec(f"127.0.0.1:{5000 + i}") for i, a in enumerate(stages)])
+    assert validate_route(route, required_evidence=EvidenceClass.FIXTURE) is route
+    with pytest.raises(InsufficientEvidence, match="requires real-hardware") as refused:
+        validate_route(route)  # the default is real-hardware
+    assert refused.value.stage_index == 0 and refused.value.endpoint == "127.0.0.1:5000"
+
+
+def test_a_certified_lane_round_trips_with_its_record() -> None:
+    a = advert(
+        0,
+        4,
+        certification=CertificationStatus.CERTIFIED,
+        evidence=EvidenceClass.FIXTURE,
+        record_id="cd" * 32,
+    )
+    back = advert_from_proto(pb.Advert.FromString(advert_to_proto(a).SerializeToString()))
+    assert back == a
+    assert (back.lane.lane_id, back.lane.record_id) == ("ab" * 32, "cd" * 32)
 
 
 # --- what the advert is computed from ----------------------------------------------------------

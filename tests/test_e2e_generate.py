@@ -16,7 +16,7 @@ from dgr_engine.cli.generate import DEFAULT_PROMPT
 from dgr_engine.options import EngineOptions
 from dgr_engine.processes import WorkerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("certified_fixtures")]
 
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=4)
@@ -46,22 +46,59 @@ def workers(tiny_llama: Path) -> Iterator[list[WorkerProcess]]:
 
 def test_generate_over_given_endpoints(workers: list[WorkerProcess], tiny_llama: Path) -> None:
     endpoints = ",".join(w.address for w in workers)
-    done = dgr("generate", "--endpoints", endpoints, "-n", "10", "--allow-dark-lanes", "--json")
+    done = dgr("generate", "--endpoints", endpoints, "-n", "10", "--require", "fixture", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["tokens"] == whole_model_greedy(tiny_llama, [DEFAULT_PROMPT], 10, OPTIONS)[0]
     assert (report["state"], report["epoch"], report["route_changes"]) == ("done", 1, 0)
     assert [s["layers"] for s in report["stages"]] == [[0, 3], [3, 4]]
 
-    # fixture lanes are dark: without the explicit opt-in the route is refused, typed
+    # the lanes hold fixture evidence only: a route that requires more (the default,
+    # real-hardware) is refused, typed, naming the stage and what it lacks
     refused = dgr("generate", "--endpoints", endpoints, "-n", "4", "--step-deadline", "5")
     assert refused.returncode == 1
-    assert "failed:" in refused.stderr and "dark" in refused.stderr
+    assert "failed:" in refused.stderr
+    assert "certified with fixture evidence" in refused.stderr
+    assert "requires real-hardware" in refused.stderr
+    assert "dgr certify" in refused.stderr
 
 
 def test_generate_over_spawned_workers_checks_the_whole_model() -> None:
-    done = dgr("generate", "--spawn", "3", "--fixture", "tiny-llama", "-n", "12", "--check")
+    done = dgr(
+        "generate",
+        "--spawn",
+        "3",
+        "--fixture",
+        "tiny-llama",
+        "-n",
+        "12",
+        "--check",
+        "--require",
+        "fixture",
+    )
     assert done.returncode == 0, done.stderr
     assert len(done.stdout.split()) == 12
     assert "whole-model equal: True" in done.stderr
     assert done.stderr.count("forwards 12") == 3
+
+
+def test_generate_over_dark_workers_is_refused(tmp_path: Path) -> None:
+    # no record of this lane in an empty evidence directory: the spawned workers are dark and
+    # no class of evidence makes them routable
+    done = dgr(
+        "generate",
+        "--spawn",
+        "2",
+        "--fixture",
+        "tiny-llama",
+        "-n",
+        "4",
+        "--require",
+        "fixture",
+        "--evidence",
+        str(tmp_path),
+        "--step-deadline",
+        "5",
+    )
+    assert done.returncode == 1
+    assert "is dark: no certification record matches it" in done.stderr

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import warnings
 from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,7 +24,7 @@ from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import LoopbackRouteProvider
 from dgr_engine.stage_transport import GrpcStageTransport
 from dgr_session import (
-    DarkLaneWarning,
+    EvidenceClass,
     FailurePolicy,
     FaultKind,
     NoRouteAvailable,
@@ -35,7 +34,7 @@ from dgr_session import (
     SessionState,
 )
 
-pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore::dgr_session.DarkLaneWarning")]
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("certified_fixtures")]
 
 T = TypeVar("T")
 N_TOKENS = 16
@@ -111,24 +110,24 @@ async def drive(
 
     await provider.start()
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DarkLaneWarning)
-            transport = GrpcStageTransport(timeout=call_timeout, close_timeout=close_timeout)
-            async with transport:
-                manager = SessionManager(transport, provider, policy=policy, allow_dark_lanes=True)
-                for i, prompt in enumerate(prompts):
-                    handles.append(
-                        manager.start(
-                            prompt,
-                            max_new_tokens=N_TOKENS,
-                            session_id=f"e2e-{i}",
-                            on_token=on_token if i == 0 else None,
-                            sampler=recorders[i],
-                        )
+        transport = GrpcStageTransport(timeout=call_timeout, close_timeout=close_timeout)
+        async with transport:
+            manager = SessionManager(
+                transport, provider, policy=policy, required_evidence=EvidenceClass.FIXTURE
+            )
+            for i, prompt in enumerate(prompts):
+                handles.append(
+                    manager.start(
+                        prompt,
+                        max_new_tokens=N_TOKENS,
+                        session_id=f"e2e-{i}",
+                        on_token=on_token if i == 0 else None,
+                        sampler=recorders[i],
                     )
-                results = [await h.wait() for h in handles]
-                await manager.aclose()
-                stats = transport.stats()
+                )
+            results = [await h.wait() for h in handles]
+            await manager.aclose()
+            stats = transport.stats()
     finally:
         await provider.aclose()
     return Outcome(results, handles, recorders, provider, stats, marks)

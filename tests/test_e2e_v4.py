@@ -10,7 +10,6 @@ every wait bounded; every process stopped in teardown.
 from __future__ import annotations
 
 import asyncio
-import warnings
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,7 +24,7 @@ from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import LoopbackRouteProvider
 from dgr_engine.stage_transport import GrpcStageTransport, StageStats
 from dgr_session import (
-    DarkLaneWarning,
+    EvidenceClass,
     FailurePolicy,
     FaultKind,
     SessionHandle,
@@ -34,7 +33,7 @@ from dgr_session import (
     SessionState,
 )
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("certified_fixtures")]
 
 T = TypeVar("T")
 _SPEC = FIXTURES["tiny-v4"]
@@ -81,25 +80,26 @@ def test_v4_route_over_grpc_survives_a_killed_hash_layer_stage(tiny_v4: Path) ->
     async def scenario() -> tuple[list[SessionResult], dict[str, StageStats]]:
         await provider.start()
         try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore", DarkLaneWarning)
-                async with GrpcStageTransport(timeout=10.0) as transport:
-                    manager = SessionManager(
-                        transport, provider, policy=FailurePolicy(), allow_dark_lanes=True
-                    )
-                    for i, prompt in enumerate(PROMPTS):
-                        handles.append(
-                            manager.start(
-                                prompt,
-                                max_new_tokens=N_TOKENS,
-                                session_id=f"v4-{i}",
-                                on_token=on_token if i == 0 else None,
-                                sampler=recorder(i),
-                            )
+            async with GrpcStageTransport(timeout=10.0) as transport:
+                manager = SessionManager(
+                    transport,
+                    provider,
+                    policy=FailurePolicy(),
+                    required_evidence=EvidenceClass.FIXTURE,
+                )
+                for i, prompt in enumerate(PROMPTS):
+                    handles.append(
+                        manager.start(
+                            prompt,
+                            max_new_tokens=N_TOKENS,
+                            session_id=f"v4-{i}",
+                            on_token=on_token if i == 0 else None,
+                            sampler=recorder(i),
                         )
-                    results = [await h.wait() for h in handles]
-                    await manager.aclose()
-                    return results, transport.stats()
+                    )
+                results = [await h.wait() for h in handles]
+                await manager.aclose()
+                return results, transport.stats()
         finally:
             await provider.aclose()
 

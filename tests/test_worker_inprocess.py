@@ -31,7 +31,7 @@ from dgr_engine.worker import ShardWorker, WorkerConfig
 from dgr_engine.worker.engine_thread import EngineThread
 from dgr_engine.worker.identity import BuildIdentity
 from dgr_engine.worker.sessions import SessionTable
-from dgr_session import FaultKind, SessionManager, SessionResult, SessionState
+from dgr_session import EvidenceClass, FaultKind, SessionManager, SessionResult, SessionState
 
 T = TypeVar("T")
 OPTIONS = EngineOptions(max_sessions=2, n_ctx_per_session=256, n_threads=1, n_batch=32)
@@ -372,8 +372,9 @@ def test_the_worker_expires_an_abandoned_session_by_itself(tiny_llama: Path) -> 
     run(scenario())
 
 
-@pytest.mark.filterwarnings("ignore::dgr_session.DarkLaneWarning")
-def test_a_route_session_survives_a_lease_expiry_by_re_prefilling(tiny_llama: Path) -> None:
+def test_a_route_session_survives_a_lease_expiry_by_re_prefilling(
+    tiny_llama: Path, fixture_evidence: Path
+) -> None:
     prompt = [5, 17, 3, 99, 42, 7, 1, 250]
     n_tokens = 10
     ((want, _),) = whole_model_reference(tiny_llama, [prompt], n_tokens, OPTIONS)
@@ -383,7 +384,7 @@ def test_a_route_session_survives_a_lease_expiry_by_re_prefilling(tiny_llama: Pa
         ShardWorker(
             ShardEngine(tiny_llama, layers=layers, **KW),
             build,
-            WorkerConfig(port=0, session_lease_seconds=30.0),
+            WorkerConfig(port=0, session_lease_seconds=30.0, evidence_dir=fixture_evidence),
             clock=clock,
         )
         for layers, clock in zip(((0, 2), (2, 4)), clocks, strict=True)
@@ -395,7 +396,9 @@ def test_a_route_session_survives_a_lease_expiry_by_re_prefilling(tiny_llama: Pa
         try:
             async with GrpcStageTransport(timeout=20.0) as transport:
                 manager = SessionManager(
-                    transport, EndpointRouteProvider(addresses), allow_dark_lanes=True
+                    transport,
+                    EndpointRouteProvider(addresses),
+                    required_evidence=EvidenceClass.FIXTURE,
                 )
 
                 def on_token(token: int) -> None:
@@ -420,7 +423,7 @@ def test_a_route_session_survives_a_lease_expiry_by_re_prefilling(tiny_llama: Pa
     assert result.state is SessionState.DONE and list(result.tokens) == want
     assert (result.epoch, result.route_changes) == (2, 1)
     (report,) = result.reports
-    assert report.fault is FaultKind.ENGINE_ERROR and report.stage_index == 1
+    assert report.fault is FaultKind.STATE_LOST and report.stage_index == 1  # nobody to blame
     assert "UnknownSession" in report.detail and report.step == 4
 
 

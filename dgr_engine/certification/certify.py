@@ -12,6 +12,7 @@ mid-decode. Progress goes to ``progress`` as it runs.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import os
 import platform
@@ -39,6 +40,7 @@ from dgr_engine.certification.record import (
 )
 from dgr_engine.certification.scenarios import Layout, Reference
 from dgr_engine.chain import n_layer_of, split_points, whole_model_reference
+from dgr_engine.engine import ShardEngine
 from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import LoopbackRouteProvider
 from dgr_engine.worker.identity import BuildIdentity
@@ -107,9 +109,11 @@ def _prompts(n: int, n_vocab: int) -> tuple[tuple[int, ...], ...]:
 def lane_of(model: str | os.PathLike[str], options: EngineOptions) -> LaneKey:
     """The lane ``model`` served with ``options`` has on this machine and build."""
     build = BuildIdentity.of_model(model)
-    arch, _ = _arch_and_vocab(Path(model))
+    # the context the engine really provides (llama.cpp rounds it up), as a worker states it
+    with ShardEngine(Path(model), layers=(0, 1), **options.engine_kwargs()) as probe:
+        info = probe.info
     return build.lane_key(
-        arch=arch, n_layer=n_layer_of(model), context_per_session=options.n_ctx_per_session
+        arch=info.arch, n_layer=info.n_layer, context_per_session=info.n_ctx_per_session
     )
 
 
@@ -128,14 +132,20 @@ async def certify(
     model = Path(model).resolve()
     lock.require_committed()
     lock.admit(lock.sha256, started, path=None)  # refuses before work that could not count
+    limits = lock.thresholds
+    if options.max_sessions < limits.isolation_sessions:
+        raise ValueError(
+            f"the lock's isolation scenario runs {limits.isolation_sessions} concurrent "
+            f"sessions: certify with at least that many sessions per worker (max_sessions is "
+            f"not part of the lane), not {options.max_sessions}"
+        )
     build = BuildIdentity.of_model(model)
     arch, n_vocab = _arch_and_vocab(model)
     n_layer = n_layer_of(model)
-    lane = build.lane_key(arch=arch, n_layer=n_layer, context_per_session=options.n_ctx_per_session)
+    lane = await asyncio.to_thread(lane_of, model, options)
     commit, clean = git_commit()
     facts = derive_facts(lane, fixture_mark=build.fixture_mark, lock=lock, clean_tree=clean)
     evidence = facts.evidence_class  # UnclassifiableModel before anything runs
-    limits = lock.thresholds
     layouts = layouts_for(n_layer, limits.layout_stage_counts)
     failure_layout = next((lay for lay in layouts if len(lay) == 3), layouts[-1])
     lose_stage = 1 if len(failure_layout) >= 3 else len(failure_layout) - 1
@@ -302,8 +312,6 @@ def _req(rid: str, ok: bool, detail: str) -> Requirement:
 async def _reference(
     model: Path, prompts: Sequence[Sequence[int]], n_tokens: int, options: EngineOptions
 ) -> Reference:
-    import asyncio
-
     runs = await asyncio.to_thread(whole_model_reference, model, prompts, n_tokens, options)
     return Reference(
         prompts=tuple(tuple(p) for p in prompts),

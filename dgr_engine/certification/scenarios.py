@@ -254,7 +254,9 @@ def _whole_model_speed(
         chain = LocalChain([whole])
         chain.open(0, 0)
         began = time.perf_counter()
-        logits = chain.forward(0, 0, list(prompt), 0)
+        chunk = options.n_batch  # as a route session feeds its stages: n_batch rows at most
+        for start in range(0, len(prompt), chunk):
+            logits = chain.forward(0, 0, list(prompt[start : start + chunk]), start)
         prefill = time.perf_counter() - began
         pos = len(prompt)
         began = time.perf_counter()

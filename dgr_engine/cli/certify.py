@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted: every worker stopped, no record written", file=sys.stderr)
         return 130
-    except EvidenceError as exc:
+    except (EvidenceError, ValueError) as exc:
         print(f"dgr certify: {exc}", file=sys.stderr)
         return 2
 
