@@ -26,6 +26,7 @@ from typing import Any
 
 from dgr_session import (
     ClockTick,
+    EvidenceClass,
     FailurePolicy,
     RouteAssigned,
     RouteSession,
@@ -45,6 +46,9 @@ from dgr_session.testing import (
 TARGET_P99_US = 50.0
 TARGET_BYTES = 16 * 1024
 POLICY = FailurePolicy(step_deadline=3600.0, session_deadline=36_000.0)
+# make_route's lanes are certified with fixture evidence; the default requirement (real-hardware)
+# would refuse every route before a single forward.
+EVIDENCE = EvidenceClass.FIXTURE
 
 
 def percentile(sorted_values: list[float], q: float) -> float:
@@ -97,7 +101,14 @@ def bench_core(n_sessions: int, n_tokens: int, n_stages: int) -> dict[str, Any]:
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
     cores = [
-        RouteSession(f"s{i}", prompt, max_new_tokens=n_tokens, policy=POLICY, machine=machine)
+        RouteSession(
+            f"s{i}",
+            prompt,
+            max_new_tokens=n_tokens,
+            policy=POLICY,
+            required_evidence=EVIDENCE,
+            machine=machine,
+        )
         for i in range(n_sessions)
     ]
     for core in cores:
@@ -113,7 +124,14 @@ def bench_core(n_sessions: int, n_tokens: int, n_stages: int) -> dict[str, Any]:
     gc.collect()
 
     cores = [
-        RouteSession(f"t{i}", prompt, max_new_tokens=n_tokens, policy=POLICY, machine=machine)
+        RouteSession(
+            f"t{i}",
+            prompt,
+            max_new_tokens=n_tokens,
+            policy=POLICY,
+            required_evidence=EVIDENCE,
+            machine=machine,
+        )
         for i in range(n_sessions)
     ]
     for core in cores:
@@ -163,7 +181,9 @@ async def bench_manager(n_sessions: int, n_tokens: int, n_stages: int) -> dict[s
     transport = NullTransport()
     loop = asyncio.get_running_loop()
     transport.gate = loop.create_future()
-    manager = SessionManager(transport, FixedRouteProvider(route), policy=POLICY)
+    manager = SessionManager(
+        transport, FixedRouteProvider(route), policy=POLICY, required_evidence=EVIDENCE
+    )
     prompt = tuple(range(32))
 
     samples: list[int] = []

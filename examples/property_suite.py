@@ -33,6 +33,7 @@ from hypothesis.stateful import (
 )
 
 from dgr_session import (
+    EvidenceClass,
     FailurePolicy,
     FailureReport,
     Route,
@@ -82,7 +83,11 @@ class ProviderSuite(RuleBasedStateMachine):
         super().__init__()
         self.loop = VirtualClockLoop()
         self.transport = FakeTransport(MODEL, latency=0.1)  # replies take 0.1 s (virtual)
-        self.manager = SessionManager(self.transport, RoundRobin(), policy=POLICY)
+        # make_route's lanes are certified with fixture evidence; a manager routes only lanes
+        # certified at the class it requires (real-hardware by default), so ask for fixture.
+        self.manager = SessionManager(
+            self.transport, RoundRobin(), policy=POLICY, required_evidence=EvidenceClass.FIXTURE
+        )
         self.handles: dict[str, SessionHandle] = {}
         self.expected: dict[str, tuple[int, ...]] = {}
         self.epochs: dict[str, int] = {}

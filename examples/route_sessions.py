@@ -24,7 +24,14 @@ from dgr_engine.chain import n_layer_of, whole_model_greedy
 from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.options import EngineOptions
 from dgr_engine.testing import EngineTransport
-from dgr_session import FailureReport, ModelIdentity, Route, SessionManager, SessionState
+from dgr_session import (
+    EvidenceClass,
+    FailureReport,
+    ModelIdentity,
+    Route,
+    SessionManager,
+    SessionState,
+)
 from dgr_session.testing import make_route
 
 PATH = ensure_fixture("tiny-llama")  # a generated 4-layer GGUF: fixture evidence only
@@ -73,7 +80,13 @@ async def main() -> None:
     try:
         for endpoint, layers in WORKERS.items():
             transport.start(endpoint, layers)
-        async with SessionManager(transport, FirstLiveWorker(transport)) as manager:
+        # The routes run on fixture lanes, so the manager must ask for no more than fixture
+        # evidence; its default (real-hardware) refuses them: each session would fail with
+        # InsufficientEvidence reports before sending a byte. Dark lanes never route.
+        manager = SessionManager(
+            transport, FirstLiveWorker(transport), required_evidence=EvidenceClass.FIXTURE
+        )
+        async with manager:
 
             def on_token(token: int) -> None:  # session 0's tokens, as they are accepted
                 if len(handles[0].tokens) == 4 and transport.alive("b"):

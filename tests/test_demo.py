@@ -59,10 +59,18 @@ def assert_gone(pids: list[int], out: str = "") -> None:
             print(f"pid {pid} is still there\n{out}")
 
 
-def test_demo_loses_a_stage_and_recovers_with_parity(capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_loses_a_stage_and_recovers_with_parity(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
     args = ["--stages", "4", "--sessions", "2", "--steps", "10", "--lose-at", "3"]
-    assert demo_main(args) == 0
+    assert demo_main([*args, "--evidence", str(tmp_path)]) == 0
     out = capsys.readouterr().out
+    # no record of this lane yet: the demo certifies it first, and says what evidence that is
+    assert "certify   the fixture lane on this machine" in out, out
+    assert re.search(
+        r"^record .*/fixture/[0-9a-f]{64}/[0-9a-f]{64}\.json \(fixture evidence\)", out, re.M
+    )
+    assert "lanes     certified with FIXTURE evidence (generated model: not real-model" in out
     assert re.search(r"SIGKILL stage 1 \[1,2\) pid \d+", out), out
     assert out.count("new route:") == 2 and "(spare)" in out, out
     assert out.count("epoch 2: re-prefill from position 0") == 2, out
@@ -72,6 +80,13 @@ def test_demo_loses_a_stage_and_recovers_with_parity(capsys: pytest.CaptureFixtu
     assert "boundary bytes between stages" in out and "killed" in out, out
     assert out.rstrip().endswith("PARITY OK"), out
     assert_gone(pids_in(out), out)
+
+    # the record of exactly this lane is reused by the next run
+    again = ["--stages", "2", "--sessions", "1", "--steps", "4", "--lose-at", "2"]
+    assert demo_main([*again, "--evidence", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^reusing record .*\.json \(same lane, same lock\)$", out, re.M), out
+    assert out.rstrip().endswith("PARITY OK"), out
 
 
 def test_demo_on_tiny_v4_with_a_replacement_spawned_on_demand(

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -19,10 +20,12 @@ from dgr_engine import errors as E
 from dgr_engine.chain import LocalChain
 from dgr_engine.testing import EngineTransport
 from dgr_session import (
+    EvidenceClass,
     FailurePolicy,
     FaultKind,
     NoRouteAvailable,
     Route,
+    RouteProvider,
     SessionManager,
     SessionState,
 )
@@ -35,7 +38,7 @@ from dgr_session.testing import (
 )
 
 PROMPT = (17, 4, 99, 230, 5, 61)
-KW = {"max_sessions": 4, "n_ctx_per_session": 64, "n_threads": 1, "n_batch": 32}
+KW: dict[str, Any] = {"max_sessions": 4, "n_ctx_per_session": 64, "n_threads": 1, "n_batch": 32}
 POLICY = FailurePolicy(
     step_deadline=1.0, session_deadline=20.0, max_route_changes=2, backoff=(0.0, 0.5)
 )
@@ -64,11 +67,18 @@ def route(*endpoints: str):
     return make_route(endpoints, [1, 3], identity=IDENTITY, width=64)
 
 
+def fixture_manager(transport: EngineTransport, provider: RouteProvider) -> SessionManager:
+    """A manager for these routes: they run on fixture lanes (certified with fixture evidence)."""
+    return SessionManager(
+        transport, provider, policy=POLICY, required_evidence=EvidenceClass.FIXTURE
+    )
+
+
 def test_parity_through_the_session_manager(transport, expected) -> None:
     provider = ScriptedRouteProvider([route("a", "b", "d")])
 
     async def main():
-        async with SessionManager(transport, provider, policy=POLICY) as manager:
+        async with fixture_manager(transport, provider) as manager:
             return await manager.start(PROMPT, max_new_tokens=8).wait()
 
     result = run_virtual(main)
@@ -83,7 +93,7 @@ def test_killed_middle_stage_is_replaced_and_tokens_are_identical(transport, exp
     replacement = transport.engines()["c"]
 
     async def main():
-        manager = SessionManager(transport, provider, policy=POLICY)
+        manager = fixture_manager(transport, provider)
         accepted: list[int] = []
 
         def on_token(token: int) -> None:
@@ -112,7 +122,7 @@ def test_hung_stage_hits_the_deadline_and_its_late_reply_is_dropped(transport, e
     provider = ScriptedRouteProvider([route("a", "b", "d"), route("a", "c", "d")])
 
     async def main():
-        manager = SessionManager(transport, provider, policy=POLICY)
+        manager = fixture_manager(transport, provider)
         accepted: list[int] = []
 
         def on_token(token: int) -> None:
@@ -137,7 +147,7 @@ def test_all_routes_gone_fails_with_a_typed_reason_within_the_policy(transport) 
     provider = ScriptedRouteProvider([route("a", "b", "d"), None])
 
     async def main():
-        manager = SessionManager(transport, provider, policy=POLICY)
+        manager = fixture_manager(transport, provider)
 
         def on_token(token: int) -> None:
             transport.kill("d")
@@ -161,7 +171,7 @@ def test_engine_errors_are_retried_within_the_budget(transport, expected) -> Non
     transport.fail_next("b", 1)
 
     async def main():
-        async with SessionManager(transport, provider, policy=POLICY) as manager:
+        async with fixture_manager(transport, provider) as manager:
             return await manager.start(PROMPT, max_new_tokens=8).wait()
 
     result = run_virtual(main)
@@ -196,7 +206,7 @@ def test_a_prompt_longer_than_a_shards_batch_is_chunked_and_survives_a_kill(
     """Stages take at most 8 rows per forward (n_batch 8); a 20-token prompt is fed in chunks
     of 8, and after a kill the re-prefill uses the same chunks: tokens equal the whole model's
     fed the same way."""
-    small = {**KW, "n_batch": 8}
+    small: dict[str, Any] = {**KW, "n_batch": 8}
     prompt = tuple(int(t) for t in (np.arange(20) * 29 + 3) % 256)
     with ShardEngine(tiny_llama, **small) as whole:
         chain = LocalChain([whole])
@@ -218,7 +228,7 @@ def test_a_prompt_longer_than_a_shards_batch_is_chunked_and_survives_a_kill(
     provider = ScriptedRouteProvider([limited("a", "b", "d"), limited("a", "c", "d")])
 
     async def main():
-        manager = SessionManager(t, provider, policy=POLICY)
+        manager = fixture_manager(t, provider)
 
         def on_token(token: int) -> None:
             if token == expected[2]:

@@ -108,16 +108,32 @@ def test_the_installed_dgr_serves_a_worker_from_another_directory(
     assert worker.stdout_lines[-1] == "STOPPED sessions_closed=0"
 
 
-def test_the_installed_dgr_generates_over_spawned_workers(
+def test_the_installed_dgr_certifies_and_generates_over_spawned_workers(
     installed: Path, tmp_path: Path, tiny_llama: Path
 ) -> None:
-    done = subprocess.run(
-        [str(installed / "dgr"), "generate", "--spawn", "2", "--model", str(tiny_llama)]
-        + ["-n", "6", "--check", "--json"],
+    # outside a checkout the lock is named (DGR_LOCK) and its time is the one it declares;
+    # the installed dgr certifies its own lane, then routes over workers that load the record
+    env = clean_env(
+        DGR_LOCK=str(ROOT / "certification" / "lock.json"),
+        DGR_EVIDENCE_DIR=str(tmp_path / "evidence"),
+    )
+    certify = subprocess.run(
+        [str(installed / "dgr"), "certify", "--model", str(tiny_llama)],
         capture_output=True,
         text=True,
         cwd=tmp_path,
-        env=clean_env(),
+        env=env,
+        timeout=600,
+    )
+    assert certify.returncode == 0, certify.stdout[-4000:] + certify.stderr[-4000:]
+    assert "(fixture evidence)" in certify.stdout
+    done = subprocess.run(
+        [str(installed / "dgr"), "generate", "--spawn", "2", "--model", str(tiny_llama)]
+        + ["-n", "6", "--check", "--json", "--require", "fixture"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env,
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-4000:]

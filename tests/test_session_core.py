@@ -15,6 +15,7 @@ from dgr_session import (
     CloseStage,
     Command,
     EmitToken,
+    EvidenceClass,
     FailureBudgetExhausted,
     FailurePolicy,
     FaultKind,
@@ -72,6 +73,8 @@ class Driver:
         policy: FailurePolicy = POLICY,
         **kwargs: object,
     ) -> None:
+        # The routes here run on fixture lanes: certified with fixture evidence.
+        kwargs.setdefault("required_evidence", EvidenceClass.FIXTURE)
         self.core = RouteSession(
             SID,
             prompt,
@@ -492,6 +495,19 @@ def test_invalid_route_is_refused_and_reported() -> None:
     assert d.core.epoch == 0 and d.core.state is SessionState.REROUTING
     d.assign(route("a"))
     assert d.core.epoch == 1 and d.core.route_changes == 0
+
+
+def test_fixture_lanes_are_refused_unless_fixture_evidence_is_required() -> None:
+    d = Driver(required_evidence=EvidenceClass.REAL_HARDWARE)
+    assert d.core.required_evidence is EvidenceClass.REAL_HARDWARE
+    d.start()
+    (request,) = of(d.assign(route("x", "y")), RequestRoute)
+    assert request.report.fault is FaultKind.ROUTE_INVALID
+    assert request.report.stage_index == 0 and request.report.endpoint == "x"
+    assert "fixture" in request.report.detail and "real-hardware" in request.report.detail
+    assert d.core.epoch == 0 and d.core.state is SessionState.REROUTING
+    # the default is real-hardware: a core built without a requirement refuses fixture lanes too
+    assert RouteSession("t", [1], max_new_tokens=1).required_evidence is EvidenceClass.REAL_HARDWARE
 
 
 def test_later_routes_must_serve_the_pinned_model() -> None:

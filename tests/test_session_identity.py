@@ -54,6 +54,35 @@ def test_certified_lane_needs_evidence_and_dark_is_the_default() -> None:
     assert {e.value for e in EvidenceClass} == {"fixture", "real-model", "real-hardware", "release"}
 
 
+def test_evidence_rank_is_fixture_real_model_real_hardware_release() -> None:
+    ranks = {e.value: e.rank for e in EvidenceClass}
+    assert ranks == {"fixture": 0, "real-model": 1, "real-hardware": 2, "release": 3}
+    ordered = sorted(EvidenceClass, key=lambda e: e.rank)
+    assert ordered == [
+        EvidenceClass.FIXTURE,
+        EvidenceClass.REAL_MODEL,
+        EvidenceClass.REAL_HARDWARE,
+        EvidenceClass.RELEASE,
+    ]
+    # each class meets its own requirement and the ones below it, none above
+    for weaker, stronger in zip(ordered, ordered[1:], strict=False):
+        assert stronger.satisfies(weaker) and not weaker.satisfies(stronger)
+        assert weaker.satisfies(weaker)
+
+
+def test_lane_ids_default_empty_and_take_part_in_equality() -> None:
+    base = fixture_lane()
+    assert (base.lane_id, base.record_id) == ("", "")
+    assert Lane("cpu", "abc", b"", "0.1", "x86").lane_id == ""
+    with_ids = attrs.evolve(base, lane_id="ab" * 32, record_id="cd" * 32)
+    assert with_ids == attrs.evolve(base, lane_id="ab" * 32, record_id="cd" * 32)
+    assert hash(with_ids) == hash(attrs.evolve(base, lane_id="ab" * 32, record_id="cd" * 32))
+    assert with_ids != base
+    assert attrs.evolve(with_ids, lane_id="ef" * 32) != with_ids
+    assert attrs.evolve(with_ids, record_id="ef" * 32) != with_ids
+    assert attrs.evolve(base, lane_id="ab" * 32) != attrs.evolve(base, record_id="ab" * 32)
+
+
 def test_stage_layer_range_must_be_non_empty() -> None:
     kwargs = {"identity": fixture_identity(4), "recipe": fixture_recipe(), "lane": fixture_lane()}
     with pytest.raises(ValueError, match="layer_end"):

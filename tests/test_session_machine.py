@@ -11,6 +11,7 @@ from dgr_session import (
     TRANSITIONS,
     Cancel,
     ClockTick,
+    EvidenceClass,
     FailurePolicy,
     FaultKind,
     InvalidTransition,
@@ -95,7 +96,14 @@ def test_one_shared_machine_per_thread() -> None:
 
 class Drive:
     def __init__(self) -> None:
-        self.core = RouteSession("t", [1, 2], max_new_tokens=8, policy=POLICY, stop_tokens=[STOP])
+        self.core = RouteSession(
+            "t",
+            [1, 2],
+            max_new_tokens=8,
+            policy=POLICY,
+            stop_tokens=[STOP],
+            required_evidence=EvidenceClass.FIXTURE,  # ROUTE runs on fixture lanes
+        )
         self.now = 0.0
 
     def feed(self, event: object) -> None:

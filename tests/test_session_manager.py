@@ -10,6 +10,7 @@ import attrs
 import pytest
 
 from dgr_session import (
+    EvidenceClass,
     FailureBudgetExhausted,
     FailurePolicy,
     FaultKind,
@@ -17,6 +18,7 @@ from dgr_session import (
     Logits,
     NoRouteAvailable,
     Route,
+    RouteProvider,
     SeededSampler,
     SessionCancelled,
     SessionDeadlineExceeded,
@@ -59,6 +61,13 @@ def route(endpoints: Sequence[str], cuts: Sequence[int]) -> Route:
     return make_route(list(endpoints), list(cuts), identity=IDENTITY)
 
 
+def fixture_manager(
+    transport: FakeTransport, provider: RouteProvider, **kwargs: Any
+) -> SessionManager:
+    """A manager whose routes may run on fixture lanes (certified with fixture evidence)."""
+    return SessionManager(transport, provider, required_evidence=EvidenceClass.FIXTURE, **kwargs)
+
+
 def forwards(
     transport: FakeTransport, endpoint: str, session_id: str
 ) -> list[tuple[int, range, tuple[int, ...]]]:
@@ -74,7 +83,7 @@ def test_fault_free_tokens_equal_the_whole_model_reference() -> None:
     provider = ScriptedRouteProvider([route(["a", "b", "c"], [1, 4])])
 
     async def main() -> None:
-        manager = SessionManager(transport, provider, policy=POLICY)
+        manager = fixture_manager(transport, provider, policy=POLICY)
         result = await manager.start(PROMPT, max_new_tokens=6, session_id="s").wait()
         assert result.state is SessionState.DONE and result.reason is FinishReason.LENGTH
         assert result.tokens == MODEL.reference(PROMPT, 6)
@@ -92,6 +101,24 @@ def test_fault_free_tokens_equal_the_whole_model_reference() -> None:
     ]
 
 
+def test_by_default_fixture_lanes_are_refused_and_the_session_fails() -> None:
+    transport = FakeTransport(MODEL, record=True)
+    provider = ScriptedRouteProvider([route(["a", "b"], [3])])
+
+    async def main() -> None:
+        manager = SessionManager(transport, provider, policy=POLICY)  # requires real-hardware
+        result = await manager.start(PROMPT, max_new_tokens=2, session_id="f").wait()
+        assert result.state is SessionState.FAILED and result.tokens == ()
+        assert result.reports
+        for report in result.reports:
+            assert report.fault is FaultKind.ROUTE_INVALID
+            assert (report.stage_index, report.endpoint) == (0, "a")
+            assert "fixture" in report.detail and "real-hardware" in report.detail
+
+    run_virtual(main)
+    assert transport.calls == []  # refused before any traffic
+
+
 def test_many_sessions_run_concurrently_and_stay_isolated() -> None:
     transport = FakeTransport(MODEL)
     provider = PoolRouteProvider(
@@ -100,7 +127,7 @@ def test_many_sessions_run_concurrently_and_stay_isolated() -> None:
     prompts = [tuple((i * 7 + k) % 32 for k in range(1 + i % 5)) for i in range(40)]
 
     async def main() -> None:
-        manager = SessionManager(transport, provider, policy=POLICY)
+        manager = fixture_manager(transport, provider, policy=POLICY)
         handles = [
             manager.start(p, max_new_tokens=5, session_id=f"s{i}") for i, p in enumerate(prompts)
         ]
@@ -121,7 +148,7 @@ def test_petals_case_replacement_stage_gets_the_whole_replay_from_position_zero(
     provider = ScriptedRouteProvider([first, second])
 
     async def main() -> None:
-        manager = SessionManager(transport, provider, policy=POLICY)
+        manager = fixture_manager(transport, provider, policy=POLICY)
         accepted: list[int] = []
         sampled: list[int] = []
 
@@ -177,7 +204,7 @@ def test_hang_hits_the_step_deadline_and_the_late_reply_is_dropped() -> None:
     policy = attrs.evolve(POLICY, backoff=(1.0,))
 
     async def main() -> None:
-        manager = SessionManager(transport, provider, policy=policy)
+        manager = fixture_manager(transport, provider, policy=policy)
 
         def on_token(token: int) -> None:
             if handle.core.step == 2:
@@ -206,7 +233,7 @@ def test_late_reply_during_the_next_epoch_is_dropped() -> None:
     provider = ScriptedRouteProvider([route(["a", "b"], [3]), route(["a", "c"], [3])])
 
     async def main() -> None:
-        manager = SessionManager(transport, provider, policy=POLICY)
+        manager = fixture_manager(transport, provider, policy=POLICY)
         transport.hang("b")
         handle = manager.start(PROMPT, max_new_tokens=3, session_id="l")
         await asyncio.sleep(2.0)  # deadline on b, new route over a and c (epoch 2)
@@ -228,7 +255,7 @@ def test_engine_error_moves_to_a_new_route() -> None:
     provider = PoolRouteProvider(transport, ["w0", "w1", "w2"], [(2,), (4,)], identity=IDENTITY)
 
     async def main() -> None:
-        manager = SessionManager(transport, provider, policy=POLICY)
+        manager = fixture_manager(transport, provider, policy=POLICY)
         transport.fail_next("w1")
         result = await manager.start(PROMPT, max_new_tokens=4).wait()
         assert result.tokens == MODEL.reference(PROMPT, 4)
@@ -245,7 +272,7 @@ def test_budget_exhausted_names_stage_fault_and_attempts() -> None:
     policy = FailurePolicy(step_deadline=2.0, max_route_changes=5, max_attempts_per_step=3)
 
     async def main() -> None:
-        manager = SessionManager(transport, provider, policy=policy)
+        manager = fixture_manager(transport, provider, policy=policy)
         transport.fail_next("b", 100)
         handle = manager.start(PROMPT, max_new_tokens=4, session_id="x")
         result = await handle.wait()
@@ -267,7 +294,7 @@ def test_silent_provider_ends_in_no_route_available() -> None:
     provider = ScriptedRouteProvider([HANG])
 
     async def main() -> None:
-        manager = SessionManager(transport, provider, policy=POLICY)
+        manager = fixture_manager(transport, provider, policy=POLICY)
         result = await manager.start(PROMPT, max_new_tokens=2).wait()
         assert isinstance(result.error, NoRouteAvailable)
         assert [r.fault for r in result.reports] == [FaultKind.DEADLINE] * 3
@@ -284,7 +311,7 @@ def test_session_deadline() -> None:
     policy = FailurePolicy(step_deadline=50.0, session_deadline=10.0)
 
     async def main() -> None:
-        manager = SessionManager(transport, provider, policy=policy)
+        manager = fixture_manager(transport, provider, policy=policy)
         transport.hang("b")
         result = await manager.start(PROMPT, max_new_tokens=2).wait()
         assert isinstance(result.error, SessionDeadlineExceeded)
@@ -299,7 +326,7 @@ def test_cancel_closes_every_stage() -> None:
     provider = ScriptedRouteProvider([route(["a", "b", "c"], [2, 4])])
 
     async def main() -> None:
-        manager = SessionManager(transport, provider, policy=POLICY)
+        manager = fixture_manager(transport, provider, policy=POLICY)
         transport.hang("c")
         handle = manager.start(PROMPT, max_new_tokens=5, session_id="k")
         await asyncio.sleep(0.5)  # stuck waiting for c, before its deadline
@@ -322,7 +349,7 @@ def test_cancelling_the_driver_task_still_closes_the_stages() -> None:
     provider = ScriptedRouteProvider([route(["a", "b"], [3])])
 
     async def main() -> None:
-        manager = SessionManager(transport, provider, policy=POLICY)
+        manager = fixture_manager(transport, provider, policy=POLICY)
         transport.hang("b")
         handle = manager.start(PROMPT, max_new_tokens=5)
         await asyncio.sleep(0.5)
@@ -343,7 +370,7 @@ def test_aclose_cancels_everything() -> None:
     provider = PoolRouteProvider(transport, ["w0", "w1"], [(3,)], identity=IDENTITY)
 
     async def main() -> None:
-        async with SessionManager(transport, provider, policy=POLICY) as manager:
+        async with fixture_manager(transport, provider, policy=POLICY) as manager:
             transport.hang("w1")
             handles = [manager.start(PROMPT, max_new_tokens=3) for _ in range(5)]
             await asyncio.sleep(0.1)
@@ -361,7 +388,7 @@ def test_seeded_sampler_is_deterministic_and_survives_route_changes() -> None:
         provider = PoolRouteProvider(transport, ["w0", "w1", "w2"], [(3,)], identity=IDENTITY)
 
         async def main() -> tuple[int, ...]:
-            manager = SessionManager(transport, provider, policy=POLICY, sampler=sampler)
+            manager = fixture_manager(transport, provider, policy=POLICY, sampler=sampler)
             count = 0
 
             def on_token(token: int) -> None:
@@ -410,7 +437,7 @@ def test_wrong_answer_kind_is_a_protocol_fault() -> None:
     provider = ScriptedRouteProvider([route(["bad", "b"], [3]), route(["a", "b"], [3])])
 
     async def main() -> None:
-        manager = SessionManager(transport, provider, policy=POLICY)
+        manager = fixture_manager(transport, provider, policy=POLICY)
         result = await manager.start(PROMPT, max_new_tokens=2).wait()
         assert result.tokens == MODEL.reference(PROMPT, 2)
         assert result.reports[0].fault is FaultKind.PROTOCOL
@@ -424,7 +451,7 @@ def test_duplicate_session_id_is_refused() -> None:
     provider = ScriptedRouteProvider([HANG])
 
     async def main() -> None:
-        manager = SessionManager(transport, provider, policy=POLICY)
+        manager = fixture_manager(transport, provider, policy=POLICY)
         manager.start(PROMPT, max_new_tokens=1, session_id="dup")
         with pytest.raises(ValueError, match="dup"):
             manager.start(PROMPT, max_new_tokens=1, session_id="dup")

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import pytest
-from loguru import logger
 
 from dgr_session import (
     BoundaryMismatch,
+    CertificationStatus,
     DarkLane,
-    DarkLaneWarning,
+    EvidenceClass,
+    InsufficientEvidence,
+    Lane,
+    ModelIdentity,
     Recipe,
     Route,
     RouteIncompatible,
@@ -20,10 +25,50 @@ from dgr_session import (
 from dgr_session.testing import fixture_identity, fixture_lane, fixture_recipe, make_route
 
 IDENTITY = fixture_identity(6)
+#: The evidence classes, weakest first, spelled out here rather than taken from the enum.
+ORDER = ("fixture", "real-model", "real-hardware", "release")
 
 
 def good_route() -> Route:
+    """Three stages on fixture lanes (certified with fixture evidence)."""
     return make_route(["a", "b", "c"], [2, 4], identity=IDENTITY)
+
+
+def check(
+    route: Route,
+    *,
+    identity: ModelIdentity | None = None,
+    recipe: Recipe | None = None,
+    min_context: int = 0,
+) -> Route:
+    """``validate_route`` for routes on fixture lanes: fixture evidence is all it requires."""
+    return validate_route(
+        route,
+        identity=identity,
+        recipe=recipe,
+        min_context=min_context,
+        required_evidence=EvidenceClass.FIXTURE,
+    )
+
+
+def lane(evidence: EvidenceClass | None) -> Lane:
+    """The fixture lane's build and hardware, certified with ``evidence`` (dark when None)."""
+    dark = evidence is None
+    return attrs.evolve(
+        fixture_lane(),
+        certification=CertificationStatus.DARK if dark else CertificationStatus.CERTIFIED,
+        evidence=evidence,
+        lane_id="1a2b3c4d5e6f" * 4,
+        record_id="" if dark else "9f8e7d6c5b4a" * 4,
+    )
+
+
+def on_lanes(*evidence: EvidenceClass | None) -> Route:
+    """``good_route`` with stage i on a lane certified with ``evidence[i]``."""
+    return Route(
+        attrs.evolve(stage, lane=lane(e))
+        for stage, e in zip(good_route().stages, evidence, strict=True)
+    )
 
 
 def with_stage(route: Route, index: int, **changes: object) -> Route:
@@ -34,11 +79,11 @@ def with_stage(route: Route, index: int, **changes: object) -> Route:
 
 def test_valid_route_passes_and_is_returned() -> None:
     route = good_route()
-    assert validate_route(route) is route
+    assert check(route) is route
     assert route.endpoints == ("a", "b", "c")
     assert route.identity == IDENTITY
     single = make_route(["solo"], [], identity=IDENTITY)
-    assert validate_route(single) is single
+    assert check(single) is single
 
 
 @pytest.mark.parametrize(
@@ -79,7 +124,7 @@ def test_each_violation_names_its_stage(
 ) -> None:
     route = with_stage(good_route(), index, **changes)
     with pytest.raises(error, match=text) as caught:
-        validate_route(route)
+        check(route)
     assert caught.value.stage_index == index
     assert caught.value.endpoint == route.stages[index].endpoint
     assert f"stage {index} ({route.stages[index].endpoint})" in str(caught.value)
@@ -90,33 +135,98 @@ def test_stage_order_matters() -> None:
     route = good_route()
     swapped = Route([route.stages[1], route.stages[0], route.stages[2]])
     with pytest.raises(RouteInvalid) as caught:
-        validate_route(swapped)
+        check(swapped)
     assert caught.value.stage_index == 0
 
 
 def test_pinned_identity_recipe_and_context_are_required_of_stage_zero_too() -> None:
     with pytest.raises(RouteIncompatible) as caught:
-        validate_route(good_route(), identity=fixture_identity(6 + 1))
+        check(good_route(), identity=fixture_identity(6 + 1))
     assert caught.value.stage_index == 0
     with pytest.raises(RouteIncompatible):
-        validate_route(good_route(), recipe=fixture_recipe(context=8))
+        check(good_route(), recipe=fixture_recipe(context=8))
     with pytest.raises(RouteIncompatible, match="context"):
-        validate_route(good_route(), min_context=4097)
-    assert validate_route(good_route(), min_context=4096)
+        check(good_route(), min_context=4097)
+    assert check(good_route(), min_context=4096)
 
 
-def test_dark_lane_opt_in_is_loud() -> None:
-    route = with_stage(good_route(), 2, lane=fixture_lane(certified=False))
-    lines: list[str] = []
-    logger.enable("dgr_session")
-    sink = logger.add(lambda message: lines.append(str(message)), level="WARNING")
-    try:
-        with pytest.warns(DarkLaneWarning, match="stage 2"):
-            assert validate_route(route, allow_dark_lanes=True) is route
-    finally:
-        logger.remove(sink)
-        logger.disable("dgr_session")
-    assert len(lines) == 1 and "DARK lane" in lines[0] and "WARNING" in lines[0]
+def test_evidence_classes_are_ordered_and_the_refusal_is_a_dark_lane() -> None:
+    assert [e.value for e in sorted(EvidenceClass, key=lambda e: e.rank)] == list(ORDER)
+    assert issubclass(InsufficientEvidence, DarkLane) and issubclass(DarkLane, RouteInvalid)
+
+
+@pytest.mark.parametrize(("have", "need"), list(itertools.product(ORDER, repeat=2)))
+def test_satisfies_is_exactly_the_rank_order(have: str, need: str) -> None:
+    assert EvidenceClass(have).satisfies(EvidenceClass(need)) is (
+        ORDER.index(have) >= ORDER.index(need)
+    )
+
+
+@pytest.mark.parametrize("required", list(EvidenceClass))
+@pytest.mark.parametrize("index", [0, 2])
+def test_dark_lane_is_refused_whatever_the_required_class(
+    index: int, required: EvidenceClass
+) -> None:
+    evidence: list[EvidenceClass | None] = [EvidenceClass.RELEASE] * 3
+    evidence[index] = None
+    route = on_lanes(*evidence)
+    assert validate_route(on_lanes(*[EvidenceClass.RELEASE] * 3), required_evidence=required)
+    with pytest.raises(DarkLane, match="is dark") as caught:
+        validate_route(route, required_evidence=required)
+    assert type(caught.value) is DarkLane  # not a matter of evidence: no record at all
+    assert caught.value.stage_index == index
+    assert caught.value.endpoint == route.stages[index].endpoint
+    assert f"stage {index} ({route.stages[index].endpoint})" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    "required", [EvidenceClass.REAL_MODEL, EvidenceClass.REAL_HARDWARE, EvidenceClass.RELEASE]
+)
+def test_fixture_lane_is_refused_when_more_is_required(required: EvidenceClass) -> None:
+    # stages 0 and 2 hold release records: stage 1 is the first (and only) one short
+    route = on_lanes(EvidenceClass.RELEASE, EvidenceClass.FIXTURE, EvidenceClass.RELEASE)
+    with pytest.raises(InsufficientEvidence) as caught:
+        validate_route(route, required_evidence=required)
+    error = caught.value
+    assert (error.stage_index, error.endpoint) == (1, "b")
+    message = str(error)
+    assert message.startswith("stage 1 (b): ")
+    assert "fixture" in message and required.value in message
+    assert "1a2b3c4d5e6f" in message and "9f8e7d6c5b4a" in message  # names lane and record
+    assert validate_route(route, required_evidence=EvidenceClass.FIXTURE) is route
+
+
+def test_by_default_real_hardware_is_required_so_fixture_lanes_are_refused() -> None:
+    with pytest.raises(InsufficientEvidence, match="real-hardware") as caught:
+        validate_route(good_route())
+    assert (caught.value.stage_index, caught.value.endpoint) == (0, "a")
+    assert "fixture" in str(caught.value)
+    with pytest.raises(InsufficientEvidence, match="real-model"):
+        validate_route(on_lanes(*[EvidenceClass.REAL_MODEL] * 3))
+    hardware = on_lanes(*[EvidenceClass.REAL_HARDWARE] * 3)
+    assert validate_route(hardware) is hardware
+
+
+@pytest.mark.parametrize(
+    ("required", "passes"),
+    [
+        (EvidenceClass.FIXTURE, True),
+        (EvidenceClass.REAL_MODEL, True),
+        (EvidenceClass.REAL_HARDWARE, True),
+        (EvidenceClass.RELEASE, False),
+    ],
+)
+def test_real_hardware_lanes_route_up_to_real_hardware(
+    required: EvidenceClass, passes: bool
+) -> None:
+    route = on_lanes(*[EvidenceClass.REAL_HARDWARE] * 3)
+    if passes:
+        assert validate_route(route, required_evidence=required) is route
+        return
+    with pytest.raises(InsufficientEvidence) as caught:
+        validate_route(route, required_evidence=required)
+    assert (caught.value.stage_index, caught.value.endpoint) == (0, "a")
+    assert "real-hardware evidence" in str(caught.value) and "requires release" in str(caught.value)
 
 
 def test_stage_spec_keeps_what_it_was_given() -> None:

@@ -24,6 +24,7 @@ from hypothesis.stateful import (
 )
 
 from dgr_session import (
+    EvidenceClass,
     FailurePolicy,
     SessionMachine,
     SessionManager,
@@ -87,7 +88,13 @@ class SessionFleet(SessionOutcomeInvariants, RuleBasedStateMachine):
         of loop time, and a first batch of sessions."""
         provider = PoolRouteProvider(self.transport, WORKERS, cuts, identity=IDENTITY)
         self.transport.latency = latency * POLICY.step_deadline
-        self.manager = SessionManager(self.transport, provider, policy=POLICY, machine=self.machine)
+        self.manager = SessionManager(
+            self.transport,
+            provider,
+            policy=POLICY,
+            required_evidence=EvidenceClass.FIXTURE,  # the pool's routes run on fixture lanes
+            machine=self.machine,
+        )
         return multiple(*(self.start_session(p, max_new, set()) for p, max_new in first))
 
     @precondition(lambda self: self.manager is not None and len(self.manager) < MAX_LIVE)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -38,6 +39,7 @@ from dgr_engine.chain import LocalChain
 from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.testing import EngineTransport
 from dgr_session import (
+    EvidenceClass,
     FailurePolicy,
     FailureReport,
     Route,
@@ -56,7 +58,12 @@ N_LAYER = 4
 VOCAB = 256
 WIDTH = 64
 REPLICAS = ("a", "b")
-ENGINE_KW = {"max_sessions": 8, "n_ctx_per_session": 64, "n_threads": 1, "n_batch": 32}
+ENGINE_KW: dict[str, Any] = {
+    "max_sessions": 8,
+    "n_ctx_per_session": 64,
+    "n_threads": 1,
+    "n_batch": 32,
+}
 POLICY = FailurePolicy(
     step_deadline=1.0,
     session_deadline=30.0,
@@ -187,7 +194,11 @@ class EngineFleet(SessionOutcomeInvariants, RuleBasedStateMachine):
                         self.kills[ep] = 0
         self.provider = RangePoolProvider(self.transport, cuts)
         self.manager = SessionManager(
-            self.transport, self.provider, policy=POLICY, machine=self.machine
+            self.transport,
+            self.provider,
+            policy=POLICY,
+            required_evidence=EvidenceClass.FIXTURE,  # the provider's routes run on fixture lanes
+            machine=self.machine,
         )
         return multiple(*(self.start_session(p, max_new, set()) for p, max_new in first))
 
