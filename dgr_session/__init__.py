@@ -94,7 +94,7 @@ __all__ = [
     "CloseStage",
     "Command",
     "DarkLane",
-        "DgrError",
+    "DgrError",
     "EmitToken",
     "Event",
     "EvidenceClass",
