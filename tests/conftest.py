@@ -66,6 +66,7 @@ def fixture_evidence(tmp_path_factory: pytest.TempPathFactory) -> Path:
             timeout=600,
         )
         assert done.returncode == 0, f"dgr certify --fixture {name}:\n{done.stdout}{done.stderr}"
+        (root.parent / f"certify-{name}.log").write_text(done.stdout)
     return root
 
 

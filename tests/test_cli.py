@@ -38,6 +38,8 @@ def test_every_subcommand_is_reachable() -> None:
         "dgr fixtures",
         "dgr fixtures list",
         "dgr fixtures build",
+        "dgr certify",
+        "dgr gate",
     }
 
 

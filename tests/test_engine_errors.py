@@ -283,6 +283,7 @@ NOT_ENGINE_ERROR = {
     E.EngineClosed: FaultKind.DEAD,
     E.ModelLoadError: FaultKind.DEAD,  # an OSError, as the manager filed it before
     E.ShardDeadlineExceeded: FaultKind.DEADLINE,
+    E.UnknownSession: FaultKind.STATE_LOST,  # a cache miss on a healthy stage
 }
 
 
