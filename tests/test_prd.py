@@ -1,7 +1,11 @@
-"""Keep prd.json honest: schema, vocabularies, evidence that exists and is of the right class.
+"""Keep prd.json honest: schema, vocabularies, evidence that exists and is of the right class,
+and records that back exactly what each story claims.
 
 ``validate`` returns every problem it finds; the repo's prd.json must have none, and each rule is
-also shown to fire on a deliberately broken copy.
+also shown to fire on a deliberately broken copy. A story's ``records`` are evidence records
+(``dgr certify`` and the like) loaded under the repo's lock: a done story needs at least one,
+each must be admitted (schema, id, lock, time) and of at least the story's class, and a gate
+story's verdict must be what the gate evaluator returns from them at the story's class.
 """
 
 from __future__ import annotations
@@ -14,8 +18,15 @@ from typing import Any
 
 import pytest
 
+from dgr_engine.certification.errors import EvidenceError
+from dgr_engine.certification.gates import evaluate
+from dgr_engine.certification.lock import Lock, load_lock
+from dgr_engine.certification.record import EvidenceRecord, load_record
+from dgr_session.identity import EvidenceClass
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PRD_PATH = REPO_ROOT / "prd.json"
+LOCK_PATH = REPO_ROOT / "certification" / "lock.json"
 
 STATUSES = frozenset({"planned", "in-progress", "done", "blocked"})
 EVIDENCE_CLASSES = frozenset({"fixture", "real-model", "real-hardware", "release"})
@@ -39,6 +50,7 @@ REQUIRED_KEYS: dict[str, type | tuple[type, ...]] = {
     "evidence_class_required": str,
     "evidence": list,
     "verdict": (str, type(None)),
+    "records": list,
     "notes": str,
 }
 OPTIONAL_KEYS: dict[str, type | tuple[type, ...]] = {"verdicts": list, "depends_on": list}
@@ -59,6 +71,44 @@ def _check_evidence_path(sid: str, cls: str, status: str, path: Any, root: Path)
             f"{sid}: {cls} evidence must live under evidence/{cls}/, got {path!r} "
             "(fixture evidence never stands in for it)"
         )
+    return errors
+
+
+def _load_records(
+    sid: str, paths: list[Any], root: Path, lock: Lock
+) -> tuple[list[EvidenceRecord], list[str]]:
+    records, errors = [], []
+    for path in paths:
+        if not isinstance(path, str) or Path(path).parts[:1] != ("evidence",):
+            errors.append(f"{sid}: record {path!r} must be a path under evidence/")
+            continue
+        try:
+            records.append(load_record(root / path, lock))
+        except EvidenceError as exc:
+            errors.append(f"{sid}: record {path} refused: {exc}")
+    return records, errors
+
+
+def _check_records(story: dict[str, Any], root: Path, lock: Lock) -> list[str]:
+    """The story claims no more than its records show."""
+    sid, cls, status = story["id"], story["evidence_class_required"], story["status"]
+    if status == "done" and not story["records"]:
+        return [f"{sid}: done without a record"]
+    records, errors = _load_records(sid, story["records"], root, lock)
+    required = EvidenceClass(cls)
+    for path, record in zip(story["records"], records, strict=False):
+        if not record.evidence_class.satisfies(required):
+            errors.append(
+                f"{sid}: record {path} is {record.evidence_class.value} evidence; it cannot "
+                f"back a {cls} claim"
+            )
+    if sid in GATE_VERDICTS and story["verdict"] is not None and not errors:
+        result = evaluate(sid, records, lock, required)
+        if result.verdict != story["verdict"]:
+            errors.append(
+                f"{sid}: claims {story['verdict']!r}; its records give {result.line}: the story "
+                "claims more than its records show"
+            )
     return errors
 
 
@@ -129,9 +179,18 @@ def validate(prd: Any, root: Path = REPO_ROOT) -> list[str]:
         return errors
 
     stories = prd["stories"]
+    lock = load_lock(LOCK_PATH)
+    schema_broken = False
     for story in stories:
-        errors += _check_story(story, root)
-    if errors:
+        story_errors = _check_story(story, root)
+        errors += story_errors
+        schema_ok = isinstance(story, dict) and not any(
+            "key" in e or "wrong type" in e or "not an object" in e for e in story_errors
+        )
+        schema_broken |= not schema_ok
+        if schema_ok and story["evidence_class_required"] in EVIDENCE_CLASSES:
+            errors += _check_records(story, root, lock)
+    if schema_broken:
         return errors
 
     by_id: dict[str, dict[str, Any]] = {}
@@ -271,11 +330,12 @@ def test_evidence_of_the_right_class_is_accepted(prd: dict[str, Any], tmp_path: 
     (root / "evidence" / "fixture").mkdir()
     (root / "evidence" / "fixture" / "lock.json").write_text("{}")
     for s in prd["stories"]:  # keep the rest of the file valid under the scratch root
-        s["evidence"] = []
+        s["evidence"], s["records"] = [], []
         if s["status"] == "done" and not s.get("verdicts"):
             s["status"] = "in-progress"
     good = broken(prd, "DGR-019", status="done", evidence=["evidence/real-model/lock.json"])
-    assert validate(good, root) == []
+    # the path is accepted; being done still needs a real-model record, which no one has
+    assert validate(good, root) == ["DGR-019: done without a record"]
     bad = broken(prd, "DGR-019", status="done", evidence=["evidence/fixture/lock.json"])
     assert_rejected(bad, "must live under evidence/real-model/", root)
 
@@ -284,7 +344,7 @@ def test_rejects_done_before_dependency(prd: dict[str, Any], tmp_path: Path) -> 
     (tmp_path / "evidence" / "real-model").mkdir(parents=True)
     (tmp_path / "evidence" / "real-model" / "r.json").write_text("{}")
     for s in prd["stories"]:
-        s["evidence"] = []
+        s["evidence"], s["records"] = [], []
         if s["status"] == "done" and not s.get("verdicts"):
             s["status"] = "in-progress"
     bad = broken(
@@ -296,3 +356,69 @@ def test_rejects_done_before_dependency(prd: dict[str, Any], tmp_path: Path) -> 
 
 def test_rejects_lost_llama_cpp_pin(prd: dict[str, Any]) -> None:
     assert_rejected(broken(prd, "DGR-027", notes="pinned somewhere"), "pinned commit")
+
+
+# --- the records behind each story --------------------------------------------------------------
+
+
+def records_of(prd: dict[str, Any], sid: str) -> list[str]:
+    found: list[str] = story(prd, sid)["records"]
+    return found
+
+
+def test_done_stories_name_admitted_records(prd: dict[str, Any]) -> None:
+    lock = load_lock(LOCK_PATH)
+    for s in prd["stories"]:
+        if s["status"] == "done":
+            assert s["records"], s["id"]
+            for path in s["records"]:
+                record = load_record(REPO_ROOT / path, lock)
+                assert record.evidence_class.satisfies(EvidenceClass(s["evidence_class_required"]))
+    families = {load_record(REPO_ROOT / p, lock).family for p in records_of(prd, "DGR-P005")}
+    assert families == {"v4"}  # the V4 story is backed by a V4 record
+
+
+def test_rejects_done_without_a_record(prd: dict[str, Any]) -> None:
+    assert_rejected(broken(prd, "DGR-P002", records=[]), "DGR-P002: done without a record")
+
+
+def test_rejects_a_real_model_claim_backed_by_fixture_evidence(prd: dict[str, Any]) -> None:
+    fixture = records_of(prd, "DGR-P002")
+    bad = broken(prd, "DGR-P002", evidence_class_required="real-model", records=fixture)
+    assert_rejected(bad, "is fixture evidence; it cannot back a real-model claim")
+    gate = broken(prd, "DGR-054", status="done", verdict="alpha", records=fixture)
+    assert_rejected(gate, "is fixture evidence; it cannot back a real-hardware claim")
+
+
+def test_rejects_records_that_do_not_load(prd: dict[str, Any], tmp_path: Path) -> None:
+    assert_rejected(
+        broken(prd, "DGR-P002", records=["tests/test_prd.py"]), "must be a path under evidence/"
+    )
+    assert_rejected(broken(prd, "DGR-P002", records=["evidence/fixture/x/y.json"]), "refused")
+    source = REPO_ROOT / records_of(prd, "DGR-P002")[0]
+    target = tmp_path / source.relative_to(REPO_ROOT)
+    target.parent.mkdir(parents=True)
+    target.write_text(source.read_text().replace('"pass"', '"fail"', 1))  # edited after the fact
+    for s in prd["stories"]:  # only DGR-P002 keeps a record, in the scratch root
+        s["evidence"], s["records"] = [], []
+        if s["status"] == "done":
+            s["status"] = "in-progress"
+    bad = broken(prd, "DGR-P002", records=[str(target.relative_to(tmp_path))])
+    assert_rejected(bad, "record_id: is not the hash of the record's content", tmp_path)
+
+
+def test_a_gate_story_claims_no_more_than_its_records_give(prd: dict[str, Any]) -> None:
+    lock = load_lock(LOCK_PATH)
+    fixture = records_of(prd, "DGR-P003")  # the dense and the V4 fixture records
+    claim = {
+        "id": "DGR-054",
+        "evidence_class_required": "fixture",
+        "status": "done",
+        "verdict": "alpha",
+        "records": fixture,
+    }
+    errors = _check_records(claim, REPO_ROOT, lock)
+    assert len(errors) == 1 and "claims 'alpha'; its records give DGR-054: " in errors[0], errors
+    assert "at fixture class" in errors[0] and "claims more than its records show" in errors[0]
+    honest = evaluate("DGR-054", [load_record(REPO_ROOT / p, lock) for p in fixture], lock)
+    assert honest.verdict == "stop"  # at the story's own class, real-hardware: no records
