@@ -18,6 +18,7 @@ from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.record import RecordKind, Verdict, load_evidence
 from dgr_engine.cli import main
 from dgr_engine.fixtures import llama, lookup
+from dgr_engine.fixtures.catalog import FixtureSpec
 from dgr_engine.processes import dgr_command
 from dgr_session.identity import EvidenceClass
 
@@ -32,6 +33,7 @@ def gate(capsys: pytest.CaptureFixture[str], evidence: Path, *args: str) -> tupl
 def test_certify_shows_progress_and_writes_one_record_per_lane(fixture_evidence: Path) -> None:
     for name in ("tiny-llama", "tiny-v4"):
         log = (fixture_evidence.parent / f"certify-{name}.log").read_text()
+        assert "in the lock's fixture-" in log, log
         assert "fixture evidence: fixture mark 'dgr-fixtures/" in log, log
         assert "layouts: 2 stages, 3 stages, 4 stages" in log, log
         for step in ("[1/3]", "[2/3]", "[3/3]"):
@@ -127,7 +129,7 @@ def test_gate_reports_a_tampered_record_and_uses_the_rest(
 def _unmarked_gguf(path: Path) -> Path:
     """tiny-llama's tensors and metadata without the fixture writers' mark."""
     spec = lookup("tiny-llama")
-    assert isinstance(spec, llama.FixtureSpec)
+    assert isinstance(spec, FixtureSpec)
     writer = GGUFWriter(path, spec.arch)
     plans = llama.tensor_plan(spec)
     llama.write_metadata(writer, spec)

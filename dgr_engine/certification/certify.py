@@ -27,6 +27,7 @@ import numpy as np
 
 from dgr_engine.certification import scenarios
 from dgr_engine.certification.classify import derive_facts
+from dgr_engine.certification.errors import LockMismatch
 from dgr_engine.certification.gates import HOP_PARTS
 from dgr_engine.certification.lane import LaneKey
 from dgr_engine.certification.lock import Lock
@@ -146,11 +147,21 @@ async def certify(
     commit, clean = git_commit()
     facts = derive_facts(lane, fixture_mark=build.fixture_mark, lock=lock, clean_tree=clean)
     evidence = facts.evidence_class  # UnclassifiableModel before anything runs
+    family = "v4" if arch == "deepseek4" else "dense"
+    comparable = lock.comparable_lane(evidence, lane.backend, family, facts.real_model)
+    if comparable is None:
+        raise LockMismatch(
+            f"lanes: the lock declares no comparable lane for {evidence.value} evidence of a "
+            f"{family} model on {lane.backend}: its thresholds were not locked for this result",
+            path=lock.path,
+            field="lanes",
+        )
     layouts = layouts_for(n_layer, limits.layout_stage_counts)
     failure_layout = next((lay for lay in layouts if len(lay) == 3), layouts[-1])
     lose_stage = 1 if len(failure_layout) >= 3 else len(failure_layout) - 1
     progress(
-        f"lane {lane.lane_id[:12]} ({arch}, {n_layer} layers, {evidence.value} evidence: "
+        f"lane {lane.lane_id[:12]} in the lock's {comparable.name} ({arch}, {n_layer} layers, "
+        f"{evidence.value} evidence: "
         f"{'fixture mark ' + repr(facts.fixture_mark) if facts.fixture_mark else facts.real_model})"
     )
     progress(f"layouts: {', '.join(f'{len(lay)} stages' for lay in layouts)}")
@@ -173,7 +184,7 @@ async def certify(
     speed_prompt = list(np.resize(np.asarray(prompts[0]), limits.speed.prefill_tokens))
     with tempfile.TemporaryDirectory(prefix="dgr-certify-") as empty:
         for index, layout in enumerate(layouts):
-            text = scenarios._layout_text(layout)
+            text = scenarios.layout_text(layout)
             progress(f"[{index + 1}/{len(layouts)}] {len(layout)} stages {text}: starting workers")
             spares = [layout[lose_stage]] if layout == failure_layout else []
             provider = LoopbackRouteProvider(
@@ -292,7 +303,7 @@ async def certify(
         lane=lane,
         lock_sha256=lock.sha256,
         facts=facts,
-        family="v4" if arch == "deepseek4" else "dense",
+        family=family,
         command=tuple(command),
         dgr_commit=commit,
         machine=_machine(lane.hardware),

@@ -110,6 +110,18 @@ class HardwareLane:
 
 
 @attrs.frozen
+class ComparableLane:
+    """A family of lanes the lock compares results within (one evidence class, one backend,
+    one model family; for real models, one named model)."""
+
+    name: str
+    evidence_class: EvidenceClass
+    backend: str
+    family: str
+    real_model: str | None
+
+
+@attrs.frozen
 class Lock:
     """A loaded lock."""
 
@@ -126,7 +138,21 @@ class Lock:
     hardware_lanes: tuple[HardwareLane, ...]
     beta_matrix: tuple[str, ...]
     """Names of the hardware lanes beta requires certified (DGR-070)."""
-    lane_names: tuple[str, ...]
+    lanes: tuple[ComparableLane, ...]
+
+    def comparable_lane(
+        self, evidence_class: EvidenceClass, backend: str, family: str, real_model: str | None
+    ) -> ComparableLane | None:
+        """The declared lane a result of this class, backend, family and model belongs to."""
+        for lane in self.lanes:
+            if (lane.backend, lane.family) != (backend, family):
+                continue
+            if evidence_class is EvidenceClass.FIXTURE and lane.evidence_class is evidence_class:
+                return lane
+            if evidence_class is not EvidenceClass.FIXTURE and lane.real_model == real_model:
+                if lane.evidence_class is not EvidenceClass.FIXTURE:
+                    return lane
+        return None
 
     @property
     def locked_at(self) -> dt.datetime:
@@ -343,8 +369,8 @@ def load_lock(path: str | os.PathLike[str] | None = None) -> Lock:
         )
         for h in _objects(r, data, "hardware_lanes")
     )
-    lanes = _objects(r, data, "lanes")
-    for i, lane in enumerate(lanes):
+    lanes = []
+    for i, lane in enumerate(_objects(r, data, "lanes")):
         cls = r.get(lane, "class", str)
         if cls not in {c.value for c in EvidenceClass}:
             raise EvidenceInvalid(
@@ -352,6 +378,22 @@ def load_lock(path: str | os.PathLike[str] | None = None) -> Lock:
                 path=lock_path,
                 field=f"lanes[{i}].class",
             )
+        model = lane.get("real_model")
+        if model is not None and model not in {m.name for m in real_models}:
+            raise EvidenceInvalid(
+                f"lanes[{i}].real_model: {model!r} is not a declared real model",
+                path=lock_path,
+                field=f"lanes[{i}].real_model",
+            )
+        lanes.append(
+            ComparableLane(
+                name=r.get(lane, "name", str),
+                evidence_class=EvidenceClass(cls),
+                backend=r.get(lane, "backend", str),
+                family=r.get(lane, "family", str),
+                real_model=model,
+            )
+        )
     beta = r.strings(data, "beta_matrix")
     known = {h.name for h in hardware}
     for name in beta:
@@ -372,5 +414,5 @@ def load_lock(path: str | os.PathLike[str] | None = None) -> Lock:
         real_models=real_models,
         hardware_lanes=hardware,
         beta_matrix=beta,
-        lane_names=tuple(r.get(lane, "name", str) for lane in lanes),
+        lanes=tuple(lanes),
     )

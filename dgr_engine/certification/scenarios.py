@@ -31,7 +31,7 @@ from dgr_engine.route_provider import LoopbackRouteProvider
 from dgr_engine.stage_transport import ForwardRecord, GrpcStageTransport
 from dgr_session.faults import FailureReport
 from dgr_session.identity import CertificationStatus, EvidenceClass
-from dgr_session.manager import SessionManager, SessionResult
+from dgr_session.manager import SessionHandle, SessionManager, SessionResult
 from dgr_session.policy import FailurePolicy
 from dgr_session.route import Route
 
@@ -52,7 +52,7 @@ def _req(rid: str, ok: bool, detail: str) -> Requirement:
     return Requirement(rid, Verdict.PASS if ok else Verdict.FAIL, detail)
 
 
-def _layout_text(layout: Layout) -> str:
+def layout_text(layout: Layout) -> str:
     return " ".join(f"[{a},{b})" for a, b in layout)
 
 
@@ -99,9 +99,10 @@ async def run_sessions(
     deadline: float,
     observer: Callable[[ForwardRecord], None] | None = None,
     on_token: Callable[[int, int], None] | None = None,
-    act: Callable[[SessionManager, list[object]], None] | None = None,
+    act: Callable[[list[SessionHandle]], None] | None = None,
 ) -> list[SessionResult]:
-    """Greedy route sessions over ``provider`` (one per prompt), concurrently."""
+    """Greedy route sessions over ``provider`` (one per prompt), concurrently; ``act`` is
+    called with their handles once all have started, ``on_token`` with (index, token)."""
     policy = FailurePolicy(step_deadline=deadline, session_deadline=20 * deadline)
     async with GrpcStageTransport(timeout=deadline, observer=observer) as transport:
         manager = SessionManager(
@@ -110,7 +111,7 @@ async def run_sessions(
             policy=policy,
             required_evidence=evidence,
         )
-        handles: list[object] = []
+        handles: list[SessionHandle] = []
         for index, prompt in enumerate(prompts):
 
             def token_hook(token: int, index: int = index) -> None:
@@ -119,8 +120,8 @@ async def run_sessions(
 
             handles.append(manager.start(prompt, max_new_tokens=n_tokens, on_token=token_hook))
         if act is not None:
-            act(manager, handles)
-        results = [await h.wait() for h in handles]  # type: ignore[attr-defined]
+            act(handles)
+        results = [await h.wait() for h in handles]
         await manager.aclose()
     return results
 
@@ -351,25 +352,19 @@ async def isolation(
     1 must still end with them."""
     n = len(reference.prompts)
     half = max(1, limits.isolation_tokens // 2)
-    state: dict[str, object] = {}
+    handles: list[SessionHandle] = []
+    kills: list[asyncio.Task[None]] = []
 
     def on_token(index: int, _token: int) -> None:
-        handles = state.get("handles")
-        if index != 0 or not isinstance(handles, list) or state.get("hit"):
+        if index != 0 or kills or len(handles[0].tokens) < half:
             return
-        if len(handles[0].tokens) < half:
-            return
-        state["hit"] = True
         handles[0].cancel("certification: cancelled mid-decode")
         victim = handles[1]
         route = victim.core.route
-        if route is not None:
-            state["kill"] = asyncio.ensure_future(
-                _close_under(route, victim.session_id, victim.core.epoch)
-            )
-
-    def act(_manager: SessionManager, handles: list[object]) -> None:
-        state["handles"] = handles
+        assert route is not None  # it is decoding
+        kills.append(
+            asyncio.ensure_future(_close_under(route, victim.session_id, victim.core.epoch))
+        )
 
     results = await run_sessions(
         provider,
@@ -378,14 +373,13 @@ async def isolation(
         limits.isolation_tokens,
         deadline=limits.step_deadline_seconds,
         on_token=on_token,
-        act=act,
+        act=handles.extend,
     )
-    kill = state.get("kill")
-    if isinstance(kill, asyncio.Future):
+    for kill in kills:
         await kill
     bad = compare(results, reference, range(1, n))
     cancelled = results[0].state.value == "cancelled"
-    ok = not bad and cancelled and bool(state.get("hit"))
+    ok = not bad and cancelled and bool(kills) and results[1].route_changes >= 1
     detail = (
         f"{n} concurrent sessions; session 0 cancelled at {half} tokens "
         f"({'cancelled' if cancelled else results[0].state.value}), session 1's stage state "
@@ -421,20 +415,14 @@ async def bounded_failure(
     half = max(1, limits.isolation_tokens // 2)
     times: list[float] = []
     killed: list[float] = []
+    handles: list[SessionHandle] = []
 
     def on_token(_index: int, _token: int) -> None:
         times.append(time.perf_counter())
-        if len(times) == half and not killed:
-            handles = state["handles"]
-            route = handles[0].core.route  # type: ignore[index]
-            if route is not None:
-                provider.kill(route.stages[lose_stage].endpoint)
-                killed.append(time.perf_counter())
-
-    state: dict[str, object] = {}
-
-    def act(_manager: SessionManager, handles: list[object]) -> None:
-        state["handles"] = handles
+        route = handles[0].core.route
+        if len(times) == half and not killed and route is not None:
+            provider.kill(route.stages[lose_stage].endpoint)
+            killed.append(time.perf_counter())
 
     one = Reference(reference.prompts[:1], reference.tokens[:1], reference.logits[:1])
     results = await run_sessions(
@@ -444,7 +432,7 @@ async def bounded_failure(
         limits.isolation_tokens,
         deadline=limits.step_deadline_seconds,
         on_token=on_token,
-        act=act,
+        act=handles.extend,
     )
     result = results[0]
     after = [t for t in times if killed and t > killed[0]]
