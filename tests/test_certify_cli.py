@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from gguf import GGUFWriter
 
+from dgr_engine.certification.certify import layouts_for
 from dgr_engine.certification.gates import CORRECTNESS
 from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.record import RecordKind, Verdict, load_evidence
@@ -179,3 +180,27 @@ def test_certify_refuses_a_lock_it_cannot_read(tmp_path: Path) -> None:
         timeout=300,
     )
     assert done.returncode == 2 and f"{lock}: not JSON" in done.stderr, done.stderr
+
+
+def test_layouts_come_from_the_layer_count_and_the_lock() -> None:
+    counts = load_lock().thresholds.layout_stage_counts
+    assert [len(lay) for lay in layouts_for(4, counts)] == [2, 3, 4]  # no 10 without 10 layers
+    assert [len(lay) for lay in layouts_for(12, counts)] == [2, 3, 4, 10]
+    for layout in layouts_for(43, counts):  # DeepSeek V4's 43 main layers: an exact cover
+        assert layout[0][0] == 0 and layout[-1][1] == 43
+        assert all(a[1] == b[0] for a, b in zip(layout, layout[1:], strict=False))
+
+
+def test_certify_runs_ten_stages_where_the_model_has_the_layers(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [dgr_command(), "certify", "--fixture", "v4-12", "--evidence", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "[4/4] 10 stages [0,1) [1,2)" in done.stdout
+    (record,) = load_evidence(tmp_path, load_lock()).records
+    parity = record.requirement("parity.layouts")
+    assert parity is not None and parity.verdict is Verdict.PASS
+    assert parity.detail.startswith("2, 3, 4, 10 stages: tokens and logits bit-exact")
