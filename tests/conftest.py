@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -77,3 +78,129 @@ def certified_fixtures(fixture_evidence: Path) -> Iterator[Path]:
     os.environ[EVIDENCE_DIR_ENV] = str(fixture_evidence)
     yield fixture_evidence
     os.environ[EVIDENCE_DIR_ENV] = _RUN_EVIDENCE.name
+
+
+class EvidenceKit:
+    """Makes locks, lanes and evidence records for the certification tests (in ``root``)."""
+
+    def __init__(self, root: Path) -> None:
+        from dgr_engine.certification.lock import load_lock
+
+        self.root = root
+        self.lock_path = root / "lock.json"
+        self.lock_path.write_text(
+            (Path(__file__).parents[1] / "certification/lock.json").read_text()
+        )
+        self.lock = load_lock(self.lock_path)  # outside git: its time is the declared one
+
+    def edit_lock(self, edit: Any) -> Any:
+        """Rewrites the lock (``edit`` changes the parsed JSON in place) and reloads it."""
+        import json
+
+        from dgr_engine.certification.lock import load_lock
+
+        data = json.loads(self.lock_path.read_text())
+        edit(data)
+        self.lock_path.write_text(json.dumps(data))
+        self.lock = load_lock(self.lock_path)
+        return self.lock
+
+    @staticmethod
+    def lane(**changes: Any) -> Any:
+        from dgr_engine.certification.lane import LaneKey
+
+        fields: dict[str, Any] = {
+            "backend": "cpu",
+            "llama_cpp_commit": "0c1e57098bba43ac29e6e3b677cdceebdd22334f",
+            "patch_stack_sha256": "ab" * 32,
+            "dgr_version": "0.1.0",
+            "build_flags": "GGML_NATIVE=OFF",
+            "system_info": "CPU : AVX2 = 1 |",
+            "hardware": "x86_64 | Test CPU | avx avx2",
+            "model_sha256": "cd" * 32,
+            "arch": "llama",
+            "n_layer": 4,
+            "quant_types": ("F32",),
+            "kv_type": "f16",
+            "flash_attn": "auto",
+            "context_per_session": 256,
+            "placement": "cpu",
+        }
+        fields.update(changes)
+        return LaneKey(**fields)
+
+    @staticmethod
+    def fixture_facts(**changes: Any) -> Any:
+        from dgr_engine.certification.classify import EvidenceFacts
+
+        fields: dict[str, Any] = {
+            "fixture_mark": "dgr-fixtures/2 tiny-llama",
+            "real_model": None,
+            "hardware_lane": None,
+            "release_build": False,
+        }
+        fields.update(changes)
+        return EvidenceFacts(**fields)
+
+    def record(
+        self,
+        *,
+        kind: str = "certification",
+        family: str = "dense",
+        failing: tuple[str, ...] = (),
+        shares: dict[str, float] | None = None,
+        requirement_ids: tuple[str, ...] | None = None,
+        **changes: Any,
+    ) -> Any:
+        """A record made now under the kit's lock; every requirement passes but ``failing``."""
+        import datetime as dt
+
+        from dgr_engine.certification import gates
+        from dgr_engine.certification.record import (
+            EvidenceRecord,
+            Figure,
+            RecordKind,
+            Requirement,
+            Verdict,
+        )
+
+        ids = requirement_ids
+        if ids is None:
+            ids = {
+                "certification": gates.CORRECTNESS + gates.SPEED,
+                "baseline": ("baseline.parity", "baseline.speed"),
+                "mtp": gates.MTP_REQUIREMENTS,
+            }[kind]
+        shares = shares or {"engine": 0.4, "worker": 0.1, "transit": 0.3, "client": 0.2}
+        now = dt.datetime.now(dt.UTC)
+        fields: dict[str, Any] = {
+            "kind": RecordKind(kind),
+            "lane": self.lane(arch="deepseek4" if family == "v4" else "llama"),
+            "lock_sha256": self.lock.sha256,
+            "facts": self.fixture_facts(),
+            "family": family,
+            "command": ("dgr", "certify", "--fixture", "tiny-llama"),
+            "dgr_commit": "0" * 40,
+            "machine": {"hardware": "x86_64 | Test CPU | avx avx2", "cpus": "2"},
+            "started_at": now,
+            "ended_at": now + dt.timedelta(seconds=8),
+            "figures": [Figure("speed.decode_ratio", 0.5, "whole/route", "2 stages")]
+            + [Figure(f"hop.{p}_share", v, "share", "decode") for p, v in shares.items()],
+            "requirements": [
+                Requirement(r, Verdict.FAIL if r in failing else Verdict.PASS, f"{r} detail")
+                for r in ids
+            ],
+        }
+        fields.update(changes)
+        return EvidenceRecord(**fields)
+
+    def write(self, record: Any, directory: Path | None = None) -> Path:
+        from dgr_engine.certification.record import write_record
+
+        path: Path = write_record(record, directory or self.root / "evidence")
+        return path
+
+
+@pytest.fixture()
+def kit(tmp_path: Path) -> EvidenceKit:
+    return EvidenceKit(tmp_path)

@@ -86,6 +86,11 @@ def _tuple(values: Iterable[Any]) -> tuple[Any, ...]:
     return tuple(values)
 
 
+def _to_second(value: dt.datetime) -> dt.datetime:
+    """UTC, whole seconds: what the file keeps, so a loaded record equals the one written."""
+    return value.astimezone(dt.UTC).replace(microsecond=0)
+
+
 @attrs.frozen
 class EvidenceRecord:
     """One record. Its evidence class is a property of its facts: there is no way to state
@@ -101,8 +106,8 @@ class EvidenceRecord:
     dgr_commit: str
     """dgr's git commit (``+dirty`` when the tree had changes; ``unknown`` outside git)."""
     machine: Mapping[str, str] = attrs.field(converter=lambda m: dict(sorted(m.items())))
-    started_at: dt.datetime
-    ended_at: dt.datetime
+    started_at: dt.datetime = attrs.field(converter=_to_second)
+    ended_at: dt.datetime = attrs.field(converter=_to_second)
     figures: tuple[Figure, ...] = attrs.field(converter=_tuple)
     requirements: tuple[Requirement, ...] = attrs.field(converter=_tuple)
     mtp: str = "off"
