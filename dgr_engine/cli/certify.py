@@ -18,10 +18,14 @@ import asyncio
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.options import EngineOptions
+
+if TYPE_CHECKING:
+    from dgr_engine.certification.lock import Lock
 
 CERTIFY_OPTIONS = {"n_threads": 1, "n_ctx_per_session": 256, "n_batch": 64, "max_sessions": 8}
 """Engine options of ``dgr certify`` and ``dgr demo`` by default (so the demo's lane is the
@@ -76,15 +80,13 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def certify_or_reuse(
-    model: Path, options: EngineOptions, lock: object, evidence: Path, reuse: bool
+    model: Path, options: EngineOptions, lock: Lock, evidence: Path, reuse: bool
 ) -> int:
     """Reuse a matching passing record (with ``reuse``) or certify; print the outcome."""
     from dgr_engine.certification.certify import certify
     from dgr_engine.certification.gates import CORRECTNESS
-    from dgr_engine.certification.lock import Lock
     from dgr_engine.certification.record import Verdict
 
-    assert isinstance(lock, Lock)
     if reuse:
         found = await asyncio.to_thread(matching_record, model, options, lock, evidence)
         if found is not None:
@@ -112,15 +114,11 @@ async def certify_or_reuse(
     return 1 if failed else 0
 
 
-def matching_record(
-    model: Path, options: EngineOptions, lock: object, evidence: Path
-) -> str | None:
+def matching_record(model: Path, options: EngineOptions, lock: Lock, evidence: Path) -> str | None:
     """Path of a passing record of exactly the lane ``model`` + ``options`` has here."""
     from dgr_engine.certification.certify import lane_of
-    from dgr_engine.certification.lock import Lock
     from dgr_engine.certification.registry import find_certification
 
-    assert isinstance(lock, Lock)
     lane = lane_of(model, options)
     found = find_certification(lane, evidence, lock=lock)
     if found.certification is None:
