@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dgr_engine.cli._evidence_args import add_evidence_arguments
 from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.options import EngineOptions
@@ -37,13 +38,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     model.add_argument("--model", type=Path, help="the GGUF file")
     model.add_argument("--fixture", help="a generated fixture by name (built if missing)")
     EngineOptions.add_arguments(p, **CERTIFY_OPTIONS)
-    p.add_argument(
-        "--evidence",
-        type=Path,
-        default=None,
-        help="evidence directory (default: $DGR_EVIDENCE_DIR, else the checkout's evidence/)",
-    )
-    p.add_argument("--lock", type=Path, default=None, help="the lock (default: the repo's)")
+    add_evidence_arguments(p)
     p.add_argument(
         "--reuse",
         action="store_true",

@@ -21,7 +21,6 @@ import argparse
 import asyncio
 import sys
 import time
-from pathlib import Path
 
 import attrs
 import numpy as np
@@ -29,6 +28,7 @@ import numpy as np
 from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.record import default_evidence_dir
 from dgr_engine.chain import split_points, whole_model_greedy
+from dgr_engine.cli._evidence_args import add_evidence_arguments
 from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.cli.certify import CERTIFY_OPTIONS, certify_or_reuse
@@ -278,12 +278,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-spare", action="store_true", help="no spare: spawn a replacement on demand"
     )
-    p.add_argument(
-        "--evidence",
-        type=Path,
-        default=None,
-        help="evidence directory (default: $DGR_EVIDENCE_DIR, else the checkout's evidence/)",
-    )
+    add_evidence_arguments(p, lock=False)
     p.add_argument(
         "--verbose", action="store_true", help="log state changes and stage calls to stderr"
     )

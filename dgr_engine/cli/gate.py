@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
+from dgr_engine.cli._evidence_args import add_evidence_arguments
 from dgr_session.identity import EvidenceClass
 
 
@@ -28,13 +28,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=None,
         help="evidence class to evaluate at (default: the story's required class)",
     )
-    p.add_argument(
-        "--evidence",
-        type=Path,
-        default=None,
-        help="evidence directory (default: $DGR_EVIDENCE_DIR, else the checkout's evidence/)",
-    )
-    p.add_argument("--lock", type=Path, default=None, help="the lock (default: the repo's)")
+    add_evidence_arguments(p)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from loguru import logger
 
+from dgr_engine.cli._evidence_args import add_evidence_arguments
 from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.options import EngineOptions
 
@@ -66,16 +67,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=600.0,
         help="close a session nobody has used for this many seconds (default 600); 0: never",
     )
-    p.add_argument(
-        "--evidence",
-        type=Path,
-        default=None,
-        help="certification records to read (default: $DGR_EVIDENCE_DIR, else the checkout's "
-        "evidence/, else ~/.cache/dgr/evidence); only a record of exactly this lane certifies it",
-    )
-    p.add_argument(
-        "--lock", type=Path, default=None, help="the lock (default: certification/lock.json)"
-    )
+    add_evidence_arguments(p)
     p.add_argument("--log-level", default="INFO", help="least level logged to stderr")
 
 
