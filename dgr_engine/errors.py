@@ -93,10 +93,14 @@ class StaleEpoch(EngineError, session_errors.StaleEpoch):
         self.held_epoch = held_epoch
 
 
-class CapacityExceeded(EngineError):
-    """Every session slot is taken. Nothing changed; close a session or use another shard."""
+class CapacityExceeded(EngineError, session_errors.StageBusy):
+    """Every session slot is taken. Nothing changed; close a session or use another shard.
+
+    Load, not a fault (:class:`dgr_session.errors.StageBusy`): ``retry_after`` is the worker's
+    hint, seconds, when it sent one."""
 
     code, status = 7, "DGR_E_CAPACITY"
+    fault_kind = FaultKind.BUSY
 
 
 class PositionMismatch(EngineError, ValueError):

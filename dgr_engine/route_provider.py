@@ -247,31 +247,44 @@ class LoopbackRouteProvider:
                         self.exclude(report.endpoint, f"{report.fault.value}: {report.detail}")
                     except KeyError:
                         pass  # not one of ours
-            route = await self._route(session_id)
+            busy = None
+            if report is not None and report.fault is FaultKind.BUSY:
+                busy = report.endpoint  # load, not a fault: try another worker first
+            route = await self._route(session_id, avoid=busy)
             if route is not None:
                 self.assigned.append((session_id, route))
             if self.observer is not None:
                 self.observer(session_id, report, route)
             return route
 
-    async def _route(self, session_id: str) -> Route | None:
+    async def _route(self, session_id: str, avoid: str | None = None) -> Route | None:
+        """A worker per range of the layout; for the range of ``avoid`` (a busy worker: load,
+        not a fault), another worker when one is routable, else that one again."""
         stages: list[StageSpec] = []
         for layers in self.layout:
-            worker = await self._routable(layers)
+            worker = await self._routable(layers, avoid)
             if worker is None:
                 self._log.bind(session=session_id).info("no route: nobody serves {}", layers)
                 return None
             stages.append(worker.stage)
         return Route(stages)
 
-    async def _routable(self, layers: tuple[int, int]) -> PooledWorker | None:
+    async def _routable(
+        self, layers: tuple[int, int], avoid: str | None = None
+    ) -> PooledWorker | None:
+        fallback = None
         for worker in self.workers:
             if worker.layers != layers or worker.excluded is not None:
                 continue
             if not worker.running:
                 self.exclude(worker.endpoint, f"process exited ({worker.process.proc.returncode})")
                 continue
+            if worker.endpoint == avoid:
+                fallback = worker
+                continue
             return worker
+        if fallback is not None:
+            return fallback
         if not self.spawn_on_demand or self._closed:
             return None
         return await self.spawn(layers)

@@ -10,6 +10,7 @@ kind (``docs/wire.md``).
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NoReturn
 
@@ -35,6 +36,10 @@ if TYPE_CHECKING:
     from loguru import Logger
 
 __all__ = ["ForwardRecord", "GrpcStageTransport", "StageStats", "expectations_for"]
+
+
+_CLOSE_RETRY_LIMIT = 600.0
+"""Seconds a failed close is retried when the stage's advert states no lease."""
 
 
 def expectations_for(stage: StageSpec) -> Expectations:
@@ -165,6 +170,9 @@ class GrpcStageTransport:
         # Opens in flight, by (endpoint, session, epoch): a close of that epoch first waits
         # (bounded) for its open to land, so that the worker cannot open after the close.
         self._opening: dict[tuple[str, str, int], asyncio.Event] = {}
+        # Closes that failed (a hung or unreachable stage), retried in the background until the
+        # worker answers, by (endpoint, session, epoch).
+        self._close_retries: dict[tuple[str, str, int], asyncio.Task[None]] = {}
 
     async def __aenter__(self) -> GrpcStageTransport:
         return self
@@ -173,7 +181,12 @@ class GrpcStageTransport:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Closes every channel (sessions still open on workers stay there until closed)."""
+        """Stops retrying failed closes and closes every channel (sessions still open on
+        workers stay there until their worker frees them: lease, stall rule)."""
+        retries, self._close_retries = self._close_retries, {}
+        for task in retries.values():
+            task.cancel()
+        await asyncio.gather(*retries.values(), return_exceptions=True)
         clients, self._clients = self._clients, {}
         for client in clients.values():
             await client.aclose()
@@ -205,6 +218,19 @@ class GrpcStageTransport:
             )
             self._clients[endpoint] = client
         return client
+
+    @property
+    def pending_closes(self) -> int:
+        """Failed closes still being retried in the background."""
+        return len(self._close_retries)
+
+    async def settle_closes(self, timeout: float) -> int:
+        """Waits (at most ``timeout`` s) for the closes being retried to land or give up;
+        returns how many are still pending."""
+        pending = list(self._close_retries.values())
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        return self.pending_closes
 
     def stats(self) -> dict[str, StageStats]:
         """Counters per endpoint, in first-contact order."""
@@ -294,6 +320,16 @@ class GrpcStageTransport:
                 # session's next epoch there or a close
             if key not in self._sent_open:
                 return  # the open never reached the stage
+        try:
+            await self._close_once(stage, session_id, epoch)
+        except Exception as exc:
+            self._retry_close_later(stage, session_id, epoch)
+            self._raise(stage, session_id, epoch, "close", exc)
+        log.debug("closed")
+
+    async def _close_once(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+        """One close call; returns once the stage holds nothing of ``epoch``."""
+        key = (stage.endpoint, session_id)
         client = self.client(stage.endpoint)
         try:
             # the client drops the session's stream at once (before any await), so a close of an
@@ -301,14 +337,51 @@ class GrpcStageTransport:
             async with asyncio.timeout(self.close_timeout):
                 await client.close(session_id, epoch, timeout=self.close_timeout)
         except UnknownSession:
-            self._forget(key, epoch)
-            return  # not held: nothing to release
+            pass  # not held: nothing to release
         except StaleEpoch:
             return  # a newer epoch is held: nothing of this one to release
-        except Exception as exc:
-            self._raise(stage, session_id, epoch, "close", exc)
         self._forget(key, epoch)
-        log.debug("closed")
+
+    def _retry_close_later(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+        """Retries a failed close in the background (backoff 0.25 s doubling to 4 s) until the
+        stage answers, a newer epoch is opened there, the stage's lease would have freed the
+        session anyway, or the transport closes: a stalled stage that resumes gets its slot
+        back within one backoff step."""
+        key = (stage.endpoint, session_id, epoch)
+        if key in self._close_retries:
+            return
+        advert = self._adverts.get(stage.endpoint)
+        lease = advert.capacity.session_lease_seconds if advert is not None else 0.0
+        task = asyncio.get_running_loop().create_task(
+            self._keep_closing(stage, session_id, epoch, lease or _CLOSE_RETRY_LIMIT),
+            name=f"dgr-close-retry {stage.endpoint} {session_id}/{epoch}",
+        )
+        self._close_retries[key] = task
+        task.add_done_callback(lambda _t: self._close_retries.pop(key, None))
+
+    async def _keep_closing(
+        self, stage: StageSpec, session_id: str, epoch: int, limit: float
+    ) -> None:
+        log = _log(stage, session_id, epoch)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + limit
+        delay = 0.25
+        for attempt in itertools.count(2):
+            await asyncio.sleep(delay)
+            if self._sent_open.get((stage.endpoint, session_id), -1) > epoch:
+                return  # a newer epoch's open discards this one there
+            try:
+                await self._close_once(stage, session_id, epoch)
+            except Exception as exc:  # noqa: BLE001 - keep trying within the limit
+                if loop.time() + delay >= give_up:
+                    log.warning(
+                        "close still failing after {} attempts; giving up: {}", attempt, exc
+                    )
+                    return
+                delay = min(delay * 2, 4.0)
+                continue
+            log.info("closed on attempt {}", attempt)
+            return
 
     def _forget(self, key: tuple[str, str], epoch: int) -> None:
         if self._sent_open.get(key, epoch + 1) <= epoch:

@@ -28,6 +28,7 @@ from dgr_session.commands import (
 )
 from dgr_session.core import RouteSession
 from dgr_session.errors import (
+    AdmissionTimeout,
     BoundaryMismatch,
     DarkLane,
     DgrError,
@@ -40,6 +41,7 @@ from dgr_session.errors import (
     SessionCancelled,
     SessionDeadlineExceeded,
     SessionFailed,
+    StageBusy,
     StageDead,
     StaleEpoch,
     StepDeadlineExceeded,
@@ -86,6 +88,7 @@ logger.disable("dgr_session")
 
 __all__ = [
     "TRANSITIONS",
+    "AdmissionTimeout",
     "Boundary",
     "BoundaryMismatch",
     "Cancel",
@@ -131,6 +134,7 @@ __all__ = [
     "SessionManager",
     "SessionResult",
     "SessionState",
+    "StageBusy",
     "StageDead",
     "StageFailed",
     "StageOpened",

@@ -24,6 +24,7 @@ from dgr_session.commands import (
     RequestRoute,
 )
 from dgr_session.errors import (
+    AdmissionTimeout,
     DgrError,
     FailureBudgetExhausted,
     InvalidTransition,
@@ -108,6 +109,8 @@ class RouteSession:
         "_route_attempt",
         "_route_changes",
         "_faults_at_step",
+        "_busy_since",
+        "_busy_retry",
         "_reports",
         "_stale",
         "_error",
@@ -191,6 +194,11 @@ class RouteSession:
         # Budget spent: route assignments after the first, and faults at the current step.
         self._route_changes = 0
         self._faults_at_step = 0
+        # Admission: when the first of a run of busy answers came (None: not waiting for a
+        # slot), and whether the next route assignment follows a busy answer (then it is not a
+        # route change: load spends the admission budget only).
+        self._busy_since: float | None = None
+        self._busy_retry = False
         self._reports: list[FailureReport] = []
         self._stale = 0
         self._error: DgrError | None = None
@@ -383,8 +391,9 @@ class RouteSession:
                 err.stage_index, FaultKind.ROUTE_INVALID, str(err), out, endpoint=err.endpoint
             )
             return
-        if self._route is not None:
+        if self._route is not None and not self._busy_retry:
             self._route_changes += 1
+        self._busy_retry = False
         if self._identity is None:
             self._identity = route.identity
         if self._recipe is None:
@@ -419,6 +428,7 @@ class RouteSession:
             return
         self._opened |= bit
         if self._opened == (1 << self._n_stages) - 1:
+            self._busy_since = None
             self._fire("stages_opened")
             self._start_forward(out)
 
@@ -471,6 +481,9 @@ class RouteSession:
 
     def _on_failed(self, event: StageFailed, out: list[Command]) -> None:
         if not self._stage_answer_applies(event.epoch, event.stage_index):
+            return
+        if event.kind is FaultKind.BUSY and self._state == _S.OPENING.value:
+            self._busy(event.stage_index, event.detail, event.retry_after, out)
             return
         self._fault(event.stage_index, event.kind, event.detail, out)
 
@@ -624,6 +637,7 @@ class RouteSession:
             endpoint = self._route.stages[stage_index].endpoint
         holding = self._state in _HOLDING
         self._faults_at_step += 1
+        self._busy_retry = False
         report = FailureReport(
             session_id=self.session_id,
             epoch=self._epoch,
@@ -668,6 +682,55 @@ class RouteSession:
         error.__cause__ = cause
         self._fire("exhausted", stage_index)
         self._end(FinishReason.FAILED, error, out)
+
+    def _busy(
+        self, stage_index: int, detail: str, retry_after: float | None, out: list[Command]
+    ) -> None:
+        """A stage had no free slot for the opening epoch: load, not a fault. Close the epoch
+        (releasing the slots its other stages hold), wait the worker's hint and ask the
+        provider again; fail only when the admission budget is spent."""
+        assert self._route is not None  # opening: a live epoch
+        now = self._now
+        endpoint = self._route.stages[stage_index].endpoint
+        if self._busy_since is None:
+            self._busy_since = self._wait_since  # the opening began then
+        report = FailureReport(
+            session_id=self.session_id,
+            epoch=self._epoch,
+            step=len(self._accepted),
+            stage_index=stage_index,
+            endpoint=endpoint,
+            fault=FaultKind.BUSY,
+            detail=detail,
+            attempt=self._faults_at_step + 1,
+            route_changes=self._route_changes,
+            at=now,
+            waited=now - self._wait_since,
+        )
+        self._reports.append(report)
+        self._close_epoch(out)
+        self._wait_deadline = None
+        waited = now - self._busy_since
+        budget = self.policy.admission_budget
+        if waited >= budget:
+            error = self._failure(
+                AdmissionTimeout,
+                f"session {self.session_id!r}: stage {stage_index} ({endpoint}) still busy after"
+                f" {waited:.1f}s of waiting for a session slot (admission budget {budget}s)",
+                stage_index=stage_index,
+                endpoint=endpoint,
+                fault=FaultKind.BUSY,
+            )
+            self._fire("exhausted", stage_index)
+            self._end(FinishReason.FAILED, error, out)
+            return
+        self._fire("stage_lost", stage_index)
+        delay = self.policy.busy_retry if retry_after is None else max(retry_after, 0.0)
+        self._backoff_until = now + min(delay, budget - waited)
+        self._busy_retry = True
+        if self._backoff_until <= now:
+            self._fire("backoff_elapsed")
+            self._ask_route(report, out)
 
     def _fail_session_deadline(self, out: list[Command]) -> None:
         stage_index = self._awaited_stage()

@@ -124,6 +124,20 @@ class StageDead(DgrError, ConnectionError):
     fault_kind: ClassVar[FaultKind] = FaultKind.DEAD
 
 
+class StageBusy(DgrError):
+    """A stage is healthy but every session slot is taken (and stayed taken for as long as the
+    worker let the open wait): load, not a fault.
+
+    Transports raise it when an open is refused for capacity; the session closes the epoch's
+    other stages, waits ``retry_after`` (the worker's hint, seconds; ``None``: none given) and
+    asks its provider again, within the policy's admission budget. It lives on. The worker
+    client's ``dgr_engine.errors.CapacityExceeded`` is this class too.
+    """
+
+    fault_kind: ClassVar[FaultKind] = FaultKind.BUSY
+    retry_after: float | None = None
+
+
 class StepDeadlineExceeded(DgrError, TimeoutError):
     """A step (route request, stage opening, or one forward through the route) ran past the
     policy's per-step deadline. The waited-on stage is reported as faulty and the session moves
@@ -196,6 +210,11 @@ class FailureBudgetExhausted(SessionFailed):
 class NoRouteAvailable(FailureBudgetExhausted):
     """The route provider had no usable route (none, refused, or too late) and the budget for
     asking again is spent. The session ends."""
+
+
+class AdmissionTimeout(SessionFailed):
+    """Every route offered stayed busy (no free session slot) for longer than the policy's
+    admission budget. No stage is blamed. The session ends."""
 
 
 class SessionDeadlineExceeded(SessionFailed):

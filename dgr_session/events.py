@@ -112,6 +112,8 @@ class StageFailed:
     """Error text, for the failure report."""
     step: int | None = None
     """Step of the failed forward (``None`` for an open)."""
+    retry_after: float | None = None
+    """For a busy stage: when to ask again, seconds (the worker's hint; ``None``: none)."""
 
 
 @attrs.frozen

@@ -25,6 +25,10 @@ class FaultKind(enum.StrEnum):
     #: The stage is healthy but no longer holds the session's state (closed under it, lease
     #: expired, worker restarted): a cache miss. The session re-prefills; nobody is to blame.
     STATE_LOST = "state_lost"
+    #: The stage is healthy but has no free session slot now (it answered "busy"): load, not a
+    #: fault. The session waits and asks again within its admission budget; nobody is blamed
+    #: and the failure budget is untouched.
+    BUSY = "busy"
     #: The provider assigned a route that failed validation.
     ROUTE_INVALID = "route_invalid"
     #: The provider had no route.

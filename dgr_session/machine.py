@@ -34,8 +34,9 @@ Loss and recovery::
     rerouting --route_assigned--> opening --> prefilling (re-prefill) --> decoding
 
 * ``stage_lost``: a stage died, missed the step deadline, returned an engine error or broke
-  protocol. The core closes every stage of the epoch (the epoch is dead from here on) and backs
-  off per the policy's schedule.
+  protocol, or answered busy at open (no free session slot: load, which spends the admission
+  budget and not the failure budget). The core closes every stage of the epoch (the epoch is
+  dead from here on) and backs off per the policy's schedule (after busy: the worker's hint).
 * ``route_lost``: waiting out the backoff. ``rerouting``: waiting for the provider's answer.
 
 Terminal states (no trigger leaves them)::

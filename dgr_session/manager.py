@@ -401,6 +401,7 @@ class SessionManager:
                     stage_index=cmd.stage_index,
                     kind=fault_kind(err),
                     detail=repr(err),
+                    retry_after=getattr(err, "retry_after", None),
                 )
             )
             return

@@ -62,6 +62,14 @@ class FailurePolicy:
     """Seconds to wait before asking for a route after the 1st, 2nd, ... fault of the session;
     the last entry repeats, an empty schedule means no wait."""
 
+    admission_budget: float = attrs.field(default=60.0, validator=_finite_positive)
+    """Seconds a session may spend waiting for busy stages (no free session slot) in a row,
+    from the first busy answer until every stage of a route has opened. Busy answers are load,
+    not faults: they spend this budget (and the session deadline), never the attempts or the
+    route changes."""
+    busy_retry: float = attrs.field(default=0.25, validator=_finite_positive)
+    """Seconds to wait before asking again after a busy answer that carried no hint."""
+
     def backoff_after(self, faults: int) -> float:
         """Delay before the route request that follows the session's ``faults``-th fault."""
         if not self.backoff or faults <= 0:

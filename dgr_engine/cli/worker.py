@@ -49,6 +49,26 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--grace", type=float, default=2.0, help="shutdown grace in seconds")
     p.add_argument(
+        "--admission-wait",
+        type=float,
+        default=5.0,
+        help="seconds an open may wait in line for a free session slot before the answer is "
+        "busy (first come, first served; default 5); 0: busy at once",
+    )
+    p.add_argument(
+        "--stall-seconds",
+        type=float,
+        default=5.0,
+        help="a gap this long in the worker's timekeeping (stopped or starved) closes the "
+        "sessions unused since, after --resume-grace (default 5); 0: off",
+    )
+    p.add_argument(
+        "--resume-grace",
+        type=float,
+        default=5.0,
+        help="seconds a session unused across a stall may still be used (default 5)",
+    )
+    p.add_argument(
         "--inline-max-rows",
         type=int,
         default=1,
@@ -96,6 +116,9 @@ async def _serve(args: argparse.Namespace) -> int:
         session_lease_seconds=args.session_lease if args.session_lease > 0 else None,
         evidence_dir=args.evidence if args.evidence is not None else default_evidence_dir(),
         lock_path=args.lock,
+        admission_wait_seconds=args.admission_wait,
+        stall_seconds=args.stall_seconds,
+        resume_grace_seconds=args.resume_grace,
     )
     try:
         model = args.model if args.model is not None else ensure_fixture(args.fixture)

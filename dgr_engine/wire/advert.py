@@ -60,6 +60,15 @@ class Capacity:
     session_lease_seconds: float = 0.0
     """A session nobody opens or forwards for this long is closed by the stage (its next
     frame is refused as unknown: re-prefill); 0: never."""
+    sessions_waiting: int = 0
+    """Opens waiting in line for a free slot now (admission is first come, first served)."""
+    admission_wait_seconds: float = 0.0
+    """How long an open may wait in line before the stage answers busy (0: at once)."""
+
+    @property
+    def sessions_free(self) -> int:
+        """Slots a new session could take now without waiting."""
+        return max(self.sessions_max - self.sessions_open - self.sessions_waiting, 0)
 
 
 @attrs.frozen
@@ -237,6 +246,8 @@ def advert_from_proto(msg: pb.Advert) -> Advert:
             context_per_session=msg.capacity.context_per_session,
             max_rows_per_forward=msg.capacity.max_rows_per_forward,
             session_lease_seconds=msg.capacity.session_lease_seconds,
+            sessions_waiting=msg.capacity.sessions_waiting,
+            admission_wait_seconds=msg.capacity.admission_wait_seconds,
         ),
         load=Load(
             in_flight=msg.load.in_flight,

@@ -13,6 +13,10 @@ from dgr_engine import errors as E
 STATUS_KEY = "dgr-status"
 """Trailing-metadata key of the machine-readable reason."""
 
+RETRY_AFTER_KEY = "dgr-retry-after-ms"
+"""Trailing-metadata key of a busy worker's hint: milliseconds after which a new open may find
+a free session slot (decimal), sent with a ``DGR_E_CAPACITY`` refusal when the worker knows."""
+
 HELD_EPOCH_KEY = "dgr-held-epoch"
 """Trailing-metadata key of the epoch a worker holds, sent with a ``DGR_E_STALE_EPOCH``
 refusal (decimal)."""
@@ -66,12 +70,16 @@ def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 def refusal_trailers(exc: BaseException, status: str) -> tuple[tuple[str, str], ...]:
-    """The trailing metadata a worker refuses a call with: the dgr-status, and the epoch it
-    holds for a stale-epoch refusal."""
+    """The trailing metadata a worker refuses a call with: the dgr-status, the epoch it holds
+    for a stale-epoch refusal, and its retry hint for a busy one."""
+    trailers: tuple[tuple[str, str], ...] = ((STATUS_KEY, status),)
     held = exc.held_epoch if isinstance(exc, E.StaleEpoch) else None
-    if held is None:
-        return ((STATUS_KEY, status),)
-    return ((STATUS_KEY, status), (HELD_EPOCH_KEY, str(held)))
+    if held is not None:
+        trailers += ((HELD_EPOCH_KEY, str(held)),)
+    retry = exc.retry_after if isinstance(exc, E.CapacityExceeded) else None
+    if retry is not None:
+        trailers += ((RETRY_AFTER_KEY, str(round(retry * 1000))),)
+    return trailers
 
 
 def error_from_trailers(
@@ -81,12 +89,15 @@ def error_from_trailers(
     (see :func:`error_from_rpc`); a stale-epoch refusal carries the worker's held epoch."""
     found: dict[str, str] = {}
     for key, value in trailers or ():
-        if key in (STATUS_KEY, HELD_EPOCH_KEY):
+        if key in (STATUS_KEY, HELD_EPOCH_KEY, RETRY_AFTER_KEY):
             found[key] = value if isinstance(value, str) else value.decode()
     error = error_from_rpc(code, found.get(STATUS_KEY), details)
     held = found.get(HELD_EPOCH_KEY, "")
     if isinstance(error, E.StaleEpoch) and held.isdigit():
         error.held_epoch = int(held)
+    retry = found.get(RETRY_AFTER_KEY, "")
+    if isinstance(error, E.CapacityExceeded) and retry.isdigit():
+        error.retry_after = int(retry) / 1000
     return error
 
 

@@ -33,6 +33,7 @@ from dgr_engine.wire.advert import (
     SeamCost,
 )
 from dgr_engine.wire.proto import shard_pb2_grpc
+from dgr_engine.worker.admission import Admission
 from dgr_engine.worker.engine_thread import EngineThread
 from dgr_engine.worker.identity import BuildIdentity
 from dgr_engine.worker.load import LoadMeter
@@ -80,11 +81,25 @@ class WorkerConfig:
     is certified only by a record of exactly its lane. ``None``: the lane is dark."""
     lock_path: Path | None = None
     """The lock records must be made under (default: ``$DGR_LOCK`` or the checkout's)."""
+    admission_wait_seconds: float = 5.0
+    """How long an open may wait in line for a free session slot (first come, first served)
+    before it is answered busy (``DGR_E_CAPACITY`` with a retry hint); 0: answer at once. Also
+    bounded by the call's own deadline."""
+    stall_seconds: float = 5.0
+    """A gap this long in the worker's own timekeeping (the process was stopped or starved)
+    means its clients have given up waiting on it: sessions unused across the gap get
+    ``resume_grace_seconds`` to be used again, then are closed (their clients moved on)."""
+    resume_grace_seconds: float = 5.0
+    """See ``stall_seconds``."""
 
     def __attrs_post_init__(self) -> None:
         lease = self.session_lease_seconds
         if lease is not None and not lease > 0:
             raise ValueError(f"session_lease_seconds must be > 0 or None, got {lease}")
+        for name in ("admission_wait_seconds", "stall_seconds", "resume_grace_seconds"):
+            value = getattr(self, name)
+            if not (value >= 0 and value != float("inf")):
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
 
 
 class ShardWorker:
@@ -104,9 +119,14 @@ class ShardWorker:
         self.info = engine.info
         self.expect = frames.Expectations.of_shard(build.model_sha256, self.info)
         self.table = SessionTable(engine, clock)
+        self.admission = Admission(self._free_slots)
         self.sessions_expired = 0
         """Sessions closed because their lease ran out."""
+        self.sessions_reclaimed = 0
+        """Sessions closed after a stall because nobody used them again (their clients moved
+        on), or because a newer epoch's close named them."""
         self._sweeper: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
         self.meter = LoadMeter(self.config.load_window_seconds)
         self.port = 0
         self.log = logger.bind(stage=f"{self.info.layer_begin}:{self.info.layer_end}")
@@ -188,6 +208,10 @@ class ShardWorker:
             self._sweeper = asyncio.get_running_loop().create_task(
                 self._sweep_leases(self.config.session_lease_seconds), name="dgr-session-leases"
             )
+        if self.config.stall_seconds > 0:
+            self._watchdog = asyncio.get_running_loop().create_task(
+                self._watch_for_stalls(), name="dgr-stall-watchdog"
+            )
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.log.info(
@@ -204,10 +228,11 @@ class ShardWorker:
         if self._stopped is not None:
             return self._stopped
         await self._health.enter_graceful_shutdown()
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
+        for task in (self._sweeper, self._watchdog):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._server is not None:
             await self._server.stop(self.config.grace_seconds)
         closed = await self._engine_thread.run(self._close)
@@ -221,6 +246,74 @@ class ShardWorker:
             return self.table.close_all()
         finally:
             self.engine.close()
+
+    # -- sessions: admission, close, leases, stalls ------------------------------------------
+
+    def _free_slots(self) -> int:
+        return self.info.max_sessions - self.table.snapshot().sessions_open
+
+    async def open_session(self, session_id: str, epoch: int, *, wait: float | None) -> bool:
+        """Opens ``(session_id, epoch)`` on the engine; True if an older epoch was discarded.
+        A session new here takes a slot: when none is free it waits in line (first come, first
+        served) for at most ``admission_wait_seconds`` and ``wait`` (the call's time left),
+        then raises ``CapacityExceeded`` with a retry hint."""
+        if self.table.holds(session_id):  # a newer epoch reuses the session's slot
+            return await self.run_on_engine(self.table.open, session_id, epoch)
+        limit = self.config.admission_wait_seconds
+        if wait is not None:
+            limit = min(limit, wait - 0.05)  # answer busy before the caller gives up
+        async with self.admission.turn(limit, f"open of session {session_id!r}"):
+            return await self.run_on_engine(self.table.open, session_id, epoch)
+
+    async def close_session(self, session_id: str, epoch: int) -> int:
+        """Closes the session if open at ``epoch`` or older; returns the epoch closed."""
+        try:
+            closed = await self.run_on_engine(self.table.close, session_id, epoch)
+        finally:
+            self.admission.changed()
+        if closed < epoch:
+            self.sessions_reclaimed += 1
+        return closed
+
+    async def _watch_for_stalls(self) -> None:
+        # Ticks every stall/4; a tick that comes a stall late means the process was stopped
+        # (SIGSTOP) or starved. Every session unused since before the gap is then closed unless
+        # used within the resume grace: its client hit its step deadline while we were gone.
+        stall, grace = self.config.stall_seconds, self.config.resume_grace_seconds
+        clock = self.table.clock
+        last = clock()
+        while True:
+            await asyncio.sleep(stall / 4)
+            now = clock()
+            if now - last >= stall:
+                self.log.warning(
+                    "stalled for {:.1f} s: sessions unused since are closed in {} s unless used",
+                    now - last,
+                    grace,
+                )
+                await asyncio.sleep(grace)
+                await self._reclaim_unused_since(last)
+                now = clock()
+            last = now
+
+    async def _reclaim_unused_since(self, since: float) -> None:
+        try:
+            sweep = await self._engine_thread.run(self.table.expire_unused_since, since)
+        except Exception as exc:  # noqa: BLE001 - the watchdog must outlive one bad sweep
+            self.meter.error()
+            self.log.opt(exception=exc).error("closing sessions after a stall failed: {!r}", exc)
+            return
+        self.admission.changed()
+        for session_id, epoch in sweep.closed:
+            self.log.bind(session=session_id, epoch=epoch).warning(
+                "session closed: unused since before a stall (its client moved on)"
+            )
+        for session_id, epoch, error in sweep.failed:
+            self.meter.error()
+            self.log.bind(session=session_id, epoch=epoch).error(
+                "closing a session unused since a stall failed: {}", error
+            )
+        self.sessions_reclaimed += len(sweep.closed)
 
     # -- session leases ----------------------------------------------------------------------
 
@@ -242,6 +335,7 @@ class ShardWorker:
                 "session lease ran out but closing it failed: {}", exc
             )
         self.sessions_expired += len(sweep.closed)
+        self.admission.changed()
         return sweep.closed
 
     async def _sweep_leases(self, lease: float) -> None:
@@ -335,6 +429,8 @@ class ShardWorker:
                 context_per_session=info.n_ctx_per_session,
                 max_rows_per_forward=info.n_batch,
                 session_lease_seconds=self.config.session_lease_seconds or 0.0,
+                sessions_waiting=self.admission.waiting,
+                admission_wait_seconds=self.config.admission_wait_seconds,
             ),
             load=Load(
                 in_flight=load.in_flight,

@@ -54,8 +54,8 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         try:
             frames.check_session_id(request.session_id)
             frames.check_expectations(request.expect, self.w.expect)
-            discarded = await self.w.run_on_engine(
-                self.w.table.open, request.session_id, int(request.epoch)
+            discarded = await self.w.open_session(
+                request.session_id, int(request.epoch), wait=context.time_remaining()
             )
         except Exception as exc:
             await self._refuse(context, exc, request, "open")
@@ -68,10 +68,10 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
         try:
             frames.check_session_id(request.session_id)
-            await self.w.run_on_engine(self.w.table.close, request.session_id, int(request.epoch))
+            closed = await self.w.close_session(request.session_id, int(request.epoch))
         except Exception as exc:
             await self._refuse(context, exc, request, "close")
-        log.info("session closed")
+        log.info("session closed{}", "" if closed == request.epoch else f" (epoch {closed})")
         return pb.CloseSessionReply(session_id=request.session_id, epoch=request.epoch)
 
     async def Forward(

@@ -111,12 +111,23 @@ class SessionTable:
         entry.next_pos = int(frame.positions[-1]) + 1
         return out, entry.next_pos
 
-    def close(self, session_id: str, epoch: int) -> None:
-        entry = self._live(session_id, epoch)
+    def close(self, session_id: str, epoch: int) -> int:
+        """Closes the session if it is open at ``epoch`` or older (a newer epoch was opened
+        elsewhere: the state held here is dead); returns the epoch closed. A newer open epoch
+        is refused as stale, an unknown session as unknown."""
+        entry = self._entries.get(session_id)
+        if entry is None or epoch < entry.epoch:
+            entry = self._live(session_id, epoch)  # raises
         with _naming(session_id, entry.key):
-            self.engine.close_session(entry.key, epoch)
+            self.engine.close_session(entry.key, entry.epoch)
         with self._lock:
             del self._entries[session_id]
+        return entry.epoch
+
+    def holds(self, session_id: str) -> bool:
+        """Whether the session is open here (at any epoch); safe from any thread."""
+        with self._lock:
+            return session_id in self._entries
 
     def close_all(self) -> int:
         """Closes every session; returns how many were open."""
@@ -131,11 +142,13 @@ class SessionTable:
         """Closes every session unused (not opened or forwarded) for at least
         ``lease_seconds``. A session whose engine close fails stays open (and listed as
         failed)."""
-        now = self.clock()
+        return self.expire_unused_since(self.clock() - lease_seconds)
+
+    def expire_unused_since(self, since: float) -> LeaseSweep:
+        """Closes every session last used at or before ``since`` (clock time); as
+        :meth:`expire_idle`."""
         with self._lock:
-            idle = [
-                (sid, e) for sid, e in self._entries.items() if now - e.last_used >= lease_seconds
-            ]
+            idle = [(sid, e) for sid, e in self._entries.items() if e.last_used <= since]
         sweep = LeaseSweep()
         for session_id, entry in idle:
             try:

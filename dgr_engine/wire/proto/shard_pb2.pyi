@@ -122,20 +122,24 @@ class LayerRange(_message.Message):
     def __init__(self, layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., needs_token_ids: _Optional[bool] = ...) -> None: ...
 
 class Capacity(_message.Message):
-    __slots__ = ("sessions_max", "sessions_open", "kv_tokens_free", "context_per_session", "max_rows_per_forward", "session_lease_seconds")
+    __slots__ = ("sessions_max", "sessions_open", "kv_tokens_free", "context_per_session", "max_rows_per_forward", "session_lease_seconds", "sessions_waiting", "admission_wait_seconds")
     SESSIONS_MAX_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_OPEN_FIELD_NUMBER: _ClassVar[int]
     KV_TOKENS_FREE_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_PER_SESSION_FIELD_NUMBER: _ClassVar[int]
     MAX_ROWS_PER_FORWARD_FIELD_NUMBER: _ClassVar[int]
     SESSION_LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_WAITING_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     sessions_max: int
     sessions_open: int
     kv_tokens_free: int
     context_per_session: int
     max_rows_per_forward: int
     session_lease_seconds: float
-    def __init__(self, sessions_max: _Optional[int] = ..., sessions_open: _Optional[int] = ..., kv_tokens_free: _Optional[int] = ..., context_per_session: _Optional[int] = ..., max_rows_per_forward: _Optional[int] = ..., session_lease_seconds: _Optional[float] = ...) -> None: ...
+    sessions_waiting: int
+    admission_wait_seconds: float
+    def __init__(self, sessions_max: _Optional[int] = ..., sessions_open: _Optional[int] = ..., kv_tokens_free: _Optional[int] = ..., context_per_session: _Optional[int] = ..., max_rows_per_forward: _Optional[int] = ..., session_lease_seconds: _Optional[float] = ..., sessions_waiting: _Optional[int] = ..., admission_wait_seconds: _Optional[float] = ...) -> None: ...
 
 class Load(_message.Message):
     __slots__ = ("in_flight", "queued", "rows_per_second", "window_seconds")
