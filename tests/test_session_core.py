@@ -10,6 +10,7 @@ import pytest
 from loguru import logger
 
 from dgr_session import (
+    AdmissionTimeout,
     Cancel,
     ClockTick,
     CloseStage,
@@ -688,3 +689,68 @@ def test_prefill_is_chunked_to_the_routes_max_rows_and_replayed_in_the_same_chun
     d.assign(with_max_rows(route("a", "c"), 8))
     (replay,) = d.open_all()
     assert replay.positions == range(0, 4)
+
+
+# ------------------------------------------------------------------------------------------
+# Busy stages: load, not faults
+
+
+def busy(d: Driver, stage: int, retry_after: float | None = None) -> list[Any]:
+    return d.feed(
+        StageFailed(
+            session_id=SID,
+            epoch=d.core.epoch,
+            stage_index=stage,
+            kind=FaultKind.BUSY,
+            detail="no free slot",
+            retry_after=retry_after,
+        )
+    )
+
+
+def test_busy_at_open_waits_the_hint_and_spends_neither_attempts_nor_route_changes() -> None:
+    policy = FailurePolicy(max_route_changes=0, max_attempts_per_step=1, admission_budget=10.0)
+    d = Driver(policy=policy)
+    d.start()
+    for _ in range(5):  # far more than attempts (1) or route changes (0) would allow
+        d.assign(route("a", "b"))
+        d.feed(StageOpened(SID, d.core.epoch, 0))
+        out = busy(d, 1, retry_after=0.5)
+        # the epoch is closed on every stage (stage 0 gives its slot back), then it waits
+        assert [c.stage_index for c in of(out, CloseStage)] == [0, 1]
+        assert d.core.state is SessionState.ROUTE_LOST
+        assert d.core.next_timer() == d.now + 0.5
+        (request,) = of(d.tick(d.now + 0.5), RequestRoute)
+        assert request.report.fault is FaultKind.BUSY and request.report.endpoint == "b"
+    d.assign(route("a", "b"))
+    d.open_all()
+    for token in (7, 8, 9, 10):
+        d.step(token)
+    assert d.core.state is SessionState.DONE
+    assert d.core.route_changes == 0
+    assert [r.fault for r in d.core.reports] == [FaultKind.BUSY] * 5
+
+
+def test_busy_past_the_admission_budget_fails_typed() -> None:
+    policy = FailurePolicy(admission_budget=2.0, busy_retry=0.5, step_deadline=10.0)
+    d = Driver(policy=policy)
+    d.start()
+    for _ in range(10):  # bounded: the budget ends it after 4 waits of 0.5 s
+        if d.core.state is SessionState.FAILED:
+            break
+        d.assign(route("a"))
+        busy(d, 0)  # no hint: the policy's busy_retry
+        if d.core.state is SessionState.ROUTE_LOST:
+            d.tick(d.core.next_timer() or d.now)
+    error = d.core.error
+    assert d.core.state is SessionState.FAILED
+    assert isinstance(error, AdmissionTimeout)
+    assert error.fault is FaultKind.BUSY and error.endpoint == "a"
+    assert d.now == pytest.approx(2.0)
+
+
+def test_busy_while_decoding_is_a_fault_like_any_other() -> None:
+    d = Driver().running(route("a"))
+    (request,) = of(busy(d, 0), RequestRoute)  # POLICY backs off 0 s: asks at once
+    assert request.report.fault is FaultKind.BUSY
+    assert d.core.attempts == 2  # counted against the step, as any fault outside opening

@@ -149,6 +149,12 @@ def test_session_table_mirrors_the_engine(tiny_llama: Path) -> None:
         table.open("c", 0)
         assert table.snapshot().sessions_open == 2
         assert engine.stats().open_sessions == 2
+        # a close naming a newer epoch (opened elsewhere) frees the older epoch held here
+        assert table.close("c", 5) == 0
+        assert not table.holds("c") and engine.stats().open_sessions == 1
+        with pytest.raises(E.StaleEpoch):
+            table.close("a", 3)  # the newer open epoch 4 is never closed by an older close
+        table.open("c", 0)
         assert table.close_all() == 2
         assert engine.stats().open_sessions == 0 and table.snapshot().sessions_open == 0
 

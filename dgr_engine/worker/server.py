@@ -23,6 +23,7 @@ from dgr_engine.certification.errors import EvidenceError
 from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.registry import LaneLookup, find_certification
 from dgr_engine.engine import ShardEngine
+from dgr_engine.errors import StaleEpoch, UnknownSession
 from dgr_engine.wire import frames as frames
 from dgr_engine.wire.advert import (
     Advert,
@@ -127,6 +128,7 @@ class ShardWorker:
         on), or because a newer epoch's close named them."""
         self._sweeper: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
         self.meter = LoadMeter(self.config.load_window_seconds)
         self.port = 0
         self.log = logger.bind(stage=f"{self.info.layer_begin}:{self.info.layer_end}")
@@ -235,6 +237,7 @@ class ShardWorker:
                     await task
         if self._server is not None:
             await self._server.stop(self.config.grace_seconds)
+        await asyncio.gather(*self._background, return_exceptions=True)
         closed = await self._engine_thread.run(self._close)
         self._engine_thread.shutdown()
         self._stopped = closed
@@ -274,6 +277,32 @@ class ShardWorker:
         if closed < epoch:
             self.sessions_reclaimed += 1
         return closed
+
+    def abandon(self, session_id: str, epoch: int, why: str) -> None:
+        """A call of ``(session_id, epoch)`` was cancelled by its caller (its deadline passed,
+        or it gave up): a dgr client never uses an epoch again after a failed call, so the
+        session is closed here at that epoch (not a newer one), in the background."""
+
+        async def close() -> None:
+            try:
+                closed = await self.close_session(session_id, epoch)
+            except (UnknownSession, StaleEpoch):
+                return  # already gone, or a newer epoch holds the slot
+            except Exception as exc:  # noqa: BLE001 - logged; the lease still bounds it
+                self.log.bind(session=session_id, epoch=epoch).error(
+                    "closing an abandoned session failed: {!r}", exc
+                )
+                return
+            if closed == epoch:  # an older epoch is counted by close_session
+                self.sessions_reclaimed += 1
+            self.log.bind(session=session_id, epoch=epoch).warning(
+                "session closed: {} by its client (it gave up on this epoch)", why
+            )
+
+        if self._stopped is None:
+            task = asyncio.get_running_loop().create_task(close(), name="dgr-abandoned-close")
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
 
     async def _watch_for_stalls(self) -> None:
         # Ticks every stall/4; a tick that comes a stall late means the process was stopped

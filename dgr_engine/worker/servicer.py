@@ -4,6 +4,7 @@ call checked, run on the engine, answered; each refusal aborted with its gRPC co
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -57,6 +58,9 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             discarded = await self.w.open_session(
                 request.session_id, int(request.epoch), wait=context.time_remaining()
             )
+        except asyncio.CancelledError:
+            self.w.abandon(request.session_id, int(request.epoch), "open cancelled")
+            raise
         except Exception as exc:
             await self._refuse(context, exc, request, "open")
         log.info("session opened{}", " (older epoch discarded)" if discarded else "")
@@ -79,6 +83,9 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     ) -> pb.ForwardReply:
         try:
             return await self._forward(request, _deadline(context))
+        except asyncio.CancelledError:
+            self.w.abandon(request.session_id, int(request.epoch), "forward cancelled")
+            raise
         except Exception as exc:
             await self._refuse(context, exc, request, f"forward step {request.step}")
 
@@ -87,12 +94,20 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         requests: AsyncIterator[pb.ForwardRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.ForwardReply]:
-        async for request in requests:
-            try:
-                reply = await self._forward(request, None)
-            except Exception as exc:
-                await self._refuse(context, exc, request, f"forward step {request.step} (stream)")
-            yield reply
+        last: pb.ForwardRequest | None = None
+        try:
+            async for request in requests:
+                last = request
+                try:
+                    reply = await self._forward(request, None)
+                except Exception as exc:
+                    what = f"forward step {request.step} (stream)"
+                    await self._refuse(context, exc, request, what)
+                yield reply
+        except (asyncio.CancelledError, GeneratorExit):
+            if last is not None:
+                self.w.abandon(last.session_id, int(last.epoch), "stream cancelled")
+            raise
 
     async def _forward(self, request: pb.ForwardRequest, deadline: float | None) -> pb.ForwardReply:
         """One frame: check, run on the engine (thread, or the loop: ``inline_max_rows``),
