@@ -49,7 +49,9 @@ def advert(begin: int, end: int, n_layer: int = 4, width: int = 64, **lane_kw: o
         lane=Lane(**lane_args),  # type: ignore[arg-type]
         schema_version=1,
         span=LayerSpan(begin, end, is_first, is_last, is_first),
-        capacity=Capacity(4, 1, 900, 256, 64, 600.0),
+        capacity=Capacity(
+            4, 1, 900, 256, 64, 600.0, sessions_waiting=2, admission_wait_seconds=5.0
+        ),
         load=Load(1, 0, 12.5, 10.0),
         seam=SeamCost("f32", 0 if is_first else width, 256 if is_last else width, 8, 256),
         health=Health(3.5, 1, 2, 10.0),
@@ -189,3 +191,9 @@ def test_model_sha256_is_cached_by_path_size_and_mtime(tiny_llama: Path, tmp_pat
     with model.open("ab") as f:  # ...a changed file (size, mtime) is
         f.write(b"\0")
     assert ident.model_sha256(model, cache) == hashlib.sha256(model.read_bytes()).digest()
+
+
+def test_free_slots_count_the_admission_line() -> None:
+    assert Capacity(4, 1, 900, 256, 64).sessions_free == 3
+    assert Capacity(4, 4, 0, 256, 64, sessions_waiting=2).sessions_free == 0
+    assert Capacity(4, 3, 0, 256, 64, sessions_waiting=1).sessions_free == 0
