@@ -29,6 +29,7 @@ from dgr_session import (
     EvidenceClass,
     FailurePolicy,
     FailureReport,
+    FaultKind,
     ModelIdentity,
     Route,
     SessionManager,
@@ -48,13 +49,15 @@ def stage_cost(advert: Advert) -> float:
     """The tracker's price of a stage: the bytes it ships to the next stage per token (the last
     stage's logits go to the client whatever the route), how busy it is, its recent errors."""
     seam = 0 if advert.span.is_last else advert.seam.bytes_per_token_out
-    busy = advert.capacity.sessions_open / advert.capacity.sessions_max + advert.load.in_flight
+    c = advert.capacity
+    busy = (c.sessions_open + c.sessions_waiting) / c.sessions_max + advert.load.in_flight
     return seam + 1000 * busy + 10_000 * advert.health.recent_errors
 
 
 class CheapestRoute:
     """A ``dgr_session.RouteProvider``: fresh adverts of the workers not blamed yet, the
-    compatible ones with a free slot, then the cheapest chain of ranges covering every layer."""
+    compatible ones, then the cheapest chain of ranges covering every layer (a full worker is
+    dear, not excluded: its line is fair, and busy is load, not a fault)."""
 
     def __init__(self, endpoints: list[str], model: ModelIdentity) -> None:
         self.endpoints = endpoints
@@ -64,7 +67,8 @@ class CheapestRoute:
     async def assign(self, session_id: str, report: FailureReport | None) -> Route | None:
         if report is not None and report.endpoint is not None:
             print(f"  {session_id}: {report.endpoint} {report.fault.value} at step {report.step}")
-            self.blamed.add(report.endpoint)  # never route to it again
+            if report.fault not in (FaultKind.BUSY, FaultKind.STATE_LOST):  # load, cache miss
+                self.blamed.add(report.endpoint)  # a fault: never route to it again
         pool: dict[str, Advert] = {}
         for endpoint in self.endpoints:
             if endpoint in self.blamed:
@@ -81,7 +85,6 @@ class CheapestRoute:
             if a.identity == self.model
             and a.lane.evidence is not None
             and a.lane.evidence.satisfies(REQUIRED)
-            and a.capacity.sessions_open < a.capacity.sessions_max
         }
 
         def chains(layer: int) -> list[list[str]]:  # every way to cover [layer, n_layer)
@@ -111,7 +114,8 @@ async def read_adverts(endpoints: list[str]) -> dict[str, Advert]:
         print(
             f"{endpoint} [{a.span.layer_begin},{a.span.layer_end}) model "
             f"{a.identity.content_hash.hex()[:12]} slots {a.capacity.sessions_open}/"
-            f"{a.capacity.sessions_max} in flight {a.load.in_flight} seam "
+            f"{a.capacity.sessions_max} (+{a.capacity.sessions_waiting} waiting) in flight "
+            f"{a.load.in_flight} seam "
             f"{a.seam.bytes_per_token_in}/{a.seam.bytes_per_token_out} B/token errors "
             f"{a.health.recent_errors} lane {a.lane.certification.value} "
             f"({a.lane.evidence.value if a.lane.evidence else 'no'} evidence)"
