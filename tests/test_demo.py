@@ -115,6 +115,7 @@ def test_an_interrupted_demo_stops_every_worker(sig: signal.Signals) -> None:
         env=env,
     )
     lines: queue.Queue[str | None] = queue.Queue()
+    errors: list[str] = []
 
     def drain() -> None:
         assert proc.stdout is not None
@@ -122,23 +123,32 @@ def test_an_interrupted_demo_stops_every_worker(sig: signal.Signals) -> None:
             lines.put(line)
         lines.put(None)
 
+    def drain_stderr() -> None:
+        assert proc.stderr is not None
+        errors.extend(proc.stderr)
+
+    # one reader per pipe, and nothing else reads them (communicate() would race the readers)
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
+    err_reader = threading.Thread(target=drain_stderr, daemon=True)
+    err_reader.start()
     seen: list[str] = []
     try:
         while True:
             line = lines.get(timeout=60)
-            assert line is not None, f"demo ended early: {''.join(seen)}{proc.stderr}"
+            assert line is not None, f"demo ended early: {''.join(seen)}{''.join(errors)}"
             seen.append(line)
             if line.startswith("sessions"):  # the workers run and the sessions have started
                 break
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
     reader.join(10)
+    err_reader.join(10)
+    err = "".join(errors)
     while (line := lines.get(timeout=10)) is not None:
         seen.append(line)
     out = "".join(seen)

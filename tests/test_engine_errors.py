@@ -284,6 +284,7 @@ NOT_ENGINE_ERROR = {
     E.ModelLoadError: FaultKind.DEAD,  # an OSError, as the manager filed it before
     E.ShardDeadlineExceeded: FaultKind.DEADLINE,
     E.UnknownSession: FaultKind.STATE_LOST,  # a cache miss on a healthy stage
+    E.CapacityExceeded: FaultKind.BUSY,  # load, not a fault
 }
 
 
