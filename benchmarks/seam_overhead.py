@@ -35,6 +35,7 @@ import numpy as np
 from dgr_engine.client import ShardClient, expectations_of
 from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.processes import WorkerProcess
+from dgr_engine.wire.frames import check_finite_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -181,6 +182,17 @@ def summary(values: list[int]) -> tuple[float, float, float]:
     return statistics.median(ordered), ordered[n // 10], ordered[(9 * n) // 10]
 
 
+def finite_check_us(width: int, rows: int, repeats: int = 2000) -> float:
+    """Median µs of the worker's finite-values check (``check_finite_rows``) on one frame."""
+    frame = np.random.default_rng(0).standard_normal((rows, width)).astype(np.float32)
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter_ns()
+        check_finite_rows(frame, "boundary")
+        times.append(time.perf_counter_ns() - began)
+    return float(np.median(times)) / 1000
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--frames", type=int, default=500)
@@ -207,6 +219,10 @@ def main() -> int:
         )
         cases.append(("echo-64", 64, EchoProcess.spawn_echo(64)))
         cases.append(("echo-4x4096", V4_BOUNDARY, EchoProcess.spawn_echo(V4_BOUNDARY)))
+        print("finite-values check per hop, µs (median; the same process, before the engine)")
+        for width in (64, V4_BOUNDARY):
+            for rows in (1, 64):
+                print(f"  width {width:>5} x {rows:>2} rows: {finite_check_us(width, rows):8.2f}")
         print(f"per-hop seam overhead, µs (rtt - worker compute), {args.frames} one-row frames")
         print(
             f"{'case':<30} {'mode':<7} {'median':>8} {'p10':>8} {'p90':>8}   medians: "

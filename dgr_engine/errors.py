@@ -131,6 +131,14 @@ class DecodeError(EngineError):
     code, status = 11, "DGR_E_DECODE"
 
 
+class NonFiniteOutput(EngineError):
+    """The engine produced NaN or infinity (a worker's check of every output). The session's
+    state on that stage is unusable: the worker closed it. A route session files it as the
+    stage's engine fault and re-prefills elsewhere."""
+
+    code, status = -1, "DGR_E_NON_FINITE"
+
+
 class StateError(EngineError, ValueError):
     """A saved state does not fit this engine (nothing changed), or llama.cpp refused it (the
     session is emptied: next position 0)."""

@@ -138,6 +138,15 @@ class StageBusy(DgrError):
     retry_after: float | None = None
 
 
+class NonFiniteLogits(DgrError, ValueError):
+    """A sampler was given logits holding NaN or infinity: no token can be chosen from them.
+
+    The last stage's engine produced them; the session files it as that stage's engine fault
+    and re-prefills on a new route within its failure budget. It lives on."""
+
+    fault_kind: ClassVar[FaultKind] = FaultKind.ENGINE_ERROR
+
+
 class StepDeadlineExceeded(DgrError, TimeoutError):
     """A step (route request, stage opening, or one forward through the route) ran past the
     policy's per-step deadline. The waited-on stage is reported as faulty and the session moves

@@ -451,7 +451,8 @@ class SessionManager:
                 token = int(handle._sampler(result.values, step))
             except Exception as err:  # noqa: BLE001 - unusable logits are the stage's fault
                 detail = f"cannot sample from logits: {err!r}"
-                handle._post(failed(FaultKind.PROTOCOL, detail))
+                kind = getattr(err, "fault_kind", FaultKind.PROTOCOL)
+                handle._post(failed(kind, detail))
                 return
             handle._post(output(token=token))
         elif isinstance(result, Boundary):

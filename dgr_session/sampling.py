@@ -8,9 +8,26 @@ from typing import Any
 
 import attrs
 
+from dgr_session.errors import NonFiniteLogits
+
+
+def check_finite(logits: Any) -> None:
+    """Raises :class:`NonFiniteLogits` when ``logits`` hold NaN or infinity (arrays with
+    ``min``/``max``, which propagate NaN, are checked in two passes; sequences one by one)."""
+    if hasattr(logits, "max") and hasattr(logits, "min"):
+        if len(logits) and not (
+            math.isfinite(float(logits.max())) and math.isfinite(float(logits.min()))
+        ):
+            raise NonFiniteLogits(f"logits hold NaN or infinity ({len(logits)} values)")
+        return
+    if not all(math.isfinite(float(value)) for value in logits):
+        raise NonFiniteLogits(f"logits hold NaN or infinity ({len(logits)} values)")
+
 
 def greedy(logits: Any, step: int = 0) -> int:
-    """Index of the largest logit (the lowest such index on ties, like ``numpy.argmax``)."""
+    """Index of the largest logit (the lowest such index on ties, like ``numpy.argmax``);
+    :class:`NonFiniteLogits` when any is NaN or infinite."""
+    check_finite(logits)
     argmax = getattr(logits, "argmax", None)
     if argmax is not None:
         return int(argmax())
@@ -43,6 +60,7 @@ class SeededSampler:
         values = [float(value) for value in logits]
         if not values:
             raise ValueError("empty logits")
+        check_finite(values)
         order = sorted(range(len(values)), key=lambda i: (-values[i], i))
         if self.top_k > 0:
             order = order[: self.top_k]

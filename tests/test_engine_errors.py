@@ -290,7 +290,7 @@ NOT_ENGINE_ERROR = {
 
 def test_each_engine_error_declares_its_fault_kind() -> None:
     classes = [c for c in vars(E).values() if isinstance(c, type) and issubclass(c, E.EngineError)]
-    assert len(classes) == 21  # EngineError, 14 C statuses, EngineClosed, 5 of the wire
+    assert len(classes) == 22  # EngineError, 14 C statuses, EngineClosed, 6 of the worker and wire
     for cls in classes:
         kind = NOT_ENGINE_ERROR.get(cls, FaultKind.ENGINE_ERROR)
         assert cls.fault_kind is kind, cls

@@ -87,7 +87,9 @@ def test_middle_frame_round_trips_bit_for_bit(
 ) -> None:
     info = shard(1, 3, width)
     bits = np.random.default_rng(seed).integers(0, 2**32, size=(n, width), dtype=np.uint32)
-    boundary = bits.view(np.float32)  # any bit pattern: NaN payloads, infinities, subnormals
+    special = (bits & 0x7F800000) == 0x7F800000  # NaN or infinity: refused (test below)
+    bits[special] &= ~np.uint32(0x00800000)  # any other pattern: huge, tiny, subnormal
+    boundary = bits.view(np.float32)
     request = F.encode_forward(
         "sess", epoch, 7, mine(info), range(start, start + n), boundary=boundary
     )
@@ -313,3 +315,13 @@ def test_a_stale_epoch_refusal_carries_the_held_epoch_in_its_trailers() -> None:
     )
     garbled = (("dgr-status", "DGR_E_STALE_EPOCH"), ("dgr-held-epoch", "-1x"))
     assert held(error_from_trailers(code, garbled, "d")) is None
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf], ids=["nan", "inf", "-inf"])
+def test_non_finite_boundary_rows_are_refused_naming_the_first(bad: float) -> None:
+    info = shard(1, 3, 64)
+    boundary = np.ones((3, 64), dtype=np.float32)
+    boundary[1, 5] = bad
+    request = F.encode_forward("s", 1, 2, mine(info), range(5, 8), boundary=boundary)
+    with pytest.raises(FrameRejected, match=r"non-finite values \(1; first at row 1, column 5"):
+        F.decode_forward(request, mine(info), info)

@@ -208,6 +208,18 @@ def encode_forward(
     return request
 
 
+def check_finite_rows(rows: FloatRows, what: str) -> None:
+    """Refuses rows holding NaN or infinity (``FrameRejected``, naming the first one): one such
+    value would poison every later row of the session's KV."""
+    finite = np.isfinite(rows)
+    if not finite.all():
+        row, col = (int(i) for i in np.argwhere(~finite)[0])
+        raise FrameRejected(
+            f"{what} rows hold non-finite values ({int((~finite).sum())}; first at row {row},"
+            f" column {col}: {rows[row, col]})"
+        )
+
+
 def decode_forward(request: pb.ForwardRequest, mine: Expectations, info: ShardInfo) -> ForwardFrame:
     """Checks a forward request against this worker and returns the engine's arguments."""
     check_session_id(request.session_id)
@@ -243,6 +255,7 @@ def decode_forward(request: pb.ForwardRequest, mine: Expectations, info: ShardIn
         raise FrameRejected(f"this stage takes boundary rows [{n}, {info.in_width}]: none sent")
     else:
         rows = tensor_from_proto(request.boundary, n, info.in_width, "boundary")
+        check_finite_rows(rows, "boundary")
 
     want: npt.NDArray[np.uint8] | None = None
     if request.no_logits and request.logit_rows:

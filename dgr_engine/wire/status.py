@@ -43,6 +43,7 @@ _BY_STATUS: dict[str, tuple[grpc.StatusCode, type[E.EngineError]]] = {
     "DGR_E_SHUTTING_DOWN": (_C.UNAVAILABLE, E.ShardUnavailable),
     "DGR_E_UNAVAILABLE": (_C.UNAVAILABLE, E.ShardUnavailable),
     "DGR_E_DECODE": (_C.INTERNAL, E.DecodeError),
+    "DGR_E_NON_FINITE": (_C.INTERNAL, E.NonFiniteOutput),
     "DGR_E_STATE": (_C.INTERNAL, E.StateError),
     "DGR_E_UNSUPPORTED": (_C.INTERNAL, E.UnsupportedFeature),
     "DGR_E_INTERNAL": (_C.INTERNAL, E.InternalError),

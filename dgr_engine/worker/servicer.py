@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 #: Refusals that are this worker's own fault and count against its health in the advert; the
 #: rest (stale epochs, unknown sessions, malformed frames, wrong expectations, capacity) are the
 #: caller's or routine around route changes.
-_WORKER_FAULTS = frozenset({"DGR_E_DECODE", "DGR_E_INTERNAL", "DGR_E_DEADLINE"})
+_WORKER_FAULTS = frozenset({"DGR_E_DECODE", "DGR_E_INTERNAL", "DGR_E_DEADLINE", "DGR_E_NON_FINITE"})
 
 
 def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:

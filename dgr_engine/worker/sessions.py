@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 
 from dgr_engine.engine import FloatArray, ShardInfo
-from dgr_engine.errors import EngineError, StaleEpoch, UnknownSession
+from dgr_engine.errors import EngineError, NonFiniteOutput, StaleEpoch, UnknownSession
 from dgr_engine.wire.frames import FloatRows, ForwardFrame
 
 
@@ -108,6 +108,12 @@ class SessionTable:
                 )
         finally:
             entry.last_used = self.clock()  # a refused frame still shows the client is there
+        if not np.isfinite(out).all():  # its KV holds them too: nobody may continue it
+            self.close(frame.session_id, frame.epoch)
+            raise NonFiniteOutput(
+                f"DGR_E_NON_FINITE: the engine produced NaN or infinity for session "
+                f"{frame.session_id!r} epoch {frame.epoch}; the session was closed"
+            )
         entry.next_pos = int(frame.positions[-1]) + 1
         return out, entry.next_pos
 
