@@ -33,17 +33,14 @@ from dgr_engine.wire.advert import (
     Load,
     SeamCost,
 )
-from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.worker.admission import Admission
 from dgr_engine.worker.engine_thread import EngineThread
 from dgr_engine.worker.identity import BuildIdentity
 from dgr_engine.worker.load import LoadMeter
+from dgr_engine.worker.registration import SERVICE_NAME, add_shard_service
 from dgr_engine.worker.servicer import ShardServicer
 from dgr_engine.worker.sessions import EngineLike, SessionTable
 from dgr_session.identity import CertificationStatus, Lane, ModelIdentity, Recipe
-
-SERVICE_NAME = "dgr.shard.v1.Shard"
-"""Full gRPC service name (also the health service's per-service key)."""
 
 _T = TypeVar("_T")
 _FRAME_OVERHEAD = 64 * 1024
@@ -198,7 +195,7 @@ class ShardWorker:
                 ("grpc.so_reuseport", 0),  # two workers must never share a port
             ]
         )
-        shard_pb2_grpc.add_ShardServicer_to_server(ShardServicer(self), server)
+        add_shard_service(ShardServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         self.port = server.add_insecure_port(f"{host}:{self.config.port}")

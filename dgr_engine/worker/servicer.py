@@ -11,12 +11,13 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
-from dgr_engine.errors import EngineError, ShardDeadlineExceeded
+from dgr_engine.errors import EngineError, FrameRejected, ShardDeadlineExceeded
 from dgr_engine.wire import frames
 from dgr_engine.wire.advert import advert_to_proto
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import grpc_status_for, refusal_trailers
+from dgr_engine.worker.registration import Undecodable
 
 if TYPE_CHECKING:
     from dgr_engine.worker.server import ShardWorker
@@ -46,11 +47,13 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     async def Describe(
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.Advert:
+        await self._refuse_undecodable(context, request, "describe")
         return advert_to_proto(self.w.advert())
 
     async def OpenSession(
         self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.OpenSessionReply:
+        await self._refuse_undecodable(context, request, "open")
         log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
         try:
             frames.check_session_id(request.session_id)
@@ -69,6 +72,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.CloseSessionReply:
+        await self._refuse_undecodable(context, request, "close")
         log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
         try:
             frames.check_session_id(request.session_id)
@@ -81,6 +85,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
     async def Forward(
         self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ForwardReply:
+        await self._refuse_undecodable(context, request, "forward")
         try:
             return await self._forward(request, _deadline(context))
         except asyncio.CancelledError:
@@ -97,6 +102,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         last: pb.ForwardRequest | None = None
         try:
             async for request in requests:
+                await self._refuse_undecodable(context, request, "forward (stream)")
                 last = request
                 try:
                     reply = await self._forward(request, None)
@@ -163,6 +169,14 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         finally:
             self.w.meter.stopped()
         return out, next_pos, started - enqueued_ns, time.perf_counter_ns() - started
+
+    async def _refuse_undecodable(
+        self, context: grpc.aio.ServicerContext[Any, Any], request: Any, what: str
+    ) -> None:
+        """Refuses a request whose bytes were not a valid message (returns if they were)."""
+        if isinstance(request, Undecodable):
+            error = FrameRejected(f"DGR_E_FRAME: not a valid message: {request.what}")
+            await self._refuse(context, error, request, what)
 
     async def _refuse(
         self,

@@ -1,0 +1,255 @@
+"""The wire under hostile input (issue 12, item 4 and the wire fuzzers).
+
+A real ``dgr worker`` serving the whole tiny-llama. Bytes that are not a valid message get
+INVALID_ARGUMENT with ``dgr-status: DGR_E_FRAME`` on every RPC (they got ``UNKNOWN`` with no
+trailer). Then hypothesis sends raw bytes and generated messages to every RPC, ForwardStream
+included: never a crash, never ``UNKNOWN``, every refusal carries a ``dgr-status``; and a
+victim session decodes on the same worker between the examples and keeps producing the whole
+model's tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dgr_engine.chain import whole_model_reference
+from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.options import EngineOptions
+from dgr_engine.processes import WorkerProcess
+from dgr_engine.wire.frames import Expectations, expectations_to_proto
+from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_engine.wire.status import STATUS_KEY
+
+pytestmark = pytest.mark.slow
+
+T = TypeVar("T")
+OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=4)
+# more slots than the victims and the fuzzed opens need (slots do not change results)
+ARGS = [*OPTIONS.worker_argv(), "--max-sessions", "64", "--admission-wait", "0"]
+PROMPT = [7, 1, 200, 33, 90]
+VICTIM_STEPS = 200
+METHODS = {
+    "Describe": "unary",
+    "OpenSession": "unary",
+    "Forward": "unary",
+    "CloseSession": "unary",
+    "ForwardStream": "stream",
+}
+GARBAGE = b"\xff\xff\xff\xff"  # a field tag whose varint never ends: no message parses it
+EXAMPLES = 100  # per strategy (raw bytes, and messages per request type)
+
+
+def run(coro: Coroutine[Any, Any, T], limit: float = 30.0) -> T:
+    return asyncio.run(asyncio.wait_for(coro, limit))
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_llama: Path) -> Iterator[WorkerProcess]:
+    with WorkerProcess.spawn(tiny_llama, (0, 4), extra_args=ARGS) as process:
+        yield process
+
+
+@pytest.fixture(scope="module")
+def want(tiny_llama: Path) -> list[int]:
+    ((tokens, _),) = whole_model_reference(tiny_llama, [PROMPT], VICTIM_STEPS, OPTIONS)
+    return tokens
+
+
+class Victim:
+    """A session decoding on the fuzzed worker, one step per call of :meth:`step`."""
+
+    def __init__(self, address: str, session_id: str) -> None:
+        self.address = address
+        self.session_id = session_id
+        self.tokens: list[int] = []
+
+    async def step(self) -> None:
+        if len(self.tokens) >= VICTIM_STEPS:
+            return
+        async with ShardClient(self.address, timeout=20.0, streaming=False) as client:
+            expect = expectations_of(await client.describe())
+            if not self.tokens:
+                await client.open(self.session_id, 1, expect)
+                rows, positions = PROMPT, range(len(PROMPT))
+            else:
+                at = len(PROMPT) + len(self.tokens) - 1
+                rows, positions = [self.tokens[-1]], range(at, at + 1)
+            result = await client.forward(
+                self.session_id, 1, len(self.tokens), expect, positions, tokens=rows
+            )
+            self.tokens.append(int(np.argmax(result.output[-1])))
+
+    async def close(self) -> None:
+        async with ShardClient(self.address, timeout=20.0, streaming=False) as client:
+            await client.close(self.session_id, 1)
+
+
+async def call_raw(address: str, method: str, payload: bytes) -> grpc.aio.AioRpcError | None:
+    """Sends ``payload`` as the request bytes of ``method``; the error, or None if answered."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        path = f"/dgr.shard.v1.Shard/{method}"
+        try:
+            if METHODS[method] == "unary":
+                await channel.unary_unary(path)(payload, timeout=10.0)
+            else:
+                call = channel.stream_stream(path)(iter([payload]), timeout=10.0)
+                async for _ in call:
+                    pass
+        except grpc.aio.AioRpcError as exc:
+            return exc
+    return None
+
+
+def dgr_status(error: grpc.aio.AioRpcError) -> str | None:
+    for key, value in error.trailing_metadata() or ():
+        if key == STATUS_KEY:
+            return value if isinstance(value, str) else value.decode()
+    return None
+
+
+def assert_typed(error: grpc.aio.AioRpcError | None) -> None:
+    if error is None:
+        return
+    assert error.code() is not grpc.StatusCode.UNKNOWN, error
+    assert dgr_status(error) is not None, error
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_undecodable_bytes_get_invalid_argument_and_a_trailer(
+    worker: WorkerProcess, method: str
+) -> None:
+    error = run(call_raw(worker.address, method, GARBAGE))
+    assert error is not None
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT, error
+    assert dgr_status(error) == "DGR_E_FRAME"
+    assert "not a valid message" in (error.details() or "")
+
+
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_raw_bytes_on_every_rpc(worker: WorkerProcess, want: list[int], method: str) -> None:
+    victim = Victim(worker.address, f"victim-raw-{method}")
+    examples = 0
+
+    @FUZZ
+    @given(payload=st.binary(max_size=256))
+    def fuzz(payload: bytes) -> None:
+        nonlocal examples
+        examples += 1
+        assert_typed(run(call_raw(worker.address, method, payload)))
+        run(victim.step())
+
+    run(victim.step())
+    fuzz()
+    run(victim.close())
+    print(f"\n{method}: {examples} examples, victim {len(victim.tokens)} tokens exact")
+    assert examples >= EXAMPLES // 2
+    assert worker.proc.poll() is None, worker.stderr_text()
+    assert victim.tokens == want[: len(victim.tokens)] and len(victim.tokens) >= examples // 2
+
+
+def expectations(real: Expectations) -> st.SearchStrategy[pb.Expectations]:
+    random = st.builds(
+        pb.Expectations,
+        schema_version=st.integers(0, 3),
+        model_sha256=st.binary(max_size=40),
+        layer_begin=st.integers(0, 2**32 - 1),
+        layer_end=st.integers(0, 2**32 - 1),
+        boundary_width=st.integers(0, 2**32 - 1),
+    )
+    return st.one_of(st.just(expectations_to_proto(real)), random)
+
+
+def session_ids() -> st.SearchStrategy[str]:
+    return st.text(max_size=40).filter(lambda s: not s.startswith("victim"))
+
+
+def tensors() -> st.SearchStrategy[pb.Tensor]:
+    return st.builds(
+        pb.Tensor,
+        dtype=st.integers(0, 3),
+        shape=st.lists(st.integers(0, 2**32 - 1), max_size=3),
+        data=st.binary(max_size=512),
+    )
+
+
+def forward_requests(real: Expectations) -> st.SearchStrategy[pb.ForwardRequest]:
+    u32 = st.integers(0, 2**32 - 1)
+    return st.builds(
+        pb.ForwardRequest,
+        session_id=session_ids(),
+        epoch=st.integers(0, 2**64 - 1),
+        step=st.integers(0, 2**64 - 1),
+        expect=expectations(real),
+        expected_next_pos=u32,
+        positions=st.lists(st.integers(0, 300), max_size=8),
+        token_ids=st.lists(st.integers(-(2**31), 2**31 - 1), max_size=8),
+        boundary=st.one_of(st.none(), tensors()),
+        logit_rows=st.lists(u32, max_size=4),
+        timeout_ms=st.integers(0, 60_000),
+        no_logits=st.booleans(),
+    )
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_generated_messages_on_every_rpc(
+    worker: WorkerProcess, want: list[int], method: str
+) -> None:
+    real = run(_expectations(worker.address))
+    victim = Victim(worker.address, f"victim-msg-{method}")
+    strategy: st.SearchStrategy[Any] = {
+        "Describe": st.just(pb.DescribeRequest()),
+        "OpenSession": st.builds(
+            pb.OpenSessionRequest,
+            session_id=session_ids(),
+            epoch=st.integers(0, 2**64 - 1),
+            expect=expectations(real),
+        ),
+        "CloseSession": st.builds(
+            pb.CloseSessionRequest, session_id=session_ids(), epoch=st.integers(0, 2**64 - 1)
+        ),
+        "Forward": forward_requests(real),
+        "ForwardStream": forward_requests(real),
+    }[method]
+    examples = 0
+
+    @FUZZ
+    @given(message=strategy)
+    def fuzz(message: Any) -> None:
+        nonlocal examples
+        examples += 1
+        error = run(call_raw(worker.address, method, message.SerializeToString()))
+        assert_typed(error)
+        if method == "OpenSession" and error is None:  # it opened: give the slot back
+            close = pb.CloseSessionRequest(session_id=message.session_id, epoch=message.epoch)
+            assert_typed(run(call_raw(worker.address, "CloseSession", close.SerializeToString())))
+        run(victim.step())
+
+    run(victim.step())
+    fuzz()
+    run(victim.close())
+    print(f"\n{method}: {examples} examples, victim {len(victim.tokens)} tokens exact")
+    assert worker.proc.poll() is None, worker.stderr_text()
+    assert victim.tokens == want[: len(victim.tokens)] and len(victim.tokens) >= examples // 2
+
+
+async def _expectations(address: str) -> Expectations:
+    async with ShardClient(address, timeout=10.0) as client:
+        return expectations_of(await client.describe())
