@@ -9,27 +9,33 @@ from typing import Any
 
 import attrs
 
+from dgr_engine.argtypes import int_in
+
 
 def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
     if value < 1:
         raise ValueError(f"{attribute.name} must be >= 1, got {value}")
 
 
-def _option(default: int, flag: str, help: str) -> Any:
-    return attrs.field(default=default, validator=_positive, metadata={"flag": flag, "help": help})
+def _option(default: int, flag: str, help: str, most: int) -> Any:
+    return attrs.field(
+        default=default,
+        validator=_positive,
+        metadata={"flag": flag, "help": help, "most": most},
+    )
 
 
 @attrs.frozen
 class EngineOptions:
     """How a shard engine is set up. Defaults are ``dgr worker``'s."""
 
-    n_threads: int = _option(2, "--threads", "engine threads")
+    n_threads: int = _option(2, "--threads", "engine threads", 1024)
     """Threads of the engine's compute."""
-    n_ctx_per_session: int = _option(512, "--ctx", "KV positions per session")
+    n_ctx_per_session: int = _option(512, "--ctx", "KV positions per session", 1 << 24)
     """KV positions each session may hold."""
-    n_batch: int = _option(512, "--batch", "most rows per forward")
+    n_batch: int = _option(512, "--batch", "most rows per forward", 1 << 20)
     """Most rows one forward may carry (also the micro-batch: rows are never split)."""
-    max_sessions: int = _option(4, "--max-sessions", "sessions held at once")
+    max_sessions: int = _option(4, "--max-sessions", "sessions held at once", 4096)
     """Session slots of the engine."""
 
     def engine_kwargs(self) -> dict[str, Any]:
@@ -58,7 +64,7 @@ class EngineOptions:
             parser.add_argument(
                 field.metadata["flag"],
                 dest=field.name,
-                type=int,
+                type=int_in(1, field.metadata["most"]),
                 metavar="N",
                 default=default,
                 help=f"{field.metadata['help']} (default {default})",

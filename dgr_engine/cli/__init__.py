@@ -17,6 +17,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from dgr_engine.argtypes import OneLineParser
 from dgr_engine.cli import certify, demo, fixtures, gate, generate, worker
 
 _SUBCOMMANDS = {
@@ -31,8 +32,10 @@ _SUBCOMMANDS = {
 
 def parser() -> argparse.ArgumentParser:
     """The whole command line (every subcommand's options)."""
-    top = argparse.ArgumentParser(prog="dgr", description="Distributed GGUF Runtime")
-    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    top = OneLineParser(prog="dgr", description="Distributed GGUF Runtime")
+    sub = top.add_subparsers(
+        dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser
+    )
     for name, module in _SUBCOMMANDS.items():
         summary = (module.__doc__ or "").strip().splitlines()[0]
         module.configure(

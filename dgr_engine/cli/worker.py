@@ -10,11 +10,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
+import os
 import signal
+import socket
+import sys
 from pathlib import Path
 
 from loguru import logger
 
+from dgr_engine.argtypes import float_in, int_in
 from dgr_engine.cli._evidence_args import add_evidence_arguments
 from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.options import EngineOptions
@@ -31,6 +36,19 @@ def _layers(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(message) from None
 
 
+def port_problem(host: str, port: int) -> str | None:
+    """Why ``host:port`` cannot be bound now (``None``: it can)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return "the port is in use"
+            return exc.strerror or str(exc)
+    return None
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", type=Path, help="the GGUF file to serve")
@@ -39,51 +57,53 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--layers", type=_layers, required=True, help="owned range A:B = layers [A, B); A: to end"
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=0, help="port; 0 picks a free one (default)")
+    p.add_argument(
+        "--port", type=int_in(0, 65535), default=0, help="port; 0 picks a free one (default)"
+    )
     EngineOptions.add_arguments(p)
     p.add_argument(
         "--max-message-bytes",
-        type=int,
+        type=int_in(64 * 1024, 2**31 - 1),
         default=None,
         help="largest gRPC message taken or sent (default: what the largest frame needs)",
     )
-    p.add_argument("--grace", type=float, default=2.0, help="shutdown grace in seconds")
+    p.add_argument("--grace", type=float_in(0, 3600), default=2.0, help="shutdown grace in seconds")
     p.add_argument(
         "--admission-wait",
-        type=float,
+        type=float_in(0, 3600),
         default=5.0,
         help="seconds an open may wait in line for a free session slot before the answer is "
         "busy (first come, first served; default 5); 0: busy at once",
     )
     p.add_argument(
         "--stall-seconds",
-        type=float,
+        type=float_in(0, 3600),
         default=5.0,
         help="a gap this long in the worker's timekeeping (stopped or starved) closes the "
         "sessions unused since, after --resume-grace (default 5); 0: off",
     )
     p.add_argument(
         "--resume-grace",
-        type=float,
+        type=float_in(0, 3600),
         default=5.0,
         help="seconds a session unused across a stall may still be used (default 5)",
     )
     p.add_argument(
         "--inline-max-rows",
-        type=int,
+        type=int_in(0, 1 << 20),
         default=1,
         help="frames of at most this many rows run on the event loop when the engine is idle "
         "(no thread hop; default 1: decode steps); 0 turns it off",
     )
     p.add_argument(
         "--inline-max-ms",
-        type=float,
+        type=float_in(0, 60_000),
         default=20.0,
         help="...but only while the last such frame took at most this long (default 20)",
     )
     p.add_argument(
         "--session-lease",
-        type=float,
+        type=float_in(0, 10**9),
         default=600.0,
         help="close a session nobody has used for this many seconds (default 600); 0: never",
     )
@@ -101,11 +121,17 @@ async def _serve(args: argparse.Namespace) -> int:
     from dgr_engine.errors import EngineError
     from dgr_engine.fixtures import ensure_fixture
     from dgr_engine.worker import ShardWorker, WorkerConfig
+    from dgr_engine.worker.preflight import preflight
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if args.port:  # before loading anything: a busy port is one line, at once
+        problem = port_problem(args.host, args.port)
+        if problem is not None:
+            logger.error("cannot serve on {}:{}: {}", args.host, args.port, problem)
+            return 2
     config = WorkerConfig(
         host=args.host,
         port=args.port,
@@ -123,22 +149,43 @@ async def _serve(args: argparse.Namespace) -> int:
     try:
         model = args.model if args.model is not None else ensure_fixture(args.fixture)
         options = EngineOptions.from_args(args)
-        worker = await asyncio.to_thread(
-            ShardWorker.load, model, args.layers, config=config, **options.engine_kwargs()
-        )
+
+        def load() -> ShardWorker:
+            preflight(
+                model,
+                args.layers,
+                n_ctx_per_session=options.n_ctx_per_session,
+                max_sessions=options.max_sessions,
+            )
+            return ShardWorker.load(model, args.layers, config=config, **options.engine_kwargs())
+
+        # checking and loading run in a thread that cannot be interrupted (slow storage, a large
+        # file): a signal meanwhile ends the process at once (nothing is served or held yet)
+        logger.debug("loading layers {} of {}", args.layers, model)
+        loading = asyncio.ensure_future(asyncio.to_thread(load))
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not loading.done():
+            logger.warning("stopped while loading the model")
+            print("STOPPED sessions_closed=0", flush=True)
+            sys.stderr.flush()
+            os._exit(0)  # the loading thread holds no state worth waiting for
+        stopping.cancel()
+        worker = loading.result()
     except (EngineError, OSError, ValueError) as exc:
         logger.error("cannot start the worker: {}", exc)
         return 2
-    code = 0
     try:
-        if not stop.is_set():
-            address = await worker.start()
-            print(f"LISTENING {address}", flush=True)
-            await stop.wait()
+        address = await worker.start()
     except (OSError, RuntimeError) as exc:  # grpc raises RuntimeError when it cannot bind
         logger.error("cannot serve on {}:{}: {}", args.host, args.port, exc)
-        code = 2
+        await worker.stop()
+        return 2
+    try:
+        if not stop.is_set():
+            print(f"LISTENING {address}", flush=True)
+            await stop.wait()
     finally:
         closed = await worker.stop()
     print(f"STOPPED sessions_closed={closed}", flush=True)
-    return code
+    return 0
