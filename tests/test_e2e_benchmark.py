@@ -99,3 +99,16 @@ def test_engine_idle_benchmark_smoke(tmp_path: Path) -> None:
     assert all(set(by_gap) == {"0", "1"} for by_gap in table.values())
     assert all(ms > 0 for by_gap in table.values() for ms in by_gap.values())
     assert "vs 0" in done.stdout
+
+
+def test_wan_benchmark_smoke(tmp_path: Path) -> None:
+    args = ["--rtts", "0,30", "--tokens", "8", "--kill-at", "4", "--out", str(tmp_path)]
+    done = run_benchmark("wan", args)
+    assert "RTT/hop ms" in done.stdout and "cores shared" in done.stdout
+    result = json.loads((tmp_path / "wan.json").read_text())
+    runs = result["runs"]
+    assert [r["rtt_ms"] for r in runs] == [0.0, 30.0]
+    assert all(r["exact"] and r["decode_tps"] > 0 and r["recovery_s"] > 0 for r in runs)
+    # 30 ms per hop: two hops per token, so at most 1 / 0.06 tokens per second
+    assert runs[1]["decode_tps"] < 1 / 0.06
+    assert runs[1]["recovery_s"] > 0.06  # the re-prefill crosses the slow hops too
