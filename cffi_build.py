@@ -55,7 +55,7 @@ def llama_prefix(build_llama: Any) -> Path:
     if override:
         return Path(override)
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
-    return Path(build_llama.ensure_llama(log=log))
+    return Path(build_llama.ensure_llama(log=log, sanitize=bool(os.environ.get("DGR_SANITIZE"))))
 
 
 def make_ffibuilder() -> FFI:
@@ -67,6 +67,9 @@ def make_ffibuilder() -> FFI:
     # the stack the library is built with (the build key covers the same files), stated by
     # every worker's advert
     stack = build_llama.patch_stack_sha256(build_llama.read_patches(ROOT / "patches")).hex()
+    # DGR_SANITIZE=1: dgr_shard.cpp with the sanitizers, linked against their libllama build
+    # (scripts/sanitize.sh; never the installed module)
+    sanitize = build_llama.SANITIZE_FLAGS.split() + ["-g"] if os.environ.get("DGR_SANITIZE") else []
     ffibuilder = FFI()
     ffibuilder.cdef(cdef_from_header(HEADER.read_text()))
     ffibuilder.set_source(
@@ -77,7 +80,8 @@ def make_ffibuilder() -> FFI:
         include_dirs=[str(ROOT / "native" / "include"), str(prefix / "include")],
         extra_objects=[str(prefix / "lib" / name) for name in STATIC_LIBS],
         libraries=["gomp", "pthread", "m", "stdc++"],
-        extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden"],
+        extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", *sanitize],
+        extra_link_args=sanitize,
         define_macros=[
             ("DGR_LLAMA_COMMIT", f'"{commit}"'),
             ("DGR_PATCH_STACK_SHA256", f'"{stack}"'),

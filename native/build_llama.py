@@ -200,6 +200,25 @@ def patch_stack_sha256(patches: Sequence[PatchFile]) -> bytes:
     return digest.digest()
 
 
+SANITIZE_FLAGS = (
+    "-fsanitize=address,undefined -fno-omit-frame-pointer -fno-sanitize-recover=undefined"
+)
+"""Compile and link flags of the sanitizer build (``--sanitize``): AddressSanitizer and
+UndefinedBehaviorSanitizer, undefined behaviour fatal."""
+
+
+def sanitized(manifest: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's build with the sanitizers on: the same source, patches and options, plus
+    :data:`SANITIZE_FLAGS` for C, C++ and the link, with debug line info."""
+    options = dict(manifest["cmake"]["options"])
+    flags = f"{SANITIZE_FLAGS} -g"
+    for key in ("CMAKE_C_FLAGS", "CMAKE_CXX_FLAGS"):
+        options[key] = f"{options.get(key, '')} {flags}".strip()
+    for key in ("CMAKE_EXE_LINKER_FLAGS", "CMAKE_SHARED_LINKER_FLAGS"):
+        options[key] = f"{options.get(key, '')} {SANITIZE_FLAGS}".strip()
+    return {**manifest, "cmake": {**manifest["cmake"], "options": options}}
+
+
 def compute_key(manifest_bytes: bytes, patches: Sequence[PatchFile], script_bytes: bytes) -> str:
     """sha256 over the manifest, each patch (name + bytes, in order) and the build script."""
     h = hashlib.sha256()
@@ -679,8 +698,15 @@ def build_prefix(
     log(f"llama.cpp: [{clock}] done: {prefix}")
 
 
-def ensure_llama(force: bool = False, log: Log = print, paths: BuildPaths | None = None) -> Path:
-    """Return the prefix of a build of the pinned, patched llama.cpp, building it if needed."""
+def ensure_llama(
+    force: bool = False,
+    log: Log = print,
+    paths: BuildPaths | None = None,
+    *,
+    sanitize: bool = False,
+) -> Path:
+    """Return the prefix of a build of the pinned, patched llama.cpp, building it if needed;
+    ``sanitize``: the ASan + UBSan build (its own key and prefix, ``asan-<key>``)."""
     paths = paths or BuildPaths.default()
     try:
         manifest_bytes = paths.manifest.read_bytes()
@@ -688,9 +714,12 @@ def ensure_llama(force: bool = False, log: Log = print, paths: BuildPaths | None
         raise BuildError(f"cannot read the manifest {paths.manifest}: {exc}") from exc
     manifest = parse_manifest(manifest_bytes)
     patches = read_patches(paths.patches_dir)
+    if sanitize:
+        manifest = sanitized(manifest)
+        manifest_bytes += f"\0sanitize:{SANITIZE_FLAGS}".encode()
     key = compute_key(manifest_bytes, patches, paths.script.read_bytes())
     key16 = key[:16]
-    prefix = paths.llama_root / key16
+    prefix = paths.llama_root / (f"asan-{key16}" if sanitize else key16)
     if not force and is_cached(prefix, key, manifest):
         log(f"llama.cpp: cached build {key16} at {prefix}")
         return prefix
@@ -716,6 +745,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--cache-dir", type=Path, help="cache directory (default $DGR_CACHE_DIR or ~/.cache/dgr)"
     )
+    parser.add_argument(
+        "--sanitize",
+        action="store_true",
+        help="the AddressSanitizer + UndefinedBehaviorSanitizer build (cached apart)",
+    )
     args = parser.parse_args(argv)
     stream = sys.stderr if args.print_prefix else sys.stdout
 
@@ -724,7 +758,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         prefix = ensure_llama(
-            force=args.force, log=log, paths=BuildPaths.default(cache_dir=args.cache_dir)
+            force=args.force,
+            log=log,
+            paths=BuildPaths.default(cache_dir=args.cache_dir),
+            sanitize=args.sanitize,
         )
     except BuildError as exc:
         print(f"llama.cpp: error: {exc}", file=sys.stderr, flush=True)
