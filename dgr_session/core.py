@@ -638,21 +638,7 @@ class RouteSession:
         holding = self._state in _HOLDING
         self._faults_at_step += 1
         self._busy_retry = False
-        report = FailureReport(
-            session_id=self.session_id,
-            epoch=self._epoch,
-            step=len(self._accepted),
-            stage_index=stage_index,
-            endpoint=endpoint,
-            fault=kind,
-            detail=detail,
-            attempt=self._faults_at_step,
-            route_changes=self._route_changes,
-            at=now,
-            waited=now - self._wait_since,
-            hop_seconds=tuple(self._hop_seconds) if holding else (),
-        )
-        self._reports.append(report)
+        report = self._report(stage_index, endpoint, kind, detail, self._faults_at_step)
         self._close_epoch(out)
         self._wait_deadline = None
         self._awaiting_route = False
@@ -683,6 +669,33 @@ class RouteSession:
         self._fire("exhausted", stage_index)
         self._end(FinishReason.FAILED, error, out)
 
+    def _report(
+        self,
+        stage_index: int | None,
+        endpoint: str | None,
+        kind: FaultKind,
+        detail: str,
+        attempt: int,
+    ) -> FailureReport:
+        """Files a failure report of the current wait (call before the epoch is closed)."""
+        now = self._now
+        report = FailureReport(
+            session_id=self.session_id,
+            epoch=self._epoch,
+            step=len(self._accepted),
+            stage_index=stage_index,
+            endpoint=endpoint,
+            fault=kind,
+            detail=detail,
+            attempt=attempt,
+            route_changes=self._route_changes,
+            at=now,
+            waited=now - self._wait_since,
+            hop_seconds=tuple(self._hop_seconds) if self._state in _HOLDING else (),
+        )
+        self._reports.append(report)
+        return report
+
     def _busy(
         self, stage_index: int, detail: str, retry_after: float | None, out: list[Command]
     ) -> None:
@@ -694,20 +707,9 @@ class RouteSession:
         endpoint = self._route.stages[stage_index].endpoint
         if self._busy_since is None:
             self._busy_since = self._wait_since  # the opening began then
-        report = FailureReport(
-            session_id=self.session_id,
-            epoch=self._epoch,
-            step=len(self._accepted),
-            stage_index=stage_index,
-            endpoint=endpoint,
-            fault=FaultKind.BUSY,
-            detail=detail,
-            attempt=self._faults_at_step + 1,
-            route_changes=self._route_changes,
-            at=now,
-            waited=now - self._wait_since,
+        report = self._report(
+            stage_index, endpoint, FaultKind.BUSY, detail, self._faults_at_step + 1
         )
-        self._reports.append(report)
         self._close_epoch(out)
         self._wait_deadline = None
         waited = now - self._busy_since
