@@ -13,7 +13,7 @@ out=.workspace/asan
 began=$(date +%s)
 rm -rf "$out/src"
 mkdir -p "$out/src"
-cp -r dgr_engine dgr_session "$out/src/"
+cp -r dgr_engine dgr_session native "$out/src/"  # native/: cffi compiles in there
 find "$out/src" \( -name '_native*.so' -o -name '__pycache__' \) -prune -exec rm -rf {} +
 DGR_SANITIZE=1 OUT="$out/src" .venv/bin/python -c '
 import os, sys
@@ -30,17 +30,19 @@ export ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:verify_asan_link_order=0"
 export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 export PYTHONPATH="$PWD/$out/src"
 export OMP_WAIT_POLICY=PASSIVE
-.venv/bin/python -c '
+.venv/bin/python -P -c '
 import dgr_engine._native as native, os, sys
 where = os.path.realpath(native.__file__)
 assert where.startswith(os.path.realpath(os.environ["PYTHONPATH"])), where
 print(f"sanitize: testing {where}", file=sys.stderr)
 '
 set +e
-.venv/bin/python -m pytest -p no:cacheprovider -q \
+.venv/bin/python -P -m pytest -p no:cacheprovider -q \
     tests/test_binding.py tests/test_engine_parity.py tests/test_engine_errors.py \
     tests/test_v4_parity.py tests/test_v4_errors.py tests/test_chain.py \
-    tests/test_finite_values.py "$@"
+    tests/test_finite_values.py \
+    --deselect tests/test_chain.py::test_shard_memory_benchmark_runs_on_the_tiny_fixture \
+    "$@"  # (the memory benchmark's RSS bound cannot hold with ASan's shadow memory)
 code=$?
 set -e
 echo "sanitize: tests exited $code after $(( $(date +%s) - built )) s" >&2
