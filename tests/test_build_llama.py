@@ -591,7 +591,9 @@ def test_cli_print_prefix_on_cache_hit(
 ) -> None:
     seen: dict[str, Any] = {}
 
-    def fake_ensure(force: bool = False, log: Any = print, paths: Any = None) -> Path:
+    def fake_ensure(
+        force: bool = False, log: Any = print, paths: Any = None, sanitize: bool = False
+    ) -> Path:
         seen["force"] = force
         log("llama.cpp: progress line")
         return Path(project.cache_dir) / "llama" / "0123456789abcdef"
