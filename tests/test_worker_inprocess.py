@@ -238,10 +238,17 @@ def test_a_frame_past_its_deadline_is_refused_without_running(tiny_llama: Path) 
                 busy = asyncio.ensure_future(worker.run_on_engine(gate.wait, 20.0))
                 with pytest.raises(ShardDeadlineExceeded):
                     await client.forward("d", 0, 2, expect, [2], tokens=[3], timeout=0.05)
+                # the worker sees the cancelled call too (bounded wait): a dgr client never
+                # reuses an epoch after a failed call, so the session is closed at that epoch
+                limit = time.monotonic() + 20.0
+                while worker.calls_abandoned < 1:
+                    assert time.monotonic() < limit, "the worker never saw the cancel"
+                    await asyncio.sleep(0.001)
                 gate.set()
                 await busy
         finally:
-            assert await worker.stop() == 1
+            assert await worker.stop() == 0  # the abandoned session was closed before
+        assert worker.calls_abandoned == 1
 
     run(scenario())
 

@@ -123,6 +123,9 @@ class ShardWorker:
         self.sessions_reclaimed = 0
         """Sessions closed after a stall because nobody used them again (their clients moved
         on), or because a newer epoch's close named them."""
+        self.calls_abandoned = 0
+        """Calls whose caller cancelled them (deadline passed, or gave up); each schedules a
+        close of its session at that epoch."""
         self._sweeper: asyncio.Task[None] | None = None
         self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
@@ -296,6 +299,7 @@ class ShardWorker:
                 "session closed: {} by its client (it gave up on this epoch)", why
             )
 
+        self.calls_abandoned += 1
         if self._stopped is None:
             task = asyncio.get_running_loop().create_task(close(), name="dgr-abandoned-close")
             self._background.add(task)
