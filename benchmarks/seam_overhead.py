@@ -48,6 +48,7 @@ V4_BOUNDARY = 4 * 4096
 def serve_echo(width: int) -> None:
     """Hosts ``ShardWorker`` over an engine that echoes its rows; prints LISTENING."""
     from dgr_engine.engine import ShardInfo
+    from dgr_engine.numerics import Numerics
     from dgr_engine.worker import ShardWorker
     from dgr_engine.worker.identity import BuildIdentity
 
@@ -72,6 +73,7 @@ def serve_echo(width: int) -> None:
     class EchoEngine:
         def __init__(self) -> None:
             self.info = info
+            self.numerics = Numerics()
 
         def open_session(self, session_id: int, epoch: int) -> None:
             pass

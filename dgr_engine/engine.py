@@ -19,6 +19,7 @@ import numpy.typing as npt
 
 from dgr_engine._binding import ffi, lib
 from dgr_engine.errors import EngineClosed, error_for_status
+from dgr_engine.numerics import Numerics
 
 
 @attrs.frozen
@@ -109,9 +110,12 @@ class ShardEngine:
         n_batch: int = 512,
         n_ubatch: int = 512,
         load_mtp: bool = False,
+        numerics: Numerics | None = None,
     ) -> None:
         self._lock = threading.Lock()
         self.model_path = Path(model_path)
+        self.numerics = numerics if numerics is not None else Numerics()
+        """KV cache type and flash-attention mode (default: llama.cpp's)."""
         params = lib.dgr_engine_default_params()
         path_c = ffi.new("char[]", str(self.model_path).encode())
         params.model_path = path_c
@@ -123,6 +127,8 @@ class ShardEngine:
         params.n_batch = n_batch
         params.n_ubatch = n_ubatch
         params.load_mtp = 1 if load_mtp else 0
+        params.kv_type = self.numerics.abi_kv_type
+        params.flash_attn = self.numerics.abi_flash_attn
         out = ffi.new("dgr_engine **")
         self._check(lib.dgr_engine_open(ffi.addressof(params), out))
         self._handle: Any = ffi.gc(out[0], lib.dgr_engine_free)

@@ -10,6 +10,19 @@ from typing import Any
 import attrs
 
 from dgr_engine.argtypes import int_in
+from dgr_engine.numerics import FLASH_ATTN_MODES, KV_TYPES, Numerics
+
+
+def _numerics(instance: EngineOptions, attribute: attrs.Attribute[str], value: str) -> None:
+    Numerics(**{attribute.name: value})  # InvalidArgument (a ValueError) names the choices
+
+
+def _choice(default: str, flag: str, help: str, choices: tuple[str, ...]) -> Any:
+    return attrs.field(
+        default=default,
+        validator=_numerics,
+        metadata={"flag": flag, "help": help, "choices": choices},
+    )
 
 
 def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> None:
@@ -35,8 +48,19 @@ class EngineOptions:
     """KV positions each session may hold."""
     n_batch: int = _option(512, "--batch", "most rows per forward", 1 << 20)
     """Most rows one forward may carry (also the micro-batch: rows are never split)."""
-    max_sessions: int = _option(4, "--max-sessions", "sessions held at once", 4096)
+    max_sessions: int = _option(4, "--max-sessions", "sessions held at once", 256)
     """Session slots of the engine."""
+    kv_type: str = _choice(KV_TYPES[0], "--kv-type", "KV cache element type", KV_TYPES)
+    """KV cache element type (``docs/numerics.md``); every stage of a route runs the same."""
+    flash_attn: str = _choice(
+        FLASH_ATTN_MODES[0], "--flash-attn", "flash-attention mode", FLASH_ATTN_MODES
+    )
+    """Flash-attention mode (``docs/numerics.md``); every stage of a route runs the same."""
+
+    @property
+    def numerics(self) -> Numerics:
+        """The KV type and flash-attention mode."""
+        return Numerics(kv_type=self.kv_type, flash_attn=self.flash_attn)
 
     def engine_kwargs(self) -> dict[str, Any]:
         """Keyword arguments of :class:`~dgr_engine.engine.ShardEngine`."""
@@ -46,6 +70,7 @@ class EngineOptions:
             "n_threads": self.n_threads,
             "n_batch": self.n_batch,
             "n_ubatch": self.n_batch,
+            "numerics": self.numerics,
         }
 
     def worker_argv(self) -> list[str]:
@@ -56,11 +81,20 @@ class EngineOptions:
         return argv
 
     @staticmethod
-    def add_arguments(parser: argparse.ArgumentParser, **defaults: int) -> None:
+    def add_arguments(parser: argparse.ArgumentParser, **defaults: int | str) -> None:
         """Adds one option per field to ``parser`` (``defaults`` overrides field defaults by
         name, for programs with other defaults than the worker's)."""
         for field in attrs.fields(EngineOptions):
             default = defaults.get(field.name, field.default)
+            if "choices" in field.metadata:
+                parser.add_argument(
+                    field.metadata["flag"],
+                    dest=field.name,
+                    choices=field.metadata["choices"],
+                    default=default,
+                    help=f"{field.metadata['help']} (default {default}; docs/numerics.md)",
+                )
+                continue
             parser.add_argument(
                 field.metadata["flag"],
                 dest=field.name,

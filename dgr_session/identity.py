@@ -84,6 +84,8 @@ class Recipe:
     """Context length (KV positions) every stage provides per session."""
     kv_type: str = "f16"
     """KV cache element type."""
+    flash_attn: str = "auto"
+    """Flash-attention mode (``auto``, ``off``, ``on``)."""
 
 
 def _check_evidence(

@@ -95,6 +95,13 @@ def test_valid_route_passes_and_is_returned() -> None:
         (2, {"layer_end": 7}, RouteInvalid, "> n_layer"),
         (1, {"identity": fixture_identity(7)}, RouteIncompatible, "serves"),
         (2, {"recipe": Recipe(("Q8_0",), 4096)}, RouteIncompatible, "runs"),
+        (1, {"recipe": attrs.evolve(fixture_recipe(), kv_type="f16")}, RouteIncompatible, "kv_"),
+        (
+            2,
+            {"recipe": attrs.evolve(fixture_recipe(), flash_attn="off")},
+            RouteIncompatible,
+            "flash_attn='off'",
+        ),
         (1, {"boundary_in": 8}, BoundaryMismatch, "takes width 8"),
         (0, {"boundary_in": 16}, BoundaryMismatch, "token IDs"),
         (2, {"boundary_out": 16}, BoundaryMismatch, "logits"),

@@ -18,7 +18,7 @@ import asyncio
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dgr_engine.cli._evidence_args import add_evidence_arguments
 from dgr_engine.cli._logs import log_to_stderr
@@ -28,7 +28,12 @@ from dgr_engine.options import EngineOptions
 if TYPE_CHECKING:
     from dgr_engine.certification.lock import Lock
 
-CERTIFY_OPTIONS = {"n_threads": 1, "n_ctx_per_session": 256, "n_batch": 64, "max_sessions": 8}
+CERTIFY_OPTIONS: dict[str, Any] = {
+    "n_threads": 1,
+    "n_ctx_per_session": 256,
+    "n_batch": 64,
+    "max_sessions": 8,
+}
 """Engine options of ``dgr certify`` and ``dgr demo`` by default (so the demo's lane is the
 lane certified by default)."""
 

@@ -178,6 +178,7 @@ def advert_to_proto(advert: Advert) -> pb.Advert:
             quant_types=recipe.quant_types,
             context=recipe.context,
             kv_type=recipe.kv_type,
+            flash_attn=recipe.flash_attn,
             backend=lane.backend,
             llama_cpp_commit=lane.llama_cpp_commit,
             patch_stack_sha256=lane.patch_stack_hash,
@@ -219,7 +220,12 @@ def advert_from_proto(msg: pb.Advert) -> Advert:
             n_layer=c.n_layer,
             official_target_sha=c.official_target_sha or None,
         ),
-        recipe=Recipe(quant_types=tuple(c.quant_types), context=c.context, kv_type=c.kv_type),
+        recipe=Recipe(
+            quant_types=tuple(c.quant_types),
+            context=c.context,
+            kv_type=c.kv_type,
+            flash_attn=c.flash_attn or "auto",  # a worker older than the field ran llama.cpp's
+        ),
         lane=Lane(
             backend=c.backend,
             llama_cpp_commit=c.llama_cpp_commit,

@@ -20,6 +20,7 @@ from dgr_engine._binding import BUILD_FLAGS, LLAMA_COMMIT, PATCH_STACK_SHA256, S
 from dgr_engine.certification.classify import FIXTURE_MARK_KEY
 from dgr_engine.certification.hardware import hardware_fingerprint
 from dgr_engine.certification.lane import LaneKey
+from dgr_engine.numerics import Numerics
 
 _CHUNK = 8 * 1024 * 1024
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
@@ -142,6 +143,11 @@ class BuildIdentity:
             system_info=SYSTEM_INFO,
             fixture_mark=facts.fixture_mark,
         )
+
+    def with_numerics(self, numerics: Numerics) -> BuildIdentity:
+        """This build serving with ``numerics`` (the engine's KV type and flash-attention
+        mode)."""
+        return attrs.evolve(self, kv_type=numerics.kv_type, flash_attn=numerics.flash_attn)
 
     def lane_key(self, *, arch: str, n_layer: int, context_per_session: int) -> LaneKey:
         """The exact lane this build serves the model on, with this context per session."""

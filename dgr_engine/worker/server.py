@@ -24,6 +24,7 @@ from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.registry import LaneLookup, find_certification
 from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import StaleEpoch, UnknownSession
+from dgr_engine.numerics import Numerics
 from dgr_engine.wire import frames as frames
 from dgr_engine.wire.advert import (
     Advert,
@@ -112,7 +113,8 @@ class ShardWorker:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.engine = engine
-        self.build = build
+        # the KV type and flash-attention mode are the engine's: the advert and lane say them
+        self.build = build.with_numerics(engine.numerics)
         self.config = config if config is not None else WorkerConfig()
         self.info = engine.info
         self.expect = frames.Expectations.of_shard(build.model_sha256, self.info)
@@ -132,7 +134,7 @@ class ShardWorker:
         self.meter = LoadMeter(self.config.load_window_seconds)
         self.port = 0
         self.log = logger.bind(stage=f"{self.info.layer_begin}:{self.info.layer_end}")
-        self.lane_key = build.lane_key(
+        self.lane_key = self.build.lane_key(
             arch=self.info.arch,
             n_layer=self.info.n_layer,
             context_per_session=self.info.n_ctx_per_session,
@@ -156,6 +158,7 @@ class ShardWorker:
         n_threads: int = 2,
         n_batch: int = 512,
         n_ubatch: int = 512,
+        numerics: Numerics | None = None,
         config: WorkerConfig | None = None,
     ) -> ShardWorker:
         """Hashes the GGUF (streaming), loads the engine over ``layers``. Blocking."""
@@ -168,6 +171,7 @@ class ShardWorker:
             n_threads=n_threads,
             n_batch=n_batch,
             n_ubatch=n_ubatch,
+            numerics=numerics,
         )
         return cls(engine, build, config)
 
@@ -442,6 +446,7 @@ class ShardWorker:
                 quant_types=build.quant_types,
                 context=info.n_ctx_per_session,
                 kv_type=build.kv_type,
+                flash_attn=build.flash_attn,
             ),
             lane=self.lane(),
             schema_version=frames.SCHEMA_VERSION,

@@ -20,6 +20,7 @@ import numpy as np
 
 from dgr_engine.engine import FloatArray, ShardInfo
 from dgr_engine.errors import EngineError, NonFiniteOutput, StaleEpoch, UnknownSession
+from dgr_engine.numerics import Numerics
 from dgr_engine.wire.frames import FloatRows, ForwardFrame
 
 
@@ -27,6 +28,7 @@ class EngineLike(Protocol):
     """What the worker needs of a ``ShardEngine`` (which is the only production engine)."""
 
     info: ShardInfo
+    numerics: Numerics
 
     def open_session(self, session_id: int, epoch: int) -> None: ...
     def close_session(self, session_id: int, epoch: int) -> None: ...

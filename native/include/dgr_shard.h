@@ -44,7 +44,7 @@
 extern "C" {
 #endif
 
-#define DGR_ABI_VERSION 4
+#define DGR_ABI_VERSION 5
 
 /* Magic and version at the head of a saved session state (see dgr_session_state_save). */
 #define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
@@ -134,9 +134,27 @@ typedef struct dgr_engine_params {
     uint32_t n_batch;             /* most rows one forward call may carry */
     uint32_t n_ubatch;            /* physical micro-batch */
     uint8_t load_mtp;             /* reserved: MTP is off; 1 gives DGR_E_UNSUPPORTED */
+    int32_t kv_type;              /* dgr_kv_type: KV cache element type (ABI 5) */
+    int32_t flash_attn;           /* dgr_flash_attn: flash-attention mode (ABI 5) */
 } dgr_engine_params;
 
-/* Defaults: whole model, 4 sessions, 512 cells each, 2 threads, n_batch 512, n_ubatch 512. */
+/* KV cache element types (K and V alike). Zero is llama.cpp's default. (ABI 5) */
+typedef enum dgr_kv_type {
+    DGR_KV_F16 = 0,
+    DGR_KV_F32 = 1,
+    DGR_KV_Q8_0 = 2,  /* a quantized V cache needs flash attention: "off" is refused */
+} dgr_kv_type;
+
+/* Flash-attention modes. Zero is llama.cpp's default ("auto": on where the backend has it).
+ * (ABI 5) */
+typedef enum dgr_flash_attn {
+    DGR_FLASH_ATTN_AUTO = 0,
+    DGR_FLASH_ATTN_OFF = 1,
+    DGR_FLASH_ATTN_ON = 2,
+} dgr_flash_attn;
+
+/* Defaults: whole model, 4 sessions, 512 cells each, 2 threads, n_batch 512, n_ubatch 512,
+ * f16 KV cache, flash attention auto (llama.cpp's own defaults). */
 dgr_engine_params dgr_engine_default_params(void);
 
 /* Opens the model's owned range. On success *out holds a new engine (free with

@@ -284,6 +284,8 @@ dgr_engine_params dgr_engine_default_params(void) {
     p.n_batch = 512;
     p.n_ubatch = 512;
     p.load_mtp = 0;
+    p.kv_type = DGR_KV_F16;
+    p.flash_attn = DGR_FLASH_ATTN_AUTO;
     return p;
 }
 
@@ -303,6 +305,28 @@ int dgr_engine_open(const dgr_engine_params * params, dgr_engine ** out) {
     }
     if (params->n_ctx_per_session < 1 || params->n_batch < 1 || params->n_ubatch < 1 || params->n_threads < 1) {
         return fail(DGR_E_INVALID_ARGUMENT, "n_ctx_per_session, n_batch, n_ubatch and n_threads must be positive");
+    }
+    if ((uint64_t) params->max_sessions * params->n_ctx_per_session > (uint64_t) INT32_MAX) {
+        return fail(DGR_E_INVALID_ARGUMENT, "max_sessions x n_ctx_per_session = %llu KV cells is more than %d",
+                    (unsigned long long) params->max_sessions * params->n_ctx_per_session, INT32_MAX);
+    }
+    ggml_type kv_type = GGML_TYPE_F16;
+    switch (params->kv_type) {
+        case DGR_KV_F16: kv_type = GGML_TYPE_F16; break;
+        case DGR_KV_F32: kv_type = GGML_TYPE_F32; break;
+        case DGR_KV_Q8_0: kv_type = GGML_TYPE_Q8_0; break;
+        default: return fail(DGR_E_INVALID_ARGUMENT, "kv_type %d is not a dgr_kv_type (f16 0, f32 1, q8_0 2)", params->kv_type);
+    }
+    llama_flash_attn_type flash_attn = LLAMA_FLASH_ATTN_TYPE_AUTO;
+    switch (params->flash_attn) {
+        case DGR_FLASH_ATTN_AUTO: flash_attn = LLAMA_FLASH_ATTN_TYPE_AUTO; break;
+        case DGR_FLASH_ATTN_OFF: flash_attn = LLAMA_FLASH_ATTN_TYPE_DISABLED; break;
+        case DGR_FLASH_ATTN_ON: flash_attn = LLAMA_FLASH_ATTN_TYPE_ENABLED; break;
+        default: return fail(DGR_E_INVALID_ARGUMENT, "flash_attn %d is not a dgr_flash_attn (auto 0, off 1, on 2)", params->flash_attn);
+    }
+    if (params->kv_type == DGR_KV_Q8_0 && params->flash_attn == DGR_FLASH_ATTN_OFF) {
+        return fail(DGR_E_INVALID_ARGUMENT, "a q8_0 KV cache needs flash attention (llama.cpp quantizes V only with it): "
+                    "use flash_attn on or auto");
     }
     DGR_GUARD_BEGIN
     init_backend_once();
@@ -365,6 +389,9 @@ int dgr_engine_open(const dgr_engine_params * params, dgr_engine ** out) {
     cp.embeddings = !is_last;  // a non-last shard's output is the boundary (t_embd)
     cp.pooling_type = LLAMA_POOLING_TYPE_NONE;
     cp.no_perf = true;
+    cp.type_k = kv_type;
+    cp.type_v = kv_type;
+    cp.flash_attn_type = flash_attn;
     engine->ctx = llama_init_from_model(engine->model, cp);
     if (engine->ctx == nullptr) {
         return fail(DGR_E_MODEL_LOAD, "llama.cpp could not create a context for '%s': %s", params->model_path,

@@ -78,7 +78,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Compatibility(_message.Message):
-    __slots__ = ("model_sha256", "arch", "n_layer", "official_target_sha", "quant_types", "context", "kv_type", "backend", "llama_cpp_commit", "patch_stack_sha256", "dgr_version", "hardware", "schema_version")
+    __slots__ = ("model_sha256", "arch", "n_layer", "official_target_sha", "quant_types", "context", "kv_type", "backend", "llama_cpp_commit", "patch_stack_sha256", "dgr_version", "hardware", "schema_version", "flash_attn")
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     N_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,7 @@ class Compatibility(_message.Message):
     DGR_VERSION_FIELD_NUMBER: _ClassVar[int]
     HARDWARE_FIELD_NUMBER: _ClassVar[int]
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FLASH_ATTN_FIELD_NUMBER: _ClassVar[int]
     model_sha256: bytes
     arch: str
     n_layer: int
@@ -105,7 +106,8 @@ class Compatibility(_message.Message):
     dgr_version: str
     hardware: str
     schema_version: int
-    def __init__(self, model_sha256: _Optional[bytes] = ..., arch: _Optional[str] = ..., n_layer: _Optional[int] = ..., official_target_sha: _Optional[str] = ..., quant_types: _Optional[_Iterable[str]] = ..., context: _Optional[int] = ..., kv_type: _Optional[str] = ..., backend: _Optional[str] = ..., llama_cpp_commit: _Optional[str] = ..., patch_stack_sha256: _Optional[bytes] = ..., dgr_version: _Optional[str] = ..., hardware: _Optional[str] = ..., schema_version: _Optional[int] = ...) -> None: ...
+    flash_attn: str
+    def __init__(self, model_sha256: _Optional[bytes] = ..., arch: _Optional[str] = ..., n_layer: _Optional[int] = ..., official_target_sha: _Optional[str] = ..., quant_types: _Optional[_Iterable[str]] = ..., context: _Optional[int] = ..., kv_type: _Optional[str] = ..., backend: _Optional[str] = ..., llama_cpp_commit: _Optional[str] = ..., patch_stack_sha256: _Optional[bytes] = ..., dgr_version: _Optional[str] = ..., hardware: _Optional[str] = ..., schema_version: _Optional[int] = ..., flash_attn: _Optional[str] = ...) -> None: ...
 
 class LayerRange(_message.Message):
     __slots__ = ("layer_begin", "layer_end", "is_first", "is_last", "needs_token_ids")
