@@ -34,7 +34,7 @@ ensure_env() {
         echo "dgr: installing dependencies and building the binding" >&2
         .venv/bin/python -m pip install -q --upgrade pip
         .venv/bin/python -m pip install -q "setuptools>=77" wheel "cffi>=1.16" "cmake>=3.21" ninja scikit-build-core
-        .venv/bin/python -m pip install -q --no-build-isolation -e ".[test]"
+        .venv/bin/python -m pip install -q --no-build-isolation -e ".[test,baseline]"
         echo "$stamp" > .venv/.dgr-stamp
     fi
 }

@@ -93,7 +93,7 @@ def _arch_and_vocab(model: Path) -> tuple[str, int]:
     return arch, int(embd.shape[-1])
 
 
-def _machine(hardware: str) -> dict[str, str]:
+def machine_facts(hardware: str) -> dict[str, str]:
     return {
         "hardware": hardware,
         "cpus": str(os.cpu_count() or 0),
@@ -306,7 +306,7 @@ async def certify(
         family=family,
         command=tuple(command),
         dgr_commit=commit,
-        machine=_machine(lane.hardware),
+        machine=machine_facts(lane.hardware),
         started_at=started,
         ended_at=dt.datetime.now(dt.UTC),
         figures=tuple(figures),

@@ -8,6 +8,7 @@
     dgr demo      the main job: a local route, a stage lost and recovered, whole-model parity
     dgr fixtures  list or build the generated fixture models
     dgr certify   certify a lane here: its scenarios over real workers, one evidence record
+    dgr baseline  DGR-020: safetensors against whole-model llama.cpp, one baseline record
     dgr gate      evaluate DGR-020, DGR-054 or DGR-070 from the records, against the lock
 """
 
@@ -18,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from dgr_engine.argtypes import OneLineParser
-from dgr_engine.cli import certify, demo, fixtures, gate, generate, worker
+from dgr_engine.cli import baseline, certify, demo, fixtures, gate, generate, worker
 
 _SUBCOMMANDS = {
     "worker": worker,
@@ -26,6 +27,7 @@ _SUBCOMMANDS = {
     "demo": demo,
     "fixtures": fixtures,
     "certify": certify,
+    "baseline": baseline,
     "gate": gate,
 }
 
