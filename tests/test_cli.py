@@ -39,6 +39,7 @@ def test_every_subcommand_is_reachable() -> None:
         "dgr fixtures list",
         "dgr fixtures build",
         "dgr certify",
+        "dgr baseline",
         "dgr gate",
     }
 

@@ -107,3 +107,14 @@ def test_every_split_equals_the_whole_model(pool: Pool) -> None:
         assert split_tokens == tokens, cut
         for a, b in zip(logits, split_logits, strict=True):
             assert np.array_equal(a, b), cut
+
+
+def test_dgr_fixtures_lists_and_builds_them(capsys: pytest.CaptureFixture[str]) -> None:
+    from dgr_engine import cli
+
+    assert cli.main(["fixtures", "build", "hf-llama-headdim"]) == 0
+    printed = Path(capsys.readouterr().out.strip())
+    assert printed == converted.ensure_converted("hf-llama-headdim").gguf
+    assert cli.main(["fixtures", "list"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"{name} " in out for name in converted.names())

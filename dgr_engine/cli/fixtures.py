@@ -1,7 +1,8 @@
 """List or build the generated fixture models (random weights: fixture evidence only).
 
 'dgr fixtures list' prints one line per fixture; 'dgr fixtures build NAME...' builds the
-named fixtures (or finds them cached) and prints their paths.
+named fixtures (or finds them cached) and prints their paths. The hf-* fixtures are
+converter-made (transformers, then llama.cpp's convert_hf_to_gguf.py; needs dgr[baseline]).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dgr_engine.fixtures import (
     FIXTURES,
     AnySpec,
     Deepseek4Spec,
+    converted,
     ensure_fixture,
     estimated_bytes,
 )
@@ -30,8 +32,9 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="build (or find cached) fixtures and print their paths",
         description="Build (or find cached) fixtures and print their paths.",
     )
+    names = [*FIXTURES, *converted.names()]
     build.add_argument(
-        "names", nargs="+", choices=sorted(FIXTURES), metavar="NAME", help=", ".join(FIXTURES)
+        "names", nargs="+", choices=sorted(names), metavar="NAME", help=", ".join(names)
     )
     build.add_argument(
         "--dir", type=Path, default=None, help="cache directory (default: $DGR_FIXTURES_DIR, ...)"
@@ -42,9 +45,15 @@ def run(args: argparse.Namespace) -> int:
     if args.fixtures_command == "list":
         for spec in FIXTURES.values():
             print(_line(spec))
+        for name in converted.names():
+            hf = converted.lookup(name)
+            print(f"{name:<17} {hf.model_class} (converter-made)  {hf.description}")
         return 0
     for name in args.names:
-        print(ensure_fixture(name, args.dir, progress=_print_progress(name)))
+        if name in FIXTURES:
+            print(ensure_fixture(name, args.dir, progress=_print_progress(name)))
+        else:
+            print(converted.ensure_converted(name, args.dir).gguf)
     return 0
 
 
