@@ -60,7 +60,7 @@ def error_table(models: list[str], threads: int) -> list[dict[str, Any]]:
             try:
                 got = runs.in_child(runs.run_llama, str(fixture.gguf), numerics, work)
             except EngineError as exc:
-                rows.append({**row, "refused": str(exc).split(": ", 1)[-1][:80]})
+                rows.append({**row, "refused": str(exc).rsplit(": ", 1)[-1][:90]})
                 continue
             c = compare(reference.logits, got.logits, reference.tokens, got.tokens)
             rows.append(
@@ -103,7 +103,7 @@ def speed_table(fixture: str, threads: int, rounds: int) -> list[dict[str, Any]]
                 n_ubatch=64, numerics=numerics,
             )  # fmt: skip
         except EngineError as exc:
-            engines[numerics] = str(exc).split(": ", 1)[-1][:80]
+            engines[numerics] = str(exc).rsplit(": ", 1)[-1][:90]
     measured: dict[Numerics, list[tuple[float, float]]] = {n: [] for n in SETTINGS}
     try:
         for round_ in range(rounds + 1):  # round 0 warms up

@@ -112,3 +112,17 @@ def test_wan_benchmark_smoke(tmp_path: Path) -> None:
     # 30 ms per hop: two hops per token, so at most 1 / 0.06 tokens per second
     assert runs[1]["decode_tps"] < 1 / 0.06
     assert runs[1]["recovery_s"] > 0.06  # the re-prefill crosses the slow hops too
+
+
+def test_numerics_benchmark_smoke(tmp_path: Path) -> None:
+    args = ["--models", "hf-llama-headdim", "--speed-fixture", "tiny-llama", "--rounds", "1"]
+    done = run_benchmark("numerics", [*args, "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "numerics.json").read_text())
+    exact = [r for r in result["error"] if (r["kv"], r["fa"]) == ("f32", "off")]
+    assert len(exact) == 1 and exact[0]["max_abs"] < 1e-4 and exact[0]["tokens_equal"]
+    assert len(result["error"]) == len(result["speed"]) == 5
+    # tiny-llama's 16-wide heads: llama.cpp refuses a q8_0 cache, and the table says so
+    (q8,) = [r for r in result["speed"] if r["kv"] == "q8_0"]
+    assert "does not divide n_embd_head_k=16" in q8["refused"]
+    assert all(r["decode_vs_default"] > 0 for r in result["speed"] if "refused" not in r)
+    assert "refused: K cache type q8_0" in done.stdout
