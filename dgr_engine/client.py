@@ -144,6 +144,9 @@ class ShardClient:
         await self.aclose()
 
     async def aclose(self) -> None:
+        """Cancels this client's streams and closes the channel. A worker closes the sessions
+        a cancelled stream carried (their client is gone): close sessions first to keep none
+        open beyond this client."""
         for stream in self._streams.values():
             stream.cancel()
         self._streams.clear()

@@ -124,6 +124,26 @@ def test_a_record_is_written_and_dgr_020_decides_from_it(
     assert verdict.verdict == ("go" if speed_ok else "optimize baseline")
 
 
+def test_at_the_defaults_the_error_is_recorded_in_the_lane_and_dgr_020_stops(
+    tmp_path: Path,
+) -> None:
+    fixture = converted.ensure_converted("hf-llama-gqa")
+    default = run_baseline(fixture.hf_dir, gguf=fixture.gguf, n_decode=4)
+    lock = load_lock(None)
+    record, _ = write_baseline_record(
+        default, lock=lock, evidence_dir=tmp_path, started=dt.datetime.now(dt.UTC), command=["t"]
+    )
+    assert (record.lane.kv_type, record.lane.flash_attn) == ("f16", "auto")
+    assert 1e-3 < record.figure("baseline.max_abs_logit").value < 0.1
+    assert record.requirement("baseline.parity").verdict is Verdict.FAIL
+    assert record.requirement("baseline.negative_control").verdict is Verdict.PASS
+    verdict = evaluate(
+        "DGR-020", load_evidence(tmp_path, lock).records, lock, EvidenceClass.FIXTURE
+    )
+    assert verdict.verdict == "stop"
+    assert "locked <= 0.001" in verdict.text()
+
+
 def test_a_parity_failure_stops_dgr_020(exact: BaselineResult) -> None:
     lock = load_lock(None)
     worse = attrs.evolve(exact, comparison=attrs.evolve(exact.comparison, max_abs=0.02))

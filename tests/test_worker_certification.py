@@ -17,6 +17,7 @@ import pytest
 from dgr_engine import ShardEngine
 from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.record import load_evidence
+from dgr_engine.numerics import Numerics
 from dgr_engine.worker import ShardWorker, WorkerConfig
 from dgr_engine.worker.identity import BuildIdentity
 from dgr_session.identity import CertificationStatus, EvidenceClass
@@ -25,9 +26,16 @@ CERTIFIED_CTX = 256  # dgr certify's default context per session
 
 
 def worker(
-    model: Path, evidence: Path | None, *, ctx: int = CERTIFIED_CTX, build=None
+    model: Path,
+    evidence: Path | None,
+    *,
+    ctx: int = CERTIFIED_CTX,
+    build=None,
+    numerics: Numerics | None = None,
 ) -> ShardWorker:
-    engine = ShardEngine(model, layers=(0, 2), max_sessions=1, n_ctx_per_session=ctx, n_threads=1)
+    engine = ShardEngine(
+        model, layers=(0, 2), max_sessions=1, n_ctx_per_session=ctx, n_threads=1, numerics=numerics
+    )
     return ShardWorker(
         engine,
         build if build is not None else BuildIdentity.of_model(model),
@@ -73,10 +81,8 @@ def test_another_context_per_session_is_another_lane(
     "change",
     [
         {"hardware": "x86_64 | Some Other CPU | avx avx2"},
-        {"kv_type": "q8_0"},
         {"dgr_version": "9.9.9"},
         {"build_flags": "GGML_NATIVE=ON"},
-        {"flash_attn": "on"},
     ],
     ids=lambda c: next(iter(c)),
 )
@@ -88,6 +94,24 @@ def test_one_differing_part_leaves_the_worker_dark(
     try:
         assert w.advert().lane.certification is CertificationStatus.DARK
         assert any(next(iter(change)) in r for r in w.lane_lookup.reasons)
+    finally:
+        w.engine.close()
+
+
+@pytest.mark.parametrize(
+    ("numerics", "part"),
+    [(Numerics("f32", "auto"), "kv_type"), (Numerics("f16", "off"), "flash_attn")],
+    ids=lambda v: v if isinstance(v, str) else str(v),
+)
+def test_other_numerics_leave_the_worker_dark(
+    tiny_llama: Path, fixture_evidence: Path, numerics: Numerics, part: str
+) -> None:
+    # the engine's numerics are the lane's (a build stating others is overruled by the engine)
+    w = worker(tiny_llama, fixture_evidence, numerics=numerics)
+    try:
+        assert getattr(w.lane_key, part) == getattr(numerics, part)
+        assert w.advert().lane.certification is CertificationStatus.DARK
+        assert any(part in r for r in w.lane_lookup.reasons)
     finally:
         w.engine.close()
 

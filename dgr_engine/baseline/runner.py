@@ -181,7 +181,7 @@ def figures_of(result: BaselineResult) -> list[Figure]:
         Figure("baseline.max_rel_logit", c.max_rel, "ratio"),
         Figure("baseline.top1_agreement", c.top1_agreement, "share"),
         Figure("baseline.min_margin", c.min_margin, "logit"),
-        Figure("baseline.margin_ratio", c.margin_ratio, "ratio"),
+        Figure("baseline.margin_ratio", min(c.margin_ratio, 1e9), "ratio"),  # a 0 margin: 1e9
         Figure("baseline.tokens_equal", float(c.tokens_equal), "bool"),
         Figure("baseline.positions", float(c.positions), "count"),
         Figure("negative.max_abs_logit", n.max_abs, "logit"),

@@ -41,6 +41,7 @@ from dgr_engine.worker.load import LoadMeter
 from dgr_engine.worker.registration import SERVICE_NAME, add_shard_service
 from dgr_engine.worker.servicer import ShardServicer
 from dgr_engine.worker.sessions import EngineLike, SessionTable
+from dgr_engine.worker.tombstones import Tombstones
 from dgr_session.identity import CertificationStatus, Lane, ModelIdentity, Recipe
 
 _T = TypeVar("_T")
@@ -125,6 +126,9 @@ class ShardWorker:
         self.sessions_reclaimed = 0
         """Sessions closed after a stall because nobody used them again (their clients moved
         on), or because a newer epoch's close named them."""
+        # kept as long as a lease: an open older than that would have lost its slot anyway
+        self.tombstones = Tombstones(clock, self.config.session_lease_seconds or 600.0)
+        """Closes that found nothing: the opens they overtook are refused when they arrive."""
         self.calls_abandoned = 0
         """Calls whose caller cancelled them (deadline passed, or gave up); each schedules a
         close of its session at that epoch."""
@@ -264,6 +268,13 @@ class ShardWorker:
         A session new here takes a slot: when none is free it waits in line (first come, first
         served) for at most ``admission_wait_seconds`` and ``wait`` (the call's time left),
         then raises ``CapacityExceeded`` with a retry hint."""
+        if self.tombstones.blocks(session_id, epoch):
+            raise StaleEpoch(
+                f"session {session_id!r} epoch {epoch} was closed by its client before this "
+                "open arrived: not opened",
+                session_id=session_id,
+                epoch=epoch,
+            )
         if self.table.holds(session_id):  # a newer epoch reuses the session's slot
             return await self.run_on_engine(self.table.open, session_id, epoch)
         limit = self.config.admission_wait_seconds
@@ -276,6 +287,9 @@ class ShardWorker:
         """Closes the session if open at ``epoch`` or older; returns the epoch closed."""
         try:
             closed = await self.run_on_engine(self.table.close, session_id, epoch)
+        except UnknownSession:
+            self.tombstones.record(session_id, epoch)  # its open may still be on its way
+            raise
         finally:
             self.admission.changed()
         if closed < epoch:
