@@ -117,6 +117,9 @@ class CampaignOutcome:
     """RSS after quiescence minus RSS before the sessions, per worker alive throughout."""
     crashed: list[str] = attrs.Factory(list)
     """Workers that exited without being killed by the schedule."""
+    leak_logs: dict[str, str] = attrs.Factory(dict)
+    """For each worker still holding sessions after quiescence: its session log lines (what
+    was opened and closed, and when), to tell which session leaked and how."""
     killed: list[str] = attrs.Factory(list)
 
 
@@ -221,6 +224,11 @@ async def _drive(
             _signal(worker.process.proc, signal.SIGCONT)
         await transport.settle_closes(config.quiesce_seconds)
         outcome.open_after = await _quiesce(provider, config.quiesce_seconds)
+        for worker in provider.workers:
+            if outcome.open_after.get(worker.endpoint):
+                lines = worker.process.stderr_text().splitlines()
+                kept = [line for line in lines if "session" in line or "stall" in line]
+                outcome.leak_logs[worker.endpoint] = "\n".join(kept[-80:])
     finally:
         await transport.aclose()
         await raw.aclose()

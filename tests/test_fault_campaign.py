@@ -156,7 +156,10 @@ def test_fault_campaign_keeps_every_invariant(
     assert wrong == 0
     assert all(h.answer != "accepted" for h in outcome.hostile), outcome.hostile
     assert outcome.crashed == []
-    assert outcome.open_after == dict.fromkeys(outcome.open_after, 0), outcome.open_after
+    assert outcome.open_after == dict.fromkeys(outcome.open_after, 0), (
+        outcome.open_after,
+        outcome.leak_logs,
+    )
     assert all(g <= RSS_MARGIN_KIB for g in outcome.rss_growth_kib.values()), outcome
 
     tally["schedules"] += 1

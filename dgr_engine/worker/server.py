@@ -268,6 +268,28 @@ class ShardWorker:
         A session new here takes a slot: when none is free it waits in line (first come, first
         served) for at most ``admission_wait_seconds`` and ``wait`` (the call's time left),
         then raises ``CapacityExceeded`` with a retry hint."""
+        if self.table.holds(session_id):  # a newer epoch reuses the session's slot
+            return await self.run_on_engine(self._open_unless_closed, session_id, epoch)
+        limit = self.config.admission_wait_seconds
+        if wait is not None:
+            limit = min(limit, wait - 0.05)  # answer busy before the caller gives up
+        async with self.admission.turn(limit, f"open of session {session_id!r}"):
+            return await self.run_on_engine(self._open_unless_closed, session_id, epoch)
+
+    async def close_session(self, session_id: str, epoch: int) -> int:
+        """Closes the session if open at ``epoch`` or older; returns the epoch closed."""
+        try:
+            closed = await self.run_on_engine(self._close_or_remember, session_id, epoch)
+        finally:
+            self.admission.changed()
+        if closed < epoch:
+            self.sessions_reclaimed += 1
+        return closed
+
+    # Both run on the engine thread, one after the other, so a close that finds nothing and the
+    # open it overtook cannot interleave (tombstones are touched on that thread only).
+
+    def _open_unless_closed(self, session_id: str, epoch: int) -> bool:
         if self.tombstones.blocks(session_id, epoch):
             raise StaleEpoch(
                 f"session {session_id!r} epoch {epoch} was closed by its client before this "
@@ -275,26 +297,14 @@ class ShardWorker:
                 session_id=session_id,
                 epoch=epoch,
             )
-        if self.table.holds(session_id):  # a newer epoch reuses the session's slot
-            return await self.run_on_engine(self.table.open, session_id, epoch)
-        limit = self.config.admission_wait_seconds
-        if wait is not None:
-            limit = min(limit, wait - 0.05)  # answer busy before the caller gives up
-        async with self.admission.turn(limit, f"open of session {session_id!r}"):
-            return await self.run_on_engine(self.table.open, session_id, epoch)
+        return self.table.open(session_id, epoch)
 
-    async def close_session(self, session_id: str, epoch: int) -> int:
-        """Closes the session if open at ``epoch`` or older; returns the epoch closed."""
+    def _close_or_remember(self, session_id: str, epoch: int) -> int:
         try:
-            closed = await self.run_on_engine(self.table.close, session_id, epoch)
+            return self.table.close(session_id, epoch)
         except UnknownSession:
             self.tombstones.record(session_id, epoch)  # its open may still be on its way
             raise
-        finally:
-            self.admission.changed()
-        if closed < epoch:
-            self.sessions_reclaimed += 1
-        return closed
 
     def abandon(self, session_id: str, epoch: int, why: str) -> None:
         """A call of ``(session_id, epoch)`` was cancelled by its caller (its deadline passed,
