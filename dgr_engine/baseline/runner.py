@@ -119,8 +119,8 @@ def run_baseline(
 ) -> BaselineResult:
     """Runs both sides and the negative control; no record (see :func:`baseline_record`).
 
-    ``gguf``: the converted model (else ``hf_dir`` is converted, f32, into ``work_dir`` or a
-    temporary directory removed afterwards)."""
+    ``gguf``: the converted model (else ``hf_dir`` is converted, f32, into a temporary
+    directory, under ``work_dir`` when given, removed afterwards)."""
     hf = Path(hf_dir)
     numerics = numerics if numerics is not None else Numerics()
     config = converter.read_config(hf)
