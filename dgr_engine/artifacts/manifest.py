@@ -1,0 +1,237 @@
+"""The hashed manifest of a model's artifact files (issue 14's first part).
+
+One canonical JSON document names the model (architecture, main layers, upstream target SHA where
+known) and, for each file of a single or split GGUF: its name, size, SHA-256, the SHA-256 of every
+fixed-size chunk (so verification can run, and resume, chunk by chunk) and which tensors, and
+hence which layers, it holds. The manifest's hash is the SHA-256 of its canonical JSON (sorted
+keys, no insignificant whitespace); for a split model it is the model identity's content hash.
+
+Refusals are :class:`ManifestInvalid`, one line naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final
+
+import attrs
+from gguf import GGUFReader
+
+from dgr_session.errors import DgrError
+
+MANIFEST_SCHEMA: Final = "dgr.manifest/1"
+CHUNK_BYTES: Final = 16 << 20
+"""Chunk size of the per-chunk hashes (16 MiB)."""
+_LAYER = re.compile(r"^blk\.(\d+)\.")
+
+
+class ManifestInvalid(DgrError, ValueError):
+    """A manifest that does not parse, has another schema, or disagrees with itself."""
+
+    def __init__(self, message: str, *, path: Path | str | None = None, field: str = "") -> None:
+        where = f"{path}: " if path is not None else ""
+        super().__init__(f"{where}{message}")
+        self.path = None if path is None else Path(path)
+        self.field = field
+
+
+def _tuple(values: Iterable[Any]) -> tuple[Any, ...]:
+    return tuple(values)
+
+
+@attrs.frozen
+class FileEntry:
+    """One artifact file."""
+
+    name: str
+    size: int
+    sha256: str
+    chunk_bytes: int
+    chunks: tuple[str, ...] = attrs.field(converter=_tuple)
+    """SHA-256 of each ``chunk_bytes`` chunk, in order (the last one may be shorter)."""
+    tensors: tuple[str, ...] = attrs.field(converter=_tuple)
+    """Names of the tensors whose data lies in this file, sorted."""
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        """Main layers (``blk.N.``) with a tensor in this file, sorted."""
+        found = {int(m.group(1)) for t in self.tensors if (m := _LAYER.match(t))}
+        return tuple(sorted(found))
+
+    @property
+    def shared(self) -> bool:
+        """Holds tensors outside every layer (embedding, output head, norms)."""
+        return any(_LAYER.match(t) is None for t in self.tensors)
+
+
+@attrs.frozen
+class Manifest:
+    """A model's artifact files, hashed."""
+
+    arch: str
+    n_layer: int
+    official_target_sha: str | None
+    files: tuple[FileEntry, ...] = attrs.field(converter=_tuple)
+
+    def canonical(self) -> dict[str, Any]:
+        """The JSON-ready canonical form (what the hash is taken of)."""
+        return {
+            "schema": MANIFEST_SCHEMA,
+            "model": {
+                "arch": self.arch,
+                "n_layer": self.n_layer,
+                "official_target_sha": self.official_target_sha,
+            },
+            "files": [
+                {
+                    "name": f.name,
+                    "size": f.size,
+                    "sha256": f.sha256,
+                    "chunk_bytes": f.chunk_bytes,
+                    "chunks": list(f.chunks),
+                    "tensors": list(f.tensors),
+                    "layers": list(f.layers),
+                }
+                for f in self.files
+            ],
+        }
+
+    def text(self) -> str:
+        """Canonical JSON: sorted keys, no insignificant whitespace."""
+        return json.dumps(self.canonical(), sort_keys=True, separators=(",", ":"))
+
+    @property
+    def sha256(self) -> str:
+        """Hex SHA-256 of :meth:`text`."""
+        return hashlib.sha256(self.text().encode()).hexdigest()
+
+    def files_for(self, layers: tuple[int, int]) -> tuple[FileEntry, ...]:
+        """The files a shard owning ``[begin, end)`` needs: those holding any of its layers, and
+        every file holding tensors outside the layers (metadata, embedding, head)."""
+        begin, end = layers
+        return tuple(f for f in self.files if f.shared or any(begin <= n < end for n in f.layers))
+
+
+def _file_hashes(path: Path, chunk_bytes: int) -> tuple[int, str, tuple[str, ...]]:
+    whole = hashlib.sha256()
+    chunks: list[str] = []
+    size = 0
+    with path.open("rb") as stream:
+        while block := stream.read(chunk_bytes):
+            whole.update(block)
+            chunks.append(hashlib.sha256(block).hexdigest())
+            size += len(block)
+    return size, whole.hexdigest(), tuple(chunks)
+
+
+def build_manifest(
+    paths: Sequence[str | os.PathLike[str]],
+    *,
+    official_target_sha: str | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> Manifest:
+    """The manifest of one GGUF or of every file of a split GGUF (in split order)."""
+    if not paths:
+        raise ManifestInvalid("no files given")
+    entries: list[FileEntry] = []
+    arch, n_layer = "", 0
+    for raw in paths:
+        path = Path(raw)
+        reader = GGUFReader(path)
+        if not arch:
+            arch_field = reader.fields.get("general.architecture")
+            if arch_field is None:
+                raise ManifestInvalid("no general.architecture", path=path)
+            arch = str(arch_field.contents())
+            count = reader.fields.get(f"{arch}.block_count")
+            nextn = reader.fields.get(f"{arch}.nextn_predict_layers")
+            n_layer = int(count.contents()) if count is not None else 0
+            n_layer -= int(nextn.contents()) if nextn is not None else 0
+        size, sha, chunks = _file_hashes(path, chunk_bytes)
+        tensors = sorted(t.name for t in reader.tensors)
+        entries.append(FileEntry(path.name, size, sha, chunk_bytes, chunks, tensors))
+    return Manifest(arch, n_layer, official_target_sha, entries)
+
+
+def _need(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    if key not in data:
+        raise ManifestInvalid(f"{where}.{key}: missing", field=f"{where}.{key}")
+    value = data[key]
+    if not isinstance(value, kind) or isinstance(value, bool):
+        raise ManifestInvalid(f"{where}.{key}: wrong type {value!r}", field=f"{where}.{key}")
+    return value
+
+
+def parse_manifest(text: str | bytes, *, path: Path | None = None) -> Manifest:
+    """The manifest of a canonical JSON document; :class:`ManifestInvalid` naming the field."""
+    try:
+        data = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ManifestInvalid(f"not JSON: {exc}", path=path) from None
+    try:
+        if not isinstance(data, dict):
+            raise ManifestInvalid("not a JSON object")
+        schema = data.get("schema")
+        if schema != MANIFEST_SCHEMA:
+            raise ManifestInvalid(
+                f"schema {schema!r}: this dgr reads {MANIFEST_SCHEMA!r}", field="schema"
+            )
+        model = _need(data, "model", dict, "manifest")
+        target = model.get("official_target_sha")
+        if target is not None and not isinstance(target, str):
+            raise ManifestInvalid("model.official_target_sha: not a string or null")
+        files = []
+        for index, entry in enumerate(_need(data, "files", list, "manifest")):
+            where = f"files[{index}]"
+            if not isinstance(entry, dict):
+                raise ManifestInvalid(f"{where}: not an object", field=where)
+            item = FileEntry(
+                name=_need(entry, "name", str, where),
+                size=_need(entry, "size", int, where),
+                sha256=_need(entry, "sha256", str, where),
+                chunk_bytes=_need(entry, "chunk_bytes", int, where),
+                chunks=_need(entry, "chunks", list, where),
+                tensors=_need(entry, "tensors", list, where),
+            )
+            chunks_needed = -(-item.size // item.chunk_bytes) if item.chunk_bytes > 0 else -1
+            if item.chunk_bytes <= 0 or len(item.chunks) != chunks_needed:
+                raise ManifestInvalid(
+                    f"{where}.chunks: {len(item.chunks)} chunk hashes for {item.size} bytes in "
+                    f"chunks of {item.chunk_bytes}",
+                    field=f"{where}.chunks",
+                )
+            if list(item.layers) != entry.get("layers"):
+                raise ManifestInvalid(
+                    f"{where}.layers: {entry.get('layers')!r} disagrees with its tensors "
+                    f"{list(item.layers)!r}",
+                    field=f"{where}.layers",
+                )
+            files.append(item)
+        manifest = Manifest(
+            arch=_need(model, "arch", str, "model"),
+            n_layer=_need(model, "n_layer", int, "model"),
+            official_target_sha=target,
+            files=files,
+        )
+    except ManifestInvalid as exc:
+        if path is not None and exc.path is None:
+            raise ManifestInvalid(str(exc), path=path, field=exc.field) from None
+        raise
+    if not manifest.files:
+        raise ManifestInvalid("files: empty", path=path, field="files")
+    return manifest
+
+
+def load_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Reads and parses a manifest file."""
+    path = Path(path)
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise ManifestInvalid(f"not readable: {exc.strerror}", path=path) from None
+    return parse_manifest(text, path=path)
