@@ -114,3 +114,18 @@ def test_a_bad_manifest_is_refused_naming_the_field(
 
 def test_the_schema_constant() -> None:
     assert MANIFEST_SCHEMA == "dgr.manifest/1"
+
+
+def test_dgr_artifacts_manifest_writes_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from dgr_engine import cli
+
+    path = ensure_fixture("tiny-llama")
+    out = tmp_path / "m" / "manifest.json"
+    assert cli.main(["artifacts", "manifest", str(path), "--out", str(out)]) == 0
+    manifest = load_manifest(out)
+    assert f"manifest sha256 {manifest.sha256}" in capsys.readouterr().err
+    assert manifest == build_manifest([path])
+    assert cli.main(["artifacts", "manifest", str(tmp_path / "absent.gguf")]) == 2
+    assert capsys.readouterr().err.startswith("dgr artifacts manifest: ")

@@ -40,6 +40,8 @@ def test_every_subcommand_is_reachable() -> None:
         "dgr fixtures build",
         "dgr certify",
         "dgr baseline",
+        "dgr artifacts",
+        "dgr artifacts manifest",
         "dgr gate",
     }
 

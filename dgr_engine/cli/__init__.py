@@ -9,6 +9,7 @@
     dgr fixtures  list or build the generated fixture models
     dgr certify   certify a lane here: its scenarios over real workers, one evidence record
     dgr baseline  DGR-020: safetensors against whole-model llama.cpp, one baseline record
+    dgr artifacts the hashed manifest of a single or split GGUF
     dgr gate      evaluate DGR-020, DGR-054 or DGR-070 from the records, against the lock
 """
 
@@ -19,7 +20,7 @@ import sys
 from collections.abc import Sequence
 
 from dgr_engine.argtypes import OneLineParser
-from dgr_engine.cli import baseline, certify, demo, fixtures, gate, generate, worker
+from dgr_engine.cli import artifacts, baseline, certify, demo, fixtures, gate, generate, worker
 
 _SUBCOMMANDS = {
     "worker": worker,
@@ -28,6 +29,7 @@ _SUBCOMMANDS = {
     "fixtures": fixtures,
     "certify": certify,
     "baseline": baseline,
+    "artifacts": artifacts,
     "gate": gate,
 }
 
