@@ -1,2 +1,2 @@
-"""Model artifacts: the hashed manifest of a single or split GGUF (``manifest``). Provisioning,
-resumable verification and the storage policy come next (issue 14)."""
+"""Model artifacts: the hashed manifest of a single or split GGUF (``manifest``) and where
+artifacts may live (``storage``). Provisioning and resumable verification come next (issue 14)."""
