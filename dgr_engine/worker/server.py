@@ -41,7 +41,6 @@ from dgr_engine.worker.load import LoadMeter
 from dgr_engine.worker.registration import SERVICE_NAME, add_shard_service
 from dgr_engine.worker.servicer import ShardServicer
 from dgr_engine.worker.sessions import EngineLike, SessionTable
-from dgr_engine.worker.tombstones import Tombstones
 from dgr_session.identity import CertificationStatus, Lane, ModelIdentity, Recipe
 
 _T = TypeVar("_T")
@@ -119,16 +118,16 @@ class ShardWorker:
         self.config = config if config is not None else WorkerConfig()
         self.info = engine.info
         self.expect = frames.Expectations.of_shard(build.model_sha256, self.info)
-        self.table = SessionTable(engine, clock)
+        # a tombstone is kept a lease long: an open older than that would have lost its slot
+        self.table = SessionTable(
+            engine, clock, tombstone_seconds=self.config.session_lease_seconds or 600.0
+        )
         self.admission = Admission(self._free_slots)
         self.sessions_expired = 0
         """Sessions closed because their lease ran out."""
         self.sessions_reclaimed = 0
         """Sessions closed after a stall because nobody used them again (their clients moved
         on), or because a newer epoch's close named them."""
-        # kept as long as a lease: an open older than that would have lost its slot anyway
-        self.tombstones = Tombstones(clock, self.config.session_lease_seconds or 600.0)
-        """Closes that found nothing: the opens they overtook are refused when they arrive."""
         self.calls_abandoned = 0
         """Calls whose caller cancelled them (deadline passed, or gave up); each schedules a
         close of its session at that epoch."""
@@ -269,42 +268,22 @@ class ShardWorker:
         served) for at most ``admission_wait_seconds`` and ``wait`` (the call's time left),
         then raises ``CapacityExceeded`` with a retry hint."""
         if self.table.holds(session_id):  # a newer epoch reuses the session's slot
-            return await self.run_on_engine(self._open_unless_closed, session_id, epoch)
+            return await self.run_on_engine(self.table.open, session_id, epoch)
         limit = self.config.admission_wait_seconds
         if wait is not None:
             limit = min(limit, wait - 0.05)  # answer busy before the caller gives up
         async with self.admission.turn(limit, f"open of session {session_id!r}"):
-            return await self.run_on_engine(self._open_unless_closed, session_id, epoch)
+            return await self.run_on_engine(self.table.open, session_id, epoch)
 
     async def close_session(self, session_id: str, epoch: int) -> int:
         """Closes the session if open at ``epoch`` or older; returns the epoch closed."""
         try:
-            closed = await self.run_on_engine(self._close_or_remember, session_id, epoch)
+            closed = await self.run_on_engine(self.table.close, session_id, epoch)
         finally:
             self.admission.changed()
         if closed < epoch:
             self.sessions_reclaimed += 1
         return closed
-
-    # Both run on the engine thread, one after the other, so a close that finds nothing and the
-    # open it overtook cannot interleave (tombstones are touched on that thread only).
-
-    def _open_unless_closed(self, session_id: str, epoch: int) -> bool:
-        if self.tombstones.blocks(session_id, epoch):
-            raise StaleEpoch(
-                f"session {session_id!r} epoch {epoch} was closed by its client before this "
-                "open arrived: not opened",
-                session_id=session_id,
-                epoch=epoch,
-            )
-        return self.table.open(session_id, epoch)
-
-    def _close_or_remember(self, session_id: str, epoch: int) -> int:
-        try:
-            return self.table.close(session_id, epoch)
-        except UnknownSession:
-            self.tombstones.record(session_id, epoch)  # its open may still be on its way
-            raise
 
     def abandon(self, session_id: str, epoch: int, why: str) -> None:
         """A call of ``(session_id, epoch)`` was cancelled by its caller (its deadline passed,

@@ -22,6 +22,7 @@ from dgr_engine.engine import FloatArray, ShardInfo
 from dgr_engine.errors import EngineError, NonFiniteOutput, StaleEpoch, UnknownSession
 from dgr_engine.numerics import Numerics
 from dgr_engine.wire.frames import FloatRows, ForwardFrame
+from dgr_engine.worker.tombstones import Tombstones
 
 
 class EngineLike(Protocol):
@@ -72,15 +73,32 @@ class TableSnapshot:
 class SessionTable:
     """Sessions of one engine, by wire id. ``clock`` (seconds, monotonic) times their use."""
 
-    def __init__(self, engine: EngineLike, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        engine: EngineLike,
+        clock: Callable[[], float] = time.monotonic,
+        *,
+        tombstone_seconds: float = 600.0,
+    ) -> None:
         self.engine = engine
         self.clock = clock
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._keys = itertools.count(1)
+        self._tombstones = Tombstones(clock, tombstone_seconds)
+        """Closes that found nothing, kept ``tombstone_seconds``: the opens they overtook are
+        refused when they arrive (``worker/tombstones.py``)."""
 
     def open(self, session_id: str, epoch: int) -> bool:
-        """Opens ``(session_id, epoch)``; True if an older epoch's state was discarded."""
+        """Opens ``(session_id, epoch)``; True if an older epoch's state was discarded. Refused
+        as stale when a close of this epoch (or a newer one) came first and found nothing."""
+        if self._tombstones.blocks(session_id, epoch):
+            raise StaleEpoch(
+                f"DGR_E_STALE_EPOCH: session {session_id!r} epoch {epoch} was closed by its "
+                "client before this open arrived: not opened",
+                session_id=session_id,
+                epoch=epoch,
+            )
         entry = self._entries.get(session_id)
         if entry is not None and epoch < entry.epoch:
             raise self._stale(session_id, epoch, entry)
@@ -124,6 +142,8 @@ class SessionTable:
         elsewhere: the state held here is dead); returns the epoch closed. A newer open epoch
         is refused as stale, an unknown session as unknown."""
         entry = self._entries.get(session_id)
+        if entry is None:
+            self._tombstones.record(session_id, epoch)  # its open may still be on its way
         if entry is None or epoch < entry.epoch:
             entry = self._live(session_id, epoch)  # raises
         with _naming(session_id, entry.key):

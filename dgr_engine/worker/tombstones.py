@@ -2,8 +2,8 @@
 
 A client whose open timed out (the worker was stalled, or slow to admit) closes that epoch and
 moves on; when the worker then handles both requests, the close can come first (it finds
-nothing) and the open after it, which would hold a slot nobody will ever use again. The worker
-remembers each close that found nothing, for a bounded time and number, and refuses the open
+nothing) and the open after it, which would hold a slot nobody will ever use again. The session
+table remembers each close that found nothing, for a bounded time and number, and refuses the open
 of that epoch (or an older one) when it arrives: a dgr client never reopens an epoch it closed.
 """
 
