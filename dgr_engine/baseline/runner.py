@@ -13,9 +13,9 @@ from __future__ import annotations
 import datetime as dt
 import os
 import tempfile
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 import attrs
 import numpy as np
@@ -25,7 +25,6 @@ from dgr_engine.baseline import converter, gguf_copy, metadata_check, runs
 from dgr_engine.baseline.compare import Comparison, compare
 from dgr_engine.certification.certify import git_commit, machine_facts
 from dgr_engine.certification.classify import derive_facts
-from dgr_engine.certification.errors import LockMismatch
 from dgr_engine.certification.lock import Lock, Thresholds
 from dgr_engine.certification.record import (
     EvidenceRecord,
@@ -35,6 +34,7 @@ from dgr_engine.certification.record import (
     Verdict,
     write_record,
 )
+from dgr_engine.chain import n_layer_of
 from dgr_engine.numerics import Numerics
 from dgr_engine.worker.identity import BuildIdentity
 
@@ -52,8 +52,6 @@ class BaselineResult:
     """Both sides' figures, their comparison and the negative control's."""
 
     hf_dir: Path
-    gguf: Path | None
-    """The GGUF run (``None``: converted here, in a directory since removed)."""
     build: BuildIdentity
     """The GGUF's identity (content hash, tensor types, fixture mark) and the build, with the
     run's numerics: the record's lane."""
@@ -138,7 +136,7 @@ def run_baseline(
             model = Path(gguf)
         metadata_check.check(model, config, arch)
         build = BuildIdentity.of_model(model).with_numerics(numerics)
-        n_layer = int(gguf_copy.read_value(model, f"{arch}.block_count") or 0)
+        n_layer = n_layer_of(model)
         work = runs.Work(prompts_for(vocab, n_prompts, prompt_tokens), n_decode, threads)
         progress(f"transformers (CPU, float32, {threads} threads): {n_prompts} prompts")
         reference = runs.in_child(runs.run_transformers, str(hf), work)
@@ -151,7 +149,6 @@ def run_baseline(
         negative = compare(reference.logits, wrong.logits, reference.tokens, wrong.tokens)
         return BaselineResult(
             hf_dir=hf,
-            gguf=model if gguf is not None else None,
             build=build,
             arch=arch,
             n_layer=n_layer,
@@ -247,20 +244,15 @@ def baseline_record(
     lane = build.lane_key(arch=result.arch, n_layer=result.n_layer, context_per_session=context)
     commit, clean = git_commit()
     facts = derive_facts(lane, fixture_mark=build.fixture_mark, lock=lock, clean_tree=clean)
-    family = "v4" if result.arch == "deepseek4" else "dense"
-    if lock.comparable_lane(facts.evidence_class, lane.backend, family, facts.real_model) is None:
-        raise LockMismatch(
-            f"lanes: the lock declares no comparable lane for {facts.evidence_class.value} "
-            f"evidence of a {family} model on {lane.backend}",
-            path=lock.path,
-            field="lanes",
-        )
+    comparable = lock.require_comparable_lane(
+        facts.evidence_class, lane.backend, result.arch, facts.real_model
+    )
     return EvidenceRecord(
         kind=RecordKind.BASELINE,
         lane=lane,
         lock_sha256=lock.sha256,
         facts=facts,
-        family=family,
+        family=comparable.family,
         command=tuple(command),
         dgr_commit=commit,
         machine=machine_facts(lane.hardware),
@@ -284,20 +276,3 @@ def write_baseline_record(
     lock.admit(lock.sha256, started, path=None)
     record = baseline_record(result, lock=lock, started=started, command=command)
     return record, write_record(record, evidence_dir)
-
-
-def table_row(result: BaselineResult) -> Mapping[str, Any]:
-    """One row of the closing note's table: model x numerics -> error, tokens, speed."""
-    c = result.comparison
-    return {
-        "model": result.hf_dir.name,
-        "kv": result.numerics.kv_type,
-        "fa": result.numerics.flash_attn,
-        "max_abs": c.max_abs,
-        "max_rel": c.max_rel,
-        "top1": c.top1_agreement,
-        "tokens_equal": c.tokens_equal,
-        "margin_ratio": c.margin_ratio,
-        "decode_ratio": result.decode_ratio,
-        "prefill_ratio": result.prefill_ratio,
-    }

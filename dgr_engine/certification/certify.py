@@ -27,7 +27,6 @@ import numpy as np
 
 from dgr_engine.certification import scenarios
 from dgr_engine.certification.classify import derive_facts
-from dgr_engine.certification.errors import LockMismatch
 from dgr_engine.certification.gates import HOP_PARTS
 from dgr_engine.certification.lane import LaneKey
 from dgr_engine.certification.lock import Lock
@@ -147,15 +146,8 @@ async def certify(
     commit, clean = git_commit()
     facts = derive_facts(lane, fixture_mark=build.fixture_mark, lock=lock, clean_tree=clean)
     evidence = facts.evidence_class  # UnclassifiableModel before anything runs
-    family = "v4" if arch == "deepseek4" else "dense"
-    comparable = lock.comparable_lane(evidence, lane.backend, family, facts.real_model)
-    if comparable is None:
-        raise LockMismatch(
-            f"lanes: the lock declares no comparable lane for {evidence.value} evidence of a "
-            f"{family} model on {lane.backend}: its thresholds were not locked for this result",
-            path=lock.path,
-            field="lanes",
-        )
+    comparable = lock.require_comparable_lane(evidence, lane.backend, arch, facts.real_model)
+    family = comparable.family
     layouts = layouts_for(n_layer, limits.layout_stage_counts)
     failure_layout = next((lay for lay in layouts if len(lay) == 3), layouts[-1])
     lose_stage = 1 if len(failure_layout) >= 3 else len(failure_layout) - 1

@@ -49,6 +49,12 @@ def format_time(value: dt.datetime) -> str:
     return value.astimezone(dt.UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
+def family_of(arch: str) -> str:
+    """The model family a lock's lanes name for a GGUF architecture: ``"v4"`` (DeepSeek V4) or
+    ``"dense"``."""
+    return "v4" if arch == "deepseek4" else "dense"
+
+
 @attrs.frozen
 class Speed:
     """The useful-speed gate."""
@@ -139,6 +145,24 @@ class Lock:
     beta_matrix: tuple[str, ...]
     """Names of the hardware lanes beta requires certified (DGR-070)."""
     lanes: tuple[ComparableLane, ...]
+
+    def require_comparable_lane(
+        self, evidence_class: EvidenceClass, backend: str, arch: str, real_model: str | None
+    ) -> ComparableLane:
+        """The declared lane a result on a model of ``arch`` belongs to
+        (:meth:`comparable_lane`); :class:`LockMismatch` when the lock declares none, so no
+        threshold was locked for the result."""
+        family = family_of(arch)
+        lane = self.comparable_lane(evidence_class, backend, family, real_model)
+        if lane is None:
+            raise LockMismatch(
+                f"lanes: the lock declares no comparable lane for {evidence_class.value} "
+                f"evidence of a {family} model on {backend}: its thresholds were not locked for "
+                "this result",
+                path=self.path,
+                field="lanes",
+            )
+        return lane
 
     def comparable_lane(
         self, evidence_class: EvidenceClass, backend: str, family: str, real_model: str | None
