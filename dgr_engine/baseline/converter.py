@@ -16,7 +16,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -25,6 +24,7 @@ from typing import Any, Final
 
 from loguru import logger
 
+from dgr_engine.atomic import replacing
 from dgr_engine.baseline.errors import (
     ArchitectureNotCovered,
     BaselineError,
@@ -136,17 +136,12 @@ def convert(
         raise ValueError(f"outtype must be one of {', '.join(OUTTYPES)}; got {outtype!r}")
     covered_arch(read_config(hf_dir), path=hf_dir)
     script = converter_tree(log) / "convert_hf_to_gguf.py"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    cmd = [sys.executable, str(script), str(hf_dir), "--outfile", str(tmp), "--outtype", outtype]
-    if model_name:
-        cmd += ["--model-name", model_name]
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONHASHSEED="0")
     started = time.perf_counter()
-    try:
+    with replacing(out) as tmp:
+        cmd = [sys.executable, str(script), str(hf_dir), "--outfile", str(tmp)]
+        cmd += ["--outtype", outtype] + (["--model-name", model_name] if model_name else [])
         try:
             done = subprocess.run(
                 cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False
@@ -159,10 +154,6 @@ def convert(
                 f"{_last_error(done.stderr or done.stdout)}",
                 path=hf_dir,
             )
-        tmp.chmod(0o644)
-        os.replace(tmp, out)
-    finally:
-        tmp.unlink(missing_ok=True)
     seconds = time.perf_counter() - started
     logger.bind(model=str(hf_dir)).debug("converted to {} in {:.1f} s", out, seconds)
     return seconds

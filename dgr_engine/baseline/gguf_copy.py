@@ -9,12 +9,13 @@ parity). The copy is written to a temporary file renamed into place.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+from dgr_engine.atomic import replacing
 
 _ARCH_KEY = "general.architecture"
 
@@ -37,11 +38,7 @@ def copy_with(
         raise ValueError(f"{_ARCH_KEY} is not changed by a copy")
     reader = GGUFReader(src)
     arch = reader.fields[_ARCH_KEY].contents()
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
+    with replacing(dst) as tmp:
         writer = GGUFWriter(tmp, arch, endianess=reader.endianess)
         for name, field in reader.fields.items():
             if name.startswith("GGUF.") or name == _ARCH_KEY:
@@ -70,8 +67,4 @@ def copy_with(
         for tensor in reader.tensors:
             writer.write_tensor_data(tensor.data)
         writer.close()
-        tmp.chmod(0o644)
-        os.replace(tmp, dst)
-    finally:
-        tmp.unlink(missing_ok=True)
     return dst

@@ -10,9 +10,7 @@ content hash of a split model. Files are given in split order.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 from dgr_engine.argtypes import int_in
@@ -35,6 +33,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dgr_engine.artifacts.manifest import ManifestInvalid, build_manifest
+    from dgr_engine.atomic import replacing
 
     try:
         manifest = build_manifest(
@@ -46,12 +45,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out is None:
         print(manifest.text())
     else:
-        out: Path = args.out
-        out.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", dir=out.parent)
-        with os.fdopen(fd, "w") as stream:
-            stream.write(manifest.text())
-        os.replace(tmp, out)
-        print(f"{out}", file=sys.stderr)
+        with replacing(args.out) as tmp:
+            tmp.write_text(manifest.text())
+        print(f"{args.out}", file=sys.stderr)
     print(f"manifest sha256 {manifest.sha256}", file=sys.stderr)
     return 0
