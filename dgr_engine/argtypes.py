@@ -39,6 +39,18 @@ def float_in(low: float, high: float) -> Callable[[str], float]:
     return parse
 
 
+def layer_range(text: str) -> tuple[int, int]:
+    """``A:B``: main layers ``[A, B)``; ``A:`` reads ``(A, -1)``, "to the last layer"."""
+    begin, sep, end = text.partition(":")
+    try:
+        if not sep:
+            raise ValueError
+        return int(begin), int(end) if end else -1
+    except ValueError:
+        message = f"expected A:B (or A: for 'to the end'), got {text!r}"
+        raise argparse.ArgumentTypeError(message) from None
+
+
 class OneLineParser(argparse.ArgumentParser):
     """Reports a bad command line in one line (``PROG: error: ...``) and exits 2."""
 

@@ -16,10 +16,12 @@ Steps (see native/llama.cpp.manifest.json and shared/design/llama-cpp-notes.md):
    ``~/.cache/dgr``. If it exists and its ``BUILD_INFO.json`` holds the same key, it is reused.
 3. Otherwise: fetch the first source with a pinned sha256 (cached under ``<cache>/downloads``),
    verify it, extract only its llama.cpp tree into ``<repo>/.workspace/llama.cpp-<commit12>/``
-   (fresh each build), apply the patches with ``git apply``, build target ``llama`` with
-   CMake (+ Ninja when available) in ``<repo>/.workspace/build-<key16>/`` and install
-   ``lib/`` (static libs), ``include/`` (public headers) and ``BUILD_INFO.json`` into the
-   prefix atomically (build in a temp dir, then rename), all under ``fcntl.flock`` locks.
+   (fresh each build), apply the patches with ``git apply``, build target ``llama`` (and
+   ``cmake.extra_targets``) with CMake (+ Ninja when available) in
+   ``<repo>/.workspace/build-<key16>/``, link ``outputs.tools`` (``llama-gguf-split``) from the
+   same tree against those libraries, and install ``lib/`` (static libs), ``bin/`` (tools),
+   ``include/`` (public headers) and ``BUILD_INFO.json`` into the prefix atomically (build in a
+   temp dir, then rename), all under ``fcntl.flock`` locks.
 """
 
 from __future__ import annotations
@@ -216,7 +218,8 @@ def sanitized(manifest: dict[str, Any]) -> dict[str, Any]:
         options[key] = f"{options.get(key, '')} {flags}".strip()
     for key in ("CMAKE_EXE_LINKER_FLAGS", "CMAKE_SHARED_LINKER_FLAGS"):
         options[key] = f"{options.get(key, '')} {SANITIZE_FLAGS}".strip()
-    return {**manifest, "cmake": {**manifest["cmake"], "options": options}}
+    outputs = {k: v for k, v in manifest["outputs"].items() if k != "tools"}  # library only
+    return {**manifest, "cmake": {**manifest["cmake"], "options": options}, "outputs": outputs}
 
 
 def compute_key(manifest_bytes: bytes, patches: Sequence[PatchFile], script_bytes: bytes) -> str:
@@ -582,11 +585,53 @@ def run_cmake(
         tail = "\n".join((res.stdout + res.stderr).strip().splitlines()[-60:])
         raise BuildError(f"cmake configure failed (exit {res.returncode}):\n{tail}")
     jobs = os.cpu_count() or 1
-    target = manifest["cmake"]["target"]
-    log(f"llama.cpp: [{clock}] build target {target} with {jobs} jobs")
-    build = [cmake, "--build", str(build_dir), "--target", target, "-j", str(jobs)]
+    targets = [manifest["cmake"]["target"], *manifest["cmake"].get("extra_targets", [])]
+    log(f"llama.cpp: [{clock}] build targets {' '.join(targets)} with {jobs} jobs")
+    build = [cmake, "--build", str(build_dir), "--target", *targets, "-j", str(jobs)]
     run_streamed(build, build_dir, log, "build", clock)
     return {"cmake": cmake, "cmake_version": cmake_version, "generator": generator, "jobs": jobs}
+
+
+def _cxx_compiler(build_dir: Path) -> str:
+    """The C++ compiler CMake chose for this build (from its cache)."""
+    try:
+        for line in (build_dir / "CMakeCache.txt").read_text().splitlines():
+            if line.startswith("CMAKE_CXX_COMPILER:"):
+                return line.split("=", 1)[1]
+    except OSError:
+        pass
+    found = shutil.which("c++") or shutil.which("g++")
+    if found is None:
+        raise BuildError("no C++ compiler found to link the tools")
+    return found
+
+
+def build_tools(
+    stage: Path, src_dir: Path, build_dir: Path, manifest: dict[str, Any], log: Log, clock: _Clock
+) -> list[str]:
+    """Compiles each of ``outputs.tools`` (a llama.cpp command-line tool whose only needs are
+    libllama and the build-info library) from the patched tree into ``stage/bin``: one source
+    file, linked with the static libraries just built. Returns the tool names."""
+    tools: dict[str, dict[str, Any]] = manifest["outputs"].get("tools", {})
+    if not tools:
+        return []
+    bin_dir = stage / "bin"
+    bin_dir.mkdir(parents=True, exist_ok=True)
+    cxx = _cxx_compiler(build_dir)
+    includes = [f"-I{src_dir / d}" for d in ("include", "ggml/include", "common")]
+    libs = [str(stage / "lib" / name) for name in manifest["outputs"]["libs"]]
+    for name, tool in tools.items():
+        extra = [str(_find_one(build_dir, lib)) for lib in tool.get("libs", [])]
+        sources = [str(src_dir / s) for s in tool["sources"]]
+        out = bin_dir / name
+        command = [cxx, "-O2", "-std=c++17", *includes, *sources, "-o", str(out), *extra, *libs]
+        command += ["-fopenmp", "-lpthread", "-lm"]
+        log(f"llama.cpp: [{clock}] link tool {name}")
+        res = subprocess.run(command, capture_output=True, text=True, errors="replace")
+        if res.returncode != 0:
+            tail = "\n".join((res.stdout + res.stderr).strip().splitlines()[-40:])
+            raise BuildError(f"building tool {name} failed (exit {res.returncode}):\n{tail}")
+    return sorted(tools)
 
 
 def _find_one(root: Path, name: str) -> Path:
@@ -628,7 +673,12 @@ def is_cached(prefix: Path, key: str, manifest: dict[str, Any]) -> bool:
     if not isinstance(info, dict) or info.get("key") != key:
         return False
     libs = manifest["outputs"]["libs"]
-    return all((prefix / "lib" / n).is_file() for n in libs) and (prefix / "include").is_dir()
+    tools = manifest["outputs"].get("tools", {})
+    return (
+        all((prefix / "lib" / n).is_file() for n in libs)
+        and all((prefix / "bin" / n).is_file() for n in tools)
+        and (prefix / "include").is_dir()
+    )
 
 
 def build_prefix(
@@ -669,6 +719,7 @@ def build_prefix(
     stage = Path(tempfile.mkdtemp(prefix=f".tmp-{key16}-", dir=paths.llama_root))
     try:
         install_into(stage, src_dir, build_dir, manifest)
+        tools = build_tools(stage, src_dir, build_dir, manifest, log, clock)
         info = {
             "key": key,
             "commit": commit,
@@ -680,6 +731,7 @@ def build_prefix(
             "generator": facts.get("generator"),
             "jobs": facts.get("jobs"),
             "libs": sorted(p.name for p in (stage / "lib").iterdir()),
+            "tools": tools,
             "headers": sorted(p.name for p in (stage / "include").iterdir()),
             "build_seconds": round(build_seconds, 1),
             "timestamp": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),

@@ -27,8 +27,12 @@ SMALL = Manifest(
     n_layer=2,
     official_target_sha=None,
     files=[
-        FileEntry("m-00001-of-00002.gguf", 5, "aa", 4, ["c1", "c2"], [OUT, "token_embd.weight"]),
-        FileEntry("m-00002-of-00002.gguf", 4, "bb", 4, ["c3"], [Q0, "blk.1.ffn_up.weight"]),
+        FileEntry(
+            "m-00001-of-00002.gguf", 5, "aa", 4, ["c1", "c2"], [OUT, "token_embd.weight"], ["F32"]
+        ),
+        FileEntry(
+            "m-00002-of-00002.gguf", 4, "bb", 4, ["c3"], [Q0, "blk.1.ffn_up.weight"], ["F16"]
+        ),
     ],
 )
 
@@ -37,25 +41,48 @@ def test_the_canonical_form_is_pinned() -> None:
     assert SMALL.text() == (
         '{"files":[{"chunk_bytes":4,"chunks":["c1","c2"],"layers":[],"name":'
         '"m-00001-of-00002.gguf","sha256":"aa","size":5,"tensors":["output.weight",'
-        '"token_embd.weight"]},{"chunk_bytes":4,"chunks":["c3"],"layers":[0,1],"name":'
-        '"m-00002-of-00002.gguf","sha256":"bb","size":4,"tensors":["blk.0.attn_q.weight",'
-        '"blk.1.ffn_up.weight"]}],"model":{"arch":"llama","n_layer":2,'
-        '"official_target_sha":null},"schema":"dgr.manifest/1"}'
+        '"token_embd.weight"],"types":["F32"]},{"chunk_bytes":4,"chunks":["c3"],"layers":[0,1],'
+        '"name":"m-00002-of-00002.gguf","sha256":"bb","size":4,"tensors":['
+        '"blk.0.attn_q.weight","blk.1.ffn_up.weight"],"types":["F16"]}],"model":{"arch":'
+        '"llama","n_layer":2,"official_target_sha":null},"schema":"dgr.manifest/1"}'
     )
+    assert SMALL.quant_types == ("F16", "F32")
     assert SMALL.sha256 == hashlib.sha256(SMALL.text().encode()).hexdigest()
     assert parse_manifest(SMALL.text()) == SMALL
 
 
-def test_a_shard_needs_its_layers_files_and_the_shared_ones() -> None:
-    first, second = SMALL.files
-    assert first.shared and first.layers == ()
-    assert not second.shared and second.layers == (0, 1)
-    assert SMALL.files_for((0, 1)) == (first, second)
-    three = attrs.evolve(
-        SMALL,
-        files=[*SMALL.files, FileEntry("x", 1, "cc", 4, ["c4"], ["blk.5.ffn_up.weight"])],
+def _entry(name: str, *tensors: str) -> FileEntry:
+    return FileEntry(name, 1, "00", 4, ["00"], sorted(tensors), ["F32"] if tensors else [])
+
+
+FOUR = Manifest(
+    arch="llama",
+    n_layer=4,
+    official_target_sha=None,
+    files=[
+        _entry("meta"),
+        _entry("embd", "token_embd.weight", Q0),
+        _entry("mid", "blk.1.ffn_up.weight", "blk.2.ffn_up.weight"),
+        _entry("head", "blk.3.ffn_up.weight", "output_norm.weight", OUT),
+    ],
+)
+
+
+def test_a_shard_needs_the_metadata_its_layers_and_its_end_tensors_only() -> None:
+    def names(manifest: Manifest, layers: tuple[int, int] | None) -> list[str]:
+        return [f.name for f in manifest.files_for(layers)]
+
+    assert names(FOUR, (0, 2)) == ["meta", "embd", "mid"]
+    assert names(FOUR, (2, 3)) == ["meta", "mid"]  # no embedding, no head
+    assert names(FOUR, (3, 4)) == names(FOUR, (3, -1)) == ["meta", "head"]
+    assert names(FOUR, None) == ["meta", "embd", "mid", "head"]
+    tied = attrs.evolve(FOUR, files=[*FOUR.files[:3], _entry("head", "blk.3.ffn_up.weight")])
+    assert names(tied, (3, 4)) == ["meta", "embd", "head"]  # the embedding is the output head
+    everyone = attrs.evolve(
+        FOUR, files=[*FOUR.files[:2], _entry("mid", "rope_freqs.weight"), FOUR.files[3]]
     )
-    assert [f.name for f in three.files_for((5, 6))] == ["m-00001-of-00002.gguf", "x"]
+    assert names(everyone, (3, 4)) == ["meta", "mid", "head"]  # a tensor every shard loads
+    assert FOUR.files[1].shared and not FOUR.files[2].shared and FOUR.files[2].layers == (1, 2)
 
 
 @pytest.mark.parametrize(("fixture", "n_layer"), [("tiny-llama", 4), ("tiny-v4", 6)])

@@ -28,6 +28,14 @@ MANIFEST_SCHEMA: Final = "dgr.manifest/1"
 CHUNK_BYTES: Final = 16 << 20
 """Chunk size of the per-chunk hashes (16 MiB)."""
 _LAYER = re.compile(r"^blk\.(\d+)\.")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,254}$")
+_INPUT_PREFIXES: Final = (
+    "token_embd.",
+    "token_embd_norm.",
+    "token_types.",
+    "per_layer_token_embd.",
+)
+_OUTPUT_PREFIXES: Final = ("output.", "output_norm.", "output_hc_", "cls.", "cls_out.")
 
 
 class ManifestInvalid(DgrError, ValueError):
@@ -56,6 +64,8 @@ class FileEntry:
     """SHA-256 of each ``chunk_bytes`` chunk, in order (the last one may be shorter)."""
     tensors: tuple[str, ...] = attrs.field(converter=_tuple)
     """Names of the tensors whose data lies in this file, sorted."""
+    types: tuple[str, ...] = attrs.field(converter=_tuple, default=())
+    """Element types of those tensors (``F16``, ``Q8_0``...), sorted, each once."""
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -67,6 +77,16 @@ class FileEntry:
     def shared(self) -> bool:
         """Holds tensors outside every layer (embedding, output head, norms)."""
         return any(_LAYER.match(t) is None for t in self.tensors)
+
+
+def tensor_role(name: str) -> str:
+    """Which shards load a tensor outside the layers, as llama.cpp's loader (with dgr's patch
+    0002) decides: ``input`` (the first shard), ``output`` (the last) or ``all``."""
+    if name.startswith(_INPUT_PREFIXES):
+        return "input"
+    if name.startswith(_OUTPUT_PREFIXES):
+        return "output"
+    return "all"
 
 
 @attrs.frozen
@@ -95,6 +115,7 @@ class Manifest:
                     "chunk_bytes": f.chunk_bytes,
                     "chunks": list(f.chunks),
                     "tensors": list(f.tensors),
+                    "types": list(f.types),
                     "layers": list(f.layers),
                 }
                 for f in self.files
@@ -110,11 +131,48 @@ class Manifest:
         """Hex SHA-256 of :meth:`text`."""
         return hashlib.sha256(self.text().encode()).hexdigest()
 
-    def files_for(self, layers: tuple[int, int]) -> tuple[FileEntry, ...]:
-        """The files a shard owning ``[begin, end)`` needs: those holding any of its layers, and
-        every file holding tensors outside the layers (metadata, embedding, head)."""
+    @property
+    def quant_types(self) -> tuple[str, ...]:
+        """Every tensor type of the model, sorted."""
+        return tuple(sorted({kind for f in self.files for kind in f.types}))
+
+    @property
+    def size(self) -> int:
+        """Bytes of every file together."""
+        return sum(f.size for f in self.files)
+
+    def file(self, name: str) -> FileEntry:
+        """The entry named ``name``; :class:`ManifestInvalid` when there is none."""
+        for entry in self.files:
+            if entry.name == name:
+                return entry
+        raise ManifestInvalid(f"no file named {name!r} in the manifest", field="files")
+
+    def files_for(self, layers: tuple[int, int] | None) -> tuple[FileEntry, ...]:
+        """The files a shard owning main layers ``[begin, end)`` reads (``None``: the whole
+        model): the first file (it holds the metadata), those holding its layers' tensors, those
+        holding a tensor every shard loads, and, for the first and the last shard, those with
+        the embedding and the output tensors (the token embedding too when it is the tied
+        output head). Next-token (MTP) layers past ``n_layer`` belong to the last shard."""
+        if layers is None:
+            return self.files
         begin, end = layers
-        return tuple(f for f in self.files if f.shared or any(begin <= n < end for n in f.layers))
+        end = self.n_layer if end < 0 else end
+        first, last = begin == 0, end >= self.n_layer
+        tied = not any("output.weight" in f.tensors for f in self.files)
+
+        def needed(name: str) -> bool:
+            if match := _LAYER.match(name):
+                index = int(match.group(1))
+                return begin <= index < end or (last and index >= self.n_layer)
+            role = tensor_role(name)
+            if role == "input":
+                return first or (last and tied and name.startswith("token_embd."))
+            return role == "all" or (role == "output" and last)
+
+        return tuple(
+            f for i, f in enumerate(self.files) if i == 0 or any(needed(t) for t in f.tensors)
+        )
 
 
 def _file_hashes(path: Path, chunk_bytes: int) -> tuple[int, str, tuple[str, ...]]:
@@ -129,19 +187,40 @@ def _file_hashes(path: Path, chunk_bytes: int) -> tuple[int, str, tuple[str, ...
     return size, whole.hexdigest(), tuple(chunks)
 
 
+def gguf_files(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
+    """The files named, a directory standing for its ``*.gguf`` files in name order (the
+    split order of ``NAME-0000i-of-0000n.gguf``)."""
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir():
+            inside = sorted(path.glob("*.gguf"))
+            if not inside:
+                raise ManifestInvalid("no *.gguf file in this directory", path=path)
+            found.extend(inside)
+        else:
+            found.append(path)
+    return found
+
+
+def header_tensors(path: Path) -> tuple[str, ...]:
+    """The tensor names in a GGUF's header, sorted."""
+    return tuple(sorted(t.name for t in GGUFReader(path).tensors))
+
+
 def build_manifest(
     paths: Sequence[str | os.PathLike[str]],
     *,
     official_target_sha: str | None = None,
     chunk_bytes: int = CHUNK_BYTES,
 ) -> Manifest:
-    """The manifest of one GGUF or of every file of a split GGUF (in split order)."""
+    """The manifest of one GGUF or of every file of a split GGUF (in split order; a directory
+    stands for its ``*.gguf`` files)."""
     if not paths:
         raise ManifestInvalid("no files given")
     entries: list[FileEntry] = []
     arch, n_layer = "", 0
-    for raw in paths:
-        path = Path(raw)
+    for path in gguf_files(paths):
         reader = GGUFReader(path)
         if not arch:
             arch_field = reader.fields.get("general.architecture")
@@ -154,7 +233,8 @@ def build_manifest(
             n_layer -= int(nextn.contents()) if nextn is not None else 0
         size, sha, chunks = _file_hashes(path, chunk_bytes)
         tensors = sorted(t.name for t in reader.tensors)
-        entries.append(FileEntry(path.name, size, sha, chunk_bytes, chunks, tensors))
+        types = sorted({t.tensor_type.name for t in reader.tensors})
+        entries.append(FileEntry(path.name, size, sha, chunk_bytes, chunks, tensors, types))
     return Manifest(arch, n_layer, official_target_sha, entries)
 
 
@@ -185,7 +265,7 @@ def parse_manifest(text: str | bytes, *, path: Path | None = None) -> Manifest:
         target = model.get("official_target_sha")
         if target is not None and not isinstance(target, str):
             raise ManifestInvalid("model.official_target_sha: not a string or null")
-        files = []
+        files: list[FileEntry] = []
         for index, entry in enumerate(_need(data, "files", list, "manifest")):
             where = f"files[{index}]"
             if not isinstance(entry, dict):
@@ -197,7 +277,13 @@ def parse_manifest(text: str | bytes, *, path: Path | None = None) -> Manifest:
                 chunk_bytes=_need(entry, "chunk_bytes", int, where),
                 chunks=_need(entry, "chunks", list, where),
                 tensors=_need(entry, "tensors", list, where),
+                types=_need(entry, "types", list, where),
             )
+            if not _SAFE_NAME.match(item.name) or any(f.name == item.name for f in files):
+                raise ManifestInvalid(
+                    f"{where}.name: {item.name!r} is not a plain, unique file name",
+                    field=f"{where}.name",
+                )
             chunks_needed = -(-item.size // item.chunk_bytes) if item.chunk_bytes > 0 else -1
             if item.chunk_bytes <= 0 or len(item.chunks) != chunks_needed:
                 raise ManifestInvalid(

@@ -10,8 +10,6 @@ renamed into place, so a failed or interrupted conversion leaves nothing behind.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import json
 import os
 import subprocess
@@ -19,7 +17,6 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from types import ModuleType
 from typing import Any, Final
 
 from loguru import logger
@@ -31,9 +28,8 @@ from dgr_engine.baseline.errors import (
     ConversionFailed,
     HfModelInvalid,
 )
+from dgr_engine.llama_build import CHECKOUT, CheckoutMissing, build_module
 
-_CHECKOUT: Final = Path(__file__).resolve().parents[2]
-_BUILD_SCRIPT: Final = _CHECKOUT / "native" / "build_llama.py"
 CONVERTER_TIMEOUT_SECONDS: Final = 900.0
 OUTTYPES: Final = ("f32", "f16", "bf16", "q8_0")
 """Tensor types the converter is asked for (``--outtype``)."""
@@ -47,26 +43,13 @@ COVERED: Final[Mapping[str, str]] = {
 Log = Callable[[str], None]
 
 
-@functools.cache
-def _build_llama() -> ModuleType:
-    """``native/build_llama.py`` of the source checkout, as a module (never on ``sys.path``)."""
-    if not _BUILD_SCRIPT.is_file():
-        raise BaselineError(
-            "the converter is fetched by native/build_llama.py of dgr's source checkout, which "
-            f"this installation lacks ({_BUILD_SCRIPT})"
-        )
-    spec = importlib.util.spec_from_file_location("_dgr_build_llama", _BUILD_SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
-
-
 def converter_tree(log: Log = lambda _text: None) -> Path:
     """The pinned llama.cpp tree holding ``convert_hf_to_gguf.py`` (extracted on first use)."""
-    build = _build_llama()
-    paths = build.BuildPaths.default(repo_root=_CHECKOUT)
+    try:
+        build = build_module()
+    except CheckoutMissing as exc:
+        raise BaselineError(str(exc)) from None
+    paths = build.BuildPaths.default(repo_root=CHECKOUT)
     manifest = build.parse_manifest(paths.manifest.read_bytes())
     commit = manifest["upstream"]["commit"]
     tree = paths.cache_dir / "converter" / commit[:12]

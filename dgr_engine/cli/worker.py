@@ -16,24 +16,17 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from loguru import logger
 
-from dgr_engine.argtypes import float_in, int_in
+from dgr_engine.argtypes import float_in, int_in, layer_range
 from dgr_engine.cli._evidence_args import add_evidence_arguments
 from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.options import EngineOptions
 
-
-def _layers(text: str) -> tuple[int, int]:
-    begin, sep, end = text.partition(":")
-    try:
-        if not sep:
-            raise ValueError
-        return int(begin), int(end) if end else -1
-    except ValueError:
-        message = f"expected A:B (or A: for 'to the end'), got {text!r}"
-        raise argparse.ArgumentTypeError(message) from None
+if TYPE_CHECKING:
+    from dgr_engine.artifacts.shard import ShardArtifacts
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -53,8 +46,23 @@ def configure(p: argparse.ArgumentParser) -> None:
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("--model", type=Path, help="the GGUF file to serve")
     model.add_argument("--fixture", help="a generated fixture by name (built if missing)")
+    model.add_argument(
+        "--manifest",
+        type=Path,
+        help="a split model's manifest: serve from the files of --root that the range needs "
+        "(verified first, unless a verification state still vouches for them)",
+    )
+    p.add_argument("--root", default=None, help="with --manifest: the storage root")
     p.add_argument(
-        "--layers", type=_layers, required=True, help="owned range A:B = layers [A, B); A: to end"
+        "--allow-temp-root",
+        action="store_true",
+        help="with --manifest: accept a storage root in a temporary directory (tests only)",
+    )
+    p.add_argument(
+        "--layers",
+        type=layer_range,
+        required=True,
+        help="owned range A:B = layers [A, B); A: to end",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
     p.add_argument(
@@ -121,7 +129,9 @@ async def _serve(args: argparse.Namespace) -> int:
     from dgr_engine.errors import EngineError
     from dgr_engine.fixtures import ensure_fixture
     from dgr_engine.worker import ShardWorker, WorkerConfig
+    from dgr_engine.worker.identity import BuildIdentity
     from dgr_engine.worker.preflight import preflight
+    from dgr_session.errors import DgrError
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -147,21 +157,36 @@ async def _serve(args: argparse.Namespace) -> int:
         resume_grace_seconds=args.resume_grace,
     )
     try:
-        model = args.model if args.model is not None else ensure_fixture(args.fixture)
         options = EngineOptions.from_args(args)
 
         def load() -> ShardWorker:
+            build = None
+            if args.manifest is not None:
+                artifacts = _split_artifacts(args)
+                model, build = artifacts.first, BuildIdentity.of_artifacts(artifacts)
+                logger.info(
+                    "split model {}: {} of {} files in {}, {}",
+                    artifacts.manifest.sha256[:16],
+                    len(artifacts.files),
+                    len(artifacts.manifest.files),
+                    artifacts.root,
+                    artifacts.verification,
+                )
+            else:
+                model = args.model if args.model is not None else ensure_fixture(args.fixture)
             preflight(
                 model,
                 args.layers,
                 n_ctx_per_session=options.n_ctx_per_session,
                 max_sessions=options.max_sessions,
             )
-            return ShardWorker.load(model, args.layers, config=config, **options.engine_kwargs())
+            return ShardWorker.load(
+                model, args.layers, config=config, build=build, **options.engine_kwargs()
+            )
 
         # checking and loading run in a thread that cannot be interrupted (slow storage, a large
         # file): a signal meanwhile ends the process at once (nothing is served or held yet)
-        logger.debug("loading layers {} of {}", args.layers, model)
+        logger.debug("loading layers {}", args.layers)
         loading = asyncio.ensure_future(asyncio.to_thread(load))
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -172,7 +197,7 @@ async def _serve(args: argparse.Namespace) -> int:
             os._exit(0)  # the loading thread holds no state worth waiting for
         stopping.cancel()
         worker = loading.result()
-    except (EngineError, OSError, ValueError) as exc:
+    except (EngineError, DgrError, OSError, ValueError) as exc:
         logger.error("cannot start the worker: {}", exc)
         return 2
     try:
@@ -189,3 +214,14 @@ async def _serve(args: argparse.Namespace) -> int:
         closed = await worker.stop()
     print(f"STOPPED sessions_closed={closed}", flush=True)
     return 0
+
+
+def _split_artifacts(args: argparse.Namespace) -> ShardArtifacts:
+    """The verified files of ``--manifest`` in ``--root`` that ``--layers`` needs."""
+    from dgr_engine.artifacts import shard
+    from dgr_engine.artifacts.manifest import load_manifest
+    from dgr_engine.artifacts.storage import storage_root
+
+    manifest = load_manifest(args.manifest)
+    root = storage_root(args.root, allow_temp=args.allow_temp_root)
+    return shard.prepare(manifest, root, args.layers)

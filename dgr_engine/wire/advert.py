@@ -132,6 +132,9 @@ class Advert:
     load: Load
     seam: SeamCost
     health: Health
+    artifacts: str = ""
+    """How a split model's files were checked before loading (``verified at start-up``,
+    ``trusted state of <time>``); empty for a single GGUF (hashed whole at start-up)."""
 
     def stage_spec(self, endpoint: str) -> StageSpec:
         """This stage as a route element at ``endpoint``."""
@@ -185,6 +188,7 @@ def advert_to_proto(advert: Advert) -> pb.Advert:
             dgr_version=lane.dgr_version,
             hardware=lane.hardware,
             schema_version=advert.schema_version,
+            artifacts=advert.artifacts,
         ),
         range=pb.LayerRange(**attrs.asdict(advert.span)),
         capacity=pb.Capacity(**attrs.asdict(advert.capacity)),
@@ -238,6 +242,7 @@ def advert_from_proto(msg: pb.Advert) -> Advert:
             record_id=msg.certification.record_id if certified else "",
         ),
         schema_version=c.schema_version,
+        artifacts=c.artifacts,
         span=LayerSpan(
             layer_begin=msg.range.layer_begin,
             layer_end=msg.range.layer_end,

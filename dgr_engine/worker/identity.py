@@ -17,6 +17,7 @@ from pathlib import Path
 import attrs
 
 from dgr_engine._binding import BUILD_FLAGS, LLAMA_COMMIT, PATCH_STACK_SHA256, SYSTEM_INFO
+from dgr_engine.artifacts.shard import ShardArtifacts
 from dgr_engine.certification.classify import FIXTURE_MARK_KEY
 from dgr_engine.certification.hardware import hardware_fingerprint
 from dgr_engine.certification.lane import LaneKey
@@ -127,6 +128,11 @@ class BuildIdentity:
     """llama.cpp's default flash-attention mode, which ``native/src/dgr_shard.cpp`` keeps."""
     placement: str = "cpu"
     """Every owned layer runs on the CPU backend (the only one built)."""
+    official_target_sha: str | None = None
+    """The upstream model revision, where the split manifest names it."""
+    artifacts: str = ""
+    """How a split model's files were checked (``verified at start-up``, ``trusted state of
+    ...``); empty for a single file, hashed whole at start-up."""
 
     @classmethod
     def of_model(cls, model: str | os.PathLike[str]) -> BuildIdentity:
@@ -142,6 +148,25 @@ class BuildIdentity:
             build_flags=BUILD_FLAGS,
             system_info=SYSTEM_INFO,
             fixture_mark=facts.fixture_mark,
+        )
+
+    @classmethod
+    def of_artifacts(cls, artifacts: ShardArtifacts) -> BuildIdentity:
+        """A split model's identity: the manifest's hash and tensor types (the same for every
+        shard of the model), the fixture mark of its first file, how the files were checked."""
+        manifest = artifacts.manifest
+        return cls(
+            model_sha256=bytes.fromhex(manifest.sha256),
+            quant_types=manifest.quant_types,
+            llama_cpp_commit=LLAMA_COMMIT,
+            patch_stack_sha256=PATCH_STACK_SHA256,
+            dgr_version=dgr_version(),
+            hardware=hardware_fingerprint(),
+            build_flags=BUILD_FLAGS,
+            system_info=SYSTEM_INFO,
+            fixture_mark=gguf_facts(artifacts.first).fixture_mark,
+            official_target_sha=manifest.official_target_sha,
+            artifacts=artifacts.verification,
         )
 
     def with_numerics(self, numerics: Numerics) -> BuildIdentity:

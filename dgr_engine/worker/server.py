@@ -163,9 +163,12 @@ class ShardWorker:
         n_ubatch: int = 512,
         numerics: Numerics | None = None,
         config: WorkerConfig | None = None,
+        build: BuildIdentity | None = None,
     ) -> ShardWorker:
-        """Hashes the GGUF (streaming), loads the engine over ``layers``. Blocking."""
-        build = BuildIdentity.of_model(model)
+        """Hashes the GGUF (streaming), loads the engine over ``layers``. Blocking. ``build``:
+        the identity already established (a split model's, :meth:`BuildIdentity.of_artifacts`;
+        ``model`` is then its first file)."""
+        build = build if build is not None else BuildIdentity.of_model(model)
         engine = ShardEngine(
             Path(model),
             layers=layers,
@@ -443,7 +446,10 @@ class ShardWorker:
         token_bytes = 4 if (info.is_first or info.needs_token_ids) else 0
         return Advert(
             identity=ModelIdentity(
-                content_hash=build.model_sha256, arch=info.arch, n_layer=info.n_layer
+                content_hash=build.model_sha256,
+                arch=info.arch,
+                n_layer=info.n_layer,
+                official_target_sha=build.official_target_sha,
             ),
             recipe=Recipe(
                 quant_types=build.quant_types,
@@ -483,6 +489,7 @@ class ShardWorker:
                 bytes_per_token_in=4 * info.in_width + 4 + token_bytes,
                 bytes_per_token_out=4 * info.out_width,
             ),
+            artifacts=build.artifacts,
             health=Health(
                 uptime_seconds=load.uptime_seconds,
                 recent_errors=load.recent_errors,
