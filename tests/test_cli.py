@@ -42,6 +42,8 @@ def test_every_subcommand_is_reachable() -> None:
         "dgr baseline",
         "dgr artifacts",
         "dgr artifacts manifest",
+        "dgr artifacts fetch",
+        "dgr artifacts verify",
         "dgr gate",
     }
 

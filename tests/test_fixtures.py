@@ -26,6 +26,7 @@ from dgr_engine.fixtures import (
     write_fixture,
 )
 from dgr_engine.fixtures.catalog import HEADER_ALLOWANCE
+from dgr_engine.fixtures.split import SPLITS
 from dgr_engine.testing import write_corrupt_copy, write_truncated_copy
 
 TINY = ["tiny-llama", "tiny-llama-tied", "tiny-qwen2"]
@@ -305,8 +306,11 @@ def test_cli_build_and_list(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert printed.is_file()
     assert cli.main(["fixtures", "list"]) == 0
     out = capsys.readouterr().out
-    for name in FIXTURES:
+    for name in [*FIXTURES, *SPLITS]:
         assert name in out
+    assert cli.main(["fixtures", "build", "tiny-llama-split", "--dir", str(tmp_path)]) == 0
+    manifest = Path(capsys.readouterr().out.strip())
+    assert manifest.name == "manifest.json" and manifest.parent.parent == tmp_path / "split"
 
 
 def test_spec_is_frozen() -> None:

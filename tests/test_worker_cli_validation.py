@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from dgr_engine.errors import InvalidArgument, ModelLoadError
+from dgr_engine.fixtures.split import ensure_split
 from dgr_engine.gguf_check import check_gguf
 from dgr_engine.processes import dgr_command
 from dgr_engine.testing import write_corrupt_copy, write_truncated_copy
@@ -69,6 +70,22 @@ def test_out_of_range_values_are_refused_by_the_parser(
     line = one_line(worker("--model", str(tiny_llama), "--layers", "0:4", flag, value))
     assert line.startswith(f"dgr worker: error: argument {flag}: "), line
     assert value in line or "expected" in line
+
+
+def test_a_storage_root_without_a_manifest_is_refused(tiny_llama: Path) -> None:
+    line = one_line(worker("--model", str(tiny_llama), "--layers", "0:4", "--root", "/srv"))
+    assert line == "dgr worker: error: --root and --allow-temp-root go with --manifest"
+
+
+def test_a_split_model_root_under_home_is_refused(tmp_path: Path) -> None:
+    manifest = tmp_path / "m.json"
+    manifest.write_text("{}")
+    line = one_line(worker("--manifest", str(manifest), "--layers", "0:4", "--root", "/srv"))
+    assert "m.json: schema None: this dgr reads 'dgr.manifest/1'" in line
+    split = ensure_split("tiny-llama-split")
+    args = ["--manifest", str(split.manifest_path), "--layers", "0:4", "--root", "/home/x/m"]
+    line = one_line(worker(*args))
+    assert "storage root /home/x/m is under /home" in line
 
 
 def test_a_context_beyond_the_training_context_is_refused_before_loading(

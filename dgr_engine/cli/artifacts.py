@@ -4,14 +4,14 @@
   dgr artifacts fetch MANIFEST --from DIR|URL --root STORAGE [--layers A:B]
   dgr artifacts verify MANIFEST --root STORAGE [--layers A:B]
 
-``manifest`` writes the canonical JSON manifest (each file's size, sha256, per-chunk hashes,
+manifest writes the canonical JSON manifest (each file's size, sha256, per-chunk hashes,
 tensors and layers; the model's architecture and main layers) and prints its sha256, the model
 identity's content hash of a split model; files are given in split order, a directory stands for
-its ``*.gguf`` files. ``fetch`` copies the files (with ``--layers``, only those a shard of that
+its *.gguf files. fetch copies the files (with --layers, only those a shard of that
 range reads) into the storage root, verifying every chunk as it lands and resuming an
-interrupted run; ``verify`` re-hashes them in place, resuming an interrupted run, and
-quarantines a file whose bytes disagree. The storage root is ``--root`` or
-``$DGR_STORAGE_ROOT``, never under /home. Exit 0: done; 1: a file failed (one line each); 2: a
+interrupted run; verify re-hashes them in place, resuming an interrupted run, and
+quarantines a file whose bytes disagree. The storage root is --root or
+$DGR_STORAGE_ROOT, never under /home. Exit 0: done; 1: a file failed (one line each); 2: a
 refusal before any work (bad manifest, storage policy, busy root).
 """
 

@@ -2,7 +2,8 @@
 
 'dgr fixtures list' prints one line per fixture; 'dgr fixtures build NAME...' builds the
 named fixtures (or finds them cached) and prints their paths. The hf-* fixtures are
-converter-made (transformers, then llama.cpp's convert_hf_to_gguf.py; needs dgr[baseline]).
+converter-made (transformers, then llama.cpp's convert_hf_to_gguf.py; needs dgr[baseline]);
+the *-split ones are split by llama.cpp's llama-gguf-split (the path printed is their manifest).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from dgr_engine.fixtures import (
     converted,
     ensure_fixture,
     estimated_bytes,
+    split,
 )
 
 _PROGRESS_MIN_BYTES = 16 * 1024 * 1024
@@ -32,7 +34,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="build (or find cached) fixtures and print their paths",
         description="Build (or find cached) fixtures and print their paths.",
     )
-    names = [*FIXTURES, *converted.names()]
+    names = [*FIXTURES, *converted.names(), *split.SPLITS]
     build.add_argument(
         "names", nargs="+", choices=sorted(names), metavar="NAME", help=", ".join(names)
     )
@@ -48,10 +50,14 @@ def run(args: argparse.Namespace) -> int:
         for name in converted.names():
             hf = converted.lookup(name)
             print(f"{name:<17} {hf.model_class} (converter-made)  {hf.description}")
+        for spec in split.SPLITS.values():
+            print(f"{spec.name:<17} split by llama-gguf-split  {spec.description}")
         return 0
     for name in args.names:
         if name in FIXTURES:
             print(ensure_fixture(name, args.dir, progress=_print_progress(name)))
+        elif name in split.SPLITS:
+            print(split.ensure_split(name, args.dir).manifest_path)
         else:
             print(converted.ensure_converted(name, args.dir).gguf)
     return 0

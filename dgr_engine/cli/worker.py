@@ -121,6 +121,9 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     log_to_stderr(args.log_level)
+    if args.manifest is None and (args.root is not None or args.allow_temp_root):
+        print("dgr worker: error: --root and --allow-temp-root go with --manifest", file=sys.stderr)
+        return 2
     return asyncio.run(_serve(args))
 
 
