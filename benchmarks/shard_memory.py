@@ -1,10 +1,13 @@
-"""Peak RSS and weight bytes per shard of the mid fixture, for 1, 2 and 4 stages.
+"""Peak RSS and weight bytes per shard of the mid fixture, for 1, 2 and 4 stages, and the same
+model split into several GGUF files with each of 3 shards holding only its own files.
 
 Each shard is loaded in a process of its own (peak RSS is per process), runs a short prefill and
 a few decode steps, and reports its engine stats. Target: every shard's peak RSS <= its weights +
-its KV + 64 MiB. Fixture evidence only (random weights, this machine).
+its KV + 64 MiB. The split rows also give the bytes each shard keeps on disk (its files, fetched
+with ``--layers`` into a root of its own) against the whole model's. Fixture evidence only
+(random weights, this machine).
 
-    python -m benchmarks.shard_memory [--fixture mid-llama] [--stages 1 2 4]
+    python -m benchmarks.shard_memory [--fixture mid-llama] [--stages 1 2 4] [--split-stages 3]
 """
 
 from __future__ import annotations
@@ -13,8 +16,11 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
+
+from dgr_engine.fixtures.split import SPLITS
 
 MIB = 1024 * 1024
 SLACK = 64 * MIB
@@ -82,10 +88,55 @@ def measure(path: Path, begin: int, end: int) -> dict[str, int]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def split_rows(name: str, n_layer: int, n_stages: int) -> bool:
+    """The split model's rows: each shard's files fetched alone into a root of its own (a
+    temporary directory, removed at the end), loaded from there, measured."""
+    from dgr_engine.artifacts import provision
+    from dgr_engine.artifacts.sources import DirectorySource
+    from dgr_engine.chain import split_points
+    from dgr_engine.fixtures.split import ensure_split
+
+    split = ensure_split(name)
+    manifest = split.manifest
+    whole = manifest.size
+    print(
+        f"\nsplit model {name}: {len(manifest.files)} files, {whole / MIB:.1f} MiB, manifest "
+        f"{manifest.sha256[:16]}; each shard's root holds only its files"
+    )
+    header = (
+        f"{'stages':>6} {'layers':>9} {'files':>6} {'disk MiB':>9} {'disk/model':>10} "
+        f"{'weights MiB':>12} {'disk/weights':>12} {'peak RSS MiB':>13} {'RSS/budget':>11} "
+        f"{'ok':>3}"
+    )
+    print(header)
+    print("-" * len(header))
+    all_ok = True
+    with tempfile.TemporaryDirectory(prefix="dgr-split-bench-") as scratch:
+        for begin, end in split_points(n_layer, n_stages):
+            root = Path(scratch) / f"shard-{begin}-{end}"
+            provision.fetch(manifest, DirectorySource(split.directory), root, layers=(begin, end))
+            held = manifest.files_for((begin, end))
+            disk = sum((root / f.name).stat().st_size for f in held)
+            r = measure(root / manifest.files[0].name, begin, end)
+            budget = r["weight_bytes"] + r["kv_bytes"] + SLACK
+            ok = r["peak_rss_bytes"] <= budget
+            all_ok &= ok
+            print(
+                f"{n_stages:>6} {f'[{begin},{end})':>9} {f'{len(held)}/{len(manifest.files)}':>6} "
+                f"{disk / MIB:>9.1f} {disk / whole:>10.3f} {r['weight_bytes'] / MIB:>12.1f} "
+                f"{disk / r['weight_bytes']:>12.3f} {r['peak_rss_bytes'] / MIB:>13.1f} "
+                f"{r['peak_rss_bytes'] / budget:>11.3f} {'yes' if ok else 'NO':>3}"
+            )
+    return all_ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="peak RSS and weight bytes per shard")
     parser.add_argument("--fixture", default="mid-llama")
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument(
+        "--split-stages", type=int, default=3, help="shards of the split model (0: none)"
+    )
     parser.add_argument("--child", nargs=3, metavar=("PATH", "BEGIN", "END"))
     args = parser.parse_args(argv)
     if args.child:
@@ -120,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['peak_rss_bytes'] / MIB:>13.1f} {budget / MIB:>11.1f} "
                 f"{r['peak_rss_bytes'] / budget:>11.3f} {'yes' if ok else 'NO':>3}"
             )
+    split_name = f"{args.fixture}-split"
+    if args.split_stages and split_name in SPLITS and n_layer is not None:
+        all_ok &= split_rows(split_name, n_layer, args.split_stages)
     verdict = "met" if all_ok else "MISSED"
     print(f"target (peak RSS <= weights + KV + 64 MiB on every shard): {verdict}")
     return 0 if all_ok else 1

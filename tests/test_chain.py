@@ -59,7 +59,8 @@ def test_shard_memory_benchmark_runs_on_the_tiny_fixture() -> None:
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.count("yes") == 3
+    assert result.stdout.count("yes") == 3 + 3  # 1 + 2 stages, then 3 shards of the split model
+    assert "split model tiny-llama-split: 5 files" in result.stdout
 
 
 def test_patches_are_numbered_and_explained() -> None:

@@ -126,3 +126,16 @@ def test_numerics_benchmark_smoke(tmp_path: Path) -> None:
     assert "does not divide n_embd_head_k=16" in q8["refused"]
     assert all(r["decode_vs_default"] > 0 for r in result["speed"] if "refused" not in r)
     assert "refused: K cache type q8_0" in done.stdout
+
+
+def test_artifacts_benchmark_smoke(tmp_path: Path) -> None:
+    done = run_benchmark("artifacts", ["--split", "tiny-llama-split", "--out", str(tmp_path)])
+    assert "sha256sum (peer)" in done.stdout
+    result = json.loads((tmp_path / "artifacts.json").read_text())
+    rows = {r["what"]: r for r in result["rows"]}
+    chunks = result["chunks"]
+    assert rows["fetch (all files)"]["hashed_chunks"] == chunks
+    assert rows["verify (every chunk)"]["hashed_chunks"] == chunks
+    for resumed in ("verify resumed from half-way", "fetch resumed from half-way"):
+        row = rows[resumed]
+        assert row["trusted_chunks"] > 0 and row["hashed_chunks"] + row["trusted_chunks"] == chunks
