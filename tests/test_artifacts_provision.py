@@ -269,3 +269,36 @@ def test_a_killed_fetch_process_resumes(origin: tuple[Path, Manifest], tmp_path:
     assert done.returncode == 0, done.stderr
     assert f"{n - 6} chunks hashed, 6 trusted" in done.stderr
     assert _sha(root / "model.gguf") == manifest.files[0].sha256
+
+
+_KILLED_VERIFY = """
+import os, signal, sys
+from pathlib import Path
+from dgr_engine.artifacts import provision
+from dgr_engine.artifacts.manifest import load_manifest
+
+seen = [0]
+def progress(name, done, total):
+    seen[0] += 1
+    if seen[0] > int(sys.argv[3]):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+provision.verify(load_manifest(sys.argv[1]), Path(sys.argv[2]), progress=progress)
+"""
+
+
+def test_a_killed_verify_process_resumes(origin: tuple[Path, Manifest], tmp_path: Path) -> None:
+    directory, manifest = origin
+    n = len(manifest.files[0].chunks)
+    provision.fetch(manifest, DirectorySource(directory), tmp_path)
+    manifest_path = tmp_path / "manifest.json"
+    manifest_path.write_text(manifest.text())
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_VERIFY, str(manifest_path), str(tmp_path), "9"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    resumed = provision.verify(manifest, tmp_path)  # callbacks: one at the start, one a chunk
+    assert resumed.ok and (resumed.trusted_chunks, resumed.hashed_chunks) == (9, n - 9)

@@ -18,13 +18,12 @@ from dgr_engine.artifacts.errors import ArtifactMissing
 from dgr_engine.artifacts.sources import DirectorySource
 from dgr_engine.chain import LocalChain, split_points
 from dgr_engine.errors import EngineError
-from dgr_engine.fixtures import ensure_fixture
-from dgr_engine.fixtures.split import SPLITS, ensure_split
+from dgr_engine.fixtures.split import SPLITS, ensure_split, source_path
 
 ENGINE_KW = {"max_sessions": 2, "n_ctx_per_session": 128, "n_threads": 2, "n_batch": 64}
 PROMPT = [int(t) for t in (np.arange(12) * 29 + 5) % 256]
 N_DECODE = 8
-CASES = [("tiny-llama-split", 4), ("tiny-v4-split", 6)]
+CASES = [("tiny-llama-split", 4), ("tiny-v4-split", 6), ("hf-llama-gqa-split", 3)]
 
 
 @pytest.mark.parametrize(("name", "n_layer"), CASES)
@@ -39,7 +38,7 @@ def test_a_split_fixture_has_a_metadata_file_and_files_of_some_layers(
     assert any(0 < len(f.layers) < n_layer for f in manifest.files[1:])
     for path, entry in zip(split.files, manifest.files, strict=True):
         assert tuple(sorted(t.name for t in GGUFReader(path).tensors)) == entry.tensors
-    whole = GGUFReader(ensure_fixture(SPLITS[name].source))
+    whole = GGUFReader(source_path(SPLITS[name].source))
     assert sorted(t for f in manifest.files for t in f.tensors) == sorted(
         t.name for t in whole.tensors
     )
@@ -76,17 +75,19 @@ def test_each_shard_holds_fewer_files_than_the_model(
 ) -> None:
     name, artifacts = provisioned
     total = len(artifacts[0].manifest.files)
-    assert all(len(a.files) < total for a in artifacts)
+    assert all(len(a.files) < total for a in artifacts[:-1])
+    # the converter writes output.weight beside token_embd, so its last shard needs every file
+    assert name == "hf-llama-gqa-split" or len(artifacts[-1].files) < total
     assert all(a.verification.startswith("trusted state of 20") for a in artifacts)
     share = sum(a.bytes_on_disk for a in artifacts)
-    assert share < 2 * artifacts[0].manifest.size  # far from three whole copies
+    assert share < len(artifacts) * artifacts[0].manifest.size  # less than a copy each
 
 
 def test_shards_with_every_other_file_absent_match_the_whole_model_bit_for_bit(
     provisioned: tuple[str, list[shard.ShardArtifacts]],
 ) -> None:
     name, artifacts = provisioned
-    tokens, logits = _reference(ensure_fixture(SPLITS[name].source))
+    tokens, logits = _reference(source_path(SPLITS[name].source))
     engines = [ShardEngine(a.first, layers=a.layers, **ENGINE_KW) for a in artifacts]
     try:
         chain = LocalChain(engines)

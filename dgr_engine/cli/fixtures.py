@@ -50,8 +50,8 @@ def run(args: argparse.Namespace) -> int:
         for name in converted.names():
             hf = converted.lookup(name)
             print(f"{name:<17} {hf.model_class} (converter-made)  {hf.description}")
-        for spec in split.SPLITS.values():
-            print(f"{spec.name:<17} split by llama-gguf-split  {spec.description}")
+        for cut in split.SPLITS.values():
+            print(f"{cut.name:<17} split by llama-gguf-split  {cut.description}")
         return 0
     for name in args.names:
         if name in FIXTURES:
