@@ -331,6 +331,7 @@ def fetch(
             if final.is_file():
                 before = len(report.problems)
                 if _verify_in_place(root, entry, state, tally, report):
+                    report.raise_first()  # its header disagreed with the manifest
                     continue
                 del report.problems[before:]  # a corrupt copy is replaced, not an error here
             part = root / part_key(entry.name)
