@@ -92,6 +92,7 @@ class RouteSession:
         "_accepted",
         "_kv_pos",
         "_chunk",
+        "_replay_rows",
         "_opened",
         "_hop",
         "_hop_started",
@@ -159,6 +160,8 @@ class RouteSession:
         # (the whole prompt when no stage says). Pinned, so a re-prefill feeds the prompt in the
         # first run's chunks and every shard rebuilds its KV bit for bit.
         self._chunk = prefill_chunk
+        self._replay_rows = 1
+        """Rows per forward of a batched replay: the smallest ``max_rows`` of the route."""
         # Route and epoch. Invariant: _live is True only while the stages of _route hold (or are
         # opening) the session under _epoch, i.e. in opening/prefilling/decoding.
         self._epoch = 0
@@ -373,9 +376,9 @@ class RouteSession:
             return
         self._awaiting_route = False
         route = event.route
+        limits = [stage.max_rows for stage in route.stages if stage.max_rows > 0]
         chunk = self._chunk
         if chunk is None:
-            limits = [stage.max_rows for stage in route.stages if stage.max_rows > 0]
             chunk = min([len(self.prompt), *limits])
         try:
             validate_route(
@@ -399,6 +402,7 @@ class RouteSession:
         if self._recipe is None:
             self._recipe = route.recipe
         self._chunk = chunk
+        self._replay_rows = min(limits, default=len(self.prompt) + self.max_new_tokens)
         self._epoch = event.epoch
         self._route_attempt = 0
         self._route = route
@@ -568,15 +572,21 @@ class RouteSession:
 
     def _start_forward(self, out: list[Command]) -> None:
         assert self._route is not None  # live epoch
-        # (Re-)prefill sends the prompt in pinned chunks, then every accepted token in a call of
-        # its own, exactly as the first run fed them: a shard's KV is then rebuilt bit for bit
-        # (one batched call of prompt + accepted tokens rounds differently in the last bits and
-        # could flip a greedy near-tie). Decoding sends the newest accepted token.
-        if self._kv_pos < len(self.prompt):
+        # A prefill sends the prompt in pinned chunks; decoding sends the newest accepted token.
+        # A re-prefill after a route change (accepted tokens to replay) sends, with replay
+        # "batched", prompt + accepted tokens in forwards of the route's max_rows; with "exact",
+        # what the first run sent (the prompt in its chunks, then each accepted token in a call
+        # of its own), which rebuilds a shard's KV bit for bit: a batched call rounds
+        # differently in the last bits and could flip a greedy near-tie.
+        history = (*self.prompt, *self._accepted)
+        replaying = self._kv_pos + 1 < len(history) and len(self._accepted) > 0
+        if replaying and self.policy.replay == "batched":
+            tokens = history[self._kv_pos : self._kv_pos + self._replay_rows]
+        elif self._kv_pos < len(self.prompt):
             assert self._chunk is not None  # pinned by the first route
             tokens = self.prompt[self._kv_pos : self._kv_pos + self._chunk]
         else:
-            tokens = ((*self.prompt, *self._accepted)[self._kv_pos],)
+            tokens = (history[self._kv_pos],)
         self._fwd_positions = range(self._kv_pos, self._kv_pos + len(tokens))
         self._fwd_tokens = tokens
         self._hop = 0

@@ -33,6 +33,10 @@ def _float_tuple(values: Iterable[float]) -> tuple[float, ...]:
     return tuple(float(value) for value in values)
 
 
+REPLAY_MODES = ("batched", "exact")
+"""``FailurePolicy.replay`` values."""
+
+
 @attrs.frozen
 class FailurePolicy:
     """Bounds on what a session spends on faults. Every default is finite.
@@ -47,8 +51,7 @@ class FailurePolicy:
 
     step_deadline: float = attrs.field(default=30.0, validator=_finite_positive)
     """Seconds allowed for one wait: a route request, opening the stages, or one forward through
-    the whole route (the prompt, one replayed accepted token, or one decoded token; a re-prefill
-    of k accepted tokens is k + 1 such waits)."""
+    the whole route (a prompt chunk, a replay chunk or replayed token, or one decoded token)."""
     session_deadline: float = attrs.field(default=600.0, validator=_finite_positive)
     """Seconds allowed for the whole session, from its start."""
     max_route_changes: int = attrs.field(default=3, validator=_at_least(0))
@@ -69,6 +72,14 @@ class FailurePolicy:
     route changes."""
     busy_retry: float = attrs.field(default=0.25, validator=_finite_positive)
     """Seconds to wait before asking again after a busy answer that carried no hint."""
+    replay: str = attrs.field(default="batched", validator=attrs.validators.in_(REPLAY_MODES))
+    """How a re-prefill after a route change rebuilds the stages' KV. ``batched``: the prompt
+    and the accepted tokens together, in forwards of the new route's ``max_rows`` (as fast as
+    one prefill of those rows; the KV may differ from the first run's in the last bits, since
+    llama.cpp's kernels round differently for other batch shapes, which can flip a greedy
+    near-tie later). ``exact``: the first run's batching, the prompt in its pinned chunks then
+    one forward per accepted token, which rebuilds the KV bit for bit at one decode step per
+    token."""
 
     def backoff_after(self, faults: int) -> float:
         """Delay before the route request that follows the session's ``faults``-th fault."""

@@ -74,7 +74,11 @@ def test_demo_loses_a_stage_and_recovers_with_parity(
     assert re.search(r"SIGKILL stage 1 \[1,2\) pid \d+", out), out
     assert out.count("new route:") == 2 and "(spare)" in out, out
     assert out.count("epoch 2: re-prefill from position 0") == 2, out
-    assert out.count("(first call 12 tokens), then") == 2, out
+    replays = re.findall(
+        r"the prompt and (\d+) accepted tokens in batched forwards \(first call (\d+) tokens\)", out
+    )
+    assert len(replays) == 2, out
+    assert all(int(call) == 12 + int(k) for k, call in replays), out  # prompt + tokens at once
     assert out.count("epoch 1 -> 2  route changes 1") == 2, out
     assert out.count("whole-model equal: True") == 2, out
     assert "boundary bytes between stages" in out and "killed" in out, out

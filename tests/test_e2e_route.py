@@ -77,6 +77,18 @@ def assert_bit_exact(recorder: Recorder, want: list[np.ndarray]) -> None:
         assert np.array_equal(recorder.logits[step], row), f"logits differ at step {step}"
 
 
+def assert_exact_until(recorder: Recorder, want: list[np.ndarray], step: int) -> float:
+    """Bit for bit before ``step`` (the first run); after it (a batched replay's KV) close;
+    returns the largest difference there."""
+    assert recorder.steps == list(range(len(want)))
+    for before in range(step):
+        assert np.array_equal(recorder.logits[before], want[before]), f"step {before} differs"
+    after = range(step, len(want))
+    worst = max(float(np.max(np.abs(recorder.logits[s] - want[s]))) for s in after)
+    assert worst < 1e-2, f"logits after the batched replay differ by {worst}"  # f16 KV
+    return worst
+
+
 @attrs.define
 class Outcome:
     results: list[SessionResult]
@@ -176,8 +188,9 @@ def test_parity_through_the_manager_and_grpc(
 # --- a stage lost mid-decode -------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("replay", ["exact", "batched"])
 def test_sigkill_of_a_middle_stage_mid_decode_recovers_at_the_next_epoch(
-    tiny_llama: Path, reference: Reference
+    tiny_llama: Path, reference: Reference, replay: str
 ) -> None:
     layout = ((0, 1), (1, 3), (3, 4))
     provider = LoopbackRouteProvider(tiny_llama, layout, spares=[(1, 3)], options=OPTIONS)
@@ -189,7 +202,8 @@ def test_sigkill_of_a_middle_stage_mid_decode_recovers_at_the_next_epoch(
         killed.append(endpoint)
         return endpoint
 
-    out = run(drive(provider, PROMPTS, policy=FailurePolicy(), fault=kill, at_step=6))
+    policy = FailurePolicy(replay=replay)
+    out = run(drive(provider, PROMPTS, policy=policy, fault=kill, at_step=6))
     spare = next(w for w in provider.workers if w.role == "spare")
     assert killed and killed[0] != spare.endpoint
     assert provider.worker(killed[0]).process.proc.returncode == -signal.SIGKILL
@@ -198,9 +212,12 @@ def test_sigkill_of_a_middle_stage_mid_decode_recovers_at_the_next_epoch(
     ):
         assert result.state is SessionState.DONE, result.error
         assert list(result.tokens) == tokens
-        # bit for bit, also after the re-prefill (the prompt in one call, then the accepted
-        # tokens one per call, as the first epoch fed them)
-        assert_bit_exact(recorder, logits)
+        if replay == "exact":
+            # bit for bit, also after the re-prefill (the prompt in one call, then the accepted
+            # tokens one per call, as the first epoch fed them)
+            assert_bit_exact(recorder, logits)
+        else:  # prompt + accepted tokens at once: the same tokens, logits equal to ~1e-6
+            assert_exact_until(recorder, logits, 6)
         assert (result.epoch, result.route_changes) == (2, 1)  # first route: epoch 1
         (report,) = result.reports
         assert (report.epoch, report.stage_index, report.endpoint) == (1, 1, killed[0])
@@ -225,7 +242,7 @@ def test_a_hung_stage_meets_the_step_deadline_and_the_session_moves_on(
         hung.append(endpoint)
         return endpoint
 
-    policy = FailurePolicy(step_deadline=1.0, backoff=(0.0,))
+    policy = FailurePolicy(step_deadline=1.0, backoff=(0.0,), replay="exact")
     # the transport's own call deadline is longer: the session's step deadline decides; the
     # close of the hung epoch is abandoned after close_timeout
     out = run(

@@ -84,7 +84,7 @@ def test_v4_route_over_grpc_survives_a_killed_hash_layer_stage(tiny_v4: Path) ->
                 manager = SessionManager(
                     transport,
                     provider,
-                    policy=FailurePolicy(),
+                    policy=FailurePolicy(replay="exact"),  # bit for bit after recovery
                     required_evidence=EvidenceClass.FIXTURE,
                 )
                 for i, prompt in enumerate(PROMPTS):

@@ -256,8 +256,48 @@ def test_library_logging_is_disabled_by_default() -> None:
 # Epochs, stale events, the Petals case
 
 
-def test_route_change_replays_prompt_and_accepted_tokens_from_position_zero() -> None:
+def _lose_stage_one_after_two_tokens(d: Driver) -> None:
+    d.step(10)
+    d.step(11)
+    d.feed(
+        StageFailed(
+            session_id=SID, epoch=1, stage_index=1, kind=FaultKind.DEAD, detail="gone", step=2
+        )
+    )
+
+
+def test_a_batched_replay_sends_prompt_and_accepted_tokens_in_one_forward() -> None:
     d = Driver(prompt=(5, 6), max_new_tokens=5).running(route("a", "b"))
+    _lose_stage_one_after_two_tokens(d)
+    d.assign(route("a", "c"))
+    (forward,) = d.open_all()
+    # the default replay: prompt + accepted tokens from position 0 in forwards of the route's
+    # max_rows (unlimited here), the last of which reaches the newest token and picks the next
+    assert forward.positions == range(0, 4) and forward.token_ids == (5, 6, 10, 11)
+    assert forward.step == 2 and forward.epoch == 2 and forward.wants_logits
+    (relay,) = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=0, payload="r"))
+    assert relay.positions == range(0, 4) and relay.wants_logits
+    out = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=1, token=12))
+    assert out[0] == EmitToken(SID, 2, 2, 12) and d.core.tokens == (10, 11, 12)
+    assert out[1].positions == range(4, 5) and out[1].token_ids == (12,)
+
+
+def test_a_batched_replay_takes_the_new_routes_max_rows_per_forward() -> None:
+    d = Driver(prompt=(5, 6), max_new_tokens=5).running(route("a", "b"))
+    _lose_stage_one_after_two_tokens(d)
+    narrow = Route(attrs.evolve(stage, max_rows=3) for stage in route("a", "c").stages)
+    d.assign(narrow)
+    (forward,) = d.open_all()
+    assert forward.positions == range(0, 3) and forward.token_ids == (5, 6, 10)
+    assert not forward.wants_logits  # a replay chunk before the newest token
+    d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=0, payload="r"))
+    (rest,) = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=1, token=77))
+    assert rest.positions == range(3, 4) and rest.token_ids == (11,) and rest.wants_logits
+
+
+def test_route_change_replays_prompt_and_accepted_tokens_from_position_zero() -> None:
+    exact = attrs.evolve(POLICY, replay="exact")
+    d = Driver(prompt=(5, 6), max_new_tokens=5, policy=exact).running(route("a", "b"))
     d.step(10)
     d.step(11)
     old = d.core.route
@@ -277,8 +317,9 @@ def test_route_change_replays_prompt_and_accepted_tokens_from_position_zero() ->
     opens = d.assign(replacement)
     assert [o.epoch for o in opens] == [2, 2] and d.core.epoch == 2
     (forward,) = d.open_all()
-    # The replacement stage (and every other) starts a fresh epoch at position 0 and receives
-    # the whole replay in the first run's batching: the prompt in one call, then each accepted
+    # The replacement stage (and every other) starts a fresh epoch at position 0 and, with
+    # replay "exact", receives the whole replay in the first run's batching: the prompt in one
+    # call, then each accepted
     # token in a call of its own; nothing is resampled (the tokens the last stage picks while
     # replaying are ignored) and nothing is emitted until the replay is complete.
     assert forward.positions == range(0, 2)
@@ -655,7 +696,8 @@ def with_max_rows(r: Route, max_rows: int) -> Route:
 
 
 def test_prefill_is_chunked_to_the_routes_max_rows_and_replayed_in_the_same_chunks() -> None:
-    d = Driver(prompt=tuple(range(10)), max_new_tokens=4)
+    exact = attrs.evolve(POLICY, replay="exact")
+    d = Driver(prompt=tuple(range(10)), max_new_tokens=4, policy=exact)
     d.start()
     d.assign(with_max_rows(route("a", "b"), 4))
     (first,) = d.open_all()
@@ -685,7 +727,7 @@ def test_prefill_is_chunked_to_the_routes_max_rows_and_replayed_in_the_same_chun
     out = d.assign(with_max_rows(route("a", "c"), 2))
     assert of(out, RequestRoute) and d.core.reports[-1].fault is FaultKind.ROUTE_INVALID
     assert "at most 2 rows" in d.core.reports[-1].detail
-    # ...and one that takes them re-prefills in the first run's chunks
+    # ...and one that takes them re-prefills in the first run's chunks (replay "exact")
     d.assign(with_max_rows(route("a", "c"), 8))
     (replay,) = d.open_all()
     assert replay.positions == range(0, 4)

@@ -141,14 +141,18 @@ def test_many_sessions_run_concurrently_and_stay_isolated() -> None:
     run_virtual(main)
 
 
-def test_petals_case_replacement_stage_gets_the_whole_replay_from_position_zero() -> None:
+@pytest.mark.parametrize("replay", ["exact", "batched"])
+def test_petals_case_replacement_stage_gets_the_whole_replay_from_position_zero(
+    replay: str,
+) -> None:
+    policy = attrs.evolve(POLICY, replay=replay)
     transport = FakeTransport(MODEL, record=True)
     first = route(["a", "b"], [3])
     second = route(["a", "c"], [3])
     provider = ScriptedRouteProvider([first, second])
 
     async def main() -> None:
-        manager = fixture_manager(transport, provider, policy=POLICY)
+        manager = fixture_manager(transport, provider, policy=policy)
         accepted: list[int] = []
         sampled: list[int] = []
 
@@ -176,13 +180,16 @@ def test_petals_case_replacement_stage_gets_the_whole_replay_from_position_zero(
     assert transport.violations == []
     expected = MODEL.reference(PROMPT, 6)
     replay = PROMPT + expected[:3]
-    # The replacement stage starts at position 0 of a fresh epoch and receives the whole replay
-    # in the first run's batching: the prompt in one call, then one call per accepted token.
+    # The replacement stage starts at position 0 of a fresh epoch and receives the whole replay:
+    # batched, prompt and accepted tokens in one call (the route takes any number of rows);
+    # exact, in the first run's batching: the prompt in one call, then one per accepted token.
     c_calls = forwards(transport, "c", "p")
     n = len(PROMPT)
     replay_calls = [(2, range(0, n), PROMPT)] + [
         (2, range(n + i, n + i + 1), (tok,)) for i, tok in enumerate(expected[:3])
     ]
+    if policy.replay == "batched":
+        replay_calls = [(2, range(0, n + 3), replay)]
     assert c_calls[: len(replay_calls)] == replay_calls
     assert [p for _, p, _ in c_calls[len(replay_calls) :]] == [range(8, 9), range(9, 10)]
     assert tuple(t for _, _, ids in c_calls[: len(replay_calls)] for t in ids) == replay
@@ -194,7 +201,7 @@ def test_petals_case_replacement_stage_gets_the_whole_replay_from_position_zero(
     # logits are asked for only where a token is picked: not for the replay of the prompt and
     # the first two accepted tokens (the third, the newest, picks the fourth token)
     wants = [c.want_logits for c in transport.calls if c.op == "forward" and c.endpoint == "c"]
-    assert wants[: len(replay_calls)] == [False, False, False, True]
+    assert wants[: len(replay_calls)] == [False] * (len(replay_calls) - 1) + [True]
     assert all(wants[len(replay_calls) :])
 
 

@@ -121,9 +121,8 @@ async def run_demo(args: argparse.Namespace, providers: list[LoopbackRouteProvid
         if record.epoch != first:
             _say(
                 f"  session {names[sid]}  epoch {record.epoch}: re-prefill from position 0 (cache"
-                f" miss, no migration): the prompt in the first run's chunks (first call"
-                f" {len(record.positions)} tokens), then {record.step} accepted tokens replayed"
-                " one per call"
+                f" miss, no migration): the prompt and {record.step} accepted tokens in batched"
+                f" forwards (first call {len(record.positions)} tokens)"
             )
 
     provider = LoopbackRouteProvider(
