@@ -139,3 +139,17 @@ def test_artifacts_benchmark_smoke(tmp_path: Path) -> None:
     for resumed in ("verify resumed from half-way", "fetch resumed from half-way"):
         row = rows[resumed]
         assert row["trusted_chunks"] > 0 and row["hashed_chunks"] + row["trusted_chunks"] == chunks
+
+
+def test_recovery_benchmark_smoke(tmp_path: Path) -> None:
+    args = ["--fixture", "tiny-llama", "--accepted", "8,48", "--seeds", "6", "--out", str(tmp_path)]
+    done = run_benchmark("recovery", args)
+    assert "target: batched recovery <= 1.3 x prefill" in done.stdout
+    result = json.loads((tmp_path / "recovery.json").read_text())
+    runs = {(r["accepted"], r["mode"]): r for r in result["runs"]}
+    assert set(runs) == {(8, "batched"), (8, "exact"), (48, "batched"), (48, "exact")}
+    for run in runs.values():  # the same tokens as the whole model, in both modes
+        assert run["exact"] and run["recovery_s"] > 0 and run["prefill_s"] > 0
+    for figures in result["exactness"]:
+        assert figures["seeds"] == 6 and 0 <= figures["differing"] <= 6
+        assert 0 <= figures["median_logit_diff"] <= figures["max_logit_diff"] < 0.1
