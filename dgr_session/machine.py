@@ -128,6 +128,9 @@ NEXT_STATE: Mapping[tuple[str, str], SessionState] = {
     (source.value, trigger): dest for trigger, sources, dest in TRANSITIONS for source in sources
 }
 
+#: ``state -> the state itself``, to spot a transition that changes nothing in one lookup.
+_UNCHANGED: Mapping[str, SessionState] = {state.value: state for state in SessionState}
+
 #: Trigger names, in table order.
 TRIGGERS: tuple[str, ...] = tuple(trigger for trigger, _, _ in TRANSITIONS)
 
@@ -149,7 +152,7 @@ class SessionMachine(Machine):
                 for trigger, sources, dest in TRANSITIONS
             ],
             auto_transitions=False,
-            queued=True,
+            queued=False,  # no callbacks: a trigger never fires another one
             ignore_invalid_triggers=False,
             model_attribute="_state",
             name="route-session",
@@ -181,7 +184,14 @@ class SessionMachine(Machine):
         return len(self._members)
 
     def fire(self, model: Any, trigger: str) -> None:
-        """Run ``trigger`` for one session. The caller has checked :data:`NEXT_STATE`."""
+        """Run ``trigger`` for one session. The caller has checked :data:`NEXT_STATE`.
+
+        A transition of the table that leaves the state as it is (``token_accepted`` while
+        decoding: once per token) has nothing to run, since the machine has no callbacks; it is
+        applied without the library's event dispatch, the session's hottest path. Every other
+        trigger, and any trigger the table does not allow, goes through ``transitions``."""
+        if NEXT_STATE.get((model._state, trigger)) is _UNCHANGED.get(model._state):
+            return
         self.events[trigger].trigger(model)
 
 
