@@ -22,8 +22,9 @@ Happy path::
   parallel). A stage that held an older epoch of this session discards it: a cache miss.
 * ``prefilling``: the prompt *and every token accepted so far* from position 0, relayed stage
   to stage, produces the next token. After a route change this is the re-prefill: accepted
-  tokens are replayed, never resampled, in the first run's batching (the prompt in one forward,
-  then one forward per accepted token, so every shard rebuilds its KV bit for bit), and no KV or
+  tokens are replayed, never resampled, in batched forwards (``FailurePolicy.replay``
+  ``"batched"``) or in the first run's batching (``"exact"``: the prompt in its chunks, then one
+  forward per accepted token, so every shard rebuilds its KV bit for bit), and no KV or
   auxiliary state ever moves between workers.
 * ``decoding``: one forward per token, at the next position.
 
