@@ -35,6 +35,7 @@ from dgr_engine.errors import (
     ShardRpcError,
     ShardUnavailable,
 )
+from dgr_engine.tls import ClientTls
 from dgr_engine.wire.advert import Advert, advert_from_proto
 from dgr_engine.wire.frames import (
     SCHEMA_VERSION,
@@ -112,7 +113,8 @@ class ShardClient:
     per-frame cost of unary calls; a refused frame ends that session's stream (the error is
     raised as for a unary call) and the next forward opens a new one. Forwards of one session
     are serialized; different sessions run concurrently. ``streaming=False`` uses unary
-    ``Forward`` calls.
+    ``Forward`` calls. ``tls``: dial the worker over TLS, trusting that CA (and showing that
+    client certificate to a worker that asks for one); ``None``: plaintext.
     """
 
     def __init__(
@@ -122,18 +124,21 @@ class ShardClient:
         timeout: float | None = 30.0,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         streaming: bool = True,
+        tls: ClientTls | None = None,
     ) -> None:
         self.target = target
         self.timeout = timeout
         self.streaming = streaming
         self._streams: dict[str, _SessionStream] = {}
-        self._channel = grpc.aio.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-            ],
-        )
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if tls is None:
+            self._channel = grpc.aio.insecure_channel(target, options=options)
+        else:
+            options += tls.channel_options()
+            self._channel = grpc.aio.secure_channel(target, tls.credentials(), options=options)
         self._stub = shard_pb2_grpc.ShardStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
 

@@ -26,6 +26,7 @@ from dgr_engine.errors import (
     StaleEpoch,
     UnknownSession,
 )
+from dgr_engine.tls import ClientTls
 from dgr_engine.wire.advert import Advert
 from dgr_engine.wire.frames import SCHEMA_VERSION, Expectations
 from dgr_session.errors import StageDead
@@ -151,7 +152,9 @@ class GrpcStageTransport:
         adverts: Mapping[str, Advert] | None = None,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         observer: Callable[[ForwardRecord], None] | None = None,
+        tls: ClientTls | None = None,
     ) -> None:
+        self.tls = tls
         self.timeout = timeout
         self.close_timeout = close_timeout
         self.streaming = streaming
@@ -215,6 +218,7 @@ class GrpcStageTransport:
                 timeout=self.timeout,
                 streaming=self.streaming,
                 max_message_bytes=self._max_message_bytes,
+                tls=self.tls,
             )
             self._clients[endpoint] = client
         return client

@@ -4,6 +4,10 @@ Prints one line "LISTENING HOST:PORT" on stdout once it serves (port 0 picks a f
 logs to stderr. On SIGTERM or SIGINT it closes every session and the engine, prints
 "STOPPED sessions_closed=N" and exits 0. Exit 2: bad arguments, a model that cannot be loaded,
 or an address that cannot be bound.
+
+--tls-cert and --tls-key serve TLS only; --client-ca also requires client certificates of that
+CA (mutual TLS). Without TLS the worker serves a loopback --host only, unless
+--allow-plaintext-remote says otherwise (then it logs a warning).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from dgr_engine.options import EngineOptions
 
 if TYPE_CHECKING:
     from dgr_engine.artifacts.shard import ShardArtifacts
+    from dgr_engine.tls import ServerTls
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -65,6 +70,20 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="owned range A:B = layers [A, B); A: to end",
     )
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1)")
+    p.add_argument("--tls-cert", type=Path, default=None, help="serve TLS with this certificate")
+    p.add_argument("--tls-key", type=Path, default=None, help="...and this private key (PEM)")
+    p.add_argument(
+        "--client-ca",
+        type=Path,
+        default=None,
+        help="with TLS: require client certificates signed by this CA (mutual TLS)",
+    )
+    p.add_argument(
+        "--allow-plaintext-remote",
+        action="store_true",
+        help="serve plaintext on a non-loopback --host (anyone on the network can read and "
+        "inject frames; logged as a warning)",
+    )
     p.add_argument(
         "--port", type=int_in(0, 65535), default=0, help="port; 0 picks a free one (default)"
     )
@@ -124,7 +143,27 @@ def run(args: argparse.Namespace) -> int:
     if args.manifest is None and (args.root is not None or args.allow_temp_root):
         print("dgr worker: error: --root and --allow-temp-root go with --manifest", file=sys.stderr)
         return 2
+    try:
+        args.tls = _server_tls(args)
+    except ValueError as exc:
+        print(f"dgr worker: error: {exc}", file=sys.stderr)
+        return 2
     return asyncio.run(_serve(args))
+
+
+def _server_tls(args: argparse.Namespace) -> ServerTls | None:
+    """The TLS the flags ask for (files read now); ``ValueError`` on a half-given pair, a CA
+    without TLS, an unreadable file, or plaintext beyond loopback without the explicit flag."""
+    from dgr_engine.tls import ServerTls, check_plaintext_bind
+
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ValueError("--tls-cert and --tls-key go together")
+    if args.tls_cert is None:
+        if args.client_ca is not None:
+            raise ValueError("--client-ca needs --tls-cert and --tls-key")
+        check_plaintext_bind(args.host, args.allow_plaintext_remote)
+        return None
+    return ServerTls.from_files(args.tls_cert, args.tls_key, args.client_ca)
 
 
 async def _serve(args: argparse.Namespace) -> int:
@@ -158,6 +197,8 @@ async def _serve(args: argparse.Namespace) -> int:
         admission_wait_seconds=args.admission_wait,
         stall_seconds=args.stall_seconds,
         resume_grace_seconds=args.resume_grace,
+        tls=args.tls,
+        allow_plaintext_remote=args.allow_plaintext_remote,
     )
     try:
         options = EngineOptions.from_args(args)

@@ -116,6 +116,16 @@ class Health:
 
 
 @attrs.frozen
+class Security:
+    """How the worker's channel is protected."""
+
+    tls: bool = False
+    """The channel is TLS (else plaintext: loopback, or explicitly allowed beyond)."""
+    client_certificates: bool = False
+    """Mutual TLS: a client needs a certificate signed by the worker's client CA."""
+
+
+@attrs.frozen
 class Advert:
     """Everything one shard worker tells the tracker about itself."""
 
@@ -135,6 +145,7 @@ class Advert:
     artifacts: str = ""
     """How a split model's files were checked before loading (``verified at start-up``,
     ``trusted state of <time>``); empty for a single GGUF (hashed whole at start-up)."""
+    security: Security = Security()
 
     def stage_spec(self, endpoint: str) -> StageSpec:
         """This stage as a route element at ``endpoint``."""
@@ -207,6 +218,7 @@ def advert_to_proto(advert: Advert) -> pb.Advert:
             lane_id=lane.lane_id,
             record_id=lane.record_id,
         ),
+        security=pb.Security(**attrs.asdict(advert.security)),
     )
 
 
@@ -243,6 +255,9 @@ def advert_from_proto(msg: pb.Advert) -> Advert:
         ),
         schema_version=c.schema_version,
         artifacts=c.artifacts,
+        security=Security(
+            tls=msg.security.tls, client_certificates=msg.security.client_certificates
+        ),
         span=LayerSpan(
             layer_begin=msg.range.layer_begin,
             layer_end=msg.range.layer_end,

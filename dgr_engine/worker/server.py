@@ -25,6 +25,7 @@ from dgr_engine.certification.registry import LaneLookup, find_certification
 from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import StaleEpoch, UnknownSession
 from dgr_engine.numerics import Numerics
+from dgr_engine.tls import ServerTls, check_plaintext_bind, is_loopback
 from dgr_engine.wire import frames as frames
 from dgr_engine.wire.advert import (
     Advert,
@@ -33,6 +34,7 @@ from dgr_engine.wire.advert import (
     LayerSpan,
     Load,
     SeamCost,
+    Security,
 )
 from dgr_engine.worker.admission import Admission
 from dgr_engine.worker.engine_thread import EngineThread
@@ -90,6 +92,11 @@ class WorkerConfig:
     ``resume_grace_seconds`` to be used again, then are closed (their clients moved on)."""
     resume_grace_seconds: float = 5.0
     """See ``stall_seconds``."""
+    tls: ServerTls | None = None
+    """Serve TLS with this certificate (and, with a client CA, require client certificates);
+    ``None``: plaintext, allowed on loopback only unless ``allow_plaintext_remote``."""
+    allow_plaintext_remote: bool = False
+    """Serve plaintext on a non-loopback address (logged as a warning at every start)."""
 
     def __attrs_post_init__(self) -> None:
         lease = self.session_lease_seconds
@@ -211,7 +218,17 @@ class ShardWorker:
         add_shard_service(ShardServicer(self), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
-        self.port = server.add_insecure_port(f"{host}:{self.config.port}")
+        tls = self.config.tls
+        if tls is not None:
+            self.port = server.add_secure_port(f"{host}:{self.config.port}", tls.credentials())
+        else:
+            check_plaintext_bind(self.config.host, self.config.allow_plaintext_remote)
+            if not is_loopback(self.config.host):
+                self.log.warning(
+                    "serving PLAINTEXT on {}: anyone on the network can read and inject frames",
+                    self.config.host,
+                )
+            self.port = server.add_insecure_port(f"{host}:{self.config.port}")
         if self.port == 0:
             raise OSError(f"could not bind {host}:{self.config.port}")
         await server.start()
@@ -227,11 +244,12 @@ class ShardWorker:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.log.info(
-            "serving layers [{}, {}) of {} on {}",
+            "serving layers [{}, {}) of {} on {} ({})",
             self.info.layer_begin,
             self.info.layer_end,
             self.build.model_sha256.hex()[:12],
             self.address,
+            "plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS",
         )
         return self.address
 
@@ -490,6 +508,10 @@ class ShardWorker:
                 bytes_per_token_out=4 * info.out_width,
             ),
             artifacts=build.artifacts,
+            security=Security(
+                tls=self.config.tls is not None,
+                client_certificates=self.config.tls is not None and self.config.tls.mutual,
+            ),
             health=Health(
                 uptime_seconds=load.uptime_seconds,
                 recent_errors=load.recent_errors,

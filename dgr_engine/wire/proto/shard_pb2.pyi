@@ -196,7 +196,7 @@ class Certification(_message.Message):
     def __init__(self, status: _Optional[_Union[LaneStatus, str]] = ..., evidence: _Optional[_Union[EvidenceClass, str]] = ..., lane_id: _Optional[str] = ..., record_id: _Optional[str] = ...) -> None: ...
 
 class Advert(_message.Message):
-    __slots__ = ("compatibility", "range", "capacity", "load", "seam", "health", "certification")
+    __slots__ = ("compatibility", "range", "capacity", "load", "seam", "health", "certification", "security")
     COMPATIBILITY_FIELD_NUMBER: _ClassVar[int]
     RANGE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
@@ -204,6 +204,7 @@ class Advert(_message.Message):
     SEAM_FIELD_NUMBER: _ClassVar[int]
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATION_FIELD_NUMBER: _ClassVar[int]
+    SECURITY_FIELD_NUMBER: _ClassVar[int]
     compatibility: Compatibility
     range: LayerRange
     capacity: Capacity
@@ -211,7 +212,16 @@ class Advert(_message.Message):
     seam: SeamCost
     health: Health
     certification: Certification
-    def __init__(self, compatibility: _Optional[_Union[Compatibility, _Mapping]] = ..., range: _Optional[_Union[LayerRange, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., seam: _Optional[_Union[SeamCost, _Mapping]] = ..., health: _Optional[_Union[Health, _Mapping]] = ..., certification: _Optional[_Union[Certification, _Mapping]] = ...) -> None: ...
+    security: Security
+    def __init__(self, compatibility: _Optional[_Union[Compatibility, _Mapping]] = ..., range: _Optional[_Union[LayerRange, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., seam: _Optional[_Union[SeamCost, _Mapping]] = ..., health: _Optional[_Union[Health, _Mapping]] = ..., certification: _Optional[_Union[Certification, _Mapping]] = ..., security: _Optional[_Union[Security, _Mapping]] = ...) -> None: ...
+
+class Security(_message.Message):
+    __slots__ = ("tls", "client_certificates")
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_CERTIFICATES_FIELD_NUMBER: _ClassVar[int]
+    tls: bool
+    client_certificates: bool
+    def __init__(self, tls: _Optional[bool] = ..., client_certificates: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "expect")

@@ -1,0 +1,87 @@
+"""Test certificate authorities and certificates (``cryptography``), written as PEM files."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+from pathlib import Path
+
+import attrs
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+
+@attrs.frozen
+class Issued:
+    cert: Path
+    key: Path
+
+
+@attrs.frozen
+class Authority:
+    name: str
+    cert: Path
+    key_obj: ec.EllipticCurvePrivateKey
+    cert_obj: x509.Certificate
+    directory: Path
+
+    def issue(self, common_name: str, *, client: bool = False) -> Issued:
+        """A certificate for ``common_name`` (a server one valid for localhost and 127.0.0.1,
+        or a client one), signed by this authority."""
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = datetime.datetime.now(datetime.UTC)
+        builder = (
+            x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+            .issuer_name(self.cert_obj.subject)
+            .public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - datetime.timedelta(minutes=5))
+            .not_valid_after(now + datetime.timedelta(days=1))
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        )
+        if client:
+            usage = [ExtendedKeyUsageOID.CLIENT_AUTH]
+        else:
+            usage = [ExtendedKeyUsageOID.SERVER_AUTH]
+            names: list[x509.GeneralName] = [
+                x509.DNSName("localhost"),
+                x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            ]
+            builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usage), critical=False)
+        cert = builder.sign(self.key_obj, hashes.SHA256())
+        stem = self.directory / f"{self.name}-{common_name}"
+        cert_path, key_path = stem.with_suffix(".crt"), stem.with_suffix(".key")
+        cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+        key_path.write_bytes(
+            key.private_bytes(
+                serialization.Encoding.PEM,
+                serialization.PrivateFormat.PKCS8,
+                serialization.NoEncryption(),
+            )
+        )
+        return Issued(cert_path, key_path)
+
+
+def authority(directory: Path, name: str) -> Authority:
+    """A fresh self-signed CA named ``name``, its certificate written to ``directory``."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"dgr test CA {name}")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject)
+        .issuer_name(subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    path = directory / f"{name}-ca.crt"
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return Authority(name, path, key, cert, directory)
