@@ -129,6 +129,19 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="...but only while the last such frame took at most this long (default 20)",
     )
     p.add_argument(
+        "--sessions-per-client",
+        type=int_in(1, 1 << 20),
+        default=None,
+        help="sessions one client may hold at once (its TLS certificate's name, else its host); "
+        "default: no limit beyond --max-sessions",
+    )
+    p.add_argument(
+        "--frames-per-second",
+        type=float_in(0.001, 1e6),
+        default=None,
+        help="forward frames one session may send per second (bursts of 8); default: no limit",
+    )
+    p.add_argument(
         "--session-lease",
         type=float_in(0, 10**9),
         default=600.0,
@@ -199,6 +212,8 @@ async def _serve(args: argparse.Namespace) -> int:
         resume_grace_seconds=args.resume_grace,
         tls=args.tls,
         allow_plaintext_remote=args.allow_plaintext_remote,
+        sessions_per_client=args.sessions_per_client,
+        frames_per_second=args.frames_per_second,
     )
     try:
         options = EngineOptions.from_args(args)

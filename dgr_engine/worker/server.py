@@ -40,6 +40,7 @@ from dgr_engine.worker.admission import Admission
 from dgr_engine.worker.engine_thread import EngineThread
 from dgr_engine.worker.identity import BuildIdentity
 from dgr_engine.worker.load import LoadMeter
+from dgr_engine.worker.peer_limits import PeerLimitConfig, PeerLimits
 from dgr_engine.worker.registration import SERVICE_NAME, add_shard_service
 from dgr_engine.worker.servicer import ShardServicer
 from dgr_engine.worker.sessions import EngineLike, SessionTable
@@ -97,6 +98,11 @@ class WorkerConfig:
     ``None``: plaintext, allowed on loopback only unless ``allow_plaintext_remote``."""
     allow_plaintext_remote: bool = False
     """Serve plaintext on a non-loopback address (logged as a warning at every start)."""
+    sessions_per_client: int | None = None
+    """Sessions one client identity (its TLS certificate's name, else its host) may hold;
+    ``None``: no limit beyond the worker's slots."""
+    frames_per_second: float | None = None
+    """Forward frames one session may send per second (bursts of 8); ``None``: no limit."""
 
     def __attrs_post_init__(self) -> None:
         lease = self.session_lease_seconds
@@ -130,6 +136,11 @@ class ShardWorker:
             engine, clock, tombstone_seconds=self.config.session_lease_seconds or 600.0
         )
         self.admission = Admission(self._free_slots)
+        self.limits = PeerLimits(
+            PeerLimitConfig(self.config.sessions_per_client, self.config.frames_per_second),
+            self.table.holds,
+            clock,
+        )
         self.sessions_expired = 0
         """Sessions closed because their lease ran out."""
         self.sessions_reclaimed = 0

@@ -17,6 +17,7 @@ from dgr_engine.wire.advert import advert_to_proto
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import grpc_status_for, refusal_trailers
+from dgr_engine.worker.peer_limits import client_identity
 from dgr_engine.worker.registration import Undecodable
 
 if TYPE_CHECKING:
@@ -58,9 +59,12 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         try:
             frames.check_session_id(request.session_id)
             frames.check_expectations(request.expect, self.w.expect)
+            client = client_identity(context.peer(), context.auth_context())
+            self.w.limits.check_open(client, request.session_id)
             discarded = await self.w.open_session(
                 request.session_id, int(request.epoch), wait=context.time_remaining()
             )
+            self.w.limits.opened(client, request.session_id)
         except asyncio.CancelledError:
             self.w.abandon(request.session_id, int(request.epoch), "open cancelled")
             raise
@@ -120,6 +124,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         encode; raises on refusal."""
         began = time.perf_counter_ns()
         w = self.w
+        w.limits.check_frame(request.session_id)
         if request.timeout_ms:
             own = time.monotonic() + request.timeout_ms / 1000
             deadline = own if deadline is None else min(deadline, own)
