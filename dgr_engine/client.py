@@ -130,6 +130,8 @@ class ShardClient:
         self.timeout = timeout
         self.streaming = streaming
         self._streams: dict[str, _SessionStream] = {}
+        # session id -> (epoch, secret) a worker with grants answered the open with
+        self._secrets: dict[str, tuple[int, bytes]] = {}
         options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -176,23 +178,40 @@ class ShardClient:
         return advert_from_proto(reply)
 
     async def open(
-        self, session_id: str, epoch: int, expect: Expectations, *, timeout: float | None = None
+        self,
+        session_id: str,
+        epoch: int,
+        expect: Expectations,
+        *,
+        grant: bytes = b"",
+        timeout: float | None = None,
     ) -> None:
-        """Opens ``(session_id, epoch)``; a newer epoch discards the older one's state."""
+        """Opens ``(session_id, epoch)``; a newer epoch discards the older one's state.
+        ``grant``: the tracker's route grant, for a worker that needs one; the session secret
+        it answers with goes with this epoch's frames and close."""
         request = pb.OpenSessionRequest(
-            session_id=session_id, epoch=epoch, expect=expectations_to_proto(expect)
+            session_id=session_id, epoch=epoch, expect=expectations_to_proto(expect), grant=grant
         )
         reply = await self._call(self._stub.OpenSession, request, timeout)
         self._check_echo(reply, session_id, epoch)
+        if reply.session_secret:
+            self._secrets[session_id] = (epoch, reply.session_secret)
+        else:
+            self._secrets.pop(session_id, None)
 
     async def close(self, session_id: str, epoch: int, *, timeout: float | None = None) -> None:
         """Closes ``(session_id, epoch)`` and frees its state on the worker."""
         stream = self._streams.pop(session_id, None)
         if stream is not None:
             await stream.finish()
-        request = pb.CloseSessionRequest(session_id=session_id, epoch=epoch)
+        request = pb.CloseSessionRequest(
+            session_id=session_id, epoch=epoch, session_secret=self._secret(session_id, epoch)
+        )
         reply = await self._call(self._stub.CloseSession, request, timeout)
         self._check_echo(reply, session_id, epoch)
+        held = self._secrets.get(session_id)
+        if held is not None and held[0] <= epoch:
+            del self._secrets[session_id]
 
     async def forward(
         self,
@@ -225,6 +244,7 @@ class ShardClient:
             logit_rows=logit_rows,
             no_logits=not logits,
             timeout=timeout,
+            session_secret=self._secret(session_id, epoch),
         )
         if self.streaming:
             reply, wire_ns = await self._stream_call(session_id, request, timeout)
@@ -253,6 +273,10 @@ class ShardClient:
         )
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _secret(self, session_id: str, epoch: int) -> bytes:
+        held = self._secrets.get(session_id)
+        return held[1] if held is not None and held[0] == epoch else b""
 
     async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:

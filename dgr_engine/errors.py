@@ -203,6 +203,23 @@ class ShardDeadlineExceeded(EngineError, TimeoutError):
     fault_kind = FaultKind.DEADLINE
 
 
+class GrantUnauthenticated(EngineError, PermissionError):
+    """The open carried no route grant, or one that is malformed, badly signed or signed by a
+    key the worker does not know; or a frame or close carried no or the wrong session secret.
+    Nothing changed. A route session cannot use this stage: ask for another route."""
+
+    status = "DGR_E_UNAUTHENTICATED"
+    fault_kind = FaultKind.PROTOCOL
+
+
+class GrantDenied(EngineError, PermissionError):
+    """A validly signed route grant that does not permit this open: another session, epoch,
+    stage, model or lane, expired, or used before. Nothing changed."""
+
+    status = "DGR_E_PERMISSION"
+    fault_kind = FaultKind.PROTOCOL
+
+
 class ShardRpcError(EngineError):
     """A gRPC failure without a dgr reason (``status`` is ``GRPC_<CODE>``), or a reply out of
     protocol (``DGR_E_PROTOCOL``). Treat the stage as faulty."""

@@ -257,7 +257,7 @@ class GrpcStageTransport:
             await self.advert(stage.endpoint)  # the token-id sideband is decided by the advert
             sent = True
             await self.client(stage.endpoint).open(
-                session_id, epoch, expectations_for(stage), timeout=self.timeout
+                session_id, epoch, expectations_for(stage), grant=stage.grant, timeout=self.timeout
             )
         except Exception as exc:
             if not sent:  # never reached the stage: it holds nothing more than before

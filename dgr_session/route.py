@@ -55,6 +55,9 @@ class StageSpec:
     """Boundary width produced per token; 0 when the stage produces logits (last layer)."""
     max_rows: int = attrs.field(default=0, validator=_non_negative)
     """Most rows (tokens) one forward may carry (the shard's batch); 0 when not known."""
+    grant: bytes = attrs.field(default=b"", repr=False, eq=False)
+    """The tracker's route grant for this stage, for the session and epoch the route was
+    assigned to (opaque here: the transport hands it to the stage at open); empty: none."""
 
     @property
     def n_layers(self) -> int:

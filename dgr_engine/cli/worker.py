@@ -7,7 +7,9 @@ or an address that cannot be bound.
 
 --tls-cert and --tls-key serve TLS only; --client-ca also requires client certificates of that
 CA (mutual TLS). Without TLS the worker serves a loopback --host only, unless
---allow-plaintext-remote says otherwise (then it logs a warning).
+--allow-plaintext-remote says otherwise (then it logs a warning). --grant-key ID=PEM (repeat
+for rotation) makes every open need the tracker's route grant for exactly that session, epoch and
+stage; later frames and the close carry the session secret the open returned.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.options import EngineOptions
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     from dgr_engine.artifacts.shard import ShardArtifacts
     from dgr_engine.tls import ServerTls
 
@@ -129,6 +133,20 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="...but only while the last such frame took at most this long (default 20)",
     )
     p.add_argument(
+        "--grant-key",
+        action="append",
+        default=[],
+        metavar="ID=PEM",
+        help="the tracker's Ed25519 public key (PEM) with its key id; repeat for rotation. An "
+        "open then needs a route grant signed by one of them for exactly its session, epoch and "
+        "stage",
+    )
+    p.add_argument(
+        "--grant-endpoint",
+        default=None,
+        help="this stage's endpoint as the tracker's grants name it (default: the bound address)",
+    )
+    p.add_argument(
         "--sessions-per-client",
         type=int_in(1, 1 << 20),
         default=None,
@@ -158,10 +176,26 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         args.tls = _server_tls(args)
+        args.grant_keys = _grant_keys(args.grant_key)
     except ValueError as exc:
         print(f"dgr worker: error: {exc}", file=sys.stderr)
         return 2
     return asyncio.run(_serve(args))
+
+
+def _grant_keys(specs: list[str]) -> dict[str, Ed25519PublicKey] | None:
+    """``ID=PEM`` pairs as keys by id; ``ValueError`` naming a bad one."""
+    from dgr_engine.grants import load_public_key
+
+    keys = {}
+    for spec in specs:
+        key_id, sep, path = spec.partition("=")
+        if not sep or not key_id or not path:
+            raise ValueError(f"--grant-key expects ID=PEM, got {spec!r}")
+        if key_id in keys:
+            raise ValueError(f"--grant-key: key id {key_id!r} given twice")
+        keys[key_id] = load_public_key(path)
+    return keys or None
 
 
 def _server_tls(args: argparse.Namespace) -> ServerTls | None:
@@ -213,6 +247,8 @@ async def _serve(args: argparse.Namespace) -> int:
         tls=args.tls,
         allow_plaintext_remote=args.allow_plaintext_remote,
         sessions_per_client=args.sessions_per_client,
+        grant_keys=args.grant_keys,
+        grant_endpoint=args.grant_endpoint,
         frames_per_second=args.frames_per_second,
     )
     try:

@@ -183,6 +183,7 @@ def encode_forward(
     logit_rows: Sequence[int] | None = None,
     no_logits: bool = False,
     timeout: float | None = None,
+    session_secret: bytes = b"",
 ) -> pb.ForwardRequest:
     """A forward request; ``expected_next_pos`` is ``positions[0]``; ``timeout`` (seconds)
     becomes the frame's own deadline (``timeout_ms``); ``no_logits`` asks a last stage for
@@ -196,6 +197,7 @@ def encode_forward(
         expected_next_pos=int(pos[0]) if pos.size else 0,
         positions=pos.tolist(),
         timeout_ms=0 if timeout is None else max(1, min(int(timeout * 1000), 2**32 - 1)),
+        session_secret=session_secret,
     )
     if tokens is not None:
         request.token_ids.extend(np.asarray(tokens, dtype=np.int64).reshape(-1).tolist())

@@ -26,6 +26,8 @@ _C = grpc.StatusCode
 
 _BY_STATUS: dict[str, tuple[grpc.StatusCode, type[E.EngineError]]] = {
     "DGR_E_FRAME": (_C.INVALID_ARGUMENT, E.FrameRejected),
+    "DGR_E_UNAUTHENTICATED": (_C.UNAUTHENTICATED, E.GrantUnauthenticated),
+    "DGR_E_PERMISSION": (_C.PERMISSION_DENIED, E.GrantDenied),
     "DGR_E_MESSAGE_SIZE": (_C.RESOURCE_EXHAUSTED, E.FrameRejected),
     "DGR_E_EXPECTATION": (_C.INVALID_ARGUMENT, E.ExpectationMismatch),
     "DGR_E_EXPECTATION_SCHEMA": (_C.INVALID_ARGUMENT, E.ExpectationMismatch),

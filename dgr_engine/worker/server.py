@@ -9,12 +9,13 @@ import asyncio
 import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
 import grpc
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from loguru import logger
@@ -24,6 +25,7 @@ from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.registry import LaneLookup, find_certification
 from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import StaleEpoch, UnknownSession
+from dgr_engine.grants import Grant, GrantVerifier
 from dgr_engine.numerics import Numerics
 from dgr_engine.tls import ServerTls, check_plaintext_bind, is_loopback
 from dgr_engine.wire import frames as frames
@@ -38,6 +40,7 @@ from dgr_engine.wire.advert import (
 )
 from dgr_engine.worker.admission import Admission
 from dgr_engine.worker.engine_thread import EngineThread
+from dgr_engine.worker.grant_gate import GrantGate
 from dgr_engine.worker.identity import BuildIdentity
 from dgr_engine.worker.load import LoadMeter
 from dgr_engine.worker.peer_limits import PeerLimitConfig, PeerLimits
@@ -103,6 +106,11 @@ class WorkerConfig:
     ``None``: no limit beyond the worker's slots."""
     frames_per_second: float | None = None
     """Forward frames one session may send per second (bursts of 8); ``None``: no limit."""
+    grant_keys: Mapping[str, Ed25519PublicKey] | None = None
+    """The tracker's public keys by key id: an open then needs a route grant signed by one of
+    them for exactly that session, epoch and stage (``dgr_engine.grants``); ``None``: none."""
+    grant_endpoint: str | None = None
+    """This stage's endpoint as the tracker's routes name it (default: the bound address)."""
 
     def __attrs_post_init__(self) -> None:
         lease = self.session_lease_seconds
@@ -136,6 +144,8 @@ class ShardWorker:
             engine, clock, tombstone_seconds=self.config.session_lease_seconds or 600.0
         )
         self.admission = Admission(self._free_slots)
+        keys = self.config.grant_keys
+        self.grants = GrantGate(GrantVerifier(keys) if keys else None, self.table.holds)
         self.limits = PeerLimits(
             PeerLimitConfig(self.config.sessions_per_client, self.config.frames_per_second),
             self.table.holds,
@@ -316,6 +326,19 @@ class ShardWorker:
         if closed < epoch:
             self.sessions_reclaimed += 1
         return closed
+
+    def admit_grant(self, token: bytes, session_id: str, epoch: int) -> Grant | None:
+        """The route grant that permits opening ``(session_id, epoch)`` on this stage (spent),
+        ``None`` without grant keys; raises ``GrantUnauthenticated`` / ``GrantDenied``."""
+        return self.grants.admit(
+            token,
+            session_id=session_id,
+            epoch=epoch,
+            endpoint=self.config.grant_endpoint or self.address,
+            layers=(self.info.layer_begin, self.info.layer_end),
+            model_sha256=self.build.model_sha256.hex(),
+            lane_id=self.lane_key.lane_id,
+        )
 
     def abandon(self, session_id: str, epoch: int, why: str) -> None:
         """A call of ``(session_id, epoch)`` was cancelled by its caller (its deadline passed,

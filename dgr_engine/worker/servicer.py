@@ -61,17 +61,25 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             frames.check_expectations(request.expect, self.w.expect)
             client = client_identity(context.peer(), context.auth_context())
             self.w.limits.check_open(client, request.session_id)
-            discarded = await self.w.open_session(
-                request.session_id, int(request.epoch), wait=context.time_remaining()
-            )
+            grant = self.w.admit_grant(request.grant, request.session_id, int(request.epoch))
+            try:
+                discarded = await self.w.open_session(
+                    request.session_id, int(request.epoch), wait=context.time_remaining()
+                )
+            except BaseException:
+                self.w.grants.refund(grant)
+                raise
             self.w.limits.opened(client, request.session_id)
+            secret = self.w.grants.opened(request.session_id, int(request.epoch))
         except asyncio.CancelledError:
             self.w.abandon(request.session_id, int(request.epoch), "open cancelled")
             raise
         except Exception as exc:
             await self._refuse(context, exc, request, "open")
         log.info("session opened{}", " (older epoch discarded)" if discarded else "")
-        return pb.OpenSessionReply(session_id=request.session_id, epoch=request.epoch)
+        return pb.OpenSessionReply(
+            session_id=request.session_id, epoch=request.epoch, session_secret=secret
+        )
 
     async def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -80,7 +88,9 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
         try:
             frames.check_session_id(request.session_id)
+            self.w.grants.check(request.session_id, int(request.epoch), request.session_secret)
             closed = await self.w.close_session(request.session_id, int(request.epoch))
+            self.w.grants.closed(request.session_id, int(request.epoch))
         except Exception as exc:
             await self._refuse(context, exc, request, "close")
         log.info("session closed{}", "" if closed == request.epoch else f" (epoch {closed})")
@@ -124,6 +134,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         encode; raises on refusal."""
         began = time.perf_counter_ns()
         w = self.w
+        w.grants.check(request.session_id, int(request.epoch), request.session_secret)
         w.limits.check_frame(request.session_id)
         if request.timeout_ms:
             own = time.monotonic() + request.timeout_ms / 1000

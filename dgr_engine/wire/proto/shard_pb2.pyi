@@ -224,32 +224,38 @@ class Security(_message.Message):
     def __init__(self, tls: _Optional[bool] = ..., client_certificates: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "expect")
+    __slots__ = ("session_id", "epoch", "expect", "grant")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EXPECT_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     expect: Expectations
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ...) -> None: ...
+    grant: bytes
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., grant: _Optional[bytes] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
-    __slots__ = ("session_id", "epoch", "next_pos")
+    __slots__ = ("session_id", "epoch", "next_pos", "session_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     NEXT_POS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     next_pos: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., next_pos: _Optional[int] = ...) -> None: ...
+    session_secret: bytes
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., next_pos: _Optional[int] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
-    __slots__ = ("session_id", "epoch")
+    __slots__ = ("session_id", "epoch", "session_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+    session_secret: bytes
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
 
 class CloseSessionReply(_message.Message):
     __slots__ = ("session_id", "epoch")
@@ -260,7 +266,7 @@ class CloseSessionReply(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms", "no_logits")
+    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms", "no_logits", "session_secret")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -272,6 +278,7 @@ class ForwardRequest(_message.Message):
     LOGIT_ROWS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     NO_LOGITS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     step: int
@@ -283,7 +290,8 @@ class ForwardRequest(_message.Message):
     logit_rows: _containers.RepeatedScalarFieldContainer[int]
     timeout_ms: int
     no_logits: bool
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., no_logits: _Optional[bool] = ...) -> None: ...
+    session_secret: bytes
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., no_logits: _Optional[bool] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_us", "compute_us", "total_us")

@@ -1,0 +1,191 @@
+"""Route grants (issue 16, part 2), tested as an attacker would: against a real worker process
+configured with the tracker's key, every forged, foreign, expired or replayed grant and every
+frame or close without the session secret is refused with its status, and a proper client's
+session on the same worker goes on producing the whole model's logits. A hypothesis test
+mutates valid grants byte by byte: no mutation is ever accepted."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dgr_engine.chain import LocalChain
+from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.engine import ShardEngine
+from dgr_engine.errors import GrantDenied, GrantUnauthenticated
+from dgr_engine.grants import Grant, GrantVerifier, issue, public_pem
+from dgr_engine.processes import WorkerProcess, dgr_command
+
+KW = {"max_sessions": 4, "n_ctx_per_session": 64, "n_threads": 1, "n_batch": 16}
+PROMPT = [9, 99, 199, 29, 1]
+TRACKER = Ed25519PrivateKey.generate()
+ROTATED = Ed25519PrivateKey.generate()
+
+
+def grant(**changes: Any) -> Grant:
+    base = Grant(
+        session_id="s",
+        epoch=1,
+        endpoint="127.0.0.1:7000",
+        layer_begin=0,
+        layer_end=4,
+        model_sha256="ab" * 32,
+        lane_id="lane",
+        expires_at=time.time() + 60,
+        key_id="k1",
+    )
+    return attrs.evolve(base, **changes)
+
+
+def check(verifier: GrantVerifier, token: bytes, **changes: Any) -> Grant:
+    asked: dict[str, Any] = {
+        "session_id": "s",
+        "epoch": 1,
+        "endpoint": "127.0.0.1:7000",
+        "layers": (0, 4),
+        "model_sha256": "ab" * 32,
+        "lane_id": "lane",
+    }
+    return verifier.verify(token, **{**asked, **changes})
+
+
+def test_a_grant_opens_exactly_its_session_epoch_stage_model_and_lane_once() -> None:
+    verifier = GrantVerifier({"k1": TRACKER.public_key(), "k2": ROTATED.public_key()})
+    assert check(verifier, issue(grant(), TRACKER)).session_id == "s"
+    assert check(verifier, issue(grant(key_id="k2"), ROTATED)).key_id == "k2"  # rotation
+    for field, asked in [
+        ("session", {"session_id": "other"}),
+        ("epoch", {"epoch": 2}),
+        ("stage", {"endpoint": "127.0.0.1:7001"}),
+        ("layer range", {"layers": (0, 2)}),
+        ("model", {"model_sha256": "cd" * 32}),
+        ("lane", {"lane_id": "other-lane"}),
+    ]:
+        with pytest.raises(GrantDenied, match=f"for another {field} "):
+            check(verifier, issue(grant(), TRACKER), **asked)
+    with pytest.raises(GrantDenied, match="has expired"):
+        check(verifier, issue(grant(expires_at=time.time() - 1), TRACKER))
+    once = issue(grant(), TRACKER)
+    spent = check(verifier, once)
+    with pytest.raises(GrantDenied, match="used before"):
+        check(verifier, once)
+    verifier.refund(spent)  # the open it was for failed: usable again
+    check(verifier, once)
+    with pytest.raises(GrantUnauthenticated, match="unknown key 'k9'"):
+        check(verifier, issue(grant(key_id="k9"), TRACKER))
+    with pytest.raises(GrantUnauthenticated, match="signature does not verify"):
+        check(verifier, issue(grant(), ROTATED))  # k1's id, another key
+    for bad in (b"", b"x", b"a.b.c", b"!!.!!", b"W10.c2ln"):
+        with pytest.raises(GrantUnauthenticated):
+            check(verifier, bad)
+
+
+FIXED = issue(grant(nonce="00" * 16, expires_at=time.time() + 3600), TRACKER)
+"""One valid token for every example (Ed25519 signatures are deterministic)."""
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data())
+def test_no_byte_mutation_of_a_valid_grant_is_accepted(data: st.DataObject) -> None:
+    token = FIXED
+    check(GrantVerifier({"k1": TRACKER.public_key()}), token)  # the original is accepted
+    verifier = GrantVerifier({"k1": TRACKER.public_key()})
+    mutated = bytearray(token)
+    index = data.draw(st.integers(0, len(token) - 1), label="index")
+    value = data.draw(st.integers(0, 255).filter(lambda b: b != token[index]), label="byte")
+    mutated[index] = value
+    with pytest.raises((GrantUnauthenticated, GrantDenied)):
+        check(verifier, bytes(mutated))
+
+
+@pytest.fixture(scope="module")
+def worker(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerProcess]:
+    pem = tmp_path_factory.mktemp("keys") / "tracker.pem"
+    pem.write_bytes(public_pem(TRACKER))
+    args = [dgr_command(), "worker", "--model", str(tiny_llama), "--layers", "0:4"]
+    args += ["--grant-key", f"k1={pem}", "--ctx", "64", "--threads", "1", "--batch", "16"]
+    with WorkerProcess.launch(args) as process:
+        yield process
+
+
+def test_attacks_on_a_worker_with_grants_are_refused_and_a_proper_session_lives_on(
+    tiny_llama: Path, worker: WorkerProcess
+) -> None:
+    with ShardEngine(tiny_llama, **KW) as whole:
+        chain = LocalChain([whole])
+        chain.open(1, 0)
+        want_prefill = chain.forward(1, 0, PROMPT, 0)[-1]
+        want_next = chain.forward(1, 0, [42], len(PROMPT))[-1]
+
+    async def scenario() -> None:
+        async with (
+            ShardClient(worker.address, timeout=20.0) as tracker_client,
+            ShardClient(worker.address, timeout=20.0) as attacker,
+        ):
+            advert = await tracker_client.describe()
+            expect = expectations_of(advert)
+            stage = {
+                "endpoint": worker.address,
+                "layer_begin": 0,
+                "layer_end": 4,
+                "model_sha256": advert.identity.content_hash.hex(),
+                "lane_id": advert.lane.lane_id,
+            }
+
+            def token(key: Ed25519PrivateKey = TRACKER, **changes: Any) -> bytes:
+                return issue(grant(**{"session_id": "good", **stage, **changes}), key)
+
+            # the proper client: a grant for exactly this session, epoch and stage
+            await tracker_client.open("good", 1, expect, grant=token())
+            positions = list(range(len(PROMPT)))
+            first = await tracker_client.forward("good", 1, 0, expect, positions, tokens=PROMPT)
+            assert np.array_equal(np.asarray(first.output)[-1], want_prefill)
+
+            unauthenticated = [
+                b"",  # no grant
+                token()[:-3] + b"AAA",  # a forged signature
+                token(key=ROTATED),  # signed by a key the worker does not know under k1
+                token(key_id="k9"),  # an unknown key id
+            ]
+            for bad in unauthenticated:
+                with pytest.raises(GrantUnauthenticated):
+                    await attacker.open("evil", 1, expect, grant=bad)
+            denied = [
+                token(session_id="other"),  # another session's grant
+                token(epoch=2),  # another epoch
+                token(endpoint="127.0.0.1:1"),  # another stage
+                token(layer_end=2),  # another layer range
+                token(model_sha256="00" * 32),  # another model
+                token(lane_id="x"),  # another lane
+                token(expires_at=time.time() - 1),  # expired
+            ]
+            for bad in denied:
+                with pytest.raises(GrantDenied):
+                    await attacker.open("good", 1, expect, grant=bad)  # would discard its KV
+            # a replayed grant: a victim's session opened and closed, its grant used again
+            victim = token(session_id="victim")
+            await tracker_client.open("victim", 1, expect, grant=victim)
+            await tracker_client.close("victim", 1)
+            with pytest.raises(GrantDenied, match="used before"):
+                await attacker.open("victim", 1, expect, grant=victim)
+            # frames and closes without the session secret (the attacker never opened "good")
+            with pytest.raises(GrantUnauthenticated, match="session secret"):
+                await attacker.forward("good", 1, 1, expect, [len(PROMPT)], tokens=[7])
+            with pytest.raises(GrantUnauthenticated, match="session secret"):
+                await attacker.close("good", 1)
+            # the proper session is untouched: its next token's logits are the whole model's
+            step = await tracker_client.forward("good", 1, 1, expect, [len(PROMPT)], tokens=[42])
+            assert np.array_equal(np.asarray(step.output)[-1], want_next)
+            await tracker_client.close("good", 1)
+
+    asyncio.run(scenario())
