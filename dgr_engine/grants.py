@@ -30,6 +30,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from dgr_engine.errors import GrantDenied, GrantUnauthenticated
+from dgr_session.route import Route
 
 MAX_TOKEN_BYTES = 4096
 _MALFORMED = "DGR_E_UNAUTHENTICATED: the route grant is malformed"
@@ -177,3 +178,51 @@ def public_pem(key: Ed25519PrivateKey) -> bytes:
     return key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
+
+
+class GrantIssuer:
+    """The tracker's side, for the demo, the example tracker and the tests: signs every stage
+    of a route for one session and epoch (``dgr_session.GrantingRouteProvider.grant_route``)."""
+
+    def __init__(
+        self,
+        key: Ed25519PrivateKey,
+        key_id: str,
+        *,
+        ttl_seconds: float = 300.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.key = key
+        self.key_id = key_id
+        self.ttl_seconds = ttl_seconds
+        self._now = clock
+
+    def grant_route(self, session_id: str, epoch: int, route: Route) -> Route:
+        expires = self._now() + self.ttl_seconds
+        return Route(
+            attrs.evolve(
+                stage,
+                grant=issue(
+                    Grant(
+                        session_id=session_id,
+                        epoch=epoch,
+                        endpoint=stage.endpoint,
+                        layer_begin=stage.layer_begin,
+                        layer_end=stage.layer_end,
+                        model_sha256=stage.identity.content_hash.hex(),
+                        lane_id=stage.lane.lane_id,
+                        expires_at=expires,
+                        key_id=self.key_id,
+                    ),
+                    self.key,
+                ),
+            )
+            for stage in route.stages
+        )
+
+    def worker_args(self, directory: str | os.PathLike[str]) -> list[str]:
+        """``dgr worker`` arguments that make a worker check this issuer's grants (its public
+        key written to ``directory``)."""
+        path = Path(directory) / f"grant-key-{self.key_id}.pem"
+        path.write_bytes(public_pem(self.key))
+        return ["--grant-key", f"{self.key_id}={path}"]

@@ -26,6 +26,7 @@ import attrs
 from loguru import logger
 
 from dgr_engine.client import ShardClient
+from dgr_engine.grants import GrantIssuer
 from dgr_engine.options import EngineOptions
 from dgr_engine.processes import WorkerProcess
 from dgr_engine.wire.advert import Advert
@@ -104,9 +105,12 @@ class LoopbackRouteProvider:
         startup_timeout: float = 60.0,
         stop_timeout: float = 10.0,
         observer: Callable[[str, FailureReport | None, Route | None], None] | None = None,
+        grants: GrantIssuer | None = None,
     ) -> None:
         if not layout:
             raise ValueError("a layout needs at least one range")
+        self.grants = grants
+        """Signs every route's stages for its session and epoch (``None``: no grants)."""
         self.model = Path(model)
         self.layout = tuple((int(a), int(b)) for a, b in layout)
         self.spares = tuple((int(a), int(b)) for a, b in spares)
@@ -129,6 +133,11 @@ class LoopbackRouteProvider:
         self._processes: list[WorkerProcess] = []
         self._closed = False
         self._log = logger.bind(stage="provider")
+
+    def grant_route(self, session_id: str, epoch: int, route: Route) -> Route:
+        """The route with the issuer's grants for ``(session_id, epoch)`` (unchanged without
+        an issuer): the manager asks after every assignment."""
+        return route if self.grants is None else self.grants.grant_route(session_id, epoch, route)
 
     async def __aenter__(self) -> LoopbackRouteProvider:
         await self.start()  # stops what it started if it fails

@@ -78,6 +78,7 @@ from dgr_session.route import Route, StageSpec, validate_route
 from dgr_session.sampling import SeededSampler, greedy
 from dgr_session.transport import (
     Boundary,
+    GrantingRouteProvider,
     Logits,
     RouteProvider,
     Sampler,
@@ -123,6 +124,7 @@ __all__ = [
     "RouteAssigned",
     "RouteIncompatible",
     "RouteInvalid",
+    "GrantingRouteProvider",
     "RouteProvider",
     "RouteSession",
     "RouteUnavailable",

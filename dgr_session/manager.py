@@ -44,7 +44,14 @@ from dgr_session.identity import EvidenceClass, ModelIdentity, Recipe
 from dgr_session.machine import SessionMachine, SessionState
 from dgr_session.policy import FailurePolicy
 from dgr_session.sampling import greedy
-from dgr_session.transport import Boundary, Logits, RouteProvider, Sampler, StageTransport
+from dgr_session.transport import (
+    Boundary,
+    GrantingRouteProvider,
+    Logits,
+    RouteProvider,
+    Sampler,
+    StageTransport,
+)
 
 
 def fault_kind(error: BaseException) -> FaultKind:
@@ -470,8 +477,14 @@ class SessionManager:
             return
         if route is None:
             handle._post(RouteUnavailable(sid, epoch, "provider has no route", attempt))
-        else:
-            handle._post(RouteAssigned(sid, epoch, route, attempt))
+            return
+        if isinstance(self._provider, GrantingRouteProvider):
+            try:
+                route = self._provider.grant_route(sid, epoch, route)
+            except Exception as err:  # noqa: BLE001 - a route without grants opens nothing
+                handle._post(RouteUnavailable(sid, epoch, f"provider error: {err!r}", attempt))
+                return
+        handle._post(RouteAssigned(sid, epoch, route, attempt))
 
     async def _close(self, cmd: CloseStage) -> None:
         try:

@@ -15,7 +15,7 @@ k + 1 untouched.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
@@ -89,6 +89,17 @@ class RouteProvider(Protocol):
     async def assign(self, session_id: str, report: FailureReport | None) -> Route | None:
         """A route for the session, or ``None`` if there is none. ``report`` says what failed
         (``None`` for the first route)."""
+        ...
+
+
+@runtime_checkable
+class GrantingRouteProvider(Protocol):
+    """A route provider whose stages need the tracker's route grants: after each assignment the
+    manager asks it to grant the route for the session and the epoch it will run under. The
+    grants are opaque bytes here (``StageSpec.grant``); dgr_session never sees a key."""
+
+    def grant_route(self, session_id: str, epoch: int, route: Route) -> Route:
+        """``route`` with every stage's grant for ``(session_id, epoch)``."""
         ...
 
 

@@ -19,12 +19,23 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dgr_engine.chain import LocalChain
+from dgr_engine.chain import LocalChain, whole_model_reference
 from dgr_engine.client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import GrantDenied, GrantUnauthenticated
-from dgr_engine.grants import Grant, GrantVerifier, issue, public_pem
+from dgr_engine.grants import Grant, GrantIssuer, GrantVerifier, issue, public_pem
+from dgr_engine.options import EngineOptions
 from dgr_engine.processes import WorkerProcess, dgr_command
+from dgr_engine.route_provider import LoopbackRouteProvider
+from dgr_engine.stage_transport import GrpcStageTransport
+from dgr_session import (
+    EvidenceClass,
+    FailurePolicy,
+    SessionHandle,
+    SessionManager,
+    SessionResult,
+    SessionState,
+)
 
 KW = {"max_sessions": 4, "n_ctx_per_session": 64, "n_threads": 1, "n_batch": 16}
 PROMPT = [9, 99, 199, 29, 1]
@@ -189,3 +200,47 @@ def test_attacks_on_a_worker_with_grants_are_refused_and_a_proper_session_lives_
             await tracker_client.close("good", 1)
 
     asyncio.run(scenario())
+
+
+@pytest.mark.usefixtures("certified_fixtures")
+def test_a_route_session_carries_fresh_grants_across_a_lost_stage(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    issuer = GrantIssuer(TRACKER, "k1")
+    options = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=4)
+    prompt = [int(t) for t in np.random.default_rng(11).integers(0, 256, size=10)]
+    ((want, _),) = whole_model_reference(tiny_llama, [prompt], 10, options)
+    layout = [(0, 2), (2, 4)]
+
+    async def scenario(grants: GrantIssuer | None) -> SessionResult:
+        provider = LoopbackRouteProvider(
+            tiny_llama,
+            layout,
+            spares=[(2, 4)],
+            options=options,
+            worker_args=issuer.worker_args(tmp_path),  # every worker checks grants
+            grants=grants,
+        )
+        handles: list[SessionHandle] = []
+
+        def on_token(_token: int) -> None:
+            route = handles[0].core.route
+            if len(handles[0].tokens) == 4 and route is not None and not provider.reports:
+                provider.kill(route.stages[1].endpoint)  # the last stage, mid-decode
+
+        async with provider, GrpcStageTransport(timeout=20.0) as transport:
+            policy = FailurePolicy(step_deadline=20.0, max_route_changes=2)
+            manager = SessionManager(
+                transport, provider, policy=policy, required_evidence=EvidenceClass.FIXTURE
+            )
+            handles.append(manager.start(prompt, max_new_tokens=10, on_token=on_token))
+            result = await handles[0].wait()
+            await manager.aclose()
+            return result
+
+    granted = asyncio.run(asyncio.wait_for(scenario(issuer), 120))
+    assert granted.state is SessionState.DONE, granted.error
+    assert list(granted.tokens) == want and granted.epoch == 2  # new epoch, new grants
+    refused = asyncio.run(asyncio.wait_for(scenario(None), 120))  # a provider without grants
+    assert refused.state is SessionState.FAILED
+    assert any("no route grant" in report.detail for report in refused.reports)
