@@ -29,6 +29,7 @@ from dgr_engine.client import ShardClient
 from dgr_engine.grants import GrantIssuer
 from dgr_engine.options import EngineOptions
 from dgr_engine.processes import WorkerProcess
+from dgr_engine.tls import ClientTls
 from dgr_engine.wire.advert import Advert
 from dgr_session.faults import FailureReport, FaultKind
 from dgr_session.route import Route, StageSpec
@@ -41,9 +42,9 @@ _BLAMED = frozenset(
 """Faults that disqualify the worker named by the report."""
 
 
-async def describe(endpoint: str, *, timeout: float = 10.0) -> Advert:
-    """The advert of the worker at ``endpoint`` (one short-lived channel)."""
-    async with ShardClient(endpoint, timeout=timeout) as client:
+async def describe(endpoint: str, *, timeout: float = 10.0, tls: ClientTls | None = None) -> Advert:
+    """The advert of the worker at ``endpoint`` (one short-lived channel; TLS with ``tls``)."""
+    async with ShardClient(endpoint, timeout=timeout, tls=tls) as client:
         return await client.describe()
 
 
@@ -106,11 +107,14 @@ class LoopbackRouteProvider:
         stop_timeout: float = 10.0,
         observer: Callable[[str, FailureReport | None, Route | None], None] | None = None,
         grants: GrantIssuer | None = None,
+        client_tls: ClientTls | None = None,
     ) -> None:
         if not layout:
             raise ValueError("a layout needs at least one range")
         self.grants = grants
         """Signs every route's stages for its session and epoch (``None``: no grants)."""
+        self.client_tls = client_tls
+        """How the provider reaches its workers (their ``worker_args`` say what they serve)."""
         self.model = Path(model)
         self.layout = tuple((int(a), int(b)) for a, b in layout)
         self.spares = tuple((int(a), int(b)) for a, b in spares)
@@ -174,7 +178,9 @@ class LoopbackRouteProvider:
             raise RuntimeError("the provider is closed")
         process = await asyncio.to_thread(self._spawn_process, layers)
         try:
-            advert = await describe(process.address, timeout=self.startup_timeout)
+            advert = await describe(
+                process.address, timeout=self.startup_timeout, tls=self.client_tls
+            )
         except BaseException:
             await asyncio.to_thread(process.kill)
             raise

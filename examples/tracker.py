@@ -10,20 +10,32 @@ one exists), so its workers advertise ``certified`` with fixture evidence. Then 
 gRPC; a worker on their route is SIGKILLed mid-decode, the provider avoids the blamed endpoint
 and moves them to the other layout. Tokens are checked against the whole model, and the per-stage
 counters are printed as a bill. Every worker is stopped at the end, also on an error or Ctrl-C.
+
+The channel is secured as a deployment's would be: the workers serve mutual TLS (here with a
+throwaway CA, ``dgr_engine.pki``; a real tracker uses its operators' PKI) and open a session
+only with a route grant signed by the tracker's Ed25519 key, which ``CheapestRoute.grant_route``
+issues for every session and epoch.
 """
 
 from __future__ import annotations
 
 import asyncio
 import subprocess
+import tempfile
+from pathlib import Path
+
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dgr_engine.chain import whole_model_greedy
 from dgr_engine.client import ShardClient
 from dgr_engine.fixtures import ensure_fixture
+from dgr_engine.grants import GrantIssuer
 from dgr_engine.options import EngineOptions
+from dgr_engine.pki import local_pki
 from dgr_engine.processes import WorkerProcess, dgr_command
 from dgr_engine.route_provider import describe
 from dgr_engine.stage_transport import GrpcStageTransport
+from dgr_engine.tls import ClientTls
 from dgr_engine.wire.advert import Advert
 from dgr_session import (
     EvidenceClass,
@@ -57,12 +69,21 @@ def stage_cost(advert: Advert) -> float:
 class CheapestRoute:
     """A ``dgr_session.RouteProvider``: fresh adverts of the workers not blamed yet, the
     compatible ones, then the cheapest chain of ranges covering every layer (a full worker is
-    dear, not excluded: its line is fair, and busy is load, not a fault)."""
+    dear, not excluded: its line is fair, and busy is load, not a fault). It is also a
+    ``GrantingRouteProvider``: the manager asks it to sign each route for its session and
+    epoch."""
 
-    def __init__(self, endpoints: list[str], model: ModelIdentity) -> None:
+    def __init__(
+        self, endpoints: list[str], model: ModelIdentity, grants: GrantIssuer, tls: ClientTls
+    ) -> None:
         self.endpoints = endpoints
         self.model = model  # what the client asked for: GGUF hash, arch, n_layer
         self.blamed: set[str] = set()
+        self.grants = grants
+        self.tls = tls
+
+    def grant_route(self, session_id: str, epoch: int, route: Route) -> Route:
+        return self.grants.grant_route(session_id, epoch, route)
 
     async def assign(self, session_id: str, report: FailureReport | None) -> Route | None:
         if report is not None and report.endpoint is not None:
@@ -74,7 +95,7 @@ class CheapestRoute:
             if endpoint in self.blamed:
                 continue
             try:
-                pool[endpoint] = await describe(endpoint, timeout=2.0)
+                pool[endpoint] = await describe(endpoint, timeout=2.0, tls=self.tls)
             except (ConnectionError, TimeoutError):
                 continue  # unreachable: not routable now
         pool = {
@@ -104,13 +125,15 @@ class CheapestRoute:
         return Route(pool[e].stage_spec(e) for e in best)
 
 
-async def read_adverts(endpoints: list[str]) -> dict[str, Advert]:
+async def read_adverts(endpoints: list[str], tls: ClientTls) -> dict[str, Advert]:
     """What the tracker reads from every worker (``dgr_engine.wire.advert`` has every field)."""
     adverts = {}
     for endpoint in endpoints:
-        async with ShardClient(endpoint, timeout=10.0) as client:
+        async with ShardClient(endpoint, timeout=10.0, tls=tls) as client:
             assert await client.serving()  # the standard gRPC health service
             a = adverts[endpoint] = await client.describe()
+        secured = a.security
+        channel = "mutual TLS" if secured.client_certificates else "TLS" if secured.tls else "plain"
         print(
             f"{endpoint} [{a.span.layer_begin},{a.span.layer_end}) model "
             f"{a.identity.content_hash.hex()[:12]} slots {a.capacity.sessions_open}/"
@@ -118,14 +141,15 @@ async def read_adverts(endpoints: list[str]) -> dict[str, Advert]:
             f"{a.load.in_flight} seam "
             f"{a.seam.bytes_per_token_in}/{a.seam.bytes_per_token_out} B/token errors "
             f"{a.health.recent_errors} lane {a.lane.certification.value} "
-            f"({a.lane.evidence.value if a.lane.evidence else 'no'} evidence)"
+            f"({a.lane.evidence.value if a.lane.evidence else 'no'} evidence) {channel}"
         )
     return adverts
 
 
-async def track(workers: dict[str, WorkerProcess]) -> None:
-    adverts = await read_adverts(list(workers))
-    provider = CheapestRoute(list(workers), model=next(iter(adverts.values())).identity)
+async def track(workers: dict[str, WorkerProcess], grants: GrantIssuer, tls: ClientTls) -> None:
+    adverts = await read_adverts(list(workers), tls)
+    model = next(iter(adverts.values())).identity
+    provider = CheapestRoute(list(workers), model, grants, tls)
     policy = FailurePolicy(step_deadline=10.0, session_deadline=120.0, backoff=(0.0, 0.2))
     killed: list[str] = []
 
@@ -137,7 +161,7 @@ async def track(workers: dict[str, WorkerProcess]) -> None:
             workers[killed[0]].kill()
 
     # Dark lanes are never routable; the sessions require the class this model can have.
-    async with GrpcStageTransport(timeout=10.0) as transport:
+    async with GrpcStageTransport(timeout=10.0, tls=tls) as transport:
         async with SessionManager(
             transport, provider, policy=policy, required_evidence=REQUIRED
         ) as manager:
@@ -149,7 +173,7 @@ async def track(workers: dict[str, WorkerProcess]) -> None:
             results = [await h.wait() for h in handles]
         stats = transport.stats()
     for endpoint in workers.keys() - set(killed):  # every stage closed what it opened
-        assert (await describe(endpoint)).capacity.sessions_open == 0
+        assert (await describe(endpoint, tls=tls)).capacity.sessions_open == 0
 
     expected = whole_model_greedy(PATH, PROMPTS, N_NEW, OPTIONS)
     for result, want in zip(results, expected, strict=True):
@@ -173,14 +197,20 @@ def main() -> None:
         timeout=600,
     )
     workers: dict[str, WorkerProcess] = {}
-    try:
-        for layers in RANGES:  # spawn returns once the worker printed LISTENING 127.0.0.1:PORT
-            worker = WorkerProcess.spawn(PATH, layers, options=OPTIONS, log_level="WARNING")
-            workers[worker.address] = worker
-        asyncio.run(track(workers))
-    finally:
-        for worker in workers.values():
-            worker.stop()  # SIGTERM, bounded wait, then SIGKILL; a no-op once it has exited
+    with tempfile.TemporaryDirectory(prefix="tracker-keys-") as keys:
+        pki = local_pki(Path(keys))  # a throwaway CA: worker and client certificates
+        grants = GrantIssuer(Ed25519PrivateKey.generate(), key_id="tracker-1")
+        secure = [*pki.worker_args(), *grants.worker_args(keys)]  # mutual TLS + grant key
+        try:
+            for layers in RANGES:  # spawn returns once the worker printed LISTENING 127.0.0.1:PORT
+                worker = WorkerProcess.spawn(
+                    PATH, layers, options=OPTIONS, log_level="WARNING", extra_args=secure
+                )
+                workers[worker.address] = worker
+            asyncio.run(track(workers, grants, pki.client_tls()))
+        finally:
+            for worker in workers.values():
+                worker.stop()  # SIGTERM, bounded wait, then SIGKILL; a no-op once it has exited
     print("tracker: OK")
 
 

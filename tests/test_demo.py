@@ -71,6 +71,7 @@ def test_demo_loses_a_stage_and_recovers_with_parity(
         r"^record .*/fixture/[0-9a-f]{64}/[0-9a-f]{64}\.json \(fixture evidence\)", out, re.M
     )
     assert "lanes     certified with FIXTURE evidence (generated model: not real-model" in out
+    assert "security  mutual TLS (a throwaway local CA) and route grants" in out
     assert re.search(r"SIGKILL stage 1 \[1,2\) pid \d+", out), out
     assert out.count("new route:") == 2 and "(spare)" in out, out
     assert out.count("epoch 2: re-prefill from position 0") == 2, out

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tls_certs import Authority, authority
 
 from dgr_engine.chain import LocalChain
 from dgr_engine.client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import EngineError
+from dgr_engine.pki import Authority, authority
 from dgr_engine.processes import WorkerProcess, dgr_command
 from dgr_engine.tls import ClientTls, ServerTls, TlsConfigError, check_plaintext_bind, is_loopback
 from dgr_engine.worker import ShardWorker, WorkerConfig

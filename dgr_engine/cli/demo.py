@@ -9,6 +9,10 @@ new epoch; checks every session's tokens against the whole model run in-process 
 engine options; prints per-stage timings and seam bytes. Ends with PARITY OK (exit 0) or PARITY
 FAILED (exit 1), and stops every process it started, also on Ctrl-C or SIGTERM.
 
+The workers serve mutual TLS with a throwaway local CA and open a session only with a route grant
+signed by the demo's tracker key (both made in a temporary directory, removed at the end): the
+secure path is the one the demo shows.
+
 Dark lanes are unroutable: first the demo certifies the fixture lane on this machine ('dgr
 certify', or reuses a passing record of exactly this lane under the lock), its workers load that
 record, and its sessions require fixture evidence. Fixture evidence is not real-model or
@@ -20,10 +24,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import attrs
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.record import default_evidence_dir
@@ -33,7 +40,9 @@ from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.cli.certify import CERTIFY_OPTIONS, certify_or_reuse
 from dgr_engine.fixtures import ensure_fixture, lookup
+from dgr_engine.grants import GrantIssuer
 from dgr_engine.options import EngineOptions
+from dgr_engine.pki import local_pki
 from dgr_engine.route_provider import LoopbackRouteProvider
 from dgr_engine.stage_transport import ForwardRecord, GrpcStageTransport
 from dgr_session import (
@@ -81,6 +90,14 @@ def _say(text: str) -> None:
 
 
 async def run_demo(args: argparse.Namespace, providers: list[LoopbackRouteProvider]) -> DemoOutcome:
+    """The demo, with a throwaway CA and tracker key in a temporary directory (removed after)."""
+    with tempfile.TemporaryDirectory(prefix="dgr-demo-keys-") as keys:
+        return await _run_demo(args, providers, Path(keys))
+
+
+async def _run_demo(
+    args: argparse.Namespace, providers: list[LoopbackRouteProvider], keys: Path
+) -> DemoOutcome:
     path = ensure_fixture(args.fixture)
     spec = lookup(args.fixture)
     layout = split_points(spec.n_layer, args.stages)
@@ -95,6 +112,14 @@ async def run_demo(args: argparse.Namespace, providers: list[LoopbackRouteProvid
     _say(
         "lanes     certified with FIXTURE evidence (generated model: not real-model or "
         "real-hardware evidence); sessions require fixture evidence"
+    )
+
+    pki = local_pki(keys)
+    client_tls = pki.client_tls()
+    tracker = GrantIssuer(Ed25519PrivateKey.generate(), "demo-tracker")
+    _say(
+        "security  mutual TLS (a throwaway local CA) and route grants signed by the demo's "
+        "tracker key: a worker opens a session only with its grant"
     )
 
     names = {f"demo-{i}": i for i in range(args.sessions)}
@@ -131,8 +156,10 @@ async def run_demo(args: argparse.Namespace, providers: list[LoopbackRouteProvid
         spares=[] if args.no_spare else [lost_range],
         spawn_on_demand=args.no_spare,
         options=OPTIONS,
-        worker_args=["--evidence", str(evidence)],
+        worker_args=["--evidence", str(evidence), *pki.worker_args(), *tracker.worker_args(keys)],
         observer=on_assign,
+        grants=tracker,
+        client_tls=client_tls,
     )
     providers.append(provider)
     try:
@@ -178,7 +205,8 @@ async def run_demo(args: argparse.Namespace, providers: list[LoopbackRouteProvid
             )
 
         policy = FailurePolicy(step_deadline=10.0, session_deadline=120.0, backoff=(0.0, 0.2))
-        async with GrpcStageTransport(timeout=10.0, observer=on_forward) as transport:
+        secured = GrpcStageTransport(timeout=10.0, observer=on_forward, tls=client_tls)
+        async with secured as transport:
             manager = SessionManager(
                 transport, provider, policy=policy, required_evidence=EvidenceClass.FIXTURE
             )

@@ -1,4 +1,7 @@
-"""Test certificate authorities and certificates (``cryptography``), written as PEM files."""
+"""Throwaway certificate authorities and certificates for local runs (the demo, the examples,
+the tests): a self-signed CA, server certificates valid for ``localhost`` and ``127.0.0.1``,
+client certificates, all written as PEM files. Not for production: a real deployment's
+certificates come from the operator's own PKI."""
 
 from __future__ import annotations
 
@@ -12,15 +15,21 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from dgr_engine.tls import ClientTls
+
 
 @attrs.frozen
 class Issued:
+    """A certificate and its private key, as PEM files."""
+
     cert: Path
     key: Path
 
 
 @attrs.frozen
 class Authority:
+    """A CA: its certificate file, and what it signs with."""
+
     name: str
     cert: Path
     key_obj: ec.EllipticCurvePrivateKey
@@ -85,3 +94,34 @@ def authority(directory: Path, name: str) -> Authority:
     path = directory / f"{name}-ca.crt"
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return Authority(name, path, key, cert, directory)
+
+
+@attrs.frozen
+class LocalPki:
+    """What a local TLS run needs: the CA, one worker certificate, one client certificate."""
+
+    ca: Path
+    worker: Issued
+    client: Issued
+
+    def client_tls(self) -> ClientTls:
+        """A client's side: trusts the CA, shows the client certificate."""
+        return ClientTls.from_files(self.ca, self.client.cert, self.client.key)
+
+    def worker_args(self) -> list[str]:
+        """``dgr worker`` arguments: TLS with the worker certificate, client certificates of
+        the CA required (mutual TLS)."""
+        return [
+            "--tls-cert",
+            str(self.worker.cert),
+            "--tls-key",
+            str(self.worker.key),
+            "--client-ca",
+            str(self.ca),
+        ]
+
+
+def local_pki(directory: Path) -> LocalPki:
+    """A fresh CA in ``directory`` with a worker and a client certificate."""
+    ca = authority(directory, "local")
+    return LocalPki(ca.cert, ca.issue("worker"), ca.issue("client", client=True))
