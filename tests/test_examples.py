@@ -33,7 +33,8 @@ EXPECTED: dict[str, list[str]] = {
         r"^route_sessions: OK$",
     ],
     "tracker.py": [
-        r"^127\.0\.0\.1:\d+ \[0,2\) model [0-9a-f]{12} .* lane certified \(fixture evidence\) mutual TLS$",
+        r"^127\.0\.0\.1:\d+ \[0,2\) model [0-9a-f]{12} .* lane certified \(fixture evidence\)"
+        r" mutual TLS$",
         r"^  SIGKILL 127\.0\.0\.1:\d+ mid-decode$",
         r"^s0: done, 1 route change\(s\)$",
         r"^  127\.0\.0\.1:\d+ \[\d,\d\) forwards \d+ rows \d+ .*bytes in \d+ out \d+$",
