@@ -153,3 +153,12 @@ def test_recovery_benchmark_smoke(tmp_path: Path) -> None:
     for figures in result["exactness"]:
         assert figures["seeds"] == 6 and 0 <= figures["differing"] <= 6
         assert 0 <= figures["median_logit_diff"] <= figures["max_logit_diff"] < 0.1
+
+
+def test_security_benchmark_smoke(tmp_path: Path) -> None:
+    args = ["--rounds", "1", "--tokens", "8", "--out", str(tmp_path)]
+    done = run_benchmark("security", args)
+    assert "secure / plaintext decode:" in done.stdout and "same tokens: True" in done.stdout
+    result = json.loads((tmp_path / "security.json").read_text())
+    assert result["grant_verify_us"] > 0 and result["secret_check_us"] > 0
+    assert len(result["speeds"]["plaintext"]) == len(result["speeds"]["mutual TLS + grants"]) == 1
