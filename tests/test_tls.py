@@ -137,15 +137,19 @@ def test_the_worker_command_refuses_unsafe_or_half_given_tls(
 def test_a_tls_worker_process_serves_tls_only(
     tiny_llama: Path, pki: tuple[Authority, Authority]
 ) -> None:
-    ours, _ = pki
+    ours, rogue = pki
     server, alice = ours.issue("proc-worker"), ours.issue("proc-alice", client=True)
+    mallory = rogue.issue("proc-mallory", client=True)
     want = _whole_model_logits(tiny_llama)
     args = [dgr_command(), "worker", "--model", str(tiny_llama), "--layers", "0:4"]
     args += ["--tls-cert", str(server.cert), "--tls-key", str(server.key)]
     args += ["--client-ca", str(ours.cert), "--ctx", "64", "--threads", "1", "--batch", "16"]
     proper = ClientTls.from_files(ours.cert, alice.cert, alice.key)
     with WorkerProcess.launch(args) as worker:
-        asyncio.run(_refused(worker.address, None))
+        asyncio.run(_refused(worker.address, None))  # plaintext
+        asyncio.run(_refused(worker.address, ClientTls.from_files(ours.cert)))  # no certificate
+        impostor = ClientTls.from_files(ours.cert, mallory.cert, mallory.key)
+        asyncio.run(_refused(worker.address, impostor))  # a certificate of another CA
         got = asyncio.run(_prefill(worker.address, proper, "alice"))
     assert np.array_equal(got, want)
     assert "(mutual TLS)" in worker.stderr_text()
