@@ -14,11 +14,16 @@ logger.disable("dgr_engine")
 
 if TYPE_CHECKING:
     from dgr_engine.engine import EngineStats, ShardEngine, ShardInfo
+    from dgr_engine.tokenizer import Tokenizer
 
-__all__ = ["EngineStats", "ShardEngine", "ShardInfo"]
+__all__ = ["EngineStats", "ShardEngine", "ShardInfo", "Tokenizer"]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "Tokenizer":
+        from dgr_engine import tokenizer
+
+        return tokenizer.Tokenizer
     if name in __all__:
         from dgr_engine import engine
 

@@ -16,6 +16,7 @@ Needs the ``dgr[baseline]`` extra (torch, transformers, sentencepiece), imported
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -230,6 +231,23 @@ def build_model(spec: TinyHfSpec) -> Any:
     return model
 
 
+CHAT_TEMPLATE: Final = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""A ChatML template (llama.cpp recognises it by ``<|im_start|>``): the converter copies it
+into the GGUF's ``tokenizer.chat_template``, so ``--chat`` has something to apply."""
+TOKENIZER_CONFIG: Final = {
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "unk_token": "<unk>",
+    "add_bos_token": True,
+    "add_eos_token": False,
+    "chat_template": CHAT_TEMPLATE,
+}
+
+
 def write_hf_model(spec: TinyHfSpec, directory: str | os.PathLike[str]) -> Path:
     """Writes ``spec``'s model (config, safetensors, tokenizer) into ``directory``."""
     directory = Path(directory)
@@ -238,4 +256,5 @@ def write_hf_model(spec: TinyHfSpec, directory: str | os.PathLike[str]) -> Path:
     _require_extras()[1].utils.logging.disable_progress_bar()
     model.save_pretrained(directory, safe_serialization=True)
     write_tokenizer(directory / "tokenizer.model")
+    (directory / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=1))
     return directory

@@ -3,14 +3,18 @@
 --endpoints: workers already running, in route order (each serving the next range).
 --spawn N: N workers started on 127.0.0.1 over even layer ranges of --model or --fixture
 (stopped at the end, also on Ctrl-C); a lost worker is replaced by a new one. Sampling is
-greedy; prompts are token ids (the fixtures have no tokenizer). --check compares with the
+greedy. --prompt TEXT is tokenized with the model's own tokenizer (llama.cpp's, from the GGUF;
+--vocab GGUF with --endpoints), --chat applies its chat template, the text is printed as it is
+generated and generation stops at the model's end-of-generation tokens (--no-stop: it does
+not); --ids takes and prints token ids instead (the generated fixtures have no tokenizer; with
+no --prompt, 8 fixed ids). --check compares with the
 whole model run in-process (same engine options) and exits 1 on a difference. Every stage's
 lane must be certified at --require (default real-hardware); dark lanes are never routed. For
 the fixtures: 'dgr certify --fixture NAME' first, then --require fixture (spawned workers read
 --evidence, default the checkout's evidence/).
 
-Prints the tokens on one line, then per-stage counters on stderr; --json prints one JSON
-object instead.
+Prints the text (or the token ids) on stdout, then per-stage counters on stderr; --json prints
+one JSON object instead.
 """
 
 from __future__ import annotations
@@ -28,9 +32,12 @@ import attrs
 from dgr_engine.chain import n_layer_of, split_points, whole_model_greedy
 from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.cli.certify import CERTIFY_OPTIONS
+from dgr_engine.errors import EngineError
 from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import EndpointRouteProvider, LoopbackRouteProvider
 from dgr_engine.stage_transport import GrpcStageTransport, StageStats
+from dgr_engine.text import prompt_ids, start_text
+from dgr_engine.tokenizer import Tokenizer
 from dgr_session import EvidenceClass, FailurePolicy, FaultKind, SessionManager, SessionResult
 from dgr_session.transport import RouteProvider
 
@@ -42,13 +49,13 @@ OPTIONS = EngineOptions(**CERTIFY_OPTIONS)
 unless given: ``dgr certify``'s, so a lane certified with its defaults is the lane spawned."""
 
 
-def _parse_prompt(text: str) -> list[int]:
+def _parse_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"a prompt is token ids, got {text!r}") from None
+        raise ValueError(f"with --ids the prompt is token ids, got {text!r}") from None
     if not ids:
-        raise argparse.ArgumentTypeError("the prompt needs at least one token id")
+        raise ValueError("the prompt needs at least one token id")
     return ids
 
 
@@ -61,9 +68,24 @@ def configure(p: argparse.ArgumentParser) -> None:
     model.add_argument("--fixture", help="a generated fixture by name (built if missing)")
     p.add_argument(
         "--prompt",
-        type=_parse_prompt,
-        default=list(DEFAULT_PROMPT),
-        help="token ids, separated by spaces or commas (default: 8 fixed ids)",
+        default=None,
+        help="the prompt: text, tokenized with the model's own tokenizer (with --ids: token "
+        "ids separated by spaces or commas); default: 8 fixed token ids",
+    )
+    p.add_argument(
+        "--ids", action="store_true", help="token ids in (--prompt) and out, no tokenizer"
+    )
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument(
+        "--no-stop",
+        action="store_true",
+        help="do not stop at the model's end-of-generation tokens",
+    )
+    p.add_argument(
+        "--vocab",
+        type=Path,
+        default=None,
+        help="the GGUF whose tokenizer to use with --endpoints (default: --model's)",
     )
     p.add_argument(
         "-n", "--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)"
@@ -99,6 +121,11 @@ def run(args: argparse.Namespace) -> int:
     if (args.spawn is not None or args.check) and model is None:
         print("dgr generate: --spawn and --check need --model or --fixture", file=sys.stderr)
         return 2
+    try:
+        args.text, args.tokenizer = _prompt(args, model)
+    except (ValueError, EngineError) as exc:
+        print(f"dgr generate: {exc}", file=sys.stderr)
+        return 2
     providers: list[LoopbackRouteProvider] = []
     try:
         with sigterm_as_interrupt():
@@ -115,13 +142,20 @@ def run(args: argparse.Namespace) -> int:
         assert model is not None
         options = EngineOptions.from_args(args)
         expected = whole_model_greedy(model, [args.prompt], args.max_new_tokens, options)[0]
+        expected = expected[: len(result.tokens)]  # a stop token may have ended the session
     tokens = list(result.tokens)
+    text = tail = None
+    if args.tokenizer is not None:
+        tail = args.stream.flush()  # bytes of a character the last piece left incomplete
+        text = args.generated + tail
+        args.tokenizer.close()
     if args.json:
         print(
             json.dumps(
                 {
                     "state": result.state.value,
                     "tokens": tokens,
+                    "text": text,
                     "epoch": result.epoch,
                     "route_changes": result.route_changes,
                     "error": None if result.error is None else str(result.error),
@@ -132,7 +166,10 @@ def run(args: argparse.Namespace) -> int:
             )
         )
     else:
-        print(" ".join(map(str, tokens)))
+        if text is None:
+            print(" ".join(map(str, tokens)))
+        else:
+            print(tail, flush=True)  # the text went out as it came
         print(
             f"state {result.state.value}  epoch {result.epoch}  route changes "
             f"{result.route_changes}  {len(tokens)} tokens in {seconds:.3f} s",
@@ -199,10 +236,59 @@ async def _run(
         async with GrpcStageTransport(timeout=args.step_deadline) as transport:
             manager = SessionManager(transport, provider, policy=policy, required_evidence=required)
             began = time.perf_counter()
-            result = await manager.start(args.prompt, max_new_tokens=args.max_new_tokens).wait()
+            if args.tokenizer is None:
+                handle = manager.start(args.prompt, max_new_tokens=args.max_new_tokens)
+            else:
+                handle, args.stream = start_text(
+                    manager,
+                    args.tokenizer,
+                    args.text,
+                    max_new_tokens=args.max_new_tokens,
+                    on_text=lambda piece: _emit(args, piece),
+                    chat=args.chat,
+                    stop_at_eog=not args.no_stop,
+                )
+            result = await handle.wait()
             seconds = time.perf_counter() - began
             await manager.aclose()
             return result, transport.stats(), seconds
     finally:
         if local is not None:
             await local.aclose()
+
+
+def _emit(args: argparse.Namespace, piece: str) -> None:
+    """Generated text as it comes (on stdout unless --json gathers it)."""
+    args.generated += piece
+    if not args.json:
+        print(piece, end="", flush=True)
+
+
+def _prompt(args: argparse.Namespace, model: Path | None) -> tuple[str | None, Tokenizer | None]:
+    """Sets ``args.prompt`` to token ids; returns the text and the tokenizer of a text prompt
+    (``None`` for token ids: --ids, or no --prompt)."""
+    args.generated = ""
+    if args.prompt is None or args.ids:
+        args.prompt = list(DEFAULT_PROMPT) if args.prompt is None else _parse_ids(args.prompt)
+        if args.chat:
+            raise ValueError("--chat needs a text prompt (not --ids)")
+        return None, None
+    vocab = args.vocab if args.vocab is not None else model
+    if vocab is None:
+        raise ValueError(
+            "a text prompt needs a tokenizer: --model, --fixture or --vocab GGUF (or --ids)"
+        )
+    tokenizer = Tokenizer(vocab)
+    if not tokenizer.info.has_tokenizer:
+        tokenizer.close()
+        raise ValueError(
+            f"{vocab.name} has no tokenizer (token ids only, like the generated fixtures): give "
+            "token ids with --ids"
+        )
+    text = str(args.prompt)
+    try:
+        args.prompt = prompt_ids(tokenizer, text, chat=args.chat)
+    except EngineError:
+        tokenizer.close()
+        raise
+    return text, tokenizer

@@ -44,7 +44,7 @@
 extern "C" {
 #endif
 
-#define DGR_ABI_VERSION 5
+#define DGR_ABI_VERSION 6
 
 /* Magic and version at the head of a saved session state (see dgr_session_state_save). */
 #define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
@@ -247,6 +247,58 @@ int dgr_session_state_save(dgr_engine * engine, uint64_t session_id, uint64_t ep
  * DGR_E_STATE, nothing changed. llama.cpp refusing the payload: DGR_E_STATE, session emptied. */
 int dgr_session_state_load(dgr_engine * engine, uint64_t session_id, uint64_t epoch,
                            const uint8_t * buf, size_t size);
+
+/* ---- the vocabulary alone (ABI 6) --------------------------------------------------------
+ * A GGUF's tokenizer without its weights (llama.cpp's vocab-only load): text to token ids and
+ * back, end-of-generation tokens, the chat template. For a split model, open its first file. */
+
+typedef struct dgr_vocab dgr_vocab;
+
+typedef struct dgr_vocab_info {
+    int32_t n_vocab;
+    int32_t bos;                 /* -1: none */
+    int32_t eos;                 /* -1: none */
+    int32_t eot;                 /* -1: none */
+    uint8_t add_bos;             /* the model wants BOS before a prompt */
+    uint8_t has_chat_template;   /* tokenizer.chat_template is present */
+    uint8_t has_tokenizer;       /* 0: token ids only (vocabulary type "none"): tokenize and
+                                    piece answer DGR_E_UNSUPPORTED */
+} dgr_vocab_info;
+
+typedef struct dgr_chat_message {
+    const char * role;
+    const char * content;
+} dgr_chat_message;
+
+/* Loads the vocabulary of model_path. A file without one: DGR_E_MODEL_LOAD. */
+int dgr_vocab_open(const char * model_path, dgr_vocab ** out);
+
+/* Frees the vocabulary (NULL is a no-op). */
+void dgr_vocab_free(dgr_vocab * vocab);
+
+int dgr_vocab_get_info(const dgr_vocab * vocab, dgr_vocab_info * out);
+
+/* Tokenizes text_len bytes of text (add_special: BOS/EOS as the model wants; parse_special:
+ * control tokens written in the text are tokens). Too small a buffer: DGR_E_SHAPE and
+ * *n_tokens = the count needed. */
+int dgr_vocab_tokenize(const dgr_vocab * vocab, const char * text, int32_t text_len,
+                       uint8_t add_special, uint8_t parse_special, int32_t * tokens,
+                       int32_t capacity, int32_t * n_tokens);
+
+/* The bytes of one token's piece (they may end inside a UTF-8 character: the next piece
+ * completes it); special: render control tokens too. Too small a buffer: DGR_E_SHAPE and
+ * *n_bytes = the size needed. A token outside the vocabulary: DGR_E_INVALID_ARGUMENT. */
+int dgr_vocab_piece(const dgr_vocab * vocab, int32_t token, uint8_t special, char * buf,
+                    int32_t capacity, int32_t * n_bytes);
+
+/* Whether token ends a generation (EOS, EOT and the model's other end-of-generation tokens). */
+int dgr_vocab_is_eog(const dgr_vocab * vocab, int32_t token, uint8_t * out);
+
+/* The model's chat template applied to n messages (add_assistant: open the assistant's turn).
+ * No template: DGR_E_UNSUPPORTED. A template llama.cpp cannot apply: DGR_E_UNSUPPORTED. Too small
+ * a buffer: DGR_E_SHAPE and *n_bytes = the size needed. */
+int dgr_vocab_chat(const dgr_vocab * vocab, const dgr_chat_message * messages, size_t n,
+                   uint8_t add_assistant, char * buf, int32_t capacity, int32_t * n_bytes);
 
 #ifdef __cplusplus
 }

@@ -800,3 +800,166 @@ int dgr_session_state_load(dgr_engine * engine, uint64_t session_id, uint64_t ep
 }
 
 }  // extern "C"
+
+// ---- the vocabulary alone (ABI 6) ----------------------------------------------------------
+
+struct dgr_vocab {
+    llama_model * model = nullptr;
+    const llama_vocab * vocab = nullptr;
+    std::string chat_template;  // empty: none
+
+    ~dgr_vocab() {
+        if (model != nullptr) {
+            llama_model_free(model);
+        }
+    }
+};
+
+namespace {
+
+bool vocab_has_tokenizer(const dgr_vocab * vocab) {
+    return llama_vocab_type(vocab->vocab) != LLAMA_VOCAB_TYPE_NONE;
+}
+
+int fail_no_tokenizer() {
+    return fail(DGR_E_UNSUPPORTED, "this model has no tokenizer (vocabulary type none): token ids only");
+}
+
+}  // namespace
+
+int dgr_vocab_open(const char * model_path, dgr_vocab ** out) {
+    if (model_path == nullptr || out == nullptr) {
+        return fail(DGR_E_INVALID_ARGUMENT, "model_path and out must not be NULL");
+    }
+    *out = nullptr;
+    DGR_GUARD_BEGIN
+    init_backend_once();
+    llama_model_params params = llama_model_default_params();
+    params.vocab_only = true;
+    g_llama_last_log_error.clear();
+    llama_model * model = llama_model_load_from_file(model_path, params);
+    if (model == nullptr) {
+        return fail(DGR_E_MODEL_LOAD, "cannot load the vocabulary of '%s': %s", model_path,
+                    g_llama_last_log_error.empty() ? "llama.cpp refused it" : g_llama_last_log_error.c_str());
+    }
+    auto holder = std::make_unique<dgr_vocab>();
+    holder->model = model;
+    holder->vocab = llama_model_get_vocab(model);
+    if (holder->vocab == nullptr || llama_vocab_n_tokens(holder->vocab) <= 0) {
+        return fail(DGR_E_MODEL_LOAD, "'%s' has no vocabulary", model_path);
+    }
+    const char * tmpl = llama_model_chat_template(model, nullptr);
+    if (tmpl != nullptr) {
+        holder->chat_template = tmpl;
+    }
+    *out = holder.release();
+    return ok();
+    DGR_GUARD_END
+}
+
+void dgr_vocab_free(dgr_vocab * vocab) { delete vocab; }
+
+int dgr_vocab_get_info(const dgr_vocab * vocab, dgr_vocab_info * out) {
+    if (vocab == nullptr || out == nullptr) {
+        return fail(DGR_E_INVALID_ARGUMENT, "vocab and out must not be NULL");
+    }
+    const llama_vocab * v = vocab->vocab;
+    out->n_vocab = llama_vocab_n_tokens(v);
+    out->bos = llama_vocab_bos(v);
+    out->eos = llama_vocab_eos(v);
+    out->eot = llama_vocab_eot(v);
+    out->add_bos = llama_vocab_get_add_bos(v) ? 1 : 0;
+    out->has_chat_template = vocab->chat_template.empty() ? 0 : 1;
+    out->has_tokenizer = vocab_has_tokenizer(vocab) ? 1 : 0;
+    return ok();
+}
+
+int dgr_vocab_tokenize(const dgr_vocab * vocab, const char * text, int32_t text_len,
+                       uint8_t add_special, uint8_t parse_special, int32_t * tokens,
+                       int32_t capacity, int32_t * n_tokens) {
+    if (vocab == nullptr || n_tokens == nullptr || (text == nullptr && text_len > 0) || text_len < 0 ||
+        capacity < 0 || (tokens == nullptr && capacity > 0)) {
+        return fail(DGR_E_INVALID_ARGUMENT, "bad arguments to dgr_vocab_tokenize");
+    }
+    if (!vocab_has_tokenizer(vocab)) {
+        return fail_no_tokenizer();
+    }
+    DGR_GUARD_BEGIN
+    const int32_t n = llama_tokenize(vocab->vocab, text == nullptr ? "" : text, text_len, tokens, capacity,
+                                     add_special != 0, parse_special != 0);
+    if (n == INT32_MIN) {
+        return fail(DGR_E_INVALID_ARGUMENT, "text of %d bytes gives too many tokens", text_len);
+    }
+    if (n < 0) {
+        *n_tokens = -n;
+        return fail(DGR_E_SHAPE, "the text needs %d tokens, the buffer holds %d", -n, capacity);
+    }
+    *n_tokens = n;
+    return ok();
+    DGR_GUARD_END
+}
+
+int dgr_vocab_piece(const dgr_vocab * vocab, int32_t token, uint8_t special, char * buf,
+                    int32_t capacity, int32_t * n_bytes) {
+    if (vocab == nullptr || n_bytes == nullptr || capacity < 0 || (buf == nullptr && capacity > 0)) {
+        return fail(DGR_E_INVALID_ARGUMENT, "bad arguments to dgr_vocab_piece");
+    }
+    const int32_t n_vocab = llama_vocab_n_tokens(vocab->vocab);
+    if (token < 0 || token >= n_vocab) {
+        return fail(DGR_E_INVALID_ARGUMENT, "token id %d is outside the vocabulary [0, %d)", token, n_vocab);
+    }
+    if (!vocab_has_tokenizer(vocab)) {
+        return fail_no_tokenizer();
+    }
+    DGR_GUARD_BEGIN
+    const int32_t n = llama_token_to_piece(vocab->vocab, token, buf, capacity, 0, special != 0);
+    if (n < 0) {
+        *n_bytes = -n;
+        return fail(DGR_E_SHAPE, "the piece of token %d needs %d bytes, the buffer holds %d", token, -n, capacity);
+    }
+    *n_bytes = n;
+    return ok();
+    DGR_GUARD_END
+}
+
+int dgr_vocab_is_eog(const dgr_vocab * vocab, int32_t token, uint8_t * out) {
+    if (vocab == nullptr || out == nullptr) {
+        return fail(DGR_E_INVALID_ARGUMENT, "vocab and out must not be NULL");
+    }
+    const int32_t n_vocab = llama_vocab_n_tokens(vocab->vocab);
+    if (token < 0 || token >= n_vocab) {
+        return fail(DGR_E_INVALID_ARGUMENT, "token id %d is outside the vocabulary [0, %d)", token, n_vocab);
+    }
+    *out = llama_vocab_is_eog(vocab->vocab, token) ? 1 : 0;
+    return ok();
+}
+
+int dgr_vocab_chat(const dgr_vocab * vocab, const dgr_chat_message * messages, size_t n,
+                   uint8_t add_assistant, char * buf, int32_t capacity, int32_t * n_bytes) {
+    if (vocab == nullptr || n_bytes == nullptr || (messages == nullptr && n > 0) || capacity < 0 ||
+        (buf == nullptr && capacity > 0)) {
+        return fail(DGR_E_INVALID_ARGUMENT, "bad arguments to dgr_vocab_chat");
+    }
+    if (vocab->chat_template.empty()) {
+        return fail(DGR_E_UNSUPPORTED, "this model's GGUF has no chat template (tokenizer.chat_template)");
+    }
+    DGR_GUARD_BEGIN
+    std::vector<llama_chat_message> chat(n);
+    for (size_t i = 0; i < n; ++i) {
+        if (messages[i].role == nullptr || messages[i].content == nullptr) {
+            return fail(DGR_E_INVALID_ARGUMENT, "message %zu has no role or no content", i);
+        }
+        chat[i] = {messages[i].role, messages[i].content};
+    }
+    const int32_t need = llama_chat_apply_template(vocab->chat_template.c_str(), chat.data(), n,
+                                                   add_assistant != 0, buf, capacity);
+    if (need < 0) {
+        return fail(DGR_E_UNSUPPORTED, "llama.cpp cannot apply this model's chat template");
+    }
+    *n_bytes = need;
+    if (need > capacity) {
+        return fail(DGR_E_SHAPE, "the chat needs %d bytes, the buffer holds %d", need, capacity);
+    }
+    return ok();
+    DGR_GUARD_END
+}

@@ -1,0 +1,54 @@
+"""Route sessions from text and back: the prompt (optionally through the model's chat template)
+becomes token ids with the model's own tokenizer, generated tokens stream back as text, and a
+session stops at the model's end-of-generation tokens. ``dgr_session`` stays token-only; this is
+the layer above it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from dgr_engine.tokenizer import TextStream, Tokenizer
+from dgr_session import SessionHandle, SessionManager
+
+
+def prompt_ids(tokenizer: Tokenizer, text: str, *, chat: bool = False) -> list[int]:
+    """``text`` as token ids: as is (with the BOS the model wants), or as the user's turn of the
+    model's chat template (control tokens written by the template are parsed as such)."""
+    if chat:
+        return tokenizer.encode(tokenizer.chat([("user", text)]), parse_special=True)
+    return tokenizer.encode(text)
+
+
+def start_text(
+    manager: SessionManager,
+    tokenizer: Tokenizer,
+    text: str,
+    *,
+    max_new_tokens: int,
+    on_text: Callable[[str], None] | None = None,
+    chat: bool = False,
+    stop_at_eog: bool = True,
+    **options: Any,
+) -> tuple[SessionHandle, TextStream]:
+    """Starts a session from ``text``; ``on_text`` gets each complete piece of generated text
+    as it comes (an end-of-generation token adds none). Returns the handle and the stream,
+    whose :meth:`~TextStream.flush` gives what is left when the session ends."""
+    stream = TextStream(tokenizer)
+    stops = tokenizer.eog_tokens if stop_at_eog else frozenset()
+
+    def on_token(token: int) -> None:
+        if token in stops:
+            return
+        piece = stream.push(token)
+        if piece and on_text is not None:
+            on_text(piece)
+
+    handle = manager.start(
+        prompt_ids(tokenizer, text, chat=chat),
+        max_new_tokens=max_new_tokens,
+        stop_tokens=stops,
+        on_token=on_token,
+        **options,
+    )
+    return handle, stream
