@@ -226,6 +226,7 @@ class ShardClient:
         logit_rows: Sequence[int] | None = None,
         logits: bool = True,
         timeout: float | None = None,
+        kind: str = "",
     ) -> ForwardResult:
         """Runs rows at ``positions`` (contiguous, continuing the session's KV): ``tokens`` on
         the first stage (and where the range needs them), ``boundary`` rows elsewhere. The last
@@ -245,6 +246,7 @@ class ShardClient:
             no_logits=not logits,
             timeout=timeout,
             session_secret=self._secret(session_id, epoch),
+            kind=kind,
         )
         if self.streaming:
             reply, wire_ns = await self._stream_call(session_id, request, timeout)

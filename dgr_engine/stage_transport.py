@@ -283,6 +283,7 @@ class GrpcStageTransport:
         boundary: object | None,
         *,
         want_logits: bool = True,
+        kind: str = "decode",
     ) -> StageResult:
         n = len(positions)
         try:
@@ -300,6 +301,7 @@ class GrpcStageTransport:
                 boundary=rows,
                 logits=want_logits,
                 timeout=self.timeout,
+                kind=kind,
             )
         except Exception as exc:
             self._raise(stage, session_id, epoch, f"forward step {step}", exc)

@@ -135,6 +135,7 @@ class EngineTransport:
         boundary: object | None,
         *,
         want_logits: bool = True,
+        kind: str = "decode",
     ) -> StageResult:
         sid = self._sid(session_id)
         pos = np.arange(positions.start, positions.stop, dtype=np.int32)

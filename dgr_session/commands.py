@@ -87,6 +87,10 @@ class Forward:
     """False when nobody reads this forward's logits: a prefill chunk before the prompt's last,
     or an accepted token replayed after a route change. The last stage is then asked for no
     logits (no output head, nothing shipped) and its answer carries no token."""
+    kind: str = "decode"
+    """What the rows are, for metrics and usage (the stage computes them alike): ``prefill``
+    (the prompt, first epoch), ``decode`` (the newest token) or ``replay`` (a re-prefill of
+    prompt and accepted tokens after a route change)."""
 
 
 @attrs.frozen

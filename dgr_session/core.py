@@ -93,6 +93,8 @@ class RouteSession:
         "_kv_pos",
         "_chunk",
         "_replay_rows",
+        "_high_water",
+        "_fwd_kind",
         "_opened",
         "_hop",
         "_hop_started",
@@ -162,6 +164,9 @@ class RouteSession:
         self._chunk = prefill_chunk
         self._replay_rows = 1
         """Rows per forward of a batched replay: the smallest ``max_rows`` of the route."""
+        self._high_water = 0
+        """Positions below this were computed in some epoch: recomputing them is a replay."""
+        self._fwd_kind = "prefill"
         # Route and epoch. Invariant: _live is True only while the stages of _route hold (or are
         # opening) the session under _epoch, i.e. in opening/prefilling/decoding.
         self._epoch = 0
@@ -469,9 +474,11 @@ class RouteSession:
                     boundary=event.payload,
                     final=index + 1 == last,
                     wants_logits=self._fwd_wants_logits(),
+                    kind=self._fwd_kind,
                 )
             )
             return
+        self._high_water = max(self._high_water, self._fwd_positions.stop)
         if not self._fwd_wants_logits():  # a prefill chunk or a replayed token: no token to take
             self._kv_pos = self._fwd_positions.stop
             self._start_forward(out)
@@ -589,6 +596,11 @@ class RouteSession:
             tokens = (history[self._kv_pos],)
         self._fwd_positions = range(self._kv_pos, self._kv_pos + len(tokens))
         self._fwd_tokens = tokens
+        if self._kv_pos < self._high_water:  # rows an earlier epoch computed: a re-prefill
+            kind = "replay"
+        else:
+            kind = "prefill" if self._kv_pos < len(self.prompt) else "decode"
+        self._fwd_kind = kind
         self._hop = 0
         self._hop_started = self._now
         self._begin_wait()
@@ -604,6 +616,7 @@ class RouteSession:
                 boundary=None,
                 final=self._n_stages == 1,
                 wants_logits=self._fwd_wants_logits(),
+                kind=kind,
             )
         )
 

@@ -442,6 +442,7 @@ class SessionManager:
                 cmd.token_ids,
                 cmd.boundary,
                 want_logits=cmd.wants_logits,
+                kind=cmd.kind,
             )
         except Exception as err:  # noqa: BLE001 - every failure becomes a typed fault
             handle._post(failed(fault_kind(err), repr(err)))

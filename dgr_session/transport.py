@@ -70,12 +70,14 @@ class StageTransport(Protocol):
         boundary: object | None,
         *,
         want_logits: bool = True,
+        kind: str = "decode",
     ) -> StageResult:
         """Run tokens at ``positions`` (``boundary``: the previous stage's rows, ``None`` for
         stage 0). Return :class:`Boundary` from a middle stage, :class:`Logits` from the last.
         ``want_logits=False``: nobody reads the last stage's logits this time (a prefill chunk
         or a replayed token); a transport may skip computing and shipping them (its
-        :class:`Logits` may then be empty)."""
+        :class:`Logits` may then be empty). ``kind``: ``prefill``, ``decode`` or ``replay``
+        (``Forward.kind``), for the stage's metrics and usage records; rows compute alike."""
         ...
 
     async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:

@@ -275,6 +275,10 @@ def test_a_batched_replay_sends_prompt_and_accepted_tokens_in_one_forward() -> N
     # max_rows (unlimited here), the last of which reaches the newest token and picks the next
     assert forward.positions == range(0, 4) and forward.token_ids == (5, 6, 10, 11)
     assert forward.step == 2 and forward.epoch == 2 and forward.wants_logits
+    assert forward.kind == "replay"  # rows the first epoch computed: for metrics and usage
+    first = [f for f in d.log if isinstance(f, Forward) and f.epoch == 1]
+    assert [f.kind for f in first[:2]] == ["prefill", "prefill"]  # the prompt, both stages
+    assert {f.kind for f in first[2:]} == {"decode"}
     (relay,) = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=0, payload="r"))
     assert relay.positions == range(0, 4) and relay.wants_logits
     out = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=1, token=12))

@@ -427,6 +427,7 @@ def test_wrong_answer_kind_is_a_protocol_fault() -> None:
             boundary: object | None,
             *,
             want_logits: bool = True,
+            kind: str = "decode",
         ) -> StageResult:
             result = await super().forward(
                 stage,

@@ -147,6 +147,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="this stage's endpoint as the tracker's grants name it (default: the bound address)",
     )
     p.add_argument(
+        "--metrics-port",
+        type=int_in(0, 65535),
+        default=None,
+        help="serve Prometheus metrics on --host:PORT (0: a free port); printed as "
+        "'METRICS HOST:PORT' before LISTENING",
+    )
+    p.add_argument(
         "--sessions-per-client",
         type=int_in(1, 1 << 20),
         default=None,
@@ -249,6 +256,7 @@ async def _serve(args: argparse.Namespace) -> int:
         sessions_per_client=args.sessions_per_client,
         grant_keys=args.grant_keys,
         grant_endpoint=args.grant_endpoint,
+        metrics_port=args.metrics_port,
         frames_per_second=args.frames_per_second,
     )
     try:
@@ -303,6 +311,9 @@ async def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         if not stop.is_set():
+            if worker.metrics_port:
+                host = worker.address.rsplit(":", 1)[0]
+                print(f"METRICS {host}:{worker.metrics_port}", flush=True)
             print(f"LISTENING {address}", flush=True)
             await stop.wait()
     finally:

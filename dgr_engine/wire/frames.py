@@ -171,6 +171,15 @@ def tensor_from_proto(tensor: pb.Tensor, n_rows: int, width: int, what: str) -> 
 # --- forward request ---------------------------------------------------------------------------
 
 
+ROW_KINDS = {
+    "prefill": pb.ROW_KIND_PREFILL,
+    "decode": pb.ROW_KIND_DECODE,
+    "replay": pb.ROW_KIND_REPLAY,
+}
+"""``Forward.kind`` on the wire (anything else: unspecified)."""
+ROW_KIND_NAMES = {v: k for k, v in ROW_KINDS.items()}
+
+
 def encode_forward(
     session_id: str,
     epoch: int,
@@ -184,6 +193,7 @@ def encode_forward(
     no_logits: bool = False,
     timeout: float | None = None,
     session_secret: bytes = b"",
+    kind: str = "",
 ) -> pb.ForwardRequest:
     """A forward request; ``expected_next_pos`` is ``positions[0]``; ``timeout`` (seconds)
     becomes the frame's own deadline (``timeout_ms``); ``no_logits`` asks a last stage for
@@ -198,6 +208,7 @@ def encode_forward(
         positions=pos.tolist(),
         timeout_ms=0 if timeout is None else max(1, min(int(timeout * 1000), 2**32 - 1)),
         session_secret=session_secret,
+        kind=ROW_KINDS.get(kind, pb.ROW_KIND_UNSPECIFIED),
     )
     if tokens is not None:
         request.token_ids.extend(np.asarray(tokens, dtype=np.int64).reshape(-1).tolist())

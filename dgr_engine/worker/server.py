@@ -43,6 +43,7 @@ from dgr_engine.worker.engine_thread import EngineThread
 from dgr_engine.worker.grant_gate import GrantGate
 from dgr_engine.worker.identity import BuildIdentity
 from dgr_engine.worker.load import LoadMeter
+from dgr_engine.worker.metrics import WorkerMetrics
 from dgr_engine.worker.peer_limits import PeerLimitConfig, PeerLimits
 from dgr_engine.worker.registration import SERVICE_NAME, add_shard_service
 from dgr_engine.worker.servicer import ShardServicer
@@ -111,6 +112,9 @@ class WorkerConfig:
     them for exactly that session, epoch and stage (``dgr_engine.grants``); ``None``: none."""
     grant_endpoint: str | None = None
     """This stage's endpoint as the tracker's routes name it (default: the bound address)."""
+    metrics_port: int | None = None
+    """Serve Prometheus metrics on ``host:metrics_port`` (0: a free port); ``None``: counted,
+    not served."""
 
     def __attrs_post_init__(self) -> None:
         lease = self.session_lease_seconds
@@ -171,6 +175,25 @@ class ShardWorker:
             context_per_session=self.info.n_ctx_per_session,
         )
         self.lane_lookup = self._find_certification()
+        self.metrics = WorkerMetrics(
+            sessions_open=lambda: self.table.snapshot().sessions_open,
+            slots=lambda: self.info.max_sessions,
+            waiting=lambda: self.admission.waiting,
+        )
+        self.metrics.describe(
+            {
+                "model_sha256": self.build.model_sha256.hex(),
+                "arch": self.info.arch,
+                "layers": f"{self.info.layer_begin}:{self.info.layer_end}",
+                "lane_id": self.lane_key.lane_id,
+                "llama_cpp_commit": self.build.llama_cpp_commit,
+                "patch_stack_sha256": self.build.patch_stack_sha256.hex(),
+                "dgr_version": self.build.dgr_version,
+                "certification": self.lane().certification.value,
+            }
+        )
+        self.metrics_port = 0
+        """Where the metrics are served once started (0: not served)."""
         self._engine_thread = EngineThread()
         self._health = health_aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
@@ -254,6 +277,8 @@ class ShardWorker:
             raise OSError(f"could not bind {host}:{self.config.port}")
         await server.start()
         self._server = server
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         if self.config.session_lease_seconds is not None:
             self._sweeper = asyncio.get_running_loop().create_task(
                 self._sweep_leases(self.config.session_lease_seconds), name="dgr-session-leases"
@@ -289,6 +314,7 @@ class ShardWorker:
         await asyncio.gather(*self._background, return_exceptions=True)
         closed = await self._engine_thread.run(self._close)
         self._engine_thread.shutdown()
+        self.metrics.stop()
         self._stopped = closed
         self.log.info("stopped: closed {} session(s) and the engine", closed)
         return closed
@@ -427,6 +453,7 @@ class ShardWorker:
                 "session lease ran out but closing it failed: {}", exc
             )
         self.sessions_expired += len(sweep.closed)
+        self.metrics.lease_expiries.inc(len(sweep.closed))
         self.admission.changed()
         return sweep.closed
 

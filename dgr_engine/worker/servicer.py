@@ -166,7 +166,16 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         frames.fill_tensor(reply.output, out)
         reply.timings.queue_us = queue_ns // 1000
         reply.timings.compute_us = compute_ns // 1000
-        reply.timings.total_us = (time.perf_counter_ns() - began) // 1000
+        total_ns = time.perf_counter_ns() - began
+        reply.timings.total_us = total_ns // 1000
+        w.metrics.forwarded(
+            frames.ROW_KIND_NAMES.get(request.kind, "unspecified"),
+            rows,
+            compute_ns / 1e9,
+            total_ns / 1e9,
+            request.ByteSize(),
+            reply.ByteSize(),
+        )
         return reply
 
     def _forward_job(
@@ -204,6 +213,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         """Aborts the call with the code and dgr-status for ``exc`` (never returns)."""
         log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
         code, status = grpc_status_for(exc)
+        self.w.metrics.refusals.labels(status).inc()
         if status in _WORKER_FAULTS or not isinstance(exc, EngineError):
             self.w.meter.error()  # the advert's health counts the worker's own faults only
         if isinstance(exc, EngineError):

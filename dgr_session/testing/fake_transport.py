@@ -153,6 +153,7 @@ class FakeTransport:
         boundary: object | None,
         *,
         want_logits: bool = True,
+        kind: str = "decode",
     ) -> StageResult:
         ids = tuple(token_ids)
         self._log(

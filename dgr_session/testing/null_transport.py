@@ -34,6 +34,7 @@ class NullTransport:
         boundary: object | None,
         *,
         want_logits: bool = True,
+        kind: str = "decode",
     ) -> StageResult:
         if self.gate is not None:
             await self.gate

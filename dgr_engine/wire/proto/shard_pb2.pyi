@@ -28,6 +28,13 @@ class EvidenceClass(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     EVIDENCE_CLASS_REAL_HARDWARE: _ClassVar[EvidenceClass]
     EVIDENCE_CLASS_RELEASE: _ClassVar[EvidenceClass]
 
+class RowKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    ROW_KIND_UNSPECIFIED: _ClassVar[RowKind]
+    ROW_KIND_PREFILL: _ClassVar[RowKind]
+    ROW_KIND_DECODE: _ClassVar[RowKind]
+    ROW_KIND_REPLAY: _ClassVar[RowKind]
+
 class OutputKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     OUTPUT_KIND_UNSPECIFIED: _ClassVar[OutputKind]
@@ -45,6 +52,10 @@ EVIDENCE_CLASS_FIXTURE: EvidenceClass
 EVIDENCE_CLASS_REAL_MODEL: EvidenceClass
 EVIDENCE_CLASS_REAL_HARDWARE: EvidenceClass
 EVIDENCE_CLASS_RELEASE: EvidenceClass
+ROW_KIND_UNSPECIFIED: RowKind
+ROW_KIND_PREFILL: RowKind
+ROW_KIND_DECODE: RowKind
+ROW_KIND_REPLAY: RowKind
 OUTPUT_KIND_UNSPECIFIED: OutputKind
 OUTPUT_KIND_BOUNDARY: OutputKind
 OUTPUT_KIND_LOGITS: OutputKind
@@ -266,7 +277,7 @@ class CloseSessionReply(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms", "no_logits", "session_secret")
+    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms", "no_logits", "session_secret", "kind")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -279,6 +290,7 @@ class ForwardRequest(_message.Message):
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
     NO_LOGITS_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     step: int
@@ -291,7 +303,8 @@ class ForwardRequest(_message.Message):
     timeout_ms: int
     no_logits: bool
     session_secret: bytes
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., no_logits: _Optional[bool] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
+    kind: RowKind
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., no_logits: _Optional[bool] = ..., session_secret: _Optional[bytes] = ..., kind: _Optional[_Union[RowKind, str]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_us", "compute_us", "total_us")

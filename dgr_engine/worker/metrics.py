@@ -1,0 +1,88 @@
+"""A worker's Prometheus metrics (``prometheus_client``, a registry of its own per worker).
+
+Counted always (a few counter increments per frame); served over HTTP only when the worker is
+given a metrics port (``dgr worker --metrics-port``, bound on the worker's host). Names start
+with ``dgr_worker_``; the build and lane are the labels of ``dgr_worker_info``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+
+_TIME_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+class WorkerMetrics:
+    """Every metric of one worker. ``sessions_open``, ``slots`` and ``waiting`` are read when
+    scraped."""
+
+    def __init__(
+        self,
+        *,
+        sessions_open: Callable[[], float],
+        slots: Callable[[], float],
+        waiting: Callable[[], float],
+    ) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        Gauge("dgr_worker_sessions_open", "Sessions open", registry=r).set_function(sessions_open)
+        Gauge("dgr_worker_session_slots", "Session slots", registry=r).set_function(slots)
+        Gauge(
+            "dgr_worker_admissions_waiting", "Opens waiting for a free slot", registry=r
+        ).set_function(waiting)
+        self.forwards = Counter(
+            "dgr_worker_forwards", "Forward frames run, by kind", ["kind"], registry=r
+        )
+        self.rows = Counter("dgr_worker_rows", "Rows run, by kind", ["kind"], registry=r)
+        self.engine_seconds = Histogram(
+            "dgr_worker_engine_seconds", "Engine time per frame", buckets=_TIME_BUCKETS, registry=r
+        )
+        self.frame_seconds = Histogram(
+            "dgr_worker_frame_seconds",
+            "Handling time per frame (decode, queue, engine, encode)",
+            buckets=_TIME_BUCKETS,
+            registry=r,
+        )
+        self.seam_bytes = Counter(
+            "dgr_worker_seam_bytes", "Frame bytes, by direction", ["direction"], registry=r
+        )
+        self.refusals = Counter(
+            "dgr_worker_refusals", "Calls refused, by dgr-status", ["status"], registry=r
+        )
+        self.lease_expiries = Counter(
+            "dgr_worker_lease_expiries", "Sessions closed because their lease ran out", registry=r
+        )
+        self.info = Info("dgr_worker", "The build, model and lane this worker serves", registry=r)
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def describe(self, labels: Mapping[str, str]) -> None:
+        self.info.info(dict(labels))
+
+    def forwarded(
+        self, kind: str, rows: int, engine_s: float, frame_s: float, bytes_in: int, bytes_out: int
+    ) -> None:
+        self.forwards.labels(kind).inc()
+        self.rows.labels(kind).inc(rows)
+        self.engine_seconds.observe(engine_s)
+        self.frame_seconds.observe(frame_s)
+        self.seam_bytes.labels("in").inc(bytes_in)
+        self.seam_bytes.labels("out").inc(bytes_out)
+
+    def serve(self, host: str, port: int) -> int:
+        """Serves ``/metrics`` on ``host:port`` (0: a free port) in a thread; returns the port."""
+        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
+        return int(self._server.server_port)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+            self._thread = None
