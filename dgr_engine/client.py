@@ -282,7 +282,11 @@ class ShardClient:
 
     async def _call(self, method: Any, request: Any, timeout: float | None) -> Any:
         try:
-            return await method(request, timeout=timeout if timeout is not None else self.timeout)
+            return await method(
+                request,
+                timeout=timeout if timeout is not None else self.timeout,
+                metadata=session_metadata(request),
+            )
         except grpc.aio.AioRpcError as exc:
             raise _error_of(exc) from exc
 
@@ -292,7 +296,7 @@ class ShardClient:
         """The reply and the time (ns) inside gRPC, over the session's stream."""
         stream = self._streams.get(session_id)
         if stream is None or stream.done():
-            stream = _SessionStream(self._stub.ForwardStream())
+            stream = _SessionStream(self._stub.ForwardStream(metadata=session_metadata(request)))
             self._streams[session_id] = stream
         try:
             return await stream.exchange(request, timeout)
@@ -310,6 +314,18 @@ class ShardClient:
                 f"reply for ({reply.session_id!r}, {reply.epoch}), asked ({session_id!r}, {epoch})",
                 status="DGR_E_PROTOCOL",
             )
+
+
+def session_metadata(request: Any) -> tuple[tuple[str, str], ...]:
+    """The session, epoch and step of a request as gRPC metadata (``dgr-session``,
+    ``dgr-epoch``, ``dgr-step``), for proxies, interceptors and logs that see no payload; a
+    stream carries those of its first frame."""
+    session_id = getattr(request, "session_id", "")
+    if not session_id:
+        return ()
+    out = (("dgr-session", str(session_id)), ("dgr-epoch", str(request.epoch)))
+    step = getattr(request, "step", None)
+    return out if step is None else (*out, ("dgr-step", str(step)))
 
 
 def _error_of(exc: grpc.aio.AioRpcError) -> EngineError:

@@ -168,6 +168,14 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         reply.timings.compute_us = compute_ns // 1000
         total_ns = time.perf_counter_ns() - began
         reply.timings.total_us = total_ns // 1000
+        w.log.bind(session=frame.session_id, epoch=frame.epoch, step=frame.step).debug(
+            "forward {} rows ({}) at {}: engine {:.2f} ms, frame {:.2f} ms",
+            rows,
+            frames.ROW_KIND_NAMES.get(request.kind, "unspecified"),
+            int(request.expected_next_pos),
+            compute_ns / 1e6,
+            total_ns / 1e6,
+        )
         w.metrics.forwarded(
             frames.ROW_KIND_NAMES.get(request.kind, "unspecified"),
             rows,
