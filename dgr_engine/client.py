@@ -48,6 +48,7 @@ from dgr_engine.wire.frames import (
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import error_from_trailers
+from dgr_session.usage import UsageRecord
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -176,6 +177,28 @@ class ShardClient:
         """The worker's capability advert."""
         reply = await self._call(self._stub.Describe, pb.DescribeRequest(), timeout)
         return advert_from_proto(reply)
+
+    async def usage(self, session_id: str, *, timeout: float | None = None) -> list[UsageRecord]:
+        """The worker's own usage records of ``session_id``, per epoch (none if it has none)."""
+        reply = await self._call(self._stub.Usage, pb.UsageRequest(session_id=session_id), timeout)
+        return [
+            UsageRecord(
+                session_id=r.session_id,
+                epoch=int(r.epoch),
+                stage_index=-1,  # the worker does not know the route
+                endpoint=self.target,
+                layers=(int(r.layer_begin), int(r.layer_end)),
+                forwards=int(r.forwards),
+                rows_prefill=int(r.rows_prefill),
+                rows_decode=int(r.rows_decode),
+                rows_replay=int(r.rows_replay),
+                bytes_in=int(r.bytes_in),
+                bytes_out=int(r.bytes_out),
+                engine_seconds=float(r.engine_seconds),
+                replay_cause=None,
+            )
+            for r in reply.records
+        ]
 
     async def open(
         self,
@@ -320,12 +343,12 @@ def session_metadata(request: Any) -> tuple[tuple[str, str], ...]:
     """The session, epoch and step of a request as gRPC metadata (``dgr-session``,
     ``dgr-epoch``, ``dgr-step``), for proxies, interceptors and logs that see no payload; a
     stream carries those of its first frame."""
-    session_id = getattr(request, "session_id", "")
-    if not session_id:
-        return ()
-    out = (("dgr-session", str(session_id)), ("dgr-epoch", str(request.epoch)))
-    step = getattr(request, "step", None)
-    return out if step is None else (*out, ("dgr-step", str(step)))
+    out: tuple[tuple[str, str], ...] = ()
+    for key, field in (("dgr-session", "session_id"), ("dgr-epoch", "epoch"), ("dgr-step", "step")):
+        value = getattr(request, field, None)
+        if value is not None and value != "":
+            out += ((key, str(value)),)
+    return out
 
 
 def _error_of(exc: grpc.aio.AioRpcError) -> EngineError:

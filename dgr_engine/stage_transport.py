@@ -32,6 +32,7 @@ from dgr_engine.wire.frames import SCHEMA_VERSION, Expectations
 from dgr_session.errors import StageDead
 from dgr_session.route import StageSpec
 from dgr_session.transport import Boundary, Logits, StageResult
+from dgr_session.usage import StageCost
 
 if TYPE_CHECKING:
     from loguru import Logger
@@ -307,9 +308,10 @@ class GrpcStageTransport:
             self._raise(stage, session_id, epoch, f"forward step {step}", exc)
         sent = 4 * n + (4 * n if send_ids else 0) + (0 if rows is None else rows.nbytes)
         self._account(stage, positions, session_id, epoch, step, sent, result)
+        cost = StageCost(sent, int(result.output.nbytes), result.timings.compute_us / 1e6)
         if not result.is_logits:
-            return Boundary(result.output)
-        return Logits.last_row(result.output)
+            return Boundary(result.output, cost)
+        return Logits.last_row(result.output, cost)
 
     async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
         key = (stage.endpoint, session_id)

@@ -85,10 +85,14 @@ from dgr_session.transport import (
     StageResult,
     StageTransport,
 )
+from dgr_session.usage import StageCost, UsageRecord, layer_rows
 
 logger.disable("dgr_session")
 
 __all__ = [
+    "StageCost",
+    "UsageRecord",
+    "layer_rows",
     "TRANSITIONS",
     "AdmissionTimeout",
     "Boundary",

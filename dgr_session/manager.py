@@ -52,6 +52,7 @@ from dgr_session.transport import (
     Sampler,
     StageTransport,
 )
+from dgr_session.usage import UsageLedger, UsageRecord
 
 
 def fault_kind(error: BaseException) -> FaultKind:
@@ -95,6 +96,9 @@ class SessionResult:
     """Late answers of closed epochs dropped by the core."""
     reports: tuple[FailureReport, ...]
     """Every failure report, oldest first."""
+    usage: tuple[UsageRecord, ...] = ()
+    """What the session used of each stage in each epoch (successful forwards), for billing;
+    the workers keep their own records to reconcile with (``ShardClient.usage``)."""
 
 
 class SessionHandle:
@@ -109,6 +113,7 @@ class SessionHandle:
         "_waiter",
         "_ops",
         "_task",
+        "_ledger",
     )
 
     def __init__(
@@ -130,9 +135,26 @@ class SessionHandle:
         # Operation tasks (open/forward/route) still running; cancelled when the session ends.
         self._ops: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[SessionResult] | None = None
+        self._ledger: UsageLedger | None = None  # made at the first forward (memory)
 
     def __repr__(self) -> str:
         return f"<SessionHandle {self.core!r}>"
+
+    def ledger(self) -> UsageLedger:
+        """The session's usage counts (forwards that succeeded, by epoch and stage)."""
+        if self._ledger is None:
+            self._ledger = UsageLedger(self.session_id)
+        return self._ledger
+
+    def usage(self) -> tuple[UsageRecord, ...]:
+        """Usage records so far; the fault that ended each epoch is the next one's replay
+        cause."""
+        if self._ledger is None:
+            return ()
+        for report in self.core.reports:
+            if report.epoch:
+                self._ledger.epoch_ended(report.epoch, report.fault)
+        return self._ledger.records()
 
     @property
     def state(self) -> SessionState:
@@ -347,6 +369,7 @@ class SessionManager:
             route_changes=core.route_changes,
             stale_events_dropped=core.stale_events_dropped,
             reports=core.reports,
+            usage=handle.usage(),
         )
 
     def _drain(self, handle: SessionHandle) -> None:
@@ -447,6 +470,15 @@ class SessionManager:
         except Exception as err:  # noqa: BLE001 - every failure becomes a typed fault
             handle._post(failed(fault_kind(err), repr(err)))
             return
+        handle.ledger().forwarded(
+            epoch,
+            index,
+            cmd.stage.endpoint,
+            (cmd.stage.layer_begin, cmd.stage.layer_end),
+            cmd.kind,
+            len(cmd.positions),
+            result.cost,
+        )
         if cmd.final:
             if not isinstance(result, Logits):
                 detail = f"last stage answered {type(result).__name__}, expected Logits"

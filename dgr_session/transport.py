@@ -21,6 +21,7 @@ import attrs
 
 from dgr_session.faults import FailureReport
 from dgr_session.route import Route, StageSpec
+from dgr_session.usage import StageCost
 
 
 @attrs.frozen
@@ -29,6 +30,8 @@ class Boundary:
 
     rows: object = attrs.field(repr=False)
     """Rows (e.g. f32 ``n_tokens x width``), relayed untouched to the next stage."""
+    cost: StageCost | None = None
+    """What the transport measured of this forward (usage records); ``None``: nothing."""
 
 
 @attrs.frozen
@@ -38,12 +41,14 @@ class Logits:
 
     values: Any = attrs.field(repr=False)
     """Scores per token id: a sequence of floats or an array with ``argmax``."""
+    cost: StageCost | None = None
+    """What the transport measured of this forward (usage records); ``None``: nothing."""
 
     @classmethod
-    def last_row(cls, rows: Any) -> Logits:
+    def last_row(cls, rows: Any, cost: StageCost | None = None) -> Logits:
         """The logits of the last of ``rows`` (the logit rows a stage returned), empty when it
         returned none (the forward wanted no logits)."""
-        return cls(rows[-1] if len(rows) else ())
+        return cls(rows[-1] if len(rows) else (), cost)
 
 
 #: What a stage answers to a forward.

@@ -174,6 +174,25 @@ async def track(workers: dict[str, WorkerProcess], grants: GrantIssuer, tls: Cli
         stats = transport.stats()
     for endpoint in workers.keys() - set(killed):  # every stage closed what it opened
         assert (await describe(endpoint, tls=tls)).capacity.sessions_open == 0
+    # usage records of session 0, the client's view (the manager's) beside each living
+    # worker's own (its Usage RPC): the tracker bills from one and reconciles with the other
+    print("usage of s0 (client | worker):")
+    for record in results[0].usage:
+        if record.endpoint in killed:
+            theirs = "(worker gone)"
+        else:
+            async with ShardClient(record.endpoint, timeout=10.0, tls=tls) as client:
+                mine = [r for r in await client.usage("s0") if r.epoch == record.epoch]
+            assert [(r.rows_prefill, r.rows_decode, r.rows_replay) for r in mine] == [
+                (record.rows_prefill, record.rows_decode, record.rows_replay)
+            ]
+            theirs = "same rows"
+        cause = f", replay after {record.replay_cause.value}" if record.replay_cause else ""
+        print(
+            f"  epoch {record.epoch} stage {record.stage_index} {record.endpoint} rows prefill "
+            f"{record.rows_prefill} decode {record.rows_decode} replay {record.rows_replay}"
+            f"{cause} | {theirs}"
+        )
 
     expected = whole_model_greedy(PATH, PROMPTS, N_NEW, OPTIONS)
     for result, want in zip(results, expected, strict=True):

@@ -36,6 +36,8 @@ EXPECTED: dict[str, list[str]] = {
         r"^127\.0\.0\.1:\d+ \[0,2\) model [0-9a-f]{12} .* lane certified \(fixture evidence\)"
         r" mutual TLS$",
         r"^  SIGKILL 127\.0\.0\.1:\d+ mid-decode$",
+        r"^  epoch 2 stage 0 127\.0\.0\.1:\d+ rows prefill 0 decode \d+ replay \d+, replay after"
+        r" dead \| same rows$",
         r"^s0: done, 1 route change\(s\)$",
         r"^  127\.0\.0\.1:\d+ \[\d,\d\) forwards \d+ rows \d+ .*bytes in \d+ out \d+$",
         r"^tracker: OK$",

@@ -176,6 +176,7 @@ def test_happy_path_commands_in_order() -> None:
         token_ids=(1, 2, 3),
         boundary=None,
         final=False,
+        kind="prefill",
     )
     (relay,) = d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=0, payload="rows-0"))
     assert relay.boundary == "rows-0" and relay.stage_index == 1 and relay.final

@@ -43,7 +43,7 @@ def lenient(message_type: type[Message]) -> Callable[[bytes], Message | Undecoda
 
 
 def add_shard_service(servicer: Any, server: grpc.aio.Server) -> None:
-    """Registers ``servicer``'s five methods as the generated code would, but lenient."""
+    """Registers ``servicer``'s methods as the generated code would, but lenient."""
     unary, stream = grpc.unary_unary_rpc_method_handler, grpc.stream_stream_rpc_method_handler
     handlers = {
         "Describe": unary(
@@ -70,6 +70,11 @@ def add_shard_service(servicer: Any, server: grpc.aio.Server) -> None:
             servicer.CloseSession,
             request_deserializer=lenient(pb.CloseSessionRequest),
             response_serializer=pb.CloseSessionReply.SerializeToString,
+        ),
+        "Usage": unary(
+            servicer.Usage,
+            request_deserializer=lenient(pb.UsageRequest),
+            response_serializer=pb.UsageReply.SerializeToString,
         ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))

@@ -48,6 +48,7 @@ from dgr_engine.worker.peer_limits import PeerLimitConfig, PeerLimits
 from dgr_engine.worker.registration import SERVICE_NAME, add_shard_service
 from dgr_engine.worker.servicer import ShardServicer
 from dgr_engine.worker.sessions import EngineLike, SessionTable
+from dgr_engine.worker.usage import UsageBook
 from dgr_session.identity import CertificationStatus, Lane, ModelIdentity, Recipe
 
 _T = TypeVar("_T")
@@ -194,6 +195,7 @@ class ShardWorker:
         )
         self.metrics_port = 0
         """Where the metrics are served once started (0: not served)."""
+        self.usage = UsageBook((self.info.layer_begin, self.info.layer_end))
         self._engine_thread = EngineThread()
         self._health = health_aio.HealthServicer()
         self._server: grpc.aio.Server | None = None

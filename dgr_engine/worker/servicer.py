@@ -96,6 +96,16 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         log.info("session closed{}", "" if closed == request.epoch else f" (epoch {closed})")
         return pb.CloseSessionReply(session_id=request.session_id, epoch=request.epoch)
 
+    async def Usage(
+        self, request: pb.UsageRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.UsageReply:
+        await self._refuse_undecodable(context, request, "usage")
+        try:
+            frames.check_session_id(request.session_id)
+        except Exception as exc:
+            await self._refuse(context, exc, request, "usage")
+        return self.w.usage.reply(request.session_id)
+
     async def Forward(
         self, request: pb.ForwardRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.ForwardReply:
@@ -176,13 +186,11 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             compute_ns / 1e6,
             total_ns / 1e6,
         )
-        w.metrics.forwarded(
-            frames.ROW_KIND_NAMES.get(request.kind, "unspecified"),
-            rows,
-            compute_ns / 1e9,
-            total_ns / 1e9,
-            request.ByteSize(),
-            reply.ByteSize(),
+        kind = frames.ROW_KIND_NAMES.get(request.kind, "unspecified")
+        bytes_in, bytes_out = request.ByteSize(), reply.ByteSize()
+        w.metrics.forwarded(kind, rows, compute_ns / 1e9, total_ns / 1e9, bytes_in, bytes_out)
+        w.usage.forwarded(
+            frame.session_id, frame.epoch, kind, rows, bytes_in, bytes_out, compute_ns / 1e9
         )
         return reply
 
@@ -219,7 +227,9 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         what: str,
     ) -> NoReturn:
         """Aborts the call with the code and dgr-status for ``exc`` (never returns)."""
-        log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
+        log = self.w.log.bind(
+            session=getattr(request, "session_id", "-"), epoch=getattr(request, "epoch", "-")
+        )
         code, status = grpc_status_for(exc)
         self.w.metrics.refusals.labels(status).inc()
         if status in _WORKER_FAULTS or not isinstance(exc, EngineError):

@@ -60,6 +60,44 @@ OUTPUT_KIND_UNSPECIFIED: OutputKind
 OUTPUT_KIND_BOUNDARY: OutputKind
 OUTPUT_KIND_LOGITS: OutputKind
 
+class UsageRequest(_message.Message):
+    __slots__ = ("session_id",)
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+
+class UsageRecord(_message.Message):
+    __slots__ = ("session_id", "epoch", "layer_begin", "layer_end", "forwards", "rows_prefill", "rows_decode", "rows_replay", "bytes_in", "bytes_out", "engine_seconds")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
+    LAYER_END_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    ROWS_DECODE_FIELD_NUMBER: _ClassVar[int]
+    ROWS_REPLAY_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    layer_begin: int
+    layer_end: int
+    forwards: int
+    rows_prefill: int
+    rows_decode: int
+    rows_replay: int
+    bytes_in: int
+    bytes_out: int
+    engine_seconds: float
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., forwards: _Optional[int] = ..., rows_prefill: _Optional[int] = ..., rows_decode: _Optional[int] = ..., rows_replay: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., engine_seconds: _Optional[float] = ...) -> None: ...
+
+class UsageReply(_message.Message):
+    __slots__ = ("records",)
+    RECORDS_FIELD_NUMBER: _ClassVar[int]
+    records: _containers.RepeatedCompositeFieldContainer[UsageRecord]
+    def __init__(self, records: _Optional[_Iterable[_Union[UsageRecord, _Mapping]]] = ...) -> None: ...
+
 class Tensor(_message.Message):
     __slots__ = ("dtype", "shape", "data")
     DTYPE_FIELD_NUMBER: _ClassVar[int]

@@ -60,6 +60,11 @@ class ShardStub:
                 request_serializer=dgr_dot_shard_dot_v1_dot_shard__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=dgr_dot_shard_dot_v1_dot_shard__pb2.CloseSessionReply.FromString,
                 _registered_method=True)
+        self.Usage = channel.unary_unary(
+                '/dgr.shard.v1.Shard/Usage',
+                request_serializer=dgr_dot_shard_dot_v1_dot_shard__pb2.UsageRequest.SerializeToString,
+                response_deserializer=dgr_dot_shard_dot_v1_dot_shard__pb2.UsageReply.FromString,
+                _registered_method=True)
 
 
 class ShardServicer:
@@ -104,6 +109,14 @@ class ShardServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Usage(self, request, context):
+        """What a session used of this worker, per epoch (for the tracker to reconcile with the
+        client's usage records). Kept for the sessions of the last while (see UsageReply).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ShardServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -131,6 +144,11 @@ def add_ShardServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=dgr_dot_shard_dot_v1_dot_shard__pb2.CloseSessionRequest.FromString,
                     response_serializer=dgr_dot_shard_dot_v1_dot_shard__pb2.CloseSessionReply.SerializeToString,
+            ),
+            'Usage': grpc.unary_unary_rpc_method_handler(
+                    servicer.Usage,
+                    request_deserializer=dgr_dot_shard_dot_v1_dot_shard__pb2.UsageRequest.FromString,
+                    response_serializer=dgr_dot_shard_dot_v1_dot_shard__pb2.UsageReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -269,6 +287,33 @@ class Shard:
             '/dgr.shard.v1.Shard/CloseSession',
             dgr_dot_shard_dot_v1_dot_shard__pb2.CloseSessionRequest.SerializeToString,
             dgr_dot_shard_dot_v1_dot_shard__pb2.CloseSessionReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Usage(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dgr.shard.v1.Shard/Usage',
+            dgr_dot_shard_dot_v1_dot_shard__pb2.UsageRequest.SerializeToString,
+            dgr_dot_shard_dot_v1_dot_shard__pb2.UsageReply.FromString,
             options,
             channel_credentials,
             insecure,
