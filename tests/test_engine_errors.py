@@ -285,12 +285,14 @@ NOT_ENGINE_ERROR = {
     E.ShardDeadlineExceeded: FaultKind.DEADLINE,
     E.UnknownSession: FaultKind.STATE_LOST,  # a cache miss on a healthy stage
     E.CapacityExceeded: FaultKind.BUSY,  # load, not a fault
+    E.GrantUnauthenticated: FaultKind.PROTOCOL,  # the route's grants are wrong, not the stage
+    E.GrantDenied: FaultKind.PROTOCOL,
 }
 
 
 def test_each_engine_error_declares_its_fault_kind() -> None:
     classes = [c for c in vars(E).values() if isinstance(c, type) and issubclass(c, E.EngineError)]
-    assert len(classes) == 22  # EngineError, 14 C statuses, EngineClosed, 6 of the worker and wire
+    assert len(classes) == 24  # EngineError, 14 C statuses, EngineClosed, 8 of the worker and wire
     for cls in classes:
         kind = NOT_ENGINE_ERROR.get(cls, FaultKind.ENGINE_ERROR)
         assert cls.fault_kind is kind, cls
