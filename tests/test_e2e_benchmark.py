@@ -162,3 +162,9 @@ def test_security_benchmark_smoke(tmp_path: Path) -> None:
     result = json.loads((tmp_path / "security.json").read_text())
     assert result["grant_verify_us"] > 0 and result["secret_check_us"] > 0
     assert len(result["speeds"]["plaintext"]) == len(result["speeds"]["mutual TLS + grants"]) == 1
+
+
+def test_observability_benchmark_smoke() -> None:
+    done = run_benchmark("observability", ["--frames", "500"])
+    assert "metrics (counters + 2 histograms)" in done.stdout
+    assert "observability adds" in done.stdout

@@ -13,6 +13,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
+_KINDS = ("prefill", "decode", "replay")
 _TIME_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 
 
@@ -57,6 +58,10 @@ class WorkerMetrics:
             "dgr_worker_lease_expiries", "Sessions closed because their lease ran out", registry=r
         )
         self.info = Info("dgr_worker", "The build, model and lane this worker serves", registry=r)
+        # labelled children looked up once: a label lookup costs more than the increment
+        self._by_kind = {k: (self.forwards.labels(k), self.rows.labels(k)) for k in _KINDS}
+        self._bytes_in = self.seam_bytes.labels("in")
+        self._bytes_out = self.seam_bytes.labels("out")
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
 
@@ -66,12 +71,15 @@ class WorkerMetrics:
     def forwarded(
         self, kind: str, rows: int, engine_s: float, frame_s: float, bytes_in: int, bytes_out: int
     ) -> None:
-        self.forwards.labels(kind).inc()
-        self.rows.labels(kind).inc(rows)
+        children = self._by_kind.get(kind)
+        if children is None:
+            children = self._by_kind[kind] = (self.forwards.labels(kind), self.rows.labels(kind))
+        children[0].inc()
+        children[1].inc(rows)
         self.engine_seconds.observe(engine_s)
         self.frame_seconds.observe(frame_s)
-        self.seam_bytes.labels("in").inc(bytes_in)
-        self.seam_bytes.labels("out").inc(bytes_out)
+        self._bytes_in.inc(bytes_in)
+        self._bytes_out.inc(bytes_out)
 
     def serve(self, host: str, port: int) -> int:
         """Serves ``/metrics`` on ``host:port`` (0: a free port) in a thread; returns the port."""
