@@ -112,3 +112,15 @@ def test_generate_takes_and_prints_text_and_refuses_it_without_a_tokenizer(
     )
     ids = _generate("--spawn", "2", "--fixture", "tiny-llama", "--ids", "--prompt", "x y")
     assert ids.returncode == 2 and "with --ids the prompt is token ids" in ids.stderr
+
+
+def test_a_split_models_first_file_carries_the_same_tokenizer(tokenizer: Tokenizer) -> None:
+    from dgr_engine.fixtures.split import ensure_split
+
+    split = ensure_split("hf-llama-gqa-split")
+    assert split.manifest.files[0].tensors == ()  # metadata only: no weights to read
+    with Tokenizer(split.first) as first:
+        assert first.info == tokenizer.info
+        text = "hello world, the cat"
+        assert first.encode(text) == tokenizer.encode(text)
+        assert first.chat([("user", "hi")]) == tokenizer.chat([("user", "hi")])
