@@ -53,9 +53,10 @@ class UsageRecord:
 
 
 @attrs.define
-class _Tally:
-    endpoint: str
-    layers: tuple[int, int]
+class RowCounts:
+    """Running totals of one (session, epoch) on one stage: what a usage record is made of
+    (the client's ledger here, a worker's usage book there)."""
+
     forwards: int = 0
     prefill: int = 0
     decode: int = 0
@@ -63,6 +64,26 @@ class _Tally:
     bytes_in: int = 0
     bytes_out: int = 0
     engine_seconds: float = 0.0
+
+    def add(self, kind: str, rows: int, cost: StageCost | None) -> None:
+        """One successful forward of ``rows`` rows of ``kind`` (else counted as decode)."""
+        self.forwards += 1
+        if kind == "prefill":
+            self.prefill += rows
+        elif kind == "replay":
+            self.replay += rows
+        else:
+            self.decode += rows
+        if cost is not None:
+            self.bytes_in += cost.bytes_in
+            self.bytes_out += cost.bytes_out
+            self.engine_seconds += cost.engine_seconds
+
+
+@attrs.define
+class _Tally(RowCounts):
+    endpoint: str = ""
+    layers: tuple[int, int] = (0, 0)
 
 
 class UsageLedger:
@@ -83,18 +104,11 @@ class UsageLedger:
         rows: int,
         cost: StageCost | None,
     ) -> None:
-        tally = self._tallies.setdefault((epoch, stage_index), _Tally(endpoint, layers))
-        tally.forwards += 1
-        if kind == "prefill":
-            tally.prefill += rows
-        elif kind == "replay":
-            tally.replay += rows
-        else:
-            tally.decode += rows
-        if cost is not None:
-            tally.bytes_in += cost.bytes_in
-            tally.bytes_out += cost.bytes_out
-            tally.engine_seconds += cost.engine_seconds
+        key = (epoch, stage_index)
+        tally = self._tallies.get(key)
+        if tally is None:
+            tally = self._tallies[key] = _Tally(endpoint=endpoint, layers=layers)
+        tally.add(kind, rows, cost)
 
     def epoch_ended(self, epoch: int, fault: FaultKind) -> None:
         """``epoch`` ended with ``fault``: the next epoch's replay is its cost."""

@@ -4,20 +4,19 @@ replay frames and rows, seam bytes, refusals, open sessions, the build and lane.
 
 from __future__ import annotations
 
-import asyncio
 import urllib.request
 from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from route_runs import lose_last_stage_at, run_session
 
 from dgr_engine.client import ShardClient
 from dgr_engine.errors import ExpectationMismatch
 from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import LoopbackRouteProvider, PooledWorker
-from dgr_engine.stage_transport import GrpcStageTransport
 from dgr_engine.wire.frames import Expectations
-from dgr_session import EvidenceClass, FailurePolicy, SessionHandle, SessionManager, SessionState
+from dgr_session import SessionState
 
 pytestmark = pytest.mark.usefixtures("certified_fixtures")
 
@@ -49,36 +48,25 @@ def test_scraped_counters_match_what_the_route_did(tiny_llama: Path) -> None:
         tiny_llama, [(0, 2), (2, 4)], spares=[(2, 4)], options=OPTIONS,
         worker_args=["--metrics-port", "0"],
     )  # fmt: skip
-    handles: list[SessionHandle] = []
-
-    def on_token(_token: int) -> None:
-        route = handles[0].core.route
-        if len(handles[0].tokens) == LOSE_AT and route is not None and not provider.reports:
-            provider.kill(route.stages[1].endpoint)
-
-    async def scenario() -> None:
-        async with provider, GrpcStageTransport(timeout=20.0) as transport:
-            manager = SessionManager(
-                transport,
-                provider,
-                policy=FailurePolicy(step_deadline=20.0),
-                required_evidence=EvidenceClass.FIXTURE,
-            )
-            handles.append(manager.start(PROMPT, max_new_tokens=N_NEW, on_token=on_token))
-            result = await handles[0].wait()
-            await manager.aclose()
-            assert result.state is SessionState.DONE and result.route_changes == 1
-            first = provider.workers[0]
-            async with ShardClient(first.endpoint, timeout=10.0) as client:
-                wrong = Expectations(b"\0" * 32, 0, 2, 0)  # another model's hash
-                with pytest.raises(ExpectationMismatch):
-                    await client.open("wrong", 1, wrong)
-            samples[first.role] = scrape(first)
-            spare = next(w for w in provider.workers if w.role == "spare")
-            samples["spare"] = scrape(spare)
-
     samples: dict[str, Samples] = {}
-    asyncio.run(asyncio.wait_for(scenario(), 120))
+
+    async def scrape_the_workers(provider: LoopbackRouteProvider) -> None:
+        first = provider.workers[0]
+        async with ShardClient(first.endpoint, timeout=10.0) as client:
+            wrong = Expectations(b"\0" * 32, 0, 2, 0)  # another model's hash
+            with pytest.raises(ExpectationMismatch):
+                await client.open("wrong", 1, wrong)
+        samples[first.role] = scrape(first)
+        samples["spare"] = scrape(next(w for w in provider.workers if w.role == "spare"))
+
+    result = run_session(
+        provider,
+        PROMPT,
+        N_NEW,
+        on_token=lose_last_stage_at(provider, LOSE_AT),
+        after=scrape_the_workers,
+    )
+    assert result.state is SessionState.DONE and result.route_changes == 1
     first, spare = samples["primary"], samples["spare"]
     # the first stage ran the whole session: the prompt, the decode steps up to the loss (the
     # last one in flight when the next stage died), then the batched re-prefill of prompt and

@@ -12,15 +12,15 @@ from typing import Any
 import grpc
 import pytest
 from loguru import logger
+from route_runs import run_session
 
 from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.client import ShardClient
 from dgr_engine.errors import EngineError
 from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import GrpcStageTransport
 from dgr_engine.wire.frames import Expectations
-from dgr_session import EvidenceClass, FailurePolicy, SessionManager, SessionState
+from dgr_session import SessionState
 
 OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=4)
 
@@ -74,20 +74,9 @@ def test_grep_of_a_session_id_tells_its_story_on_every_worker_and_the_client(
         tiny_llama, [(0, 2), (2, 4)], options=OPTIONS, worker_args=["--log-level", "DEBUG"]
     )
 
-    async def scenario() -> None:
-        async with provider, GrpcStageTransport(timeout=20.0) as transport:
-            manager = SessionManager(
-                transport,
-                provider,
-                policy=FailurePolicy(step_deadline=20.0),
-                required_evidence=EvidenceClass.FIXTURE,
-            )
-            result = await manager.start([5, 6, 7], max_new_tokens=4, session_id="story").wait()
-            await manager.aclose()
-            assert result.state is SessionState.DONE
-
     try:
-        asyncio.run(asyncio.wait_for(scenario(), 120))
+        result = run_session(provider, [5, 6, 7], 4, session_id="story")
+        assert result.state is SessionState.DONE
     finally:
         logger.remove()
         logger.disable("dgr_session")  # as the libraries leave it

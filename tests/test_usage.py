@@ -4,22 +4,16 @@ by session id, and the two views agree row for row."""
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
 import pytest
+from route_runs import lose_last_stage_at, run_session
 
 from dgr_engine.client import ShardClient
 from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import GrpcStageTransport
 from dgr_session import (
-    EvidenceClass,
-    FailurePolicy,
     FaultKind,
-    SessionHandle,
-    SessionManager,
-    SessionResult,
     SessionState,
     UsageRecord,
     layer_rows,
@@ -38,35 +32,23 @@ def rows(record: UsageRecord) -> tuple[int, int, int]:
 
 def test_client_and_worker_usage_records_agree_row_for_row(tiny_llama: Path) -> None:
     provider = LoopbackRouteProvider(tiny_llama, [(0, 2), (2, 4)], spares=[(2, 4)], options=OPTIONS)
-    handles: list[SessionHandle] = []
     seen: dict[str, list[UsageRecord]] = {}
 
-    def on_token(_token: int) -> None:
-        route = handles[0].core.route
-        if len(handles[0].tokens) == LOSE_AT and route is not None and not provider.reports:
-            provider.kill(route.stages[1].endpoint)
+    async def ask_the_workers(provider: LoopbackRouteProvider) -> None:
+        for worker in provider.workers:  # what each living worker says it did
+            if worker.process.proc.poll() is None:
+                async with ShardClient(worker.endpoint, timeout=10.0) as client:
+                    seen[worker.endpoint] = await client.usage("bill")
+                    assert await client.usage("nobody") == []
 
-    async def scenario() -> SessionResult:
-        async with provider, GrpcStageTransport(timeout=20.0) as transport:
-            manager = SessionManager(
-                transport,
-                provider,
-                policy=FailurePolicy(step_deadline=20.0),
-                required_evidence=EvidenceClass.FIXTURE,
-            )
-            handles.append(
-                manager.start(PROMPT, max_new_tokens=N_NEW, session_id="bill", on_token=on_token)
-            )
-            result = await handles[0].wait()
-            await manager.aclose()
-            for worker in provider.workers:  # what each living worker says it did
-                if worker.process.proc.poll() is None:
-                    async with ShardClient(worker.endpoint, timeout=10.0) as client:
-                        seen[worker.endpoint] = await client.usage("bill")
-                        assert await client.usage("nobody") == []
-            return result
-
-    result = asyncio.run(asyncio.wait_for(scenario(), 120))
+    result = run_session(
+        provider,
+        PROMPT,
+        N_NEW,
+        session_id="bill",
+        on_token=lose_last_stage_at(provider, LOSE_AT),
+        after=ask_the_workers,
+    )
     assert result.state is SessionState.DONE and result.epoch == 2
     by_key = {(r.epoch, r.stage_index): r for r in result.usage}
     assert set(by_key) == {(1, 0), (1, 1), (2, 0), (2, 1)}

@@ -13,6 +13,7 @@ import importlib.metadata
 import os
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -138,16 +139,24 @@ class BuildIdentity:
     def of_model(cls, model: str | os.PathLike[str]) -> BuildIdentity:
         """Hashes and reads ``model`` (streaming); the build's half from the binding."""
         facts = gguf_facts(model)
+        return cls._of_this_build(model_sha256(model), facts.quant_types, facts.fixture_mark)
+
+    @classmethod
+    def _of_this_build(
+        cls, sha256: bytes, quant_types: tuple[str, ...], fixture_mark: str | None, **more: Any
+    ) -> BuildIdentity:
+        """A model's identity served by the build the binding was made from, on this machine."""
         return cls(
-            model_sha256=model_sha256(model),
-            quant_types=facts.quant_types,
+            model_sha256=sha256,
+            quant_types=quant_types,
             llama_cpp_commit=LLAMA_COMMIT,
             patch_stack_sha256=PATCH_STACK_SHA256,
             dgr_version=dgr_version(),
             hardware=hardware_fingerprint(),
             build_flags=BUILD_FLAGS,
             system_info=SYSTEM_INFO,
-            fixture_mark=facts.fixture_mark,
+            fixture_mark=fixture_mark,
+            **more,
         )
 
     @classmethod
@@ -155,16 +164,10 @@ class BuildIdentity:
         """A split model's identity: the manifest's hash and tensor types (the same for every
         shard of the model), the fixture mark of its first file, how the files were checked."""
         manifest = artifacts.manifest
-        return cls(
-            model_sha256=bytes.fromhex(manifest.sha256),
-            quant_types=manifest.quant_types,
-            llama_cpp_commit=LLAMA_COMMIT,
-            patch_stack_sha256=PATCH_STACK_SHA256,
-            dgr_version=dgr_version(),
-            hardware=hardware_fingerprint(),
-            build_flags=BUILD_FLAGS,
-            system_info=SYSTEM_INFO,
-            fixture_mark=gguf_facts(artifacts.first).fixture_mark,
+        return cls._of_this_build(
+            bytes.fromhex(manifest.sha256),
+            manifest.quant_types,
+            gguf_facts(artifacts.first).fixture_mark,
             official_target_sha=manifest.official_target_sha,
             artifacts=artifacts.verification,
         )

@@ -6,22 +6,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-import attrs
-
 from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_session.usage import RowCounts, StageCost
 
 MAX_SESSIONS_KEPT = 4096
-
-
-@attrs.define
-class _Counts:
-    forwards: int = 0
-    prefill: int = 0
-    decode: int = 0
-    replay: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-    engine_seconds: float = 0.0
 
 
 class UsageBook:
@@ -30,7 +18,7 @@ class UsageBook:
     def __init__(self, layers: tuple[int, int], limit: int = MAX_SESSIONS_KEPT) -> None:
         self.layers = layers
         self.limit = limit
-        self._sessions: OrderedDict[str, dict[int, _Counts]] = OrderedDict()
+        self._sessions: OrderedDict[str, dict[int, RowCounts]] = OrderedDict()
 
     def forwarded(
         self,
@@ -49,17 +37,10 @@ class UsageBook:
                 self._sessions.popitem(last=False)
         else:
             self._sessions.move_to_end(session_id)
-        counts = epochs.setdefault(epoch, _Counts())
-        counts.forwards += 1
-        if kind == "prefill":
-            counts.prefill += rows
-        elif kind == "replay":
-            counts.replay += rows
-        else:
-            counts.decode += rows
-        counts.bytes_in += bytes_in
-        counts.bytes_out += bytes_out
-        counts.engine_seconds += engine_seconds
+        counts = epochs.get(epoch)
+        if counts is None:
+            counts = epochs[epoch] = RowCounts()
+        counts.add(kind, rows, StageCost(bytes_in, bytes_out, engine_seconds))
 
     def reply(self, session_id: str) -> pb.UsageReply:
         """The records of ``session_id`` (none when unknown or forgotten)."""
