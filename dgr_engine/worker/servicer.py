@@ -178,15 +178,15 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         reply.timings.compute_us = compute_ns // 1000
         total_ns = time.perf_counter_ns() - began
         reply.timings.total_us = total_ns // 1000
+        kind = frames.ROW_KIND_NAMES.get(request.kind, "unspecified")
         w.log.bind(session=frame.session_id, epoch=frame.epoch, step=frame.step).debug(
             "forward {} rows ({}) at {}: engine {:.2f} ms, frame {:.2f} ms",
             rows,
-            frames.ROW_KIND_NAMES.get(request.kind, "unspecified"),
+            kind,
             int(request.expected_next_pos),
             compute_ns / 1e6,
             total_ns / 1e6,
         )
-        kind = frames.ROW_KIND_NAMES.get(request.kind, "unspecified")
         bytes_in, bytes_out = request.ByteSize(), reply.ByteSize()
         w.metrics.forwarded(kind, rows, compute_ns / 1e9, total_ns / 1e9, bytes_in, bytes_out)
         w.usage.forwarded(
