@@ -254,7 +254,9 @@ class ShardClient:
         """Runs rows at ``positions`` (contiguous, continuing the session's KV): ``tokens`` on
         the first stage (and where the range needs them), ``boundary`` rows elsewhere. The last
         stage returns the logits of ``logit_rows`` (default: the last row); ``logits=False``:
-        none (``[0, n_vocab]``; it skips the output head; other stages ignore it)."""
+        none (``[0, n_vocab]``; it skips the output head; other stages ignore it). ``kind``
+        (``prefill``, ``decode``, ``replay``) labels the rows in the worker's metrics and
+        usage."""
         began = time.perf_counter_ns()
         timeout = timeout if timeout is not None else self.timeout
         request = encode_forward(
