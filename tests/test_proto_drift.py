@@ -39,6 +39,7 @@ def test_service_and_package_are_versioned() -> None:
         "Forward",
         "ForwardStream",
         "CloseSession",
+        "Usage",
     ]
     assert hasattr(shard_pb2_grpc, "ShardStub") and hasattr(shard_pb2_grpc, "ShardServicer")
 
