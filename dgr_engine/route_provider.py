@@ -312,11 +312,18 @@ class EndpointRouteProvider:
     re-reads their adverts; if one is not, there is no route (no alternative exists).
     """
 
-    def __init__(self, endpoints: Sequence[str], *, probe_timeout: float = 5.0) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        probe_timeout: float = 5.0,
+        tls: ClientTls | None = None,
+    ) -> None:
         if not endpoints:
             raise ValueError("at least one endpoint is needed")
         self.endpoints = tuple(endpoints)
         self.probe_timeout = probe_timeout
+        self.tls = tls
         #: Every report received, in order.
         self.reports: list[FailureReport] = []
         self.adverts: dict[str, Advert] = {}
@@ -326,7 +333,7 @@ class EndpointRouteProvider:
             self.reports.append(report)
         stages = []
         for endpoint in self.endpoints:
-            async with ShardClient(endpoint, timeout=self.probe_timeout) as client:
+            async with ShardClient(endpoint, timeout=self.probe_timeout, tls=self.tls) as client:
                 if not await client.serving():
                     return None
                 advert = await client.describe()

@@ -102,3 +102,28 @@ def test_generate_over_dark_workers_is_refused(tmp_path: Path) -> None:
     )
     assert done.returncode == 1
     assert "is dark: no certification record matches it" in done.stderr
+
+
+def test_generate_over_mutual_tls_endpoints(tiny_llama: Path, tmp_path: Path) -> None:
+    from dgr_engine.pki import local_pki
+
+    pki = local_pki(tmp_path)
+    secure = [
+        WorkerProcess.spawn(tiny_llama, r, options=OPTIONS, extra_args=pki.worker_args())
+        for r in ((0, 2), (2, 4))
+    ]
+    try:
+        endpoints = ",".join(w.address for w in secure)
+        base = ["generate", "--endpoints", endpoints, "-n", "6", "--require", "fixture"]
+        tls = ["--tls-ca", str(pki.ca), "--tls-cert", str(pki.client.cert)]
+        done = dgr(*base, *tls, "--tls-key", str(pki.client.key), "--json")
+        assert done.returncode == 0, done.stderr
+        want = whole_model_greedy(tiny_llama, [list(DEFAULT_PROMPT)], 6, OPTIONS)[0]
+        assert json.loads(done.stdout)["tokens"] == want
+        plain = dgr(*base, "--step-deadline", "3")  # no TLS: the workers are unreachable
+        assert plain.returncode == 1 and "failed:" in plain.stderr
+        half = dgr(*base, "--tls-cert", str(pki.client.cert))
+        assert half.returncode == 2 and "--tls-cert and --tls-key need --tls-ca" in half.stderr
+    finally:
+        for worker in secure:
+            worker.stop()

@@ -37,6 +37,7 @@ from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import EndpointRouteProvider, LoopbackRouteProvider
 from dgr_engine.stage_transport import GrpcStageTransport, StageStats
 from dgr_engine.text import prompt_ids, start_text
+from dgr_engine.tls import ClientTls
 from dgr_engine.tokenizer import Tokenizer
 from dgr_session import EvidenceClass, FailurePolicy, FaultKind, SessionManager, SessionResult
 from dgr_session.transport import RouteProvider
@@ -109,6 +110,14 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=None,
         help="evidence directory the --spawn workers read (default: the worker's default)",
     )
+    p.add_argument(
+        "--tls-ca",
+        type=Path,
+        default=None,
+        help="with --endpoints: dial over TLS, trusting this CA",
+    )
+    p.add_argument("--tls-cert", type=Path, default=None, help="...showing this client certificate")
+    p.add_argument("--tls-key", type=Path, default=None, help="...and its key (mutual TLS)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -122,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         print("dgr generate: --spawn and --check need --model or --fixture", file=sys.stderr)
         return 2
     try:
+        args.tls = _client_tls(args)
         args.text, args.tokenizer = _prompt(args, model)
     except (ValueError, EngineError) as exc:
         print(f"dgr generate: {exc}", file=sys.stderr)
@@ -227,13 +237,14 @@ async def _run(
         providers.append(local)
         provider = local
     else:
-        provider = EndpointRouteProvider([e.strip() for e in args.endpoints.split(",") if e])
+        endpoints = [e.strip() for e in args.endpoints.split(",") if e]
+        provider = EndpointRouteProvider(endpoints, tls=args.tls)
     policy = FailurePolicy(step_deadline=args.step_deadline)
     required = EvidenceClass(args.require)
     try:
         if local is not None:
             await local.start()
-        async with GrpcStageTransport(timeout=args.step_deadline) as transport:
+        async with GrpcStageTransport(timeout=args.step_deadline, tls=args.tls) as transport:
             manager = SessionManager(transport, provider, policy=policy, required_evidence=required)
             began = time.perf_counter()
             if args.tokenizer is None:
@@ -292,3 +303,14 @@ def _prompt(args: argparse.Namespace, model: Path | None) -> tuple[str | None, T
         tokenizer.close()
         raise
     return text, tokenizer
+
+
+def _client_tls(args: argparse.Namespace) -> ClientTls | None:
+    """The TLS the flags ask for (``ValueError`` when given half or without --endpoints)."""
+    if args.tls_ca is None:
+        if args.tls_cert is not None or args.tls_key is not None:
+            raise ValueError("--tls-cert and --tls-key need --tls-ca")
+        return None
+    if args.endpoints is None:
+        raise ValueError("--tls-ca goes with --endpoints (spawned workers serve loopback)")
+    return ClientTls.from_files(args.tls_ca, args.tls_cert, args.tls_key)
