@@ -585,15 +585,16 @@ class RouteSession:
         # what the first run sent (the prompt in its chunks, then each accepted token in a call
         # of its own), which rebuilds a shard's KV bit for bit: a batched call rounds
         # differently in the last bits and could flip a greedy near-tie.
-        history = (*self.prompt, *self._accepted)
-        replaying = self._kv_pos + 1 < len(history) and len(self._accepted) > 0
-        if replaying and self.policy.replay == "batched":
+        n_prompt = len(self.prompt)
+        replaying = bool(self._accepted) and self._kv_pos + 1 < n_prompt + len(self._accepted)
+        if replaying and self.policy.replay == "batched":  # the only case that joins both
+            history = (*self.prompt, *self._accepted)
             tokens = history[self._kv_pos : self._kv_pos + self._replay_rows]
-        elif self._kv_pos < len(self.prompt):
+        elif self._kv_pos < n_prompt:
             assert self._chunk is not None  # pinned by the first route
             tokens = self.prompt[self._kv_pos : self._kv_pos + self._chunk]
-        else:
-            tokens = (history[self._kv_pos],)
+        else:  # one accepted token: no copy of the whole history per decoded token
+            tokens = (self._accepted[self._kv_pos - n_prompt],)
         self._fwd_positions = range(self._kv_pos, self._kv_pos + len(tokens))
         self._fwd_tokens = tokens
         if self._kv_pos < self._high_water:  # rows an earlier epoch computed: a re-prefill
