@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from dgr_engine.errors import AbiMismatch
+from dgr_engine.errors import AbiMismatch, error_for_status
 
 #: The C ABI version this Python package was written against (native/include/dgr_shard.h).
 ABI_VERSION = 6
@@ -27,6 +27,21 @@ if _runtime != ABI_VERSION or int(lib.DGR_ABI_VERSION) != ABI_VERSION:
         f"dgr_engine._native has ABI version {_runtime} (header {int(lib.DGR_ABI_VERSION)}), "
         f"this package expects {ABI_VERSION}: rebuild the binding"
     )
+
+
+def status_name(code: int) -> str:
+    """The stable name of a C status (``DGR_E_SHAPE``...)."""
+    return str(ffi.string(lib.dgr_status_name(code)).decode())
+
+
+def check_status(code: int) -> None:
+    """Raises the typed error of a failed C call (its status, the library's message and, for a
+    stale epoch, the epoch held); nothing for ``DGR_OK``."""
+    if code != 0:
+        message = ffi.string(lib.dgr_last_error()).decode(errors="replace")
+        held = int(lib.dgr_last_held_epoch())  # -1 unless the call failed with a stale epoch
+        raise error_for_status(int(code), status_name(code), message, held_epoch=held)
+
 
 LLAMA_COMMIT: str = ffi.string(lib.dgr_llama_commit()).decode()
 """The llama.cpp commit the binding was built from."""

@@ -17,7 +17,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from dgr_engine._binding import ffi, lib
+from dgr_engine._binding import check_status, ffi, lib
 from dgr_engine.errors import EngineClosed, error_for_status
 from dgr_engine.numerics import Numerics
 
@@ -303,13 +303,7 @@ class ShardEngine:
             raise EngineClosed(f"engine for {self.model_path.name} is closed")
         return self._handle
 
-    @staticmethod
-    def _check(code: int) -> None:
-        if code != 0:
-            status = ffi.string(lib.dgr_status_name(code)).decode()
-            message = ffi.string(lib.dgr_last_error()).decode(errors="replace")
-            held = int(lib.dgr_last_held_epoch())  # -1 unless the call failed with a stale epoch
-            raise error_for_status(int(code), status, message, held_epoch=held)
+    _check = staticmethod(check_status)
 
     def _read_info(self) -> ShardInfo:
         i = ffi.new("dgr_shard_info *")

@@ -17,8 +17,8 @@ from typing import Any
 
 import attrs
 
-from dgr_engine._binding import ffi, lib
-from dgr_engine.errors import EngineClosed, UnsupportedFeature, error_for_status
+from dgr_engine._binding import check_status, ffi, lib, status_name
+from dgr_engine.errors import EngineClosed, UnsupportedFeature
 
 
 @attrs.frozen
@@ -33,23 +33,16 @@ class VocabInfo:
     """False: token ids only (a generated fixture's vocabulary type "none")."""
 
 
-def _check(code: int) -> None:
-    if code != 0:
-        status = ffi.string(lib.dgr_status_name(code)).decode()
-        message = ffi.string(lib.dgr_last_error()).decode(errors="replace")
-        raise error_for_status(int(code), status, message)
-
-
 class Tokenizer:
     """A GGUF's vocabulary. Use ``with`` or :meth:`close`."""
 
     def __init__(self, model_path: str | os.PathLike[str]) -> None:
         self.model_path = Path(model_path)
         out = ffi.new("dgr_vocab **")
-        _check(lib.dgr_vocab_open(str(self.model_path).encode(), out))
+        check_status(lib.dgr_vocab_open(str(self.model_path).encode(), out))
         self._handle: Any = out[0]
         raw = ffi.new("dgr_vocab_info *")
-        _check(lib.dgr_vocab_get_info(self._handle, raw))
+        check_status(lib.dgr_vocab_get_info(self._handle, raw))
 
         def token(value: int) -> int | None:
             return None if value < 0 else int(value)
@@ -100,10 +93,10 @@ class Tokenizer:
             )
             if code == 0:
                 return [int(tokens[i]) for i in range(count[0])]
-            if ffi.string(lib.dgr_status_name(code)).decode() != "DGR_E_SHAPE":
-                _check(code)
+            if status_name(code) != "DGR_E_SHAPE":
+                check_status(code)
             capacity = int(count[0])
-        _check(code)
+        check_status(code)
         raise AssertionError("unreachable")
 
     def piece(self, token: int, *, special: bool = False) -> bytes:
@@ -111,10 +104,10 @@ class Tokenizer:
         size = ffi.new("int32_t *")
         buf = ffi.new("char[]", 64)
         code = lib.dgr_vocab_piece(self._live(), token, special, buf, 64, size)
-        if code != 0 and ffi.string(lib.dgr_status_name(code)).decode() == "DGR_E_SHAPE":
+        if code != 0 and status_name(code) == "DGR_E_SHAPE":
             buf = ffi.new("char[]", int(size[0]))
             code = lib.dgr_vocab_piece(self._live(), token, special, buf, int(size[0]), size)
-        _check(code)
+        check_status(code)
         return bytes(ffi.buffer(buf, int(size[0])))
 
     def decode(self, tokens: Sequence[int], *, special: bool = False) -> str:
@@ -124,7 +117,7 @@ class Tokenizer:
     def is_eog(self, token: int) -> bool:
         """``token`` ends a generation (EOS, EOT or another end-of-generation token)."""
         out = ffi.new("uint8_t *")
-        _check(lib.dgr_vocab_is_eog(self._live(), token, out))
+        check_status(lib.dgr_vocab_is_eog(self._live(), token, out))
         return bool(out[0])
 
     @property
@@ -156,10 +149,10 @@ class Tokenizer:
             )
             if code == 0:
                 return bytes(ffi.buffer(buf, int(size[0]))).decode(errors="replace")
-            if ffi.string(lib.dgr_status_name(code)).decode() != "DGR_E_SHAPE":
+            if status_name(code) != "DGR_E_SHAPE":
                 break
             capacity = int(size[0]) + 1
-        _check(code)
+        check_status(code)
         raise AssertionError("unreachable")
 
 
