@@ -24,7 +24,7 @@ from dgr_engine.certification.errors import EvidenceError
 from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.registry import LaneLookup, find_certification
 from dgr_engine.engine import ShardEngine
-from dgr_engine.errors import StaleEpoch, UnknownSession
+from dgr_engine.errors import ShardDeadlineExceeded, StaleEpoch, UnknownSession
 from dgr_engine.grants import Grant, GrantVerifier
 from dgr_engine.numerics import Numerics
 from dgr_engine.tls import ServerTls, check_plaintext_bind, is_loopback
@@ -584,6 +584,42 @@ class ShardWorker:
         )
 
     # -- engine thread -----------------------------------------------------------------------
+
+    async def run_forward(
+        self, frame: frames.ForwardFrame, deadline: float | None
+    ) -> tuple[frames.FloatRows, int, int, int]:
+        """Runs one decoded frame on the engine (thread, or the loop: ``inline_max_rows``);
+        returns its output rows, the session's next position, and the ns it queued and
+        computed. Raises the engine's refusal, or ``DGR_E_DEADLINE`` when the deadline passed
+        while it queued."""
+        small = frame.n_rows <= self.config.inline_max_rows
+        result = await self.run_on_engine(
+            self._forward_job,
+            frame,
+            deadline,
+            time.perf_counter_ns(),
+            inline_ok=small and self.small_frame_ns <= self.config.inline_max_ms * 1e6,
+        )
+        if small:
+            self.small_frame_ns = result[3]
+        return result
+
+    def _forward_job(
+        self, frame: frames.ForwardFrame, deadline: float | None, enqueued_ns: int
+    ) -> tuple[frames.FloatRows, int, int, int]:
+        """On the engine thread: run the frame unless its deadline has passed."""
+        started = time.perf_counter_ns()
+        if deadline is not None and time.monotonic() >= deadline:
+            raise ShardDeadlineExceeded(
+                "DGR_E_DEADLINE: the deadline passed while queued; not run",
+                status="DGR_E_DEADLINE",
+            )
+        self.meter.started()
+        try:
+            out, next_pos = self.table.forward(frame)
+        finally:
+            self.meter.stopped()
+        return out, next_pos, started - enqueued_ns, time.perf_counter_ns() - started
 
     async def run_on_engine(
         self, job: Callable[..., _T], *args: Any, inline_ok: bool = False

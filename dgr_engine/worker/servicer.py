@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
-from dgr_engine.errors import EngineError, FrameRejected, ShardDeadlineExceeded
+from dgr_engine.errors import EngineError, FrameRejected
 from dgr_engine.wire import frames
 from dgr_engine.wire.advert import advert_to_proto
 from dgr_engine.wire.proto import shard_pb2 as pb
@@ -140,8 +140,8 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             raise
 
     async def _forward(self, request: pb.ForwardRequest, deadline: float | None) -> pb.ForwardReply:
-        """One frame: check, run on the engine (thread, or the loop: ``inline_max_rows``),
-        encode; raises on refusal."""
+        """One frame: check, run on the engine (``ShardWorker.run_forward``), encode; raises
+        on refusal."""
         began = time.perf_counter_ns()
         w = self.w
         w.grants.check(request.session_id, int(request.epoch), request.session_secret)
@@ -153,16 +153,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         rows = 0
         try:
             frame = frames.decode_forward(request, w.expect, w.info)
-            small = frame.n_rows <= w.config.inline_max_rows
-            out, next_pos, queue_ns, compute_ns = await w.run_on_engine(
-                self._forward_job,
-                frame,
-                deadline,
-                time.perf_counter_ns(),
-                inline_ok=small and w.small_frame_ns <= w.config.inline_max_ms * 1e6,
-            )
-            if small:
-                w.small_frame_ns = compute_ns
+            out, next_pos, queue_ns, compute_ns = await w.run_forward(frame, deadline)
             rows = frame.n_rows
         finally:
             w.meter.finished(rows)
@@ -193,23 +184,6 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             frame.session_id, frame.epoch, kind, rows, bytes_in, bytes_out, compute_ns / 1e9
         )
         return reply
-
-    def _forward_job(
-        self, frame: frames.ForwardFrame, deadline: float | None, enqueued_ns: int
-    ) -> tuple[frames.FloatRows, int, int, int]:
-        """On the engine thread: run the frame unless its deadline has passed."""
-        started = time.perf_counter_ns()
-        if deadline is not None and time.monotonic() >= deadline:
-            raise ShardDeadlineExceeded(
-                "DGR_E_DEADLINE: the deadline passed while queued; not run",
-                status="DGR_E_DEADLINE",
-            )
-        self.w.meter.started()
-        try:
-            out, next_pos = self.w.table.forward(frame)
-        finally:
-            self.w.meter.stopped()
-        return out, next_pos, started - enqueued_ns, time.perf_counter_ns() - started
 
     async def _refuse_undecodable(
         self, context: grpc.aio.ServicerContext[Any, Any], request: Any, what: str
