@@ -136,20 +136,21 @@ def validate_route(
     n_layer = want_identity.n_layer
     last = len(route.stages) - 1
     expected_begin = 0
+    want_build = (route.stages[0].lane.llama_cpp_commit, route.stages[0].lane.patch_stack_hash)
     for index, stage in enumerate(route.stages):
-        if stage.identity != want_identity:
+        # ``is``: the common case (one object for the whole route) skips attrs' field compare
+        if stage.identity is not want_identity and stage.identity != want_identity:
             raise _at(
                 RouteIncompatible,
                 index,
                 stage,
                 f"serves {stage.identity!r}, need {want_identity!r}",
             )
-        if stage.recipe != want_recipe:
+        if stage.recipe is not want_recipe and stage.recipe != want_recipe:
             raise _at(
                 RouteIncompatible, index, stage, f"runs {stage.recipe!r}, need {want_recipe!r}"
             )
         build = (stage.lane.llama_cpp_commit, stage.lane.patch_stack_hash)
-        want_build = (route.stages[0].lane.llama_cpp_commit, route.stages[0].lane.patch_stack_hash)
         if not stage.lane.patch_stack_hash:
             raise _at(RouteIncompatible, index, stage, "unknown patch stack (empty hash)")
         if build != want_build:

@@ -53,10 +53,12 @@ def test_table_shape() -> None:
         assert NEXT_STATE[(state.value, "cancel")] is S.CANCELLED
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "library"])
 @pytest.mark.parametrize("state", list(SessionState))
 @pytest.mark.parametrize("trigger", TRIGGERS)
-def test_machine_follows_the_table_exactly(state: SessionState, trigger: str) -> None:
-    machine = SessionMachine()
+def test_machine_follows_the_table_exactly(state: SessionState, trigger: str, direct: bool) -> None:
+    """Both dispatch paths (the direct table and the library's own) give the table's answer."""
+    machine = SessionMachine(direct=direct)
     model = Model()
     machine.add_model(model, initial=state.value)
     dest = NEXT_STATE.get((state.value, trigger))
@@ -67,6 +69,31 @@ def test_machine_follows_the_table_exactly(state: SessionState, trigger: str) ->
     else:
         machine.fire(model, trigger)
         assert model._state == dest.value
+
+
+def test_direct_table_is_the_library_machine_itself() -> None:
+    machine = SessionMachine()
+    assert machine.direct_table() == {key: dest.value for key, dest in NEXT_STATE.items()}
+    assert SessionMachine(direct=False)._direct == {}
+
+
+def test_a_machine_with_a_callback_has_no_direct_table() -> None:
+    """A callback anywhere would be skipped by the direct path: then every trigger must go
+    through the library, and the callback runs."""
+    entered: list[str] = []
+    machine = SessionMachine()
+    machine.on_enter_decoding(lambda *_: entered.append("decoding"))
+    assert machine.direct_table() == {}
+    machine._direct = machine.direct_table()
+    model = Model()
+    machine.add_model(model, initial=S.PREFILLING.value)
+    machine.fire(model, "token_accepted")
+    assert model._state == "decoding" and entered == ["decoding"]
+
+
+def test_add_model_refuses_an_unknown_state() -> None:
+    with pytest.raises(ValueError, match="'nowhere' is not a state"):
+        SessionMachine().add_model(Model(), initial="nowhere")
 
 
 def test_machine_binds_nothing_onto_sessions() -> None:
