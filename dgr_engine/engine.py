@@ -10,6 +10,7 @@ frees a forgotten handle only as a safety net.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from dgr_engine._binding import check_status, ffi, lib
-from dgr_engine.errors import EngineClosed, error_for_status
+from dgr_engine.errors import EngineClosed, EngineError, error_for_status
 from dgr_engine.numerics import Numerics
 
 
@@ -88,6 +89,38 @@ class EngineStats:
 
 
 FloatArray = npt.NDArray[np.float32]
+
+
+@attrs.frozen
+class ForwardItem:
+    """One session's rows in :meth:`ShardEngine.forward_batch` (the arguments of
+    :meth:`ShardEngine.forward`)."""
+
+    session_id: int
+    epoch: int
+    positions: npt.ArrayLike
+    tokens: npt.ArrayLike | None = None
+    rows: npt.ArrayLike | None = None
+    want: npt.ArrayLike | None = None
+
+
+@attrs.frozen
+class _Prepared:
+    """A forward item's arrays as the ABI takes them, and its output buffer."""
+
+    session_id: int
+    epoch: int
+    n: int
+    positions: npt.NDArray[np.int32]
+    tokens: npt.NDArray[np.int32] | None
+    rows: FloatArray | None
+    row_width: int
+    want: npt.NDArray[np.uint8] | None
+    out: FloatArray
+
+    def result(self, n_written: int, width: int) -> FloatArray:
+        """The rows the call wrote."""
+        return self.out.reshape(-1)[: n_written * width].reshape(n_written, width)
 
 
 class ShardEngine:
@@ -217,15 +250,101 @@ class ShardEngine:
         others. The result is ``[n, out_width]`` boundary rows, or on the last shard the logits
         of the rows flagged in ``want`` (default: the last row only), ``[n_out, n_vocab]``.
         """
-        pos = np.ascontiguousarray(positions, dtype=np.int32).reshape(-1)
+        item = self._prepare(ForwardItem(session_id, epoch, positions, tokens, rows, want), out)
+        n_written = ffi.new("uint32_t *")
+        with self._lock:
+            self._check(
+                lib.dgr_session_forward(
+                    self._live(),
+                    session_id,
+                    epoch,
+                    item.n,
+                    ffi.NULL if item.tokens is None else ffi.from_buffer("int32_t[]", item.tokens),
+                    ffi.NULL if item.rows is None else ffi.from_buffer("float[]", item.rows),
+                    item.row_width,
+                    ffi.from_buffer("int32_t[]", item.positions),
+                    ffi.NULL if item.want is None else ffi.from_buffer("uint8_t[]", item.want),
+                    ffi.from_buffer("float[]", item.out, require_writable=True),
+                    item.out.size,
+                    n_written,
+                )
+            )
+        return item.result(int(n_written[0]), self.info.out_width)
+
+    def forward_batch(self, items: Sequence[ForwardItem]) -> list[FloatArray | EngineError]:
+        """Runs several sessions' rows in one engine call (``dgr_forward_batch``: one
+        ``llama_decode`` whose batch carries one sequence per session), each item as
+        :meth:`forward` would run it alone; returns, in item order, each item's output rows or
+        the typed error it was refused with (the other items still ran). The items' rows
+        together must fit ``n_batch`` (``DGR_E_SHAPE`` is raised, nothing ran). A row computed
+        next to other sessions' rows may differ in the last bits from the same row computed
+        alone (``docs/worker.md``, co-batching)."""
+        prepared: list[_Prepared | EngineError] = []
+        for item in items:
+            try:
+                prepared.append(self._prepare(item, None))
+            except EngineError as exc:
+                prepared.append(exc)
+        ready = [p for p in prepared if isinstance(p, _Prepared)]
+        c_items = ffi.new("dgr_forward_item[]", len(ready))
+        buffers: list[Any] = []  # keeps every buffer alive across the call
+        for c, p in zip(c_items, ready, strict=True):
+            c.session_id = p.session_id
+            c.epoch = p.epoch
+            c.n_rows = p.n
+            if p.tokens is not None:
+                buffers.append(ffi.from_buffer("int32_t[]", p.tokens))
+                c.tokens = buffers[-1]
+            if p.rows is not None:
+                buffers.append(ffi.from_buffer("float[]", p.rows))
+                c.rows = buffers[-1]
+            c.row_width = p.row_width
+            buffers.append(ffi.from_buffer("int32_t[]", p.positions))
+            c.positions = buffers[-1]
+            if p.want is not None:
+                buffers.append(ffi.from_buffer("uint8_t[]", p.want))
+                c.want = buffers[-1]
+            buffers.append(ffi.from_buffer("float[]", p.out, require_writable=True))
+            c.out = buffers[-1]
+            c.out_capacity = p.out.size
+        if ready:
+            with self._lock:
+                self._check(lib.dgr_forward_batch(self._live(), c_items, len(ready)))
+        results: list[FloatArray | EngineError] = []
+        outcomes = iter(zip(c_items, ready, strict=True))
+        width = self.info.out_width
+        for entry in prepared:
+            if not isinstance(entry, _Prepared):
+                results.append(entry)
+                continue
+            c, done = next(outcomes)
+            if c.status != 0:
+                message = ffi.string(c.error).decode(errors="replace")
+                status = int(c.status)
+                name = ffi.string(lib.dgr_status_name(status)).decode()
+                results.append(
+                    error_for_status(status, name, message, held_epoch=int(c.held_epoch))
+                )
+            else:
+                results.append(done.result(int(c.n_out), width))
+        return results
+
+    def _prepare(self, item: ForwardItem, out: FloatArray | None) -> _Prepared:
+        """``item``'s arrays, contiguous and of the ABI's types, with its output buffer;
+        ``DGR_E_SHAPE`` for shapes that do not agree."""
+        pos = np.ascontiguousarray(item.positions, dtype=np.int32).reshape(-1)
         n = int(pos.shape[0])
-        tok = None if tokens is None else np.ascontiguousarray(tokens, dtype=np.int32).reshape(-1)
-        if tok is not None and tok.shape[0] != n:
-            raise error_for_status(9, "DGR_E_SHAPE", f"{tok.shape[0]} token ids for {n} positions")
+        tok = item.tokens
+        if tok is not None:
+            tok = np.ascontiguousarray(tok, dtype=np.int32).reshape(-1)
+            if tok.shape[0] != n:
+                raise error_for_status(
+                    9, "DGR_E_SHAPE", f"{tok.shape[0]} token ids for {n} positions"
+                )
         row_width = 0
         inp = None
-        if rows is not None:
-            inp = np.ascontiguousarray(rows, dtype=np.float32)
+        if item.rows is not None:
+            inp = np.ascontiguousarray(item.rows, dtype=np.float32)
             if inp.ndim != 2 or inp.shape[0] != n:
                 raise error_for_status(
                     9,
@@ -236,10 +355,10 @@ class ShardEngine:
         want_arr = None
         n_out = n
         if self.info.is_last:
-            if want is None:
+            if item.want is None:
                 n_out = 1 if n > 0 else 0
             else:
-                want_arr = np.ascontiguousarray(want, dtype=np.uint8).reshape(-1)
+                want_arr = np.ascontiguousarray(item.want, dtype=np.uint8).reshape(-1)
                 if want_arr.shape[0] != n:
                     raise error_for_status(
                         9, "DGR_E_SHAPE", f"{want_arr.shape[0]} flags for {n} rows"
@@ -250,25 +369,7 @@ class ShardEngine:
             out = np.empty((n_out, width), dtype=np.float32)
         elif out.dtype != np.float32 or not out.flags.c_contiguous or out.size < n_out * width:
             raise error_for_status(9, "DGR_E_SHAPE", "out must be a C-contiguous float32 array")
-        n_written = ffi.new("uint32_t *")
-        with self._lock:
-            self._check(
-                lib.dgr_session_forward(
-                    self._live(),
-                    session_id,
-                    epoch,
-                    n,
-                    ffi.NULL if tok is None else ffi.from_buffer("int32_t[]", tok),
-                    ffi.NULL if inp is None else ffi.from_buffer("float[]", inp),
-                    row_width,
-                    ffi.from_buffer("int32_t[]", pos),
-                    ffi.NULL if want_arr is None else ffi.from_buffer("uint8_t[]", want_arr),
-                    ffi.from_buffer("float[]", out, require_writable=True),
-                    out.size,
-                    n_written,
-                )
-            )
-        return out.reshape(-1)[: int(n_written[0]) * width].reshape(int(n_written[0]), width)
+        return _Prepared(item.session_id, item.epoch, n, pos, tok, inp, row_width, want_arr, out)
 
     # -- state -----------------------------------------------------------------------------
 

@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 from dgr_engine.argtypes import int_in
+from dgr_engine.certification.lane import BATCHING_CO_BATCH, BATCHING_MODES
 from dgr_engine.numerics import FLASH_ATTN_MODES, KV_TYPES, Numerics
 
 
@@ -17,11 +18,25 @@ def _numerics(instance: EngineOptions, attribute: attrs.Attribute[str], value: s
     Numerics(**{attribute.name: value})  # InvalidArgument (a ValueError) names the choices
 
 
-def _choice(default: str, flag: str, help: str, choices: tuple[str, ...]) -> Any:
+def _one_of(instance: EngineOptions, attribute: attrs.Attribute[str], value: str) -> None:
+    choices = attribute.metadata["choices"]
+    if value not in choices:
+        raise ValueError(f"{attribute.name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def _choice(
+    default: str,
+    flag: str,
+    help: str,
+    choices: tuple[str, ...],
+    *,
+    doc: str = "docs/numerics.md",
+    validator: Any = _numerics,
+) -> Any:
     return attrs.field(
         default=default,
-        validator=_numerics,
-        metadata={"flag": flag, "help": help, "choices": choices},
+        validator=validator,
+        metadata={"flag": flag, "help": help, "choices": choices, "doc": doc},
     )
 
 
@@ -56,6 +71,22 @@ class EngineOptions:
         FLASH_ATTN_MODES[0], "--flash-attn", "flash-attention mode", FLASH_ATTN_MODES
     )
     """Flash-attention mode (``docs/numerics.md``); every stage of a route runs the same."""
+    batching: str = _choice(
+        BATCHING_MODES[0],
+        "--batching",
+        "how sessions' rows meet the engine: one session per engine call, or co-batch the "
+        "frames of sessions that wait together into one call (part of the lane)",
+        BATCHING_MODES,
+        doc="docs/worker.md",
+        validator=_one_of,
+    )
+    """``"session"`` (one session's rows per engine call) or ``"co-batch"`` (frames of several
+    sessions in one call: ``dgr_engine.worker.co_batch``; the lane's ``batching``)."""
+
+    @property
+    def co_batch(self) -> bool:
+        """Whether workers with these options co-batch sessions."""
+        return self.batching == BATCHING_CO_BATCH
 
     @property
     def numerics(self) -> Numerics:
@@ -92,7 +123,7 @@ class EngineOptions:
                     dest=field.name,
                     choices=field.metadata["choices"],
                     default=default,
-                    help=f"{field.metadata['help']} (default {default}; docs/numerics.md)",
+                    help=f"{field.metadata['help']} (default {default}; {field.metadata['doc']})",
                 )
                 continue
             parser.add_argument(

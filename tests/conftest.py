@@ -28,6 +28,8 @@ os.environ[EVIDENCE_DIR_ENV] = _RUN_EVIDENCE.name
 
 CERTIFIED_FIXTURES = ("tiny-llama", "tiny-v4")
 """The fixtures whose lanes (``dgr certify``'s default engine options) the suite certifies."""
+CO_BATCH_FIXTURES = ("tiny-llama",)
+"""Fixtures whose co-batching lanes (``--batching co-batch``) the suite certifies as well."""
 
 
 @pytest.fixture(scope="session")
@@ -59,15 +61,18 @@ def fixture_evidence(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An evidence directory holding the records ``dgr certify`` made in this test run for the
     lanes of :data:`CERTIFIED_FIXTURES` on this machine (run as a user would: the CLI)."""
     root = tmp_path_factory.mktemp("evidence")
-    for name in CERTIFIED_FIXTURES:
+    runs = [(name, []) for name in CERTIFIED_FIXTURES]
+    runs += [(name, ["--batching", "co-batch"]) for name in CO_BATCH_FIXTURES]
+    for name, extra in runs:
         done = subprocess.run(
-            [dgr_command(), "certify", "--fixture", name, "--evidence", str(root)],
+            [dgr_command(), "certify", "--fixture", name, "--evidence", str(root), *extra],
             capture_output=True,
             text=True,
             timeout=600,
         )
-        assert done.returncode == 0, f"dgr certify --fixture {name}:\n{done.stdout}{done.stderr}"
-        (root.parent / f"certify-{name}.log").write_text(done.stdout)
+        what = " ".join([name, *extra])
+        assert done.returncode == 0, f"dgr certify --fixture {what}:\n{done.stdout}{done.stderr}"
+        (root.parent / f"certify-{'-'.join([name, *extra[1:]])}.log").write_text(done.stdout)
     return root
 
 

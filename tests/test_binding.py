@@ -18,7 +18,7 @@ from dgr_engine.errors import AbiMismatch
 def test_abi_version_matches() -> None:
     assert int(_binding.lib.dgr_abi_version()) == _binding.ABI_VERSION
     assert len(_binding.LLAMA_COMMIT) == 40
-    assert _binding.ABI_VERSION == 6  # held epoch ABI 3, build flags 4, numerics 5, vocab 6
+    assert _binding.ABI_VERSION == 7  # held epoch 3, build flags 4, numerics 5, vocab 6, batch 7
     assert int(_binding.lib.DGR_ABI_VERSION) == _binding.ABI_VERSION
 
 

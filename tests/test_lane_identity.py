@@ -15,7 +15,12 @@ from dgr_engine.certification.hardware import RESULT_FLAGS, cpu_fingerprint, har
 from dgr_engine.certification.lane import LaneKey
 
 LANE = EvidenceKit.lane()
-OTHER_VALUE: dict[str, Any] = {"n_layer": 5, "context_per_session": 512, "quant_types": ("F16",)}
+OTHER_VALUE: dict[str, Any] = {
+    "n_layer": 5,
+    "context_per_session": 512,
+    "quant_types": ("F16",),
+    "batching": "co-batch",
+}
 
 
 def test_the_lane_id_is_the_hash_of_the_canonical_json() -> None:
@@ -39,6 +44,15 @@ def test_one_differing_part_is_another_lane(field: str) -> None:
 
 def test_canonical_round_trip() -> None:
     assert LaneKey.from_canonical(json.loads(json.dumps(LANE.canonical()))) == LANE
+    co_batched = attrs.evolve(LANE, batching="co-batch")
+    assert LaneKey.from_canonical(json.loads(json.dumps(co_batched.canonical()))) == co_batched
+
+
+def test_per_session_batching_is_left_out_of_the_canonical_form() -> None:
+    """Lanes recorded before co-batching existed keep their ids: ``batching`` is written only
+    when it is not the per-session default."""
+    assert LANE.batching == "session" and "batching" not in LANE.canonical()
+    assert attrs.evolve(LANE, batching="co-batch").canonical()["batching"] == "co-batch"
 
 
 @pytest.mark.parametrize(
@@ -51,6 +65,8 @@ def test_canonical_round_trip() -> None:
         (lambda d: d.update(context_per_session=0), "lane.context_per_session"),
         (lambda d: d.update(quant_types="F32"), "lane.quant_types"),
         (lambda d: d.update(kv_type=None), "lane.kv_type"),
+        (lambda d: d.update(batching="session"), "lane.batching"),  # only ever left out
+        (lambda d: d.update(batching="sometimes"), "lane.batching"),
     ],
 )
 def test_a_bad_canonical_lane_is_refused_naming_the_field(change: Any, field: str) -> None:

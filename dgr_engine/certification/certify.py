@@ -109,6 +109,7 @@ def _prompts(n: int, n_vocab: int) -> tuple[tuple[int, ...], ...]:
 def lane_of(model: str | os.PathLike[str], options: EngineOptions) -> LaneKey:
     """The lane ``model`` served with ``options`` has on this machine and build."""
     build = BuildIdentity.of_model(model).with_numerics(options.numerics)
+    build = attrs.evolve(build, batching=options.batching)
     # the context the engine really provides (llama.cpp rounds it up), as a worker states it
     with ShardEngine(Path(model), layers=(0, 1), **options.engine_kwargs()) as probe:
         info = probe.info

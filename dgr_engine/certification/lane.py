@@ -18,6 +18,11 @@ import attrs
 
 from dgr_engine.certification.errors import EvidenceInvalid
 
+#: ``LaneKey.batching`` values.
+BATCHING_SESSION = "session"
+BATCHING_CO_BATCH = "co-batch"
+BATCHING_MODES = (BATCHING_SESSION, BATCHING_CO_BATCH)
+
 
 def _tuple(values: Any) -> tuple[str, ...]:
     return tuple(values)
@@ -58,11 +63,18 @@ class LaneKey:
     """KV positions per session."""
     placement: str
     """Where the layers run (``"cpu"``: every owned layer on the CPU backend)."""
+    batching: str = BATCHING_SESSION
+    """How rows meet the engine: ``"session"`` (each engine call runs one session's rows) or
+    ``"co-batch"`` (rows of several sessions in one call, ``dgr worker --co-batch``), which
+    may change the last bits of a session's rows. Left out of the canonical form when
+    ``"session"``, so the lanes recorded before this field existed keep their ids."""
 
     def canonical(self) -> dict[str, Any]:
         """The lane as a JSON-ready mapping (lists for tuples)."""
         out = attrs.asdict(self)
         out["quant_types"] = list(self.quant_types)
+        if self.batching == BATCHING_SESSION:
+            del out["batching"]
         return out
 
     @property
@@ -72,7 +84,7 @@ class LaneKey:
 
     def differences(self, other: LaneKey) -> list[str]:
         """Names of the parts in which ``other`` differs from this lane (empty: equal)."""
-        mine, theirs = self.canonical(), other.canonical()
+        mine, theirs = attrs.asdict(self), attrs.asdict(other)
         return [name for name in mine if mine[name] != theirs[name]]
 
     @classmethod
@@ -87,12 +99,16 @@ class LaneKey:
         values: dict[str, Any] = {}
         for name in fields:
             if name not in data:
+                if name == "batching":  # optional: absent means per-session
+                    continue
                 raise EvidenceInvalid(f"{where}.{name}: missing", field=f"{where}.{name}")
             value = data[name]
             if name == "quant_types":
                 ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
             elif name in ("n_layer", "context_per_session"):
                 ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
+            elif name == "batching":  # written only when not per-session
+                ok = value == BATCHING_CO_BATCH
             else:
                 ok = isinstance(value, str)
             if not ok:

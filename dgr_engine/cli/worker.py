@@ -133,6 +133,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="...but only while the last such frame took at most this long (default 20)",
     )
     p.add_argument(
+        "--co-batch-wait-ms",
+        type=float_in(0, 1000),
+        default=0.0,
+        help="with --batching co-batch: how long an engine call may wait for more sessions' "
+        "frames (default 0: never)",
+    )
+    p.add_argument(
         "--grant-key",
         action="append",
         default=[],
@@ -245,6 +252,8 @@ async def _serve(args: argparse.Namespace) -> int:
         grace_seconds=args.grace,
         inline_max_rows=args.inline_max_rows,
         inline_max_ms=args.inline_max_ms,
+        co_batch=args.batching == "co-batch",
+        co_batch_wait_ms=args.co_batch_wait_ms,
         session_lease_seconds=args.session_lease if args.session_lease > 0 else None,
         evidence_dir=args.evidence if args.evidence is not None else default_evidence_dir(),
         lock_path=args.lock,

@@ -21,7 +21,7 @@ from dgr_engine._binding import BUILD_FLAGS, LLAMA_COMMIT, PATCH_STACK_SHA256, S
 from dgr_engine.artifacts.shard import ShardArtifacts
 from dgr_engine.certification.classify import FIXTURE_MARK_KEY
 from dgr_engine.certification.hardware import hardware_fingerprint
-from dgr_engine.certification.lane import LaneKey
+from dgr_engine.certification.lane import BATCHING_SESSION, LaneKey
 from dgr_engine.numerics import Numerics
 
 _CHUNK = 8 * 1024 * 1024
@@ -131,6 +131,8 @@ class BuildIdentity:
     """Every owned layer runs on the CPU backend (the only one built)."""
     official_target_sha: str | None = None
     """The upstream model revision, where the split manifest names it."""
+    batching: str = BATCHING_SESSION
+    """``"co-batch"`` when the worker co-batches sessions (``LaneKey.batching``)."""
     artifacts: str = ""
     """How a split model's files were checked (``verified at start-up``, ``trusted state of
     ...``); empty for a single file, hashed whole at start-up."""
@@ -195,4 +197,5 @@ class BuildIdentity:
             flash_attn=self.flash_attn,
             context_per_session=context_per_session,
             placement=self.placement,
+            batching=self.batching,
         )

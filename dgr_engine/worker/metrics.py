@@ -57,6 +57,15 @@ class WorkerMetrics:
         self.lease_expiries = Counter(
             "dgr_worker_lease_expiries", "Sessions closed because their lease ran out", registry=r
         )
+        self.engine_calls = Counter(
+            "dgr_worker_engine_calls", "Engine calls made by co-batching", registry=r
+        )
+        self.frames_per_call = Histogram(
+            "dgr_worker_frames_per_engine_call",
+            "Sessions' frames run together in one co-batched engine call",
+            buckets=(1, 2, 3, 4, 6, 8, 12, 16, 32, 64),
+            registry=r,
+        )
         self.info = Info("dgr_worker", "The build, model and lane this worker serves", registry=r)
         # labelled children looked up once: a label lookup costs more than the increment
         self._by_kind = {k: (self.forwards.labels(k), self.rows.labels(k)) for k in _KINDS}
@@ -80,6 +89,11 @@ class WorkerMetrics:
         self.frame_seconds.observe(frame_s)
         self._bytes_in.inc(bytes_in)
         self._bytes_out.inc(bytes_out)
+
+    def engine_call(self, frames: int, rows: int) -> None:
+        """One co-batched engine call ran ``frames`` frames (``rows`` rows together)."""
+        self.engine_calls.inc()
+        self.frames_per_call.observe(frames)
 
     def serve(self, host: str, port: int) -> int:
         """Serves ``/metrics`` on ``host:port`` (0: a free port) in a thread; returns the port."""

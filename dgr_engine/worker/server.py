@@ -21,6 +21,7 @@ from grpc_health.v1.health import aio as health_aio
 from loguru import logger
 
 from dgr_engine.certification.errors import EvidenceError
+from dgr_engine.certification.lane import BATCHING_CO_BATCH
 from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.registry import LaneLookup, find_certification
 from dgr_engine.engine import ShardEngine
@@ -39,6 +40,7 @@ from dgr_engine.wire.advert import (
     Security,
 )
 from dgr_engine.worker.admission import Admission
+from dgr_engine.worker.co_batch import CoBatchConfig, CoBatcher
 from dgr_engine.worker.engine_thread import EngineThread
 from dgr_engine.worker.grant_gate import GrantGate
 from dgr_engine.worker.identity import BuildIdentity
@@ -80,6 +82,11 @@ class WorkerConfig:
     """Run small frames on the loop only while the last one took at most this long in the
     engine (the first one always runs on the engine thread, to measure): a model whose decode
     steps are slow never holds the loop, and for it the hop saved is noise anyway."""
+    co_batch: bool = False
+    """Run frames of different sessions that wait for the engine together in one engine call
+    (``dgr_engine.worker.co_batch``; recorded in the lane as ``batching="co-batch"``)."""
+    co_batch_wait_ms: float = 0.0
+    """With ``co_batch``: how long a call may wait for more sessions' frames (0: never)."""
     session_lease_seconds: float | None = 600.0
     """A session neither opened nor forwarded for this long is closed by the worker (checked
     while serving, see ``ShardWorker.expire_idle_sessions``); ``None``: never."""
@@ -140,8 +147,10 @@ class ShardWorker:
     ) -> None:
         self.engine = engine
         # the KV type and flash-attention mode are the engine's: the advert and lane say them
-        self.build = build.with_numerics(engine.numerics)
         self.config = config if config is not None else WorkerConfig()
+        self.build = build.with_numerics(engine.numerics)
+        if self.config.co_batch:
+            self.build = attrs.evolve(self.build, batching=BATCHING_CO_BATCH)
         self.info = engine.info
         self.expect = frames.Expectations.of_shard(build.model_sha256, self.info)
         # a tombstone is kept a lease long: an open older than that would have lost its slot
@@ -187,6 +196,7 @@ class ShardWorker:
                 "arch": self.info.arch,
                 "layers": f"{self.info.layer_begin}:{self.info.layer_end}",
                 "lane_id": self.lane_key.lane_id,
+                "batching": self.build.batching,
                 "llama_cpp_commit": self.build.llama_cpp_commit,
                 "patch_stack_sha256": self.build.patch_stack_sha256.hex(),
                 "dgr_version": self.build.dgr_version,
@@ -197,6 +207,18 @@ class ShardWorker:
         """Where the metrics are served once started (0: not served)."""
         self.usage = UsageBook((self.info.layer_begin, self.info.layer_end))
         self._engine_thread = EngineThread()
+        self.co_batcher: CoBatcher | None = None
+        """Co-batches forward frames (``WorkerConfig.co_batch``); ``None``: one per call."""
+        if self.config.co_batch:
+            self.co_batcher = CoBatcher(
+                CoBatchConfig(self.info.n_batch, self.config.co_batch_wait_ms / 1000),
+                self._engine_thread,
+                self.table.forward_batch,
+                sessions_open=lambda: self.table.snapshot().sessions_open,
+                on_call=self.metrics.engine_call,
+                started=self.meter.started,
+                stopped=self.meter.stopped,
+            )
         self._health = health_aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._stopped: int | None = None  # sessions closed at stop; None until stopped
@@ -591,7 +613,10 @@ class ShardWorker:
         """Runs one decoded frame on the engine (thread, or the loop: ``inline_max_rows``);
         returns its output rows, the session's next position, and the ns it queued and
         computed. Raises the engine's refusal, or ``DGR_E_DEADLINE`` when the deadline passed
-        while it queued."""
+        while it queued. With co-batching, the frame runs in the next engine call together with
+        other sessions' frames (its compute time is that call's)."""
+        if self.co_batcher is not None:
+            return await self.co_batcher.submit(frame, deadline)
         small = frame.n_rows <= self.config.inline_max_rows
         result = await self.run_on_engine(
             self._forward_job,

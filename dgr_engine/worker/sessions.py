@@ -12,13 +12,13 @@ import contextlib
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import attrs
 import numpy as np
 
-from dgr_engine.engine import FloatArray, ShardInfo
+from dgr_engine.engine import FloatArray, ForwardItem, ShardInfo
 from dgr_engine.errors import EngineError, NonFiniteOutput, StaleEpoch, UnknownSession
 from dgr_engine.numerics import Numerics
 from dgr_engine.wire.frames import FloatRows, ForwardFrame
@@ -43,6 +43,7 @@ class EngineLike(Protocol):
         rows: np.ndarray | None = None,
         want: np.ndarray | None = None,
     ) -> FloatArray: ...
+    def forward_batch(self, items: Sequence[ForwardItem]) -> list[FloatArray | EngineError]: ...
     def close(self) -> None: ...
 
 
@@ -128,6 +129,47 @@ class SessionTable:
                 )
         finally:
             entry.last_used = self.clock()  # a refused frame still shows the client is there
+        return self._finish(frame, entry, out)
+
+    def forward_batch(
+        self, frames: Sequence[ForwardFrame]
+    ) -> list[tuple[FloatRows, int] | Exception]:
+        """Runs frames of distinct sessions in one engine call (co-batching); each frame's
+        result is what :meth:`forward` would return or raise for it alone, in frame order."""
+        results: list[tuple[FloatRows, int] | Exception | None] = [None] * len(frames)
+        live: list[tuple[int, _Entry]] = []
+        for index, frame in enumerate(frames):
+            try:
+                live.append((index, self._live(frame.session_id, frame.epoch)))
+            except EngineError as exc:
+                results[index] = exc
+        items = [
+            ForwardItem(
+                entry.key,
+                frames[index].epoch,
+                frames[index].positions,
+                tokens=frames[index].tokens,
+                rows=frames[index].rows,
+                want=frames[index].want,
+            )
+            for index, entry in live
+        ]
+        outs = self.engine.forward_batch(items) if items else []
+        for (index, entry), out in zip(live, outs, strict=True):
+            frame = frames[index]
+            entry.last_used = self.clock()
+            if isinstance(out, EngineError):
+                results[index] = _named(out, frame.session_id, entry.key)
+                continue
+            try:
+                results[index] = self._finish(frame, entry, out)
+            except NonFiniteOutput as exc:
+                results[index] = exc
+        return [result for result in results if result is not None]
+
+    def _finish(self, frame: ForwardFrame, entry: _Entry, out: FloatRows) -> tuple[FloatRows, int]:
+        """After the engine ran ``frame``: refuses (and closes) output that is not finite, else
+        advances the mirrored position."""
         if not np.isfinite(out).all():  # its KV holds them too: nobody may continue it
             self.close(frame.session_id, frame.epoch)
             raise NonFiniteOutput(
@@ -232,5 +274,11 @@ def _naming(session_id: str, key: int) -> Iterator[None]:
     try:
         yield
     except EngineError as exc:
-        exc.args = (f"{exc.args[0] if exc.args else ''} [session {session_id!r} = key {key}]",)
+        _named(exc, session_id, key)
         raise
+
+
+def _named(exc: EngineError, session_id: str, key: int) -> EngineError:
+    """``exc`` with the wire id after the engine's key in its message (same object)."""
+    exc.args = (f"{exc.args[0] if exc.args else ''} [session {session_id!r} = key {key}]",)
+    return exc

@@ -44,7 +44,7 @@
 extern "C" {
 #endif
 
-#define DGR_ABI_VERSION 6
+#define DGR_ABI_VERSION 7
 
 /* Magic and version at the head of a saved session state (see dgr_session_state_save). */
 #define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
@@ -225,6 +225,41 @@ int dgr_session_forward(dgr_engine * engine, uint64_t session_id, uint64_t epoch
                         uint32_t n_rows, const int32_t * tokens, const float * rows,
                         uint32_t row_width, const int32_t * positions, const uint8_t * want,
                         float * out, size_t out_capacity, uint32_t * n_out);
+
+/* One session's part of a co-batched forward (dgr_forward_batch, ABI 7). The inputs are
+ * dgr_session_forward's; the outputs are set by the call. */
+typedef struct dgr_forward_item {
+    uint64_t session_id;
+    uint64_t epoch;
+    uint32_t n_rows;
+    const int32_t * tokens;
+    const float * rows;
+    uint32_t row_width;
+    const int32_t * positions;
+    const uint8_t * want;
+    float * out;
+    size_t out_capacity;
+    /* out: output rows written (as dgr_session_forward's n_out) */
+    uint32_t n_out;
+    /* out: DGR_OK, or this item's failure (the statuses of dgr_session_forward) */
+    int32_t status;
+    /* out: on DGR_E_STALE_EPOCH, the epoch the engine holds for the session; else -1 */
+    int64_t held_epoch;
+    /* out: the failure's message ("" on success) */
+    char error[256];
+} dgr_forward_item;
+
+/* Runs the rows of several sessions, each item as dgr_session_forward would, in one
+ * llama_decode whose batch carries one sequence per session (in sequence order; for deepseek4,
+ * one llama_decode per item). Each item is checked first: an item that fails its checks (or
+ * names a session already in the call) gets its status and message and does not run, and the
+ * other items still do. If llama_decode fails, every item of that decode gets the failure and
+ * each of their sessions is rolled back as dgr_session_forward says. Returns DGR_OK when the
+ * items were examined (read each item's status), DGR_E_SHAPE (nothing ran) when the items that
+ * passed their checks carry more than n_batch rows together, DGR_E_INVALID_ARGUMENT for NULLs.
+ * Numerics: a row computed next to other sessions' rows may differ in the last bits from the
+ * same row computed alone (other micro-batch shapes); each session's rows stay its own. */
+int dgr_forward_batch(dgr_engine * engine, dgr_forward_item * items, uint32_t n_items);
 
 /* Keeps the first n_keep positions of the session and drops the rest (n_keep <= next_pos).
  * On success the next position is n_keep. deepseek4 state cannot drop a tail: n_keep must be 0 or

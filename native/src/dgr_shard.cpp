@@ -484,12 +484,15 @@ int dgr_session_open(dgr_engine * engine, uint64_t session_id, uint64_t epoch) {
         return fail(DGR_E_CAPACITY, "no free session slot: %u sessions open (max_sessions)",
                     (unsigned) engine->sessions.size());
     }
+    // the lowest free sequence: open sessions keep neighbouring ids, which llama.cpp evaluates
+    // together when a co-batched forward (dgr_forward_batch) carries several of them
+    const auto lowest = std::min_element(engine->free_seqs.begin(), engine->free_seqs.end());
     session_slot slot;
     slot.epoch = epoch;
-    slot.seq = engine->free_seqs.back();
+    slot.seq = *lowest;
     llama_memory_seq_rm(engine->mem(), slot.seq, -1, -1);
     engine->sessions.emplace(session_id, slot);
-    engine->free_seqs.pop_back();  // only once the session holds the slot
+    engine->free_seqs.erase(lowest);  // only once the session holds the slot
     return ok();
     DGR_GUARD_END
 }
@@ -510,20 +513,29 @@ int dgr_session_close(dgr_engine * engine, uint64_t session_id, uint64_t epoch) 
     DGR_GUARD_END
 }
 
-int dgr_session_forward(dgr_engine * engine, uint64_t session_id, uint64_t epoch, uint32_t n_rows,
-                        const int32_t * tokens, const float * rows, uint32_t row_width, const int32_t * positions,
-                        const uint8_t * want, float * out, size_t out_capacity, uint32_t * n_out) {
-    if (engine == nullptr || n_out == nullptr || out == nullptr || positions == nullptr) {
+}  // extern "C"
+
+namespace {
+
+// One session's rows in a forward call, checked and ready to run.
+struct forward_plan {
+    dgr_forward_item * item = nullptr;
+    session_slot * slot = nullptr;
+    std::vector<uint32_t> out_rows;  // rows (of the item) that produce an output
+};
+
+// Checks one item against the engine (status and message via fail(); nothing changes).
+int check_item(dgr_engine * engine, dgr_forward_item & it, forward_plan & plan) {
+    if (it.positions == nullptr || it.out == nullptr) {
         return fail(DGR_E_INVALID_ARGUMENT, "engine, positions, out and n_out must not be NULL");
     }
-    *n_out = 0;
-    DGR_GUARD_BEGIN
-    const auto t0 = std::chrono::steady_clock::now();
     session_slot * slot = nullptr;
-    if (int rc = engine->find(session_id, epoch, &slot); rc != DGR_OK) {
+    if (int rc = engine->find(it.session_id, it.epoch, &slot); rc != DGR_OK) {
         return rc;
     }
     const dgr_shard_info & info = engine->info;
+    const uint64_t session_id = it.session_id;
+    const uint32_t n_rows = it.n_rows;
     if (n_rows == 0) {
         return fail(DGR_E_SHAPE, "session %llu: a forward call needs at least one row", (unsigned long long) session_id);
     }
@@ -532,21 +544,21 @@ int dgr_session_forward(dgr_engine * engine, uint64_t session_id, uint64_t epoch
                     info.n_batch);
     }
     if (info.is_first) {
-        if (rows != nullptr) {
+        if (it.rows != nullptr) {
             return fail(DGR_E_SHAPE, "the first shard takes token ids, not boundary rows");
         }
     } else {
-        if (rows == nullptr) {
+        if (it.rows == nullptr) {
             return fail(DGR_E_SHAPE, "shard [%d, %d) is not the first: it needs boundary rows of width %d",
                         info.layer_begin, info.layer_end, info.in_width);
         }
-        if ((int32_t) row_width != info.in_width) {
-            return fail(DGR_E_SHAPE, "boundary row width %u does not match this shard's input width %d", row_width,
+        if ((int32_t) it.row_width != info.in_width) {
+            return fail(DGR_E_SHAPE, "boundary row width %u does not match this shard's input width %d", it.row_width,
                         info.in_width);
         }
     }
     if (info.needs_token_ids) {
-        if (tokens == nullptr) {
+        if (it.tokens == nullptr) {
             if (info.is_first) {
                 return fail(DGR_E_SHAPE, "shard [%d, %d) needs token ids with its rows", info.layer_begin,
                             info.layer_end);
@@ -558,96 +570,234 @@ int dgr_session_forward(dgr_engine * engine, uint64_t session_id, uint64_t epoch
                         std::min(info.layer_end, engine->hash_layer_count));
         }
         for (uint32_t i = 0; i < n_rows; ++i) {
-            if (tokens[i] < 0 || tokens[i] >= info.n_vocab) {
-                return fail(DGR_E_INVALID_ARGUMENT, "token id %d at row %u is outside the vocabulary [0, %d)", tokens[i],
-                            i, info.n_vocab);
+            if (it.tokens[i] < 0 || it.tokens[i] >= info.n_vocab) {
+                return fail(DGR_E_INVALID_ARGUMENT, "token id %d at row %u is outside the vocabulary [0, %d)",
+                            it.tokens[i], i, info.n_vocab);
             }
         }
     }
     for (uint32_t i = 0; i < n_rows; ++i) {
-        if (positions[i] != slot->next_pos + (int32_t) i) {
+        if (it.positions[i] != slot->next_pos + (int32_t) i) {
             return fail(DGR_E_POSITION, "session %llu: row %u has position %d but the KV continues at %d",
-                        (unsigned long long) session_id, i, positions[i], slot->next_pos + (int32_t) i);
+                        (unsigned long long) session_id, i, it.positions[i], slot->next_pos + (int32_t) i);
         }
     }
     if ((uint64_t) slot->next_pos + n_rows > info.n_ctx_per_session) {
         return fail(DGR_E_CONTEXT_FULL, "session %llu: %d + %u positions exceed the session context of %u",
                     (unsigned long long) session_id, slot->next_pos, n_rows, info.n_ctx_per_session);
     }
-    std::vector<uint32_t> out_rows;
-    if (info.is_last) {
-        for (uint32_t i = 0; i < n_rows; ++i) {
-            if (want == nullptr ? i + 1 == n_rows : want[i] != 0) {
-                out_rows.push_back(i);
-            }
-        }
-    } else {
-        for (uint32_t i = 0; i < n_rows; ++i) {
-            out_rows.push_back(i);
-        }
-    }
-    const size_t need = out_rows.size() * (size_t) info.out_width;
-    if (out_capacity < need) {
-        return fail(DGR_E_SHAPE, "output buffer holds %zu floats, %zu needed", out_capacity, need);
-    }
-
-    llama_batch batch = llama_batch_init((int32_t) n_rows, info.is_first ? 0 : info.in_width, 1);
-    batch.n_tokens = (int32_t) n_rows;
-    if (info.is_first) {
-        std::memcpy(batch.token, tokens, sizeof(int32_t) * n_rows);
-    } else {
-        std::memcpy(batch.embd, rows, sizeof(float) * n_rows * (size_t) info.in_width);
-        if (info.needs_token_ids) {
-            // boundary rows and the token ids they carry, in one batch (llama_batch_free frees both)
-            batch.token = (llama_token *) std::malloc(sizeof(llama_token) * n_rows);
-            if (batch.token == nullptr) {
-                llama_batch_free(batch);
-                return fail(DGR_E_INTERNAL, "out of memory for %u token ids", n_rows);
-            }
-            std::memcpy(batch.token, tokens, sizeof(int32_t) * n_rows);
-        }
-    }
+    plan.out_rows.clear();
     for (uint32_t i = 0; i < n_rows; ++i) {
-        batch.pos[i] = positions[i];
-        batch.n_seq_id[i] = 1;
-        batch.seq_id[i][0] = slot->seq;
-        batch.logits[i] = 0;
+        if (!info.is_last || (it.want == nullptr ? i + 1 == n_rows : it.want[i] != 0)) {
+            plan.out_rows.push_back(i);
+        }
     }
-    for (uint32_t i : out_rows) {
-        batch.logits[i] = 1;
+    const size_t need = plan.out_rows.size() * (size_t) info.out_width;
+    if (it.out_capacity < need) {
+        return fail(DGR_E_SHAPE, "output buffer holds %zu floats, %zu needed", it.out_capacity, need);
+    }
+    plan.item = &it;
+    plan.slot = slot;
+    return DGR_OK;
+}
+
+// Runs checked plans (distinct sessions, rows together <= n_batch) in one llama_decode, their
+// rows in plan order. On failure every plan's session is rolled back (or emptied, see
+// roll_back) and the status and message say so; on success each item's n_out is set and each
+// session's next position advances by its rows.
+int run_plans(dgr_engine * engine, std::vector<forward_plan *> & plans) {
+    const dgr_shard_info & info = engine->info;
+    int32_t n_total = 0;
+    for (const forward_plan * plan : plans) {
+        n_total += (int32_t) plan->item->n_rows;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    llama_batch batch = llama_batch_init(n_total, info.is_first ? 0 : info.in_width, 1);
+    batch.n_tokens = n_total;
+    if (!info.is_first && info.needs_token_ids) {
+        // boundary rows and the token ids they carry, in one batch (llama_batch_free frees both)
+        batch.token = (llama_token *) std::malloc(sizeof(llama_token) * (size_t) n_total);
+        if (batch.token == nullptr) {
+            llama_batch_free(batch);
+            return fail(DGR_E_INTERNAL, "out of memory for %d token ids", n_total);
+        }
+    }
+    std::vector<int32_t> first_row(plans.size());
+    int32_t at = 0;
+    for (size_t p = 0; p < plans.size(); ++p) {
+        const dgr_forward_item & it = *plans[p]->item;
+        first_row[p] = at;
+        if (info.is_first || info.needs_token_ids) {
+            std::memcpy(batch.token + at, it.tokens, sizeof(int32_t) * it.n_rows);
+        }
+        if (!info.is_first) {
+            std::memcpy(batch.embd + (size_t) at * info.in_width, it.rows,
+                        sizeof(float) * it.n_rows * (size_t) info.in_width);
+        }
+        for (uint32_t i = 0; i < it.n_rows; ++i) {
+            batch.pos[at + i] = it.positions[i];
+            batch.n_seq_id[at + i] = 1;
+            batch.seq_id[at + i][0] = plans[p]->slot->seq;
+            batch.logits[at + i] = 0;
+        }
+        for (uint32_t i : plans[p]->out_rows) {
+            batch.logits[at + i] = 1;
+        }
+        at += (int32_t) it.n_rows;
     }
     g_llama_last_log_error.clear();
     const int32_t rc = llama_decode(engine->ctx, batch);
     llama_batch_free(batch);
+    const uint64_t session_id = plans.size() == 1 ? plans[0]->item->session_id : 0;
     if (rc != 0) {
         if (rc == 1) {
-            // llama.cpp restored the memory itself: the session keeps its state and position
-            return fail(DGR_E_CONTEXT_FULL, "session %llu: no KV slot for %u rows", (unsigned long long) session_id,
-                        n_rows);
+            // llama.cpp restored the memory itself: the sessions keep their state and position
+            if (plans.size() == 1) {
+                return fail(DGR_E_CONTEXT_FULL, "session %llu: no KV slot for %d rows", (unsigned long long) session_id,
+                            n_total);
+            }
+            return fail(DGR_E_CONTEXT_FULL, "no KV slot for %d rows of %zu sessions", n_total, plans.size());
         }
-        // roll the rows of this call back: the session keeps its previous state and position;
+        // roll the rows of this call back: each session keeps its previous state and position;
         // state that cannot drop a tail (DeepSeek V4 compressed/indexer state) is emptied instead
-        const char * what = engine->roll_back(*slot);
-        return fail(DGR_E_DECODE, "session %llu: llama_decode returned %d: %s; %s", (unsigned long long) session_id,
+        const char * what = "";
+        for (forward_plan * plan : plans) {
+            what = engine->roll_back(*plan->slot);
+        }
+        if (plans.size() == 1) {
+            return fail(DGR_E_DECODE, "session %llu: llama_decode returned %d: %s; %s", (unsigned long long) session_id,
+                        rc, g_llama_last_log_error.c_str(), what);
+        }
+        return fail(DGR_E_DECODE, "llama_decode of %zu sessions returned %d: %s; for each session %s", plans.size(),
                     rc, g_llama_last_log_error.c_str(), what);
     }
-    for (size_t k = 0; k < out_rows.size(); ++k) {
-        const float * src = info.is_last ? llama_get_logits_ith(engine->ctx, (int32_t) out_rows[k])
-                                         : llama_get_embeddings_ith(engine->ctx, (int32_t) out_rows[k]);
-        if (src == nullptr) {
-            const char * what = engine->roll_back(*slot);
-            return fail(DGR_E_DECODE, "session %llu: no output for row %u; %s", (unsigned long long) session_id,
-                        out_rows[k], what);
+    for (size_t p = 0; p < plans.size(); ++p) {
+        dgr_forward_item & it = *plans[p]->item;
+        const std::vector<uint32_t> & out_rows = plans[p]->out_rows;
+        for (size_t k = 0; k < out_rows.size(); ++k) {
+            const int32_t row = first_row[p] + (int32_t) out_rows[k];
+            const float * src = info.is_last ? llama_get_logits_ith(engine->ctx, row)
+                                             : llama_get_embeddings_ith(engine->ctx, row);
+            if (src == nullptr) {
+                const char * what = "";
+                for (forward_plan * plan : plans) {
+                    what = engine->roll_back(*plan->slot);
+                }
+                return fail(DGR_E_DECODE, "session %llu: no output for row %u; %s",
+                            (unsigned long long) it.session_id, out_rows[k], what);
+            }
+            std::memcpy(it.out + k * (size_t) info.out_width, src, sizeof(float) * (size_t) info.out_width);
         }
-        std::memcpy(out + k * (size_t) info.out_width, src, sizeof(float) * (size_t) info.out_width);
     }
-    slot->next_pos += (int32_t) n_rows;
-    *n_out = (uint32_t) out_rows.size();
-    engine->rows_forwarded += n_rows;
+    for (forward_plan * plan : plans) {
+        plan->slot->next_pos += (int32_t) plan->item->n_rows;
+        plan->item->n_out = (uint32_t) plan->out_rows.size();
+    }
+    engine->rows_forwarded += (uint64_t) n_total;
     engine->forward_calls += 1;
     engine->forward_ns += (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
                               std::chrono::steady_clock::now() - t0)
                               .count();
+    return DGR_OK;
+}
+
+// Records the calling thread's last failure in the item.
+void record_failure(dgr_forward_item & it, int status) {
+    it.status = status;
+    it.held_epoch = g_last_held_epoch;
+    std::snprintf(it.error, sizeof(it.error), "%s", g_last_error.c_str());
+}
+
+}  // namespace
+
+extern "C" {
+
+int dgr_session_forward(dgr_engine * engine, uint64_t session_id, uint64_t epoch, uint32_t n_rows,
+                        const int32_t * tokens, const float * rows, uint32_t row_width, const int32_t * positions,
+                        const uint8_t * want, float * out, size_t out_capacity, uint32_t * n_out) {
+    if (engine == nullptr || n_out == nullptr || out == nullptr || positions == nullptr) {
+        return fail(DGR_E_INVALID_ARGUMENT, "engine, positions, out and n_out must not be NULL");
+    }
+    *n_out = 0;
+    DGR_GUARD_BEGIN
+    dgr_forward_item it{};
+    it.session_id = session_id;
+    it.epoch = epoch;
+    it.n_rows = n_rows;
+    it.tokens = tokens;
+    it.rows = rows;
+    it.row_width = row_width;
+    it.positions = positions;
+    it.want = want;
+    it.out = out;
+    it.out_capacity = out_capacity;
+    forward_plan plan;
+    if (int rc = check_item(engine, it, plan); rc != DGR_OK) {
+        return rc;
+    }
+    std::vector<forward_plan *> plans{ &plan };
+    if (int rc = run_plans(engine, plans); rc != DGR_OK) {
+        return rc;
+    }
+    *n_out = it.n_out;
+    return ok();
+    DGR_GUARD_END
+}
+
+int dgr_forward_batch(dgr_engine * engine, dgr_forward_item * items, uint32_t n_items) {
+    if (engine == nullptr || (items == nullptr && n_items > 0)) {
+        return fail(DGR_E_INVALID_ARGUMENT, "engine and items must not be NULL");
+    }
+    DGR_GUARD_BEGIN
+    std::vector<forward_plan> plans(n_items);
+    std::vector<forward_plan *> ready;
+    uint32_t n_total = 0;
+    for (uint32_t i = 0; i < n_items; ++i) {
+        dgr_forward_item & it = items[i];
+        it.n_out = 0;
+        it.status = DGR_OK;
+        it.held_epoch = -1;
+        it.error[0] = '\0';
+        bool twice = false;
+        for (const forward_plan * other : ready) {
+            twice = twice || other->item->session_id == it.session_id;
+        }
+        if (twice) {
+            fail(DGR_E_INVALID_ARGUMENT, "session %llu appears twice in one batch", (unsigned long long) it.session_id);
+            record_failure(it, DGR_E_INVALID_ARGUMENT);
+            continue;
+        }
+        if (int rc = check_item(engine, it, plans[i]); rc != DGR_OK) {
+            record_failure(it, rc);
+            continue;
+        }
+        ready.push_back(&plans[i]);
+        n_total += it.n_rows;
+    }
+    if (n_total > engine->info.n_batch) {
+        return fail(DGR_E_SHAPE, "%u rows of %zu sessions exceed n_batch %u; nothing ran", n_total, ready.size(),
+                    engine->info.n_batch);
+    }
+    // llama.cpp splits a batch over per-sequence KV streams into micro-batches of consecutive
+    // sequence ids: in sequence order, neighbouring slots share one graph evaluation
+    std::sort(ready.begin(), ready.end(),
+              [](const forward_plan * a, const forward_plan * b) { return a->slot->seq < b->slot->seq; });
+    const bool one_call = std::strcmp(engine->info.arch, "deepseek4") != 0;
+    for (size_t begin = 0; begin < ready.size();) {
+        // deepseek4 state is per session and not covered by multi-sequence batches: one call each
+        const size_t end = one_call ? ready.size() : begin + 1;
+        std::vector<forward_plan *> group(ready.begin() + (std::ptrdiff_t) begin, ready.begin() + (std::ptrdiff_t) end);
+        if (int rc = run_plans(engine, group); rc != DGR_OK) {
+            for (forward_plan * plan : group) {
+                record_failure(*plan->item, rc);
+            }
+        } else {
+            for (forward_plan * plan : group) {
+                plan->item->status = DGR_OK;
+            }
+        }
+        begin = end;
+    }
     return ok();
     DGR_GUARD_END
 }
