@@ -249,16 +249,18 @@ typedef struct dgr_forward_item {
     char error[256];
 } dgr_forward_item;
 
-/* Runs the rows of several sessions, each item as dgr_session_forward would, in one
- * llama_decode whose batch carries one sequence per session (in sequence order; for deepseek4,
- * one llama_decode per item). Each item is checked first: an item that fails its checks (or
- * names a session already in the call) gets its status and message and does not run, and the
- * other items still do. If llama_decode fails, every item of that decode gets the failure and
- * each of their sessions is rolled back as dgr_session_forward says. Returns DGR_OK when the
- * items were examined (read each item's status), DGR_E_SHAPE (nothing ran) when the items that
- * passed their checks carry more than n_batch rows together, DGR_E_INVALID_ARGUMENT for NULLs.
- * Numerics: a row computed next to other sessions' rows may differ in the last bits from the
- * same row computed alone (other micro-batch shapes); each session's rows stay its own. */
+/* Runs the rows of several sessions, each item as dgr_session_forward would. Items run in
+ * sequence order; neighbours share one llama_decode (one sequence per session) while they carry
+ * fewer than 32 rows together, and an item of 32 rows or more runs alone (deepseek4: every item
+ * alone). Below 32 rows llama.cpp computes each row's matmuls on their own (patch 0010), so a
+ * session's outputs have the same bits as when it runs alone (tested for the fixtures' tensor
+ * types; CPU-repacked quantized types may differ, so co-batching is part of the lane).
+ * Each item is checked first: an item that fails its checks (or names a session already in the
+ * call) gets its status and message and does not run, and the other items still do. If a
+ * llama_decode fails, every item of it gets the failure and each of their sessions is rolled
+ * back as dgr_session_forward says. Returns DGR_OK when the items were examined (read each
+ * item's status), DGR_E_SHAPE (nothing ran) when the items that passed their checks carry more
+ * than n_batch rows together, DGR_E_INVALID_ARGUMENT for NULLs. */
 int dgr_forward_batch(dgr_engine * engine, dgr_forward_item * items, uint32_t n_items);
 
 /* Keeps the first n_keep positions of the session and drops the rest (n_keep <= next_pos).

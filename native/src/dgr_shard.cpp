@@ -517,6 +517,11 @@ int dgr_session_close(dgr_engine * engine, uint64_t session_id, uint64_t epoch) 
 
 namespace {
 
+// Micro-batches of fewer rows than this are computed column by column: llamafile's sgemm takes
+// only larger ones (patch 0010). A co-batched llama_decode stays under it, so that a session's
+// rows have the same bits next to other sessions' rows as alone.
+constexpr uint32_t k_uniform_rows = 32;
+
 // One session's rows in a forward call, checked and ready to run.
 struct forward_plan {
     dgr_forward_item * item = nullptr;
@@ -782,10 +787,18 @@ int dgr_forward_batch(dgr_engine * engine, dgr_forward_item * items, uint32_t n_
     // sequence ids: in sequence order, neighbouring slots share one graph evaluation
     std::sort(ready.begin(), ready.end(),
               [](const forward_plan * a, const forward_plan * b) { return a->slot->seq < b->slot->seq; });
-    const bool one_call = std::strcmp(engine->info.arch, "deepseek4") != 0;
+    // deepseek4 state is per session and not covered by multi-sequence batches: one call each
+    const bool together = std::strcmp(engine->info.arch, "deepseek4") != 0;
     for (size_t begin = 0; begin < ready.size();) {
-        // deepseek4 state is per session and not covered by multi-sequence batches: one call each
-        const size_t end = one_call ? ready.size() : begin + 1;
+        // neighbours share a llama_decode while they stay under k_uniform_rows rows together:
+        // every micro-batch is then computed column by column (patch 0010), so each row comes
+        // out in the bits it has when its session runs alone; a larger item runs alone
+        size_t end = begin + 1;
+        uint32_t rows = ready[begin]->item->n_rows;
+        while (together && end < ready.size() && rows + ready[end]->item->n_rows < k_uniform_rows) {
+            rows += ready[end]->item->n_rows;
+            ++end;
+        }
         std::vector<forward_plan *> group(ready.begin() + (std::ptrdiff_t) begin, ready.begin() + (std::ptrdiff_t) end);
         if (int rc = run_plans(engine, group); rc != DGR_OK) {
             for (forward_plan * plan : group) {
