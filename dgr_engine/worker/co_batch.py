@@ -12,10 +12,13 @@ waits behind one that came after it (first come, first served; the head is alway
 fewer frames queue than sessions are open, to fill it; 0 (the default) never waits: batches
 form only from frames that queued while the engine was busy.
 
-Numerics: a session's rows computed next to other sessions' rows may differ in the last bits
-from the same rows computed alone (llama.cpp evaluates them in other micro-batch shapes). So
-co-batching is part of the worker's lane (``LaneKey.batching``): a certification record made
-without it does not certify a worker running with it, and exactness stays checkable per lane.
+Numerics: ``dgr_forward_batch`` keeps each co-batched ``llama_decode`` under 32 rows, where
+llama.cpp computes each row's matmuls on their own (patch 0010), and runs larger frames alone;
+so a session's rows come out in the same bits as when it runs alone (tested bit for bit on the
+fixtures). Tensor types that llama.cpp repacks for the CPU (some quantized types) use other
+kernels for one row than for several, so co-batching stays part of the worker's lane
+(``LaneKey.batching``): a certification record made without it does not certify a worker
+running with it, and each lane's exactness is checked on its own.
 """
 
 from __future__ import annotations
