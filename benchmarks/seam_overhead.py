@@ -27,12 +27,15 @@ import asyncio
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
 
 from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.engine import ForwardItem
 from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.processes import WorkerProcess
 from dgr_engine.wire.frames import check_finite_rows
@@ -92,6 +95,9 @@ def serve_echo(width: int) -> None:
             want: np.ndarray | None = None,
         ) -> np.ndarray:
             return np.array(rows, dtype=np.float32)  # a copy, as the engine writes a new buffer
+
+        def forward_batch(self, items: Sequence[ForwardItem]) -> list[Any]:
+            return [np.array(item.rows, dtype=np.float32) for item in items]
 
         def close(self) -> None:
             pass

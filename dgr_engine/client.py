@@ -143,6 +143,9 @@ class ShardClient:
             options += tls.channel_options()
             self._channel = grpc.aio.secure_channel(target, tls.credentials(), options=options)
         self._stub = shard_pb2_grpc.ShardStub(self._channel)
+        self.chain = shard_pb2_grpc.ChainStub(self._channel)
+        """The worker's ``Chain`` service over this client's channel (chained routes:
+        ``dgr_engine.chain_transport``)."""
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def __aenter__(self) -> ShardClient:
@@ -298,6 +301,11 @@ class ShardClient:
             rtt_us=(time.perf_counter_ns() - began) // 1000,
             wire_us=wire_ns // 1000,
         )
+
+    def session_secret(self, session_id: str, epoch: int) -> bytes:
+        """The secret the worker's open of ``(session_id, epoch)`` answered (empty without
+        grants, or if this client did not open that epoch)."""
+        return self._secret(session_id, epoch)
 
     # -- internals ---------------------------------------------------------------------------
 

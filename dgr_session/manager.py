@@ -259,10 +259,17 @@ class SessionManager:
         them). ``on_token`` is called with each accepted token; it must not raise.
         ``prefill_chunk`` is the most prompt tokens per forward (default: the smallest
         ``max_rows`` of the first route's stages, else the whole prompt).
+
+        A transport with a ``session_starting(session_id, max_new_tokens, stop_tokens)``
+        method is told first (a ring, ``dgr_engine.chain_transport``, runs ahead within them).
         """
         sid = session_id if session_id is not None else uuid.uuid4().hex
         if sid in self._live:
             raise ValueError(f"session {sid!r} is already running")
+        stop_tokens = tuple(stop_tokens)
+        starting = getattr(self._transport, "session_starting", None)
+        if callable(starting):
+            starting(sid, max_new_tokens, stop_tokens)
         core = RouteSession(
             sid,
             prompt,

@@ -47,3 +47,9 @@ def test_service_and_package_are_versioned() -> None:
 def test_check_mode_reports_no_drift(capsys: pytest.CaptureFixture[str]) -> None:
     assert generate.main(["--check"]) == 0
     assert capsys.readouterr().out == ""
+
+
+def test_chained_routes_have_a_service_of_their_own() -> None:
+    service = shard_pb2.DESCRIPTOR.services_by_name["Chain"]
+    assert [m.name for m in service.methods] == ["Link", "ChainStream", "ChainOutput"]
+    assert hasattr(shard_pb2_grpc, "ChainStub") and hasattr(shard_pb2_grpc, "ChainServicer")

@@ -132,6 +132,10 @@ def test_the_worker_command_refuses_unsafe_or_half_given_tls(
     not_pem.write_text("hello")
     line = _worker_line("--tls-cert", str(not_pem), "--tls-key", str(server.key))
     assert line == f"dgr worker: error: TLS certificate {not_pem}: not a PEM file"
+    line = _worker_line("--chain-tls-cert", str(server.cert))
+    assert line == "dgr worker: error: --chain-tls-cert and --chain-tls-key need --chain-tls-ca"
+    line = _worker_line("--chain-tls-ca", str(not_pem))
+    assert line == f"dgr worker: error: CA {not_pem}: not a PEM file"
 
 
 def test_a_tls_worker_process_serves_tls_only(

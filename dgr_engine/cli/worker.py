@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     from dgr_engine.artifacts.shard import ShardArtifacts
-    from dgr_engine.tls import ServerTls
+    from dgr_engine.tls import ClientTls, ServerTls
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -82,6 +82,20 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=None,
         help="with TLS: require client certificates signed by this CA (mutual TLS)",
     )
+    p.add_argument(
+        "--chain-tls-ca",
+        type=Path,
+        default=None,
+        help="chained routes: trust next stages' TLS certificates signed by this CA "
+        "(docs/chain.md; without it, links go to plaintext next stages only)",
+    )
+    p.add_argument(
+        "--chain-tls-cert",
+        type=Path,
+        default=None,
+        help="...and present this client certificate to a next stage that asks for one",
+    )
+    p.add_argument("--chain-tls-key", type=Path, default=None, help="...with this key (PEM)")
     p.add_argument(
         "--allow-plaintext-remote",
         action="store_true",
@@ -190,6 +204,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         args.tls = _server_tls(args)
+        args.chain_tls = _chain_tls(args)
         args.grant_keys = _grant_keys(args.grant_key)
     except ValueError as exc:
         print(f"dgr worker: error: {exc}", file=sys.stderr)
@@ -227,6 +242,18 @@ def _server_tls(args: argparse.Namespace) -> ServerTls | None:
     return ServerTls.from_files(args.tls_cert, args.tls_key, args.client_ca)
 
 
+def _chain_tls(args: argparse.Namespace) -> ClientTls | None:
+    """How the worker dials next stages of chained routes; ``ValueError`` for a certificate or
+    key without the CA, or an unreadable file."""
+    from dgr_engine.tls import ClientTls
+
+    if args.chain_tls_ca is None:
+        if args.chain_tls_cert is not None or args.chain_tls_key is not None:
+            raise ValueError("--chain-tls-cert and --chain-tls-key need --chain-tls-ca")
+        return None
+    return ClientTls.from_files(args.chain_tls_ca, args.chain_tls_cert, args.chain_tls_key)
+
+
 async def _serve(args: argparse.Namespace) -> int:
     from dgr_engine.certification.record import default_evidence_dir
     from dgr_engine.errors import EngineError
@@ -261,6 +288,7 @@ async def _serve(args: argparse.Namespace) -> int:
         stall_seconds=args.stall_seconds,
         resume_grace_seconds=args.resume_grace,
         tls=args.tls,
+        chain_tls=args.chain_tls,
         allow_plaintext_remote=args.allow_plaintext_remote,
         sessions_per_client=args.sessions_per_client,
         grant_keys=args.grant_keys,

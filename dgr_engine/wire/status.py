@@ -21,6 +21,9 @@ HELD_EPOCH_KEY = "dgr-held-epoch"
 """Trailing-metadata key of the epoch a worker holds, sent with a ``DGR_E_STALE_EPOCH``
 refusal (decimal)."""
 
+CHAIN_HOP_KEY = "dgr-chain-hop"
+"""Trailing-metadata key of a chained route's refusal: the index (decimal) of the stage that
+refused the frame or was lost (``docs/chain.md``)."""
 
 _C = grpc.StatusCode
 

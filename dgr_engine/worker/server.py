@@ -28,7 +28,7 @@ from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import ShardDeadlineExceeded, StaleEpoch, UnknownSession
 from dgr_engine.grants import Grant, GrantVerifier
 from dgr_engine.numerics import Numerics
-from dgr_engine.tls import ServerTls, check_plaintext_bind, is_loopback
+from dgr_engine.tls import ClientTls, ServerTls, check_plaintext_bind, is_loopback
 from dgr_engine.wire import frames as frames
 from dgr_engine.wire.advert import (
     Advert,
@@ -40,6 +40,7 @@ from dgr_engine.wire.advert import (
     Security,
 )
 from dgr_engine.worker.admission import Admission
+from dgr_engine.worker.chain import ChainHub, add_chain_service
 from dgr_engine.worker.co_batch import CoBatchConfig, CoBatcher
 from dgr_engine.worker.engine_thread import EngineThread
 from dgr_engine.worker.grant_gate import GrantGate
@@ -123,6 +124,10 @@ class WorkerConfig:
     metrics_port: int | None = None
     """Serve Prometheus metrics on ``host:metrics_port`` (0: a free port); ``None``: counted,
     not served."""
+    chain_tls: ClientTls | None = None
+    """How this worker dials the next stage of a chained route that serves TLS (the CA it
+    trusts, and its client certificate for a next stage that asks for one); ``None``: it
+    links only to plaintext next stages (``docs/chain.md``)."""
 
     def __attrs_post_init__(self) -> None:
         lease = self.session_lease_seconds
@@ -221,6 +226,8 @@ class ShardWorker:
             )
         self._health = health_aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
+        self.chain: ChainHub | None = None
+        """Chained routes' links and output streams (``worker/chain.py``), once started."""
         self._stopped: int | None = None  # sessions closed at stop; None until stopped
         self.small_frame_ns: float = float("inf")
         """Engine time of the last frame of at most ``inline_max_rows`` rows (none yet: inf)."""
@@ -283,7 +290,9 @@ class ShardWorker:
                 ("grpc.so_reuseport", 0),  # two workers must never share a port
             ]
         )
-        add_shard_service(ShardServicer(self), server)
+        shard_servicer = ShardServicer(self)
+        add_shard_service(shard_servicer, server)
+        self.chain = add_chain_service(shard_servicer, server).hub  # chained routes
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         host = f"[{self.config.host}]" if ":" in self.config.host else self.config.host
         tls = self.config.tls
@@ -335,6 +344,8 @@ class ShardWorker:
                     await task
         if self._server is not None:
             await self._server.stop(self.config.grace_seconds)
+        if self.chain is not None:
+            await self.chain.aclose()
         await asyncio.gather(*self._background, return_exceptions=True)
         closed = await self._engine_thread.run(self._close)
         self._engine_thread.shutdown()

@@ -21,6 +21,7 @@ from dgr_engine.worker.peer_limits import client_identity
 from dgr_engine.worker.registration import Undecodable
 
 if TYPE_CHECKING:
+    from dgr_engine.worker.chain import ChainHub
     from dgr_engine.worker.server import ShardWorker
 
 #: Refusals that are this worker's own fault and count against its health in the advert; the
@@ -44,6 +45,8 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
 
     def __init__(self, worker: ShardWorker) -> None:
         self.w = worker
+        self.chain: ChainHub | None = None
+        """Links and output streams of chained routes (``worker/chain.py``), once registered."""
 
     async def Describe(
         self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext[Any, Any]
@@ -91,6 +94,8 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             self.w.grants.check(request.session_id, int(request.epoch), request.session_secret)
             closed = await self.w.close_session(request.session_id, int(request.epoch))
             self.w.grants.closed(request.session_id, int(request.epoch))
+            if self.chain is not None:
+                self.chain.closed(request.session_id, int(request.epoch))
         except Exception as exc:
             await self._refuse(context, exc, request, "close")
         log.info("session closed{}", "" if closed == request.epoch else f" (epoch {closed})")

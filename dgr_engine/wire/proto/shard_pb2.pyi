@@ -315,7 +315,7 @@ class CloseSessionReply(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms", "no_logits", "session_secret", "kind")
+    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms", "no_logits", "session_secret", "kind", "chain_hop", "chain_trace", "ring_until_step", "ring_stop")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +329,10 @@ class ForwardRequest(_message.Message):
     NO_LOGITS_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_HOP_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_TRACE_FIELD_NUMBER: _ClassVar[int]
+    RING_UNTIL_STEP_FIELD_NUMBER: _ClassVar[int]
+    RING_STOP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     step: int
@@ -342,7 +346,11 @@ class ForwardRequest(_message.Message):
     no_logits: bool
     session_secret: bytes
     kind: RowKind
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., no_logits: _Optional[bool] = ..., session_secret: _Optional[bytes] = ..., kind: _Optional[_Union[RowKind, str]] = ...) -> None: ...
+    chain_hop: int
+    chain_trace: _containers.RepeatedCompositeFieldContainer[HopTrace]
+    ring_until_step: int
+    ring_stop: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., no_logits: _Optional[bool] = ..., session_secret: _Optional[bytes] = ..., kind: _Optional[_Union[RowKind, str]] = ..., chain_hop: _Optional[int] = ..., chain_trace: _Optional[_Iterable[_Union[HopTrace, _Mapping]]] = ..., ring_until_step: _Optional[int] = ..., ring_stop: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_us", "compute_us", "total_us")
@@ -371,3 +379,71 @@ class ForwardReply(_message.Message):
     next_pos: int
     timings: Timings
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[OutputKind, str]] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., next_pos: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+
+class ChainHop(_message.Message):
+    __slots__ = ("endpoint", "expect", "session_secret", "tls")
+    ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    endpoint: str
+    expect: Expectations
+    session_secret: bytes
+    tls: bool
+    def __init__(self, endpoint: _Optional[str] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., session_secret: _Optional[bytes] = ..., tls: _Optional[bool] = ...) -> None: ...
+
+class LinkRequest(_message.Message):
+    __slots__ = ("session_id", "epoch", "session_secret", "next", "ring")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
+    RING_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    session_secret: bytes
+    next: ChainHop
+    ring: bool
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., session_secret: _Optional[bytes] = ..., next: _Optional[_Union[ChainHop, _Mapping]] = ..., ring: _Optional[bool] = ...) -> None: ...
+
+class LinkReply(_message.Message):
+    __slots__ = ("session_id", "epoch")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class ChainAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ChainOutputRequest(_message.Message):
+    __slots__ = ("session_id", "epoch", "session_secret")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    session_secret: bytes
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
+
+class HopTrace(_message.Message):
+    __slots__ = ("hop", "timings", "bytes_in", "bytes_out")
+    HOP_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_IN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
+    hop: int
+    timings: Timings
+    bytes_in: int
+    bytes_out: int
+    def __init__(self, hop: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
+
+class ChainOutputReply(_message.Message):
+    __slots__ = ("reply", "hops")
+    REPLY_FIELD_NUMBER: _ClassVar[int]
+    HOPS_FIELD_NUMBER: _ClassVar[int]
+    reply: ForwardReply
+    hops: _containers.RepeatedCompositeFieldContainer[HopTrace]
+    def __init__(self, reply: _Optional[_Union[ForwardReply, _Mapping]] = ..., hops: _Optional[_Iterable[_Union[HopTrace, _Mapping]]] = ...) -> None: ...

@@ -323,3 +323,193 @@ class Shard:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class ChainStub:
+    """---- chained routes (docs/chain.md) ----------------------------------------------------------
+
+    A chained route: the client sends each frame to the first stage only; every stage runs its
+    rows and sends its output straight to the next stage (Link says where), and the last stage
+    hands the logits to the session's ChainOutput stream, which the client opened on it. Every
+    chained frame is checked, fenced by epoch and authorised (the next stage's session secret)
+    exactly like a Forward frame; the refusals are Forward's.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Link = channel.unary_unary(
+                '/dgr.shard.v1.Chain/Link',
+                request_serializer=dgr_dot_shard_dot_v1_dot_shard__pb2.LinkRequest.SerializeToString,
+                response_deserializer=dgr_dot_shard_dot_v1_dot_shard__pb2.LinkReply.FromString,
+                _registered_method=True)
+        self.ChainStream = channel.stream_stream(
+                '/dgr.shard.v1.Chain/ChainStream',
+                request_serializer=dgr_dot_shard_dot_v1_dot_shard__pb2.ForwardRequest.SerializeToString,
+                response_deserializer=dgr_dot_shard_dot_v1_dot_shard__pb2.ChainAck.FromString,
+                _registered_method=True)
+        self.ChainOutput = channel.unary_stream(
+                '/dgr.shard.v1.Chain/ChainOutput',
+                request_serializer=dgr_dot_shard_dot_v1_dot_shard__pb2.ChainOutputRequest.SerializeToString,
+                response_deserializer=dgr_dot_shard_dot_v1_dot_shard__pb2.ChainOutputReply.FromString,
+                _registered_method=True)
+
+
+class ChainServicer:
+    """---- chained routes (docs/chain.md) ----------------------------------------------------------
+
+    A chained route: the client sends each frame to the first stage only; every stage runs its
+    rows and sends its output straight to the next stage (Link says where), and the last stage
+    hands the logits to the session's ChainOutput stream, which the client opened on it. Every
+    chained frame is checked, fenced by epoch and authorised (the next stage's session secret)
+    exactly like a Forward frame; the refusals are Forward's.
+    """
+
+    def Link(self, request, context):
+        """Tells a stage, for (session_id, epoch), where its output goes: the next stage's endpoint,
+        what to expect of it and the session secret its open answered (the last stage: only for a
+        ring). Needs this stage's own session secret. A newer epoch's link replaces an older one;
+        an older one is refused.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ChainStream(self, request_iterator, context):
+        """One session's chained frames, in order (the client to the first stage, each stage to the
+        next). Nothing is answered while all goes well: a refusal here or anywhere after this
+        stage, or a stage lost after it, ends the stream with that refusal's code and trailers
+        plus dgr-chain-hop (the index of the stage that refused or was lost).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ChainOutput(self, request, context):
+        """Last stage only: the replies of the session's chained frames, in order. The first message
+        is empty (the stream is registered); the stream ends when the session's epoch is closed
+        or superseded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ChainServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Link': grpc.unary_unary_rpc_method_handler(
+                    servicer.Link,
+                    request_deserializer=dgr_dot_shard_dot_v1_dot_shard__pb2.LinkRequest.FromString,
+                    response_serializer=dgr_dot_shard_dot_v1_dot_shard__pb2.LinkReply.SerializeToString,
+            ),
+            'ChainStream': grpc.stream_stream_rpc_method_handler(
+                    servicer.ChainStream,
+                    request_deserializer=dgr_dot_shard_dot_v1_dot_shard__pb2.ForwardRequest.FromString,
+                    response_serializer=dgr_dot_shard_dot_v1_dot_shard__pb2.ChainAck.SerializeToString,
+            ),
+            'ChainOutput': grpc.unary_stream_rpc_method_handler(
+                    servicer.ChainOutput,
+                    request_deserializer=dgr_dot_shard_dot_v1_dot_shard__pb2.ChainOutputRequest.FromString,
+                    response_serializer=dgr_dot_shard_dot_v1_dot_shard__pb2.ChainOutputReply.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'dgr.shard.v1.Chain', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('dgr.shard.v1.Chain', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class Chain:
+    """---- chained routes (docs/chain.md) ----------------------------------------------------------
+
+    A chained route: the client sends each frame to the first stage only; every stage runs its
+    rows and sends its output straight to the next stage (Link says where), and the last stage
+    hands the logits to the session's ChainOutput stream, which the client opened on it. Every
+    chained frame is checked, fenced by epoch and authorised (the next stage's session secret)
+    exactly like a Forward frame; the refusals are Forward's.
+    """
+
+    @staticmethod
+    def Link(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dgr.shard.v1.Chain/Link',
+            dgr_dot_shard_dot_v1_dot_shard__pb2.LinkRequest.SerializeToString,
+            dgr_dot_shard_dot_v1_dot_shard__pb2.LinkReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChainStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/dgr.shard.v1.Chain/ChainStream',
+            dgr_dot_shard_dot_v1_dot_shard__pb2.ForwardRequest.SerializeToString,
+            dgr_dot_shard_dot_v1_dot_shard__pb2.ChainAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChainOutput(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dgr.shard.v1.Chain/ChainOutput',
+            dgr_dot_shard_dot_v1_dot_shard__pb2.ChainOutputRequest.SerializeToString,
+            dgr_dot_shard_dot_v1_dot_shard__pb2.ChainOutputReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)

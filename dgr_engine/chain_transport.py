@@ -1,0 +1,569 @@
+"""Chained routes: a :class:`~dgr_session.transport.StageTransport` where each stage sends its
+output straight to the next one and only the last stage's output comes back (``docs/chain.md``).
+
+The route session is the relay's, untouched: it still asks for one forward per stage. The
+transport sends the frame to the first stage only (``Chain.ChainStream``); the first stage's
+forward waits for the chain's outcome, which comes back on the ``Chain.ChainOutput`` stream the
+transport opened on the last stage (or, for a failure, on the first stage's stream, naming the
+stage that refused or was lost). What the session relays between stages is a :class:`ChainTicket`
+holding that outcome: every later stage's forward answers from it without a call, and the forward
+of the stage that failed raises its typed error, so the session blames the right stage, ends the
+epoch and re-prefills on a new route exactly as it does over the relay.
+
+With ``ring=True`` the last stage also sends each next decode step's frame (its greedy token)
+straight to the first stage; the transport finds that frame already sent when the session asks
+for it, so a token costs one pass around the ring (greedy sessions only: a session whose token
+differs from the ring's fails the epoch with a protocol error).
+
+At the first forward of an epoch the transport links the route (``Chain.Link`` on every stage
+but the last: the next stage's endpoint, expectations and session secret) and opens the output
+stream; both are per ``(session, epoch)`` and torn down with the epoch's first close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import grpc
+import numpy as np
+
+from dgr_engine.client import session_metadata
+from dgr_engine.errors import (
+    EngineError,
+    FrameRejected,
+    ShardDeadlineExceeded,
+    ShardRpcError,
+    ShardUnavailable,
+)
+from dgr_engine.stage_transport import GrpcStageTransport, expectations_for
+from dgr_engine.wire.frames import encode_forward, expectations_to_proto, output_from_reply
+from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_engine.wire.status import CHAIN_HOP_KEY, error_from_trailers
+from dgr_session.faults import FaultKind
+from dgr_session.route import StageSpec
+from dgr_session.transport import Boundary, Logits, StageResult
+from dgr_session.usage import StageCost
+
+_LIMITS_KEPT = 65536
+"""Sessions whose ring limits a transport keeps (the oldest are forgotten first)."""
+
+__all__ = ["ChainRecord", "ChainStageTransport", "ChainStats", "ChainTicket", "RingMismatch"]
+
+
+class RingMismatch(ShardRpcError):
+    """The session's token differs from the greedy token a ring already ran (a sampler that is
+    not greedy): the stages' state is no longer the session's. Nothing is wrong with them, so it
+    is filed as ``state_lost``: the epoch ends, the session re-prefills, nobody is blamed."""
+
+    fault_kind = FaultKind.STATE_LOST
+
+
+@attrs.define(eq=False)
+class ChainTicket:
+    """One chained frame's outcome, relayed by the route session from stage to stage in place of
+    boundary rows: the last stage's reply and every stage's trace, or the stage that failed."""
+
+    step: int
+    """The frame's step."""
+    rows: int
+    """The frame's rows."""
+    done: asyncio.Future[None] = attrs.field(repr=False)
+    """Resolved once the outcome is known."""
+    reply: pb.ChainOutputReply | None = attrs.field(default=None, repr=False)
+    """The last stage's output and every stage's trace (success)."""
+    failed_hop: int | None = None
+    """The index of the stage that refused or was lost (failure)."""
+    error: Exception | None = None
+    """Its typed error (failure)."""
+
+    def succeed(self, reply: pb.ChainOutputReply) -> None:
+        if not self.done.done():
+            self.reply = reply
+            self.done.set_result(None)
+
+    def fail(self, hop: int, error: Exception) -> None:
+        if not self.done.done():
+            self.failed_hop, self.error = hop, error
+            self.done.set_result(None)
+
+
+@attrs.frozen
+class ChainRecord:
+    """One chained frame that came back (handed to ``chain_observer``)."""
+
+    session_id: str
+    epoch: int
+    step: int
+    rows: int
+    """Rows of the frame."""
+    rtt_us: int
+    """Client time from sending the frame to the first stage to its output's arrival."""
+    handler_us: tuple[int, ...]
+    """Each stage's handler time (checks, engine, the frame to the next stage built)."""
+    compute_us: tuple[int, ...]
+    """Each stage's engine time."""
+
+
+@attrs.define
+class ChainStats:
+    """What chained frames cost, summed over the transport's lifetime (successful frames)."""
+
+    frames: int = 0
+    """Chained frames that came back."""
+    sent: int = 0
+    """Frames the client sent to the first stage (on a ring, the rest the last stage sent)."""
+    rtt_us: int = 0
+    """Client time from sending each frame to the first stage to its output's arrival."""
+    handler_us: int = 0
+    """Time the stages spent in their handlers (checks, engine, reply), summed over stages."""
+    compute_us: int = 0
+    """Engine time, summed over stages."""
+
+    @property
+    def transit_us(self) -> int:
+        """The rest: every hop's gRPC transit (network included) and the client's own code."""
+        return self.rtt_us - self.handler_us
+
+
+def _hop_of(trailers: Any, default: int) -> int:
+    for key, value in trailers or ():
+        if key == CHAIN_HOP_KEY:
+            text = value if isinstance(value, str) else bytes(value).decode()
+            return int(text) if text.isdigit() else default
+    return default
+
+
+def _error_of(exc: grpc.aio.AioRpcError) -> EngineError:
+    return error_from_trailers(exc.code(), exc.trailing_metadata(), exc.details() or "")
+
+
+class _Chain:
+    """One (session, epoch) of a chained route: its stages, streams and frames in flight."""
+
+    def __init__(self, transport: ChainStageTransport, session_id: str, epoch: int) -> None:
+        self.t = transport
+        self.session_id = session_id
+        self.epoch = epoch
+        self.stages: dict[int, StageSpec] = {}  # by layer_begin, filled by opens
+        self.route: list[StageSpec] = []
+        self.pending: collections.deque[ChainTicket] = collections.deque()
+        self.broken: tuple[int, Exception] | None = None
+        self.input: Any = None
+        self.output: Any = None
+        self.tasks: list[asyncio.Task[None]] = []
+        self._setup: asyncio.Task[None] | None = None
+        # a ring: the token the last stage sent on by itself for each step ahead, and outputs
+        # of such frames that came back before the session asked for them
+        self.predicted: dict[int, int] = {}
+        self.early: dict[int, pb.ChainOutputReply] = {}
+
+    def index(self, stage: StageSpec) -> int:
+        for i, s in enumerate(self.route):
+            if s.layer_begin == stage.layer_begin:
+                return i
+        raise ShardRpcError(
+            f"{stage.endpoint} is not a stage of this chain", status="DGR_E_PROTOCOL"
+        )
+
+    def fail(self, hop: int, error: Exception) -> None:
+        if self.broken is None:
+            self.broken = (hop, error)
+        while self.pending:
+            self.pending.popleft().fail(*self.broken)
+
+    def metadata(self, step: int = 0) -> tuple[tuple[str, str], ...]:
+        return session_metadata(
+            pb.ForwardRequest(session_id=self.session_id, epoch=self.epoch, step=step)
+        )
+
+    async def ensure_linked(self) -> None:
+        if self._setup is None:
+            self._setup = asyncio.get_running_loop().create_task(self._link())
+        await asyncio.shield(self._setup)
+
+    async def _link(self) -> None:
+        route = [self.stages[b] for b in sorted(self.stages)]
+        n_layer = route[0].identity.n_layer if route else 0
+        ends = [s.layer_begin for s in route[1:]] == [s.layer_end for s in route[:-1]]
+        if not route or route[0].layer_begin != 0 or route[-1].layer_end != n_layer or not ends:
+            got = [(s.layer_begin, s.layer_end) for s in route]
+            self.fail(
+                0,
+                ShardRpcError(
+                    f"opened stages {got} do not cover [0, {n_layer}) once", status="DGR_E_PROTOCOL"
+                ),
+            )
+            return
+        self.route = route
+        sid, epoch, t = self.session_id, self.epoch, self.t
+        secrets = [t.client(s.endpoint).session_secret(sid, epoch) for s in route]
+        last = len(route) - 1
+
+        async def link(k: int) -> None:
+            nxt = route[k + 1]
+            tls = False
+            if t.tls is not None:
+                tls = (await t.advert(nxt.endpoint)).security.tls
+            hop = pb.ChainHop(
+                endpoint=nxt.endpoint,
+                expect=expectations_to_proto(expectations_for(nxt)),
+                session_secret=secrets[k + 1],
+                tls=tls,
+            )
+            request = pb.LinkRequest(
+                session_id=sid, epoch=epoch, session_secret=secrets[k], next=hop
+            )
+            await t.client(route[k].endpoint).chain.Link(
+                request, timeout=t.timeout, metadata=self.metadata()
+            )
+
+        async def open_output() -> None:
+            request = pb.ChainOutputRequest(
+                session_id=sid, epoch=epoch, session_secret=secrets[last]
+            )
+            self.output = t.client(route[last].endpoint).chain.ChainOutput(
+                request, metadata=self.metadata()
+            )
+            async with asyncio.timeout(t.timeout):
+                ready = await self.output.read()
+            if ready is grpc.aio.EOF:
+                raise ShardRpcError("the output stream ended at once", status="DGR_E_PROTOCOL")
+
+        async def ring() -> None:
+            head = route[0]
+            tls = False
+            if t.tls is not None:
+                tls = (await t.advert(head.endpoint)).security.tls
+            hop = pb.ChainHop(
+                endpoint=head.endpoint,
+                expect=expectations_to_proto(expectations_for(head)),
+                session_secret=secrets[0],
+                tls=tls,
+            )
+            request = pb.LinkRequest(
+                session_id=sid, epoch=epoch, session_secret=secrets[last], next=hop, ring=True
+            )
+            await t.client(route[last].endpoint).chain.Link(
+                request, timeout=t.timeout, metadata=self.metadata()
+            )
+
+        steps = [(k, link(k)) for k in range(last)] + [(last, open_output())]
+        if t.ring:
+            steps.append((last, ring()))
+        results = await asyncio.gather(*(c for _, c in steps), return_exceptions=True)
+        for (k, _), result in zip(steps, results, strict=True):
+            if isinstance(result, BaseException):
+                error: Exception
+                if isinstance(result, grpc.aio.AioRpcError):
+                    error = _error_of(result)
+                elif isinstance(result, TimeoutError):
+                    error = ShardDeadlineExceeded(f"no answer within {t.timeout} s")
+                elif isinstance(result, Exception):
+                    error = result
+                else:
+                    raise result
+                self.fail(k, error)
+                return
+        self.input = t.client(route[0].endpoint).chain.ChainStream(metadata=self.metadata())
+        loop = asyncio.get_running_loop()
+        self.tasks += [
+            loop.create_task(self._read_outputs()),
+            loop.create_task(self._watch_input()),
+        ]
+
+    async def _read_outputs(self) -> None:
+        last = len(self.route) - 1
+        try:
+            while (message := await self.output.read()) is not grpc.aio.EOF:
+                if not self.pending and self.t.ring and message.reply.epoch == self.epoch:
+                    self.early[int(message.reply.step)] = message  # the ring ran ahead
+                    continue
+                if not self.pending:
+                    self.fail(
+                        last, ShardRpcError("an output nobody asked for", status="DGR_E_PROTOCOL")
+                    )
+                    return
+                ticket = self.pending.popleft()
+                if message.reply.step != ticket.step or message.reply.epoch != self.epoch:
+                    got = (message.reply.epoch, message.reply.step)
+                    ticket.fail(
+                        last,
+                        ShardRpcError(
+                            f"output for (epoch, step) {got}, expected {(self.epoch, ticket.step)}",
+                            status="DGR_E_PROTOCOL",
+                        ),
+                    )
+                    assert ticket.error is not None
+                    self.fail(last, ticket.error)
+                    return
+                ticket.succeed(message)
+            code = await self.output.code()
+            details = await self.output.details() or ""
+            trailers = await self.output.trailing_metadata()
+            if code == grpc.StatusCode.OK:
+                self.fail(
+                    last, ShardUnavailable(f"the last stage ended the output stream: {details}")
+                )
+            else:
+                self.fail(_hop_of(trailers, last), error_from_trailers(code, trailers, details))
+        except grpc.aio.AioRpcError as exc:
+            self.fail(_hop_of(exc.trailing_metadata(), last), _error_of(exc))
+        except asyncio.InvalidStateError:
+            self.fail(last, ShardUnavailable("the output stream is over"))
+
+    async def _watch_input(self) -> None:
+        try:
+            while await self.input.read() is not grpc.aio.EOF:
+                pass  # nothing is answered while all goes well
+            code = await self.input.code()
+            if code != grpc.StatusCode.OK:
+                trailers = await self.input.trailing_metadata()
+                details = await self.input.details() or ""
+                self.fail(_hop_of(trailers, 0), error_from_trailers(code, trailers, details))
+            elif self.pending:
+                self.fail(
+                    0, ShardRpcError("the first stage ended the chain", status="DGR_E_PROTOCOL")
+                )
+        except grpc.aio.AioRpcError as exc:
+            self.fail(_hop_of(exc.trailing_metadata(), 0), _error_of(exc))
+        except asyncio.InvalidStateError:
+            pass
+
+    def expect(self, ticket: ChainTicket) -> None:
+        """A frame the ring already sent: its outcome lands on ``ticket``."""
+        early = self.early.pop(ticket.step, None)
+        if early is not None:
+            ticket.succeed(early)
+        elif self.broken is not None:
+            ticket.fail(*self.broken)
+        else:
+            self.pending.append(ticket)
+
+    async def submit(self, ticket: ChainTicket, request: pb.ForwardRequest) -> None:
+        """Sends one frame into the chain; its outcome lands on ``ticket``."""
+        self.pending.append(ticket)
+        if self.broken is not None:
+            self.fail(*self.broken)
+            return
+        try:
+            await self.input.write(request)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            # the stream is over: its status (read by _watch_input) says why and where
+            try:
+                async with asyncio.timeout(self.t.close_timeout):
+                    await asyncio.shield(ticket.done)
+            except TimeoutError:
+                self.fail(0, ShardUnavailable(f"the chain's first stage is gone: {exc!r}"))
+
+    async def aclose(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        if self._setup is not None:
+            self._setup.cancel()
+        if self.input is not None:
+            try:
+                await asyncio.wait_for(self.input.done_writing(), self.t.close_timeout)
+            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
+                pass
+        if self.output is not None:
+            self.output.cancel()
+        self.fail(0, ShardRpcError("the epoch's chain was closed", status="DGR_E_PROTOCOL"))
+
+
+class ChainStageTransport(GrpcStageTransport):
+    """:class:`~dgr_engine.stage_transport.GrpcStageTransport` for chained routes (the same
+    options): the client sends each frame to the first stage only, each stage sends its output
+    to the next, and the last stage's output comes back on a stream the transport opened on it.
+    A forward whose boundary is not a :class:`ChainTicket` of an opened route (a caller relaying
+    itself) goes over the relay as before.
+
+    With ``tls``, a next stage that serves TLS is linked to as such: its previous stage must
+    hold chain TLS credentials (``WorkerConfig.chain_tls``)."""
+
+    def __init__(
+        self,
+        *,
+        chain_observer: Callable[[ChainRecord], None] | None = None,
+        ring: bool = False,
+        **options: Any,
+    ) -> None:
+        super().__init__(**options)
+        self.ring = ring
+        """Ring mode: the last stage sends each next decode step's frame to the first stage
+        itself (its greedy token); sessions must sample greedily (``docs/chain.md``)."""
+        # session -> (last step the ring may produce, stop tokens), from session_starting
+        self._limits: collections.OrderedDict[str, tuple[int, tuple[int, ...]]] = (
+            collections.OrderedDict()
+        )
+        self.chain_observer = chain_observer
+        """Called with a :class:`ChainRecord` after each chained frame that came back; must
+        not raise."""
+        # (session, epoch) -> its chain; dropped at the epoch's first close
+        self._chains: dict[tuple[str, int], _Chain] = {}
+        self.chain_stats = ChainStats()
+        """What chained frames cost (for benchmarks: where a token's time goes)."""
+
+    def session_starting(
+        self, session_id: str, max_new_tokens: int, stop_tokens: Sequence[int]
+    ) -> None:
+        """Called by the ``SessionManager`` as a session starts: how far a ring may run on its
+        own for it (without it, a session's frames ask for no ring)."""
+        self._limits[session_id] = (max_new_tokens - 1, tuple(stop_tokens))
+        while len(self._limits) > _LIMITS_KEPT:
+            self._limits.popitem(last=False)
+
+    async def aclose(self) -> None:
+        chains, self._chains = self._chains, {}
+        for chain in chains.values():
+            await chain.aclose()
+        await super().aclose()
+
+    async def open(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+        await super().open(stage, session_id, epoch)
+        chain = self._chains.get((session_id, epoch))
+        if chain is None:
+            chain = self._chains[(session_id, epoch)] = _Chain(self, session_id, epoch)
+        chain.stages[stage.layer_begin] = stage
+
+    async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+        chain = self._chains.pop((session_id, epoch), None)
+        if chain is not None:
+            await chain.aclose()
+        await super().close(stage, session_id, epoch)
+
+    async def forward(
+        self,
+        stage: StageSpec,
+        session_id: str,
+        epoch: int,
+        step: int,
+        positions: range,
+        token_ids: Sequence[int],
+        boundary: object | None,
+        *,
+        want_logits: bool = True,
+        kind: str = "decode",
+    ) -> StageResult:
+        chain = self._chains.get((session_id, epoch))
+        if isinstance(boundary, ChainTicket) and chain is not None:
+            return self._answer(chain, stage, boundary)
+        if chain is None or boundary is not None or stage.layer_begin != 0:
+            return await super().forward(
+                stage,
+                session_id,
+                epoch,
+                step,
+                positions,
+                token_ids,
+                boundary,
+                want_logits=want_logits,
+                kind=kind,
+            )
+        loop = asyncio.get_running_loop()
+        ticket = ChainTicket(step, len(positions), loop.create_future())
+        began = loop.time()
+        await chain.ensure_linked()
+        limits = self._limits.get(session_id) if self.ring else None
+        until, stops = limits if limits is not None else (0, ())
+        predicted = chain.predicted.pop(step, None)
+        if chain.broken is not None:
+            ticket.fail(*chain.broken)
+        elif predicted is not None:
+            if len(positions) == 1 and list(token_ids) == [predicted]:
+                chain.expect(ticket)  # the ring sent this frame already
+            else:
+                error = RingMismatch(
+                    f"the ring ran step {step} with token {predicted}, the session asked for "
+                    f"{list(token_ids)}: a ring needs greedy sampling",
+                    status="DGR_E_RING_MISMATCH",
+                )
+                chain.fail(0, error)
+                ticket.fail(0, error)
+        else:
+            request = encode_forward(
+                session_id,
+                epoch,
+                step,
+                expectations_for(stage),
+                positions,
+                tokens=np.asarray(token_ids, dtype=np.int32),
+                no_logits=not want_logits,
+                timeout=self.timeout,
+                session_secret=self.client(stage.endpoint).session_secret(session_id, epoch),
+                kind=kind,
+            )
+            if until > step:
+                request.ring_until_step = until
+                request.ring_stop.extend(stops)
+            self.chain_stats.sent += 1
+            await chain.submit(ticket, request)
+        if not ticket.done.done():
+            try:
+                async with asyncio.timeout(self.timeout):
+                    await asyncio.shield(ticket.done)
+            except TimeoutError:
+                chain.fail(0, ShardDeadlineExceeded(f"no chained output within {self.timeout} s"))
+        if ticket.reply is not None and until > step and want_logits:
+            rows = ticket.reply.reply.output.shape
+            if len(rows) == 2 and rows[0] > 0:  # the ring sends the next step on by itself
+                token = int(np.argmax(output_from_reply(ticket.reply.reply)[-1]))
+                if token not in stops:
+                    chain.predicted[step + 1] = token
+        if ticket.reply is not None:
+            s = self.chain_stats
+            rtt_us = round((loop.time() - began) * 1e6)
+            s.frames += 1
+            s.rtt_us += rtt_us
+            for hop in ticket.reply.hops:
+                s.handler_us += hop.timings.total_us
+                s.compute_us += hop.timings.compute_us
+            if self.chain_observer is not None:
+                hops = ticket.reply.hops
+                self.chain_observer(
+                    ChainRecord(
+                        session_id,
+                        epoch,
+                        step,
+                        len(positions),
+                        rtt_us,
+                        tuple(int(h.timings.total_us) for h in hops),
+                        tuple(int(h.timings.compute_us) for h in hops),
+                    )
+                )
+        return self._answer(chain, stage, ticket)
+
+    def _answer(self, chain: _Chain, stage: StageSpec, ticket: ChainTicket) -> StageResult:
+        """Stage ``stage``'s part of the ticket's outcome: its output, or its error."""
+        index = chain.index(stage) if chain.route else 0
+        sid, epoch = chain.session_id, chain.epoch
+        if ticket.error is not None and ticket.failed_hop is not None:
+            if ticket.failed_hop <= index:
+                self._raise(stage, sid, epoch, f"chained forward step {ticket.step}", ticket.error)
+            return Boundary(ticket)  # a later stage failed: it raises
+        if ticket.reply is None:
+            raise ShardRpcError("a chained forward with no outcome", status="DGR_E_PROTOCOL")
+        trace = next((h for h in ticket.reply.hops if h.hop == index), None)
+        cost = None
+        if trace is not None:
+            cost = StageCost(
+                int(trace.bytes_in), int(trace.bytes_out), trace.timings.compute_us / 1e6
+            )
+            c = self._counter(stage)
+            c.forwards += 1
+            c.rows += ticket.rows
+            c.bytes_sent += int(trace.bytes_in)
+            c.bytes_received += int(trace.bytes_out)
+            c.compute_us += int(trace.timings.compute_us)
+            c.queue_us += int(trace.timings.queue_us)
+        if index < len(chain.route) - 1:
+            return Boundary(ticket, cost)
+        try:
+            logits = output_from_reply(ticket.reply.reply)
+        except FrameRejected as exc:
+            error = ShardRpcError(f"malformed chained output: {exc}", status="DGR_E_PROTOCOL")
+            self._raise(stage, sid, epoch, f"chained forward step {ticket.step}", error)
+        return Logits.last_row(logits, cost)
