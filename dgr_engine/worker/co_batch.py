@@ -34,8 +34,9 @@ from dgr_engine.errors import ShardDeadlineExceeded
 from dgr_engine.wire.frames import FloatRows, ForwardFrame
 from dgr_engine.worker.engine_thread import EngineThread
 
-#: What a frame's run gives: output rows, the session's next position, and the ns it queued
-#: and the ns its engine call took (shared with the frames it ran beside).
+#: What a frame's run gives: output rows, the session's next position, the ns it waited (in
+#: the queue, and in its call while other sessions' rows ran) and the ns of its call that were
+#: its own (the call's time times its share of the call's rows).
 FrameResult = tuple[FloatRows, int, int, int]
 
 RunBatch = Callable[[Sequence[ForwardFrame]], list[tuple[FloatRows, int] | Exception]]
@@ -192,15 +193,20 @@ class CoBatcher:
             finally:
                 self._stopped()
             took = time.perf_counter_ns() - began
+            total_rows = sum(batch[index].frame.n_rows for index in due)
             self.calls += 1
             self.frames += len(due)
-            self._on_call(len(due), sum(batch[index].frame.n_rows for index in due))
+            self._on_call(len(due), total_rows)
             for index, out in zip(due, outs, strict=True):
                 if isinstance(out, Exception):
                     results[index] = out
-                else:
-                    rows, next_pos = out
-                    results[index] = (rows, next_pos, began - batch[index].enqueued_ns, took)
+                    continue
+                rows, next_pos = out
+                # the frame's share of the call, by rows, is its compute (usage, metrics); the
+                # rest of the call it spent waiting on other sessions' rows counts as queueing
+                share = took * batch[index].frame.n_rows // total_rows
+                queued = began - batch[index].enqueued_ns + took - share
+                results[index] = (rows, next_pos, queued, share)
         return [result for result in results if result is not None]
 
 

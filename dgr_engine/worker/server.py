@@ -625,7 +625,8 @@ class ShardWorker:
         returns its output rows, the session's next position, and the ns it queued and
         computed. Raises the engine's refusal, or ``DGR_E_DEADLINE`` when the deadline passed
         while it queued. With co-batching, the frame runs in the next engine call together with
-        other sessions' frames (its compute time is that call's)."""
+        other sessions' frames: its compute is its share of the call by rows, and the rest of
+        the call counts as queueing (``worker/co_batch.py``)."""
         if self.co_batcher is not None:
             return await self.co_batcher.submit(frame, deadline)
         small = frame.n_rows <= self.config.inline_max_rows
