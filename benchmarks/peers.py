@@ -1,0 +1,1197 @@
+"""dgr against llama.cpp's own tools, side by side in one run: the peers in the benchmark.
+
+The peers are built from the same pinned, patched llama.cpp as dgr's engines
+(``benchmarks/peer_build.py``, cached). Every computing process gets the same threads
+(``--threads``, default 1), ``OMP_WAIT_POLICY=PASSIVE``, the same KV type and flash-attention
+mode (default f16 and auto: llama.cpp's defaults); the peers' own reports are checked for it.
+
+* **Decode and prefill tok/s** (prompt ``--prompt``, ``--decode`` steps after it):
+  ``llama-bench`` on the whole model against dgr's whole model in-process (``ShardEngine``, as
+  ``benchmarks/pipeline.py`` drives it); llama.cpp RPC at 2 and 4 stages (``ggml-rpc-server``
+  processes on 127.0.0.1 plus the ``llama-bench`` process, which computes the first stage's
+  layers: RPC's ``-ngl`` counts the output layer, so 24 layers in 2 stages is ``-ngl 13``, and
+  ``-ts`` splits the rest evenly over the servers) against dgr routes of ``dgr worker``
+  processes with the same even layer ranges (``SessionManager`` over ``GrpcStageTransport``).
+  llama-bench decodes at depth ``--prompt`` (``-d``), as dgr decodes after its prompt.
+* **Aggregate decode tok/s at 1, 4 and 8 concurrent sessions**: ``llama-batched-bench`` on the
+  whole model (``-npl 1,4,8``: that many sequences decoded together in one batch) against a
+  2-stage dgr route driving that many sessions at once; ``--worker-arg`` is passed to these
+  workers, and the rows are run both without co-batching (``plain``) and with it
+  (``co-batch``: ``--batching co-batch``, an engine option and part of the lane, certified as
+  such). dgr's figure is the tokens
+  stamped while every session was decoding, over that window.
+* **Recovery against position**: ``benchmarks/recovery.py``'s measurement (the last stage of a
+  2-stage route SIGKILLed at ``k`` accepted tokens; recovery against one batched prefill of the
+  same rows on the recovered route), batched replay. The peers have no recovery (a lost
+  rpc-server ends llama.cpp's run); beside it, what RPC's 2-stage prefill of the same rows
+  takes: the least a restarted peer would spend, before reloading the model.
+
+Interleaved rounds: each round runs every contender once, the order rotated from round to round,
+after a warm-up round of dgr's contenders (the peers warm up inside each run); figures are the
+median of ``--repeats`` rounds. Recovery runs once per ``k``. dgr's tokens are checked against
+the whole model (routes, every concurrent session, recovery); the peers report no tokens.
+
+Prints one table (dgr, nearest peer, dgr / peer, target, met / missed), saves
+``benchmarks/out/peers.json`` and ``benchmarks/out/peers.png`` (matplotlib when installed, else
+plain bars). Targets (issue 15): dgr >= 1.0 x RPC decode at 2 and at 4 stages; 8 sessions on a
+2-stage route >= 0.9 x llama-batched-bench with 8 sequences and >= 3 x one session; batched
+recovery <= 1.3 x one prefill of the same rows + 0.3 s.
+
+    python -m benchmarks.peers [--fixture mid-llama] [--threads 1] [--prompt 128]
+        [--decode 64] [--repeats 5] [--stages 2 4] [--sessions 1 4 8]
+        [--accepted 16,128,400] [--worker-arg ARG]... [--co-batch on|off] [--out DIR]
+
+**Fixture evidence on this shared 2-core machine**: every route worker, rpc-server, the client
+and the peers share the same cores (a 2-stage route runs 2 computing processes at 1 thread each,
+the whole model 1), and other work on the machine lands on whichever contender is running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import math
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from functools import partial
+from pathlib import Path
+from typing import IO, Any
+
+import attrs
+import numpy as np
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before the engine loads libgomp
+
+from benchmarks import peer_build, recovery  # noqa: E402
+from benchmarks.pipeline import RouteBench, Speed, _plain_png, _prompt, whole_model  # noqa: E402
+from dgr_engine.chain import split_points, whole_model_greedy  # noqa: E402
+from dgr_engine.engine import ShardEngine  # noqa: E402
+from dgr_engine.fixtures import ensure_fixture, lookup  # noqa: E402
+from dgr_engine.numerics import FLASH_ATTN_MODES, KV_TYPES  # noqa: E402
+from dgr_engine.options import EngineOptions  # noqa: E402
+from dgr_engine.processes import dgr_command  # noqa: E402
+from dgr_engine.route_provider import LoopbackRouteProvider  # noqa: E402
+from dgr_engine.stage_transport import GrpcStageTransport  # noqa: E402
+from dgr_session import EvidenceClass, FailurePolicy, SessionManager, SessionState  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+EVIDENCE_NOTE = (
+    "fixture evidence on this shared 2-core machine: route workers, rpc-servers, the client and "
+    "the peers share the same cores"
+)
+DECODE_TARGET = 1.0
+"""dgr decode >= this x RPC decode at the same number of stages."""
+AGG_PEER_TARGET = 0.9
+"""8 sessions on a 2-stage route >= this x llama-batched-bench with 8 sequences."""
+AGG_SCALE_TARGET = 3.0
+"""8 sessions on a 2-stage route >= this x one session."""
+FLASH_ATTN_CODE = {"auto": -1, "off": 0, "on": 1}
+"""llama.cpp's ``llama_flash_attn_type`` values, as llama-bench's JSON reports them."""
+RUN_TIMEOUT = 1800.0
+"""Bound on any one peer process run (seconds)."""
+
+
+# --- llama-bench JSON -------------------------------------------------------------------------
+
+
+@attrs.frozen
+class BenchResult:
+    """One test of ``llama-bench -o json``."""
+
+    n_prompt: int
+    n_gen: int
+    n_depth: int
+    avg_ts: float
+    """Tokens per second (the mean over the test's repetitions)."""
+    n_threads: int
+    type_k: str
+    type_v: str
+    flash_attn: int
+    """``llama_flash_attn_type`` as requested: -1 auto, 0 off, 1 on."""
+    n_gpu_layers: int
+    tensor_split: str
+    backends: str
+
+    @classmethod
+    def from_json(cls, item: dict[str, Any]) -> BenchResult:
+        return cls(
+            n_prompt=int(item["n_prompt"]),
+            n_gen=int(item["n_gen"]),
+            n_depth=int(item.get("n_depth", 0)),
+            avg_ts=float(item["avg_ts"]),
+            n_threads=int(item["n_threads"]),
+            type_k=str(item["type_k"]),
+            type_v=str(item["type_v"]),
+            flash_attn=_flash_attn_code(item["flash_attn"]),
+            n_gpu_layers=int(item["n_gpu_layers"]),
+            tensor_split=str(item.get("tensor_split", "")),
+            backends=str(item.get("backends", "")),
+        )
+
+
+def _flash_attn_code(value: Any) -> int:
+    """llama-bench writes ``flash_attn`` as an int (older builds: a bool or a mode name)."""
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, str) and value in FLASH_ATTN_CODE:
+        return FLASH_ATTN_CODE[value]
+    return int(value)
+
+
+def parse_llama_bench(stdout: str) -> list[BenchResult]:
+    """The tests of ``llama-bench -o json`` output (a JSON array on stdout; anything printed
+    before it is skipped). ``ValueError`` when there is no array or a test lacks a field."""
+    start = stdout.find("[")
+    while start != -1:
+        try:
+            items = json.loads(stdout[start:])
+        except json.JSONDecodeError:
+            start = stdout.find("[", start + 1)
+            continue
+        if not isinstance(items, list):
+            break
+        try:
+            return [BenchResult.from_json(item) for item in items]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"llama-bench JSON test lacks a field: {exc!r}") from exc
+    raise ValueError(f"no llama-bench JSON array in its output: {stdout[:200]!r}")
+
+
+def pick(results: Sequence[BenchResult], n_prompt: int, n_gen: int, n_depth: int) -> BenchResult:
+    """The one test with these sizes (``LookupError`` if absent)."""
+    for result in results:
+        if (result.n_prompt, result.n_gen, result.n_depth) == (n_prompt, n_gen, n_depth):
+            return result
+    raise LookupError(f"llama-bench gave no test pp {n_prompt} tg {n_gen} depth {n_depth}")
+
+
+def parse_batched_bench(text: str) -> dict[int, dict[str, Any]]:
+    """``llama-batched-bench --output-format jsonl`` lines by ``pl`` (sequences)."""
+    rows: dict[int, dict[str, Any]] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not (line.startswith("{") and line.endswith("}")):
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(item, dict) and "pl" in item and "speed_tg" in item:
+            rows[int(item["pl"])] = item
+    if not rows:
+        raise ValueError(f"no llama-batched-bench jsonl rows in its output: {text[-400:]!r}")
+    return rows
+
+
+# --- RPC split arithmetic ---------------------------------------------------------------------
+
+
+def rpc_split(n_layer: int, stages: int) -> tuple[int, list[float]]:
+    """``(-ngl, -ts weights)`` that make llama.cpp RPC run :func:`split_points` ``(n_layer,
+    stages)``: the local (llama-bench) process keeps the first range, server ``d`` the
+    ``d + 1``-th, the last server also the output layer (which ``-ngl`` counts as a layer).
+    Weights put each split point half a layer before a boundary, so float rounding in
+    llama.cpp's ``upper_bound`` cannot move a layer; one server needs no weights (``[]``)."""
+    if stages < 2:
+        raise ValueError("RPC needs at least 2 stages (1 local + 1 server)")
+    layout = split_points(n_layer, stages)
+    local = layout[0][1]
+    ngl = n_layer - local + 1
+    if stages == 2:
+        return ngl, []
+    ends = [end - local for _, end in layout[1:-1]]  # offsets where servers 1.. start
+    points = [end - 0.5 for end in ends] + [float(ngl)]
+    weights = [points[0]] + [b - a for a, b in zip(points, points[1:], strict=False)]
+    return ngl, weights
+
+
+def rpc_assignment(n_layer: int, ngl: int, weights: Sequence[float], n_devices: int) -> list[int]:
+    """Device of layers ``0..n_layer`` (``n_layer``: the output layer) as llama.cpp's
+    ``llama_model::load_tensors`` assigns them at the pinned commit (float32 arithmetic):
+    ``-1`` the local CPU, else the index of the RPC device."""
+    splits = np.zeros(n_devices, dtype=np.float32)
+    if weights and any(w != 0 for w in weights):
+        splits[:] = np.asarray(weights, dtype=np.float32)
+    else:
+        splits[:] = np.float32(1.0)  # equal free memory: an even split
+    cumulative = np.cumsum(splits, dtype=np.float32)
+    cumulative = (cumulative / cumulative[-1]).astype(np.float32)
+    start = max(n_layer + 1 - ngl, 0)
+    act = min(ngl, n_layer + 1)
+    out = []
+    for il in range(n_layer + 1):
+        if il < start or il - start >= act:
+            out.append(-1)
+            continue
+        x = np.float32(il - start) / np.float32(act)
+        out.append(int(np.searchsorted(cumulative, x, side="right")))
+    return out
+
+
+def ts_arg(weights: Sequence[float]) -> str:
+    """``-ts`` value: weights joined by ``/``."""
+    return "/".join(f"{w:g}" for w in weights)
+
+
+# --- peer processes ---------------------------------------------------------------------------
+
+
+def peer_env() -> dict[str, str]:
+    """The peers' environment: ``OMP_WAIT_POLICY=PASSIVE`` as for dgr."""
+    return dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class RpcServer:
+    """One ``ggml-rpc-server`` on 127.0.0.1 (it serves one client at a time)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, stderr: IO[bytes]) -> None:
+        self.proc = proc
+        self.port = port
+        self._stderr = stderr
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @classmethod
+    def start(cls, binary: Path, threads: int, timeout: float = 60.0) -> RpcServer:
+        """Starts a server on a free port and waits (bounded) until it accepts connections;
+        ``RuntimeError`` if it cannot (it is stopped first). Up to 3 ports are tried."""
+        error = ""
+        for _ in range(3):
+            port = _free_port()
+            stderr = tempfile.TemporaryFile()
+            proc = subprocess.Popen(
+                [str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)],
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                env=peer_env(),
+            )
+            server = cls(proc, port, stderr)
+            try:
+                if server._await_listening(timeout):
+                    return server
+            except BaseException:
+                server.stop()
+                raise
+            error = server.stderr_text()
+            server.stop()
+        raise RuntimeError(f"ggml-rpc-server did not start: {error[-800:]}")
+
+    def _await_listening(self, timeout: float) -> bool:
+        """True once a connection is accepted (the probe closes at once: the server drops it
+        and waits for the next client); False if the process exits first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
+                    return True
+            except OSError:
+                pass
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=0.05)  # bounded pause that also notices an exit
+        raise TimeoutError(f"ggml-rpc-server on port {self.port} not listening in {timeout} s")
+
+    def stderr_text(self) -> str:
+        self._stderr.seek(0)
+        return self._stderr.read().decode(errors="replace")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=timeout)
+        self._stderr.close()
+
+
+@contextlib.contextmanager
+def rpc_servers(binary: Path, count: int, threads: int) -> Iterator[list[RpcServer]]:
+    servers: list[RpcServer] = []
+    try:
+        for _ in range(count):
+            servers.append(RpcServer.start(binary, threads))
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+_FA_RESOLVED_RE = re.compile(r"Flash Attention (enabled|not supported)")
+
+
+def resolved_flash_attn(log: str) -> str | None:
+    """What llama.cpp resolved flash attention to (``on``/``off``) from a log of its context
+    set-up (``resolve_fused_ops: Flash Attention enabled``); ``None`` if the log does not say
+    (flash attention not ``auto``, or a quiet run)."""
+    found = _FA_RESOLVED_RE.findall(log)
+    if not found:
+        return None
+    return "on" if all(f == "enabled" for f in found) else "off"
+
+
+@attrs.frozen
+class PeerConfig:
+    """What every peer run shares."""
+
+    model: Path
+    bench: Path
+    batched: Path
+    threads: int
+    kv_type: str
+    flash_attn: str
+    n_batch: int
+
+    def common(self) -> list[str]:
+        kv, fa, nb = self.kv_type, self.flash_attn, str(self.n_batch)
+        return ["-t", str(self.threads), "-ctk", kv, "-ctv", kv, "-fa", fa, "-b", nb, "-ub", nb]
+
+
+def run_llama_bench(
+    config: PeerConfig,
+    prompts: Sequence[int],
+    n_gen: int,
+    depths: Sequence[int],
+    *,
+    servers: Sequence[RpcServer] = (),
+    n_layer: int = 0,
+    verbose: bool = False,
+) -> tuple[list[BenchResult], str]:
+    """One ``llama-bench`` run (1 repetition per test); with ``servers``, RPC over them with
+    the first stage local (:func:`rpc_split`). Returns the tests and its stderr (llama.cpp's
+    log only with ``verbose``: a probe run, never a timed one)."""
+    argv = [str(config.bench), "-m", str(config.model), "-o", "json", "-r", "1"]
+    if verbose:
+        argv += ["-v", "--no-warmup"]
+    argv += config.common()
+    argv += ["-p", ",".join(map(str, prompts)), "-n", str(n_gen)]
+    argv += ["-d", ",".join(map(str, depths))]
+    if servers:
+        ngl, weights = rpc_split(n_layer, len(servers) + 1)
+        argv += ["-rpc", ",".join(s.endpoint for s in servers), "-ngl", str(ngl)]
+        if weights:
+            argv += ["-ts", ts_arg(weights)]
+    else:
+        argv += ["-ngl", "0"]
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=peer_env(), check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"llama-bench failed (exit {proc.returncode}): {' '.join(argv)}\n{proc.stderr[-1500:]}"
+        )
+    return parse_llama_bench(proc.stdout), proc.stderr
+
+
+def run_batched_bench(
+    config: PeerConfig, prompt: int, n_gen: int, sequences: Sequence[int], verbose: bool = False
+) -> tuple[dict[int, dict[str, Any]], str]:
+    """One ``llama-batched-bench`` run on the whole model: rows by sequence count, and its
+    stderr (llama.cpp's log only with ``verbose``: a probe run, never a timed one)."""
+    n_ctx = max(sequences) * (prompt + n_gen) + 64
+    argv = [str(config.batched), "-m", str(config.model), "-c", str(n_ctx)]
+    argv += [*config.common(), "-tb", str(config.threads), "-ngl", "0"]
+    argv += ["-npp", str(prompt), "-ntg", str(n_gen), "-npl", ",".join(map(str, sequences))]
+    argv += ["--output-format", "jsonl", *(["-v"] if verbose else [])]
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=peer_env(), check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"llama-batched-bench failed (exit {proc.returncode}): {' '.join(argv)}\n"
+            f"{proc.stderr[-1500:]}"
+        )
+    return parse_batched_bench(proc.stdout + "\n" + proc.stderr), proc.stderr
+
+
+# --- dgr: concurrent sessions -----------------------------------------------------------------
+
+
+def aggregate_tps(stamps: Sequence[Sequence[float]]) -> float:
+    """Aggregate decode tok/s of concurrent sessions from each one's token time stamps: the
+    tokens stamped after every session had its first token and before the first session
+    finished, over that window; when the window holds too few tokens (sessions that barely
+    overlap), every token after each session's first over the whole span."""
+    firsts = [s[0] for s in stamps]
+    lasts = [s[-1] for s in stamps]
+    t0, t1 = max(firsts), min(lasts)
+    inside = sum(1 for s in stamps for t in s if t0 < t <= t1)
+    if t1 > t0 and inside >= 2 * len(stamps):
+        return inside / (t1 - t0)
+    total = sum(len(s) - 1 for s in stamps)
+    return total / (max(lasts) - min(firsts))
+
+
+class ConcurrentRoute:
+    """A 2-stage (or any) route of loopback workers kept up across rounds, driving N sessions
+    at once."""
+
+    def __init__(
+        self,
+        path: Path,
+        layout: list[tuple[int, int]],
+        options: EngineOptions,
+        worker_args: Sequence[str],
+    ) -> None:
+        self.provider = LoopbackRouteProvider(
+            path, layout, options=options, worker_args=worker_args
+        )
+        self.transport = GrpcStageTransport(timeout=120.0)
+        policy = FailurePolicy(step_deadline=120.0, session_deadline=1200.0)
+        self.manager = SessionManager(
+            self.transport, self.provider, policy=policy, required_evidence=EvidenceClass.FIXTURE
+        )
+        self._runs = 0
+
+    async def start(self) -> None:
+        await self.provider.start()
+
+    async def aclose(self) -> None:
+        try:
+            await self.manager.aclose()
+            await self.transport.aclose()
+        finally:
+            await self.provider.aclose()
+
+    async def run(
+        self, prompts: Sequence[list[int]], n_decode: int
+    ) -> tuple[float, list[list[int]]]:
+        """(aggregate decode tok/s, tokens of each session)."""
+        self._runs += 1
+        stamps: list[list[float]] = [[] for _ in prompts]
+        handles = [
+            self.manager.start(
+                prompt,
+                max_new_tokens=n_decode + 1,
+                session_id=f"agg-{self._runs}-{i}",
+                on_token=partial(_stamp, stamps[i]),
+            )
+            for i, prompt in enumerate(prompts)
+        ]
+        results = await asyncio.gather(*(h.wait() for h in handles))
+        for result in results:
+            if result.state is not SessionState.DONE:
+                raise RuntimeError(f"concurrent session failed: {result.error}")
+        return aggregate_tps(stamps), [list(r.tokens) for r in results]
+
+
+def _stamp(times: list[float], _token: int) -> None:
+    times.append(time.perf_counter())
+
+
+@attrs.frozen
+class Variant:
+    """One way of running the aggregate rows' workers."""
+
+    name: str
+    batching: str | None
+    """``EngineOptions.batching`` (part of the lane, so certified as such); ``None``: leave it."""
+    args: tuple[str, ...]
+    """Further ``dgr worker`` arguments."""
+
+    def options(self, options: EngineOptions) -> EngineOptions:
+        if self.batching is None:
+            return options
+        return attrs.evolve(options, batching=self.batching)
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class Settings:
+    fixture: str
+    threads: int
+    prompt: int
+    decode: int
+    repeats: int
+    stages: tuple[int, ...]
+    sessions: tuple[int, ...]
+    accepted: tuple[int, ...]
+    kv_type: str
+    flash_attn: str
+    variants: tuple[Variant, ...]
+    """How the aggregate rows' workers run (without, and where available with, co-batching)."""
+
+
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+async def speed_rounds(
+    s: Settings,
+    path: Path,
+    n_layer: int,
+    options: EngineOptions,
+    config: PeerConfig,
+    rpc_binary: Path,
+    prompt: list[int],
+) -> dict[str, Any]:
+    """Decode and prefill of every contender in interleaved rounds."""
+    benches = {n: RouteBench(path, split_points(n_layer, n), options) for n in s.stages}
+    runs: dict[str, list[tuple[float, float]]] = {}
+    tokens_equal: dict[str, bool] = {}
+    peer_checks: list[dict[str, Any]] = []
+    whole_tokens: list[int] = []
+    contenders = ["dgr whole", "llama-bench whole"]
+    for n in s.stages:
+        contenders += [f"dgr {n}", f"rpc {n}"]
+    try:
+        for bench in benches.values():
+            await bench.start()
+        with (
+            ShardEngine(path, **options.engine_kwargs()) as engine,
+            rpc_servers(rpc_binary, max(s.stages) - 1, s.threads) as servers,
+        ):
+            for name in contenders:  # what the peers resolve flash attention to: a quiet probe
+                kind, _, which = name.partition(" ")
+                if kind == "dgr":
+                    continue
+                stages = 1 if which == "whole" else int(which)
+                results, log = await asyncio.to_thread(
+                    run_llama_bench,
+                    config,
+                    [8],
+                    0,
+                    [0],
+                    servers=servers[: stages - 1],
+                    n_layer=n_layer,
+                    verbose=True,
+                )
+                peer_checks.append(_bench_check(name, results[0], log, config))
+            for round_ in range(s.repeats + 1):
+                shift = round_ % len(contenders)
+                for name in contenders[shift:] + contenders[:shift]:
+                    kind, _, which = name.partition(" ")
+                    if round_ == 0 and kind != "dgr":
+                        continue  # the peers warm up inside each run
+                    if name == "dgr whole":
+                        pre, dec, toks = whole_model(engine, 1000 + round_, prompt, s.decode)
+                        whole_tokens = whole_tokens or toks
+                        tokens_equal[name] = tokens_equal.get(name, True) and toks == whole_tokens
+                        figures = (s.prompt / pre, s.decode / dec)
+                    elif kind == "dgr":
+                        run = await benches[int(which)].run(prompt, s.decode)
+                        ok = whole_tokens == [] or run.tokens == whole_tokens
+                        tokens_equal[name] = tokens_equal.get(name, True) and ok
+                        figures = (s.prompt / run.prefill_s, s.decode / run.decode_s)
+                    else:
+                        stages = 1 if which == "whole" else int(which)
+                        results, log = await asyncio.to_thread(
+                            run_llama_bench,
+                            config,
+                            [s.prompt],
+                            s.decode,
+                            [0, s.prompt],
+                            servers=servers[: stages - 1],
+                            n_layer=n_layer,
+                        )
+                        pp = pick(results, s.prompt, 0, 0)
+                        tg = pick(results, 0, s.decode, s.prompt)
+                        figures = (pp.avg_ts, tg.avg_ts)
+                        if round_ == 1:  # the timed run's own report
+                            peer_checks.append(_bench_check(name, tg, "", config))
+                    if round_:
+                        runs.setdefault(name, []).append(figures)
+    finally:
+        for bench in benches.values():
+            await bench.aclose()
+    speeds = {
+        name: {
+            "prefill_tps": _median([p for p, _ in got]),
+            "decode_tps": _median([d for _, d in got]),
+            "rounds": [{"prefill_tps": p, "decode_tps": d} for p, d in got],
+        }
+        for name, got in runs.items()
+    }
+    return {"speeds": speeds, "tokens_equal": tokens_equal, "peer_checks": peer_checks}
+
+
+def _bench_check(name: str, tg: BenchResult, log: str, config: PeerConfig) -> dict[str, Any]:
+    """What the peer reported using, against what dgr was given (``log``: llama.cpp's log of a
+    verbose probe run, else empty)."""
+    fa_wanted = FLASH_ATTN_CODE[config.flash_attn]
+    return {
+        "peer": name if log else f"{name} (timed run)",
+        "n_threads": tg.n_threads,
+        "type_k": tg.type_k,
+        "type_v": tg.type_v,
+        "flash_attn": tg.flash_attn,
+        "flash_attn_resolved": resolved_flash_attn(log),
+        "kv_logged": _kv_type_from_log(log),
+        "n_gpu_layers": tg.n_gpu_layers,
+        "tensor_split": tg.tensor_split,
+        "backends": tg.backends,
+        "same": tg.n_threads == config.threads
+        and tg.type_k == config.kv_type
+        and tg.type_v == config.kv_type
+        and tg.flash_attn == fa_wanted
+        and _kv_type_from_log(log) in (None, config.kv_type),
+    }
+
+
+_PROBE = """
+import sys
+import numpy as np
+from dgr_engine.engine import ShardEngine
+from dgr_engine.options import EngineOptions
+options = EngineOptions(**{k: (int(v) if v.isdigit() else v) for k, v in
+                           (a.split("=", 1) for a in sys.argv[3:])})
+a, b = (int(x) for x in sys.argv[2].split(":"))
+with ShardEngine(sys.argv[1], layers=(a, b), **options.engine_kwargs()) as engine:
+    engine.open_session(1, 0)
+    width = engine.info.in_width
+    if width:
+        engine.forward(1, 0, [0], rows=np.zeros((1, width), dtype=np.float32))
+    else:
+        engine.forward(1, 0, [0], tokens=[1])
+"""
+
+
+def dgr_resolved_flash_attn(path: Path, options: EngineOptions, layers: tuple[int, int]) -> Any:
+    """What dgr's engine (the same llama.cpp, ``DGR_LLAMA_LOG=1``) resolves flash attention to
+    for ``layers``, from its log; ``None`` if it does not say, an error text if the probe
+    fails."""
+    argv = [sys.executable, "-c", _PROBE, str(path), f"{layers[0]}:{layers[1]}"]
+    argv += [f"{k}={v}" for k, v in attrs.asdict(options).items()]
+    env = dict(os.environ, DGR_LLAMA_LOG="1")
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=600, env=env, check=False)
+    if proc.returncode != 0:
+        return f"probe failed: {proc.stderr.strip().splitlines()[-1:]}"
+    return resolved_flash_attn(proc.stderr)
+
+
+async def aggregate_rounds(
+    s: Settings,
+    path: Path,
+    n_layer: int,
+    options: EngineOptions,
+    config: PeerConfig,
+    prompts: list[list[int]],
+    references: list[list[int]],
+) -> dict[str, Any]:
+    """Aggregate decode tok/s at each session count: llama-batched-bench against each variant
+    of a 2-stage dgr route, interleaved."""
+    layout = split_points(n_layer, 2)
+    routes = {v.name: ConcurrentRoute(path, layout, v.options(options), v.args) for v in s.variants}
+    got: dict[str, dict[int, list[float]]] = {}
+    exact: dict[str, dict[int, int]] = {name: {} for name in routes}
+    peer_checks: list[dict[str, Any]] = []
+    contenders = ["batched-bench", *routes]
+    try:
+        for route in routes.values():
+            await route.start()
+        # what it resolves flash attention to and the KV type it logs: a quiet probe
+        rows, log = await asyncio.to_thread(run_batched_bench, config, 8, 1, [1], True)
+        peer_checks.append(_batched_check(rows[1], log, config))
+        for round_ in range(s.repeats + 1):
+            shift = round_ % len(contenders)
+            for name in contenders[shift:] + contenders[:shift]:
+                if name == "batched-bench":
+                    if round_ == 0:
+                        continue
+                    rows, log = await asyncio.to_thread(
+                        run_batched_bench, config, s.prompt, s.decode, s.sessions
+                    )
+                    for n in s.sessions:
+                        got.setdefault(name, {}).setdefault(n, []).append(
+                            float(rows[n]["speed_tg"])
+                        )
+                    if round_ == 1:  # the timed run's own report
+                        peer_checks.append(_batched_check(rows[max(s.sessions)], "", config))
+                    continue
+                for n in s.sessions:
+                    tps, tokens = await routes[name].run(prompts[:n], s.decode)
+                    equal = sum(t == r for t, r in zip(tokens, references[:n], strict=True))
+                    exact[name][n] = min(exact[name].get(n, n), equal)
+                    if round_:
+                        got.setdefault(name, {}).setdefault(n, []).append(tps)
+    finally:
+        for route in routes.values():
+            await route.aclose()
+    return {
+        "tps": {name: {n: _median(v) for n, v in by_n.items()} for name, by_n in got.items()},
+        "rounds": got,
+        "tokens_exact": exact,
+        "peer_checks": peer_checks,
+    }
+
+
+def _batched_check(row: dict[str, Any], log: str, config: PeerConfig) -> dict[str, Any]:
+    """What llama-batched-bench reported using (``log``: a verbose probe's, else empty)."""
+    return {
+        "peer": "llama-batched-bench" if log else "llama-batched-bench (timed run)",
+        "n_threads": row.get("n_threads"),
+        "n_threads_batch": row.get("n_threads_batch"),
+        "flash_attn": row.get("flash_attn"),
+        "flash_attn_resolved": resolved_flash_attn(log),
+        "kv_logged": _kv_type_from_log(log),
+        "same": row.get("n_threads") == config.threads
+        and row.get("n_threads_batch") == config.threads
+        and row.get("flash_attn") == FLASH_ATTN_CODE[config.flash_attn]
+        and _kv_type_from_log(log) in (None, config.kv_type),
+    }
+
+
+_KV_LOG_RE = re.compile(r"llama_kv_cache:.*K \((\w+)\)")
+
+
+def _kv_type_from_log(log: str) -> str | None:
+    """The K cache type llama.cpp logged (``llama_kv_cache: ... K (f16): ...``)."""
+    m = _KV_LOG_RE.search(log)
+    return m.group(1) if m else None
+
+
+def recovery_rows(
+    s: Settings,
+    path: Path,
+    n_layer: int,
+    options: EngineOptions,
+    config: PeerConfig,
+    rpc_binary: Path,
+    n_vocab: int,
+) -> list[dict[str, Any]]:
+    """``benchmarks.recovery``'s measurement at each ``k`` (batched replay), its tokens checked
+    against the whole model, and RPC's 2-stage prefill of the same rows."""
+    if not s.accepted:
+        return []
+    layout = split_points(n_layer, 2)
+    rng = np.random.default_rng(5)
+    prompt = [int(t) for t in rng.integers(0, n_vocab, size=recovery.PROMPT_LEN)]
+    (reference,) = whole_model_greedy(path, [prompt], max(s.accepted) + recovery.AFTER, options)
+    rows = []
+    for k in s.accepted:
+        run = asyncio.run(recovery._one(path, layout, options, prompt, k, "batched"))
+        run["exact"] = run.pop("tokens") == reference[: k + recovery.AFTER]
+        run["rows"] = recovery.PROMPT_LEN + k
+        run["target_s"] = 1.3 * run["prefill_s"] + 0.3
+        run["met"] = run["recovery_s"] <= run["target_s"]
+        rows.append(run)
+    with rpc_servers(rpc_binary, 1, s.threads) as servers:
+        results, _ = run_llama_bench(
+            config, [r["rows"] for r in rows], 0, [0], servers=servers, n_layer=n_layer
+        )
+    for row in rows:
+        row["rpc_prefill_s"] = row["rows"] / pick(results, row["rows"], 0, 0).avg_ts
+    return rows
+
+
+# --- the table --------------------------------------------------------------------------------
+
+
+def _s(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds:.3f} s"
+
+
+def _met(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+def table_rows(
+    s: Settings, speeds: dict[str, Any], agg: dict[str, Any], rec: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """The table's rows: name, dgr, peer, ratio, target, met (None: no target)."""
+    rows: list[dict[str, Any]] = []
+    sp = speeds["speeds"]
+    whole_d, whole_p = sp["dgr whole"], sp["llama-bench whole"]
+
+    def add(
+        name: str,
+        dgr: float,
+        dgr_text: str,
+        peer: float | None,
+        peer_text: str,
+        target: str = "",
+        met: bool | None = None,
+    ) -> None:
+        rows.append(
+            {
+                "name": name,
+                "dgr": dgr,
+                "dgr_text": dgr_text,
+                "peer": peer,
+                "peer_text": peer_text,
+                "ratio": None if peer is None else dgr / peer,
+                "target": target,
+                "met": met,
+            }
+        )
+
+    for metric, key, label in (
+        ("decode", "decode_tps", "decode tok/s"),
+        ("prefill", "prefill_tps", f"prefill {s.prompt} tok/s"),
+    ):
+        add(
+            f"{label}, whole model",
+            whole_d[key],
+            f"{whole_d[key]:.1f}",
+            whole_p[key],
+            f"llama-bench: {whole_p[key]:.1f}",
+        )
+        for n in s.stages:
+            d, p = sp[f"dgr {n}"][key], sp[f"rpc {n}"][key]
+            ratio = d / p
+            target, met = ("", None)
+            if metric == "decode":
+                target = f"dgr >= {DECODE_TARGET:.1f} x RPC"
+                met = ratio >= DECODE_TARGET
+            add(
+                f"{label}, {n} stages (ratio to whole)",
+                d,
+                f"{d:.1f} ({d / whole_d[key]:.3f})",
+                p,
+                f"RPC, same split: {p:.1f} ({p / whole_p[key]:.3f})",
+                target,
+                met,
+            )
+    peer = agg["tps"]["batched-bench"]
+    top = max(s.sessions)
+    for name in (v.name for v in s.variants):
+        mine = agg["tps"][name]
+        for n in s.sessions:
+            target, met = "", None
+            if n == top:
+                target = f">= {AGG_PEER_TARGET} x batched-bench {n}"
+                met = mine[n] / peer[n] >= AGG_PEER_TARGET
+            add(
+                f"{n} session{'s' if n > 1 else ''}, 2 stages, aggregate decode tok/s [{name}]",
+                mine[n],
+                f"{mine[n]:.1f}",
+                peer[n],
+                f"llama-batched-bench, whole, {n} seq: {peer[n]:.1f}",
+                target,
+                met,
+            )
+        low = min(s.sessions)
+        if top != low:
+            scale, peer_scale = mine[top] / mine[low], peer[top] / peer[low]
+            add(
+                f"{top} sessions / {low} session, 2 stages [{name}]",
+                scale,
+                f"{scale:.2f} x",
+                peer_scale,
+                f"llama-batched-bench: {peer_scale:.2f} x",
+                f">= {AGG_SCALE_TARGET:.0f} x one session",
+                scale >= AGG_SCALE_TARGET,
+            )
+    for row in rec:
+        add(
+            f"recovery at {row['accepted']} accepted tokens (s)",
+            row["recovery_s"],
+            f"{_s(row['recovery_s'])} (dgr prefill of {row['rows']}: {_s(row['prefill_s'])})",
+            None,
+            f"none: RPC has no recovery (its 2-stage prefill of {row['rows']}: "
+            f"{_s(row['rpc_prefill_s'])})",
+            f"<= 1.3 x prefill + 0.3 s = {_s(row['target_s'])}",
+            bool(row["met"]),
+        )
+    return rows
+
+
+def print_table(rows: Sequence[dict[str, Any]]) -> None:
+    print("| | dgr | nearest peer | dgr / peer | target | met |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = "" if r["ratio"] is None else f"{r['ratio']:.2f}"
+        met = "" if r["met"] is None else _met(r["met"])
+        print(
+            f"| {r['name']} | {r['dgr_text']} | {r['peer_text']} | {ratio} | {r['target']} | "
+            f"{met} |"
+        )
+
+
+def plot(
+    path: Path,
+    s: Settings,
+    speeds: dict[str, Any],
+    agg: dict[str, Any],
+    rec: list[dict[str, Any]],
+    title: str,
+) -> str:
+    """Writes the PNG; returns how (``matplotlib`` or ``plain``)."""
+    sp = speeds["speeds"]
+    names = ["whole", *(f"{n}" for n in s.stages)]
+    dgr_keys = ["dgr whole", *(f"dgr {n}" for n in s.stages)]
+    peer_keys = ["llama-bench whole", *(f"rpc {n}" for n in s.stages)]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        pairs = [
+            Speed(k, 0, sp[k]["prefill_tps"], sp[k]["decode_tps"], 0.0)
+            for pair in zip(dgr_keys, peer_keys, strict=True)
+            for k in pair
+        ]
+        bars = {f"{name} {n}": v for name, by_n in agg["tps"].items() for n, v in by_n.items()}
+        _plain_png(path, pairs, bars)
+        return (
+            "plain (matplotlib not installed: bars only, dgr and peer alternating; numbers "
+            "in peers.json)"
+        )
+    fig, axes = plt.subplots(1, 4, figsize=(17, 4.2))
+    x = np.arange(len(names))
+    for ax, key, label in (
+        (axes[0], "decode_tps", "decode tok/s"),
+        (axes[1], "prefill_tps", "prefill tok/s"),
+    ):
+        a = ax.bar(x - 0.2, [sp[k][key] for k in dgr_keys], 0.4, label="dgr", color="#2a7")
+        b = ax.bar(x + 0.2, [sp[k][key] for k in peer_keys], 0.4, label="llama.cpp", color="#555")
+        ax.bar_label(a, fmt="%.0f", fontsize=7)
+        ax.bar_label(b, fmt="%.0f", fontsize=7)
+        ax.set_xticks(x, ["whole", *(f"{n} stages" for n in s.stages)])
+        ax.set_title(label)
+        ax.legend(fontsize=7)
+    for name, by_n in agg["tps"].items():
+        axes[2].plot(list(by_n), list(by_n.values()), marker="o", label=name)
+    axes[2].set_xlabel("concurrent sessions / sequences")
+    axes[2].set_title("aggregate decode tok/s")
+    axes[2].legend(fontsize=7)
+    ks = [r["accepted"] for r in rec]
+    axes[3].plot(ks, [r["recovery_s"] for r in rec], marker="o", label="dgr recovery")
+    axes[3].plot(ks, [r["prefill_s"] for r in rec], marker="o", label="dgr prefill, same rows")
+    axes[3].plot(ks, [r["rpc_prefill_s"] for r in rec], marker="o", label="RPC prefill, same rows")
+    axes[3].plot(ks, [r["target_s"] for r in rec], ls=":", color="#c33", label="target")
+    axes[3].set_xlabel("accepted tokens at the kill")
+    axes[3].set_title("recovery s (RPC has none)")
+    axes[3].legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return "matplotlib"
+
+
+def certify(fixture: str, options: EngineOptions) -> str | None:
+    """Dark lanes are unroutable: certify this lane (or reuse its record), as pipeline.py does.
+    ``None`` when it passed, else the end of what ``dgr certify`` said."""
+    proc = subprocess.run(
+        [dgr_command(), "certify", "--fixture", fixture, "--reuse", *options.worker_argv()],
+        capture_output=True,
+        text=True,
+        timeout=3600,
+        check=False,
+    )
+    if proc.returncode == 0:
+        return None
+    return "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-12:])
+
+
+def _all_finite(rows: Sequence[dict[str, Any]]) -> bool:
+    return all(
+        math.isfinite(r["dgr"])
+        and r["dgr"] > 0
+        and (r["peer"] is None or (math.isfinite(r["peer"]) and r["peer"] > 0))
+        for r in rows
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--fixture", default="mid-llama")
+    parser.add_argument("--threads", type=int, default=1, help="threads per computing process")
+    parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
+    parser.add_argument("--decode", type=int, default=64, help="decode steps after the prompt")
+    parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
+    parser.add_argument("--accepted", default="16,128,400", help="recovery k values ('' none)")
+    parser.add_argument("--kv-type", choices=KV_TYPES, default="f16")
+    parser.add_argument("--flash-attn", choices=FLASH_ATTN_MODES, default="auto")
+    parser.add_argument(
+        "--worker-arg",
+        action="append",
+        default=[],
+        help="a further `dgr worker` argument for the aggregate rows (repeat for several)",
+    )
+    parser.add_argument(
+        "--co-batch",
+        choices=("on", "off"),
+        default="on",
+        help="aggregate rows with the workers co-batching sessions as well (`dgr worker "
+        "--batching co-batch`, default on)",
+    )
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out")
+    args = parser.parse_args(argv)
+    if any(n < 2 for n in args.stages):
+        parser.error("--stages: RPC needs at least 2 stages")
+
+    began = time.monotonic()
+    spec = lookup(args.fixture)
+    path = ensure_fixture(args.fixture)
+    accepted = tuple(int(k) for k in args.accepted.split(",") if k)
+    base = tuple(args.worker_arg)
+    variants = [Variant("plain" if not base else " ".join(base), None, base)]
+    if args.co_batch != "off":  # workers co-batching sessions: EngineOptions.batching
+        variants.append(Variant("co-batch", "co-batch", base))
+    s = Settings(
+        fixture=args.fixture,
+        threads=args.threads,
+        prompt=args.prompt,
+        decode=args.decode,
+        repeats=args.repeats,
+        stages=tuple(args.stages),
+        sessions=tuple(sorted(set(args.sessions))),
+        accepted=accepted,
+        kv_type=args.kv_type,
+        flash_attn=args.flash_attn,
+        variants=tuple(variants),
+    )
+    # one lane for every route: the context covers the speed runs and the largest recovery
+    need = max(s.prompt + s.decode + 2, recovery.PROMPT_LEN + max(accepted, default=0) + 12)
+    ctx = max(256, 1 << (need - 1).bit_length())
+    batch = max(64, 1 << (s.prompt - 1).bit_length())
+    options = EngineOptions(
+        n_threads=s.threads,
+        n_ctx_per_session=ctx,
+        n_batch=batch,
+        max_sessions=max(s.sessions) + 2,  # a run's sessions may still be closing
+        kv_type=s.kv_type,
+        flash_attn=s.flash_attn,
+    )
+    prefix = peer_build.ensure_peers(log=lambda m: print(m, flush=True))
+    config = PeerConfig(
+        model=path,
+        bench=prefix / "bin" / "llama-bench",
+        batched=prefix / "bin" / "llama-batched-bench",
+        threads=s.threads,
+        kv_type=s.kv_type,
+        flash_attn=s.flash_attn,
+        n_batch=batch,
+    )
+    rpc_binary = prefix / "bin" / "ggml-rpc-server"
+    print(
+        f"{path.name}: {spec.n_layer} layers, n_embd {spec.n_embd}; {s.threads} thread(s) per "
+        f"computing process, OMP_WAIT_POLICY=PASSIVE, kv {s.kv_type}, flash attention "
+        f"{s.flash_attn}; prompt {s.prompt}, {s.decode} decode steps; median of {s.repeats} "
+        f"interleaved rounds; {os.cpu_count()} cores shared by every process ({EVIDENCE_NOTE})",
+        flush=True,
+    )
+    print(f"aggregate rows: {', '.join(v.name for v in variants)}", flush=True)
+    failed = certify(s.fixture, options)
+    if failed is not None:
+        raise SystemExit(f"dgr certify failed for the lane of {options}:\n{failed}")
+    left_out: dict[str, str] = {}
+    for v in variants[1:]:
+        if v.options(options) != options and (failed := certify(s.fixture, v.options(options))):
+            print(f"aggregate rows [{v.name}] left out: its lane did not certify:\n{failed}")
+            left_out[v.name] = f"its lane did not certify: {failed}"
+            s = attrs.evolve(s, variants=tuple(x for x in s.variants if x is not v))
+    dgr_fa = {
+        f"layers {a}:{b}": dgr_resolved_flash_attn(path, options, (a, b))
+        for a, b in [(0, spec.n_layer), split_points(spec.n_layer, 2)[1]]
+    }
+
+    prompt = _prompt(s.prompt, spec.n_vocab)
+    speeds = asyncio.run(speed_rounds(s, path, spec.n_layer, options, config, rpc_binary, prompt))
+    print(f"[{time.monotonic() - began:.0f} s] decode/prefill rounds done", flush=True)
+
+    prompts = [
+        [int(t) for t in np.random.default_rng(100 + i).integers(0, spec.n_vocab, size=s.prompt)]
+        for i in range(max(s.sessions))
+    ]
+    references = whole_model_greedy(path, prompts, s.decode + 1, options)
+    agg = asyncio.run(aggregate_rounds(s, path, spec.n_layer, options, config, prompts, references))
+    print(f"[{time.monotonic() - began:.0f} s] aggregate rounds done", flush=True)
+    rec = recovery_rows(s, path, spec.n_layer, options, config, rpc_binary, spec.n_vocab)
+    print(f"[{time.monotonic() - began:.0f} s] recovery done", flush=True)
+
+    rows = table_rows(s, speeds, agg, rec)
+    print()
+    print(f"dgr against llama.cpp's own tools ({EVIDENCE_NOTE}):")
+    print()
+    print_table(rows)
+    print()
+    checks = speeds["peer_checks"] + agg["peer_checks"]
+    print(
+        f"same settings: dgr threads {s.threads}, kv {s.kv_type}, flash attention "
+        f"{s.flash_attn} (requested; fa code {FLASH_ATTN_CODE[s.flash_attn]}); resolved by "
+        "dgr's engine: " + ", ".join(f"{k} {v}" for k, v in dgr_fa.items())
+    )
+    for c in checks:
+        fields = ", ".join(f"{k} {v}" for k, v in c.items() if k not in ("peer", "same"))
+        print(f"  {c['peer']}: {fields} -> {'same' if c['same'] else 'DIFFERENT'}")
+    resolved = {c["flash_attn_resolved"] for c in checks} | set(dgr_fa.values())
+    resolved.discard(None)
+    print(
+        "flash attention as resolved by llama.cpp: "
+        + ("the same everywhere" if len(resolved) <= 1 else "DIFFERENT")
+        + f" ({', '.join(sorted(map(str, resolved))) or 'not logged'})"
+    )
+    print(
+        "tokens equal to the whole model: "
+        + ", ".join(f"{k} {v}" for k, v in speeds["tokens_equal"].items())
+        + "; concurrent sessions exact (fewest over rounds): "
+        + "; ".join(
+            f"{name}: " + ", ".join(f"{n}: {e}/{n}" for n, e in by_n.items())
+            for name, by_n in agg["tokens_exact"].items()
+        )
+        + "; recovery: "
+        + ", ".join(f"k {r['accepted']} {r['exact']}" for r in rec)
+        + " (the peers report no tokens)"
+    )
+    decode_targets = [r for r in rows if r["target"].startswith("dgr >=")]
+    verdict = all(r["met"] for r in decode_targets)
+    print(
+        f"target: dgr >= {DECODE_TARGET:.1f} x RPC decode at "
+        + " and at ".join(f"{n}" for n in s.stages)
+        + f" stages: {_met(verdict)} ("
+        + ", ".join(f"{r['ratio']:.2f}" for r in decode_targets)
+        + ")"
+    )
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = {
+        "fixture": s.fixture,
+        "evidence": EVIDENCE_NOTE,
+        "settings": attrs.asdict(s),
+        "cores": os.cpu_count(),
+        "options": attrs.asdict(options),
+        "peers_prefix": str(prefix),
+        "peers_build_seconds": peer_build.build_seconds(prefix),
+        "left_out": left_out,
+        "dgr_flash_attn_resolved": dgr_fa,
+        "flash_attn_resolved_same": len(resolved) <= 1,
+        "speeds": speeds,
+        "aggregate": agg,
+        "recovery": rec,
+        "table": rows,
+        "all_finite": _all_finite(rows),
+        "decode_target_met": verdict,
+        "seconds": time.monotonic() - began,
+    }
+    (args.out / "peers.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    title = (
+        f"{s.fixture}: dgr vs llama.cpp's tools, {s.threads} thread(s) per process "
+        f"({EVIDENCE_NOTE})"
+    )
+    how = plot(args.out / "peers.png", s, speeds, agg, rec, title)
+    print(
+        f"\nsaved {args.out / 'peers.json'} and {args.out / 'peers.png'} ({how}); "
+        f"{time.monotonic() - began:.0f} s"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
