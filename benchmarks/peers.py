@@ -11,7 +11,9 @@ mode (default f16 and auto: llama.cpp's defaults); the peers' own reports are ch
   processes on 127.0.0.1 plus the ``llama-bench`` process, which computes the first stage's
   layers: RPC's ``-ngl`` counts the output layer, so 24 layers in 2 stages is ``-ngl 13``, and
   ``-ts`` splits the rest evenly over the servers) against dgr routes of ``dgr worker``
-  processes with the same even layer ranges (``SessionManager`` over ``GrpcStageTransport``).
+  processes with the same even layer ranges (``SessionManager`` over ``GrpcStageTransport``,
+  the client relay, and over ``ChainStageTransport(ring=True)``, the ring of ``docs/chain.md``:
+  ``--transports``).
   llama-bench decodes at depth ``--prompt`` (``-d``), as dgr decodes after its prompt.
 * **Aggregate decode tok/s at 1, 4 and 8 concurrent sessions**: ``llama-batched-bench`` on the
   whole model (``-npl 1,4,8``: that many sequences decoded together in one batch) against a
@@ -39,7 +41,8 @@ recovery <= 1.3 x one prefill of the same rows + 0.3 s.
 
     python -m benchmarks.peers [--fixture mid-llama] [--threads 1] [--prompt 128]
         [--decode 64] [--repeats 5] [--stages 2 4] [--sessions 1 4 8]
-        [--accepted 16,128,400] [--worker-arg ARG]... [--co-batch on|off] [--out DIR]
+        [--accepted 16,128,400] [--worker-arg ARG]... [--co-batch on|off]
+        [--transports relay ring] [--out DIR]
 
 **Fixture evidence on this shared 2-core machine**: every route worker, rpc-server, the client
 and the peers share the same cores (a 2-stage route runs 2 computing processes at 1 thread each,
@@ -531,6 +534,9 @@ class Settings:
     flash_attn: str
     variants: tuple[Variant, ...]
     """How the aggregate rows' workers run (without, and where available with, co-batching)."""
+    transports: tuple[str, ...] = ("relay",)
+    """How dgr's decode and prefill routes carry frames: ``relay`` (the client relays every
+    boundary), ``chain`` or ``ring`` (``docs/chain.md``)."""
 
 
 def _median(values: Sequence[float]) -> float:
@@ -547,14 +553,21 @@ async def speed_rounds(
     prompt: list[int],
 ) -> dict[str, Any]:
     """Decode and prefill of every contender in interleaved rounds."""
-    benches = {n: RouteBench(path, split_points(n_layer, n), options) for n in s.stages}
+    benches = {
+        f"{n}{'' if t == 'relay' else ' ' + t}": RouteBench(
+            path, split_points(n_layer, n), options, transport=t
+        )
+        for n in s.stages
+        for t in s.transports
+    }
     runs: dict[str, list[tuple[float, float]]] = {}
     tokens_equal: dict[str, bool] = {}
     peer_checks: list[dict[str, Any]] = []
     whole_tokens: list[int] = []
     contenders = ["dgr whole", "llama-bench whole"]
     for n in s.stages:
-        contenders += [f"dgr {n}", f"rpc {n}"]
+        contenders += [f"dgr {key}" for key in benches if key.split(" ")[0] == str(n)]
+        contenders += [f"rpc {n}"]
     try:
         for bench in benches.values():
             await bench.start()
@@ -590,7 +603,7 @@ async def speed_rounds(
                         tokens_equal[name] = tokens_equal.get(name, True) and toks == whole_tokens
                         figures = (s.prompt / pre, s.decode / dec)
                     elif kind == "dgr":
-                        run = await benches[int(which)].run(prompt, s.decode)
+                        run = await benches[which].run(prompt, s.decode)
                         ok = whole_tokens == [] or run.tokens == whole_tokens
                         tokens_equal[name] = tokens_equal.get(name, True) and ok
                         figures = (s.prompt / run.prefill_s, s.decode / run.decode_s)
@@ -848,21 +861,23 @@ def table_rows(
             f"llama-bench: {whole_p[key]:.1f}",
         )
         for n in s.stages:
-            d, p = sp[f"dgr {n}"][key], sp[f"rpc {n}"][key]
-            ratio = d / p
-            target, met = ("", None)
-            if metric == "decode":
-                target = f"dgr >= {DECODE_TARGET:.1f} x RPC"
-                met = ratio >= DECODE_TARGET
-            add(
-                f"{label}, {n} stages (ratio to whole)",
-                d,
-                f"{d:.1f} ({d / whole_d[key]:.3f})",
-                p,
-                f"RPC, same split: {p:.1f} ({p / whole_p[key]:.3f})",
-                target,
-                met,
-            )
+            for transport in s.transports:
+                mode = "" if transport == "relay" else f" {transport}"
+                d, p = sp[f"dgr {n}{mode}"][key], sp[f"rpc {n}"][key]
+                ratio = d / p
+                target, met = ("", None)
+                if metric == "decode":
+                    target = f"dgr >= {DECODE_TARGET:.1f} x RPC"
+                    met = ratio >= DECODE_TARGET
+                add(
+                    f"{label}, {n} stages{' [' + transport + ']' if mode else ''} (ratio to whole)",
+                    d,
+                    f"{d:.1f} ({d / whole_d[key]:.3f})",
+                    p,
+                    f"RPC, same split: {p:.1f} ({p / whole_p[key]:.3f})",
+                    target,
+                    met,
+                )
     peer = agg["tps"]["batched-bench"]
     top = max(s.sessions)
     for name in (v.name for v in s.variants):
@@ -1014,6 +1029,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--decode", type=int, default=64, help="decode steps after the prompt")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved rounds")
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
+    parser.add_argument(
+        "--transports",
+        nargs="+",
+        choices=("relay", "chain", "ring"),
+        default=["relay", "ring"],
+        help="how dgr's decode/prefill routes carry frames (default relay ring; docs/chain.md)",
+    )
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--accepted", default="16,128,400", help="recovery k values ('' none)")
     parser.add_argument("--kv-type", choices=KV_TYPES, default="f16")
@@ -1056,6 +1078,7 @@ def main(argv: list[str] | None = None) -> int:
         kv_type=args.kv_type,
         flash_attn=args.flash_attn,
         variants=tuple(variants),
+        transports=tuple(dict.fromkeys(["relay", *args.transports])),
     )
     # one lane for every route: the context covers the speed runs and the largest recovery
     need = max(s.prompt + s.decode + 2, recovery.PROMPT_LEN + max(accepted, default=0) + 12)

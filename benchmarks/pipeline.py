@@ -62,6 +62,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before the engine loads l
 
 from benchmarks import grpc_floor, seam_overhead  # noqa: E402
 from dgr_engine.chain import split_points  # noqa: E402
+from dgr_engine.chain_transport import ChainStageTransport  # noqa: E402
 from dgr_engine.engine import ShardEngine  # noqa: E402
 from dgr_engine.fixtures import ensure_fixture, lookup  # noqa: E402
 from dgr_engine.options import EngineOptions  # noqa: E402
@@ -177,11 +178,25 @@ class RouteBench:
     """A route of loopback ``dgr worker`` processes and a session manager over it, kept up
     across runs so that runs of every layout can be interleaved."""
 
-    def __init__(self, path: Path, layout: list[tuple[int, int]], options: EngineOptions) -> None:
+    def __init__(
+        self,
+        path: Path,
+        layout: list[tuple[int, int]],
+        options: EngineOptions,
+        *,
+        transport: str = "relay",
+    ) -> None:
+        """``transport``: ``relay`` (``GrpcStageTransport``), ``chain`` or ``ring``
+        (``ChainStageTransport``, ``docs/chain.md``)."""
         self.stages = len(layout)
         self.provider = LoopbackRouteProvider(path, layout, options=options)
         self._records: list[tuple[float, ForwardRecord]] = []
-        self.transport = GrpcStageTransport(timeout=60.0, observer=self._observe)
+        if transport == "relay":
+            self.transport = GrpcStageTransport(timeout=60.0, observer=self._observe)
+        else:
+            self.transport = ChainStageTransport(
+                timeout=60.0, observer=self._observe, ring=transport == "ring"
+            )
         policy = FailurePolicy(step_deadline=60.0, session_deadline=600.0)
         self.manager = SessionManager(
             self.transport, self.provider, policy=policy, required_evidence=EvidenceClass.FIXTURE
@@ -205,6 +220,7 @@ class RouteBench:
         self._records.clear()
         times: list[float] = []
         self._runs += 1
+        began = time.perf_counter()
         handle = self.manager.start(
             prompt,
             max_new_tokens=n_decode + 1,
@@ -215,8 +231,11 @@ class RouteBench:
         if result.error is not None:
             raise result.error
         prefill = [(t, r) for t, r in self._records if r.positions.start == 0]
-        start = prefill[0][0] - prefill[0][1].rtt_us / 1e6
         first_token_at = times[0]
+        if not prefill:  # a chained route reports no per-stage forwards: from the session's
+            # start to its first token (the stages' opens included, a few ms on loopback)
+            return RouteRun(first_token_at - began, times[-1] - times[0], list(result.tokens), [])
+        start = prefill[0][0] - prefill[0][1].rtt_us / 1e6
         decode = [r for t, r in self._records if t > first_token_at and len(r.positions) == 1]
         return RouteRun(prefill[-1][0] - start, times[-1] - times[0], list(result.tokens), decode)
 

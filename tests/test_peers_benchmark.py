@@ -175,8 +175,10 @@ def test_peers_benchmark_end_to_end(
     want = [
         "decode tok/s, whole model",
         "decode tok/s, 2 stages (ratio to whole)",
+        "decode tok/s, 2 stages [ring] (ratio to whole)",
         "prefill 16 tok/s, whole model",
         "prefill 16 tok/s, 2 stages (ratio to whole)",
+        "prefill 16 tok/s, 2 stages [ring] (ratio to whole)",
     ]
     for variant in variants:
         want += [
