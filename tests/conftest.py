@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 # OpenMP threads spin-wait by default; on a loaded 2-core machine two engines' spinning threads
 # starve each other (chains 10-200x slower). Set before the engine's libgomp is loaded.
@@ -61,19 +62,44 @@ def fixture_evidence(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An evidence directory holding the records ``dgr certify`` made in this test run for the
     lanes of :data:`CERTIFIED_FIXTURES` on this machine (run as a user would: the CLI)."""
     root = tmp_path_factory.mktemp("evidence")
-    runs = [(name, []) for name in CERTIFIED_FIXTURES]
-    runs += [(name, ["--batching", "co-batch"]) for name in CO_BATCH_FIXTURES]
-    for name, extra in runs:
-        done = subprocess.run(
-            [dgr_command(), "certify", "--fixture", name, "--evidence", str(root), *extra],
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-        what = " ".join([name, *extra])
-        assert done.returncode == 0, f"dgr certify --fixture {what}:\n{done.stdout}{done.stderr}"
-        (root.parent / f"certify-{'-'.join([name, *extra[1:]])}.log").write_text(done.stdout)
+    for name in CERTIFIED_FIXTURES:
+        _certify(root, name)
     return root
+
+
+def _certify(root: Path, name: str, *extra: str) -> None:
+    """``dgr certify --fixture NAME`` into ``root``, its output kept beside ``root``."""
+    done = subprocess.run(
+        [dgr_command(), "certify", "--fixture", name, "--evidence", str(root), *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    what = " ".join([name, *extra])
+    assert done.returncode == 0, f"dgr certify --fixture {what}:\n{done.stdout}{done.stderr}"
+    (root.parent / f"certify-{'-'.join([name, *extra[1:]])}.log").write_text(done.stdout)
+
+
+@pytest.fixture(scope="session")
+def co_batch_evidence(fixture_evidence: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """:func:`fixture_evidence`'s records plus those of the co-batching lanes of
+    :data:`CO_BATCH_FIXTURES` (``dgr certify --batching co-batch``), in a directory of their
+    own (the gates' tests count the plain records)."""
+    root = tmp_path_factory.mktemp("evidence-co-batch")
+    shutil.copytree(fixture_evidence, root, dirs_exist_ok=True)
+    for name in CO_BATCH_FIXTURES:
+        _certify(root, name, "--batching", "co-batch")
+    return root
+
+
+@pytest.fixture()
+def certified_co_batch(co_batch_evidence: Path) -> Iterator[Path]:
+    """:func:`certified_fixtures` with the co-batching lanes' records as well, for one test
+    (the default evidence directory is put back after it)."""
+    before = os.environ[EVIDENCE_DIR_ENV]
+    os.environ[EVIDENCE_DIR_ENV] = str(co_batch_evidence)
+    yield co_batch_evidence
+    os.environ[EVIDENCE_DIR_ENV] = before
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,8 @@ import attrs
 import pytest
 from test_metrics import count, scrape
 
+from dgr_engine.certification.lock import load_lock
+from dgr_engine.certification.record import load_evidence
 from dgr_engine.chain import whole_model_greedy
 from dgr_engine.client import ShardClient
 from dgr_engine.options import EngineOptions
@@ -25,7 +27,7 @@ from dgr_session import (
     SessionState,
 )
 
-pytestmark = pytest.mark.usefixtures("certified_fixtures")
+pytestmark = pytest.mark.usefixtures("certified_co_batch")
 
 # dgr certify's default options (the lane the suite certifies), co-batching
 OPTIONS = EngineOptions(
@@ -94,9 +96,17 @@ def test_co_batched_route_matches_the_whole_model(tiny_llama: Path) -> None:
         assert info["batching"] == "co-batch"
 
 
-def test_co_batched_lane_is_its_own_certified_lane(tiny_llama: Path) -> None:
+def test_co_batched_lane_is_its_own_certified_lane(
+    tiny_llama: Path, certified_co_batch: Path
+) -> None:
     """The advert of a co-batching worker names another lane than the same worker without it,
-    and each is certified by its own record."""
+    and each is certified by its own record, made by ``dgr certify --batching co-batch``."""
+    loaded = load_evidence(certified_co_batch, load_lock())
+    assert not loaded.refused
+    lanes = sorted((r.family, r.lane.batching) for r in loaded.records)
+    assert lanes == [("dense", "co-batch"), ("dense", "session"), ("v4", "session")]
+    co_batched = next(r for r in loaded.records if r.lane.batching == "co-batch")
+    assert co_batched.command[-2:] == ("--batching", "co-batch")
 
     async def adverts() -> list[tuple[str, str]]:
         lanes = []
