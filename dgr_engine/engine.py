@@ -272,13 +272,13 @@ class ShardEngine:
         return item.result(int(n_written[0]), self.info.out_width)
 
     def forward_batch(self, items: Sequence[ForwardItem]) -> list[FloatArray | EngineError]:
-        """Runs several sessions' rows in one engine call (``dgr_forward_batch``: one
-        ``llama_decode`` whose batch carries one sequence per session), each item as
-        :meth:`forward` would run it alone; returns, in item order, each item's output rows or
-        the typed error it was refused with (the other items still ran). The items' rows
-        together must fit ``n_batch`` (``DGR_E_SHAPE`` is raised, nothing ran). A row computed
-        next to other sessions' rows may differ in the last bits from the same row computed
-        alone (``docs/worker.md``, co-batching)."""
+        """Runs several sessions' rows in one engine call (``dgr_forward_batch``: neighbouring
+        sessions share a ``llama_decode`` carrying one sequence each, while under 32 rows
+        together), each item as :meth:`forward` would run it alone; returns, in item order,
+        each item's output rows or the typed error it was refused with (the other items still
+        ran). The items' rows together must fit ``n_batch`` (``DGR_E_SHAPE`` is raised, nothing
+        ran). Each item's rows have the bits they have when run alone (patch 0010;
+        ``docs/worker.md``, co-batching)."""
         prepared: list[_Prepared | EngineError] = []
         for item in items:
             try:

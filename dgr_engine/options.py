@@ -10,7 +10,7 @@ from typing import Any
 import attrs
 
 from dgr_engine.argtypes import int_in
-from dgr_engine.certification.lane import BATCHING_CO_BATCH, BATCHING_MODES
+from dgr_engine.certification.lane import BATCHING_MODES
 from dgr_engine.numerics import FLASH_ATTN_MODES, KV_TYPES, Numerics
 
 
@@ -82,11 +82,6 @@ class EngineOptions:
     )
     """``"session"`` (one session's rows per engine call) or ``"co-batch"`` (frames of several
     sessions in one call: ``dgr_engine.worker.co_batch``; the lane's ``batching``)."""
-
-    @property
-    def co_batch(self) -> bool:
-        """Whether workers with these options co-batch sessions."""
-        return self.batching == BATCHING_CO_BATCH
 
     @property
     def numerics(self) -> Numerics:

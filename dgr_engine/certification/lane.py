@@ -65,9 +65,11 @@ class LaneKey:
     """Where the layers run (``"cpu"``: every owned layer on the CPU backend)."""
     batching: str = BATCHING_SESSION
     """How rows meet the engine: ``"session"`` (each engine call runs one session's rows) or
-    ``"co-batch"`` (rows of several sessions in one call, ``dgr worker --co-batch``), which
-    may change the last bits of a session's rows. Left out of the canonical form when
-    ``"session"``, so the lanes recorded before this field existed keep their ids."""
+    ``"co-batch"`` (rows of several sessions in one call, ``dgr worker --batching co-batch``).
+    Co-batched rows keep their bits for the tensor types tested (patch 0010), but types that
+    llama.cpp repacks for the CPU take other kernels for one row than for several, so a record
+    certifies only its own batching. Left out of the canonical form when ``"session"``, so the
+    lanes recorded before this field existed keep their ids."""
 
     def canonical(self) -> dict[str, Any]:
         """The lane as a JSON-ready mapping (lists for tuples)."""

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from loguru import logger
 
 from dgr_engine.argtypes import float_in, int_in, layer_range
+from dgr_engine.certification.lane import BATCHING_CO_BATCH
 from dgr_engine.cli._evidence_args import add_evidence_arguments
 from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.options import EngineOptions
@@ -279,7 +280,7 @@ async def _serve(args: argparse.Namespace) -> int:
         grace_seconds=args.grace,
         inline_max_rows=args.inline_max_rows,
         inline_max_ms=args.inline_max_ms,
-        co_batch=args.batching == "co-batch",
+        co_batch=args.batching == BATCHING_CO_BATCH,
         co_batch_wait_ms=args.co_batch_wait_ms,
         session_lease_seconds=args.session_lease if args.session_lease > 0 else None,
         evidence_dir=args.evidence if args.evidence is not None else default_evidence_dir(),
