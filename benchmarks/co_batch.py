@@ -5,12 +5,13 @@ without it, and what co-batching does to a session's numbers.
 **Throughput.** A 2-stage route of ``dgr worker`` processes (1 engine thread each) serves ``N``
 concurrent greedy sessions (``SessionManager`` over ``GrpcStageTransport``), for each ``N`` in
 ``--sessions``, once per batching mode, in interleaved rounds (median over ``--repeats``).
-Aggregate decode tok/s counts every session's tokens after its first, over the time from the
-last session's first token to the last session's last. Beside it, in-process (no network):
-one engine of the whole model decoding ``N`` sessions one call each against one co-batched call
-(``ShardEngine.forward_batch``): what the engine itself gains. Targets (issue 15): 8 sessions
->= 3 x one session (co-batching route); >= 0.9 x ``llama-batched-bench`` with 8 sequences on
-the whole model, which ``benchmarks.peers`` measures beside it.
+Aggregate decode tok/s is ``benchmarks.concurrent.aggregate_tps`` of the sessions' token time
+stamps (the tokens of the window in which every session decodes). Beside it, in-process (no
+network): one engine of the whole model decoding ``N`` sessions one call each against one
+co-batched call (``ShardEngine.forward_batch``): what the engine itself gains. Targets
+(issue 15): 8 sessions >= 3 x one session (co-batching route); >= 0.9 x
+``llama-batched-bench`` with 8 sequences on the whole model, which ``benchmarks.peers``
+measures beside it.
 
 **Numerics.** Every session's tokens on the co-batching route are checked against the whole
 model run alone; and in-process, over seeded sessions decoded co-batched and alone on the whole
@@ -37,14 +38,12 @@ from typing import Any
 import attrs
 import numpy as np
 
+from benchmarks.concurrent import ConcurrentRoute
 from dgr_engine.chain import split_points, whole_model_greedy
 from dgr_engine.engine import ForwardItem, ShardEngine
 from dgr_engine.fixtures import ensure_fixture, lookup
 from dgr_engine.options import EngineOptions
 from dgr_engine.processes import dgr_command
-from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import GrpcStageTransport
-from dgr_session import EvidenceClass, FailurePolicy, SessionManager
 
 PROMPT_LEN = 16
 MODES = ("session", "co-batch")
@@ -53,39 +52,6 @@ MODES = ("session", "co-batch")
 def prompts_for(n: int, n_vocab: int, seed: int = 11) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     return [[int(t) for t in rng.integers(1, n_vocab, size=PROMPT_LEN)] for _ in range(n)]
-
-
-async def route_throughput(
-    provider: LoopbackRouteProvider, prompts: list[list[int]], decode: int
-) -> dict[str, Any]:
-    """Runs the prompts as concurrent sessions on the (started) provider's route."""
-    async with GrpcStageTransport(timeout=60.0) as transport:
-        manager = SessionManager(
-            transport,
-            provider,
-            policy=FailurePolicy(step_deadline=60.0),
-            required_evidence=EvidenceClass.FIXTURE,
-        )
-        first: list[float] = []
-        last: list[float] = []
-
-        def hook(index: int) -> Any:
-            def on_token(_token: int) -> None:
-                now = time.perf_counter()
-                if len(handles[index].tokens) == 1:
-                    first.append(now)
-                last.append(now)
-
-            return on_token
-
-        handles: list[Any] = []
-        for index, prompt in enumerate(prompts):
-            handles.append(manager.start(prompt, max_new_tokens=decode, on_token=hook(index)))
-        results = await asyncio.gather(*(h.wait() for h in handles))
-        await manager.aclose()
-    elapsed = max(last) - max(first)
-    tokens = sum(len(r.tokens) - 1 for r in results)
-    return {"tok_s": tokens / elapsed if elapsed > 0 else float("nan"), "results": results}
 
 
 def engine_throughput(path: Path, options: EngineOptions, n: int, steps: int) -> dict[str, float]:
@@ -109,9 +75,9 @@ def engine_throughput(path: Path, options: EngineOptions, n: int, steps: int) ->
     return out
 
 
-def numerics(path: Path, options: EngineOptions, seeds: int, steps: int) -> dict[str, Any]:
+def numerics(fixture: str, options: EngineOptions, seeds: int, steps: int) -> dict[str, Any]:
     """Seeded sessions, 8 at a time, decoded co-batched and alone on the whole model."""
-    n_vocab = lookup_vocab(path)  # the fixture's vocabulary, from the engine itself
+    path, n_vocab = ensure_fixture(fixture), lookup(fixture).n_vocab
     differing = 0
     diffs: list[float] = []
     with ShardEngine(path, **options.engine_kwargs()) as engine:
@@ -130,11 +96,6 @@ def numerics(path: Path, options: EngineOptions, seeds: int, steps: int) -> dict
         "max_logit_diff": max(diffs),
         "median_logit_diff": statistics.median(diffs),
     }
-
-
-def lookup_vocab(path: Path) -> int:
-    with ShardEngine(path, layers=(0, 1), max_sessions=1) as probe:
-        return probe.info.n_vocab
 
 
 def _decode_alone(
@@ -200,24 +161,23 @@ async def _rounds(
 ) -> tuple[dict[str, dict[int, list[float]]], dict[str, bool]]:
     figures: dict[str, dict[int, list[float]]] = {m: {n: [] for n in counts} for m in MODES}
     exact = {m: True for m in MODES}
-    providers = {m: LoopbackRouteProvider(path, layout, options=options[m]) for m in MODES}
+    routes = {m: ConcurrentRoute(path, layout, options[m], ()) for m in MODES}
     prompts = prompts_for(max(counts), n_vocab)
-    reference = whole_model_greedy(path, prompts, decode, options["session"])
+    reference = whole_model_greedy(path, prompts, decode + 1, options["session"])
     try:
-        for provider in providers.values():
-            await provider.start()
+        for route in routes.values():
+            await route.start()
         for round_index in range(repeats + 1):  # the first round warms up
             order = MODES if round_index % 2 == 0 else MODES[::-1]
             for n in counts:
                 for mode in order:
-                    run = await route_throughput(providers[mode], prompts[:n], decode)
-                    for result, tokens in zip(run["results"], reference, strict=False):
-                        exact[mode] &= list(result.tokens) == tokens
+                    tok_s, tokens = await routes[mode].run(prompts[:n], decode)
+                    exact[mode] &= tokens == reference[:n]
                     if round_index > 0:
-                        figures[mode][n].append(run["tok_s"])
+                        figures[mode][n].append(tok_s)
     finally:
-        for provider in providers.values():
-            await provider.aclose()
+        for route in routes.values():
+            await route.aclose()
     return figures, exact
 
 
@@ -286,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         "engine_tok_s": engine,
     }
     if args.seeds > 0:
-        num = numerics(ensure_fixture("tiny-llama"), options["session"], args.seeds, 12)
+        num = numerics("tiny-llama", options["session"], args.seeds, 12)
         report["numerics"] = num
         print(
             f"co-batched vs alone, tiny-llama, {num['seeds']} seeded sessions: tokens differ in "

@@ -65,7 +65,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
-from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
@@ -75,6 +74,7 @@ import numpy as np
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before the engine loads libgomp
 
 from benchmarks import peer_build, recovery  # noqa: E402
+from benchmarks.concurrent import ConcurrentRoute  # noqa: E402
 from benchmarks.pipeline import RouteBench, Speed, _plain_png, _prompt, whole_model  # noqa: E402
 from dgr_engine.chain import split_points, whole_model_greedy  # noqa: E402
 from dgr_engine.engine import ShardEngine  # noqa: E402
@@ -82,9 +82,6 @@ from dgr_engine.fixtures import ensure_fixture, lookup  # noqa: E402
 from dgr_engine.numerics import FLASH_ATTN_MODES, KV_TYPES  # noqa: E402
 from dgr_engine.options import EngineOptions  # noqa: E402
 from dgr_engine.processes import dgr_command  # noqa: E402
-from dgr_engine.route_provider import LoopbackRouteProvider  # noqa: E402
-from dgr_engine.stage_transport import GrpcStageTransport  # noqa: E402
-from dgr_session import EvidenceClass, FailurePolicy, SessionManager, SessionState  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EVIDENCE_NOTE = (
@@ -424,81 +421,6 @@ def run_batched_bench(
             f"{proc.stderr[-1500:]}"
         )
     return parse_batched_bench(proc.stdout + "\n" + proc.stderr), proc.stderr
-
-
-# --- dgr: concurrent sessions -----------------------------------------------------------------
-
-
-def aggregate_tps(stamps: Sequence[Sequence[float]]) -> float:
-    """Aggregate decode tok/s of concurrent sessions from each one's token time stamps: the
-    tokens stamped after every session had its first token and before the first session
-    finished, over that window; when the window holds too few tokens (sessions that barely
-    overlap), every token after each session's first over the whole span."""
-    firsts = [s[0] for s in stamps]
-    lasts = [s[-1] for s in stamps]
-    t0, t1 = max(firsts), min(lasts)
-    inside = sum(1 for s in stamps for t in s if t0 < t <= t1)
-    if t1 > t0 and inside >= 2 * len(stamps):
-        return inside / (t1 - t0)
-    total = sum(len(s) - 1 for s in stamps)
-    return total / (max(lasts) - min(firsts))
-
-
-class ConcurrentRoute:
-    """A 2-stage (or any) route of loopback workers kept up across rounds, driving N sessions
-    at once."""
-
-    def __init__(
-        self,
-        path: Path,
-        layout: list[tuple[int, int]],
-        options: EngineOptions,
-        worker_args: Sequence[str],
-    ) -> None:
-        self.provider = LoopbackRouteProvider(
-            path, layout, options=options, worker_args=worker_args
-        )
-        self.transport = GrpcStageTransport(timeout=120.0)
-        policy = FailurePolicy(step_deadline=120.0, session_deadline=1200.0)
-        self.manager = SessionManager(
-            self.transport, self.provider, policy=policy, required_evidence=EvidenceClass.FIXTURE
-        )
-        self._runs = 0
-
-    async def start(self) -> None:
-        await self.provider.start()
-
-    async def aclose(self) -> None:
-        try:
-            await self.manager.aclose()
-            await self.transport.aclose()
-        finally:
-            await self.provider.aclose()
-
-    async def run(
-        self, prompts: Sequence[list[int]], n_decode: int
-    ) -> tuple[float, list[list[int]]]:
-        """(aggregate decode tok/s, tokens of each session)."""
-        self._runs += 1
-        stamps: list[list[float]] = [[] for _ in prompts]
-        handles = [
-            self.manager.start(
-                prompt,
-                max_new_tokens=n_decode + 1,
-                session_id=f"agg-{self._runs}-{i}",
-                on_token=partial(_stamp, stamps[i]),
-            )
-            for i, prompt in enumerate(prompts)
-        ]
-        results = await asyncio.gather(*(h.wait() for h in handles))
-        for result in results:
-            if result.state is not SessionState.DONE:
-                raise RuntimeError(f"concurrent session failed: {result.error}")
-        return aggregate_tps(stamps), [list(r.tokens) for r in results]
-
-
-def _stamp(times: list[float], _token: int) -> None:
-    times.append(time.perf_counter())
 
 
 @attrs.frozen
