@@ -5,7 +5,7 @@ without it, and what co-batching does to a session's numbers.
 **Throughput.** A 2-stage route of ``dgr worker`` processes (1 engine thread each) serves ``N``
 concurrent greedy sessions (``SessionManager`` over ``GrpcStageTransport``), for each ``N`` in
 ``--sessions``, once per batching mode, in interleaved rounds (median over ``--repeats``).
-Aggregate decode tok/s is ``benchmarks.concurrent.aggregate_tps`` of the sessions' token time
+Aggregate decode tok/s is ``benchmarks.concurrent_route.aggregate_tps`` of the sessions' token time
 stamps (the tokens of the window in which every session decodes). Beside it, in-process (no
 network): one engine of the whole model decoding ``N`` sessions one call each against one
 co-batched call (``ShardEngine.forward_batch``): what the engine itself gains. Targets
@@ -38,7 +38,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from benchmarks.concurrent import ConcurrentRoute
+from benchmarks.concurrent_route import ConcurrentRoute
 from dgr_engine.chain import split_points, whole_model_greedy
 from dgr_engine.engine import ForwardItem, ShardEngine
 from dgr_engine.fixtures import ensure_fixture, lookup

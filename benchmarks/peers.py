@@ -74,7 +74,7 @@ import numpy as np
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before the engine loads libgomp
 
 from benchmarks import peer_build, recovery  # noqa: E402
-from benchmarks.concurrent import ConcurrentRoute  # noqa: E402
+from benchmarks.concurrent_route import ConcurrentRoute  # noqa: E402
 from benchmarks.pipeline import RouteBench, Speed, _plain_png, _prompt, whole_model  # noqa: E402
 from dgr_engine.chain import split_points, whole_model_greedy  # noqa: E402
 from dgr_engine.engine import ShardEngine  # noqa: E402

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import concurrent, peer_build, peers
+from benchmarks import concurrent_route, peer_build, peers
 from dgr_engine.chain import split_points
 
 REPO = Path(__file__).resolve().parent.parent
@@ -138,10 +138,10 @@ def test_even_tensor_split_would_not_match() -> None:
 def test_aggregate_tps() -> None:
     # two sessions of 5 tokens each, 1 s apart, overlapping in (1, 4]
     stamps = [[0.0, 1.0, 2.0, 3.0, 4.0], [1.0, 2.0, 3.0, 4.0, 5.0]]
-    assert concurrent.aggregate_tps(stamps) == pytest.approx(6 / 3)
-    assert concurrent.aggregate_tps([[0.0, 0.5, 1.0]]) == pytest.approx(2.0)
+    assert concurrent_route.aggregate_tps(stamps) == pytest.approx(6 / 3)
+    assert concurrent_route.aggregate_tps([[0.0, 0.5, 1.0]]) == pytest.approx(2.0)
     # barely overlapping: every token after each first over the whole span
-    assert concurrent.aggregate_tps([[0.0, 1.0], [1.0, 2.0]]) == pytest.approx(2 / 2)
+    assert concurrent_route.aggregate_tps([[0.0, 1.0], [1.0, 2.0]]) == pytest.approx(2 / 2)
 
 
 def test_peer_key_follows_the_options() -> None:
