@@ -7,8 +7,10 @@ recovery is the gap between token ``k`` and token ``k + 1`` (detection, a new ro
 stages, the re-prefill of prompt + ``k`` tokens, the next token). Beside it, on the same
 (recovered) route, a fresh session whose prompt is those same ``len(prompt) + k`` tokens is timed
 to its first token: one batched prefill of the same rows. Both replay modes
-(``FailurePolicy.replay``) at each ``k``. Target (issue 15): batched recovery <= 1.3 x that
-prefill + the detection deadline (0 here: a killed worker's stream breaks at once) + 0.3 s.
+(``FailurePolicy.replay``) at each ``k``, pipelined across the stages, and the exact replay also
+with one forward in flight (``exact-serial``: ``FailurePolicy.pipelined`` off), side by side.
+Target (issue 15): batched recovery <= 1.3 x that prefill + the detection deadline (0 here: a
+killed worker's stream breaks at once) + 0.3 s.
 
 **Exactness.** In-process 2-stage chains (``LocalChain``) of small fixtures, over many seeds: a
 greedy run with no failure, and the same run re-prefilled after ``k`` tokens (``k`` drawn per
@@ -17,7 +19,8 @@ continuation differs from the no-failure run, and the largest logit difference a
 position.
 
     python -m benchmarks.recovery [--fixture mid-llama] [--accepted 16,128,400,1000]
-        [--modes batched,exact] [--exactness tiny-llama,tiny-v4] [--seeds 50] [--out DIR]
+        [--modes batched,exact,exact-serial] [--exactness tiny-llama,tiny-v4] [--seeds 50]
+        [--out DIR]
 
 Fixture evidence on this machine: both workers and the client share its 2 cores.
 """
@@ -90,8 +93,13 @@ async def _one(
 ) -> dict[str, Any]:
     provider = LoopbackRouteProvider(path, layout, spares=[layout[-1]], options=options)
     await provider.start()
+    replay, _, serial = mode.partition("-")
     policy = FailurePolicy(
-        step_deadline=600.0, session_deadline=3600.0, backoff=(0.0,), replay=mode
+        step_deadline=600.0,
+        session_deadline=3600.0,
+        backoff=(0.0,),
+        replay=replay,
+        pipelined=serial != "serial",
     )
     try:
         stamps, tokens = await _session(provider, prompt, k + AFTER, policy, kill_at=k)
@@ -162,7 +170,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fixture", default="mid-llama")
     parser.add_argument("--accepted", default="16,128,400,1000")
-    parser.add_argument("--modes", default="batched,exact")
+    parser.add_argument(
+        "--modes",
+        default="batched,exact,exact-serial",
+        help="replay modes; '-serial': one forward in flight (FailurePolicy.pipelined False)",
+    )
     parser.add_argument("--exactness", default="tiny-llama,tiny-v4", help="fixtures ('' none)")
     parser.add_argument("--seeds", type=int, default=50)
     parser.add_argument("--out", type=Path, default=None, help="write recovery.json here")
@@ -190,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine's shared cores (fixture evidence)"
     )
     header = (
-        f"{'k':>5} {'replay':>8} {'recovery s':>10} {'prefill s':>9} {'ratio':>6} "
+        f"{'k':>5} {'replay':>12} {'recovery s':>10} {'prefill s':>9} {'ratio':>6} "
         f"{'target s':>8} {'met':>4} {'decode step s':>13} {'tokens exact':>12}"
     )
     print(header)
@@ -205,12 +217,21 @@ def main(argv: list[str] | None = None) -> int:
             run["exact"] = run.pop("tokens") == reference[: k + AFTER]
             runs.append(run)
             print(
-                f"{k:>5} {mode:>8} {run['recovery_s']:>10.2f} {run['prefill_s']:>9.2f} "
+                f"{k:>5} {mode:>12} {run['recovery_s']:>10.2f} {run['prefill_s']:>9.2f} "
                 f"{run['recovery_s'] / run['prefill_s']:>6.2f} {target:>8.2f} "
                 f"{'yes' if run['met'] else 'no':>4} {run['decode_step_s']:>13.3f} "
                 f"{str(run['exact']):>12}"
             )
     print("target: batched recovery <= 1.3 x prefill of the same rows + 0.3 s (+ detection 0 s)")
+    by_mode = {(run["accepted"], run["mode"]): run for run in runs}
+    for k in accepted:
+        piped, serial = by_mode.get((k, "exact")), by_mode.get((k, "exact-serial"))
+        if piped is not None and serial is not None:
+            print(
+                f"exact replay at k {k}: pipelined {piped['recovery_s']:.2f} s, one forward in "
+                f"flight {serial['recovery_s']:.2f} s: "
+                f"{serial['recovery_s'] / piped['recovery_s']:.2f} x faster pipelined"
+            )
     exactness = []
     names = [n for n in args.exactness.split(",") if n]
     if names:

@@ -63,6 +63,12 @@ _S = SessionState
 _TERMINAL = frozenset(state.value for state in TERMINAL_STATES)
 _HOLDING = frozenset(state.value for state in HOLDING_STATES)
 _FORWARDING = frozenset({_S.PREFILLING.value, _S.DECODING.value})
+_EMPTY = object()
+"""An empty input slot of a stage (no boundary rows waiting for it)."""
+
+# A chunk: the rows of one forward, sent through every stage in turn.
+# (positions, token ids, kind, whether the last stage's logits pick the next token)
+_Chunk = tuple[range, tuple[int, ...], str, bool]
 
 
 class RouteSession:
@@ -94,13 +100,14 @@ class RouteSession:
         "_chunk",
         "_replay_rows",
         "_high_water",
-        "_fwd_kind",
+        "_sent",
+        "_flight",
+        "_stage_done",
+        "_computing",
+        "_slot",
         "_opened",
-        "_hop",
         "_hop_started",
         "_hop_seconds",
-        "_fwd_positions",
-        "_fwd_tokens",
         "_now",
         "_started_at",
         "_ended_at",
@@ -166,7 +173,6 @@ class RouteSession:
         """Rows per forward of a batched replay: the smallest ``max_rows`` of the route."""
         self._high_water = 0
         """Positions below this were computed in some epoch: recomputing them is a replay."""
-        self._fwd_kind = "prefill"
         # Route and epoch. Invariant: _live is True only while the stages of _route hold (or are
         # opening) the session under _epoch, i.e. in opening/prefilling/decoding.
         self._epoch = 0
@@ -179,12 +185,22 @@ class RouteSession:
         self._kv_pos = 0
         # Opening: bit i set once stage i confirmed the open of the live epoch.
         self._opened = 0
-        # Current forward: stage awaited, when its hop began, and what is being forwarded.
-        self._hop = 0
-        self._hop_started = 0.0
+        # Forwards in flight. The rows from _kv_pos on are sent in chunks, pipelined: stage k
+        # works on chunk c + 1 while stage k + 1 works on chunk c, each stage takes its chunks
+        # in order and one at a time, and a stage takes its next chunk only once the next
+        # stage has taken its output, so at most 2 chunks per stage are in flight. Invariants:
+        # _flight holds the chunks sent to stage 0 whose last stage has not answered, oldest
+        # first; _sent is where the next chunk starts; _stage_done[k] counts the chunks stage k
+        # answered in this epoch, so stage k's current chunk is
+        # _flight[_stage_done[k] - _stage_done[-1]]; bit k of _computing is set while stage k
+        # has a forward in flight; _slot[k] holds the boundary rows waiting for stage k.
+        self._sent = 0
+        self._flight: list[_Chunk] = []
+        self._stage_done: list[int] = []
+        self._computing = 0
+        self._slot: list[object] = []
+        self._hop_started: list[float] = []
         self._hop_seconds: list[float | None] = []
-        self._fwd_positions = range(0)
-        self._fwd_tokens: tuple[int, ...] = ()
         # Time, all from events. _wait_deadline bounds the current wait (route request, opening,
         # or one step's forward); _backoff_until ends route_lost.
         self._now = 0.0
@@ -415,7 +431,14 @@ class RouteSession:
         self._live = True
         self._kv_pos = 0
         self._opened = 0
-        self._hop_seconds = [None] * self._n_stages
+        n = self._n_stages
+        self._sent = 0
+        self._flight = []
+        self._stage_done = [0] * n
+        self._computing = 0
+        self._slot = [_EMPTY] * n
+        self._hop_started = [0.0] * n
+        self._hop_seconds = [None] * n
         self._fire("route_assigned")
         self._begin_wait()
         for index, stage in enumerate(route.stages):
@@ -450,44 +473,37 @@ class RouteSession:
             detail = f"unexpected StageOutput in state {self._state}"
             self._fault(index, FaultKind.PROTOCOL, detail, out)
             return
-        if index != self._hop or event.step != step:
+        bit = 1 << index
+        if not self._computing & bit or event.step != step:
             detail = (
-                f"output of stage {index} step {event.step}, awaited stage {self._hop} step {step}"
+                f"output of stage {index} step {event.step}, awaited stages"
+                f" {self._computing_stages()} step {step}"
             )
             self._fault(index, FaultKind.PROTOCOL, detail, out)
             return
-        assert self._route is not None  # live epoch
-        self._hop_seconds[index] = self._now - self._hop_started
+        self._computing ^= bit
+        self._hop_seconds[index] = self._now - self._hop_started[index]
+        done = self._stage_done
         last = self._n_stages - 1
+        done[index] += 1
         if index < last:
-            self._hop = index + 1
-            self._hop_started = self._now
-            out.append(
-                Forward(
-                    session_id=self.session_id,
-                    epoch=self._epoch,
-                    step=step,
-                    stage_index=index + 1,
-                    stage=self._route.stages[index + 1],
-                    positions=self._fwd_positions,
-                    token_ids=self._fwd_tokens,
-                    boundary=event.payload,
-                    final=index + 1 == last,
-                    wants_logits=self._fwd_wants_logits(),
-                    kind=self._fwd_kind,
-                )
-            )
+            self._slot[index + 1] = event.payload  # the next stage takes it once it is free
+            self._pump(index + 1, out)
             return
-        self._high_water = max(self._high_water, self._fwd_positions.stop)
-        if not self._fwd_wants_logits():  # a prefill chunk or a replayed token: no token to take
-            self._kv_pos = self._fwd_positions.stop
-            self._start_forward(out)
+        chunk = self._flight.pop(0)
+        positions = chunk[0]
+        self._high_water = max(self._high_water, positions.stop)
+        self._kv_pos = positions.stop
+        if not chunk[3]:  # a prefill chunk or replayed rows: no token to take
+            self._begin_wait()
+            self._pump(index, out)
+            if not self._flight:  # the route is empty: stage 0 goes on (not pipelined)
+                self._pump(0, out)
             return
         token = event.token
         if not isinstance(token, int) or isinstance(token, bool) or token < 0:
             self._fault(index, FaultKind.PROTOCOL, f"last stage gave no token: {token!r}", out)
             return
-        self._kv_pos = self._fwd_positions.stop
         self._accept(token, out)
 
     def _on_failed(self, event: StageFailed, out: list[Command]) -> None:
@@ -574,58 +590,95 @@ class RouteSession:
                 if not self._opened & (1 << index):
                     return index
         if self._state in _HOLDING:
-            return self._hop
+            computing = self._computing  # the furthest stage holds the oldest chunk
+            return computing.bit_length() - 1 if computing else 0
         return None
 
+    def _computing_stages(self) -> list[int]:
+        return [k for k in range(self._n_stages) if self._computing & (1 << k)]
+
     def _start_forward(self, out: list[Command]) -> None:
-        assert self._route is not None  # live epoch
-        # A prefill sends the prompt in pinned chunks; decoding sends the newest accepted token.
-        # A re-prefill after a route change (accepted tokens to replay) sends, with replay
-        # "batched", prompt + accepted tokens in forwards of the route's max_rows; with "exact",
-        # what the first run sent (the prompt in its chunks, then each accepted token in a call
-        # of its own), which rebuilds a shard's KV bit for bit: a batched call rounds
-        # differently in the last bits and could flip a greedy near-tie.
+        """Starts forwarding the rows from ``_kv_pos`` to the newest position (every stage is
+        idle): a prefill or re-prefill after the stages opened, one token after each accept."""
+        self._begin_wait()
+        self._pump(0, out)
+
+    def _next_chunk(self) -> _Chunk | None:
+        """The rows of the next forward into stage 0, or None when every row has been sent.
+
+        A prefill sends the prompt in pinned chunks; decoding sends the newest accepted token.
+        A re-prefill after a route change (accepted tokens to replay) sends, with replay
+        "batched", prompt + accepted tokens in forwards of the route's max_rows; with "exact",
+        what the first run sent (the prompt in its chunks, then each accepted token in a call
+        of its own), which rebuilds a shard's KV bit for bit: a batched call rounds
+        differently in the last bits and could flip a greedy near-tie. Either way the chunks
+        are pipelined across the stages (each stage computes the same calls, in the same
+        order, as when they are not)."""
+        pos = self._sent
         n_prompt = len(self.prompt)
-        replaying = bool(self._accepted) and self._kv_pos + 1 < n_prompt + len(self._accepted)
-        if replaying and self.policy.replay == "batched":  # the only case that joins both
-            history = (*self.prompt, *self._accepted)
-            tokens = history[self._kv_pos : self._kv_pos + self._replay_rows]
-        elif self._kv_pos < n_prompt:
+        end = n_prompt + len(self._accepted)
+        if pos >= end:
+            return None
+        if pos + 1 < end and self._accepted and self.policy.replay == "batched":
+            history = (*self.prompt, *self._accepted)  # a replay: prompt and accepted join
+            tokens = history[pos : pos + self._replay_rows]
+        elif pos < n_prompt:
             assert self._chunk is not None  # pinned by the first route
-            tokens = self.prompt[self._kv_pos : self._kv_pos + self._chunk]
+            tokens = self.prompt[pos : pos + self._chunk]
         else:  # one accepted token: no copy of the whole history per decoded token
-            tokens = (self._accepted[self._kv_pos - n_prompt],)
-        self._fwd_positions = range(self._kv_pos, self._kv_pos + len(tokens))
-        self._fwd_tokens = tokens
-        if self._kv_pos < self._high_water:  # rows an earlier epoch computed: a re-prefill
+            tokens = (self._accepted[pos - n_prompt],)
+        stop = pos + len(tokens)
+        if pos < self._high_water:  # rows an earlier epoch computed: a re-prefill
             kind = "replay"
         else:
-            kind = "prefill" if self._kv_pos < len(self.prompt) else "decode"
-        self._fwd_kind = kind
-        self._hop = 0
-        self._hop_started = self._now
-        self._begin_wait()
+            kind = "prefill" if pos < n_prompt else "decode"
+        return (range(pos, stop), tokens, kind, stop == end)
+
+    def _pump(self, index: int, out: list[Command]) -> None:
+        """Stage ``index`` may be free to go on (it answered, or rows came for it, or the next
+        stage took its output): feed it, and the stages before it in turn, whatever waits for
+        them. A stage takes nothing while its own output waits for the next stage."""
+        last = self._n_stages - 1
+        slot = self._slot
+        while not self._computing & (1 << index):
+            if index < last and slot[index + 1] is not _EMPTY:
+                return  # its output is still waiting for the next stage
+            if index == 0:
+                if self._flight and not self.policy.pipelined:
+                    return  # one forward in flight per session
+                chunk = self._next_chunk()
+                if chunk is not None:
+                    self._flight.append(chunk)
+                    self._sent = chunk[0].stop
+                    self._send(0, chunk, None, out)
+                return
+            payload = slot[index]
+            if payload is _EMPTY:
+                return
+            slot[index] = _EMPTY
+            done = self._stage_done
+            self._send(index, self._flight[done[index] - done[last]], payload, out)
+            index -= 1  # its output slot is free: the stage before may go on
+
+    def _send(self, index: int, chunk: _Chunk, payload: object, out: list[Command]) -> None:
+        assert self._route is not None  # live epoch
+        self._computing |= 1 << index
+        self._hop_started[index] = self._now
         out.append(
             Forward(
                 session_id=self.session_id,
                 epoch=self._epoch,
                 step=len(self._accepted),
-                stage_index=0,
-                stage=self._route.stages[0],
-                positions=self._fwd_positions,
-                token_ids=tokens,
-                boundary=None,
-                final=self._n_stages == 1,
-                wants_logits=self._fwd_wants_logits(),
-                kind=kind,
+                stage_index=index,
+                stage=self._route.stages[index],
+                positions=chunk[0],
+                token_ids=chunk[1],
+                boundary=payload,
+                final=index == self._n_stages - 1,
+                wants_logits=chunk[3],
+                kind=chunk[2],
             )
         )
-
-    def _fwd_wants_logits(self) -> bool:
-        """Whether the forward in flight reaches the newest position, so that its logits pick
-        the next token; earlier prompt chunks and replayed accepted tokens (never resampled) ask
-        the last stage for no logits."""
-        return self._fwd_positions.stop == len(self.prompt) + len(self._accepted)
 
     def _accept(self, token: int, out: list[Command]) -> None:
         step = len(self._accepted)

@@ -81,6 +81,13 @@ class FailurePolicy:
     one forward per accepted token, which rebuilds the KV bit for bit at one decode step per
     token."""
 
+    pipelined: bool = True
+    """Whether forwards whose rows the session knows ahead (prompt chunks, replayed rows) are
+    pipelined across the stages: stage k computes chunk c + 1 while stage k + 1 computes chunk
+    c. Each stage still computes the same calls in the same order, so nothing changes but the
+    time (an exact replay of n tokens over N stages costs about n decode steps of the slowest
+    stage, not of the whole route). ``False``: one forward in flight per session."""
+
     def backoff_after(self, faults: int) -> float:
         """Delay before the route request that follows the session's ``faults``-th fault."""
         if not self.backoff or faults <= 0:

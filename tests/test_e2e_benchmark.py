@@ -147,8 +147,10 @@ def test_recovery_benchmark_smoke(tmp_path: Path) -> None:
     assert "target: batched recovery <= 1.3 x prefill" in done.stdout
     result = json.loads((tmp_path / "recovery.json").read_text())
     runs = {(r["accepted"], r["mode"]): r for r in result["runs"]}
-    assert set(runs) == {(8, "batched"), (8, "exact"), (48, "batched"), (48, "exact")}
-    for run in runs.values():  # the same tokens as the whole model, in both modes
+    modes = ("batched", "exact", "exact-serial")
+    assert set(runs) == {(k, mode) for k in (8, 48) for mode in modes}
+    assert "exact replay at k 48: pipelined" in done.stdout
+    for run in runs.values():  # the same tokens as the whole model, in every mode
         assert run["exact"] and run["recovery_s"] > 0 and run["prefill_s"] > 0
     for figures in result["exactness"]:
         assert figures["seeds"] == 6 and 0 <= figures["differing"] <= 6

@@ -295,9 +295,12 @@ def test_a_batched_replay_takes_the_new_routes_max_rows_per_forward() -> None:
     (forward,) = d.open_all()
     assert forward.positions == range(0, 3) and forward.token_ids == (5, 6, 10)
     assert not forward.wants_logits  # a replay chunk before the newest token
-    d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=0, payload="r"))
-    (rest,) = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=1, token=77))
-    assert rest.positions == range(3, 4) and rest.token_ids == (11,) and rest.wants_logits
+    # pipelined: as stage 1 takes the first chunk, stage 0 takes the next one
+    relay, rest = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=0, payload="r"))
+    assert (relay.stage_index, relay.positions, relay.boundary) == (1, range(0, 3), "r")
+    assert (rest.stage_index, rest.positions, rest.token_ids) == (0, range(3, 4), (11,))
+    assert rest.wants_logits
+    assert d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=1, token=77)) == []
 
 
 def test_route_change_replays_prompt_and_accepted_tokens_from_position_zero() -> None:
@@ -332,17 +335,24 @@ def test_route_change_replays_prompt_and_accepted_tokens_from_position_zero() ->
     assert forward.step == 2 and forward.epoch == 2
     # nobody reads a replay's logits: every stage is told, the last computes none
     assert not forward.wants_logits
-    relay = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=0, payload="r"))[0]
+    # The forwards are pipelined: as stage 1 ("c") takes a chunk, stage 0 takes the next one.
+    relay, replay = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=0, payload="r"))
     assert relay.stage.endpoint == "c" and relay.positions == range(0, 2)
     assert not relay.wants_logits
-    replay = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=1, token=77))
-    assert not of(replay, EmitToken)
-    assert [(f.stage_index, f.positions, f.token_ids) for f in replay] == [(0, range(2, 3), (10,))]
-    d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=0, payload="r"))
-    replay = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=1, token=78))
-    assert not of(replay, EmitToken)
-    assert [(f.stage_index, f.positions, f.token_ids) for f in replay] == [(0, range(3, 4), (11,))]
-    (relay,) = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=0, payload="r"))
+    assert (replay.stage_index, replay.positions, replay.token_ids) == (0, range(2, 3), (10,))
+    # stage 0 answers token 10 before stage 1 answers the prompt: its rows wait for stage 1,
+    # and stage 0 takes nothing more until they are taken
+    assert d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=0, payload="r10")) == []
+    out = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=1, token=77))
+    assert not of(out, EmitToken)  # a replay's token is ignored
+    assert [(f.stage_index, f.positions, f.token_ids, f.boundary) for f in out] == [
+        (1, range(2, 3), (10,), "r10"),
+        (0, range(3, 4), (11,), None),
+    ]
+    assert d.core.kv_positions == 2
+    assert d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=0, payload="r11")) == []
+    (relay,) = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=1, token=78))
+    assert (relay.stage_index, relay.positions, relay.boundary) == (1, range(3, 4), "r11")
     assert relay.wants_logits  # the newest accepted token: its logits pick the next one
     out = d.feed(StageOutput(session_id=SID, epoch=2, step=2, stage_index=1, token=12))
     assert out[0] == EmitToken(SID, 2, 2, 12)
@@ -708,19 +718,21 @@ def test_prefill_is_chunked_to_the_routes_max_rows_and_replayed_in_the_same_chun
     (first,) = d.open_all()
     assert (first.positions, first.token_ids) == (range(0, 4), (0, 1, 2, 3))
     assert not first.wants_logits  # a chunk before the prompt's last: no logits asked
-    d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=0, payload="r"))
-    (second,) = d.feed(
-        StageOutput(session_id=SID, epoch=1, step=0, stage_index=1)
-    )  # mid-prompt: no token, nothing emitted
-    assert second.positions == range(4, 8) and not second.wants_logits
-    d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=0, payload="r"))
-    (third,) = d.feed(
-        StageOutput(session_id=SID, epoch=1, step=0, stage_index=1, token=98)
-    )  # a token anyway: ignored
+    # the chunks are pipelined: stage 0 takes each next chunk as stage 1 takes its rows
+    relay, second = d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=0, payload="r"))
+    assert (relay.stage_index, relay.positions) == (1, range(0, 4))
+    assert (second.stage_index, second.positions) == (0, range(4, 8))
+    assert not second.wants_logits
+    # mid-prompt: no token, nothing emitted
+    assert d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=1)) == []
+    relay, third = d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=0, payload="r"))
+    assert (relay.stage_index, relay.positions) == (1, range(4, 8))
     assert (third.positions, third.token_ids) == (range(8, 10), (8, 9))
     assert third.wants_logits  # the prompt's last chunk: its logits pick the first token
+    # a token anyway: ignored
+    assert d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=1, token=98)) == []
     (last,) = d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=0, payload="r"))
-    assert last.final and last.wants_logits
+    assert last.final and last.wants_logits and last.positions == range(8, 10)
     out = d.feed(StageOutput(session_id=SID, epoch=1, step=0, stage_index=1, token=7))
     assert out[0] == EmitToken(SID, 1, 0, 7) and d.core.tokens == (7,)
     # a later route whose stages take fewer rows than the pinned chunk is refused...
