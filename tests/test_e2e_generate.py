@@ -63,6 +63,33 @@ def test_generate_over_given_endpoints(workers: list[WorkerProcess], tiny_llama:
     assert "dgr certify" in refused.stderr
 
 
+@pytest.mark.parametrize("transport", ["chain", "ring"])
+def test_generate_over_a_chain_and_a_ring(
+    workers: list[WorkerProcess], tiny_llama: Path, transport: str
+) -> None:
+    endpoints = ",".join(w.address for w in workers)
+    done = dgr(
+        "generate",
+        "--endpoints",
+        endpoints,
+        "-n",
+        "10",
+        "--require",
+        "fixture",
+        "--transport",
+        transport,
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["tokens"] == whole_model_greedy(tiny_llama, [DEFAULT_PROMPT], 10, OPTIONS)[0]
+    assert report["transport"] == transport
+    # a chain's client sends the prefill and every decode step's frame; a ring's sends the
+    # prefill and lets the last stage feed the first with each next token
+    assert report["chain_frames_sent"] == (10 if transport == "chain" else 1)
+    assert [s["forwards"] for s in report["stages"]] == [10, 10]
+
+
 def test_generate_over_spawned_workers_checks_the_whole_model() -> None:
     done = dgr(
         "generate",

@@ -3,11 +3,12 @@
 --endpoints: workers already running, in route order (each serving the next range).
 --spawn N: N workers started on 127.0.0.1 over even layer ranges of --model or --fixture
 (stopped at the end, also on Ctrl-C); a lost worker is replaced by a new one. Sampling is
-greedy. --prompt TEXT is tokenized with the model's own tokenizer (llama.cpp's, from the GGUF;
---vocab GGUF with --endpoints), --chat applies its chat template, the text is printed as it is
-generated and generation stops at the model's end-of-generation tokens (--no-stop: it does
-not); --ids takes and prints token ids instead (the generated fixtures have no tokenizer; with
-no --prompt, 8 fixed ids). --check compares with the
+greedy. --transport chain or ring sends each stage's output straight to the next stage (the
+workers dial each other; docs/chain.md). --prompt TEXT is tokenized with the model's own
+tokenizer (llama.cpp's, from the GGUF; --vocab GGUF with --endpoints), --chat applies its chat
+template, the text is printed as it is generated and generation stops at the model's
+end-of-generation tokens (--no-stop: it does not); --ids takes and prints token ids instead (the
+generated fixtures have no tokenizer; with no --prompt, 8 fixed ids). --check compares with the
 whole model run in-process (same engine options) and exits 1 on a difference. Every stage's
 lane must be certified at --require (default real-hardware); dark lanes are never routed. For
 the fixtures: 'dgr certify --fixture NAME' first, then --require fixture (spawned workers read
@@ -30,6 +31,7 @@ from typing import Any
 import attrs
 
 from dgr_engine.chain import n_layer_of, split_points, whole_model_greedy
+from dgr_engine.chain_transport import ChainStageTransport
 from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.cli.certify import CERTIFY_OPTIONS
 from dgr_engine.errors import EngineError
@@ -41,6 +43,9 @@ from dgr_engine.tls import ClientTls
 from dgr_engine.tokenizer import Tokenizer
 from dgr_session import EvidenceClass, FailurePolicy, FaultKind, SessionManager, SessionResult
 from dgr_session.transport import RouteProvider
+
+TRANSPORTS = ("relay", "chain", "ring")
+"""``--transport`` values: how a token's frames travel along the route."""
 
 DEFAULT_PROMPT = (1, 17, 42, 99, 7, 64, 128, 3)
 """The prompt when none is given."""
@@ -118,6 +123,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tls-cert", type=Path, default=None, help="...showing this client certificate")
     p.add_argument("--tls-key", type=Path, default=None, help="...and its key (mutual TLS)")
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default="relay",
+        help="relay: this client sends every stage its frame (default); chain: each stage sends"
+        " its output straight to the next, the last answers here; ring: a chain whose last"
+        " stage also sends each next greedy token back to the first (docs/chain.md)",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
@@ -137,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"dgr generate: {exc}", file=sys.stderr)
         return 2
     providers: list[LoopbackRouteProvider] = []
+    args.chain_frames_sent = None  # frames this client sent into a chain (set by _run)
     try:
         with sigterm_as_interrupt():
             outcome = asyncio.run(_run(args, model, providers))
@@ -172,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
                     "seconds": seconds,
                     "whole_model_equal": None if expected is None else tokens == expected,
                     "stages": [_stats_dict(s) for s in stats.values()],
+                    "transport": args.transport,
+                    "chain_frames_sent": args.chain_frames_sent,
                 }
             )
         )
@@ -244,7 +260,7 @@ async def _run(
     try:
         if local is not None:
             await local.start()
-        async with GrpcStageTransport(timeout=args.step_deadline, tls=args.tls) as transport:
+        async with _transport(args) as transport:
             manager = SessionManager(transport, provider, policy=policy, required_evidence=required)
             began = time.perf_counter()
             if args.tokenizer is None:
@@ -262,10 +278,20 @@ async def _run(
             result = await handle.wait()
             seconds = time.perf_counter() - began
             await manager.aclose()
+            if isinstance(transport, ChainStageTransport):
+                args.chain_frames_sent = transport.chain_stats.sent
             return result, transport.stats(), seconds
     finally:
         if local is not None:
             await local.aclose()
+
+
+def _transport(args: argparse.Namespace) -> GrpcStageTransport:
+    """The stage transport ``--transport`` names (greedy sampling suits a ring)."""
+    if args.transport == "relay":
+        return GrpcStageTransport(timeout=args.step_deadline, tls=args.tls)
+    ring = args.transport == "ring"
+    return ChainStageTransport(timeout=args.step_deadline, tls=args.tls, ring=ring)
 
 
 def _emit(args: argparse.Namespace, piece: str) -> None:

@@ -30,9 +30,8 @@ from collections.abc import Callable, Sequence
 
 import attrs
 
-from dgr_engine.errors import ShardDeadlineExceeded
 from dgr_engine.wire.frames import FloatRows, ForwardFrame
-from dgr_engine.worker.engine_thread import EngineThread
+from dgr_engine.worker.engine_thread import EngineThread, expired_in_queue
 
 #: What a frame's run gives: output rows, the session's next position, the ns it waited (in
 #: the queue, and in its call while other sessions' rows ran) and the ns of its call that were
@@ -180,10 +179,7 @@ class CoBatcher:
         due: list[int] = []
         for index, waiting in enumerate(batch):
             if waiting.deadline is not None and now >= waiting.deadline:
-                results[index] = ShardDeadlineExceeded(
-                    "DGR_E_DEADLINE: the deadline passed while queued; not run",
-                    status="DGR_E_DEADLINE",
-                )
+                results[index] = expired_in_queue()
             else:
                 due.append(index)
         if due:

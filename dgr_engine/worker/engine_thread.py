@@ -9,7 +9,17 @@ import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from dgr_engine.errors import ShardDeadlineExceeded
+
 _T = TypeVar("_T")
+
+
+def expired_in_queue() -> ShardDeadlineExceeded:
+    """The refusal of a frame whose deadline passed before its engine call began: not run."""
+    return ShardDeadlineExceeded(
+        "DGR_E_DEADLINE: the deadline passed while queued; not run", status="DGR_E_DEADLINE"
+    )
+
 
 _Job = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
 

@@ -25,7 +25,7 @@ from dgr_engine.certification.lane import BATCHING_CO_BATCH
 from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.registry import LaneLookup, find_certification
 from dgr_engine.engine import ShardEngine
-from dgr_engine.errors import ShardDeadlineExceeded, StaleEpoch, UnknownSession
+from dgr_engine.errors import StaleEpoch, UnknownSession
 from dgr_engine.grants import Grant, GrantVerifier
 from dgr_engine.numerics import Numerics
 from dgr_engine.tls import ClientTls, ServerTls, check_plaintext_bind, is_loopback
@@ -42,7 +42,7 @@ from dgr_engine.wire.advert import (
 from dgr_engine.worker.admission import Admission
 from dgr_engine.worker.chain import ChainHub, add_chain_service
 from dgr_engine.worker.co_batch import CoBatchConfig, CoBatcher
-from dgr_engine.worker.engine_thread import EngineThread
+from dgr_engine.worker.engine_thread import EngineThread, expired_in_queue
 from dgr_engine.worker.grant_gate import GrantGate
 from dgr_engine.worker.identity import BuildIdentity
 from dgr_engine.worker.load import LoadMeter
@@ -647,10 +647,7 @@ class ShardWorker:
         """On the engine thread: run the frame unless its deadline has passed."""
         started = time.perf_counter_ns()
         if deadline is not None and time.monotonic() >= deadline:
-            raise ShardDeadlineExceeded(
-                "DGR_E_DEADLINE: the deadline passed while queued; not run",
-                status="DGR_E_DEADLINE",
-            )
+            raise expired_in_queue()
         self.meter.started()
         try:
             out, next_pos = self.table.forward(frame)
