@@ -570,8 +570,15 @@ class RouteSession:
             )
         self._machine.fire(self, trigger)
         if source != dest:
-            logger.bind(session=self.session_id, epoch=self._epoch, stage=stage).info(
-                "{} -> {} on {} (step {})", source, dest.value, trigger, len(self._accepted)
+            logger.info(  # keywords land in the record's extra, as bind() would put them
+                "{} -> {} on {} (step {})",
+                source,
+                dest.value,
+                trigger,
+                len(self._accepted),
+                session=self.session_id,
+                epoch=self._epoch,
+                stage=stage,
             )
 
     def _begin_wait(self) -> None:

@@ -41,14 +41,14 @@ class EvidenceClass(enum.StrEnum):
         """Position in ``fixture < real-model < real-hardware < release``: each class holds the
         facts of the ones below it (a real-hardware record is a real-model record made on the
         exact hardware and build its lane names), never the other way round."""
-        return _EVIDENCE_ORDER.index(self)
+        return _EVIDENCE_RANK[self]
 
     def satisfies(self, required: EvidenceClass) -> bool:
         """True when evidence of this class meets a requirement of class ``required``."""
-        return self.rank >= required.rank
+        return _EVIDENCE_RANK[self] >= _EVIDENCE_RANK[required]
 
 
-_EVIDENCE_ORDER = tuple(EvidenceClass)
+_EVIDENCE_RANK = {evidence: rank for rank, evidence in enumerate(EvidenceClass)}
 
 
 class CertificationStatus(enum.StrEnum):

@@ -136,7 +136,8 @@ def validate_route(
     n_layer = want_identity.n_layer
     last = len(route.stages) - 1
     expected_begin = 0
-    want_build = (route.stages[0].lane.llama_cpp_commit, route.stages[0].lane.patch_stack_hash)
+    want_commit = route.stages[0].lane.llama_cpp_commit
+    want_patches = route.stages[0].lane.patch_stack_hash
     for index, stage in enumerate(route.stages):
         # ``is``: the common case (one object for the whole route) skips attrs' field compare
         if stage.identity is not want_identity and stage.identity != want_identity:
@@ -150,13 +151,14 @@ def validate_route(
             raise _at(
                 RouteIncompatible, index, stage, f"runs {stage.recipe!r}, need {want_recipe!r}"
             )
-        build = (stage.lane.llama_cpp_commit, stage.lane.patch_stack_hash)
-        if not stage.lane.patch_stack_hash:
+        lane = stage.lane
+        if not lane.patch_stack_hash:
             raise _at(RouteIncompatible, index, stage, "unknown patch stack (empty hash)")
-        if build != want_build:
+        if lane.llama_cpp_commit != want_commit or lane.patch_stack_hash != want_patches:
             message = (
-                f"runs llama.cpp {build[0][:12]} + patches {build[1].hex()[:12]}, stage 0 runs "
-                f"{want_build[0][:12]} + {want_build[1].hex()[:12]}"
+                f"runs llama.cpp {lane.llama_cpp_commit[:12]} + patches "
+                f"{lane.patch_stack_hash.hex()[:12]}, stage 0 runs "
+                f"{want_commit[:12]} + {want_patches.hex()[:12]}"
             )
             raise _at(RouteIncompatible, index, stage, message)
         if 0 < stage.max_rows < min_rows:
@@ -197,13 +199,16 @@ def _at(cls: type[RouteInvalid], index: int, stage: StageSpec, message: str) -> 
 
 def _check_certified(stage: StageSpec, index: int, required: EvidenceClass) -> None:
     lane = stage.lane
-    where = f"lane {lane.lane_id[:12] or '?'} ({lane.backend}/{lane.hardware})"
     if not lane.certified or lane.evidence is None:
-        message = f"{where} is dark: no certification record matches it"
+        message = f"{_where(lane)} is dark: no certification record matches it"
         raise _at(DarkLane, index, stage, message)
     if not lane.evidence.satisfies(required):
         message = (
-            f"{where} is certified with {lane.evidence.value} evidence (record "
+            f"{_where(lane)} is certified with {lane.evidence.value} evidence (record "
             f"{lane.record_id[:12] or '?'}); this route requires {required.value}"
         )
         raise _at(InsufficientEvidence, index, stage, message)
+
+
+def _where(lane: Lane) -> str:
+    return f"lane {lane.lane_id[:12] or '?'} ({lane.backend}/{lane.hardware})"

@@ -214,7 +214,7 @@ def test_sigkill_of_a_middle_stage_mid_decode_recovers_at_the_next_epoch(
         assert list(result.tokens) == tokens
         if replay == "exact":
             # bit for bit, also after the re-prefill (the prompt in one call, then the accepted
-            # tokens one per call, as the first epoch fed them)
+            # tokens one per call, as the first epoch fed them, pipelined across the stages)
             assert_bit_exact(recorder, logits)
         else:  # prompt + accepted tokens at once: the same tokens, logits close after the loss
             assert_exact_until(recorder, logits, result.reports[0].step)
