@@ -103,9 +103,10 @@ def run(
     pipelined: bool = True,
 ) -> tuple[RouteSession, list[SimulatedRoute], int]:
     """Runs one session to its end; ``order`` (when given) picks which stage in flight answers
-    next, else the furthest one does; at ``lose_at`` accepted tokens
-    the last stage is lost once. Returns the session, each epoch's route, and the most
-    chunks ever on the way through the route at once."""
+    next, else the furthest one does; at ``lose_at`` accepted tokens the last stage is lost
+    once (right after that token is accepted, when only its decode forward is on the way).
+    Returns the session, each epoch's route, and the most chunks ever on the way through the
+    route at once."""
     policy = FailurePolicy(step_deadline=5.0, backoff=(0.0,), replay=replay, pipelined=pipelined)
     core = RouteSession(
         SID,
