@@ -31,7 +31,26 @@ def aggregate_tps(stamps: Sequence[Sequence[float]]) -> float:
     return total / (max(lasts) - min(firsts))
 
 
-class ConcurrentRoute:
+class LoopbackRoute:
+    """A route of loopback workers (``provider``), a transport and a session manager over it,
+    started and closed together; subclasses build the three."""
+
+    provider: LoopbackRouteProvider
+    transport: GrpcStageTransport
+    manager: SessionManager
+
+    async def start(self) -> None:
+        await self.provider.start()
+
+    async def aclose(self) -> None:
+        try:
+            await self.manager.aclose()
+            await self.transport.aclose()
+        finally:
+            await self.provider.aclose()
+
+
+class ConcurrentRoute(LoopbackRoute):
     """A 2-stage (or any) route of loopback workers kept up across rounds, driving N sessions
     at once."""
 
@@ -51,16 +70,6 @@ class ConcurrentRoute:
             self.transport, self.provider, policy=policy, required_evidence=EvidenceClass.FIXTURE
         )
         self._runs = 0
-
-    async def start(self) -> None:
-        await self.provider.start()
-
-    async def aclose(self) -> None:
-        try:
-            await self.manager.aclose()
-            await self.transport.aclose()
-        finally:
-            await self.provider.aclose()
 
     async def run(
         self, prompts: Sequence[list[int]], n_decode: int

@@ -61,6 +61,7 @@ import numpy as np
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before the engine loads libgomp
 
 from benchmarks import grpc_floor, seam_overhead  # noqa: E402
+from benchmarks.concurrent_route import LoopbackRoute  # noqa: E402
 from dgr_engine.chain import split_points  # noqa: E402
 from dgr_engine.chain_transport import ChainStageTransport  # noqa: E402
 from dgr_engine.engine import ShardEngine  # noqa: E402
@@ -174,7 +175,7 @@ class RouteRun:
     """The forwards of the decode steps after the first token (one row each)."""
 
 
-class RouteBench:
+class RouteBench(LoopbackRoute):
     """A route of loopback ``dgr worker`` processes and a session manager over it, kept up
     across runs so that runs of every layout can be interleaved."""
 
@@ -205,16 +206,6 @@ class RouteBench:
 
     def _observe(self, record: ForwardRecord) -> None:
         self._records.append((time.perf_counter(), record))
-
-    async def start(self) -> None:
-        await self.provider.start()
-
-    async def aclose(self) -> None:
-        try:
-            await self.manager.aclose()
-            await self.transport.aclose()
-        finally:
-            await self.provider.aclose()
 
     async def run(self, prompt: list[int], n_decode: int) -> RouteRun:
         self._records.clear()
