@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -276,22 +277,36 @@ def main(argv: list[str] | None = None) -> int:
             f"{c.stages:>6} {c.rtt_ms:>6g} {c.relay_tps:>11.1f} {c.chain_tps:>11.1f} "
             f"{c.ratio:>11.2f} {c.ring_tps:>10.1f} {c.ring_ratio:>10.2f} {c.exact}"
         )
-    targets: list[tuple[str, float, float, bool]] = []
+    targets: list[dict[str, Any]] = []
+
+    def add_target(c: Cell, mode: str, target: float) -> None:
+        where = f"at {c.rtt_ms:g} ms" if c.rtt_ms else "loopback"
+        value = c.ring_ratio if mode == "ring" else c.ratio
+        targets.append(
+            {
+                "name": f"{where}, {c.stages} stages: {mode} / relay",
+                "stages": c.stages,
+                "rtt_ms": c.rtt_ms,
+                "mode": mode,
+                "value": value,
+                "target": target,
+                "met": value >= target,
+            }
+        )
+
     wan = next((c for c in cells if c.stages == 4 and c.rtt_ms == 30), None)
     if wan is not None:
-        targets.append(("at 30 ms, 4 stages: chain / relay", wan.ratio, 1.8, wan.ratio >= 1.8))
-        ring = wan.ring_ratio
-        targets.append(("at 30 ms, 4 stages: ring / relay", ring, 1.8, ring >= 1.8))
+        add_target(wan, "chain", 1.8)
+        add_target(wan, "ring", 1.8)
     for c in cells:
         if c.rtt_ms == 0:
-            name = f"loopback, {c.stages} stages: chain / relay"
-            targets.append((name, c.ratio, 1.0, c.ratio >= 1.0))
-            name = f"loopback, {c.stages} stages: ring / relay"
-            targets.append((name, c.ring_ratio, 1.0, c.ring_ratio >= 1.0))
+            add_target(c, "chain", 1.0)
+            add_target(c, "ring", 1.0)
     print()
-    for name, value, target, met in targets:
-        print(f"target {name} >= {target:g}: {value:.2f} {'met' if met else 'MISSED'}")
-    missed = [t for t in targets if not t[3]]
+    for t in targets:
+        verdict = "met" if t["met"] else "MISSED"
+        print(f"target {t['name']} >= {t['target']:g}: {t['value']:.2f} {verdict}")
+    missed = [t for t in targets if not t["met"]]
     if missed:
         print()
         print("where a decode token's time goes (ms, medians; transit: network + gRPC, all hops)")
@@ -311,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": args.rounds,
         "runs": [attrs.asdict(r) for r in runs],
         "cells": [{**attrs.asdict(c), "ratio": c.ratio, "ring_ratio": c.ring_ratio} for c in cells],
-        "targets": [{"name": n, "value": v, "target": t, "met": m} for n, v, t, m in targets],
+        "targets": targets,
     }
     (args.out / "chain.json").write_text(json.dumps(payload, indent=2) + "\n")
     return 0 if all(c.exact for c in cells) else 1

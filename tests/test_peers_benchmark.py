@@ -1,6 +1,7 @@
 """benchmarks/peers.py and benchmarks/peer_build.py: the parsing and the RPC split arithmetic,
 then the real thing end to end at the smallest scale (the peers built from the pinned source,
-cached; tiny-llama, one round)."""
+cached; tiny-llama, one round), run by benchmarks/targets.py beside benchmarks/chain.py and
+benchmarks/control_plane.py, with issue 15's table of every target."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import concurrent_route, peer_build, peers
+from benchmarks import concurrent_route, peer_build, peers, targets
 from dgr_engine.chain import split_points
 
 REPO = Path(__file__).resolve().parent.parent
@@ -163,9 +164,11 @@ def test_peers_benchmark_end_to_end(
     prefix = peer_build.ensure_peers(log=lambda _m: None)
     for name in peer_build.TARGETS:
         assert (prefix / "bin" / name).is_file()
-    argv = ["--fixture", "tiny-llama", "--repeats", "1", "--prompt", "16", "--decode", "8"]
-    argv += ["--stages", "2", "--sessions", "1", "4", "8", "--accepted", "8"]
-    assert peers.main([*argv, "--out", str(tmp_path / "out")]) == 0
+    argv = ["--fixture", "tiny-llama", "--repeats", "1", "--out", str(tmp_path / "out")]
+    argv += ["--peers", "--prompt 16 --decode 8 --stages 2 --sessions 1 4 8 --accepted 8"]
+    argv += ["--chain", "--rtts 0,30 --stages 4 --tokens 8 --prompt 8"]
+    argv += ["--control-plane", "--sessions 300"]
+    assert targets.main(argv) == 0  # chain's tokens were exact
     out = capsys.readouterr().out
     result = json.loads((tmp_path / "out" / "peers.json").read_text())
     assert (tmp_path / "out" / "peers.png").read_bytes().startswith(b"\x89PNG")
@@ -213,3 +216,32 @@ def test_peers_benchmark_end_to_end(
     assert all(c["same"] for c in checks), checks
     assert all(v == "on" for v in result["dgr_flash_attn_resolved"].values())
     assert result["flash_attn_resolved_same"] is True
+
+    # issue 15's table: every target line of the three benchmarks, in the issue's part order
+    table = json.loads((tmp_path / "out" / "targets.json").read_text())["targets"]
+    assert [row["name"] for row in table if row["part"].startswith(("1", "2", "4"))] == sorted(
+        (row["name"] for row in result["table"] if row["target"]),
+        key=lambda name: ("recovery" not in name, "session" not in name),
+    )
+    chain_result = json.loads((tmp_path / "out" / "chain.json").read_text())
+    assert all(cell["exact"] for cell in chain_result["cells"])
+    assert [row["name"] for row in table if row["part"].startswith("3")] == [
+        "decode tok/s, at 30 ms, 4 stages: chain / relay",
+        "decode tok/s, at 30 ms, 4 stages: ring / relay",
+        "decode tok/s, loopback, 4 stages: chain / relay",
+        "decode tok/s, loopback, 4 stages: ring / relay",
+    ]
+    assert len([row for row in table if row["part"].startswith("5")]) == 5
+    assert [row["part"][0] for row in table] == sorted(row["part"][0] for row in table)
+    for row in table:
+        assert f"| {row['part']} | {row['name']} |" in out
+        assert isinstance(row["met"], bool)
+        if row["ratio"] is not None:
+            assert math.isfinite(row["ratio"]) and row["ratio"] > 0, row
+    missed = sum(not row["met"] for row in table)
+    assert f"{len(table)} targets: {len(table) - missed} met, {missed} missed" in out
+
+
+def test_assembling_without_a_benchmark_output_says_which_to_run(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="peers.json: run its benchmark first"):
+        targets.main(["--assemble", "--out", str(tmp_path)])
