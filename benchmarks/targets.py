@@ -1,6 +1,8 @@
 """Issue 15's targets in one table: every target line with its measured value, beside the peer.
 
-Runs, one after the other (never side by side: they share the machine's cores), the three
+Runs, one after the other (never side by side: they share the machine's cores), each in a
+fresh interpreter of its own (the control plane's microsecond timings never run in a heap
+that a long benchmark grew), the three
 benchmarks that measure issue 15's targets, then reads what each saved in ``--out`` and prints
 one table:
 
@@ -26,11 +28,11 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
-
-from benchmarks import chain, control_plane, peers
 
 ROOT = Path(__file__).resolve().parent.parent
 RECOVERY_KS = "16,128,400,1000"
@@ -131,6 +133,23 @@ def print_table(rows: Sequence[dict[str, Any]]) -> None:
     print(f"{len(rows)} targets: {len(rows) - missed} met, {missed} missed (fixture evidence)")
 
 
+def run_module(name: str, argv: Sequence[str], timeout_s: float) -> int:
+    """``python -m benchmarks.<name> argv`` from the repo root, its output passed through; past
+    ``timeout_s`` it is terminated (its own cleanup stops its workers), then killed."""
+    proc = subprocess.Popen([sys.executable, "-m", f"benchmarks.{name}", *argv], cwd=ROOT)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        print(f"benchmarks.{name} ran past {timeout_s:.0f} s and was stopped", flush=True)
+        return 124
+
+
 def run_benchmarks(args: argparse.Namespace) -> int:
     """Runs the three benchmarks in turn: 1 when peers or chain exits nonzero (chain does on
     inexact tokens; peers records exactness in its JSON), else 0. The control plane's own exit
@@ -139,17 +158,17 @@ def run_benchmarks(args: argparse.Namespace) -> int:
     fixture = ["--fixture", args.fixture]
     peers_argv = [*fixture, "--repeats", str(args.repeats), "--accepted", RECOVERY_KS, *out]
     chain_argv = [*fixture, "--rounds", str(args.repeats), *out]
-    runs: list[tuple[str, Callable[[list[str] | None], int], list[str], str, bool]] = [
-        ("peers", peers.main, peers_argv, args.peers, True),
-        ("chain", chain.main, chain_argv, args.chain, True),
-        ("control_plane", control_plane.main, out, args.control_plane, False),
+    runs = [
+        ("peers", peers_argv, args.peers, True),
+        ("chain", chain_argv, args.chain, True),
+        ("control_plane", out, args.control_plane, False),
     ]
     status = 0
-    for name, run, argv, extra, checks_tokens in runs:
+    for name, argv, extra, checks_tokens in runs:
         print(f"\n=== benchmarks.{name} ===", flush=True)
-        code = run([*argv, *shlex.split(extra)])
+        code = run_module(name, [*argv, *shlex.split(extra)], args.timeout)
         if code != 0:
-            print(f"benchmarks.{name} exited {code}")
+            print(f"benchmarks.{name} exited {code}", flush=True)
             if checks_tokens:
                 status = 1
     return status
@@ -165,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         "--control-plane", default="", help="further benchmarks.control_plane arguments"
     )
     parser.add_argument("--assemble", action="store_true", help="only read the outputs in --out")
+    parser.add_argument(
+        "--timeout", type=float, default=7200.0, help="seconds each benchmark may run"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out")
     args = parser.parse_args(argv)
     status = 0 if args.assemble else run_benchmarks(args)

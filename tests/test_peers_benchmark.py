@@ -155,7 +155,7 @@ def test_peer_key_follows_the_options() -> None:
 
 @pytest.mark.slow
 def test_peers_benchmark_end_to_end(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # the committed records are reused; a lane certified here lands in tmp, not in evidence/
     evidence = tmp_path / "evidence"
@@ -169,7 +169,7 @@ def test_peers_benchmark_end_to_end(
     argv += ["--chain", "--rtts 0,30 --stages 4 --tokens 8 --prompt 8"]
     argv += ["--control-plane", "--sessions 300"]
     assert targets.main(argv) == 0  # chain's tokens were exact
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out  # the benchmarks run in processes of their own
     result = json.loads((tmp_path / "out" / "peers.json").read_text())
     assert (tmp_path / "out" / "peers.png").read_bytes().startswith(b"\x89PNG")
 
