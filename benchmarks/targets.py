@@ -1,10 +1,9 @@
 """Issue 15's targets in one table: every target line with its measured value, beside the peer.
 
-Runs, one after the other (never side by side: they share the machine's cores), each in a
-fresh interpreter of its own (the control plane's microsecond timings never run in a heap
-that a long benchmark grew), the three
-benchmarks that measure issue 15's targets, then reads what each saved in ``--out`` and prints
-one table:
+Runs the three benchmarks that measure issue 15's targets one after the other (never side by
+side: they share the machine's cores), each in a fresh interpreter of its own (the control
+plane's microsecond timings never run in a heap that a long benchmark grew) and within
+``--timeout`` seconds, then reads what each saved in ``--out`` and prints one table:
 
 * ``benchmarks.peers``: decode against llama.cpp RPC at 2 and 4 stages (part 4), aggregate
   decode of 8 sessions against ``llama-batched-bench`` and against one session (part 2),
@@ -20,7 +19,7 @@ Every figure is fixture evidence from this machine: the workers, the peers and t
 its cores.
 
     python -m benchmarks.targets [--fixture mid-llama] [--repeats 3] [--out DIR]
-        [--peers "ARGS"] [--chain "ARGS"] [--control-plane "ARGS"] [--assemble]
+        [--peers "ARGS"] [--chain "ARGS"] [--control-plane "ARGS"] [--timeout S] [--assemble]
 """
 
 from __future__ import annotations
