@@ -165,6 +165,7 @@ def run_benchmarks(args: argparse.Namespace) -> int:
     status = 0
     for name, argv, extra, checks_tokens in runs:
         print(f"\n=== benchmarks.{name} ===", flush=True)
+        (args.out / f"{name}.json").unlink(missing_ok=True)  # never assemble an older run's
         code = run_module(name, [*argv, *shlex.split(extra)], args.timeout)
         if code != 0:
             print(f"benchmarks.{name} exited {code}", flush=True)
