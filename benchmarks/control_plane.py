@@ -348,7 +348,11 @@ def issue15_targets(
 
 
 def report(
-    core: dict[str, Any], paused: dict[str, Any], managed: dict[str, Any], parts: dict[str, float]
+    core: dict[str, Any],
+    paused: dict[str, Any],
+    managed: dict[str, Any],
+    parts: dict[str, float],
+    targets: list[dict[str, Any]],
 ) -> bool:
     ok = True
     print(f"sessions alive at once: {core['sessions']}")
@@ -380,7 +384,7 @@ def report(
     verdict = "ok" if p99 <= TARGET_P99_US else "OVER"
     ok &= p99 <= TARGET_P99_US
     print(f"p99 per state transition: {p99:.2f} us (target <= 50 us: {verdict})")
-    for row in issue15_targets(core, paused, managed):
+    for row in targets:
         print(f"issue 15: {row['name']}: {row['detail']}, {'met' if row['met'] else 'MISSED'}")
     shares = ", ".join(f"{name} {us:.2f} us" for name, us in parts.items())
     print(f"route_assigned's parts (mean of a tight loop, {core['stages']} stages): {shares}")
@@ -398,7 +402,8 @@ def main(argv: list[str] | None = None) -> int:
     paused = bench_core(args.sessions, args.tokens, args.stages, collector=False)
     managed = asyncio.run(bench_manager(args.sessions, args.tokens, args.stages))
     parts = route_assigned_parts(args.stages)
-    ok = report(core, paused, managed, parts)
+    targets = issue15_targets(core, paused, managed)
+    ok = report(core, paused, managed, parts, targets)
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {
         "sessions": args.sessions,
@@ -407,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         "per_trigger_collector_paused": paused["per_trigger"],
         "creation": core["creation"],
         "bytes_per_session_manager": managed["bytes_per_session"],
-        "issue15_targets": issue15_targets(core, paused, managed),
+        "issue15_targets": targets,
     }
     (args.out / "control_plane.json").write_text(json.dumps(payload, indent=2) + "\n")
     return 0 if ok else 1
