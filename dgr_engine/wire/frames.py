@@ -1,7 +1,11 @@
 """The forward frame on the wire: expectations, encoding (client) and checked decoding (worker).
 
 Decoding checks everything the frame itself can get wrong before any state is touched, and
-raises :class:`FrameRejected` or :class:`ExpectationMismatch` (INVALID_ARGUMENT on the wire).
+raises :class:`FrameRejected` or :class:`ExpectationMismatch` (INVALID_ARGUMENT on the wire):
+the session id (``dgr_session.identifiers``' rule), every enum (an open proto3 enum carries any
+int32: a value this schema does not name is refused, never looked up), positions, token ids,
+tensors (dtype, shape, bytes, finite values) and logit rows. Nothing a sender puts in a frame
+raises anything else, so no frame can count as the worker's own fault.
 What only the session's state can decide (epoch, next position, capacity) is left to the engine.
 Tensors are raw little-endian f32, row-major; decoding is zero-copy (``np.frombuffer``).
 """
@@ -9,7 +13,7 @@ Tensors are raw little-endian f32, row-major; decoding is zero-copy (``np.frombu
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import numpy as np
@@ -17,6 +21,7 @@ import numpy.typing as npt
 
 from dgr_engine.errors import ExpectationMismatch, FrameRejected
 from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_session import identifiers
 
 if TYPE_CHECKING:
     from dgr_engine.engine import ShardInfo
@@ -24,8 +29,8 @@ if TYPE_CHECKING:
 SCHEMA_VERSION = 1
 """Version of the messages in ``proto/dgr/shard/v1`` this code speaks."""
 
-MAX_SESSION_ID_BYTES = 256
-"""Longest session id a worker accepts (UTF-8 bytes)."""
+MAX_SESSION_ID_BYTES = identifiers.SESSION_ID_MAX_LENGTH
+"""Longest session id a worker accepts (bytes: the id is ASCII, ``dgr_session.identifiers``)."""
 
 F32 = np.dtype("<f4")
 """The boundary and logits element type of schema 1."""
@@ -124,8 +129,24 @@ def check_expectations(got: pb.Expectations, mine: Expectations) -> None:
 
 
 def check_session_id(session_id: str) -> None:
-    if not session_id or len(session_id.encode()) > MAX_SESSION_ID_BYTES:
-        raise FrameRejected(f"session id must be 1..{MAX_SESSION_ID_BYTES} bytes")
+    """:class:`FrameRejected` (``DGR_E_FRAME``) unless ``session_id`` keeps the one rule of
+    ``dgr_session.identifiers`` (the client checks the same before it sends)."""
+    try:
+        identifiers.check_session_id(session_id)
+    except identifiers.InvalidIdentifier as exc:
+        raise FrameRejected(f"DGR_E_FRAME: {exc}") from None
+
+
+def enum_name(enum: Any, value: int, what: str) -> str:
+    """The name of ``value`` in the proto enum ``enum``; :class:`FrameRejected` naming
+    ``what`` and the values it may take when the schema does not define it."""
+    try:
+        return str(enum.Name(value))
+    except ValueError:
+        known = ", ".join(f"{enum.Name(v)}={v}" for v in sorted(enum.values()))
+        raise FrameRejected(
+            f"DGR_E_FRAME: {what} {value} is not defined by schema {SCHEMA_VERSION} ({known})"
+        ) from None
 
 
 # --- tensors -----------------------------------------------------------------------------------
@@ -150,11 +171,11 @@ def tensor_to_proto(rows: npt.NDArray[np.floating]) -> pb.Tensor:
 
 def tensor_from_proto(tensor: pb.Tensor, n_rows: int, width: int, what: str) -> FloatRows:
     """The tensor as a read-only ``[n_rows, width]`` f32 view; :class:`FrameRejected` unless
-    dtype, shape and byte length are exactly that."""
+    dtype, shape and byte length are exactly that (an undefined dtype included)."""
     if tensor.dtype != pb.DTYPE_F32:
+        name = enum_name(pb.DType, tensor.dtype, f"{what}: dtype")
         raise FrameRejected(
-            f"{what}: dtype {pb.DType.Name(tensor.dtype)} not supported (schema "
-            f"{SCHEMA_VERSION} carries DTYPE_F32)"
+            f"{what}: dtype {name} not supported (schema {SCHEMA_VERSION} carries DTYPE_F32)"
         )
     shape = tuple(tensor.shape)
     if shape != (n_rows, width):
@@ -178,6 +199,8 @@ ROW_KINDS = {
 }
 """``Forward.kind`` on the wire (anything else: unspecified)."""
 ROW_KIND_NAMES = {v: k for k, v in ROW_KINDS.items()}
+"""The names of the kinds; ``ROW_KIND_UNSPECIFIED`` is ``"unspecified"``; a decoded frame
+never holds another value (:func:`decode_forward` refuses it)."""
 
 
 def encode_forward(
@@ -237,6 +260,8 @@ def decode_forward(request: pb.ForwardRequest, mine: Expectations, info: ShardIn
     """Checks a forward request against this worker and returns the engine's arguments."""
     check_session_id(request.session_id)
     check_expectations(request.expect, mine)
+    if request.kind not in ROW_KIND_NAMES and request.kind != pb.ROW_KIND_UNSPECIFIED:
+        enum_name(pb.RowKind, request.kind, "kind")
     n = len(request.positions)
     if n == 0:
         raise FrameRejected("a frame needs at least one row (position)")

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import grpc
 
 from dgr_engine import errors as E
+from dgr_session.identifiers import InvalidIdentifier
 
 STATUS_KEY = "dgr-status"
 """Trailing-metadata key of the machine-readable reason."""
@@ -61,13 +62,31 @@ _BY_CODE: dict[grpc.StatusCode, type[E.EngineError]] = {
 }
 
 
+WORKER_FAULTS = frozenset({"DGR_E_DECODE", "DGR_E_INTERNAL", "DGR_E_DEADLINE", "DGR_E_NON_FINITE"})
+"""Refusals that are the worker's own fault: its engine failed or produced non-finite output, a
+frame's deadline passed in its queue, or it hit an unexpected error. Every other refusal (a
+malformed frame, an undefined enum value, an invalid session id, non-finite rows, bad shapes or
+positions, stale epochs, unknown sessions, wrong expectations, missing grants or secrets,
+capacity) is the caller's doing, or routine around route changes."""
+
+
+def is_worker_fault(exc: BaseException) -> bool:
+    """Whether refusing ``exc`` counts against the worker's health (its advert's
+    ``recent_errors``): only its own faults (:data:`WORKER_FAULTS`) do, and any exception that
+    is not a typed refusal (a bug here, so ``DGR_E_INTERNAL``)."""
+    return grpc_status_for(exc)[1] in WORKER_FAULTS
+
+
 def known_statuses() -> Iterable[str]:
     """Every dgr-status a worker may send."""
     return _BY_STATUS.keys()
 
 
 def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
-    """The gRPC code and dgr-status a worker answers ``exc`` with."""
+    """The gRPC code and dgr-status a worker answers ``exc`` with (an identifier that breaks
+    ``dgr_session.identifiers``' rule is a malformed frame)."""
+    if isinstance(exc, InvalidIdentifier):
+        return _C.INVALID_ARGUMENT, "DGR_E_FRAME"
     if isinstance(exc, E.EngineClosed):
         return _C.UNAVAILABLE, "DGR_E_SHUTTING_DOWN"
     if isinstance(exc, E.EngineError) and exc.status in _BY_STATUS:

@@ -35,9 +35,11 @@ from dgr_engine.wire.status import (
     CHAIN_HOP_KEY,
     STATUS_KEY,
     grpc_status_for,
+    is_worker_fault,
     refusal_trailers,
 )
 from dgr_engine.worker.registration import Undecodable, lenient
+from dgr_session.identifiers import is_valid_session_id, log_field
 
 if TYPE_CHECKING:
     from dgr_engine.worker.servicer import ShardServicer
@@ -47,6 +49,10 @@ CHAIN_SERVICE_NAME = "dgr.shard.v1.Chain"
 
 _FAILURE_WAIT = 5.0
 """Seconds a stage whose write downstream failed waits for the downstream's status."""
+
+MAX_CHAIN_HOP = 1 << 16
+"""The largest ``chain_hop`` a chained frame may carry (a route has far fewer stages; a larger
+one is malformed, and ``chain_hop + 1`` must fit the next frame's uint32)."""
 
 Trailers = tuple[tuple[str, str], ...]
 
@@ -441,7 +447,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
         except Exception as exc:
             await self.shard._refuse(context, exc, request, "link")
         self.w.log.bind(session=request.session_id, epoch=request.epoch).debug(
-            "linked to {}", request.next.endpoint
+            "linked to {}", log_field(request.next.endpoint)
         )
         return pb.LinkReply(session_id=request.session_id, epoch=request.epoch)
 
@@ -463,7 +469,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
             while (item := await output.queue.get()) is not None:
                 if isinstance(item, ChainFailure):  # the ring failed
                     self.w.log.bind(session=request.session_id, epoch=request.epoch).warning(
-                        "ring failed: {} {}", item.code.name, item.details
+                        "ring failed: {} {}", item.code.name, log_field(item.details, limit=1000)
                     )
                     await context.abort(item.code, item.details, trailing_metadata=item.trailers)
                     return  # unreachable: abort raises
@@ -507,7 +513,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
                 await down.finish()
             finished = True
         except (asyncio.CancelledError, GeneratorExit):
-            if last is not None:
+            if last is not None and is_valid_session_id(last.session_id):
                 self.w.abandon(last.session_id, int(last.epoch), "chain stream cancelled")
             raise
         finally:
@@ -530,6 +536,9 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
         sid, epoch = request.session_id, int(request.epoch)
         began = time.perf_counter_ns()
         try:
+            if hop > MAX_CHAIN_HOP:
+                raise FrameRejected(f"DGR_E_FRAME: chain_hop {hop} is over {MAX_CHAIN_HOP}")
+            frames.check_session_id(sid)  # before it reaches the hub or a log line
             # where the output goes is checked before the rows touch the session's state
             ring = None
             if self.w.info.is_last:
@@ -590,14 +599,15 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
         """Ends the stream with this stage's refusal of a frame, naming its hop."""
         code, status = grpc_status_for(exc)
         self.w.metrics.refusals.labels(status).inc()
-        if not isinstance(exc, EngineError):
-            self.w.meter.error()
+        if is_worker_fault(exc):
+            self.w.meter.error()  # the advert's health counts the worker's own faults only
         log = self.w.log.bind(
-            session=getattr(request, "session_id", "-"), epoch=getattr(request, "epoch", "-")
+            session=log_field(getattr(request, "session_id", "-")),
+            epoch=log_field(getattr(request, "epoch", "-")),
         )
         text = str(exc) if str(exc).startswith(status) else f"{status}: {exc}"
-        if isinstance(exc, EngineError):
-            log.warning("chained frame refused: {} {}", code.name, text)
+        if isinstance(exc, EngineError) or status != "DGR_E_INTERNAL":
+            log.warning("chained frame refused: {} {}", code.name, log_field(text, limit=1000))
         else:
             log.opt(exception=exc).error("chained frame failed: {!r}", exc)
         trailers = refusal_trailers(exc, status) + ((CHAIN_HOP_KEY, str(max(hop, 0))),)
@@ -612,9 +622,11 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
     ) -> NoReturn:
         """Ends the stream with a failure downstream, passed up as it is."""
         log = self.w.log.bind(
-            session=getattr(last, "session_id", "-"), epoch=getattr(last, "epoch", "-")
+            session=log_field(getattr(last, "session_id", "-")),
+            epoch=log_field(getattr(last, "epoch", "-")),
         )
-        log.warning("chain failed downstream: {} {}", failure.code.name, failure.details)
+        details = log_field(failure.details, limit=1000)
+        log.warning("chain failed downstream: {} {}", failure.code.name, details)
         await context.abort(failure.code, failure.details, trailing_metadata=failure.trailers)
         raise AssertionError("unreachable: abort raises")
 

@@ -16,18 +16,28 @@ from dgr_engine.wire import frames
 from dgr_engine.wire.advert import advert_to_proto
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
-from dgr_engine.wire.status import grpc_status_for, refusal_trailers
+from dgr_engine.wire.status import grpc_status_for, is_worker_fault, refusal_trailers
 from dgr_engine.worker.peer_limits import client_identity
 from dgr_engine.worker.registration import Undecodable
+from dgr_session.identifiers import is_valid_session_id, log_field
 
 if TYPE_CHECKING:
+    from loguru import Logger
+
     from dgr_engine.worker.chain import ChainHub
     from dgr_engine.worker.server import ShardWorker
 
-#: Refusals that are this worker's own fault and count against its health in the advert; the
-#: rest (stale epochs, unknown sessions, malformed frames, wrong expectations, capacity) are the
-#: caller's or routine around route changes.
-_WORKER_FAULTS = frozenset({"DGR_E_DECODE", "DGR_E_INTERNAL", "DGR_E_DEADLINE", "DGR_E_NON_FINITE"})
+_DETAILS_LOGGED = 1000
+"""Characters of a refusal's reason a log line keeps (escaped: ``log_field``)."""
+
+
+def bind_request(log: Logger, request: Any) -> Logger:
+    """``log`` bound to the session and epoch a request names, escaped (``log_field``): a
+    session id is peer-supplied text until checked, and must never forge a log line."""
+    return log.bind(
+        session=log_field(getattr(request, "session_id", "-")),
+        epoch=log_field(getattr(request, "epoch", "-")),
+    )
 
 
 def _deadline(context: grpc.aio.ServicerContext[Any, Any]) -> float | None:
@@ -58,7 +68,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         self, request: pb.OpenSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.OpenSessionReply:
         await self._refuse_undecodable(context, request, "open")
-        log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
+        log = bind_request(self.w.log, request)
         try:
             frames.check_session_id(request.session_id)
             frames.check_expectations(request.expect, self.w.expect)
@@ -75,7 +85,8 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             self.w.limits.opened(client, request.session_id)
             secret = self.w.grants.opened(request.session_id, int(request.epoch))
         except asyncio.CancelledError:
-            self.w.abandon(request.session_id, int(request.epoch), "open cancelled")
+            if is_valid_session_id(request.session_id):  # else nothing was opened
+                self.w.abandon(request.session_id, int(request.epoch), "open cancelled")
             raise
         except Exception as exc:
             await self._refuse(context, exc, request, "open")
@@ -88,7 +99,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         self, request: pb.CloseSessionRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> pb.CloseSessionReply:
         await self._refuse_undecodable(context, request, "close")
-        log = self.w.log.bind(session=request.session_id, epoch=request.epoch)
+        log = bind_request(self.w.log, request)
         try:
             frames.check_session_id(request.session_id)
             self.w.grants.check(request.session_id, int(request.epoch), request.session_secret)
@@ -118,7 +129,8 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         try:
             return await self._forward(request, _deadline(context))
         except asyncio.CancelledError:
-            self.w.abandon(request.session_id, int(request.epoch), "forward cancelled")
+            if is_valid_session_id(request.session_id):  # else nothing ran
+                self.w.abandon(request.session_id, int(request.epoch), "forward cancelled")
             raise
         except Exception as exc:
             await self._refuse(context, exc, request, f"forward step {request.step}")
@@ -140,7 +152,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
                     await self._refuse(context, exc, request, what)
                 yield reply
         except (asyncio.CancelledError, GeneratorExit):
-            if last is not None:
+            if last is not None and is_valid_session_id(last.session_id):
                 self.w.abandon(last.session_id, int(last.epoch), "stream cancelled")
             raise
 
@@ -149,6 +161,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         on refusal."""
         began = time.perf_counter_ns()
         w = self.w
+        frames.check_session_id(request.session_id)  # before it reaches any table or log
         w.grants.check(request.session_id, int(request.epoch), request.session_secret)
         w.limits.check_frame(request.session_id)
         if request.timeout_ms:
@@ -205,16 +218,17 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         request: Any,
         what: str,
     ) -> NoReturn:
-        """Aborts the call with the code and dgr-status for ``exc`` (never returns)."""
-        log = self.w.log.bind(
-            session=getattr(request, "session_id", "-"), epoch=getattr(request, "epoch", "-")
-        )
+        """Aborts the call with the code and dgr-status for ``exc`` (never returns). Only the
+        worker's own faults count against its health (``wire.status.is_worker_fault``); a
+        typed refusal is logged as one escaped line, anything else with its traceback."""
+        log = bind_request(self.w.log, request)
         code, status = grpc_status_for(exc)
         self.w.metrics.refusals.labels(status).inc()
-        if status in _WORKER_FAULTS or not isinstance(exc, EngineError):
+        if is_worker_fault(exc):
             self.w.meter.error()  # the advert's health counts the worker's own faults only
-        if isinstance(exc, EngineError):
-            log.warning("{} refused: {} {}", what, code.name, _details(exc, status))
+        if isinstance(exc, EngineError) or status != "DGR_E_INTERNAL":
+            reason = log_field(_details(exc, status), limit=_DETAILS_LOGGED)
+            log.warning("{} refused: {} {}", what, code.name, reason)
         else:
             log.opt(exception=exc).error("{} failed: {!r}", what, exc)
         await context.abort(
