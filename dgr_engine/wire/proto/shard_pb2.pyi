@@ -61,10 +61,14 @@ OUTPUT_KIND_BOUNDARY: OutputKind
 OUTPUT_KIND_LOGITS: OutputKind
 
 class UsageRequest(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "session_secret", "grant")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    GRANT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    session_secret: bytes
+    grant: bytes
+    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., grant: _Optional[bytes] = ...) -> None: ...
 
 class UsageRecord(_message.Message):
     __slots__ = ("session_id", "epoch", "layer_begin", "layer_end", "forwards", "rows_prefill", "rows_decode", "rows_replay", "bytes_in", "bytes_out", "engine_seconds")
