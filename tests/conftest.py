@@ -112,16 +112,39 @@ def certified_fixtures(fixture_evidence: Path) -> Iterator[Path]:
 
 
 class EvidenceKit:
-    """Makes locks, lanes and evidence records for the certification tests (in ``root``)."""
+    """Makes locks, lanes and evidence records for the certification tests (in ``root``).
+
+    The kit's lock is the repo's plus two test certifiers made for the kit: ``operator``,
+    trusted for real-model and real-hardware evidence, and ``releaser``, trusted for release.
+    :meth:`write` signs a record with the key its class calls for (the fixture certifier for
+    fixture evidence)."""
 
     def __init__(self, root: Path) -> None:
+        import json
+
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
         from dgr_engine.certification.lock import load_lock
+        from dgr_engine.certification.signing import public_key_text
 
         self.root = root
+        self.operator = Ed25519PrivateKey.generate()
+        self.releaser = Ed25519PrivateKey.generate()
+        data = json.loads((Path(__file__).parents[1] / "certification/lock.json").read_text())
+        data["certifiers"] += [
+            {
+                "name": "test-operator",
+                "public_key": public_key_text(self.operator.public_key()),
+                "classes": ["real-model", "real-hardware"],
+            },
+            {
+                "name": "test-releaser",
+                "public_key": public_key_text(self.releaser.public_key()),
+                "classes": ["release"],
+            },
+        ]
         self.lock_path = root / "lock.json"
-        self.lock_path.write_text(
-            (Path(__file__).parents[1] / "certification/lock.json").read_text()
-        )
+        self.lock_path.write_text(json.dumps(data, indent=2))
         self.lock = load_lock(self.lock_path)  # outside git: its time is the declared one
 
     def edit_lock(self, edit: Any) -> Any:
@@ -225,10 +248,25 @@ class EvidenceKit:
         fields.update(changes)
         return EvidenceRecord(**fields)
 
-    def write(self, record: Any, directory: Path | None = None) -> Path:
+    def key_for(self, record: Any) -> Any:
+        """The key the kit signs ``record`` with: the one its class calls for."""
+        from dgr_engine.certification.signing import FIXTURE_CERTIFIER
+        from dgr_session.identity import EvidenceClass
+
+        return {
+            EvidenceClass.FIXTURE: FIXTURE_CERTIFIER,
+            EvidenceClass.REAL_MODEL: self.operator,
+            EvidenceClass.REAL_HARDWARE: self.operator,
+            EvidenceClass.RELEASE: self.releaser,
+        }[record.evidence_class]
+
+    def write(self, record: Any, directory: Path | None = None, *, key: Any = None) -> Path:
+        """``record`` written under ``directory`` (default: the kit's evidence/), signed by
+        ``key`` (default: :meth:`key_for`)."""
         from dgr_engine.certification.record import write_record
 
-        path: Path = write_record(record, directory or self.root / "evidence")
+        key = key if key is not None else self.key_for(record)
+        path: Path = write_record(record, directory or self.root / "evidence", key=key)
         return path
 
 

@@ -66,12 +66,12 @@ def test_a_record_round_trips_and_lives_where_its_class_and_lane_say(kit: Eviden
 
 def test_the_fixture_mark_makes_fixture_evidence_whatever_the_lock_says(kit: EvidenceKit) -> None:
     lock = real_model_lock(kit, hardware=True)
-    facts = derive_facts(kit.lane(), fixture_mark="dgr-fixtures/2 x", lock=lock, clean_tree=True)
+    facts = derive_facts(kit.lane(), fixture_mark="dgr-fixtures/2 x", lock=lock, release_build=True)
     assert facts.evidence_class is EvidenceClass.FIXTURE
 
 
 def test_an_unmarked_model_the_lock_does_not_name_has_no_class(kit: EvidenceKit) -> None:
-    facts = derive_facts(kit.lane(), fixture_mark=None, lock=kit.lock, clean_tree=True)
+    facts = derive_facts(kit.lane(), fixture_mark=None, lock=kit.lock, release_build=True)
     with pytest.raises(UnclassifiableModel, match="no evidence class can be derived"):
         _ = facts.evidence_class
 
@@ -79,23 +79,23 @@ def test_an_unmarked_model_the_lock_does_not_name_has_no_class(kit: EvidenceKit)
 def test_real_model_real_hardware_and_release_come_from_the_lock(kit: EvidenceKit) -> None:
     lane = kit.lane()
     lock = real_model_lock(kit)
-    facts = derive_facts(lane, fixture_mark=None, lock=lock, clean_tree=True)
+    facts = derive_facts(lane, fixture_mark=None, lock=lock, release_build=True)
     assert (facts.real_model, facts.evidence_class) == ("deepseek-v4", EvidenceClass.REAL_MODEL)
     lock = real_model_lock(kit, hardware=True)
-    facts = derive_facts(lane, fixture_mark=None, lock=lock, clean_tree=False)
+    facts = derive_facts(lane, fixture_mark=None, lock=lock, release_build=False)
     assert facts.evidence_class is EvidenceClass.REAL_HARDWARE
     assert (
-        derive_facts(lane, fixture_mark=None, lock=lock, clean_tree=True).evidence_class
+        derive_facts(lane, fixture_mark=None, lock=lock, release_build=True).evidence_class
         is EvidenceClass.RELEASE
-    )  # 0.1.0 from a clean tree
+    )  # 0.1.0 from a release build (its tag, nothing but its commit in the tree)
     other_cpu = attrs.evolve(lane, hardware="x86_64 | Other | avx")
     assert (
-        derive_facts(other_cpu, fixture_mark=None, lock=lock, clean_tree=True).evidence_class
+        derive_facts(other_cpu, fixture_mark=None, lock=lock, release_build=True).evidence_class
         is EvidenceClass.REAL_MODEL
     )  # not the hardware the lock names
     dev = attrs.evolve(lane, dgr_version="0.1.0+source")
     assert (
-        derive_facts(dev, fixture_mark=None, lock=lock, clean_tree=True).evidence_class
+        derive_facts(dev, fixture_mark=None, lock=lock, release_build=True).evidence_class
         is EvidenceClass.REAL_HARDWARE
     )
 
@@ -136,7 +136,8 @@ def _edit(key: str, value: Any) -> Any:
 
 
 def _rehash(d: dict[str, Any]) -> None:
-    body = {k: v for k, v in d.items() if k not in ("record_id", "evidence_class", "lane_id")}
+    derived = ("record_id", "evidence_class", "lane_id", "signature")
+    body = {k: v for k, v in d.items() if k not in derived}
     d["record_id"] = canonical_sha256(body)
 
 
@@ -280,7 +281,7 @@ def test_the_highest_class_wins_over_a_later_lower_one(kit: EvidenceKit) -> None
     lock = real_model_lock(kit, hardware=True)
     lane = kit.lane()
     real = kit.record(
-        facts=derive_facts(lane, fixture_mark=None, lock=lock, clean_tree=False),
+        facts=derive_facts(lane, fixture_mark=None, lock=lock, release_build=False),
         lock_sha256=lock.sha256,
     )
     later = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=30)

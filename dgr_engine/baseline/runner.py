@@ -19,11 +19,12 @@ from typing import Final
 
 import attrs
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from gguf import GGUFValueType
 
 from dgr_engine.baseline import converter, gguf_copy, metadata_check, runs
 from dgr_engine.baseline.compare import Comparison, compare
-from dgr_engine.certification.certify import git_commit, machine_facts
+from dgr_engine.certification.certify import git_commit, machine_facts, signing_key_for
 from dgr_engine.certification.classify import derive_facts
 from dgr_engine.certification.lock import Lock, Thresholds
 from dgr_engine.certification.record import (
@@ -34,6 +35,7 @@ from dgr_engine.certification.record import (
     Verdict,
     write_record,
 )
+from dgr_engine.certification.release import release_state
 from dgr_engine.chain import n_layer_of
 from dgr_engine.numerics import Numerics
 from dgr_engine.worker.identity import BuildIdentity
@@ -242,8 +244,9 @@ def baseline_record(
     build = result.build
     context = max(len(p) for p in result.work.prompts) + result.work.n_decode
     lane = build.lane_key(arch=result.arch, n_layer=result.n_layer, context_per_session=context)
-    commit, clean = git_commit()
-    facts = derive_facts(lane, fixture_mark=build.fixture_mark, lock=lock, clean_tree=clean)
+    commit, _clean = git_commit()
+    released = release_state(lane.dgr_version).is_release
+    facts = derive_facts(lane, fixture_mark=build.fixture_mark, lock=lock, release_build=released)
     comparable = lock.require_comparable_lane(
         facts.evidence_class, lane.backend, result.arch, facts.real_model
     )
@@ -270,9 +273,12 @@ def write_baseline_record(
     evidence_dir: str | os.PathLike[str],
     started: dt.datetime,
     command: Sequence[str],
+    key: Ed25519PrivateKey | None = None,
 ) -> tuple[EvidenceRecord, Path]:
-    """:func:`baseline_record`, admitted by the lock and written; returns it and its path."""
+    """:func:`baseline_record`, admitted by the lock and written, signed by ``key`` (default:
+    the fixture certifier, fixture evidence only); returns it and its path."""
     lock.require_committed()
     lock.admit(lock.sha256, started, path=None)
     record = baseline_record(result, lock=lock, started=started, command=command)
-    return record, write_record(record, evidence_dir)
+    key = signing_key_for(lock, record.evidence_class, key)
+    return record, write_record(record, evidence_dir, key=key)

@@ -7,7 +7,9 @@ layers is skipped: 10+ stages only where the model has the layers). Per layout, 
 worker processes: route parity and relayed-chain parity against the whole model, each stage
 alone, and each shard's peak RSS; on the 2-stage layout, session isolation; on the lock's speed
 layouts, the useful-speed figures; on the 3-stage layout (else the last), a stage lost
-mid-decode. Progress goes to ``progress`` as it runs.
+mid-decode. Progress goes to ``progress`` as it runs. The record is signed by the certifier
+key given (by default the fixture certifier, for fixture evidence only); a key the lock does
+not trust for the derived class is refused before anything runs.
 """
 
 from __future__ import annotations
@@ -24,9 +26,11 @@ from pathlib import Path
 
 import attrs
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dgr_engine.certification import scenarios
+from dgr_engine.certification import scenarios, signing
 from dgr_engine.certification.classify import derive_facts
+from dgr_engine.certification.errors import SignatureRefused
 from dgr_engine.certification.gates import HOP_PARTS
 from dgr_engine.certification.lane import LaneKey
 from dgr_engine.certification.lock import Lock
@@ -36,14 +40,17 @@ from dgr_engine.certification.record import (
     RecordKind,
     Requirement,
     Verdict,
+    signed,
     write_record,
 )
+from dgr_engine.certification.release import release_state
 from dgr_engine.certification.scenarios import Layout, Reference
 from dgr_engine.chain import n_layer_of, split_points, whole_model_reference
 from dgr_engine.engine import ShardEngine
 from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import LoopbackRouteProvider
 from dgr_engine.worker.identity import BuildIdentity
+from dgr_session.identity import EvidenceClass
 
 _CHECKOUT = Path(__file__).resolve().parents[2]
 PROMPT_LEN = 12
@@ -92,6 +99,40 @@ def _arch_and_vocab(model: Path) -> tuple[str, int]:
     return arch, int(embd.shape[-1])
 
 
+def signing_key_for(
+    lock: Lock, evidence: EvidenceClass, key: Ed25519PrivateKey | None
+) -> Ed25519PrivateKey:
+    """The key to sign a record of ``evidence`` class with: ``key``, else the fixture
+    certifier for fixture evidence; :class:`SignatureRefused` (before any work) when there is
+    none or the lock would not admit its signature on such a record."""
+    if key is None:
+        if evidence is not EvidenceClass.FIXTURE:
+            raise SignatureRefused(
+                f"signature: {evidence.value} evidence needs the operator's certifier key "
+                "(--sign-key FILE); the fixture certifier signs fixture evidence only",
+                reason="unsigned",
+            )
+        key = signing.FIXTURE_CERTIFIER
+    key_id = signing.key_id_of(key.public_key())
+    certifier = lock.certifier(key_id)
+    if certifier is None:
+        raise SignatureRefused(
+            f"signature: the lock ({lock.path}) does not declare the signing key {key_id}: "
+            "its records would be refused (unknown key)",
+            key_id=key_id,
+            reason="unknown key",
+        )
+    if evidence not in certifier.classes:
+        trusted = ", ".join(c.value for c in certifier.classes)
+        raise SignatureRefused(
+            f"signature: the lock trusts key {key_id} ({certifier.name}) for {trusted}, not "
+            f"{evidence.value} evidence: its records would be refused",
+            key_id=key_id,
+            reason="key not trusted for class",
+        )
+    return key
+
+
 def machine_facts(hardware: str) -> dict[str, str]:
     return {
         "hardware": hardware,
@@ -126,8 +167,10 @@ async def certify(
     evidence_dir: str | os.PathLike[str],
     command: Sequence[str],
     progress: Callable[[str], None] = lambda _text: None,
+    key: Ed25519PrivateKey | None = None,
 ) -> CertifyResult:
-    """Certify the lane of ``model`` with ``options`` on this machine; write the record."""
+    """Certify the lane of ``model`` with ``options`` on this machine; write the record,
+    signed by ``key`` (default: the fixture certifier, for fixture evidence only)."""
     began = time.perf_counter()
     started = dt.datetime.now(dt.UTC)
     model = Path(model).resolve()
@@ -144,9 +187,11 @@ async def certify(
     arch, n_vocab = _arch_and_vocab(model)
     n_layer = n_layer_of(model)
     lane = await asyncio.to_thread(lane_of, model, options)
-    commit, clean = git_commit()
-    facts = derive_facts(lane, fixture_mark=build.fixture_mark, lock=lock, clean_tree=clean)
+    commit, _clean = git_commit()
+    released = release_state(lane.dgr_version).is_release
+    facts = derive_facts(lane, fixture_mark=build.fixture_mark, lock=lock, release_build=released)
     evidence = facts.evidence_class  # UnclassifiableModel before anything runs
+    key = signing_key_for(lock, evidence, key)
     comparable = lock.require_comparable_lane(evidence, lane.backend, arch, facts.real_model)
     family = comparable.family
     layouts = layouts_for(n_layer, limits.layout_stage_counts)
@@ -305,6 +350,7 @@ async def certify(
         figures=tuple(figures),
         requirements=tuple(requirements),
     )
+    record = signed(record, key)
     path = write_record(record, evidence_dir)
     return CertifyResult(record, path, seconds)
 

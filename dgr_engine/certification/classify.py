@@ -5,7 +5,8 @@
   real model;
 * ``real-hardware``: a real model on a hardware class and build (llama.cpp commit, patch stack,
   backend) that the lock declares as a hardware lane;
-* ``release``: that, from a release build (a final dgr version, clean tree).
+* ``release``: that, from a release build (a final dgr version, its release tag at the commit
+  built, a tree that is exactly that commit: :mod:`~dgr_engine.certification.release`).
 
 Anything else derives no class (:class:`~dgr_engine.certification.errors.UnclassifiableModel`):
 an unmarked GGUF the lock does not name is neither a fixture nor a known real model.
@@ -36,7 +37,8 @@ class EvidenceFacts:
     hardware_lane: str | None
     """The lock's hardware lane naming exactly this hardware and build, if any."""
     release_build: bool
-    """A final dgr version built from a clean tree."""
+    """A release build (:func:`~dgr_engine.certification.release.release_state`): a final
+    version, its tag at the commit built, nothing in the tree but that commit."""
 
     @property
     def evidence_class(self) -> EvidenceClass:
@@ -64,9 +66,11 @@ def is_release_version(version: str) -> bool:
 
 
 def derive_facts(
-    lane: LaneKey, *, fixture_mark: str | None, lock: Lock, clean_tree: bool
+    lane: LaneKey, *, fixture_mark: str | None, lock: Lock, release_build: bool
 ) -> EvidenceFacts:
-    """The facts of a result on ``lane`` under ``lock``."""
+    """The facts of a result on ``lane`` under ``lock``; ``release_build``: what
+    :func:`~dgr_engine.certification.release.release_state` says of the build (a clean tree
+    alone is not a release)."""
     model = lock.real_model_of(lane.model_sha256)
     hardware = lock.hardware_lane_of(
         lane.hardware, lane.llama_cpp_commit, lane.patch_stack_sha256, lane.backend
@@ -75,5 +79,5 @@ def derive_facts(
         fixture_mark=fixture_mark,
         real_model=None if model is None else model.name,
         hardware_lane=None if hardware is None else hardware.name,
-        release_build=clean_tree and is_release_version(lane.dgr_version),
+        release_build=release_build and is_release_version(lane.dgr_version),
     )

@@ -35,3 +35,25 @@ class UnclassifiableModel(EvidenceError):
 
 class LockNotCommitted(EvidenceError):
     """The lock has changes that are not committed: results may not be made under it."""
+
+
+class SignatureRefused(EvidenceError):
+    """A record whose certifier signature does not count under the lock: unsigned, signed by a
+    key the lock does not declare, a signature that does not verify (the record was edited
+    after it was signed, or the signature is another record's), or a key the lock does not
+    trust for the record's evidence class. The record is not used; the others still are."""
+
+    def __init__(
+        self, message: str, *, path: Path | str | None = None, key_id: str = "", reason: str = ""
+    ) -> None:
+        super().__init__(message, path=path, field="signature")
+        #: The key the record names (``""``: unsigned).
+        self.key_id = key_id
+        #: ``unsigned``, ``unknown key``, ``bad signature`` or ``key not trusted for class``.
+        self.reason = reason
+
+
+class ReleaseUnproven(EvidenceError):
+    """A record claiming a release build that this checkout cannot confirm: a dirty or unknown
+    commit, a version that is not final, or no release tag of that version at that commit.
+    The record is not used."""

@@ -5,6 +5,11 @@ canonical JSON) goes into every record; its time is the later of the ``locked_at
 and, in a git checkout, the commit time of the last commit that changed it. A record made under
 another lock, or started before the lock's time, is refused (:meth:`Lock.admit`), and no result
 may be made under a lock with uncommitted changes (:meth:`Lock.require_committed`).
+
+The lock also declares the certifiers it trusts: each an Ed25519 public key and the evidence
+classes its signature may vouch for (:meth:`Lock.check_signature`). The fixture certifier,
+whose private half is public (:data:`~dgr_engine.certification.signing.FIXTURE_CERTIFIER`), may
+be trusted for fixture evidence only.
 """
 
 from __future__ import annotations
@@ -18,8 +23,15 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
-from dgr_engine.certification.errors import EvidenceInvalid, LockMismatch, LockNotCommitted
+from dgr_engine.certification import signing
+from dgr_engine.certification.errors import (
+    EvidenceInvalid,
+    LockMismatch,
+    LockNotCommitted,
+    SignatureRefused,
+)
 from dgr_engine.certification.lane import canonical_sha256
 from dgr_session.identity import EvidenceClass
 
@@ -128,6 +140,18 @@ class ComparableLane:
 
 
 @attrs.frozen
+class Certifier:
+    """A key the lock trusts to sign records of some evidence classes."""
+
+    name: str
+    key_id: str
+    """The key's fingerprint (:func:`~dgr_engine.certification.signing.key_id_of`)."""
+    public_key: Ed25519PublicKey = attrs.field(eq=False, repr=False)
+    classes: tuple[EvidenceClass, ...]
+    """The classes of the records this key may sign."""
+
+
+@attrs.frozen
 class Lock:
     """A loaded lock."""
 
@@ -145,6 +169,59 @@ class Lock:
     beta_matrix: tuple[str, ...]
     """Names of the hardware lanes beta requires certified (DGR-070)."""
     lanes: tuple[ComparableLane, ...]
+    certifiers: tuple[Certifier, ...] = ()
+    """The keys whose signatures the lock admits, each for its classes."""
+
+    def certifier(self, key_id: str) -> Certifier | None:
+        """The declared certifier of ``key_id``, if any."""
+        return next((c for c in self.certifiers if c.key_id == key_id), None)
+
+    def check_signature(
+        self,
+        record_id: str,
+        signature: signing.RecordSignature | None,
+        evidence_class: EvidenceClass,
+        *,
+        path: Path | None,
+    ) -> Certifier:
+        """The certifier whose signature of ``record_id`` counts for ``evidence_class``;
+        :class:`SignatureRefused` saying which key and why not otherwise."""
+        if signature is None:
+            raise SignatureRefused(
+                "signature: unsigned: no certifier signature (records are signed with "
+                "'dgr certify --sign-key')",
+                path=path,
+                reason="unsigned",
+            )
+        key_id = signature.key_id
+        certifier = self.certifier(key_id)
+        if certifier is None:
+            raise SignatureRefused(
+                f"signature: signed by key {key_id!r}, which the lock ({self.path}) does not "
+                "declare: unknown key",
+                path=path,
+                key_id=key_id,
+                reason="unknown key",
+            )
+        if not signature.verifies(certifier.public_key, record_id):
+            raise SignatureRefused(
+                f"signature: does not verify under key {key_id!r} ({certifier.name}): bad "
+                "signature (the record was edited after it was signed, or the signature is "
+                "another record's)",
+                path=path,
+                key_id=key_id,
+                reason="bad signature",
+            )
+        if evidence_class not in certifier.classes:
+            trusted = ", ".join(c.value for c in certifier.classes) or "nothing"
+            raise SignatureRefused(
+                f"signature: key {key_id!r} ({certifier.name}) is trusted for {trusted}, not "
+                f"{evidence_class.value} evidence: key not trusted for class",
+                path=path,
+                key_id=key_id,
+                reason="key not trusted for class",
+            )
+        return certifier
 
     def require_comparable_lane(
         self, evidence_class: EvidenceClass, backend: str, arch: str, real_model: str | None
@@ -427,6 +504,7 @@ def load_lock(path: str | os.PathLike[str] | None = None) -> Lock:
                 path=lock_path,
                 field="beta_matrix",
             )
+    certifiers = _certifiers(r, data)
     commit_time, committed = _git_state(lock_path.resolve())
     return Lock(
         path=lock_path,
@@ -439,4 +517,45 @@ def load_lock(path: str | os.PathLike[str] | None = None) -> Lock:
         hardware_lanes=hardware,
         beta_matrix=beta,
         lanes=tuple(lanes),
+        certifiers=certifiers,
     )
+
+
+def _certifiers(r: _Reader, data: Any) -> tuple[Certifier, ...]:
+    out: list[Certifier] = []
+    known = {c.value for c in EvidenceClass}
+    for i, item in enumerate(_objects(r, data, "certifiers")):
+        where = f"certifiers[{i}]"
+
+        def bad(field: str, why: str, where: str = where) -> EvidenceInvalid:
+            return EvidenceInvalid(f"{where}.{field}: {why}", path=r.path, field=f"{where}.{field}")
+
+        name = r.get(item, "name", str)
+        try:
+            key = signing.parse_public_key(r.get(item, "public_key", str))
+        except ValueError as exc:
+            raise bad("public_key", f"not an Ed25519 public key: {exc}") from None
+        classes = r.strings(item, "classes")
+        if not classes:
+            raise bad("classes", "names no evidence class")
+        for cls in classes:
+            if cls not in known:
+                raise bad("classes", f"unknown evidence class {cls!r}")
+        key_id = signing.key_id_of(key)
+        if key_id == signing.FIXTURE_CERTIFIER_ID and set(classes) != {"fixture"}:
+            raise bad(
+                "classes",
+                "the fixture certifier's private key is public: it may vouch for fixture "
+                "evidence only",
+            )
+        if any(c.key_id == key_id or c.name == name for c in out):
+            raise bad("public_key", f"{name!r} / {key_id} is declared twice")
+        out.append(
+            Certifier(
+                name=name,
+                key_id=key_id,
+                public_key=key,
+                classes=tuple(EvidenceClass(c) for c in classes),
+            )
+        )
+    return tuple(out)

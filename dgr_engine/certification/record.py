@@ -3,9 +3,11 @@
 A record states its lane, the lock it was made under, the facts its evidence class derives
 from, the exact command, dgr's git commit, the machine, its start and end, every figure with
 its unit, and the verdict of each locked requirement. Its id is the SHA-256 of its canonical
-content, so an edited record no longer matches its id. Records live at
-``evidence/<class>/<lane-id>/<record-id>.json``; the loader refuses a file whose place, id,
-class or lane id disagrees with its content, and never half-loads one.
+content, so an edited record no longer matches its id; and since anybody can recompute an id,
+a certifier signs it (:mod:`~dgr_engine.certification.signing`): the loader admits a record
+only when its signature verifies under a key the lock trusts for the record's class. Records
+live at ``evidence/<class>/<lane-id>/<record-id>.json``; the loader refuses a file whose place,
+id, class, lane id or signature disagrees with its content, and never half-loads one.
 """
 
 from __future__ import annotations
@@ -20,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import attrs
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from dgr_engine.certification import release, signing
 from dgr_engine.certification.classify import EvidenceFacts, derive_facts
 from dgr_engine.certification.errors import EvidenceError, EvidenceInvalid
 from dgr_engine.certification.lane import LaneKey, canonical_sha256
@@ -111,6 +115,10 @@ class EvidenceRecord:
     figures: tuple[Figure, ...] = attrs.field(converter=_tuple)
     requirements: tuple[Requirement, ...] = attrs.field(converter=_tuple)
     mtp: str = "off"
+    signature: signing.RecordSignature | None = attrs.field(default=None, eq=False)
+    """The certifier's signature of :attr:`record_id` (not part of the content; ``None``:
+    unsigned, which no loader admits). An edited record keeps the old signature, which no
+    longer verifies."""
 
     @property
     def evidence_class(self) -> EvidenceClass:
@@ -153,12 +161,20 @@ class EvidenceRecord:
         return next((f for f in self.figures if f.name == name), None)
 
 
+def signed(record: EvidenceRecord, key: Ed25519PrivateKey) -> EvidenceRecord:
+    """``record`` signed by ``key`` (any earlier signature replaced)."""
+    return attrs.evolve(record, signature=signing.sign(record.record_id, key))
+
+
 def record_json(record: EvidenceRecord) -> str:
-    """The file's text: the body plus the derived id, class and lane id (checked on load)."""
+    """The file's text: the body plus the derived id, class and lane id (checked on load) and
+    the signature."""
     data = record.body()
     data["record_id"] = record.record_id
     data["evidence_class"] = record.evidence_class.value
     data["lane_id"] = record.lane_id
+    sig = record.signature
+    data["signature"] = None if sig is None else {"key_id": sig.key_id, "value": sig.value}
     return json.dumps(data, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
 
 
@@ -167,8 +183,17 @@ def record_path(evidence_dir: Path, record: EvidenceRecord) -> Path:
     return evidence_dir / record.evidence_class.value / record.lane_id / f"{record.record_id}.json"
 
 
-def write_record(record: EvidenceRecord, evidence_dir: str | os.PathLike[str]) -> Path:
-    """Write ``record`` under ``evidence_dir`` atomically (a reader never sees half a file)."""
+def write_record(
+    record: EvidenceRecord,
+    evidence_dir: str | os.PathLike[str],
+    *,
+    key: Ed25519PrivateKey | None = None,
+) -> Path:
+    """Write ``record`` under ``evidence_dir`` atomically (a reader never sees half a file),
+    signed by ``key`` when given; otherwise with the signature it carries (none, or one that
+    no longer verifies if the record was edited after signing: the loader refuses both)."""
+    if key is not None:
+        record = signed(record, key)
     target = record_path(Path(evidence_dir), record)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".record.", suffix=".tmp", dir=target.parent)
@@ -219,6 +244,7 @@ _TOP_FIELDS = {
     "record_id",
     "evidence_class",
     "lane_id",
+    "signature",
 }
 
 
@@ -233,6 +259,17 @@ def _facts(f: _Fields, data: Mapping[str, Any]) -> EvidenceFacts:
         hardware_lane=f.get(raw, "hardware_lane", optional),
         release_build=f.get(raw, "release_build", bool),
     )
+
+
+def _signature(f: _Fields, data: Mapping[str, Any]) -> signing.RecordSignature | None:
+    raw = data.get("signature")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"key_id", "value"}:
+        raise f.bad("signature", "needs exactly key_id and value (or null)")
+    if not all(isinstance(raw[k], str) for k in ("key_id", "value")):
+        raise f.bad("signature", "key_id and value must be strings")
+    return signing.RecordSignature(key_id=raw["key_id"], value=raw["value"])
 
 
 def _figures(f: _Fields, data: Mapping[str, Any]) -> list[Figure]:
@@ -306,6 +343,7 @@ def parse_record(text: str, *, path: Path) -> EvidenceRecord:
         figures=_figures(f, data),
         requirements=_requirements(f, data),
         mtp=f.get(data, "mtp", str),
+        signature=_signature(f, data),
     )
     if record.ended_at < record.started_at:
         raise f.bad("ended_at", "before started_at")
@@ -325,22 +363,32 @@ def parse_record(text: str, *, path: Path) -> EvidenceRecord:
     return record
 
 
-def load_record(path: str | os.PathLike[str], lock: Lock) -> EvidenceRecord:
-    """Read, check and admit one record file under ``lock``: schema, fields, id, class derived
-    from its facts (the lock's facts re-derived, not trusted), place in the evidence tree, and
-    the lock it was made under. Any refusal is an :class:`EvidenceError` naming the file."""
-    file = Path(path)
-    try:
-        text = file.read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise EvidenceInvalid(f"cannot read: {exc}", path=file) from None
-    record = parse_record(text, path=file)
+def admit_record(
+    record: EvidenceRecord,
+    lock: Lock,
+    *,
+    path: Path | None,
+    checkout: Path | None = release.CHECKOUT,
+) -> EvidenceRecord:
+    """Admit a parsed record under ``lock``: the lock it was made under, the lock's facts
+    re-derived (not trusted), a release claim re-checked against ``checkout``'s tags
+    (:func:`~dgr_engine.certification.release.check_release_claim`), and its signature by a
+    key the lock trusts for its class. What the loader and a client checking a worker's
+    advert (:mod:`~dgr_engine.certification.verify`) both run; any refusal is an
+    :class:`EvidenceError`."""
+    _admit_facts(record, lock, path=path)
+    _admit_signature(record, lock, path=path, checkout=checkout)
+    return record
+
+
+def _admit_facts(record: EvidenceRecord, lock: Lock, *, path: Path | None) -> None:
+    file = path
     lock.admit(record.lock_sha256, record.started_at, path=file)
     derived = derive_facts(
         record.lane,
         fixture_mark=record.facts.fixture_mark,
         lock=lock,
-        clean_tree=record.facts.release_build,
+        release_build=record.facts.release_build,
     )
     if (derived.real_model, derived.hardware_lane) != (
         record.facts.real_model,
@@ -353,6 +401,31 @@ def load_record(path: str | os.PathLike[str], lock: Lock) -> EvidenceRecord:
             path=file,
             field="facts",
         )
+
+
+def _admit_signature(
+    record: EvidenceRecord, lock: Lock, *, path: Path | None, checkout: Path | None
+) -> None:
+    if record.facts.release_build:
+        release.check_release_claim(
+            record.dgr_commit, record.lane.dgr_version, path=path, checkout=checkout
+        )
+    lock.check_signature(record.record_id, record.signature, record.evidence_class, path=path)
+
+
+def load_record(
+    path: str | os.PathLike[str], lock: Lock, *, checkout: Path | None = release.CHECKOUT
+) -> EvidenceRecord:
+    """Read, check and admit one record file under ``lock``: schema, fields, id, class derived
+    from its facts, place in the evidence tree, then :func:`admit_record` (lock, facts,
+    release claim, signature). Any refusal is an :class:`EvidenceError` naming the file."""
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise EvidenceInvalid(f"cannot read: {exc}", path=file) from None
+    record = parse_record(text, path=file)
+    _admit_facts(record, lock, path=file)
     if (
         file.name != f"{record.record_id}.json"
         or file.parent.name != record.lane_id
@@ -364,6 +437,7 @@ def load_record(path: str | os.PathLike[str], lock: Lock) -> EvidenceRecord:
             path=file,
             field="path",
         )
+    _admit_signature(record, lock, path=file, checkout=checkout)
     return record
 
 

@@ -3,8 +3,11 @@
 The lane is the model (--model or --fixture), this build, this machine's hardware class and
 the recipe (the engine options below; the context per session is part of the lane). The
 evidence class is derived from facts: a generated fixture gives fixture evidence, whatever
-anyone claims. The record goes to EVIDENCE/<class>/<lane-id>/<record-id>.json. With --reuse,
-a passing record of exactly this lane under this lock is reused instead of running again.
+anyone claims. The record goes to EVIDENCE/<class>/<lane-id>/<record-id>.json, signed by the
+certifier key --sign-key names (an unencrypted Ed25519 PEM; default: the fixture certifier,
+whose private half is public, so it signs fixture evidence only); the lock must trust the key
+for the derived class, or nothing runs. With --reuse, a passing record of exactly this lane
+under this lock is reused instead of running again.
 
 Exit status: 0 when every correctness requirement passed (parity, per-stage execution,
 isolation, bounded failure, resources; speed is reported, and judged by 'dgr gate'), 1 when
@@ -26,6 +29,8 @@ from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.options import EngineOptions
 
 if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     from dgr_engine.certification.lock import Lock
 
 CERTIFY_OPTIONS: dict[str, Any] = {
@@ -45,6 +50,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     EngineOptions.add_arguments(p, **CERTIFY_OPTIONS)
     add_evidence_arguments(p)
     p.add_argument(
+        "--sign-key",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the certifier's Ed25519 private key (PEM) that signs the record (default: the "
+        "fixture certifier: fixture evidence only)",
+    )
+    p.add_argument(
         "--reuse",
         action="store_true",
         help="reuse a passing record of exactly this lane under this lock if there is one",
@@ -56,11 +69,13 @@ def run(args: argparse.Namespace) -> int:
     from dgr_engine.certification.errors import EvidenceError
     from dgr_engine.certification.lock import load_lock
     from dgr_engine.certification.record import default_evidence_dir
+    from dgr_engine.certification.signing import load_signing_key
     from dgr_engine.fixtures import ensure_fixture
 
     if args.verbose:
         log_to_stderr("INFO")
     try:
+        key = None if args.sign_key is None else load_signing_key(args.sign_key)
         lock = load_lock(args.lock)
         model = args.model if args.model is not None else ensure_fixture(args.fixture)
     except (EvidenceError, ValueError, OSError) as exc:
@@ -70,7 +85,9 @@ def run(args: argparse.Namespace) -> int:
     options = EngineOptions.from_args(args)
     try:
         with sigterm_as_interrupt():
-            return asyncio.run(certify_or_reuse(model, options, lock, evidence, args.reuse))
+            return asyncio.run(
+                certify_or_reuse(model, options, lock, evidence, args.reuse, key=key)
+            )
     except KeyboardInterrupt:
         print("interrupted: every worker stopped, no record written", file=sys.stderr)
         return 130
@@ -80,9 +97,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def certify_or_reuse(
-    model: Path, options: EngineOptions, lock: Lock, evidence: Path, reuse: bool
+    model: Path,
+    options: EngineOptions,
+    lock: Lock,
+    evidence: Path,
+    reuse: bool,
+    *,
+    key: Ed25519PrivateKey | None = None,
 ) -> int:
-    """Reuse a matching passing record (with ``reuse``) or certify; print the outcome."""
+    """Reuse a matching passing record (with ``reuse``) or certify, signing with ``key``
+    (default: the fixture certifier); print the outcome."""
     from dgr_engine.certification.certify import certify
     from dgr_engine.certification.gates import CORRECTNESS
     from dgr_engine.certification.record import Verdict
@@ -98,8 +122,16 @@ async def certify_or_reuse(
 
     began = time.perf_counter()
     argv = ["dgr", "certify", "--model", str(model), *options.worker_argv()]
+    if key is not None:
+        argv += ["--sign-key", "KEY"]  # the command, not where the operator keeps the key
     result = await certify(
-        model, options=options, lock=lock, evidence_dir=evidence, command=argv, progress=say
+        model,
+        options=options,
+        lock=lock,
+        evidence_dir=evidence,
+        command=argv,
+        progress=say,
+        key=key,
     )
     record = result.record
     say(
