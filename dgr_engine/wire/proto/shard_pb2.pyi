@@ -61,14 +61,18 @@ OUTPUT_KIND_BOUNDARY: OutputKind
 OUTPUT_KIND_LOGITS: OutputKind
 
 class UsageRequest(_message.Message):
-    __slots__ = ("session_id", "session_secret", "grant")
+    __slots__ = ("session_id", "session_secret", "grant", "held", "epoch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     session_secret: bytes
     grant: bytes
-    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., grant: _Optional[bytes] = ...) -> None: ...
+    held: bool
+    epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., grant: _Optional[bytes] = ..., held: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class UsageRecord(_message.Message):
     __slots__ = ("session_id", "epoch", "layer_begin", "layer_end", "forwards", "rows_prefill", "rows_decode", "rows_replay", "bytes_in", "bytes_out", "engine_seconds")
