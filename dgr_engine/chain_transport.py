@@ -18,6 +18,10 @@ differs from the ring's fails the epoch with a protocol error).
 At the first forward of an epoch the transport links the route (``Chain.Link`` on every stage
 but the last: the next stage's endpoint, expectations and session secret) and opens the output
 stream; both are per ``(session, epoch)`` and torn down with the epoch's first close.
+
+A failure of the client's own making (a session id that cannot be metadata, a call gRPC fails
+in this process) is raised as the client's (``InvalidIdentifier``, ``ClientCallError``: fault
+kind ``client``), never filed against a stage of the chain.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import attrs
 import grpc
 import numpy as np
 
-from dgr_engine.client import session_metadata
+from dgr_engine.client import client_call_error, session_metadata
 from dgr_engine.errors import (
     EngineError,
     FrameRejected,
@@ -43,7 +47,9 @@ from dgr_engine.stage_transport import GrpcStageTransport, expectations_for
 from dgr_engine.wire.frames import encode_forward, expectations_to_proto, output_from_reply
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.status import CHAIN_HOP_KEY, error_from_trailers
+from dgr_session.errors import DgrError
 from dgr_session.faults import FaultKind
+from dgr_session.identifiers import check_session_id
 from dgr_session.route import StageSpec
 from dgr_session.transport import Boundary, Logits, StageResult
 from dgr_session.usage import StageCost
@@ -262,13 +268,22 @@ class _Chain:
                     error = _error_of(result)
                 elif isinstance(result, TimeoutError):
                     error = ShardDeadlineExceeded(f"no answer within {t.timeout} s")
-                elif isinstance(result, Exception):
+                elif isinstance(result, DgrError):
                     error = result
+                elif isinstance(result, Exception):  # gRPC failed the call here: not sent
+                    error = client_call_error(result)
                 else:
                     raise result
                 self.fail(k, error)
                 return
-        self.input = t.client(route[0].endpoint).chain.ChainStream(metadata=self.metadata())
+        try:
+            self.input = t.client(route[0].endpoint).chain.ChainStream(metadata=self.metadata())
+        except DgrError as exc:
+            self.fail(0, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - gRPC failed the call here: not sent
+            self.fail(0, client_call_error(exc))
+            return
         loop = asyncio.get_running_loop()
         self.tasks += [
             loop.create_task(self._read_outputs()),
@@ -358,6 +373,8 @@ class _Chain:
                     await asyncio.shield(ticket.done)
             except TimeoutError:
                 self.fail(0, ShardUnavailable(f"the chain's first stage is gone: {exc!r}"))
+        except Exception as exc:  # noqa: BLE001 - gRPC failed the write here: not sent
+            self.fail(0, client_call_error(exc))
 
     async def aclose(self) -> None:
         for task in self.tasks:
@@ -448,6 +465,7 @@ class ChainStageTransport(GrpcStageTransport):
         want_logits: bool = True,
         kind: str = "decode",
     ) -> StageResult:
+        check_session_id(session_id)
         chain = self._chains.get((session_id, epoch))
         if isinstance(boundary, ChainTicket) and chain is not None:
             return self._answer(chain, stage, boundary)

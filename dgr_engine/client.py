@@ -4,7 +4,10 @@ Every failed call raises the typed exception the worker's engine raised (``Stale
 ``UnknownSession``, ``CapacityExceeded``, ...), read back from the ``dgr-status`` trailing
 metadata, or one of the client's own errors of ``dgr_engine.errors`` (``ShardUnavailable`` is
 a ``dgr_session.errors.StageDead``, ``ShardDeadlineExceeded`` a ``TimeoutError``). Each call has
-a deadline (``timeout``, per call or the client's default).
+a deadline (``timeout``, per call or the client's default). A session id that breaks
+``dgr_session.identifiers``' rule is refused with ``InvalidIdentifier`` before any call, and a
+call gRPC fails in this process (nothing sent) raises ``ClientCallError``: both are the
+client's faults (``client``), never the worker's.
 
 ::
 
@@ -29,6 +32,7 @@ import numpy.typing as npt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dgr_engine.errors import (
+    ClientCallError,
     EngineError,
     FrameRejected,
     ShardDeadlineExceeded,
@@ -48,6 +52,8 @@ from dgr_engine.wire.frames import (
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import error_from_trailers
+from dgr_session.errors import DgrError
+from dgr_session.identifiers import check_session_id
 from dgr_session.usage import UsageRecord
 
 __all__ = [
@@ -56,7 +62,9 @@ __all__ = [
     "ForwardResult",
     "ShardClient",
     "WorkerTimings",
+    "client_call_error",
     "expectations_of",
+    "session_metadata",
 ]
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
@@ -183,6 +191,7 @@ class ShardClient:
 
     async def usage(self, session_id: str, *, timeout: float | None = None) -> list[UsageRecord]:
         """The worker's own usage records of ``session_id``, per epoch (none if it has none)."""
+        check_session_id(session_id)
         reply = await self._call(self._stub.Usage, pb.UsageRequest(session_id=session_id), timeout)
         return [
             UsageRecord(
@@ -215,6 +224,7 @@ class ShardClient:
         """Opens ``(session_id, epoch)``; a newer epoch discards the older one's state.
         ``grant``: the tracker's route grant, for a worker that needs one; the session secret
         it answers with goes with this epoch's frames and close."""
+        check_session_id(session_id)
         request = pb.OpenSessionRequest(
             session_id=session_id, epoch=epoch, expect=expectations_to_proto(expect), grant=grant
         )
@@ -227,6 +237,7 @@ class ShardClient:
 
     async def close(self, session_id: str, epoch: int, *, timeout: float | None = None) -> None:
         """Closes ``(session_id, epoch)`` and frees its state on the worker."""
+        check_session_id(session_id)
         stream = self._streams.pop(session_id, None)
         if stream is not None:
             await stream.finish()
@@ -261,6 +272,7 @@ class ShardClient:
         (``prefill``, ``decode``, ``replay``) labels the rows in the worker's metrics and
         usage."""
         began = time.perf_counter_ns()
+        check_session_id(session_id)
         timeout = timeout if timeout is not None else self.timeout
         request = encode_forward(
             session_id,
@@ -322,6 +334,10 @@ class ShardClient:
             )
         except grpc.aio.AioRpcError as exc:
             raise _error_of(exc) from exc
+        except DgrError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - gRPC failed it here: nothing was sent
+            raise client_call_error(exc) from exc
 
     async def _stream_call(
         self, session_id: str, request: pb.ForwardRequest, timeout: float | None
@@ -329,7 +345,12 @@ class ShardClient:
         """The reply and the time (ns) inside gRPC, over the session's stream."""
         stream = self._streams.get(session_id)
         if stream is None or stream.done():
-            stream = _SessionStream(self._stub.ForwardStream(metadata=session_metadata(request)))
+            metadata = session_metadata(request)
+            try:
+                call = self._stub.ForwardStream(metadata=metadata)
+            except Exception as exc:  # noqa: BLE001 - gRPC failed it here: nothing was sent
+                raise client_call_error(exc) from exc
+            stream = _SessionStream(call)
             self._streams[session_id] = stream
         try:
             return await stream.exchange(request, timeout)
@@ -352,13 +373,24 @@ class ShardClient:
 def session_metadata(request: Any) -> tuple[tuple[str, str], ...]:
     """The session, epoch and step of a request as gRPC metadata (``dgr-session``,
     ``dgr-epoch``, ``dgr-step``), for proxies, interceptors and logs that see no payload; a
-    stream carries those of its first frame."""
+    stream carries those of its first frame. A session id that cannot be metadata (it breaks
+    ``dgr_session.identifiers``' rule) raises ``InvalidIdentifier``: gRPC would fail the call
+    in this process, and a stream's failure would read like a lost connection."""
     out: tuple[tuple[str, str], ...] = ()
     for key, field in (("dgr-session", "session_id"), ("dgr-epoch", "epoch"), ("dgr-step", "step")):
         value = getattr(request, field, None)
         if value is not None and value != "":
+            if key == "dgr-session":
+                check_session_id(value)
             out += ((key, str(value)),)
     return out
+
+
+def client_call_error(exc: BaseException) -> ClientCallError:
+    """``exc``, an error gRPC (or protobuf) raised in this process for a call it never sent
+    (``ExecuteBatchError`` on invalid metadata, ``UsageError`` on a closed channel, a message
+    that does not serialise), as the client's own typed fault."""
+    return ClientCallError(f"the call failed in this client, nothing was sent: {exc!r}")
 
 
 def _error_of(exc: grpc.aio.AioRpcError) -> EngineError:
@@ -415,11 +447,16 @@ class _SessionStream:
             error = _error_of(exc)
             if exc.code() == grpc.StatusCode.INTERNAL and error.status == "GRPC_INTERNAL":
                 # gRPC reports a send on a stream whose connection died as INTERNAL, with no
-                # dgr-status (a worker's own refusals always carry one)
+                # dgr-status (a worker's own refusals always carry one); a stream it refused
+                # for its metadata does too, but session_metadata refuses those beforehand
                 raise ShardUnavailable(f"the stream broke: {exc.debug_error_string()}") from exc
             raise error from exc
         except asyncio.InvalidStateError:
             reply = grpc.aio.EOF
+        except DgrError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - gRPC failed it here: nothing was sent
+            raise client_call_error(exc) from exc
         if reply is grpc.aio.EOF:
             code = await self.call.code()
             if code == grpc.StatusCode.OK:

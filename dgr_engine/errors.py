@@ -220,6 +220,16 @@ class GrantDenied(EngineError, PermissionError):
     fault_kind = FaultKind.PROTOCOL
 
 
+class ClientCallError(EngineError):
+    """A call failed in this client before anything reached the worker: gRPC refused to start
+    it (invalid metadata, a message that cannot be serialised) or the client's own channel is
+    closed. The worker saw nothing and changed nothing; it is not to blame (fault kind
+    ``client``): a route session ends with ``ClientFailure`` and no worker is excluded."""
+
+    status = "DGR_E_CLIENT"
+    fault_kind = FaultKind.CLIENT
+
+
 class ShardRpcError(EngineError):
     """A gRPC failure without a dgr reason (``status`` is ``GRPC_<CODE>``), or a reply out of
     protocol (``DGR_E_PROTOCOL``). Treat the stage as faulty."""

@@ -32,6 +32,7 @@ from dgr_engine.processes import WorkerProcess
 from dgr_engine.tls import ClientTls
 from dgr_engine.wire.advert import Advert
 from dgr_session.faults import FailureReport, FaultKind
+from dgr_session.identifiers import log_field
 from dgr_session.route import Route, StageSpec
 
 __all__ = ["EndpointRouteProvider", "LoopbackRouteProvider", "PooledWorker", "describe"]
@@ -39,7 +40,8 @@ __all__ = ["EndpointRouteProvider", "LoopbackRouteProvider", "PooledWorker", "de
 _BLAMED = frozenset(
     {FaultKind.DEAD, FaultKind.DEADLINE, FaultKind.ENGINE_ERROR, FaultKind.PROTOCOL}
 )
-"""Faults that disqualify the worker named by the report."""
+"""Faults that disqualify the worker named by the report (never ``busy``, ``state_lost`` or
+``client``: load, a cache miss, and a failure of the client's own making blame nobody)."""
 
 
 async def describe(endpoint: str, *, timeout: float = 10.0, tls: ClientTls | None = None) -> Advert:
@@ -233,7 +235,7 @@ class LoopbackRouteProvider:
         worker = self.worker(endpoint)
         if worker.excluded is None:
             worker.excluded = why
-            self._log.info("excluded {} {}: {}", worker.layers, endpoint, why)
+            self._log.info("excluded {} {}: {}", worker.layers, endpoint, log_field(why))
 
     async def aclose(self) -> None:
         """Stops every worker started (SIGTERM, bounded wait, then SIGKILL). Idempotent."""

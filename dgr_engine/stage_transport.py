@@ -4,7 +4,9 @@
 :class:`~dgr_engine.client.ShardClient` per endpoint, shared by every session; forwards use a
 per-session stream, every call has a deadline, and per-endpoint counters (:meth:`stats`) give
 timings and seam bytes. Failures are raised as the client raised them, each declaring its fault
-kind (``docs/wire.md``).
+kind (``docs/wire.md``). A session id that breaks ``dgr_session.identifiers``' rule is refused
+with ``InvalidIdentifier`` before anything is sent, and a call that failed in the client
+(``ClientCallError``) is not counted against the stage: both are filed as ``client`` faults.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from dgr_engine.tls import ClientTls
 from dgr_engine.wire.advert import Advert
 from dgr_engine.wire.frames import SCHEMA_VERSION, Expectations
 from dgr_session.errors import StageDead
+from dgr_session.faults import FaultKind
+from dgr_session.identifiers import check_session_id, log_field
 from dgr_session.route import StageSpec
 from dgr_session.transport import Boundary, Logits, StageResult
 from dgr_session.usage import StageCost
@@ -110,7 +114,8 @@ class StageStats:
     queue_us: int
     """Sum of time frames waited for the worker's engine."""
     failures: int
-    """Calls (open, forward, close) that raised."""
+    """Calls (open, forward, close) that raised (a failure of the client's own making, fault
+    kind ``client``, is not the stage's and is not counted)."""
 
     @property
     def overhead_us(self) -> int:
@@ -247,6 +252,7 @@ class GrpcStageTransport:
     # -- StageTransport ------------------------------------------------------------------------
 
     async def open(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+        check_session_id(session_id)  # before anything is recorded or sent
         log = _log(stage, session_id, epoch)
         key = (stage.endpoint, session_id)
         # recorded before any await: a close issued from now on knows the stage may hold it
@@ -286,6 +292,7 @@ class GrpcStageTransport:
         want_logits: bool = True,
         kind: str = "decode",
     ) -> StageResult:
+        check_session_id(session_id)
         n = len(positions)
         try:
             advert = self._adverts.get(stage.endpoint) or await self.advert(stage.endpoint)
@@ -314,6 +321,7 @@ class GrpcStageTransport:
         return Logits.last_row(result.output, cost)
 
     async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+        check_session_id(session_id)
         key = (stage.endpoint, session_id)
         if key not in self._sent_open:
             return  # never asked to open it: the stage holds nothing of this session
@@ -383,7 +391,9 @@ class GrpcStageTransport:
             except Exception as exc:  # noqa: BLE001 - keep trying within the limit
                 if loop.time() + delay >= give_up:
                     log.warning(
-                        "close still failing after {} attempts; giving up: {}", attempt, exc
+                        "close still failing after {} attempts; giving up: {}",
+                        attempt,
+                        log_field(str(exc)),
                     )
                     return
                 delay = min(delay * 2, 4.0)
@@ -455,7 +465,8 @@ class GrpcStageTransport:
         """Re-raises ``exc`` as it is (each error declares its fault kind; see the module's
         table), its message prefixed with the endpoint and the call; counts and logs it. Call
         from the ``except`` block that caught ``exc``."""
-        self._counter(stage).failures += 1
+        if getattr(exc, "fault_kind", None) is not FaultKind.CLIENT:
+            self._counter(stage).failures += 1  # the client's own failure is not the stage's
         endpoint = stage.endpoint
         if isinstance(exc, StageDead | ExpectationMismatch | FrameRejected):
             # gone, or not what we knew: ask it again next time
@@ -464,7 +475,9 @@ class GrpcStageTransport:
             exc.session_id = session_id if exc.session_id is None else exc.session_id
             exc.epoch = epoch if exc.epoch is None else exc.epoch
         exc.args = (f"{endpoint}: {what}: {exc}", *exc.args[1:])
-        _log(stage, session_id, epoch).debug("{} failed: {}: {}", what, type(exc).__name__, exc)
+        _log(stage, session_id, epoch).debug(
+            "{} failed: {}: {}", what, type(exc).__name__, log_field(str(exc))
+        )
         raise exc
 
 

@@ -30,6 +30,7 @@ from dgr_session.core import RouteSession
 from dgr_session.errors import (
     AdmissionTimeout,
     BoundaryMismatch,
+    ClientFailure,
     DarkLane,
     DgrError,
     FailureBudgetExhausted,
@@ -59,6 +60,7 @@ from dgr_session.events import (
     Start,
 )
 from dgr_session.faults import FailureReport, FaultKind
+from dgr_session.identifiers import InvalidIdentifier, check_session_id
 from dgr_session.identity import (
     CertificationStatus,
     EvidenceClass,
@@ -99,6 +101,7 @@ __all__ = [
     "BoundaryMismatch",
     "Cancel",
     "CertificationStatus",
+    "ClientFailure",
     "ClockTick",
     "CloseStage",
     "Command",
@@ -115,6 +118,7 @@ __all__ = [
     "FinishReason",
     "Forward",
     "InsufficientEvidence",
+    "InvalidIdentifier",
     "InvalidTransition",
     "Lane",
     "Logits",
@@ -153,6 +157,7 @@ __all__ = [
     "StaleEpoch",
     "Start",
     "StepDeadlineExceeded",
+    "check_session_id",
     "fault_kind",
     "greedy",
     "shared_machine",

@@ -25,6 +25,7 @@ from dgr_session.commands import (
 )
 from dgr_session.errors import (
     AdmissionTimeout,
+    ClientFailure,
     DgrError,
     FailureBudgetExhausted,
     InvalidTransition,
@@ -46,7 +47,7 @@ from dgr_session.events import (
     StageOutput,
     Start,
 )
-from dgr_session.faults import FailureReport, FaultKind
+from dgr_session.faults import FailureReport, FaultKind, last_stage_fault
 from dgr_session.identity import EvidenceClass, ModelIdentity, Recipe
 from dgr_session.machine import (
     HOLDING_STATES,
@@ -512,6 +513,9 @@ class RouteSession:
         if event.kind is FaultKind.BUSY and self._state == _S.OPENING.value:
             self._busy(event.stage_index, event.detail, event.retry_after, out)
             return
+        if event.kind is FaultKind.CLIENT:
+            self._client_failed(event.stage_index, event.detail, out)
+            return
         self._fault(event.stage_index, event.kind, event.detail, out)
 
     def _on_cancel(self, event: Cancel, out: list[Command]) -> None:
@@ -741,10 +745,17 @@ class RouteSession:
             return
         where = f"stage {stage_index} ({endpoint})" if stage_index is not None else "route request"
         error_type = FailureBudgetExhausted if holding else NoRouteAvailable
+        lost = last_stage_fault(self._reports) if not holding else None
+        since = ""
+        if lost is not None and lost is not report:  # the stage whose loss left no route
+            since = (
+                f"; the route was lost at stage {lost.stage_index} ({lost.endpoint}), epoch"
+                f" {lost.epoch}: {lost.fault.value} ({lost.detail})"
+            )
         error = self._failure(
             error_type,
             f"session {self.session_id!r}: {where} failed with {kind.value} ({detail});"
-            f" budget spent: {spent} {len(self._accepted)}",
+            f" budget spent: {spent} {len(self._accepted)}{since}",
             stage_index=stage_index,
             endpoint=endpoint,
             fault=kind,
@@ -779,6 +790,27 @@ class RouteSession:
         )
         self._reports.append(report)
         return report
+
+    def _client_failed(self, stage_index: int, detail: str, out: list[Command]) -> None:
+        """A call for stage ``stage_index`` failed in the client itself: no stage is to blame
+        and any route would fail the same way. Close the epoch and end the session, filing a
+        report that names no stage (so no provider ever excludes a worker for it)."""
+        assert self._route is not None  # a live epoch
+        endpoint = self._route.stages[stage_index].endpoint
+        what = f"a call for stage {stage_index} ({endpoint}) failed in this client: {detail}"
+        self._report(None, None, FaultKind.CLIENT, what, self._faults_at_step + 1)
+        self._close_epoch(out)
+        self._wait_deadline = None
+        error = self._failure(
+            ClientFailure,
+            f"session {self.session_id!r}: {what}; no stage is blamed",
+            stage_index=None,
+            endpoint=None,
+            fault=FaultKind.CLIENT,
+            attempts=self._faults_at_step + 1,
+        )
+        self._fire("exhausted", stage_index)
+        self._end(FinishReason.FAILED, error, out)
 
     def _busy(
         self, stage_index: int, detail: str, retry_after: float | None, out: list[Command]
@@ -844,7 +876,10 @@ class RouteSession:
         stage_index: int | None,
         endpoint: str | None,
         fault: FaultKind | None,
+        attempts: int | None = None,
     ) -> SessionFailed:
+        if attempts is None:
+            attempts = self._faults_at_step if fault is not None else self._faults_at_step + 1
         return error_type(
             message,
             session_id=self.session_id,
@@ -853,7 +888,7 @@ class RouteSession:
             stage_index=stage_index,
             endpoint=endpoint,
             fault=fault,
-            attempts=self._faults_at_step if fault is not None else self._faults_at_step + 1,
+            attempts=attempts,
             route_changes=self._route_changes,
             reports=self._reports,
         )

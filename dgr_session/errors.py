@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, ClassVar
 
-from dgr_session.faults import FaultKind
+from dgr_session.faults import FaultKind, last_stage_fault
 
 if TYPE_CHECKING:
     from dgr_session.faults import FailureReport
@@ -218,7 +218,26 @@ class FailureBudgetExhausted(SessionFailed):
 
 class NoRouteAvailable(FailureBudgetExhausted):
     """The route provider had no usable route (none, refused, or too late) and the budget for
-    asking again is spent. The session ends."""
+    asking again is spent. The session ends.
+
+    Its ``fault`` is the last request's (``no_route``); :attr:`lost` is the stage fault that
+    cost the session its route (which stage and endpoint, what fault), and the message names it
+    too, so the dead stage is named even when no spare was left to replace it."""
+
+    @property
+    def lost(self) -> FailureReport | None:
+        """The newest report naming a stage's fault (``None``: no stage ever failed, the
+        provider never had a route)."""
+        return last_stage_fault(self.reports)
+
+
+class ClientFailure(SessionFailed):
+    """A call of the session failed in this client before anything reached a stage: an
+    invalid argument the client built (a session id that cannot be gRPC metadata), a local
+    gRPC error, the client's own channel closed. Any route would fail the same way and no stage
+    is to blame: no report reaches the route provider, no worker is excluded, ``stage_index``
+    and ``endpoint`` are ``None`` (the message says which call it was) and ``fault`` is
+    ``client``. The session ends."""
 
 
 class AdmissionTimeout(SessionFailed):

@@ -7,6 +7,7 @@ fault, timings); what to do about it (routing policy) stays the tracker's.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 
 import attrs
 
@@ -29,6 +30,11 @@ class FaultKind(enum.StrEnum):
     #: fault. The session waits and asks again within its admission budget; nobody is blamed
     #: and the failure budget is untouched.
     BUSY = "busy"
+    #: A call failed in this client before anything reached the stage (an invalid argument it
+    #: built, such as a session id that cannot be gRPC metadata; a local gRPC error; its own
+    #: channel closed): the client's fault, never the stage's. The session ends at once
+    #: (``ClientFailure``), no provider hears of it and no worker is excluded.
+    CLIENT = "client"
     #: The provider assigned a route that failed validation.
     ROUTE_INVALID = "route_invalid"
     #: The provider had no route.
@@ -63,3 +69,13 @@ class FailureReport:
     """Seconds the failed operation had been outstanding."""
     hop_seconds: tuple[float | None, ...] = ()
     """Last observed latency per stage of the epoch (``None``: no reply seen yet)."""
+
+
+def last_stage_fault(reports: Sequence[FailureReport]) -> FailureReport | None:
+    """The newest of ``reports`` that names a stage's fault (which stage, which endpoint, what
+    went wrong): what cost a session its route. ``busy`` answers are load, not faults, and are
+    skipped; ``None`` when no stage failed."""
+    for report in reversed(reports):
+        if report.stage_index is not None and report.fault is not FaultKind.BUSY:
+            return report
+    return None

@@ -14,8 +14,10 @@ peer sent can never forge a line of its own.
 from __future__ import annotations
 
 import re
+from typing import ClassVar
 
 from dgr_session.errors import DgrError
+from dgr_session.faults import FaultKind
 
 SESSION_ID_MAX_LENGTH = 128
 """The longest session id accepted (a UUID's hex is 32)."""
@@ -30,9 +32,12 @@ _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 class InvalidIdentifier(DgrError, ValueError):
     """An identifier breaks :mod:`dgr_session.identifiers`' rule (names ``what`` and ``why``).
 
-    Raised before anything is sent or opened: nothing changed anywhere, no stage is blamed. A
-    session started with such an id never starts; one that exists lives on.
+    Raised before anything is sent or opened: nothing changed anywhere, no stage is blamed (its
+    fault kind is ``client``). A session started with such an id never starts
+    (``SessionManager.start`` raises it); one that exists lives on.
     """
+
+    fault_kind: ClassVar[FaultKind] = FaultKind.CLIENT
 
     def __init__(self, what: str, why: str) -> None:
         super().__init__(f"invalid {what}: {why}")

@@ -40,6 +40,7 @@ from dgr_session.events import (
     Start,
 )
 from dgr_session.faults import FailureReport, FaultKind
+from dgr_session.identifiers import check_session_id
 from dgr_session.identity import EvidenceClass, ModelIdentity, Recipe
 from dgr_session.machine import SessionMachine, SessionState
 from dgr_session.policy import FailurePolicy
@@ -62,7 +63,9 @@ def fault_kind(error: BaseException) -> FaultKind:
     (:class:`~dgr_session.errors.StaleEpoch`: ``protocol``,
     :class:`~dgr_session.errors.StageDead`: ``dead``, each engine error its own), and so may any
     exception. A foreign one without it: timeouts are ``deadline``, connection and OS errors
-    ``dead``, anything else ``engine_error``.
+    ``dead``, anything else ``engine_error``. A failure of the client's own making declares
+    ``client`` (:class:`~dgr_session.identifiers.InvalidIdentifier`,
+    ``dgr_engine.errors.ClientCallError``): the session ends without blaming any stage.
     """
     kind = getattr(error, "fault_kind", None)
     if isinstance(kind, FaultKind):
@@ -254,6 +257,10 @@ class SessionManager:
 
         ``session_id`` must never be reused while workers may still hold (or be closing) an
         earlier session of that id: stages key their state by it. The default is a fresh UUID.
+        One that breaks :mod:`dgr_session.identifiers`' rule (1 to 128 characters of
+        ``A-Z a-z 0-9 . _ : -``: it travels as gRPC metadata and into every stage's log) is
+        refused here with :class:`~dgr_session.identifiers.InvalidIdentifier`, before anything
+        is asked of the provider or sent to a stage.
 
         ``identity``/``recipe`` pin what every route must serve (else the first route pins
         them). ``on_token`` is called with each accepted token; it must not raise.
@@ -263,7 +270,7 @@ class SessionManager:
         A transport with a ``session_starting(session_id, max_new_tokens, stop_tokens)``
         method is told first (a ring, ``dgr_engine.chain_transport``, runs ahead within them).
         """
-        sid = session_id if session_id is not None else uuid.uuid4().hex
+        sid = check_session_id(session_id) if session_id is not None else uuid.uuid4().hex
         if sid in self._live:
             raise ValueError(f"session {sid!r} is already running")
         stop_tokens = tuple(stop_tokens)
