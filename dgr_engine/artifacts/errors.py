@@ -42,3 +42,10 @@ class SourceUnavailable(ArtifactError):
 
 class ArtifactsBusy(ArtifactError):
     """Another fetch or verify holds this storage root."""
+
+
+class ArtifactUnsafe(ArtifactError):
+    """A name in the storage root (a part file, a final file, the state, the lock,
+    ``.quarantine``) is a symlink, not a regular file, or a file with other hard links. Nothing
+    was read or written through it and the file it points to is untouched; the run stops (a
+    worker does not start), and a run after the entry is removed proceeds as usual."""

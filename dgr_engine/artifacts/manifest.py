@@ -6,7 +6,11 @@ fixed-size chunk (so verification can run, and resume, chunk by chunk) and which
 hence which layers, it holds. The manifest's hash is the SHA-256 of its canonical JSON (sorted
 keys, no insignificant whitespace); for a split model it is the model identity's content hash.
 
-Refusals are :class:`ManifestInvalid`, one line naming the file and the field.
+Refusals are :class:`ManifestInvalid`, one line naming the file and the field. A
+:class:`FileEntry` or :class:`Manifest` that breaks a rule cannot be made at all (the checks run
+when one is constructed, parsed or not), so nothing downstream ever acts on a manifest that
+disagrees with itself: a negative or zero size, a chunk size above :data:`MAX_CHUNK_BYTES`, a
+chunk list that does not fit the size, a name that is not a plain file name.
 """
 
 from __future__ import annotations
@@ -27,6 +31,10 @@ from dgr_session.errors import DgrError
 MANIFEST_SCHEMA: Final = "dgr.manifest/1"
 CHUNK_BYTES: Final = 16 << 20
 """Chunk size of the per-chunk hashes (16 MiB)."""
+MAX_CHUNK_BYTES: Final = 256 << 20
+"""The largest chunk a manifest may ask for (256 MiB): verifying reads one chunk at a time, so
+this bounds the memory a manifest can make fetch or verify take."""
+_PART_SUFFIX: Final = ".part"
 _LAYER = re.compile(r"^blk\.(\d+)\.")
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]{0,254}$")
 _INPUT_PREFIXES: Final = (
@@ -41,11 +49,15 @@ _OUTPUT_PREFIXES: Final = ("output.", "output_norm.", "output_hc_", "cls.", "cls
 class ManifestInvalid(DgrError, ValueError):
     """A manifest that does not parse, has another schema, or disagrees with itself."""
 
-    def __init__(self, message: str, *, path: Path | str | None = None, field: str = "") -> None:
+    def __init__(
+        self, message: str, *, path: Path | str | None = None, field: str = "", reason: str = ""
+    ) -> None:
         where = f"{path}: " if path is not None else ""
         super().__init__(f"{where}{message}")
         self.path = None if path is None else Path(path)
         self.field = field
+        self.reason = reason or message
+        """What is wrong, without the file and field."""
 
 
 def _tuple(values: Iterable[Any]) -> tuple[Any, ...]:
@@ -67,6 +79,11 @@ class FileEntry:
     types: tuple[str, ...] = attrs.field(converter=_tuple, default=())
     """Element types of those tensors (``F16``, ``Q8_0``...), sorted, each once."""
 
+    def __attrs_post_init__(self) -> None:
+        if problem := entry_problem(self):
+            field, why = problem
+            raise ManifestInvalid(f"{self.name!r}: {field}: {why}", field=field, reason=why)
+
     @property
     def layers(self) -> tuple[int, ...]:
         """Main layers (``blk.N.``) with a tensor in this file, sorted."""
@@ -77,6 +94,34 @@ class FileEntry:
     def shared(self) -> bool:
         """Holds tensors outside every layer (embedding, output head, norms)."""
         return any(_LAYER.match(t) is None for t in self.tensors)
+
+
+def entry_problem(entry: FileEntry) -> tuple[str, str] | None:
+    """What is wrong with ``entry`` as ``(field, why)``, or ``None``."""
+    if not isinstance(entry.name, str) or not _SAFE_NAME.match(entry.name):
+        return "name", f"{entry.name!r} is not a plain file name"
+    if entry.name.endswith(_PART_SUFFIX):
+        return "name", f"{entry.name!r} ends in {_PART_SUFFIX} (the name of a partial fetch)"
+    for field in ("size", "chunk_bytes"):
+        value = getattr(entry, field)
+        if not isinstance(value, int) or isinstance(value, bool):
+            return field, f"wrong type {value!r}"
+    if entry.size <= 0:
+        return "size", f"{entry.size} bytes: a GGUF file is never empty nor negative"
+    if not 0 < entry.chunk_bytes <= MAX_CHUNK_BYTES:
+        return "chunk_bytes", f"{entry.chunk_bytes}: chunks are 1 byte to {MAX_CHUNK_BYTES} bytes"
+    for field in ("chunks", "tensors", "types"):
+        if not all(isinstance(v, str) for v in getattr(entry, field)):
+            return field, "not a list of strings"
+    if not isinstance(entry.sha256, str):
+        return "sha256", f"wrong type {entry.sha256!r}"
+    needed = -(-entry.size // entry.chunk_bytes)
+    if len(entry.chunks) != needed:
+        return "chunks", (
+            f"{len(entry.chunks)} chunk hashes for {entry.size} bytes in chunks of "
+            f"{entry.chunk_bytes}"
+        )
+    return None
 
 
 def tensor_role(name: str) -> str:
@@ -97,6 +142,15 @@ class Manifest:
     n_layer: int
     official_target_sha: str | None
     files: tuple[FileEntry, ...] = attrs.field(converter=_tuple)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.files:
+            raise ManifestInvalid("files: empty", field="files")
+        names = [f.name for f in self.files]
+        if len(set(names)) != len(names):
+            raise ManifestInvalid("files: a file name appears twice", field="files")
+        if isinstance(self.n_layer, bool) or not isinstance(self.n_layer, int) or self.n_layer < 0:
+            raise ManifestInvalid(f"model.n_layer: {self.n_layer!r}", field="model.n_layer")
 
     def canonical(self) -> dict[str, Any]:
         """The JSON-ready canonical form (what the hash is taken of)."""
@@ -270,27 +324,25 @@ def parse_manifest(text: str | bytes, *, path: Path | None = None) -> Manifest:
             where = f"files[{index}]"
             if not isinstance(entry, dict):
                 raise ManifestInvalid(f"{where}: not an object", field=where)
-            item = FileEntry(
-                name=_need(entry, "name", str, where),
-                size=_need(entry, "size", int, where),
-                sha256=_need(entry, "sha256", str, where),
-                chunk_bytes=_need(entry, "chunk_bytes", int, where),
-                chunks=_need(entry, "chunks", list, where),
-                tensors=_need(entry, "tensors", list, where),
-                types=_need(entry, "types", list, where),
-            )
-            if not _SAFE_NAME.match(item.name) or any(f.name == item.name for f in files):
+            name = _need(entry, "name", str, where)
+            if not _SAFE_NAME.match(name) or any(f.name == name for f in files):
                 raise ManifestInvalid(
-                    f"{where}.name: {item.name!r} is not a plain, unique file name",
+                    f"{where}.name: {name!r} is not a plain, unique file name",
                     field=f"{where}.name",
                 )
-            chunks_needed = -(-item.size // item.chunk_bytes) if item.chunk_bytes > 0 else -1
-            if item.chunk_bytes <= 0 or len(item.chunks) != chunks_needed:
-                raise ManifestInvalid(
-                    f"{where}.chunks: {len(item.chunks)} chunk hashes for {item.size} bytes in "
-                    f"chunks of {item.chunk_bytes}",
-                    field=f"{where}.chunks",
-                )
+            fields = {
+                "size": _need(entry, "size", int, where),
+                "sha256": _need(entry, "sha256", str, where),
+                "chunk_bytes": _need(entry, "chunk_bytes", int, where),
+                "chunks": _need(entry, "chunks", list, where),
+                "tensors": _need(entry, "tensors", list, where),
+                "types": _need(entry, "types", list, where),
+            }
+            try:
+                item = FileEntry(name=name, **fields)
+            except ManifestInvalid as exc:
+                field = f"{where}.{exc.field}"
+                raise ManifestInvalid(f"{field}: {exc.reason}", field=field) from None
             if list(item.layers) != entry.get("layers"):
                 raise ManifestInvalid(
                     f"{where}.layers: {entry.get('layers')!r} disagrees with its tensors "
@@ -308,8 +360,6 @@ def parse_manifest(text: str | bytes, *, path: Path | None = None) -> Manifest:
         if path is not None and exc.path is None:
             raise ManifestInvalid(str(exc), path=path, field=exc.field) from None
         raise
-    if not manifest.files:
-        raise ManifestInvalid("files: empty", path=path, field="files")
     return manifest
 
 

@@ -9,6 +9,13 @@ chunk, so an interrupted run resumes where it stopped; a file whose size or a ch
 moved to ``.quarantine/`` (a later fetch gets it again) and never served.
 
 One fetch or verify at a time holds a root (``.dgr-artifacts.lock``); a second one is refused.
+Every name in the root is opened without following links, relative to the root's directory
+(:mod:`dgr_engine.artifacts.rootdir`): a symlinked ``NAME.part``, ``NAME``, lock or quarantine is
+refused with :class:`ArtifactUnsafe` and whatever it points to is untouched. A fetched file gets
+its final name only once every chunk is verified and its GGUF header read; nothing partial,
+empty or unreadable ever carries a final name. The manifest itself cannot be hostile in shape
+(:class:`~dgr_engine.artifacts.manifest.FileEntry` refuses it when made), so a file is only
+quarantined when its bytes disagree with a manifest that passed validation.
 """
 
 from __future__ import annotations
@@ -31,10 +38,12 @@ from dgr_engine.artifacts.errors import (
     ArtifactCorrupt,
     ArtifactMissing,
     ArtifactsBusy,
+    ArtifactUnsafe,
     SourceMismatch,
     SourceUnavailable,
 )
 from dgr_engine.artifacts.manifest import FileEntry, Manifest, ManifestInvalid, header_tensors
+from dgr_engine.artifacts.rootdir import RootDir
 from dgr_engine.artifacts.sources import Source
 from dgr_engine.artifacts.state import ArtifactState, part_key
 from dgr_engine.artifacts.storage import check_free_space
@@ -76,29 +85,33 @@ class Report:
 
 
 @contextlib.contextmanager
-def holding(root: Path) -> Iterator[None]:
-    """The root's lock for one run; :class:`ArtifactsBusy` when another run holds it."""
-    root.mkdir(parents=True, exist_ok=True)
-    with (root / LOCK_NAME).open("a") as lock:
+def holding(root: Path) -> Iterator[RootDir]:
+    """The root, open and locked for one run; :class:`ArtifactsBusy` when another run holds
+    it, :class:`ArtifactUnsafe` when the lock's name is a link."""
+    with RootDir.open(root, create=True) as directory:
+        lock = directory.open_fd(LOCK_NAME, os.O_RDWR | os.O_CREAT)
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            raise ArtifactsBusy(
-                f"storage root {root}: another fetch or verify is running"
-            ) from None
-        try:
-            yield
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise ArtifactsBusy(
+                    f"storage root {root}: another fetch or verify is running"
+                ) from None
+            try:
+                yield directory
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            os.close(lock)
 
 
-def quarantine(root: Path, path: Path) -> Path:
-    """Moves ``path`` out of the served names into ``root/.quarantine/``."""
+def quarantine(root: RootDir, name: str) -> Path:
+    """Moves the entry ``name`` out of the served names into ``root/.quarantine/``."""
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y%m%dT%H%M%S%f")
-    target = root / QUARANTINE_DIR / f"{path.name}.{stamp}"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    os.replace(path, target)
-    logger.warning("artifacts: {} quarantined to {}", path.name, target)
+    with root.subdir(QUARANTINE_DIR) as place:
+        root.move_to(name, place, f"{name}.{stamp}")
+        target = place.path / f"{name}.{stamp}"
+    logger.warning("artifacts: {} quarantined to {}", name, target)
     return target
 
 
@@ -119,8 +132,8 @@ def _chunk_span(entry: FileEntry, index: int) -> tuple[int, int]:
     return start, min(entry.chunk_bytes, entry.size - start)
 
 
-def _corrupt(root: Path, entry: FileEntry, path: Path, why: str, report: Report) -> None:
-    moved = quarantine(root, path)
+def _corrupt(root: RootDir, entry: FileEntry, why: str, report: Report) -> None:
+    moved = quarantine(root, entry.name)
     report.quarantined.append(str(moved))
     report.problems.append(
         ArtifactCorrupt(
@@ -133,7 +146,17 @@ def _corrupt(root: Path, entry: FileEntry, path: Path, why: str, report: Report)
 
 def _check_header(entry: FileEntry, path: Path, report: Report) -> None:
     """A verified file's GGUF header must name the tensors the manifest says it holds."""
-    found = header_tensors(path)
+    try:
+        found = header_tensors(path)
+    except Exception as exc:  # noqa: BLE001 - the gguf reader raises whatever its parse hits
+        report.problems.append(
+            ManifestInvalid(
+                f"{entry.name}: its bytes match the manifest but are not a readable GGUF "
+                f"({type(exc).__name__}: {exc})",
+                field="files.tensors",
+            )
+        )
+        return
     if found != entry.tensors:
         extra = sorted(set(found) - set(entry.tensors))[:3]
         lacking = sorted(set(entry.tensors) - set(found))[:3]
@@ -148,38 +171,49 @@ def _check_header(entry: FileEntry, path: Path, report: Report) -> None:
 
 
 def _verify_in_place(
-    root: Path, entry: FileEntry, state: ArtifactState, tally: _Tally, report: Report
+    root: RootDir, entry: FileEntry, state: ArtifactState, tally: _Tally, report: Report
 ) -> bool:
     """Hashes the chunks of ``root/NAME`` the state does not vouch for; quarantines the file on
-    the first disagreement. True when the whole file is verified."""
-    path = root / entry.name
-    if not path.is_file():
+    the first disagreement. True when the whole file is verified. A link or anything but a
+    regular file under the name is reported (:class:`ArtifactUnsafe`) and left alone."""
+    try:
+        with root.reading(entry.name) as (fd, found):
+            if found.st_size != entry.size:
+                why = f"{found.st_size} bytes, the manifest says {entry.size}"
+                return _disagrees(root, entry, state, why, report)
+            start = state.verified_chunks(entry.name, found, len(entry.chunks))
+            report.trusted_chunks += start
+            done = start * entry.chunk_bytes if start < len(entry.chunks) else entry.size
+            tally.add(entry.name, done)
+            with os.fdopen(os.dup(fd), "rb") as stream:
+                stream.seek(start * entry.chunk_bytes)
+                for index in range(start, len(entry.chunks)):
+                    _, length = _chunk_span(entry, index)
+                    data = stream.read(length)
+                    report.hashed_chunks += 1
+                    if hashlib.sha256(data).hexdigest() != entry.chunks[index]:
+                        why = f"chunk {index} has another sha256"
+                        return _disagrees(root, entry, state, why, report)
+                    state.record(entry.name, os.fstat(fd), index + 1)
+                    tally.add(entry.name, length)
+    except FileNotFoundError:
         report.problems.append(
-            ArtifactMissing(f"{entry.name}: missing from {root}", name=entry.name)
+            ArtifactMissing(f"{entry.name}: missing from {root.path}", name=entry.name)
         )
         return False
-    size = path.stat().st_size
-    if size != entry.size:
-        _corrupt(root, entry, path, f"{size} bytes, the manifest says {entry.size}", report)
-        state.forget(entry.name)
+    except ArtifactUnsafe as exc:
+        report.problems.append(exc)
         return False
-    start = state.verified_chunks(entry.name, path)
-    report.trusted_chunks += start
-    tally.add(entry.name, start * entry.chunk_bytes if start < len(entry.chunks) else entry.size)
-    with path.open("rb") as stream:
-        stream.seek(start * entry.chunk_bytes)
-        for index in range(start, len(entry.chunks)):
-            _, length = _chunk_span(entry, index)
-            data = stream.read(length)
-            report.hashed_chunks += 1
-            if hashlib.sha256(data).hexdigest() != entry.chunks[index]:
-                _corrupt(root, entry, path, f"chunk {index} has another sha256", report)
-                state.forget(entry.name)
-                return False
-            state.record(entry.name, path, index + 1)
-            tally.add(entry.name, length)
-    _check_header(entry, path, report)
+    _check_header(entry, root.path / entry.name, report)
     return True
+
+
+def _disagrees(
+    root: RootDir, entry: FileEntry, state: ArtifactState, why: str, report: Report
+) -> bool:
+    _corrupt(root, entry, why, report)
+    state.forget(entry.name)
+    return False
 
 
 def verify(
@@ -188,16 +222,18 @@ def verify(
     *,
     layers: tuple[int, int] | None = None,
     progress: ProgressFn | None = None,
+    resume: bool = True,
 ) -> Report:
     """Re-hashes the files a shard of ``layers`` reads (``None``: every file). A run that an
-    interruption cut short is resumed (its verified chunks are not read again); otherwise every
-    chunk is read afresh. Problems are collected in the report, one per file."""
+    interruption cut short is resumed (its verified chunks are not read again) unless
+    ``resume`` is false; otherwise every chunk is read afresh. Problems are collected in the
+    report, one per file."""
     began = time.monotonic()
     targets = manifest.files_for(layers)
     report = Report(files=tuple(e.name for e in targets))
-    with holding(root):
-        state = ArtifactState.load(root, manifest.sha256)
-        if not state.verifying:
+    with holding(root) as directory:
+        state = ArtifactState.load(directory, manifest.sha256)
+        if not (resume and state.verifying):
             state.verifying = True
             state.verified_at = ""
             for entry in targets:
@@ -205,7 +241,7 @@ def verify(
             state.save()
         tally = _Tally(sum(e.size for e in targets), progress)
         for entry in targets:
-            _verify_in_place(root, entry, state, tally, report)
+            _verify_in_place(directory, entry, state, tally, report)
         state.verifying = False
         if report.ok:
             state.mark_verified_now()
@@ -217,10 +253,12 @@ def verify(
 def trusted(manifest: Manifest, root: Path, layers: tuple[int, int] | None) -> str | None:
     """When the state vouches for every chunk of every file ``layers`` needs, unchanged on disk
     since: the time of that verification (``""`` if unknown); else ``None``."""
-    state = ArtifactState.load(root, manifest.sha256)
-    for entry in manifest.files_for(layers):
-        if state.verified_chunks(entry.name, root / entry.name) != len(entry.chunks):
-            return None
+    with RootDir.open(root) as directory:
+        state = ArtifactState.load(directory, manifest.sha256)
+        for entry in manifest.files_for(layers):
+            n = len(entry.chunks)
+            if state.verified_chunks(entry.name, directory.lstat(entry.name), n) != n:
+                return None
     return state.verified_at
 
 
@@ -242,25 +280,24 @@ class _Dropped(Exception):
 def _download(
     entry: FileEntry,
     source: Source,
-    part: Path,
+    out: int,
     state: ArtifactState,
     tally: _Tally,
     report: Report,
 ) -> None:
-    """Appends the chunks ``part`` lacks, each verified before it is written and recorded."""
+    """Appends the chunks the part file (open as ``out``) lacks, each verified before it is
+    written and recorded."""
     key = part_key(entry.name)
-    index = state.verified_chunks(key, part) if part.exists() else 0
-    with part.open("ab"):
-        pass
-    os.truncate(part, index * entry.chunk_bytes)
-    state.record(key, part, index)
+    index = state.verified_chunks(key, os.fstat(out), len(entry.chunks))
+    os.ftruncate(out, index * entry.chunk_bytes)
+    state.record(key, os.fstat(out), index)
     report.trusted_chunks += index
     tally.add(entry.name, index * entry.chunk_bytes)
     failures = mismatches = 0
     while index < len(entry.chunks):
         offset, _ = _chunk_span(entry, index)
         try:
-            with source.open(entry.name, offset) as stream, part.open("r+b") as out:
+            with source.open(entry.name, offset) as stream:
                 while index < len(entry.chunks):
                     offset, length = _chunk_span(entry, index)
                     data = _read_exactly(stream, length)
@@ -276,11 +313,11 @@ def _download(
                                 name=entry.name,
                             )
                         break  # read it once more from a fresh request
-                    out.seek(offset)
-                    out.write(data)
-                    out.flush()
-                    os.fsync(out.fileno())
-                    state.record(key, part, index + 1)
+                    view = memoryview(data)
+                    while view:
+                        view = view[os.pwrite(out, view, offset + length - len(view)) :]
+                    os.fsync(out)
+                    state.record(key, os.fstat(out), index + 1)
                     report.fetched_bytes += length
                     tally.add(entry.name, length)
                     index += 1
@@ -301,6 +338,31 @@ def _download(
             time.sleep(_BACKOFF_S[failures - 1])  # back-off before asking the source again
 
 
+def _provision(
+    entry: FileEntry,
+    source: Source,
+    root: RootDir,
+    state: ArtifactState,
+    tally: _Tally,
+    report: Report,
+) -> None:
+    """Fetches ``entry`` into ``NAME.part`` and gives it its final name once every chunk is
+    verified and its header read; on any failure the final name stays absent."""
+    part = part_key(entry.name)
+    out = root.open_fd(part, os.O_RDWR | os.O_CREAT, write=True)
+    try:
+        _download(entry, source, out, state, tally, report)
+        before = len(report.problems)
+        _check_header(entry, root.path / part, report)
+        if len(report.problems) > before:
+            return
+        root.replace(part, entry.name, written_fd=out)
+        state.files.pop(part, None)
+        state.record(entry.name, os.fstat(out), len(entry.chunks))
+    finally:
+        os.close(out)
+
+
 def fetch(
     manifest: Manifest,
     source: Source,
@@ -316,30 +378,24 @@ def fetch(
     began = time.monotonic()
     targets = manifest.files_for(layers)
     report = Report(files=tuple(e.name for e in targets))
-    with holding(root):
-        state = ArtifactState.load(root, manifest.sha256)
+    with holding(root) as directory:
+        state = ArtifactState.load(directory, manifest.sha256)
         missing = 0
         for entry in targets:
-            if not (root / entry.name).is_file():
-                part = root / part_key(entry.name)
-                done = state.verified_chunks(part_key(entry.name), part) if part.exists() else 0
+            if directory.regular(entry.name) is None:
+                key = part_key(entry.name)
+                done = state.verified_chunks(key, directory.regular(key), len(entry.chunks))
                 missing += entry.size - done * entry.chunk_bytes
         check_free_space(root, max(missing, 0))
         tally = _Tally(sum(e.size for e in targets), progress)
         for entry in targets:
-            final = root / entry.name
-            if final.is_file():
+            if directory.regular(entry.name) is not None:
                 before = len(report.problems)
-                if _verify_in_place(root, entry, state, tally, report):
+                if _verify_in_place(directory, entry, state, tally, report):
                     report.raise_first()  # its header disagreed with the manifest
                     continue
                 del report.problems[before:]  # a corrupt copy is replaced, not an error here
-            part = root / part_key(entry.name)
-            _download(entry, source, part, state, tally, report)
-            os.replace(part, final)
-            state.files.pop(part_key(entry.name), None)
-            state.record(entry.name, final, len(entry.chunks))
-            _check_header(entry, final, report)
+            _provision(entry, source, directory, state, tally, report)
             report.raise_first()
         state.mark_verified_now()  # every chunk of every file named was verified just now
         state.save()

@@ -1,10 +1,17 @@
 """What has been verified in a storage root, kept beside the files and written atomically.
 
 One JSON document per manifest (``.dgr-state-<manifest sha256[:16]>.json`` in the root) records,
-for each file, how many of its leading chunks have been verified and the size and modification
-time the file had then; a file whose size or time has changed since is not trusted at all. A
-partially fetched file lives as ``NAME.part`` and has its own record. ``verifying`` is true while
-a ``verify`` run is under way, so an interrupted run resumes instead of starting over.
+for each file, how many of its leading chunks have been verified and the file's identity then:
+size, modification time, inode and change time (``st_ctime``, which ``os.utime`` cannot restore:
+writing the file, renaming another over it, or resetting its mtime all move it). A file whose
+identity has changed since is not trusted at all. A partially fetched file lives as
+``NAME.part`` and has its own record. ``verifying`` is true while a ``verify`` run is under way,
+so an interrupted run resumes instead of starting over.
+
+The state is a progress record, not a proof: anyone who can write the root can write it too.
+It lets ``fetch`` and ``verify`` skip work; a worker hashes its files at load whatever it says
+(:mod:`dgr_engine.artifacts.content`). It is read and written without following links
+(:mod:`dgr_engine.artifacts.rootdir`).
 """
 
 from __future__ import annotations
@@ -17,15 +24,21 @@ from typing import Any, Final
 
 import attrs
 
-from dgr_engine.atomic import replacing
+from dgr_engine.artifacts.errors import ArtifactUnsafe
+from dgr_engine.artifacts.rootdir import RootDir, opened
 
-STATE_SCHEMA: Final = "dgr.artifacts-state/1"
+STATE_SCHEMA: Final = "dgr.artifacts-state/2"
 PART_SUFFIX: Final = ".part"
 
 
 def state_path(root: Path, manifest_sha256: str) -> Path:
     """Where the state of ``manifest_sha256``'s files in ``root`` lives."""
-    return root / f".dgr-state-{manifest_sha256[:16]}.json"
+    return root / state_name(manifest_sha256)
+
+
+def state_name(manifest_sha256: str) -> str:
+    """The state's file name in the root."""
+    return f".dgr-state-{manifest_sha256[:16]}.json"
 
 
 @attrs.frozen
@@ -36,19 +49,22 @@ class FileRecord:
     """Leading chunks verified."""
     size: int
     mtime_ns: int
+    ino: int
+    ctime_ns: int
 
-    def matches(self, path: Path) -> bool:
-        """The file at ``path`` is still the one recorded (same size and modification time)."""
-        try:
-            stat = path.stat()
-        except OSError:
-            return False
-        return stat.st_size == self.size and stat.st_mtime_ns == self.mtime_ns
+    def matches(self, found: os.stat_result | None) -> bool:
+        """The file whose status is ``found`` is still the one recorded."""
+        return found is not None and self == FileRecord.of(found, self.chunks)
 
     @classmethod
-    def of(cls, path: Path, chunks: int) -> FileRecord:
-        stat = path.stat()
-        return cls(chunks=chunks, size=stat.st_size, mtime_ns=stat.st_mtime_ns)
+    def of(cls, found: os.stat_result, chunks: int) -> FileRecord:
+        return cls(
+            chunks=chunks,
+            size=found.st_size,
+            mtime_ns=found.st_mtime_ns,
+            ino=found.st_ino,
+            ctime_ns=found.st_ctime_ns,
+        )
 
 
 @attrs.define
@@ -62,16 +78,21 @@ class ArtifactState:
     """A verify run started and has not finished."""
     verified_at: str = ""
     """When the last complete verification of every file named finished (UTC, ISO 8601)."""
+    directory: RootDir | None = attrs.field(default=None, eq=False, repr=False)
+    """The open root to write through (``None``: :meth:`save` opens it)."""
 
     @classmethod
-    def load(cls, root: Path, manifest_sha256: str) -> ArtifactState:
+    def load(cls, root: Path | RootDir, manifest_sha256: str) -> ArtifactState:
         """The recorded state, or an empty one when there is none or it cannot be read (an
-        unreadable state only costs re-hashing)."""
-        path = state_path(root, manifest_sha256)
-        empty = cls(path=path, manifest_sha256=manifest_sha256)
+        unreadable state, or a link in its place, only costs re-hashing)."""
+        where = root.path if isinstance(root, RootDir) else root
+        directory = root if isinstance(root, RootDir) else None
+        path = state_path(where, manifest_sha256)
+        empty = cls(path=path, manifest_sha256=manifest_sha256, directory=directory)
         try:
-            data = json.loads(path.read_text())
-        except (OSError, ValueError):
+            with opened(root) as open_root:
+                data = json.loads(open_root.read_bytes(state_name(manifest_sha256)))
+        except (OSError, ValueError, ArtifactUnsafe):
             return empty
         if (
             not isinstance(data, dict)
@@ -81,7 +102,13 @@ class ArtifactState:
             return empty
         try:
             files = {
-                str(name): FileRecord(int(r["chunks"]), int(r["size"]), int(r["mtime_ns"]))
+                str(name): FileRecord(
+                    int(r["chunks"]),
+                    int(r["size"]),
+                    int(r["mtime_ns"]),
+                    int(r["ino"]),
+                    int(r["ctime_ns"]),
+                )
                 for name, r in dict(data.get("files", {})).items()
             }
         except (KeyError, TypeError, ValueError):
@@ -92,6 +119,7 @@ class ArtifactState:
             files=files,
             verifying=bool(data.get("verifying", False)),
             verified_at=str(data.get("verified_at", "")),
+            directory=directory,
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -100,24 +128,24 @@ class ArtifactState:
             "manifest": self.manifest_sha256,
             "verifying": self.verifying,
             "verified_at": self.verified_at,
-            "files": {
-                name: {"chunks": r.chunks, "size": r.size, "mtime_ns": r.mtime_ns}
-                for name, r in sorted(self.files.items())
-            },
+            "files": {name: attrs.asdict(record) for name, record in sorted(self.files.items())},
         }
 
     def save(self) -> None:
-        with replacing(self.path) as tmp:
-            tmp.write_text(json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n")
+        text = json.dumps(self.to_json(), indent=1, sort_keys=True) + "\n"
+        with opened(self.directory or self.path.parent) as root:
+            root.write_atomic(self.path.name, text.encode())
 
-    def verified_chunks(self, key: str, path: Path) -> int:
-        """Leading chunks of ``path`` known to be verified (0 unless the record still matches
-        the file on disk)."""
+    def verified_chunks(self, key: str, found: os.stat_result | None, limit: int) -> int:
+        """Leading chunks (at most ``limit``) of the file whose status is ``found`` known to be
+        verified: 0 unless the record still matches the file on disk."""
         record = self.files.get(key)
-        return record.chunks if record is not None and record.matches(path) else 0
+        if record is None or not record.matches(found):
+            return 0
+        return min(max(record.chunks, 0), limit)
 
-    def record(self, key: str, path: Path, chunks: int) -> None:
-        self.files[key] = FileRecord.of(path, chunks)
+    def record(self, key: str, found: os.stat_result, chunks: int) -> None:
+        self.files[key] = FileRecord.of(found, chunks)
         self.save()
 
     def forget(self, key: str) -> None:
@@ -131,12 +159,3 @@ class ArtifactState:
 def part_key(name: str) -> str:
     """The state key (and file name) of a partially fetched ``name``."""
     return name + PART_SUFFIX
-
-
-def fsync_file(path: Path) -> None:
-    """Flushes ``path``'s bytes to the disk before the state may claim them."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

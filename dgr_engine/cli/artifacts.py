@@ -10,8 +10,10 @@ identity's content hash of a split model; files are given in split order, a dire
 its *.gguf files. fetch copies the files (with --layers, only those a shard of that
 range reads) into the storage root, verifying every chunk as it lands and resuming an
 interrupted run; verify re-hashes them in place, resuming an interrupted run, and
-quarantines a file whose bytes disagree. The storage root is --root or
-$DGR_STORAGE_ROOT, never under /home. Exit 0: done; 1: a file failed (one line each); 2: a
+quarantines a file whose bytes disagree with the manifest (a manifest that breaks its own rules,
+such as a negative size or a chunk above 256 MiB, is refused before anything is touched). No
+link in the root is followed (a symlinked NAME.part or NAME is refused). The storage root is
+--root or $DGR_STORAGE_ROOT, never under /home. Exit 0: done; 1: a file failed (one line each); 2: a
 refusal before any work (bad manifest, storage policy, busy root).
 """
 
@@ -22,6 +24,9 @@ import sys
 from pathlib import Path
 
 from dgr_engine.argtypes import int_in, layer_range
+
+MAX_CHUNK_MIB = 256
+"""The manifest's cap on chunk sizes (``manifest.MAX_CHUNK_BYTES``), in MiB."""
 
 
 def _storage_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,7 +58,10 @@ def configure(p: argparse.ArgumentParser) -> None:
     manifest.add_argument("--out", type=Path, default=None, help="where (default: stdout)")
     manifest.add_argument("--target-sha", default=None, help="upstream model revision")
     manifest.add_argument(
-        "--chunk-mib", type=int_in(1, 1024), default=16, help="chunk size (default 16 MiB)"
+        "--chunk-mib",
+        type=int_in(1, MAX_CHUNK_MIB),
+        default=16,
+        help=f"chunk size (default 16 MiB, at most {MAX_CHUNK_MIB})",
     )
     fetch = sub.add_parser(
         "fetch",
@@ -128,6 +136,10 @@ def _provision(args: argparse.Namespace) -> int:
     except (ManifestInvalid, ArtifactError) as exc:
         finish()
         print(f"{command}: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # the root or a file in it could not be read or written
+        finish()
+        print(f"{command}: {root}: {exc.strerror or exc}", file=sys.stderr)
         return 1
     except StorageRefused as exc:
         finish()
