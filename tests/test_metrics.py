@@ -1,9 +1,15 @@
 """Worker metrics (issue 17, part 2): real workers serve Prometheus metrics; scraped after a
 route session that lost a stage, the counters say what the route did: prefill, decode and
-replay frames and rows, seam bytes, refusals, open sessions, the build and lane."""
+replay frames and rows, seam bytes, refusals, open sessions, the build and lane. The metrics
+bind loopback unless told otherwise, and over the worker's TLS need its CA (and, under mutual
+TLS, a client certificate of it) (issue 28)."""
 
 from __future__ import annotations
 
+import asyncio
+import http.client
+import socket
+import ssl
 import urllib.request
 from pathlib import Path
 
@@ -14,11 +20,13 @@ from route_runs import lose_last_stage_at, run_session
 from dgr_engine.client import ShardClient
 from dgr_engine.errors import ExpectationMismatch
 from dgr_engine.options import EngineOptions
+from dgr_engine.pki import Issued, authority
+from dgr_engine.processes import WorkerProcess
 from dgr_engine.route_provider import LoopbackRouteProvider, PooledWorker
+from dgr_engine.tls import ClientTls, ServerTls
 from dgr_engine.wire.frames import Expectations
+from dgr_engine.worker import ShardWorker, WorkerConfig
 from dgr_session import SessionState
-
-pytestmark = pytest.mark.usefixtures("certified_fixtures")
 
 OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=4)
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
@@ -43,11 +51,15 @@ def count(samples: Samples, name: str, **labels: str) -> float:
     return samples.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
+@pytest.mark.usefixtures("certified_fixtures")  # a route session needs certified lanes
 def test_scraped_counters_match_what_the_route_did(tiny_llama: Path) -> None:
     provider = LoopbackRouteProvider(
-        tiny_llama, [(0, 2), (2, 4)], spares=[(2, 4)], options=OPTIONS,
+        tiny_llama,
+        [(0, 2), (2, 4)],
+        spares=[(2, 4)],
+        options=OPTIONS,
         worker_args=["--metrics-port", "0"],
-    )  # fmt: skip
+    )
     samples: dict[str, Samples] = {}
 
     async def scrape_the_workers(provider: LoopbackRouteProvider) -> None:
@@ -91,3 +103,93 @@ def test_scraped_counters_match_what_the_route_did(tiny_llama: Path) -> None:
     assert count(first, "dgr_worker_engine_seconds_count") == frames
     info = [key for key in first if key[0] == "dgr_worker_info"]
     assert len(info) == 1 and dict(info[0][1])["layers"] == "0:2"
+
+
+# --- where and how the metrics are served (issue 28, item 4) ----------------------------------
+
+
+def _get(url: str, context: ssl.SSLContext | None = None) -> str:
+    with urllib.request.urlopen(url, timeout=10, context=context) as response:  # noqa: S310
+        return str(response.read().decode())
+
+
+def test_metrics_bind_loopback_unless_told_otherwise_whatever_the_workers_host(
+    tiny_llama: Path,
+) -> None:
+    # the worker serves on another loopback address (127.0.0.2): the metrics stay on 127.0.0.1
+    args = ["--metrics-port", "0"]
+    with WorkerProcess.spawn(
+        tiny_llama, (0, 4), host="127.0.0.2", options=OPTIONS, extra_args=args
+    ) as worker:
+        assert worker.address.startswith("127.0.0.2:")
+        (line,) = [s for s in worker.stdout_lines if s.startswith("METRICS ")]
+        host, port = line.split(" ", 1)[1].rsplit(":", 1)
+        assert host == "127.0.0.1"
+        assert "dgr_worker_info" in _get(f"http://127.0.0.1:{port}/metrics")
+        with pytest.raises(OSError):  # nothing listens there on the worker's own address
+            socket.create_connection(("127.0.0.2", int(port)), timeout=5).close()
+    # told otherwise: there
+    with WorkerProcess.spawn(
+        tiny_llama,
+        (0, 4),
+        host="127.0.0.1",
+        options=OPTIONS,
+        extra_args=[*args, "--metrics-host", "127.0.0.2"],
+    ) as worker:
+        (line,) = [s for s in worker.stdout_lines if s.startswith("METRICS ")]
+        host, port = line.split(" ", 1)[1].rsplit(":", 1)
+        assert host == "127.0.0.2"
+        assert "dgr_worker_info" in _get(f"http://127.0.0.2:{port}/metrics")
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", int(port)), timeout=5).close()
+
+
+def test_metrics_over_tls_need_the_workers_ca_and_under_mutual_tls_a_client_certificate(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    ours, rogue = authority(tmp_path, "dgr"), authority(tmp_path, "rogue")
+    served, client = ours.issue("worker"), ours.issue("client", client=True)
+    stranger = rogue.issue("stranger", client=True)
+    tls = ServerTls.from_files(served.cert, served.key, ours.cert)
+    config = WorkerConfig(tls=tls, metrics_port=0, metrics_tls=True)
+    worker = ShardWorker.load(tiny_llama, (0, 4), **OPTIONS.engine_kwargs(), config=config)
+
+    def context(issued: Issued | None) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=ours.cert)
+        if issued is not None:
+            ctx.load_cert_chain(issued.cert, issued.key)
+        return ctx
+
+    async def scenario() -> None:
+        await worker.start()
+        try:
+            url = f"https://{worker.metrics_address}/metrics"
+            assert worker.metrics_address.startswith("127.0.0.1:")
+            text = await asyncio.to_thread(_get, url, context(client))
+            families = {f.name for f in text_string_to_metric_families(text)}
+            assert {"dgr_worker_info", "dgr_worker_sessions_open"} <= families
+            for refused in (
+                lambda: _get(url, context(None)),  # no client certificate
+                lambda: _get(url, context(stranger)),  # one of a CA the worker does not trust
+                lambda: _get(url.replace("https:", "http:")),  # plaintext
+            ):
+                with pytest.raises((OSError, http.client.HTTPException)):
+                    await asyncio.to_thread(refused)
+            # the worker itself serves on: an honest TLS client is answered
+            async with ShardClient(
+                worker.address,
+                timeout=10.0,
+                tls=ClientTls.from_files(ours.cert, client.cert, client.key),
+            ) as shard:
+                advert = await shard.describe()
+            assert advert.security.tls and advert.security.client_certificates
+            assert advert.health.total_errors == 0
+        finally:
+            await worker.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
+def test_tls_metrics_need_the_workers_tls() -> None:
+    with pytest.raises(ValueError, match="metrics_tls needs the worker's TLS"):
+        WorkerConfig(metrics_port=0, metrics_tls=True)

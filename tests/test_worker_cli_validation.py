@@ -88,6 +88,24 @@ def test_a_split_model_root_under_home_is_refused(tmp_path: Path) -> None:
     assert "storage root /home/x/m is under /home" in line
 
 
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--metrics-tls"], "--metrics-host and --metrics-tls go with --metrics-port"),
+        (
+            ["--metrics-host", "127.0.0.1"],
+            "--metrics-host and --metrics-tls go with --metrics-port",
+        ),
+        (["--metrics-port", "0", "--metrics-tls"], "--metrics-tls needs --tls-cert and --tls-key"),
+    ],
+)
+def test_metrics_flags_that_cannot_be_served_are_one_line(
+    tiny_llama: Path, args: list[str], expected: str
+) -> None:
+    line = one_line(worker("--model", str(tiny_llama), "--layers", "0:4", *args))
+    assert line == f"dgr worker: error: {expected}"
+
+
 def test_a_context_beyond_the_training_context_is_refused_before_loading(
     tiny_llama: Path,
 ) -> None:

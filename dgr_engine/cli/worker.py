@@ -10,6 +10,10 @@ CA (mutual TLS). Without TLS the worker serves a loopback --host only, unless
 --allow-plaintext-remote says otherwise (then it logs a warning). --grant-key ID=PEM (repeat
 for rotation) makes every open need the tracker's route grant for exactly that session, epoch and
 stage; later frames and the close carry the session secret the open returned.
+
+--metrics-port serves Prometheus metrics on --metrics-host (default 127.0.0.1, whatever --host
+is); --metrics-tls serves them over HTTPS with the worker's certificate (and, with --client-ca,
+requires a client certificate of that CA).
 """
 
 from __future__ import annotations
@@ -172,8 +176,20 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--metrics-port",
         type=int_in(0, 65535),
         default=None,
-        help="serve Prometheus metrics on --host:PORT (0: a free port); printed as "
+        help="serve Prometheus metrics on --metrics-host:PORT (0: a free port); printed as "
         "'METRICS HOST:PORT' before LISTENING",
+    )
+    p.add_argument(
+        "--metrics-host",
+        default=None,
+        help="with --metrics-port: the address the metrics bind (default 127.0.0.1, whatever "
+        "--host is; plaintext beyond loopback is logged as a warning)",
+    )
+    p.add_argument(
+        "--metrics-tls",
+        action="store_true",
+        help="with --metrics-port: serve the metrics over HTTPS with --tls-cert/--tls-key "
+        "(and require client certificates of --client-ca when given)",
     )
     p.add_argument(
         "--sessions-per-client",
@@ -205,6 +221,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         args.tls = _server_tls(args)
+        _check_metrics_args(args)
         args.chain_tls = _chain_tls(args)
         args.grant_keys = _grant_keys(args.grant_key)
     except ValueError as exc:
@@ -241,6 +258,14 @@ def _server_tls(args: argparse.Namespace) -> ServerTls | None:
         check_plaintext_bind(args.host, args.allow_plaintext_remote)
         return None
     return ServerTls.from_files(args.tls_cert, args.tls_key, args.client_ca)
+
+
+def _check_metrics_args(args: argparse.Namespace) -> None:
+    """``ValueError`` for metrics flags without a metrics port, or TLS metrics without TLS."""
+    if args.metrics_port is None and (args.metrics_host is not None or args.metrics_tls):
+        raise ValueError("--metrics-host and --metrics-tls go with --metrics-port")
+    if args.metrics_tls and args.tls is None:
+        raise ValueError("--metrics-tls needs --tls-cert and --tls-key")
 
 
 def _chain_tls(args: argparse.Namespace) -> ClientTls | None:
@@ -295,6 +320,8 @@ async def _serve(args: argparse.Namespace) -> int:
         grant_keys=args.grant_keys,
         grant_endpoint=args.grant_endpoint,
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host if args.metrics_host is not None else "127.0.0.1",
+        metrics_tls=args.metrics_tls,
         frames_per_second=args.frames_per_second,
     )
     try:
@@ -350,8 +377,7 @@ async def _serve(args: argparse.Namespace) -> int:
     try:
         if not stop.is_set():
             if worker.metrics_port:
-                host = worker.address.rsplit(":", 1)[0]
-                print(f"METRICS {host}:{worker.metrics_port}", flush=True)
+                print(f"METRICS {worker.metrics_address}", flush=True)
             print(f"LISTENING {address}", flush=True)
             await stop.wait()
     finally:

@@ -1,17 +1,20 @@
 """A worker's Prometheus metrics (``prometheus_client``, a registry of its own per worker).
 
 Counted always (a few counter increments per frame); served over HTTP only when the worker is
-given a metrics port (``dgr worker --metrics-port``, bound on the worker's host). Names start
-with ``dgr_worker_``; the build and lane are the labels of ``dgr_worker_info``.
+given a metrics port (``dgr worker --metrics-port``), on loopback unless told otherwise
+(``--metrics-host``), over the worker's own TLS when asked (``--metrics-tls``;
+``worker/metrics_server.py``). Names start with ``dgr_worker_``; the build and lane are the
+labels of ``dgr_worker_info``.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping
-from wsgiref.simple_server import WSGIServer
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from dgr_engine.tls import ServerTls
+from dgr_engine.worker.metrics_server import MetricsHttpServer
 
 _KINDS = ("prefill", "decode", "replay")
 _TIME_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
@@ -71,8 +74,7 @@ class WorkerMetrics:
         self._by_kind = {k: (self.forwards.labels(k), self.rows.labels(k)) for k in _KINDS}
         self._bytes_in = self.seam_bytes.labels("in")
         self._bytes_out = self.seam_bytes.labels("out")
-        self._server: WSGIServer | None = None
-        self._thread: threading.Thread | None = None
+        self._server: MetricsHttpServer | None = None
 
     def describe(self, labels: Mapping[str, str]) -> None:
         self.info.info(dict(labels))
@@ -95,16 +97,13 @@ class WorkerMetrics:
         self.engine_calls.inc()
         self.frames_per_call.observe(frames)
 
-    def serve(self, host: str, port: int) -> int:
-        """Serves ``/metrics`` on ``host:port`` (0: a free port) in a thread; returns the port."""
-        self._server, self._thread = start_http_server(port, addr=host, registry=self.registry)
-        return int(self._server.server_port)
+    def serve(self, host: str, port: int, tls: ServerTls | None = None) -> int:
+        """Serves ``/metrics`` on ``host:port`` (0: a free port) in a thread, over HTTPS with
+        ``tls`` (client certificates required when it is mutual); returns the port."""
+        self._server = MetricsHttpServer(self.registry, host, port, tls)
+        return self._server.port
 
     def stop(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
+            self._server.stop()
             self._server = None
-        if self._thread is not None:
-            self._thread.join(timeout=5)
-            self._thread = None

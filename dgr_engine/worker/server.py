@@ -122,8 +122,14 @@ class WorkerConfig:
     grant_endpoint: str | None = None
     """This stage's endpoint as the tracker's routes name it (default: the bound address)."""
     metrics_port: int | None = None
-    """Serve Prometheus metrics on ``host:metrics_port`` (0: a free port); ``None``: counted,
-    not served."""
+    """Serve Prometheus metrics on ``metrics_host:metrics_port`` (0: a free port); ``None``:
+    counted, not served."""
+    metrics_host: str = "127.0.0.1"
+    """Address the metrics bind: loopback unless told otherwise, whatever ``host`` is (a
+    plaintext one beyond loopback is logged as a warning at every start)."""
+    metrics_tls: bool = False
+    """Serve the metrics over HTTPS with the worker's own certificate (``tls``, which this
+    needs), requiring client certificates of its client CA when it has one."""
     chain_tls: ClientTls | None = None
     """How this worker dials the next stage of a chained route that serves TLS (the CA it
     trusts, and its client certificate for a next stage that asks for one); ``None``: it
@@ -137,6 +143,8 @@ class WorkerConfig:
             value = getattr(self, name)
             if not (value >= 0 and value != float("inf")):
                 raise ValueError(f"{name} must be finite and >= 0, got {value}")
+        if self.metrics_tls and self.tls is None:
+            raise ValueError("metrics_tls needs the worker's TLS (tls)")
 
 
 class ShardWorker:
@@ -311,7 +319,7 @@ class ShardWorker:
         await server.start()
         self._server = server
         if self.config.metrics_port is not None:
-            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
+            self._serve_metrics(self.config.metrics_port)
         if self.config.session_lease_seconds is not None:
             self._sweeper = asyncio.get_running_loop().create_task(
                 self._sweep_leases(self.config.session_lease_seconds), name="dgr-session-leases"
@@ -331,6 +339,22 @@ class ShardWorker:
             "plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS",
         )
         return self.address
+
+    def _serve_metrics(self, port: int) -> None:
+        host, tls = self.config.metrics_host, self.config.tls if self.config.metrics_tls else None
+        self.metrics_port = self.metrics.serve(host, port, tls)
+        if tls is None and not is_loopback(host):
+            self.log.warning(
+                "serving metrics in PLAINTEXT on {}: anyone on the network can read them "
+                "(--metrics-tls serves them with the worker's certificate)",
+                host,
+            )
+
+    @property
+    def metrics_address(self) -> str:
+        """``host:port`` the metrics are served on (after ``start``; port 0: not served)."""
+        host = self.config.metrics_host
+        return f"[{host}]:{self.metrics_port}" if ":" in host else f"{host}:{self.metrics_port}"
 
     async def stop(self) -> int:
         """Stops serving, closes every session and the engine; returns the sessions closed."""
