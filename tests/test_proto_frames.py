@@ -30,9 +30,11 @@ from dgr_engine.wire.status import (
     error_from_rpc,
     error_from_trailers,
     grpc_status_for,
+    is_worker_fault,
     known_statuses,
     refusal_trailers,
 )
+from dgr_session.identifiers import InvalidIdentifier
 
 HASH = bytes(range(32))
 
@@ -182,9 +184,34 @@ def _long_session(r: pb.ForwardRequest) -> None:
     r.session_id = "x" * (F.MAX_SESSION_ID_BYTES + 1)
 
 
+def _undefined_dtype(r: pb.ForwardRequest) -> None:
+    r.boundary.dtype = 77  # type: ignore[assignment]  # an open enum takes any int32
+
+
+def _negative_dtype(r: pb.ForwardRequest) -> None:
+    r.boundary.dtype = -1  # type: ignore[assignment]
+
+
+def _undefined_kind(r: pb.ForwardRequest) -> None:
+    r.kind = 77  # type: ignore[assignment]
+
+
+def _newline_session(r: pb.ForwardRequest) -> None:
+    r.session_id = "s\n12:00:00.000 INFO    session=admin forged"
+
+
+def _non_ascii_session(r: pb.ForwardRequest) -> None:
+    r.session_id = "sé"
+
+
 @pytest.mark.parametrize(
     "spoil",
     [
+        _undefined_dtype,
+        _negative_dtype,
+        _undefined_kind,
+        _newline_session,
+        _non_ascii_session,
         _wrong_dtype,
         _wrong_shape,
         _short_bytes,
@@ -325,3 +352,63 @@ def test_non_finite_boundary_rows_are_refused_naming_the_first(bad: float) -> No
     request = F.encode_forward("s", 1, 2, mine(info), range(5, 8), boundary=boundary)
     with pytest.raises(FrameRejected, match=r"non-finite values \(1; first at row 1, column 5"):
         F.decode_forward(request, mine(info), info)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("dtype", 77), ("dtype", -5), ("dtype", 2**31 - 1), ("kind", 4)]
+)
+def test_an_undefined_enum_value_is_named_with_the_values_it_may_take(
+    field: str, value: int
+) -> None:
+    request = middle_request()
+    if field == "dtype":
+        request.boundary.dtype = value  # type: ignore[assignment]
+    else:
+        request.kind = value  # type: ignore[assignment]
+    wire = pb.ForwardRequest.FromString(request.SerializeToString())  # as the worker gets it
+    with pytest.raises(FrameRejected) as info:
+        F.decode_forward(wire, mine(MIDDLE), MIDDLE)
+    assert f"{field} {value} is not defined by schema 1" in str(info.value)
+    assert "=1" in str(info.value)  # the defined values are listed
+    assert not is_worker_fault(info.value)
+
+
+@pytest.mark.parametrize("kind", ["", "prefill", "decode", "replay"])
+def test_every_defined_kind_is_decoded(kind: str) -> None:
+    request = F.encode_forward("s", 1, 2, mine(MIDDLE), [5], boundary=rows(1), kind=kind)
+    frame = F.decode_forward(request, mine(MIDDLE), MIDDLE)
+    assert frame.n_rows == 1
+    assert F.ROW_KIND_NAMES.get(request.kind, "unspecified") == (kind or "unspecified")
+
+
+@pytest.mark.parametrize(
+    ("exc", "fault"),
+    [
+        (E.DecodeError("x"), True),
+        (E.InternalError("x"), True),
+        (E.NonFiniteOutput("x"), True),
+        (E.ShardDeadlineExceeded("x", status="DGR_E_DEADLINE"), True),
+        (RuntimeError("a bug"), True),
+        (ValueError("a bug"), True),
+        (FrameRejected("x"), False),
+        (ExpectationMismatch("x", status="DGR_E_EXPECTATION_MODEL"), False),
+        (E.StaleEpoch("x"), False),
+        (E.UnknownSession("x"), False),
+        (E.PositionMismatch("x"), False),
+        (E.ShapeMismatch("x"), False),
+        (E.CapacityExceeded("x"), False),
+        (E.GrantUnauthenticated("x"), False),
+        (E.GrantDenied("x"), False),
+        (E.EngineClosed("x"), False),
+        (InvalidIdentifier("session id", "empty"), False),
+    ],
+)
+def test_only_the_workers_own_faults_count_against_its_health(exc: Exception, fault: bool) -> None:
+    assert is_worker_fault(exc) is fault
+
+
+def test_an_invalid_identifier_is_a_malformed_frame_on_the_wire() -> None:
+    exc = InvalidIdentifier("session id", "empty")
+    assert grpc_status_for(exc) == (grpc.StatusCode.INVALID_ARGUMENT, "DGR_E_FRAME")
+    with pytest.raises(FrameRejected, match="invalid session id: character"):
+        F.check_session_id("a b")
