@@ -156,3 +156,58 @@ def test_dgr_artifacts_manifest_writes_it(
     assert manifest == build_manifest([path])
     assert cli.main(["artifacts", "manifest", str(tmp_path / "absent.gguf")]) == 2
     assert capsys.readouterr().err.startswith("dgr artifacts manifest: ")
+
+
+@pytest.mark.parametrize(
+    ("file_change", "message"),
+    [
+        ({"size": -1, "chunks": []}, r"files\[0\]\.size: -1 bytes: a GGUF file is never empty"),
+        ({"size": -5}, r"files\[0\]\.size: -5 bytes"),
+        ({"size": 0, "chunks": []}, r"files\[0\]\.size: 0 bytes"),
+        ({"size": 0, "chunks": ["c1"]}, r"files\[0\]\.size: 0 bytes"),
+        ({"chunk_bytes": (256 << 20) + 1}, r"files\[0\]\.chunk_bytes: 268435457: chunks are 1"),
+        ({"chunk_bytes": 1 << 30}, r"files\[0\]\.chunk_bytes: 1073741824"),
+        ({"chunk_bytes": 0}, r"files\[0\]\.chunk_bytes: 0"),
+        ({"chunks": ["c1", 7]}, r"files\[0\]\.chunks: not a list of strings"),
+        ({"name": "m.gguf.part"}, r"files\[0\]\.name: 'm.gguf.part' ends in .part"),
+    ],
+)
+def test_a_hostile_manifest_is_refused_at_validation(
+    file_change: dict[str, object], message: str
+) -> None:
+    with pytest.raises(ManifestInvalid, match=message):
+        parse_manifest(_broken({}, file_change))
+    entry = SMALL.files[0]
+    fields = {**attrs.asdict(entry), **file_change}
+    with pytest.raises(ManifestInvalid):  # made in code, the same entry is refused too
+        FileEntry(**fields)
+    # honest entries beside it: the cap itself is allowed, and the pinned manifest still parses
+    at_cap = attrs.evolve(entry, size=10, chunk_bytes=256 << 20, chunks=["c1"])
+    assert parse_manifest(attrs.evolve(SMALL, files=[at_cap, SMALL.files[1]]).text()).files[0] == (
+        at_cap
+    )
+    assert parse_manifest(SMALL.text()) == SMALL
+
+
+def test_a_manifest_in_code_with_no_or_twice_named_files_is_refused() -> None:
+    with pytest.raises(ManifestInvalid, match="files: empty"):
+        attrs.evolve(SMALL, files=[])
+    with pytest.raises(ManifestInvalid, match="files: a file name appears twice"):
+        attrs.evolve(SMALL, files=[SMALL.files[0], SMALL.files[0]])
+    with pytest.raises(ManifestInvalid, match="model.n_layer: -1"):
+        attrs.evolve(SMALL, n_layer=-1)
+
+
+def test_the_cli_caps_chunks_as_the_manifest_does(capsys: pytest.CaptureFixture[str]) -> None:
+    from dgr_engine import cli
+    from dgr_engine.artifacts.manifest import MAX_CHUNK_BYTES
+    from dgr_engine.cli.artifacts import MAX_CHUNK_MIB
+
+    assert MAX_CHUNK_MIB << 20 == MAX_CHUNK_BYTES == 256 << 20
+    path = str(ensure_fixture("tiny-llama"))
+    with pytest.raises(SystemExit) as refused:
+        cli.main(["artifacts", "manifest", path, "--chunk-mib", str(MAX_CHUNK_MIB + 1)])
+    assert refused.value.code == 2
+    assert "--chunk-mib" in capsys.readouterr().err
+    assert cli.main(["artifacts", "manifest", path, "--chunk-mib", str(MAX_CHUNK_MIB)]) == 0
+    assert f'"chunk_bytes":{MAX_CHUNK_BYTES}' in capsys.readouterr().out

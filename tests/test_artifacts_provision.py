@@ -1,10 +1,15 @@
 """Provisioning and verification: chunk by chunk against the manifest, resumable after an
 interruption or a kill (verified chunks are not hashed again), corrupt copies quarantined and
-fetched again, a source serving other bytes or cutting connections handled."""
+fetched again, a source serving other bytes or cutting connections handled. Hostile roots and
+manifests: links where the part file, the final file, the lock, the state or the quarantine
+should be are never followed; a manifest that breaks its own rules touches nothing; a fetched
+file that is no GGUF never gets its final name."""
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import re
 import shutil
 import signal
@@ -15,17 +20,18 @@ from pathlib import Path
 import pytest
 from artifact_server import Behaviour, serving
 
-from dgr_engine.artifacts import provision
+from dgr_engine.artifacts import provision, shard
 from dgr_engine.artifacts.errors import (
     ArtifactCorrupt,
     ArtifactMissing,
     ArtifactsBusy,
+    ArtifactUnsafe,
     SourceMismatch,
     SourceUnavailable,
 )
-from dgr_engine.artifacts.manifest import Manifest, ManifestInvalid, build_manifest
+from dgr_engine.artifacts.manifest import FileEntry, Manifest, ManifestInvalid, build_manifest
 from dgr_engine.artifacts.sources import DirectorySource, HttpSource, source_for
-from dgr_engine.artifacts.state import ArtifactState, part_key
+from dgr_engine.artifacts.state import ArtifactState, part_key, state_path
 from dgr_engine.fixtures import ensure_fixture
 
 CHUNK = 1 << 14
@@ -302,3 +308,177 @@ def test_a_killed_verify_process_resumes(origin: tuple[Path, Manifest], tmp_path
     assert killed.returncode == -signal.SIGKILL, killed.stderr
     resumed = provision.verify(manifest, tmp_path)  # callbacks: one at the start, one a chunk
     assert resumed.ok and (resumed.trusted_chunks, resumed.hashed_chunks) == (9, n - 9)
+
+
+def _victim(tmp_path: Path) -> tuple[Path, bytes, int]:
+    """A file outside the root that a link in the root points to, with its bytes and mtime."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "precious"
+    victim.write_bytes(b"not yours to overwrite\n" * 100)
+    return victim, victim.read_bytes(), victim.stat().st_mtime_ns
+
+
+def _untouched(victim: Path, data: bytes, mtime_ns: int) -> bool:
+    return victim.read_bytes() == data and victim.stat().st_mtime_ns == mtime_ns
+
+
+def test_a_symlinked_part_is_refused_and_what_it_points_to_is_untouched(
+    origin: tuple[Path, Manifest], tmp_path: Path
+) -> None:
+    directory, manifest = origin
+    victim, data, mtime = _victim(tmp_path)
+    root = tmp_path / "root"
+    root.mkdir()
+    part = root / part_key("model.gguf")
+    part.symlink_to(victim)
+    with pytest.raises(ArtifactUnsafe, match=r"^model.gguf.part: a symlink in .*; refused"):
+        provision.fetch(manifest, DirectorySource(directory), root)
+    assert _untouched(victim, data, mtime)
+    assert not (root / "model.gguf").exists() and not (root / "model.gguf").is_symlink()
+    assert part.is_symlink()  # left for the operator to look at, never followed
+    part.unlink()  # honest use beside: once the link is gone the fetch is exact
+    report = provision.fetch(manifest, DirectorySource(directory), root)
+    assert report.ok and _sha(root / "model.gguf") == manifest.files[0].sha256
+    assert not (root / "model.gguf").is_symlink() and _untouched(victim, data, mtime)
+
+
+def test_a_hard_linked_part_is_refused_and_its_other_name_untouched(
+    origin: tuple[Path, Manifest], tmp_path: Path
+) -> None:
+    directory, manifest = origin
+    victim, data, mtime = _victim(tmp_path)
+    root = tmp_path / "root"
+    root.mkdir()
+    os.link(victim, root / part_key("model.gguf"))
+    with pytest.raises(ArtifactUnsafe, match=r"^model.gguf.part: a file with 2 hard links"):
+        provision.fetch(manifest, DirectorySource(directory), root)
+    assert _untouched(victim, data, mtime) and not (root / "model.gguf").exists()
+    (root / part_key("model.gguf")).unlink()
+    assert provision.fetch(manifest, DirectorySource(directory), root).ok
+
+
+def test_a_symlinked_final_name_is_refused_by_fetch_verify_and_a_shard(
+    origin: tuple[Path, Manifest], tmp_path: Path
+) -> None:
+    directory, manifest = origin
+    victim, data, mtime = _victim(tmp_path)
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / "model.gguf").symlink_to(victim)
+    with pytest.raises(ArtifactUnsafe, match=r"^model.gguf: a symlink in "):
+        provision.fetch(manifest, DirectorySource(directory), root)
+    (problem,) = provision.verify(manifest, root).problems
+    assert isinstance(problem, ArtifactUnsafe)
+    with pytest.raises(ArtifactUnsafe, match=r"^model.gguf: a symlink in "):
+        shard.prepare(manifest, root, (0, manifest.n_layer))
+    assert (root / "model.gguf").is_symlink() and _untouched(victim, data, mtime)
+    assert not (root / provision.QUARANTINE_DIR).exists()  # nothing moved
+    (root / "model.gguf").unlink()
+    assert provision.fetch(manifest, DirectorySource(directory), root).ok
+    assert shard.prepare(manifest, root, (0, manifest.n_layer)).first == root / "model.gguf"
+
+
+def test_symlinked_lock_state_and_quarantine_are_never_followed(
+    origin: tuple[Path, Manifest], tmp_path: Path
+) -> None:
+    directory, manifest = origin
+    victim, data, mtime = _victim(tmp_path)
+    root = tmp_path / "root"
+    root.mkdir()
+    (root / provision.LOCK_NAME).symlink_to(victim)
+    with pytest.raises(ArtifactUnsafe, match=r"^\.dgr-artifacts\.lock: a symlink"):
+        provision.verify(manifest, root)
+    (root / provision.LOCK_NAME).unlink()
+    state = state_path(root, manifest.sha256)
+    state.symlink_to(victim)  # an unreadable state only costs hashing; saving replaces the link
+    assert provision.fetch(manifest, DirectorySource(directory), root).ok
+    assert not state.is_symlink() and _untouched(victim, data, mtime)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (root / provision.QUARANTINE_DIR).symlink_to(elsewhere, target_is_directory=True)
+    stored = root / "model.gguf"
+    flipped = bytearray(stored.read_bytes())
+    flipped[5 * CHUNK] ^= 0x01
+    stored.write_bytes(bytes(flipped))
+    (problem,) = provision.verify(manifest, root).problems
+    assert isinstance(problem, ArtifactUnsafe)
+    assert str(problem).startswith(".quarantine: not a plain directory in ")
+    assert list(elsewhere.iterdir()) == [] and stored.is_file()
+    (root / provision.QUARANTINE_DIR).unlink()
+    report = provision.verify(manifest, root)
+    assert [type(p) for p in report.problems] == [ArtifactCorrupt]
+    assert provision.fetch(manifest, DirectorySource(directory), root).ok
+    assert _sha(stored) == manifest.files[0].sha256
+
+
+def _hostile(manifest: Manifest, **change: object) -> str:
+    data = json.loads(manifest.text())
+    data["files"][0].update(change)
+    return json.dumps(data)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"size": -1, "chunks": []}, r"files\[0\]\.size: -1 bytes"),
+        ({"size": 0, "chunks": []}, r"files\[0\]\.size: 0 bytes"),
+        ({"size": 0, "chunks": ["00" * 32]}, r"files\[0\]\.size: 0 bytes"),
+        ({"chunk_bytes": (256 << 20) + 1}, r"files\[0\]\.chunk_bytes: 268435457: chunks are"),
+    ],
+    ids=["negative", "zero", "zero-with-chunks", "chunk-above-cap"],
+)
+def test_a_hostile_manifest_given_to_verify_or_fetch_touches_nothing(
+    change: dict[str, object],
+    message: str,
+    origin: tuple[Path, Manifest],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from dgr_engine import cli
+
+    directory, manifest = origin
+    root = tmp_path / "root"
+    assert provision.fetch(manifest, DirectorySource(directory), root).ok
+    hostile = tmp_path / "hostile.json"
+    hostile.write_text(_hostile(manifest, **change))
+    before = sorted(p.name for p in root.iterdir())
+    for command in (["verify"], ["fetch", "--from", str(directory)]):
+        argv = ["artifacts", *command[:1], str(hostile), *command[1:], "--root", str(root)]
+        assert cli.main([*argv, "--allow-temp-root"]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert re.search(message, line), line
+    assert sorted(p.name for p in root.iterdir()) == before  # nothing quarantined nor written
+    assert not (root / provision.QUARANTINE_DIR).exists()
+    empty = tmp_path / "empty-root"
+    assert (
+        cli.main(
+            ["artifacts", "fetch", str(hostile), "--from", str(directory)]
+            + ["--root", str(empty), "--allow-temp-root"]
+        )
+        == 2
+    )
+    assert not empty.exists()  # refused before any work: not even the root was made
+    honest = provision.verify(manifest, root)  # beside it, the honest manifest still verifies
+    assert honest.ok and honest.hashed_chunks == len(manifest.files[0].chunks)
+    assert _sha(root / "model.gguf") == manifest.files[0].sha256
+
+
+def test_fetch_never_leaves_a_file_that_is_not_a_gguf_under_its_final_name(
+    origin: tuple[Path, Manifest], tmp_path: Path
+) -> None:
+    directory, manifest = origin
+    source = tmp_path / "source"
+    source.mkdir()
+    blob = bytes(range(256)) * 200  # hashes match the manifest below, but it is no GGUF
+    (source / "blob.gguf").write_bytes(blob)
+    shutil.copy(directory / "model.gguf", source / "model.gguf")
+    chunks = [hashlib.sha256(blob[i : i + CHUNK]).hexdigest() for i in range(0, len(blob), CHUNK)]
+    entry = FileEntry("blob.gguf", len(blob), hashlib.sha256(blob).hexdigest(), CHUNK, chunks, [])
+    lying = Manifest(manifest.arch, manifest.n_layer, None, [*manifest.files, entry])
+    root = tmp_path / "root"
+    with pytest.raises(ManifestInvalid, match=r"^blob.gguf: its bytes match the manifest but are"):
+        provision.fetch(lying, DirectorySource(source), root)
+    assert not (root / "blob.gguf").exists()
+    assert _sha(root / "model.gguf") == manifest.files[0].sha256  # the honest file beside it
+    assert provision.verify(manifest, root).ok

@@ -2,11 +2,13 @@
 with a storage root holding only the split files of its own layers (provisioned by ``dgr
 artifacts fetch --layers``), chained over gRPC, match the whole single-file model bit for bit;
 each advertises the manifest's hash as the model identity and how it checked its files.
+A worker whose files were swapped for same-size bytes with the mtime put back refuses to start.
 Fixture evidence only."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 from pathlib import Path
 
@@ -151,3 +153,40 @@ def test_a_worker_whose_root_lacks_a_file_of_its_range_refuses_to_start(tmp_path
     assert done.returncode == 2
     assert f"{last.name}: missing from {tmp_path}" in done.stderr
     assert "LISTENING" not in done.stdout
+
+
+def test_a_worker_refuses_a_same_size_swap_with_its_mtime_restored(tmp_path: Path) -> None:
+    """The issue's attack: a verified file swapped for same-size bytes, its mtime put back, was
+    trusted and served. The worker now hashes its files at load and refuses to start; once the
+    file is fetched again, a worker on the same root serves the whole model exactly."""
+    name = "tiny-llama-split"
+    split = ensure_split(name)
+    manifest = split.manifest
+    layers = (0, manifest.n_layer)
+    root = tmp_path / "root"
+    _fetch(split.manifest_path, split.directory, root, layers)
+    victim = root / next(f for f in manifest.files_for(layers) if f.layers).name
+    before = victim.stat()
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    with victim.open("r+b") as stream:
+        stream.write(data)
+    os.utime(victim, ns=(before.st_atime_ns, before.st_mtime_ns))
+    done = subprocess.run(
+        _worker_argv(split.manifest_path, root, layers), capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2, done.stderr
+    assert f"{victim.name}: chunk " in done.stderr and "has another sha256" in done.stderr
+    assert "LISTENING" not in done.stdout and not victim.exists()  # quarantined, never served
+    _fetch(split.manifest_path, split.directory, root, layers)
+    state_path(root, manifest.sha256).unlink()  # so the worker verifies at start-up
+    ((want_tokens, want_logits),) = whole_model_reference(
+        ensure_fixture(SPLITS[name].source), [PROMPT], N_TOKENS, OPTIONS
+    )
+    worker = WorkerProcess.launch(_worker_argv(split.manifest_path, root, layers))
+    try:
+        tokens, logits = asyncio.run(asyncio.wait_for(_greedy([worker.address], manifest), 120))
+    finally:
+        worker.stop()
+    assert tokens == want_tokens
+    assert all(np.array_equal(w, g) for w, g in zip(want_logits, logits, strict=True))

@@ -1,9 +1,12 @@
 """Split GGUFs (made by the pinned llama.cpp's own llama-gguf-split): each shard provisions and
 opens only the files of its own layers, and a chain of such shards, every other split file
-absent, matches the whole single-file model bit for bit. Fixture evidence only."""
+absent, matches the whole single-file model bit for bit. A shard's files are hashed at load, so
+a same-size swap with its mtime restored, or a hand-edited state vouching for a tampered file,
+is refused before anything is loaded. Fixture evidence only."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,8 +17,10 @@ from gguf import GGUFReader
 
 from dgr_engine import ShardEngine
 from dgr_engine.artifacts import provision, shard
-from dgr_engine.artifacts.errors import ArtifactMissing
+from dgr_engine.artifacts.errors import ArtifactCorrupt, ArtifactMissing
+from dgr_engine.artifacts.manifest import FileEntry
 from dgr_engine.artifacts.sources import DirectorySource
+from dgr_engine.artifacts.state import ArtifactState, FileRecord
 from dgr_engine.chain import LocalChain, split_points
 from dgr_engine.errors import EngineError
 from dgr_engine.fixtures.split import SPLITS, ensure_split, source_path
@@ -122,3 +127,89 @@ def test_a_whole_model_load_still_needs_every_file(tmp_path: Path) -> None:
         shutil.copy(path, tmp_path / path.name)
     with pytest.raises(EngineError):
         ShardEngine(tmp_path / split.files[0].name, **ENGINE_KW)
+
+
+def _tamper_same_size(path: Path, *, in_place: bool) -> None:
+    """Flips one byte in the middle of ``path``, keeping its size, and puts its access and
+    modification times back (``os.utime``): in place, or as a new file renamed over it."""
+    before = path.stat()
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    if in_place:
+        with path.open("r+b") as stream:
+            stream.write(data)
+    else:
+        swapped = path.with_name(path.name + ".swap")
+        swapped.write_bytes(bytes(data))
+        os.replace(swapped, path)
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+def _owned_file(entries: tuple[FileEntry, ...]) -> FileEntry:
+    return next(f for f in entries if f.layers)
+
+
+def _serves_exactly(manifest_layers: tuple[int, int], root: Path, name: str) -> None:
+    """Honest use beside the refusal: re-provisioned, the shard loads and its greedy run equals
+    the whole single-file model bit for bit."""
+    split = ensure_split(name)
+    report = provision.fetch(
+        split.manifest, DirectorySource(split.directory), root, layers=manifest_layers
+    )
+    assert report.ok
+    artifacts = shard.prepare(split.manifest, root, manifest_layers)
+    assert artifacts.verification.startswith("trusted state of 20")
+    assert artifacts.verification.endswith(", re-hashed at start-up")
+    tokens, logits = _reference(source_path(SPLITS[name].source))
+    with ShardEngine(artifacts.first, layers=artifacts.layers, **ENGINE_KW) as engine:
+        chain = LocalChain([engine])
+        chain.open(1, 0)
+        got_tokens, got_logits = chain.greedy(1, 0, PROMPT, N_DECODE, all_prefill_logits=False)
+    assert got_tokens == tokens
+    assert all(np.array_equal(w, g) for w, g in zip(logits, got_logits, strict=True))
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["written-in-place", "renamed-over"])
+def test_a_same_size_swap_with_its_mtime_restored_is_refused_at_load(
+    in_place: bool, tmp_path: Path
+) -> None:
+    name = "tiny-llama-split"
+    split = ensure_split(name)
+    manifest = split.manifest
+    layers = (0, manifest.n_layer)
+    provision.fetch(manifest, DirectorySource(split.directory), tmp_path, layers=layers)
+    victim = _owned_file(manifest.files_for(layers))
+    _tamper_same_size(tmp_path / victim.name, in_place=in_place)
+    with pytest.raises(ArtifactCorrupt, match=f"^{victim.name}: chunk \\d+ has another sha256"):
+        shard.prepare(manifest, tmp_path, layers)
+    assert not (tmp_path / victim.name).exists()  # quarantined: never served
+    assert len(list((tmp_path / provision.QUARANTINE_DIR).iterdir())) == 1
+    _serves_exactly(layers, tmp_path, name)
+
+
+@pytest.mark.parametrize("verifying", [False, True], ids=["finished", "interrupted"])
+def test_an_edited_state_vouching_for_a_tampered_file_is_not_trusted(
+    verifying: bool, tmp_path: Path
+) -> None:
+    name = "tiny-llama-split"
+    split = ensure_split(name)
+    manifest = split.manifest
+    layers = (0, manifest.n_layer)
+    provision.fetch(manifest, DirectorySource(split.directory), tmp_path, layers=layers)
+    victim = _owned_file(manifest.files_for(layers))
+    _tamper_same_size(tmp_path / victim.name, in_place=True)
+    state = ArtifactState.load(tmp_path, manifest.sha256)
+    for entry in manifest.files_for(layers):  # the forger records every file as it is now
+        found = os.stat(tmp_path / entry.name)
+        state.files[entry.name] = FileRecord.of(found, len(entry.chunks))
+    state.verifying, state.verified_at = verifying, "2026-12-03T00:00:00+00:00"
+    state.save()
+    if not verifying:
+        assert provision.trusted(manifest, tmp_path, layers) == state.verified_at  # fooled
+    with pytest.raises(ArtifactCorrupt, match=f"^{victim.name}: chunk \\d+ has another sha256"):
+        shard.prepare(manifest, tmp_path, layers)
+    assert not (tmp_path / victim.name).exists()
+    assert provision.trusted(manifest, tmp_path, layers) is None
+    _serves_exactly(layers, tmp_path, name)
