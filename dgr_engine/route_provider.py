@@ -10,6 +10,10 @@
 * :class:`EndpointRouteProvider` routes over fixed endpoints given in order (``dgr generate
   --endpoints``): the route of their adverts while every one of them is serving, else none.
 
+Both check every worker's certification against the client's own lock, not the worker's word:
+their ``certification_verifier`` (default :class:`~dgr_engine.certification.verify.LockVerifier`
+of the default lock) is what a ``SessionManager`` over them validates routes with.
+
 Routing policy is the tracker's; these exist for the demo, ``dgr generate`` and the tests.
 Every wait is bounded (worker start-up, ``Describe``, health checks, shutdown).
 """
@@ -25,6 +29,7 @@ from pathlib import Path
 import attrs
 from loguru import logger
 
+from dgr_engine.certification.verify import LockVerifier
 from dgr_engine.client import ShardClient
 from dgr_engine.grants import GrantIssuer
 from dgr_engine.options import EngineOptions
@@ -33,7 +38,7 @@ from dgr_engine.tls import ClientTls
 from dgr_engine.wire.advert import Advert
 from dgr_session.faults import FailureReport, FaultKind
 from dgr_session.identifiers import log_field
-from dgr_session.route import Route, StageSpec
+from dgr_session.route import CertificationVerifier, Route, StageSpec
 
 __all__ = ["EndpointRouteProvider", "LoopbackRouteProvider", "PooledWorker", "describe"]
 
@@ -110,9 +115,15 @@ class LoopbackRouteProvider:
         observer: Callable[[str, FailureReport | None, Route | None], None] | None = None,
         grants: GrantIssuer | None = None,
         client_tls: ClientTls | None = None,
+        certification_verifier: CertificationVerifier | None = None,
     ) -> None:
         if not layout:
             raise ValueError("a layout needs at least one range")
+        self.certification_verifier = (
+            certification_verifier if certification_verifier is not None else LockVerifier()
+        )
+        """Checks the workers' certifications against the client's lock (routes validated by a
+        ``SessionManager`` over this provider)."""
         self.grants = grants
         """Signs every route's stages for its session and epoch (``None``: no grants)."""
         self.client_tls = client_tls
@@ -320,9 +331,14 @@ class EndpointRouteProvider:
         *,
         probe_timeout: float = 5.0,
         tls: ClientTls | None = None,
+        certification_verifier: CertificationVerifier | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("at least one endpoint is needed")
+        self.certification_verifier = (
+            certification_verifier if certification_verifier is not None else LockVerifier()
+        )
+        """Checks the workers' certifications against the client's lock."""
         self.endpoints = tuple(endpoints)
         self.probe_timeout = probe_timeout
         self.tls = tls

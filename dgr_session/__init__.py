@@ -47,6 +47,7 @@ from dgr_session.errors import (
     StageDead,
     StaleEpoch,
     StepDeadlineExceeded,
+    UnverifiedCertification,
 )
 from dgr_session.events import (
     Cancel,
@@ -76,7 +77,7 @@ from dgr_session.machine import (
 )
 from dgr_session.manager import SessionHandle, SessionManager, SessionResult, fault_kind
 from dgr_session.policy import FailurePolicy
-from dgr_session.route import Route, StageSpec, validate_route
+from dgr_session.route import CertificationVerifier, Route, StageSpec, validate_route
 from dgr_session.sampling import SeededSampler, greedy
 from dgr_session.transport import (
     Boundary,
@@ -101,6 +102,7 @@ __all__ = [
     "BoundaryMismatch",
     "Cancel",
     "CertificationStatus",
+    "CertificationVerifier",
     "ClientFailure",
     "ClockTick",
     "CloseStage",
@@ -157,6 +159,7 @@ __all__ = [
     "StaleEpoch",
     "Start",
     "StepDeadlineExceeded",
+    "UnverifiedCertification",
     "check_session_id",
     "fault_kind",
     "greedy",

@@ -58,7 +58,7 @@ from dgr_session.machine import (
     shared_machine,
 )
 from dgr_session.policy import FailurePolicy
-from dgr_session.route import Route, validate_route
+from dgr_session.route import CertificationVerifier, Route, validate_route
 
 _S = SessionState
 _TERMINAL = frozenset(state.value for state in TERMINAL_STATES)
@@ -88,6 +88,7 @@ class RouteSession:
         "policy",
         "stop_tokens",
         "required_evidence",
+        "certification_verifier",
         "_machine",
         "_state",
         "_identity",
@@ -142,6 +143,7 @@ class RouteSession:
         required_evidence: EvidenceClass = EvidenceClass.REAL_HARDWARE,
         machine: SessionMachine | None = None,
         prefill_chunk: int | None = None,
+        certification_verifier: CertificationVerifier | None = None,
     ) -> None:
         if not prompt:
             raise ValueError("the prompt needs at least one token")
@@ -161,6 +163,9 @@ class RouteSession:
         self.stop_tokens = frozenset(stop_tokens)
         #: Evidence class every stage's lane must be certified at (dark lanes never route).
         self.required_evidence = required_evidence
+        #: Checks each stage's certification against the client's own trust (``None``: the
+        #: worker's word is taken; ``dgr_engine.certification.verify.LockVerifier`` checks it).
+        self.certification_verifier = certification_verifier
         self._machine = machine if machine is not None else shared_machine()
         self._state: str = _S.NEW.value  # set by the machine (its model attribute)
         # Pinned by the first accepted route when not given: every later route must match.
@@ -410,6 +415,7 @@ class RouteSession:
                 min_context=len(self.prompt) + self.max_new_tokens - 1,
                 min_rows=min(chunk, len(self.prompt)),
                 required_evidence=self.required_evidence,
+                verify_certification=self.certification_verifier,
             )
         except RouteInvalid as err:
             self._fault(

@@ -83,6 +83,13 @@ class InsufficientEvidence(DarkLane):
     (e.g. fixture evidence where real-hardware is required): for this route it is dark."""
 
 
+class UnverifiedCertification(DarkLane):
+    """A stage's advert says its lane is certified, but the certification does not check out
+    against the client's own trust (its lock): no signed record, a record of another lane or
+    class, a key the lock does not trust for that class, a record edited after it was signed.
+    For this client the lane is dark. The session refuses the route and lives on."""
+
+
 # --------------------------------------------------------------------------------------------
 # Stage faults (what transports raise; the session survives them within its budget)
 

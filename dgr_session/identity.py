@@ -119,6 +119,11 @@ class Lane:
     computed by whoever built the lane; ``""`` when not known."""
     record_id: str = ""
     """Id of the certification record behind a certified lane; ``""`` when dark."""
+    record: str = attrs.field(default="", eq=False, repr=False)
+    """The certifying record as the worker sent it (its signed JSON), opaque here: a client
+    checks it against its own lock with a ``CertificationVerifier`` given to route validation
+    (``dgr_session.route``) rather than taking the worker's word; ``""`` when dark or not
+    sent."""
 
     @property
     def certified(self) -> bool:

@@ -44,6 +44,7 @@ from dgr_session.identifiers import check_session_id
 from dgr_session.identity import EvidenceClass, ModelIdentity, Recipe
 from dgr_session.machine import SessionMachine, SessionState
 from dgr_session.policy import FailurePolicy
+from dgr_session.route import CertificationVerifier
 from dgr_session.sampling import greedy
 from dgr_session.transport import (
     Boundary,
@@ -211,6 +212,10 @@ class SessionManager:
 
     Must be used from one event loop (the one running when :meth:`start` is first called).
     Sampling is greedy unless a sampler is given (per manager or per session).
+    ``certification_verifier`` checks every route's certifications against the client's own
+    trust (:func:`~dgr_session.route.validate_route`); by default the provider's
+    ``certification_verifier`` when it has one (``dgr_engine``'s route providers check against
+    the client's lock), else the workers' word is taken.
     """
 
     def __init__(
@@ -222,12 +227,18 @@ class SessionManager:
         sampler: Sampler = greedy,
         required_evidence: EvidenceClass = EvidenceClass.REAL_HARDWARE,
         machine: SessionMachine | None = None,
+        certification_verifier: CertificationVerifier | None = None,
     ) -> None:
         self._transport = transport
         self._provider = provider
         self._policy = policy if policy is not None else FailurePolicy()
         self._sampler = sampler
         self._required_evidence = required_evidence
+        self._verifier: CertificationVerifier | None = (
+            certification_verifier
+            if certification_verifier is not None
+            else getattr(provider, "certification_verifier", None)
+        )
         self._machine = machine
         # Invariant: holds exactly the sessions whose driver task has not finished.
         self._live: dict[str, SessionHandle] = {}
@@ -286,6 +297,7 @@ class SessionManager:
             identity=identity,
             recipe=recipe,
             required_evidence=self._required_evidence,
+            certification_verifier=self._verifier,
             machine=self._machine,
             prefill_chunk=prefill_chunk,
         )

@@ -4,12 +4,15 @@ A route is an ordered tuple of stages; each stage owns a contiguous layer range 
 :func:`validate_route` checks a route before any traffic: an exact contiguous cover of
 ``[0, n_layer)``, the same model identity and recipe on every stage, matching boundary widths
 between neighbours, and lanes certified at the evidence class the caller requires (dark lanes
-are never routable). Every violation is a typed error naming the stage.
+are never routable). A stage's certification is the worker's word unless the caller gives a
+:data:`CertificationVerifier`, which checks it against the caller's own trust (the client's
+lock: ``dgr_engine.certification.verify.LockVerifier``); a stage it does not vouch for is dark.
+Every violation is a typed error naming the stage.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import attrs
 
@@ -19,6 +22,7 @@ from dgr_session.errors import (
     InsufficientEvidence,
     RouteIncompatible,
     RouteInvalid,
+    UnverifiedCertification,
 )
 from dgr_session.identity import EvidenceClass, Lane, ModelIdentity, Recipe
 
@@ -63,6 +67,12 @@ class StageSpec:
     def n_layers(self) -> int:
         """Number of layers the stage owns."""
         return self.layer_end - self.layer_begin
+
+
+CertificationVerifier = Callable[[StageSpec], str | None]
+"""Checks a certified stage's certification (``stage.lane``: record id, class, the signed
+record) against the caller's own trust: ``None`` when it verifies, else why not (one line).
+Given by whoever holds the trust (``dgr_engine`` holds the lock); dgr_session never sees it."""
 
 
 def _stage_tuple(stages: Iterable[StageSpec]) -> tuple[StageSpec, ...]:
@@ -112,6 +122,7 @@ def validate_route(
     min_context: int = 0,
     min_rows: int = 0,
     required_evidence: EvidenceClass = EvidenceClass.REAL_HARDWARE,
+    verify_certification: CertificationVerifier | None = None,
 ) -> Route:
     """Check ``route`` and return it unchanged, or raise the first violation found.
 
@@ -129,7 +140,9 @@ def validate_route(
       tokens (width 0 in) or the last does not produce logits (width 0 out);
     * :class:`DarkLane`: an uncertified lane; :class:`InsufficientEvidence` (a ``DarkLane``): a
       lane certified by evidence below ``required_evidence`` (default ``real-hardware``: a
-      fixture or real-model certification does not make a lane routable for production).
+      fixture or real-model certification does not make a lane routable for production);
+      :class:`UnverifiedCertification` (a ``DarkLane``): with ``verify_certification``, a stage
+      whose certification it does not vouch for (the caller's lock, not the worker's word).
     """
     want_identity = identity if identity is not None else route.stages[0].identity
     want_recipe = recipe if recipe is not None else route.stages[0].recipe
@@ -188,7 +201,7 @@ def validate_route(
             if produced == 0 or produced != stage.boundary_in:
                 message = f"takes width {stage.boundary_in}, stage {index - 1} produces {produced}"
                 raise _at(BoundaryMismatch, index, stage, message)
-        _check_certified(stage, index, required_evidence)
+        _check_certified(stage, index, required_evidence, verify_certification)
         expected_begin = stage.layer_end
     return route
 
@@ -197,11 +210,25 @@ def _at(cls: type[RouteInvalid], index: int, stage: StageSpec, message: str) -> 
     return cls(message, stage_index=index, endpoint=stage.endpoint)
 
 
-def _check_certified(stage: StageSpec, index: int, required: EvidenceClass) -> None:
+def _check_certified(
+    stage: StageSpec,
+    index: int,
+    required: EvidenceClass,
+    verify: CertificationVerifier | None,
+) -> None:
     lane = stage.lane
     if not lane.certified or lane.evidence is None:
         message = f"{_where(lane)} is dark: no certification record matches it"
         raise _at(DarkLane, index, stage, message)
+    if verify is not None:
+        why = verify(stage)
+        if why is not None:
+            message = (
+                f"{_where(lane)} advertises {lane.evidence.value} certification (record "
+                f"{lane.record_id[:12] or '?'}) that does not verify under the client's trust: "
+                f"{why}"
+            )
+            raise _at(UnverifiedCertification, index, stage, message)
     if not lane.evidence.satisfies(required):
         message = (
             f"{_where(lane)} is certified with {lane.evidence.value} evidence (record "

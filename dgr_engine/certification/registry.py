@@ -18,7 +18,7 @@ from dgr_engine.certification.errors import EvidenceError
 from dgr_engine.certification.gates import CORRECTNESS
 from dgr_engine.certification.lane import LaneKey
 from dgr_engine.certification.lock import Lock, load_lock
-from dgr_engine.certification.record import RecordKind, Verdict, load_evidence
+from dgr_engine.certification.record import RecordKind, Verdict, load_evidence, record_json
 from dgr_session.identity import EvidenceClass
 
 
@@ -30,6 +30,8 @@ class Certification:
     record_id: str
     path: Path
     """The record's file."""
+    record_text: str = ""
+    """The signed record (its JSON), what the advert carries for clients to check."""
 
 
 @attrs.frozen
@@ -82,5 +84,5 @@ def find_certification(
         if not loaded.records and not loaded.refused:
             reasons.append(f"no records in {evidence_dir}")
         return LaneLookup(None, tuple(reasons))
-    cert = Certification(best.evidence_class, best.record_id, best_path)
+    cert = Certification(best.evidence_class, best.record_id, best_path, record_json(best))
     return LaneLookup(cert, (f"certified by record {best.record_id[:12]}", *reasons))

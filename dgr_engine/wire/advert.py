@@ -9,7 +9,9 @@ costs, and how healthy it is. Serialization lives in :func:`advert_to_proto` /
 
 Certification: a worker is ``certified`` only when an evidence record of its exact lane is
 loaded (``dgr_engine.certification.registry``); the advert then names the record's evidence
-class and id. Otherwise it is ``dark``, and dark lanes are unroutable.
+class and id, and carries the signed record itself, so a client checks the certification
+against its own lock (``dgr_engine.certification.verify``) instead of taking the worker's word.
+Otherwise it is ``dark``, and dark lanes are unroutable.
 """
 
 from __future__ import annotations
@@ -217,6 +219,7 @@ def advert_to_proto(advert: Advert) -> pb.Advert:
             evidence=_EVIDENCE_TO_PB[lane.evidence],
             lane_id=lane.lane_id,
             record_id=lane.record_id,
+            record=lane.record,
         ),
         security=pb.Security(**attrs.asdict(advert.security)),
     )
@@ -252,6 +255,7 @@ def advert_from_proto(msg: pb.Advert) -> Advert:
             evidence=_EVIDENCE_FROM_PB[msg.certification.evidence] if certified else None,
             lane_id=msg.certification.lane_id,
             record_id=msg.certification.record_id if certified else "",
+            record=msg.certification.record if certified else "",
         ),
         schema_version=c.schema_version,
         artifacts=c.artifacts,

@@ -574,6 +574,7 @@ class ShardWorker:
             evidence=None if cert is None else cert.evidence_class,
             lane_id=self.lane_key.lane_id,
             record_id="" if cert is None else cert.record_id,
+            record="" if cert is None else cert.record_text,
         )
 
     def advert(self) -> Advert:

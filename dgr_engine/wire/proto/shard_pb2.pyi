@@ -241,16 +241,18 @@ class Health(_message.Message):
     def __init__(self, uptime_seconds: _Optional[float] = ..., recent_errors: _Optional[int] = ..., total_errors: _Optional[int] = ..., window_seconds: _Optional[float] = ...) -> None: ...
 
 class Certification(_message.Message):
-    __slots__ = ("status", "evidence", "lane_id", "record_id")
+    __slots__ = ("status", "evidence", "lane_id", "record_id", "record")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     EVIDENCE_FIELD_NUMBER: _ClassVar[int]
     LANE_ID_FIELD_NUMBER: _ClassVar[int]
     RECORD_ID_FIELD_NUMBER: _ClassVar[int]
+    RECORD_FIELD_NUMBER: _ClassVar[int]
     status: LaneStatus
     evidence: EvidenceClass
     lane_id: str
     record_id: str
-    def __init__(self, status: _Optional[_Union[LaneStatus, str]] = ..., evidence: _Optional[_Union[EvidenceClass, str]] = ..., lane_id: _Optional[str] = ..., record_id: _Optional[str] = ...) -> None: ...
+    record: str
+    def __init__(self, status: _Optional[_Union[LaneStatus, str]] = ..., evidence: _Optional[_Union[EvidenceClass, str]] = ..., lane_id: _Optional[str] = ..., record_id: _Optional[str] = ..., record: _Optional[str] = ...) -> None: ...
 
 class Advert(_message.Message):
     __slots__ = ("compatibility", "range", "capacity", "load", "seam", "health", "certification", "security")
