@@ -3,9 +3,11 @@
 A real ``dgr worker`` serving the whole tiny-llama. Bytes that are not a valid message get
 INVALID_ARGUMENT with ``dgr-status: DGR_E_FRAME`` on every RPC (they got ``UNKNOWN`` with no
 trailer). Then hypothesis sends raw bytes and generated messages to every RPC, ForwardStream
-included: never a crash, never ``UNKNOWN``, every refusal carries a ``dgr-status``; and a
-victim session decodes on the same worker between the examples and keeps producing the whole
-model's tokens.
+included, and to the ``Chain`` service's: never a crash, never ``UNKNOWN``, every refusal
+carries a ``dgr-status`` and none is ``DGR_E_INTERNAL`` (enum fields take any int32, defined or
+not: issue 28's dtype 77); a victim session decodes on the same worker between the examples and
+keeps producing the whole model's tokens; and nothing the fuzzer sends counts against the
+worker's advertised health (``total_errors`` stays 0).
 """
 
 from __future__ import annotations
@@ -25,8 +27,15 @@ from dgr_engine.chain import whole_model_reference
 from dgr_engine.client import ShardClient, expectations_of
 from dgr_engine.options import EngineOptions
 from dgr_engine.processes import WorkerProcess
-from dgr_engine.wire.frames import Expectations, expectations_to_proto
+from dgr_engine.wire.advert import Advert
+from dgr_engine.wire.frames import (
+    Expectations,
+    encode_forward,
+    expectations_to_proto,
+    output_from_reply,
+)
 from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import STATUS_KEY
 
 pytestmark = pytest.mark.slow
@@ -43,7 +52,13 @@ METHODS = {
     "Forward": "unary",
     "CloseSession": "unary",
     "ForwardStream": "stream",
+    "Usage": "unary",
+    "Link": "unary",
+    "ChainOutput": "server-stream",
+    "ChainStream": "stream",
 }
+SERVICE = {"Link": "Chain", "ChainOutput": "Chain", "ChainStream": "Chain"}
+INT32 = st.integers(-(2**31), 2**31 - 1)
 GARBAGE = b"\xff\xff\xff\xff"  # a field tag whose varint never ends: no message parses it
 EXAMPLES = 100  # per strategy (raw bytes, and messages per request type)
 
@@ -65,12 +80,15 @@ def want(tiny_llama: Path) -> list[int]:
 
 
 class Victim:
-    """A session decoding on the fuzzed worker, one step per call of :meth:`step`."""
+    """A session decoding on the fuzzed worker, one step per call of :meth:`step` (each in a
+    loop of its own, so each with a channel of its own: the session secret its open answered
+    goes with every later frame and the close)."""
 
     def __init__(self, address: str, session_id: str) -> None:
         self.address = address
         self.session_id = session_id
         self.tokens: list[int] = []
+        self.secret = b""
 
     async def step(self) -> None:
         if len(self.tokens) >= VICTIM_STEPS:
@@ -79,27 +97,47 @@ class Victim:
             expect = expectations_of(await client.describe())
             if not self.tokens:
                 await client.open(self.session_id, 1, expect)
+                self.secret = client.session_secret(self.session_id, 1)
                 rows, positions = PROMPT, range(len(PROMPT))
             else:
                 at = len(PROMPT) + len(self.tokens) - 1
                 rows, positions = [self.tokens[-1]], range(at, at + 1)
-            result = await client.forward(
-                self.session_id, 1, len(self.tokens), expect, positions, tokens=rows
-            )
-            self.tokens.append(int(np.argmax(result.output[-1])))
+        request = encode_forward(
+            self.session_id,
+            1,
+            len(self.tokens),
+            expect,
+            positions,
+            tokens=rows,
+            session_secret=self.secret,
+        )
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            reply = await shard_pb2_grpc.ShardStub(channel).Forward(request, timeout=20.0)
+        self.tokens.append(int(np.argmax(output_from_reply(reply)[-1])))
 
     async def close(self) -> None:
-        async with ShardClient(self.address, timeout=20.0, streaming=False) as client:
-            await client.close(self.session_id, 1)
+        request = pb.CloseSessionRequest(
+            session_id=self.session_id, epoch=1, session_secret=self.secret
+        )
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            await shard_pb2_grpc.ShardStub(channel).CloseSession(request, timeout=20.0)
 
 
-async def call_raw(address: str, method: str, payload: bytes) -> grpc.aio.AioRpcError | None:
-    """Sends ``payload`` as the request bytes of ``method``; the error, or None if answered."""
+async def call_raw(
+    address: str, method: str, payload: bytes, answers: list[bytes] | None = None
+) -> grpc.aio.AioRpcError | None:
+    """Sends ``payload`` as the request bytes of ``method``; the error, or None if answered
+    (a unary answer's bytes appended to ``answers``)."""
     async with grpc.aio.insecure_channel(address) as channel:
-        path = f"/dgr.shard.v1.Shard/{method}"
+        path = f"/dgr.shard.v1.{SERVICE.get(method, 'Shard')}/{method}"
         try:
             if METHODS[method] == "unary":
-                await channel.unary_unary(path)(payload, timeout=10.0)
+                answer = await channel.unary_unary(path)(payload, timeout=10.0)
+                if answers is not None:
+                    answers.append(answer)
+            elif METHODS[method] == "server-stream":
+                async for _ in channel.unary_stream(path)(payload, timeout=10.0):
+                    pass
             else:
                 call = channel.stream_stream(path)(iter([payload]), timeout=10.0)
                 async for _ in call:
@@ -121,6 +159,13 @@ def assert_typed(error: grpc.aio.AioRpcError | None) -> None:
         return
     assert error.code() is not grpc.StatusCode.UNKNOWN, error
     assert dgr_status(error) is not None, error
+    assert dgr_status(error) != "DGR_E_INTERNAL", error  # a caller's input is never a fault
+
+
+def assert_healthy(worker: WorkerProcess) -> None:
+    """Nothing sent so far counted against the worker's advertised health."""
+    advert = run(_describe(worker.address))
+    assert (advert.health.recent_errors, advert.health.total_errors) == (0, 0), advert.health
 
 
 @pytest.mark.parametrize("method", list(METHODS))
@@ -163,6 +208,7 @@ def test_raw_bytes_on_every_rpc(worker: WorkerProcess, want: list[int], method: 
     assert examples >= EXAMPLES // 2
     assert worker.proc.poll() is None, worker.stderr_text()
     assert victim.tokens == want[: len(victim.tokens)] and len(victim.tokens) >= examples // 2
+    assert_healthy(worker)
 
 
 def expectations(real: Expectations) -> st.SearchStrategy[pb.Expectations]:
@@ -184,7 +230,7 @@ def session_ids() -> st.SearchStrategy[str]:
 def tensors() -> st.SearchStrategy[pb.Tensor]:
     return st.builds(
         pb.Tensor,
-        dtype=st.integers(0, 3),
+        dtype=st.one_of(st.integers(0, 3), INT32),  # defined values, and any other
         shape=st.lists(st.integers(0, 2**32 - 1), max_size=3),
         data=st.binary(max_size=512),
     )
@@ -205,6 +251,10 @@ def forward_requests(real: Expectations) -> st.SearchStrategy[pb.ForwardRequest]
         logit_rows=st.lists(u32, max_size=4),
         timeout_ms=st.integers(0, 60_000),
         no_logits=st.booleans(),
+        kind=st.one_of(st.integers(0, 3), INT32),
+        chain_hop=u32,
+        ring_until_step=st.integers(0, 2**64 - 1),
+        ring_stop=st.lists(INT32, max_size=3),
     )
 
 
@@ -227,6 +277,24 @@ def test_generated_messages_on_every_rpc(
         ),
         "Forward": forward_requests(real),
         "ForwardStream": forward_requests(real),
+        "Usage": st.builds(pb.UsageRequest, session_id=session_ids()),
+        "Link": st.builds(
+            pb.LinkRequest,
+            session_id=session_ids(),
+            epoch=st.integers(0, 2**64 - 1),
+            session_secret=st.binary(max_size=40),
+            next=st.builds(
+                pb.ChainHop,
+                endpoint=st.text(max_size=40),
+                expect=expectations(real),
+                tls=st.booleans(),
+            ),
+            ring=st.booleans(),
+        ),
+        "ChainOutput": st.builds(
+            pb.ChainOutputRequest, session_id=session_ids(), epoch=st.integers(0, 2**64 - 1)
+        ),
+        "ChainStream": forward_requests(real),
     }[method]
     examples = 0
 
@@ -235,11 +303,16 @@ def test_generated_messages_on_every_rpc(
     def fuzz(message: Any) -> None:
         nonlocal examples
         examples += 1
-        error = run(call_raw(worker.address, method, message.SerializeToString()))
+        answers: list[bytes] = []
+        error = run(call_raw(worker.address, method, message.SerializeToString(), answers))
         assert_typed(error)
         if method == "OpenSession" and error is None:  # it opened: give the slot back
-            close = pb.CloseSessionRequest(session_id=message.session_id, epoch=message.epoch)
-            assert_typed(run(call_raw(worker.address, "CloseSession", close.SerializeToString())))
+            secret = pb.OpenSessionReply.FromString(answers[0]).session_secret
+            close = pb.CloseSessionRequest(
+                session_id=message.session_id, epoch=message.epoch, session_secret=secret
+            )
+            closing = close.SerializeToString()
+            assert run(call_raw(worker.address, "CloseSession", closing)) is None
         run(victim.step())
 
     run(victim.step())
@@ -248,8 +321,14 @@ def test_generated_messages_on_every_rpc(
     print(f"\n{method}: {examples} examples, victim {len(victim.tokens)} tokens exact")
     assert worker.proc.poll() is None, worker.stderr_text()
     assert victim.tokens == want[: len(victim.tokens)] and len(victim.tokens) >= examples // 2
+    assert_healthy(worker)
+    assert "Traceback" not in worker.stderr_text()
+
+
+async def _describe(address: str) -> Advert:
+    async with ShardClient(address, timeout=10.0) as client:
+        return await client.describe()
 
 
 async def _expectations(address: str) -> Expectations:
-    async with ShardClient(address, timeout=10.0) as client:
-        return expectations_of(await client.describe())
+    return expectations_of(await _describe(address))
