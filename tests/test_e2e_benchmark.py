@@ -141,6 +141,17 @@ def test_artifacts_benchmark_smoke(tmp_path: Path) -> None:
         assert row["trusted_chunks"] > 0 and row["hashed_chunks"] + row["trusted_chunks"] == chunks
 
 
+def test_artifact_verify_benchmark_smoke(tmp_path: Path) -> None:
+    args = ["--gib", "0.02", "--files", "2", "--chunk-mib", "1", "--repeats", "1"]
+    done = run_benchmark("artifact_verify", [*args, "--out", str(tmp_path)])
+    assert "load check, page cache warm" in done.stdout
+    result = json.loads((tmp_path / "artifact_verify.json").read_text())
+    assert result["bytes"] == 2 * (int(0.02 * 2**30) // 2)
+    rows = {r["what"]: r for r in result["rows"]}
+    for what in ("load check, page cache warm", "load check, page cache dropped"):
+        assert rows[what]["s_per_gib"] > 0 and len(rows[what]["seconds"]) == 1
+
+
 def test_recovery_benchmark_smoke(tmp_path: Path) -> None:
     args = ["--fixture", "tiny-llama", "--accepted", "8,48", "--seeds", "6", "--out", str(tmp_path)]
     done = run_benchmark("recovery", args)
