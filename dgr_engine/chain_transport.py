@@ -46,7 +46,7 @@ from dgr_engine.errors import (
 from dgr_engine.stage_transport import GrpcStageTransport, expectations_for
 from dgr_engine.wire.frames import encode_forward, expectations_to_proto, output_from_reply
 from dgr_engine.wire.proto import shard_pb2 as pb
-from dgr_engine.wire.status import CHAIN_HOP_KEY, error_from_trailers
+from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY, error_from_trailers
 from dgr_session.errors import DgrError
 from dgr_session.faults import FaultKind
 from dgr_session.identifiers import check_session_id
@@ -266,6 +266,9 @@ class _Chain:
                 error: Exception
                 if isinstance(result, grpc.aio.AioRpcError):
                     error = _error_of(result)
+                    said = dict(result.trailing_metadata() or ())
+                    if k < last and said.get(STATUS_KEY) == "DGR_E_UNAVAILABLE":
+                        k += 1  # stage k could not reach the next stage it was to confirm
                 elif isinstance(result, TimeoutError):
                     error = ShardDeadlineExceeded(f"no answer within {t.timeout} s")
                 elif isinstance(result, DgrError):

@@ -69,6 +69,8 @@ __all__ = [
 
 DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
 """Largest reply the client accepts by default (a 512-row prefill of full V4 logits is ~260 MB)."""
+USAGE_SECRETS_KEPT = 4096
+"""Sessions whose last secret a client keeps after their close, for ``usage``."""
 
 
 def expectations_of(advert: Advert) -> Expectations:
@@ -139,8 +141,11 @@ class ShardClient:
         self.timeout = timeout
         self.streaming = streaming
         self._streams: dict[str, _SessionStream] = {}
-        # session id -> (epoch, secret) a worker with grants answered the open with
+        # session id -> (epoch, secret) the worker answered the open with
         self._secrets: dict[str, tuple[int, bytes]] = {}
+        # session id -> the last secret an open answered, kept after the close for usage()
+        # (the newest USAGE_SECRETS_KEPT sessions)
+        self._usage_secrets: dict[str, bytes] = {}
         options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
@@ -189,10 +194,20 @@ class ShardClient:
         reply = await self._call(self._stub.Describe, pb.DescribeRequest(), timeout)
         return advert_from_proto(reply)
 
-    async def usage(self, session_id: str, *, timeout: float | None = None) -> list[UsageRecord]:
-        """The worker's own usage records of ``session_id``, per epoch (none if it has none)."""
+    async def usage(
+        self, session_id: str, *, grant: bytes = b"", timeout: float | None = None
+    ) -> list[UsageRecord]:
+        """The worker's own usage records of ``session_id``, per epoch (none if it has none).
+        The worker answers the session's holder: this client sends the secret its last open
+        of the session answered; ``grant``: the tracker's credential instead
+        (``GrantIssuer.usage_grant``). Refused (``GrantUnauthenticated``) otherwise."""
         check_session_id(session_id)
-        reply = await self._call(self._stub.Usage, pb.UsageRequest(session_id=session_id), timeout)
+        request = pb.UsageRequest(
+            session_id=session_id,
+            session_secret=self._usage_secrets.get(session_id, b""),
+            grant=grant,
+        )
+        reply = await self._call(self._stub.Usage, request, timeout)
         return [
             UsageRecord(
                 session_id=r.session_id,
@@ -232,6 +247,10 @@ class ShardClient:
         self._check_echo(reply, session_id, epoch)
         if reply.session_secret:
             self._secrets[session_id] = (epoch, reply.session_secret)
+            self._usage_secrets.pop(session_id, None)
+            self._usage_secrets[session_id] = reply.session_secret
+            while len(self._usage_secrets) > USAGE_SECRETS_KEPT:
+                del self._usage_secrets[next(iter(self._usage_secrets))]
         else:
             self._secrets.pop(session_id, None)
 
@@ -241,9 +260,10 @@ class ShardClient:
         stream = self._streams.pop(session_id, None)
         if stream is not None:
             await stream.finish()
-        request = pb.CloseSessionRequest(
-            session_id=session_id, epoch=epoch, session_secret=self._secret(session_id, epoch)
-        )
+        held = self._secrets.get(session_id)
+        # the close of a newer epoch closes the older one held there: it takes that one's secret
+        secret = held[1] if held is not None and held[0] <= epoch else b""
+        request = pb.CloseSessionRequest(session_id=session_id, epoch=epoch, session_secret=secret)
         reply = await self._call(self._stub.CloseSession, request, timeout)
         self._check_echo(reply, session_id, epoch)
         held = self._secrets.get(session_id)

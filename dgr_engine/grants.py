@@ -10,6 +10,18 @@ A worker refuses an open without a valid grant for exactly that session, epoch a
 ``GrantUnauthenticated`` (gRPC ``UNAUTHENTICATED``) for a missing, malformed or badly signed one
 or an unknown key id; ``GrantDenied`` (``PERMISSION_DENIED``) for a valid grant of another
 session, epoch, stage, model or lane, an expired one, or one used before (each nonce opens once).
+
+Replay across a restart: a grant names when it was issued (``issued_at``, signed), and a
+verifier refuses every grant issued before the verifier itself was made, that is before this
+instance of the worker started. A restarted worker has forgotten the nonces its previous
+instance spent, but every grant that instance could have spent was issued before the restart,
+so none opens again. Why this and not a durable replay cache: it needs no state on disk that
+could be lost, copied or shared between workers, and a worker that restarted holds no session
+anyway (its KV is gone), so its clients open a new epoch with fresh grants. It assumes the
+tracker's clock and the worker's agree to within the time between issuing and using a grant
+(expiry assumes as much). A grant also names the stage its stage's output may go to on a
+chained route (``next_endpoint``; the first stage for the last one, a ring): ``Chain.Link``
+dials nothing else.
 """
 
 from __future__ import annotations
@@ -61,6 +73,12 @@ class Grant:
     """Unix time after which the grant opens nothing."""
     key_id: str
     nonce: str = attrs.field(factory=lambda: secrets.token_hex(16))
+    issued_at: float = attrs.field(factory=time.time)
+    """Unix time the tracker signed it; a worker that started later refuses it (a restarted
+    worker cannot know whether its previous instance spent it)."""
+    next_endpoint: str = ""
+    """The endpoint this stage's output may be sent to on a chained route (the route's next
+    stage; for the last stage, the first: a ring); ``""``: none (``Chain.Link`` is refused)."""
 
     def payload(self) -> bytes:
         return json.dumps(attrs.asdict(self), sort_keys=True, separators=(",", ":")).encode()
@@ -95,13 +113,20 @@ class GrantVerifier:
     their grants expire, so a grant opens once."""
 
     def __init__(
-        self, keys: Mapping[str, Ed25519PublicKey], clock: Callable[[], float] = time.time
+        self,
+        keys: Mapping[str, Ed25519PublicKey],
+        clock: Callable[[], float] = time.time,
+        *,
+        started_at: float | None = None,
     ) -> None:
         if not keys:
             raise ValueError("a grant verifier needs at least one key")
         self.keys = dict(keys)
         self._now = clock
         self._used: dict[str, float] = {}
+        self.started_at = clock() if started_at is None else started_at
+        """Grants issued before this (the worker's start) open nothing: the nonces a previous
+        instance spent are not known here."""
 
     def verify(
         self,
@@ -116,23 +141,7 @@ class GrantVerifier:
     ) -> Grant:
         """The grant of ``token`` if it permits exactly this open; raises otherwise. A grant
         that passes is spent."""
-        payload, signature, fields = _parse(token)
-        key = self.keys.get(str(fields.get("key_id")))
-        if key is None:
-            raise GrantUnauthenticated(
-                "DGR_E_UNAUTHENTICATED: route grant signed by an unknown key "
-                f"{fields.get('key_id')!r}"
-            )
-        try:
-            key.verify(signature, payload)
-        except InvalidSignature:
-            raise GrantUnauthenticated(
-                "DGR_E_UNAUTHENTICATED: the route grant's signature does not verify"
-            ) from None
-        try:
-            grant = Grant(**fields)
-        except TypeError:
-            raise GrantUnauthenticated(_MALFORMED) from None
+        grant = self.signed(token)
         wanted = {
             "session": (grant.session_id, session_id),
             "epoch": (grant.epoch, epoch),
@@ -150,12 +159,54 @@ class GrantVerifier:
         now = self._now()
         if not grant.expires_at > now:
             raise GrantDenied("DGR_E_PERMISSION: the route grant has expired")
+        if grant.issued_at < self.started_at:
+            raise GrantDenied(
+                "DGR_E_PERMISSION: the route grant was issued before this worker started "
+                "(a restarted worker cannot tell whether it was used before): ask for a fresh one"
+            )
         for nonce in [n for n, until in self._used.items() if until <= now]:
             del self._used[nonce]
         if grant.nonce in self._used:
             raise GrantDenied("DGR_E_PERMISSION: the route grant was used before")
         self._used[grant.nonce] = grant.expires_at
         return grant
+
+    def signed(self, token: bytes) -> Grant:
+        """The grant of ``token`` if a known key signed it (whatever it permits); raises
+        ``GrantUnauthenticated`` otherwise. Spends nothing."""
+        payload, signature, fields = _parse(token)
+        key = self.keys.get(str(fields.get("key_id")))
+        if key is None:
+            raise GrantUnauthenticated(
+                "DGR_E_UNAUTHENTICATED: route grant signed by an unknown key "
+                f"{fields.get('key_id')!r}"
+            )
+        try:
+            key.verify(signature, payload)
+        except InvalidSignature:
+            raise GrantUnauthenticated(
+                "DGR_E_UNAUTHENTICATED: the route grant's signature does not verify"
+            ) from None
+        if not isinstance(fields.get("issued_at"), int | float):  # an issuer older than this
+            raise GrantUnauthenticated(_MALFORMED + " (no issue time)")
+        try:
+            return Grant(**fields)
+        except TypeError:
+            raise GrantUnauthenticated(_MALFORMED) from None
+
+    def permits_usage(self, token: bytes, *, session_id: str, endpoint: str) -> bool:
+        """Whether ``token`` is the tracker's credential for reading the usage of
+        ``session_id`` on this stage: a grant a known key signed, unexpired, for that session
+        and stage endpoint (any epoch; nothing spent)."""
+        try:
+            grant = self.signed(token)
+        except GrantUnauthenticated:
+            return False
+        return (
+            grant.session_id == session_id
+            and grant.endpoint == endpoint
+            and grant.expires_at > self._now()
+        )
 
     def refund(self, grant: Grant) -> None:
         """``grant`` opened nothing after all (the worker was busy): it may be used again."""
@@ -198,7 +249,10 @@ class GrantIssuer:
         self._now = clock
 
     def grant_route(self, session_id: str, epoch: int, route: Route) -> Route:
-        expires = self._now() + self.ttl_seconds
+        """``route`` with each stage's grant: for that stage, naming the next stage as where
+        its output may go (the first stage for the last: a ring may link back)."""
+        now = self._now()
+        stages = route.stages
         return Route(
             attrs.evolve(
                 stage,
@@ -211,14 +265,34 @@ class GrantIssuer:
                         layer_end=stage.layer_end,
                         model_sha256=stage.identity.content_hash.hex(),
                         lane_id=stage.lane.lane_id,
-                        expires_at=expires,
+                        expires_at=now + self.ttl_seconds,
                         key_id=self.key_id,
+                        issued_at=now,
+                        next_endpoint=stages[(index + 1) % len(stages)].endpoint,
                     ),
                     self.key,
                 ),
             )
-            for stage in route.stages
+            for index, stage in enumerate(stages)
         )
+
+    def usage_grant(self, session_id: str, endpoint: str) -> bytes:
+        """The tracker's credential for a worker's ``Usage`` of ``session_id`` at
+        ``endpoint`` (a grant that opens nothing: no layers, model or lane)."""
+        now = self._now()
+        grant = Grant(
+            session_id=session_id,
+            epoch=0,
+            endpoint=endpoint,
+            layer_begin=0,
+            layer_end=0,
+            model_sha256="",
+            lane_id="",
+            expires_at=now + self.ttl_seconds,
+            key_id=self.key_id,
+            issued_at=now,
+        )
+        return issue(grant, self.key)
 
     def worker_args(self, directory: str | os.PathLike[str]) -> list[str]:
         """``dgr worker`` arguments that make a worker check this issuer's grants (its public

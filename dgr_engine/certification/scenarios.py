@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
+import grpc
 import numpy as np
 import numpy.typing as npt
 
@@ -29,6 +30,8 @@ from dgr_engine.engine import ShardEngine
 from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import LoopbackRouteProvider
 from dgr_engine.stage_transport import ForwardRecord, GrpcStageTransport
+from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_session.faults import FailureReport
 from dgr_session.identity import CertificationStatus, EvidenceClass
 from dgr_session.manager import SessionHandle, SessionManager, SessionResult
@@ -100,11 +103,15 @@ async def run_sessions(
     observer: Callable[[ForwardRecord], None] | None = None,
     on_token: Callable[[int, int], None] | None = None,
     act: Callable[[list[SessionHandle]], None] | None = None,
+    seen: Callable[[GrpcStageTransport], None] | None = None,
 ) -> list[SessionResult]:
     """Greedy route sessions over ``provider`` (one per prompt), concurrently; ``act`` is
-    called with their handles once all have started, ``on_token`` with (index, token)."""
+    called with their handles once all have started, ``on_token`` with (index, token),
+    ``seen`` with the transport they run on."""
     policy = FailurePolicy(step_deadline=deadline, session_deadline=20 * deadline)
     async with GrpcStageTransport(timeout=deadline, observer=observer) as transport:
+        if seen is not None:
+            seen(transport)
         manager = SessionManager(
             transport,
             CandidateRoutes(provider, evidence),
@@ -347,13 +354,15 @@ async def isolation(
     limits: Thresholds,
 ) -> Outcome:
     """Concurrent sessions; mid-decode, session 0 is cancelled and session 1's state is killed
-    on every stage (closed under it by another client: its next frame finds nothing, so it must
-    re-prefill alone). Every other session's tokens must equal the whole model's, and session
-    1 must still end with them."""
+    on every stage (closed under it with its own secret, as a worker that lost it would: its
+    next frame finds nothing, so it must re-prefill alone; no other client may close it).
+    Every other session's tokens must equal the whole model's, and session 1 must still end
+    with them."""
     n = len(reference.prompts)
     half = max(1, limits.isolation_tokens // 2)
     handles: list[SessionHandle] = []
     kills: list[asyncio.Task[None]] = []
+    transports: list[GrpcStageTransport] = []
 
     def on_token(index: int, _token: int) -> None:
         if index != 0 or kills or len(handles[0].tokens) < half:
@@ -363,7 +372,9 @@ async def isolation(
         route = victim.core.route
         assert route is not None  # it is decoding
         kills.append(
-            asyncio.ensure_future(_close_under(route, victim.session_id, victim.core.epoch))
+            asyncio.ensure_future(
+                _close_under(transports[0], route, victim.session_id, victim.core.epoch)
+            )
         )
 
     results = await run_sessions(
@@ -374,6 +385,7 @@ async def isolation(
         deadline=limits.step_deadline_seconds,
         on_token=on_token,
         act=handles.extend,
+        seen=transports.append,
     )
     for kill in kills:
         await kill
@@ -393,12 +405,17 @@ async def isolation(
     return Outcome(figures, _req("isolation.sessions", ok, detail))
 
 
-async def _close_under(route: Route, session_id: str, epoch: int) -> None:
+async def _close_under(
+    transport: GrpcStageTransport, route: Route, session_id: str, epoch: int
+) -> None:
     for stage in route.stages:
-        async with ShardClient(stage.endpoint, timeout=5.0) as client:
+        # the session's own client (it holds the secret); the session is not told
+        secret = transport.client(stage.endpoint).session_secret(session_id, epoch)
+        request = pb.CloseSessionRequest(session_id=session_id, epoch=epoch, session_secret=secret)
+        async with grpc.aio.insecure_channel(stage.endpoint) as channel:  # loopback workers
             try:
-                await client.close(session_id, epoch)
-            except Exception:  # noqa: BLE001 - the session may be gone already: that is fine
+                await shard_pb2_grpc.ShardStub(channel).CloseSession(request, timeout=5.0)
+            except grpc.aio.AioRpcError:  # the session may be gone already: that is fine
                 pass
 
 

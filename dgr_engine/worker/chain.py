@@ -26,7 +26,7 @@ import grpc
 import numpy as np
 
 from dgr_engine.client import DEFAULT_MAX_MESSAGE_BYTES, session_metadata
-from dgr_engine.errors import EngineError, FrameRejected
+from dgr_engine.errors import EngineError, FrameRejected, GrantDenied, ShardUnavailable
 from dgr_engine.tls import ClientTls
 from dgr_engine.wire import frames
 from dgr_engine.wire.proto import shard_pb2 as pb
@@ -49,6 +49,9 @@ CHAIN_SERVICE_NAME = "dgr.shard.v1.Chain"
 
 _FAILURE_WAIT = 5.0
 """Seconds a stage whose write downstream failed waits for the downstream's status."""
+
+_CONFIRM_WAIT = 5.0
+"""Seconds a stage without grant keys waits for a next stage to confirm a link."""
 
 MAX_CHAIN_HOP = 1 << 16
 """The largest ``chain_hop`` a chained frame may carry (a route has far fewer stages; a larger
@@ -96,6 +99,8 @@ class ChainHub:
         # a ring's stream from this (last) stage to the first, per session (with its link)
         self._rings: dict[str, tuple[_Link, _Downstream]] = {}
         self._stubs: dict[tuple[str, bool], shard_pb2_grpc.ChainStub] = {}
+        # the Shard service over the same channels (confirm_next asks a next stage's Usage)
+        self._shard_stubs: dict[tuple[str, bool], shard_pb2_grpc.ShardStub] = {}
         self._channels: list[grpc.aio.Channel] = []
         # downstream streams' watchers still running (kept referenced; cancelled at close)
         self.watchers: set[asyncio.Task[None]] = set()
@@ -131,6 +136,38 @@ class ChainHub:
         held_ring = self._rings.get(session_id)
         if held_ring is not None and held_ring[0].epoch < epoch:
             self._rings.pop(session_id)[1].cancel()
+
+    async def confirm_next(
+        self, session_id: str, epoch: int, hop: pb.ChainHop, timeout: float
+    ) -> None:
+        """Without grant keys, before a link: the named next stage must say that it holds
+        ``(session_id, epoch)`` with the secret the linking client gave for it (a ``Usage``
+        with ``held``). One call, and no frame ever goes to an endpoint that does not; raises
+        ``GrantDenied`` when it answers no, ``ShardUnavailable`` when it does not answer (the
+        client then blames the next stage, not this one)."""
+        if hop.tls and self.tls is None:
+            return  # link() refuses it
+        probe = _Link(epoch, hop.endpoint, pb.Expectations(), bytes(hop.session_secret), hop.tls)
+        self.stub(probe)
+        shard = self._shard_stubs[(probe.endpoint, probe.tls)]
+        request = pb.UsageRequest(
+            session_id=session_id, session_secret=probe.secret, held=True, epoch=epoch
+        )
+        try:
+            await shard.Usage(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            said = dict(exc.trailing_metadata() or ())
+            if STATUS_KEY not in said:  # not a dgr worker's refusal: unreachable, or no worker
+                raise ShardUnavailable(
+                    f"DGR_E_UNAVAILABLE: the next stage {hop.endpoint!r} did not answer whether "
+                    f"it holds session {session_id!r} epoch {epoch} ({exc.code().name}): "
+                    "not linked"
+                ) from None
+            raise GrantDenied(
+                f"DGR_E_PERMISSION: the next stage {hop.endpoint!r} does not hold session "
+                f"{session_id!r} epoch {epoch} with the secret given ({said[STATUS_KEY]}): "
+                "not linked"
+            ) from None
 
     def next_hop(self, session_id: str, epoch: int) -> _Link:
         link = self._links.get(session_id)
@@ -232,6 +269,7 @@ class ChainHub:
                 channel = grpc.aio.insecure_channel(link.endpoint, options=options)
             self._channels.append(channel)
             stub = self._stubs[key] = shard_pb2_grpc.ChainStub(channel)
+            self._shard_stubs[key] = shard_pb2_grpc.ShardStub(channel)
         return stub
 
     async def aclose(self) -> None:
@@ -245,6 +283,7 @@ class ChainHub:
         self._outputs.clear()
         self._links.clear()
         self._stubs.clear()
+        self._shard_stubs.clear()
         channels, self._channels = self._channels, []
         for channel in channels:
             await channel.close()
@@ -443,6 +482,18 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
                     else "DGR_E_FRAME: the last stage links to no next stage but a ring's first"
                 )
             self._check_open(request.session_id, int(request.epoch))
+            if self.w.grants.enabled:  # only the next stage the route grant names
+                self.w.grants.check_link(
+                    request.session_id, int(request.epoch), request.next.endpoint
+                )
+            else:  # only a stage that holds this session and epoch with the secret given
+                remaining = context.time_remaining()
+                await self.hub.confirm_next(
+                    request.session_id,
+                    int(request.epoch),
+                    request.next,
+                    min(_CONFIRM_WAIT, remaining) if remaining is not None else _CONFIRM_WAIT,
+                )
             self.hub.link(request.session_id, int(request.epoch), request.next, ring=request.ring)
         except Exception as exc:
             await self.shard._refuse(context, exc, request, "link")

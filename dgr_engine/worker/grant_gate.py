@@ -1,7 +1,15 @@
-"""A worker's door for route grants: an open needs a grant for exactly that session, epoch and
-stage (``dgr_engine.grants``); the open returns a random session secret, which every later frame
-and the close of that epoch must carry (compared in constant time; no signature check per
-frame). Without grant keys the door is open and secrets are empty."""
+"""A worker's door for sessions: with grant keys, an open needs a route grant for exactly that
+session, epoch and stage (``dgr_engine.grants``); with or without them, the open returns a
+fresh random session secret, which every later frame, close, ``Link`` and ``ChainOutput`` of
+that epoch must carry (compared in constant time; no signature check per frame), so no client
+can touch a session another client opened.
+
+Without grant keys a request that names no session held here, or another epoch of it, passes
+the door and is refused by the session table as before (unknown session, stale epoch): it
+touches nothing. Every request that could touch the held epoch (a frame, link or output of
+that epoch; a close of that epoch or a newer one, which would close it) needs its secret. With
+grant keys every such request needs the secret of exactly its epoch.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +17,20 @@ import hmac
 import secrets
 from collections.abc import Callable
 
-from dgr_engine.errors import GrantUnauthenticated
+import attrs
+
+from dgr_engine.errors import GrantDenied, GrantUnauthenticated
 from dgr_engine.grants import Grant, GrantVerifier
 
 SECRET_BYTES = 16
+
+
+@attrs.frozen
+class _Held:
+    epoch: int
+    secret: bytes = attrs.field(repr=lambda b: b[:4].hex() + "…")
+    grant: Grant | None
+    """The grant the epoch was opened with (``None`` without grant keys)."""
 
 
 class GrantGate:
@@ -22,7 +40,9 @@ class GrantGate:
     def __init__(self, verifier: GrantVerifier | None, holds: Callable[[str], bool]) -> None:
         self.verifier = verifier
         self._holds = holds
-        self._secrets: dict[str, tuple[int, bytes]] = {}
+        self._held: dict[str, _Held] = {}
+        self._grants: dict[tuple[str, int], Grant] = {}
+        # grants admitted whose open has not answered yet (admit -> opened / refund)
 
     @property
     def enabled(self) -> bool:
@@ -43,7 +63,7 @@ class GrantGate:
         raises ``GrantUnauthenticated`` / ``GrantDenied`` otherwise."""
         if self.verifier is None:
             return None
-        return self.verifier.verify(
+        grant = self.verifier.verify(
             token,
             session_id=session_id,
             epoch=epoch,
@@ -52,36 +72,71 @@ class GrantGate:
             model_sha256=model_sha256,
             lane_id=lane_id,
         )
+        self._grants[session_id, epoch] = grant
+        return grant
 
     def refund(self, grant: Grant | None) -> None:
         """The open failed (busy, refused): its grant may be used again."""
         if grant is not None and self.verifier is not None:
+            self._grants.pop((grant.session_id, grant.epoch), None)
             self.verifier.refund(grant)
 
     def opened(self, session_id: str, epoch: int) -> bytes:
-        """After an open: the epoch's new secret (empty without grant keys)."""
-        if self.verifier is None:
-            return b""
-        for gone in [s for s in self._secrets if not self._holds(s)]:
-            del self._secrets[gone]
+        """After an open: the epoch's new secret (with or without grant keys)."""
+        for gone in [s for s in self._held if not self._holds(s)]:
+            del self._held[gone]
         secret = secrets.token_bytes(SECRET_BYTES)
-        self._secrets[session_id] = (epoch, secret)
+        grant = self._grants.pop((session_id, epoch), None)
+        self._held[session_id] = _Held(epoch, secret, grant)
         return secret
 
-    def check(self, session_id: str, epoch: int, secret: bytes) -> None:
-        """Before a frame or a close: ``GrantUnauthenticated`` unless ``secret`` is the one the
-        open of this epoch returned."""
+    def _current(self, session_id: str) -> _Held | None:
+        held = self._held.get(session_id)
+        return held if held is not None and self._holds(session_id) else None
+
+    def check(self, session_id: str, epoch: int, secret: bytes, *, close: bool = False) -> None:
+        """Before a frame, link, output stream or (``close``) a close: ``GrantUnauthenticated``
+        unless ``secret`` is the one the open of the held epoch returned (see the module's
+        doc for the requests that need none)."""
+        held = self._current(session_id)
         if self.verifier is None:
-            return
-        held = self._secrets.get(session_id)
-        expected = held[1] if held is not None and held[0] == epoch else b"\0" * SECRET_BYTES
-        if not hmac.compare_digest(expected, bytes(secret)) or held is None or held[0] != epoch:
+            touches = held is not None and (held.epoch <= epoch if close else held.epoch == epoch)
+            if not touches:
+                return  # nothing of this session held here, or another epoch: the table refuses
+        expected = held.secret if held is not None else b"\0" * SECRET_BYTES
+        matches = hmac.compare_digest(expected, bytes(secret))
+        if not matches or held is None or (self.verifier is not None and held.epoch != epoch):
             raise GrantUnauthenticated(
                 f"DGR_E_UNAUTHENTICATED: session {session_id!r} epoch {epoch}: no or the wrong "
                 "session secret"
             )
 
+    def check_held(self, session_id: str, epoch: int, secret: bytes) -> None:
+        """``GrantUnauthenticated`` unless the session is held here at ``epoch`` with
+        ``secret`` (with or without grant keys): a stage asking before it links to this one."""
+        held = self._current(session_id)
+        expected = held.secret if held is not None else b"\0" * SECRET_BYTES
+        if not hmac.compare_digest(expected, bytes(secret)) or held is None or held.epoch != epoch:
+            raise GrantUnauthenticated(
+                f"DGR_E_UNAUTHENTICATED: session {session_id!r} epoch {epoch} is not held here "
+                "with that session secret"
+            )
+
+    def check_link(self, session_id: str, epoch: int, endpoint: str) -> None:
+        """Before ``Link`` (its secret checked already), with grant keys: ``GrantDenied``
+        unless ``endpoint`` is the next stage the epoch's grant names."""
+        if self.verifier is None:
+            return
+        held = self._current(session_id)
+        granted = held.grant.next_endpoint if held is not None and held.grant else ""
+        if not granted or granted != endpoint:
+            names = f"next stage {granted!r}" if granted else "no next stage"
+            raise GrantDenied(
+                f"DGR_E_PERMISSION: session {session_id!r} epoch {epoch}: the route grant names "
+                f"{names}, not {endpoint!r}"
+            )
+
     def closed(self, session_id: str, epoch: int) -> None:
-        held = self._secrets.get(session_id)
-        if held is not None and held[0] <= epoch:
-            del self._secrets[session_id]
+        held = self._held.get(session_id)
+        if held is not None and held.epoch <= epoch:
+            del self._held[session_id]

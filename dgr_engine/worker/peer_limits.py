@@ -4,7 +4,9 @@ send, so that one client cannot take every slot or all the engine time of a work
 A client's identity is the common name of its TLS client certificate when the worker asks for
 one (mutual TLS), else the host it connects from. Refusals are ``DGR_E_CAPACITY``
 (``RESOURCE_EXHAUSTED``): a session refused for its client's limit is load, like a busy worker,
-and a frame over its session's rate carries the seconds until it would be taken.
+and a frame over its session's rate carries the seconds until it would be taken. Without grant
+keys the identity also guards a held session: another identity's open of it is refused
+(``DGR_E_PERMISSION``).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from dgr_engine.errors import CapacityExceeded
+from dgr_engine.errors import CapacityExceeded, GrantDenied
 
 
 def client_identity(peer: str, auth: Mapping[str, Any]) -> str:
@@ -95,6 +97,17 @@ class PeerLimits:
 
     def opened(self, client: str, session_id: str) -> None:
         self._owner[session_id] = client
+
+    def check_owner(self, client: str, session_id: str) -> None:
+        """Before an open on a worker without grant keys: ``GrantDenied`` when another client
+        identity holds ``session_id`` here (an open of a newer epoch would discard its state;
+        with grant keys the tracker's grant decides who may open it)."""
+        owner = self._owner.get(session_id)
+        if owner is not None and owner != client and self._holds(session_id):
+            raise GrantDenied(
+                f"DGR_E_PERMISSION: open of session {session_id!r}: another client holds it "
+                "on this worker"
+            )
 
     def check_frame(self, session_id: str) -> None:
         """Before a forward: ``CapacityExceeded`` (with ``retry_after``) when the session has

@@ -425,6 +425,15 @@ class ShardWorker:
             lane_id=self.lane_key.lane_id,
         )
 
+    def permits_usage(self, token: bytes, session_id: str) -> bool:
+        """Whether ``token`` is the tracker's credential for ``session_id``'s usage here (a
+        grant for it and this stage, signed by a grant key, unexpired); False without keys."""
+        verifier = self.grants.verifier
+        if not token or verifier is None:
+            return False
+        endpoint = self.config.grant_endpoint or self.address
+        return verifier.permits_usage(token, session_id=session_id, endpoint=endpoint)
+
     def abandon(self, session_id: str, epoch: int, why: str) -> None:
         """A call of ``(session_id, epoch)`` was cancelled by its caller (its deadline passed,
         or it gave up): a dgr client never uses an epoch again after a failed call, so the

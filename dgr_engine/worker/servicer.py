@@ -74,6 +74,8 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             frames.check_expectations(request.expect, self.w.expect)
             client = client_identity(context.peer(), context.auth_context())
             self.w.limits.check_open(client, request.session_id)
+            if not self.w.grants.enabled:  # without grants, a held session is its client's
+                self.w.limits.check_owner(client, request.session_id)
             grant = self.w.admit_grant(request.grant, request.session_id, int(request.epoch))
             try:
                 discarded = await self.w.open_session(
@@ -84,6 +86,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
                 raise
             self.w.limits.opened(client, request.session_id)
             secret = self.w.grants.opened(request.session_id, int(request.epoch))
+            self.w.usage.opened(request.session_id, secret)
         except asyncio.CancelledError:
             if is_valid_session_id(request.session_id):  # else nothing was opened
                 self.w.abandon(request.session_id, int(request.epoch), "open cancelled")
@@ -102,7 +105,9 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         log = bind_request(self.w.log, request)
         try:
             frames.check_session_id(request.session_id)
-            self.w.grants.check(request.session_id, int(request.epoch), request.session_secret)
+            self.w.grants.check(
+                request.session_id, int(request.epoch), request.session_secret, close=True
+            )
             closed = await self.w.close_session(request.session_id, int(request.epoch))
             self.w.grants.closed(request.session_id, int(request.epoch))
             if self.chain is not None:
@@ -118,6 +123,13 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         await self._refuse_undecodable(context, request, "usage")
         try:
             frames.check_session_id(request.session_id)
+            if request.held:  # a stage confirming its next stage (Chain.Link)
+                self.w.grants.check_held(
+                    request.session_id, int(request.epoch), request.session_secret
+                )
+                return pb.UsageReply()
+            if not self.w.permits_usage(request.grant, request.session_id):
+                self.w.usage.check(request.session_id, request.session_secret)
         except Exception as exc:
             await self._refuse(context, exc, request, "usage")
         return self.w.usage.reply(request.session_id)
@@ -162,6 +174,8 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         began = time.perf_counter_ns()
         w = self.w
         frames.check_session_id(request.session_id)  # before it reaches any table or log
+        # well-formed first (the same answer for anyone; nothing touched), then authorised
+        frame = frames.decode_forward(request, w.expect, w.info)
         w.grants.check(request.session_id, int(request.epoch), request.session_secret)
         w.limits.check_frame(request.session_id)
         if request.timeout_ms:
@@ -170,7 +184,6 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         w.meter.admitted()
         rows = 0
         try:
-            frame = frames.decode_forward(request, w.expect, w.info)
             out, next_pos, queue_ns, compute_ns = await w.run_forward(frame, deadline)
             rows = frame.n_rows
         finally:
