@@ -1,4 +1,5 @@
-"""A worker is certified only by a record of exactly its lane; anything else leaves it dark.
+"""A worker is certified only by a signed record of exactly its lane; anything else leaves it
+dark, and a client checks the record an advert carries against its own lock.
 
 The records are those ``dgr certify`` made in this test run (``fixture_evidence``); the
 workers are in-process ``ShardWorker`` objects over the real engine (no serving needed: the
@@ -13,14 +14,28 @@ from pathlib import Path
 
 import attrs
 import pytest
+from conftest import EvidenceKit
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dgr_engine import ShardEngine
 from dgr_engine.certification.lock import load_lock
-from dgr_engine.certification.record import load_evidence
+from dgr_engine.certification.record import (
+    EvidenceRecord,
+    Requirement,
+    Verdict,
+    load_evidence,
+    load_record,
+    record_json,
+    write_record,
+)
+from dgr_engine.certification.verify import LockVerifier
 from dgr_engine.numerics import Numerics
+from dgr_engine.wire.advert import Advert, advert_from_proto, advert_to_proto
 from dgr_engine.worker import ShardWorker, WorkerConfig
 from dgr_engine.worker.identity import BuildIdentity
+from dgr_session.errors import UnverifiedCertification
 from dgr_session.identity import CertificationStatus, EvidenceClass
+from dgr_session.route import Route, StageSpec, validate_route
 
 CERTIFIED_CTX = 256  # dgr certify's default context per session
 
@@ -139,3 +154,130 @@ def test_a_tampered_record_is_refused_and_the_worker_stays_dark(
         assert w.advert().lane.certification is CertificationStatus.CERTIFIED
     finally:
         w.engine.close()
+
+
+# --- hostile records and lying adverts (issue 28) ----------------------------------------------
+
+
+def _honest(evidence: Path, model: Path) -> EvidenceRecord:
+    path = the_record(evidence, BuildIdentity.of_model(model).model_sha256.hex())
+    return load_record(path, load_lock())
+
+
+def test_a_worker_given_a_forged_record_stays_dark_beside_an_honest_one(
+    tiny_llama: Path, fixture_evidence: Path, tmp_path: Path
+) -> None:
+    honest = _honest(fixture_evidence, tiny_llama)
+    evidence = tmp_path / "evidence"
+    write_record(honest, evidence)  # as it was signed
+    wider = 2 * CERTIFIED_CTX
+    fake = attrs.evolve(  # the hostile pass: context 256 -> 512, every verdict "pass"
+        honest,
+        lane=attrs.evolve(honest.lane, context_per_session=wider),
+        requirements=[Requirement(r.id, Verdict.PASS, r.detail) for r in honest.requirements],
+    )
+    forged = write_record(fake, evidence)  # re-hashed by dgr's own writer, signature kept
+    stranger = write_record(
+        attrs.evolve(fake, command=("forged",)), evidence, key=Ed25519PrivateKey.generate()
+    )
+    w = worker(tiny_llama, evidence, ctx=wider)
+    try:
+        assert w.lane_key.lane_id == fake.lane_id  # the forged records name this very lane
+        assert w.advert().lane.certification is CertificationStatus.DARK
+        reasons = " | ".join(w.lane_lookup.reasons)
+        assert f"{forged}: signature: does not verify" in reasons, reasons
+        assert f"{stranger}: signature: signed by key" in reasons and "unknown key" in reasons
+    finally:
+        w.engine.close()
+    w = worker(tiny_llama, evidence)
+    try:
+        lane = w.advert().lane
+        assert lane.certification is CertificationStatus.CERTIFIED
+        assert lane.record_id == honest.record_id
+    finally:
+        w.engine.close()
+
+
+def _stage(advert: Advert) -> StageSpec:
+    return advert_from_proto(advert_to_proto(advert)).stage_spec("127.0.0.1:1")
+
+
+def _route_check(stage: StageSpec, verifier: LockVerifier) -> None:
+    validate_route(
+        Route([stage]), required_evidence=EvidenceClass.FIXTURE, verify_certification=verifier
+    )
+
+
+def test_the_client_checks_the_advert_against_its_own_lock(
+    tiny_llama: Path, fixture_evidence: Path, kit: EvidenceKit
+) -> None:
+    sha = BuildIdentity.of_model(tiny_llama).model_sha256.hex()
+    n_layer = load_record(the_record(fixture_evidence, sha), load_lock()).lane.n_layer
+    engine = ShardEngine(
+        tiny_llama,
+        layers=(0, n_layer),
+        max_sessions=1,
+        n_ctx_per_session=CERTIFIED_CTX,
+        n_threads=1,
+    )
+    w = ShardWorker(
+        engine, BuildIdentity.of_model(tiny_llama), WorkerConfig(evidence_dir=fixture_evidence)
+    )
+    try:
+        advert = w.advert()
+        stage = _stage(advert)
+        ours = LockVerifier(load_lock())
+        assert stage.lane.record  # the signed record travels in the advert
+        _route_check(stage, ours)  # the honest advert verifies
+        honest = _honest(fixture_evidence, tiny_llama)
+        lane = advert.lane
+        forged = attrs.evolve(
+            honest,
+            requirements=[Requirement(r.id, Verdict.PASS, r.detail) for r in honest.requirements],
+            figures=(),
+        )
+        lies = {
+            "a higher class than the record's": attrs.evolve(
+                lane, evidence=EvidenceClass.REAL_HARDWARE
+            ),
+            "no record": attrs.evolve(lane, record=""),
+            "an edited record": attrs.evolve(
+                lane, record=record_json(forged), record_id=forged.record_id
+            ),
+            "another model's record": attrs.evolve(
+                lane,
+                record=record_json(load_record(_other_record(fixture_evidence, sha), load_lock())),
+            ),
+        }
+        expected = {
+            "a higher class than the record's": "differs in evidence class",
+            "no record": "carries no signed record",
+            "an edited record": "bad signature",
+            "another model's record": "differs in lane id, record id",
+        }
+        for what, lying in lies.items():
+            lying_stage = _stage(attrs.evolve(advert, lane=lying))
+            with pytest.raises(UnverifiedCertification) as refused:
+                _route_check(lying_stage, ours)
+            assert expected[what] in str(refused.value), (what, str(refused.value))
+            assert refused.value.stage_index == 0
+        # a client whose lock is another (the worker's lock is not the client's) refuses too
+        theirs = LockVerifier(
+            kit.edit_lock(lambda d: d["thresholds"]["isolation"].update(tokens=9))
+        )
+        with pytest.raises(UnverifiedCertification, match="lock changed"):
+            _route_check(stage, theirs)
+        # without a verifier the route takes the worker's word (what dgr_session does alone)
+        validate_route(
+            Route([_stage(attrs.evolve(advert, lane=lies["no record"]))]),
+            required_evidence=EvidenceClass.FIXTURE,
+        )
+    finally:
+        engine.close()
+
+
+def _other_record(evidence: Path, sha: str) -> Path:
+    loaded = load_evidence(evidence, load_lock())
+    return next(
+        p for r, p in zip(loaded.records, loaded.paths, strict=True) if r.lane.model_sha256 != sha
+    )
