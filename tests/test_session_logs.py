@@ -93,3 +93,21 @@ def test_grep_of_a_session_id_tells_its_story_on_every_worker_and_the_client(
         assert len(forwards) == 4 and all("epoch=1" in line for line in forwards), lines
         assert re.search(r"step=0 .*forward 3 rows \(prefill\)", forwards[0]), forwards
         assert any("session closed" in line for line in lines), lines
+
+
+def test_a_line_break_in_a_bound_field_never_forges_a_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    log_to_stderr("INFO")  # the programs' sink, on this process's stderr
+    forged = "12:00:00.000 INFO    stage=0:4 session=victim epoch=1 step=- session opened"
+    try:
+        logger.bind(session=f"evil\n{forged}", stage="0:4\r\x1b[2K").info("one line")
+    finally:
+        logger.remove()
+        logger.configure(patcher=None)
+        logger.disable("dgr_session")  # as the libraries leave it
+        logger.disable("dgr_engine")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1, lines
+    assert f"session=evil\\n{forged} " in lines[0] and "stage=0:4\\r\\x1b[2K " in lines[0]
+    assert lines[0].endswith("one line")
