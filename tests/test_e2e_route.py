@@ -278,15 +278,13 @@ def test_all_routes_gone_fails_typed_within_the_policy_bound(
     policy = FailurePolicy(
         step_deadline=2.0, max_attempts_per_step=3, max_route_changes=3, backoff=(0.05, 0.1)
     )
-    out = run(
-        drive(
-            provider,
-            PROMPTS[:1],
-            policy=policy,
-            fault=lambda p, s: p.kill(stage_of(1)(s)).endpoint,
-            at_step=4,
-        )
-    )
+    killed: list[str] = []
+
+    def kill(p: LoopbackRouteProvider, session: SessionHandle) -> str:
+        killed.append(p.kill(stage_of(1)(session)).endpoint)
+        return killed[-1]
+
+    out = run(drive(provider, PROMPTS[:1], policy=policy, fault=kill, at_step=4))
     (result,) = out.results
     (handle,) = out.handles
     assert result.state is SessionState.FAILED
@@ -299,6 +297,11 @@ def test_all_routes_gone_fails_typed_within_the_policy_bound(
         FaultKind.NO_ROUTE,
         FaultKind.NO_ROUTE,
     ]
+    # with no spare left, the final error still names the stage that died, and how (issue 28)
+    assert error.lost is result.reports[0]
+    assert (error.lost.stage_index, error.lost.endpoint) == (1, killed[0])
+    assert error.lost.fault is FaultKind.DEAD and error.lost.epoch == 1
+    assert f"the route was lost at stage 1 ({killed[0]}), epoch 1: dead (" in str(error)
     assert list(result.tokens) == reference[0][0][:4]
     # loop time from the kill to the end: the backoffs, and never more than the policy allows
     assert handle.core.ended_at is not None
