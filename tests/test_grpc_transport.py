@@ -29,6 +29,7 @@ from dgr_engine.wire.advert import Advert
 from dgr_session import (
     Boundary,
     FaultKind,
+    InvalidIdentifier,
     Logits,
     StageDead,
     StageSpec,
@@ -167,6 +168,19 @@ def test_failures_are_what_the_manager_classifies(two: list[tuple[WorkerProcess,
             await t.close(first, "nobody", 0)
             await t.close(first, "f", 2)
             await t.close(first, "f", 2)
+            assert t.stats()[first.endpoint].failures == 4
+
+            # the client's own failures (issue 28): fault "client", never the stage's, not
+            # counted against it; a session id that cannot be metadata is refused unsent
+            with pytest.raises(InvalidIdentifier) as invalid:
+                await t.open(first, "bad\nid", 3)
+            assert fault_kind(invalid.value) is FaultKind.CLIENT
+            await t.client(first.endpoint).aclose()  # gRPC now fails calls in this process
+            with pytest.raises(E.ClientCallError) as local:
+                await t.open(first, "g", 1)
+            assert fault_kind(local.value) is FaultKind.CLIENT
+            with pytest.raises(E.ClientCallError):
+                await t.forward(first, "g", 1, 0, range(3), [1, 2, 3], None)
             assert t.stats()[first.endpoint].failures == 4
 
     run(scenario())

@@ -15,6 +15,7 @@ from dgr_session import (
     FailurePolicy,
     FaultKind,
     FinishReason,
+    InvalidIdentifier,
     Logits,
     NoRouteAvailable,
     Route,
@@ -477,6 +478,7 @@ def test_duplicate_session_id_is_refused() -> None:
         (TimeoutError(), FaultKind.DEADLINE),
         (StaleEpoch("x", session_id="s", epoch=1, held_epoch=2), FaultKind.PROTOCOL),
         (RuntimeError("engine"), FaultKind.ENGINE_ERROR),
+        (InvalidIdentifier("session id", "empty"), FaultKind.CLIENT),  # a ValueError, yet ours
     ],
 )
 def test_fault_kind_of_transport_errors(error: BaseException, kind: FaultKind) -> None:
