@@ -154,7 +154,9 @@ def test_session_table_mirrors_the_engine(tiny_llama: Path) -> None:
         assert not table.holds("c") and engine.stats().open_sessions == 1
         with pytest.raises(E.StaleEpoch):
             table.close("a", 3)  # the newer open epoch 4 is never closed by an older close
-        table.open("c", 0)
+        with pytest.raises(E.StaleEpoch):  # the client is done with c's epochs up to 5 here
+            table.open("c", 0)
+        table.open("c", 6)
         assert table.close_all() == 2
         assert engine.stats().open_sessions == 0 and table.snapshot().sessions_open == 0
 

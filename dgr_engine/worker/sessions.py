@@ -87,8 +87,8 @@ class SessionTable:
         self._entries: dict[str, _Entry] = {}
         self._keys = itertools.count(1)
         self._tombstones = Tombstones(clock, tombstone_seconds)
-        """Closes that found nothing, kept ``tombstone_seconds``: the opens they overtook are
-        refused when they arrive (``worker/tombstones.py``)."""
+        """Closes that found nothing of their epoch, kept ``tombstone_seconds``: the opens they
+        overtook are refused when they arrive (``worker/tombstones.py``)."""
 
     def open(self, session_id: str, epoch: int) -> bool:
         """Opens ``(session_id, epoch)``; True if an older epoch's state was discarded. Refused
@@ -182,10 +182,12 @@ class SessionTable:
     def close(self, session_id: str, epoch: int) -> int:
         """Closes the session if it is open at ``epoch`` or older (a newer epoch was opened
         elsewhere: the state held here is dead); returns the epoch closed. A newer open epoch
-        is refused as stale, an unknown session as unknown."""
+        is refused as stale, an unknown session as unknown. A close that finds nothing of its
+        epoch (nothing, or an older epoch) leaves a tombstone: that epoch's open may still be on
+        its way (in line for a slot, or queued behind a stall), and is refused when it lands."""
         entry = self._entries.get(session_id)
-        if entry is None:
-            self._tombstones.record(session_id, epoch)  # its open may still be on its way
+        if entry is None or entry.epoch < epoch:
+            self._tombstones.record(session_id, epoch)
         if entry is None or epoch < entry.epoch:
             entry = self._live(session_id, epoch)  # raises
         with _naming(session_id, entry.key):

@@ -2,9 +2,12 @@
 
 A client whose open timed out (the worker was stalled, or slow to admit) closes that epoch and
 moves on; when the worker then handles both requests, the close can come first (it finds
-nothing) and the open after it, which would hold a slot nobody will ever use again. The session
-table remembers each close that found nothing, for a bounded time and number, and refuses the open
-of that epoch (or an older one) when it arrives: a dgr client never reopens an epoch it closed.
+nothing) and the open after it, which would hold a slot nobody will ever use again. The same
+holds when the close finds only an older epoch of the session: it closes that one, and the open
+of its own epoch, still in line for a slot, would take the slot it freed (the fault campaign's
+leak). The session table remembers each close that found nothing of its epoch, for a bounded
+time and number, and refuses the open of that epoch (or an older one) when it arrives: a dgr
+client never reopens an epoch it closed.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ class Tombstones:
     _entries: OrderedDict[str, tuple[int, float]] = attrs.field(factory=OrderedDict, init=False)
 
     def record(self, session_id: str, epoch: int) -> None:
-        """A close of ``(session_id, epoch)`` found nothing open."""
+        """A close of ``(session_id, epoch)`` found nothing open at that epoch."""
         held = self._entries.pop(session_id, None)
         newest = max(epoch, held[0]) if held is not None else epoch
         self._entries[session_id] = (newest, self.clock() + self.ttl)
