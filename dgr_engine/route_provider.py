@@ -292,7 +292,8 @@ class LoopbackRouteProvider:
         for layers in self.layout:
             worker = await self._routable(layers, avoid)
             if worker is None:
-                self._log.bind(session=session_id).info("no route: nobody serves {}", layers)
+                log = self._log.bind(session=log_field(session_id))
+                log.info("no route: nobody serves {}", layers)
                 return None
             stages.append(worker.stage)
         return Route(stages)
