@@ -225,9 +225,13 @@ def test_bad_frames_refused_while_a_concurrent_session_stays_exact(
         pos = len(PROMPT)
         e0, e1 = r.expects
         rows = np.zeros((1, 64), np.float32)
+        # the frames carry the bad session's secrets: refused for what they are, not for those
+        secrets = [client.session_secret("bad", 1) for client in r.clients]
 
         def at_last(session: str = "bad", epoch: int = 1, p: int = pos) -> pb.ForwardRequest:
-            return encode_forward(session, epoch, 1, e1, [p], boundary=rows)
+            return encode_forward(
+                session, epoch, 1, e1, [p], boundary=rows, session_secret=secrets[1]
+            )
 
         def spoil(**changes: Any) -> pb.ForwardRequest:
             request = at_last()
@@ -242,8 +246,10 @@ def test_bad_frames_refused_while_a_concurrent_session_stays_exact(
         del wide.boundary.shape[:]
         wide.boundary.shape.extend([2, 32])
         good_bf16 = spoil(session_id="good", epoch=0, boundary__dtype=pb.DTYPE_BF16)
-        bad_token = encode_forward("bad", 1, 1, e0, [pos], tokens=[9999])
-        rows_on_first = encode_forward("bad", 1, 1, e0, [pos], tokens=[1], boundary=rows)
+        bad_token = encode_forward("bad", 1, 1, e0, [pos], tokens=[9999], session_secret=secrets[0])
+        rows_on_first = encode_forward(
+            "bad", 1, 1, e0, [pos], tokens=[1], boundary=rows, session_secret=secrets[0]
+        )
         frame, expectation = (INVALID, "DGR_E_FRAME"), "DGR_E_EXPECTATION_"
         cases: list[tuple[str, str, pb.ForwardRequest, tuple[grpc.StatusCode, str]]] = [
             ("dtype", last, spoil(boundary__dtype=pb.DTYPE_F16), frame),
@@ -353,7 +359,10 @@ def test_capacity_context_and_size_limits(tiny_llama: Path) -> None:
                     await c.forward("a", 0, step, expect, range(start, start + 64), tokens=[1] * 64)
                 with pytest.raises(E.ContextFull):
                     await c.forward("a", 0, 99, expect, [ctx], tokens=[1])
-                request = encode_forward("a", 0, 99, expect, [ctx], tokens=[1])
+                secret = c.session_secret("a", 0)  # the frame is refused for its size alone
+                request = encode_forward(
+                    "a", 0, 99, expect, [ctx], tokens=[1], session_secret=secret
+                )
                 assert await raw_forward(worker.address, request) == (
                     grpc.StatusCode.RESOURCE_EXHAUSTED,
                     "DGR_E_CONTEXT_FULL",
