@@ -182,7 +182,10 @@ async def track(workers: dict[str, WorkerProcess], grants: GrantIssuer, tls: Cli
             theirs = "(worker gone)"
         else:
             async with ShardClient(record.endpoint, timeout=10.0, tls=tls) as client:
-                mine = [r for r in await client.usage("s0") if r.epoch == record.epoch]
+                # the tracker's credential: a grant for this session at this stage
+                credential = grants.usage_grant("s0", record.endpoint)
+                theirs_all = await client.usage("s0", grant=credential)
+                mine = [r for r in theirs_all if r.epoch == record.epoch]
             assert [(r.rows_prefill, r.rows_decode, r.rows_replay) for r in mine] == [
                 (record.rows_prefill, record.rows_decode, record.rows_replay)
             ]

@@ -40,10 +40,16 @@ def run_session(
     session_id: str | None = None,
     on_token: TokenHook | None = None,
     after: Callable[[LoopbackRouteProvider], Awaitable[None]] | None = None,
+    seen: Callable[[GrpcStageTransport], None] | None = None,
     limit: float = 120.0,
 ) -> SessionResult:
+    """``seen`` is called with the session's transport (its clients hold the session's
+    secrets, e.g. for ``after`` to read the workers' usage as the session's holder)."""
+
     async def scenario() -> SessionResult:
         async with provider, GrpcStageTransport(timeout=20.0) as transport:
+            if seen is not None:
+                seen(transport)
             manager = SessionManager(
                 transport,
                 provider,

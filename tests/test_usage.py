@@ -10,8 +10,10 @@ import pytest
 from route_runs import lose_last_stage_at, run_session
 
 from dgr_engine.client import ShardClient
+from dgr_engine.errors import GrantUnauthenticated
 from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import LoopbackRouteProvider
+from dgr_engine.stage_transport import GrpcStageTransport
 from dgr_session import (
     FaultKind,
     SessionState,
@@ -33,13 +35,18 @@ def rows(record: UsageRecord) -> tuple[int, int, int]:
 def test_client_and_worker_usage_records_agree_row_for_row(tiny_llama: Path) -> None:
     provider = LoopbackRouteProvider(tiny_llama, [(0, 2), (2, 4)], spares=[(2, 4)], options=OPTIONS)
     seen: dict[str, list[UsageRecord]] = {}
+    transports: list[GrpcStageTransport] = []
 
     async def ask_the_workers(provider: LoopbackRouteProvider) -> None:
         for worker in provider.workers:  # what each living worker says it did
             if worker.process.proc.poll() is None:
+                # the session's own client holds its secret (kept after the close)
+                holder = transports[0].client(worker.endpoint)
+                seen[worker.endpoint] = await holder.usage("bill")
                 async with ShardClient(worker.endpoint, timeout=10.0) as client:
-                    seen[worker.endpoint] = await client.usage("bill")
-                    assert await client.usage("nobody") == []
+                    assert await client.usage("nobody") == []  # unknown here: no records
+                    with pytest.raises(GrantUnauthenticated):  # another client: no secret
+                        await client.usage("bill")
 
     result = run_session(
         provider,
@@ -48,6 +55,7 @@ def test_client_and_worker_usage_records_agree_row_for_row(tiny_llama: Path) -> 
         session_id="bill",
         on_token=lose_last_stage_at(provider, LOSE_AT),
         after=ask_the_workers,
+        seen=transports.append,
     )
     assert result.state is SessionState.DONE and result.epoch == 2
     by_key = {(r.epoch, r.stage_index): r for r in result.usage}

@@ -214,7 +214,10 @@ def test_a_frame_past_its_deadline_is_refused_without_running(tiny_llama: Path) 
                 await client.open("d", 0, expect)
                 gate = threading.Event()
                 busy = asyncio.ensure_future(worker.run_on_engine(gate.wait, 20.0))
-                request = encode_forward("d", 0, 0, expect, [0, 1], tokens=[1, 2], timeout=0.001)
+                secret = client.session_secret("d", 0)  # every session's frames carry it
+                request = encode_forward(
+                    "d", 0, 0, expect, [0, 1], tokens=[1, 2], timeout=0.001, session_secret=secret
+                )
                 async with grpc.aio.insecure_channel(address) as channel:
                     call = shard_pb2_grpc.ShardStub(channel).Forward(request, timeout=20.0)
                     # wait (bounded) until the frame is queued behind the busy engine thread
