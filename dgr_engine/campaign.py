@@ -88,6 +88,8 @@ class CampaignConfig:
         "1",
         "--resume-grace",
         "1",
+        "--log-level",
+        "INFO",  # each open and close is logged: a leak's log says which session and how
     )
     stall_seconds: float = 3.0
     slow_seconds: float = 0.3
@@ -228,7 +230,7 @@ async def _drive(
             if outcome.open_after.get(worker.endpoint):
                 lines = worker.process.stderr_text().splitlines()
                 kept = [line for line in lines if "session" in line or "stall" in line]
-                outcome.leak_logs[worker.endpoint] = "\n".join(kept[-80:])
+                outcome.leak_logs[worker.endpoint] = "\n".join(kept[-400:])
     finally:
         await transport.aclose()
         await raw.aclose()

@@ -4,7 +4,8 @@ Schedules are drawn by hypothesis (so a failing one shrinks and replays): a 4-st
 tiny-llama, workers spawned on demand to replace lost ones, 8 concurrent sessions over workers
 with 4 slots each (so some opens find them full), and up to 5 faults mixing SIGKILL, stalls
 past the step deadline, slow replies, stale and malformed frames aimed at live sessions, and
-cancellations. The explicit example injects one of each. Invariants, for every schedule:
+cancellations. The explicit examples inject one of each, and the schedule that caught issue
+28's leaked slots. Invariants, for every schedule:
 
 * every session's tokens are a prefix of the whole model's, and all of them when it is done;
 * every failure is typed (``SessionFailed``) and within the policy's bounds; only sessions
@@ -14,7 +15,7 @@ cancellations. The explicit example injects one of each. Invariants, for every s
 * after quiescence every live worker holds 0 sessions and its RSS grew by at most
   ``RSS_MARGIN_KIB``.
 
-CI runs ``DGR_CAMPAIGN_EXAMPLES`` schedules (default 3, plus the explicit one); the soak
+CI runs ``DGR_CAMPAIGN_EXAMPLES`` schedules (default 3, plus the explicit two); the soak
 raises it (``docs/reliability.md``). The tally is printed at the end of the module and, when
 ``DGR_CAMPAIGN_REPORT`` names a file, written there as JSON.
 """
@@ -69,6 +70,15 @@ ONE_OF_EACH = [
     Fault(FaultAction.MALFORMED_FRAME, session=5, at_token=2, stage=0),
     Fault(FaultAction.CANCEL, session=6, at_token=5, stage=0),
 ]
+LEAKING = [
+    Fault(FaultAction.KILL, session=5, at_token=5, stage=0),
+    Fault(FaultAction.STALL, session=7, at_token=4, stage=0),
+    Fault(FaultAction.MALFORMED_FRAME, session=5, at_token=7, stage=3),
+]
+"""The schedule that caught issue 28's leak: while stage 0's worker was stalled with every
+slot taken, four sessions' opens of two epochs queued there; after it resumed, each close of
+the newer epoch found the older one, closed it, and the newer epoch's open (still in line)
+took the slot it freed. ``tests/test_campaign_leak.py`` forces that interleaving."""
 
 faults_strategy = st.lists(
     st.builds(
@@ -132,6 +142,7 @@ def tally() -> Iterator[dict[str, Any]]:
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 @example(faults=ONE_OF_EACH)
+@example(faults=LEAKING)
 @given(faults=faults_strategy)
 def test_fault_campaign_keeps_every_invariant(
     config: CampaignConfig, want: list[list[int]], tally: dict[str, Any], faults: list[Fault]
