@@ -8,6 +8,7 @@ advert is computed from the lane lookup done at construction).
 
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -281,3 +282,77 @@ def _other_record(evidence: Path, sha: str) -> Path:
     return next(
         p for r, p in zip(loaded.records, loaded.paths, strict=True) if r.lane.model_sha256 != sha
     )
+
+
+def test_a_session_never_routes_a_worker_whose_record_its_lock_does_not_vouch_for(
+    tiny_llama: Path, fixture_evidence: Path, tmp_path: Path
+) -> None:
+    """A worker run under its own lock, which trusts a key of its operator's, certifies itself
+    with a record signed by that key. Its advert says ``certified``; the client's lock (the
+    repo's) does not vouch for it, so the session refuses the route before sending the worker
+    anything, while a session over an honest worker beside it stays exact."""
+    from dgr_engine.certification.signing import public_key_text
+    from dgr_engine.chain import whole_model_greedy
+    from dgr_engine.cli.certify import CERTIFY_OPTIONS
+    from dgr_engine.options import EngineOptions
+    from dgr_engine.route_provider import LoopbackRouteProvider
+    from dgr_engine.stage_transport import GrpcStageTransport
+    from dgr_session.manager import SessionManager
+    from dgr_session.policy import FailurePolicy
+
+    honest = _honest(fixture_evidence, tiny_llama)
+    rogue = Ed25519PrivateKey.generate()
+    data = json.loads((Path(__file__).parents[1] / "certification/lock.json").read_text())
+    data["certifiers"].append(
+        {"name": "rogue", "public_key": public_key_text(rogue.public_key()), "classes": ["fixture"]}
+    )
+    their_lock = tmp_path / "lock.json"
+    their_lock.write_text(json.dumps(data))
+    theirs = attrs.evolve(honest, lock_sha256=load_lock(their_lock).sha256)
+    evidence = tmp_path / "evidence"
+    write_record(theirs, evidence, key=rogue)
+    options = EngineOptions(**CERTIFY_OPTIONS)
+    layout = [(0, honest.lane.n_layer)]
+    prompt = [1, 5, 9, 2, 7, 3]
+    (want,) = whole_model_greedy(tiny_llama, [prompt], 6, options)
+
+    async def run() -> None:
+        lying = LoopbackRouteProvider(
+            tiny_llama,
+            layout,
+            options=options,
+            worker_args=["--evidence", str(evidence), "--lock", str(their_lock)],
+        )
+        fair = LoopbackRouteProvider(
+            tiny_llama, layout, options=options, worker_args=["--evidence", str(fixture_evidence)]
+        )
+        try:
+            await lying.start()
+            await fair.start()
+            told = lying.workers[0].advert.lane
+            assert told.certified and told.record_id == theirs.record_id  # the worker's word
+            policy = FailurePolicy(step_deadline=10.0, session_deadline=30.0, backoff=(0.0,))
+            async with GrpcStageTransport(timeout=10.0) as transport:
+                bad = SessionManager(
+                    transport, lying, policy=policy, required_evidence=EvidenceClass.FIXTURE
+                )
+                good = SessionManager(
+                    transport, fair, policy=policy, required_evidence=EvidenceClass.FIXTURE
+                )
+                refused = bad.start(prompt, max_new_tokens=6)
+                exact = good.start(prompt, max_new_tokens=6)
+                results = await asyncio.wait_for(asyncio.gather(refused.wait(), exact.wait()), 60.0)
+                await bad.aclose()
+                await good.aclose()
+                stats = transport.stats()
+        finally:
+            await lying.aclose()
+            await fair.aclose()
+        no, yes = results
+        assert no.error is not None and not no.tokens
+        assert "does not verify under the client's trust" in str(no.error), no.error
+        assert "made under lock" in str(no.error), no.error
+        assert lying.workers[0].endpoint not in stats  # never sent a thing
+        assert yes.error is None and list(yes.tokens) == want
+
+    asyncio.run(run())
