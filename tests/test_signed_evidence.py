@@ -31,6 +31,7 @@ from dgr_engine.certification.signing import (
     FIXTURE_CERTIFIER_ID,
     key_id_of,
     private_pem,
+    public_key_text,
 )
 from dgr_session.identity import EvidenceClass
 
@@ -296,3 +297,37 @@ def test_certify_refuses_a_key_the_lock_does_not_trust_before_running(tmp_path: 
     )
     assert done.returncode == 2 and "does not declare the signing key" in done.stderr, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and not evidence.exists()
+
+
+def test_certify_signs_with_the_key_given(tmp_path: Path, kit: EvidenceKit) -> None:
+    from dgr_engine.processes import dgr_command
+
+    ours = Ed25519PrivateKey.generate()
+    lock = kit.edit_lock(
+        lambda d: d["certifiers"].append(
+            {
+                "name": "our-fixture-key",
+                "public_key": public_key_text(ours.public_key()),
+                "classes": ["fixture"],
+            }
+        )
+    )
+    key_file = tmp_path / "ours.pem"
+    key_file.write_bytes(private_pem(ours))
+    evidence = tmp_path / "evidence"
+    base = [dgr_command(), "certify", "--fixture", "tiny-llama", "--evidence", str(evidence)]
+    base += ["--lock", str(kit.lock_path)]
+    operator = tmp_path / "operator.pem"
+    operator.write_bytes(private_pem(kit.operator))  # trusted for real classes, not fixture
+    done = subprocess.run(
+        [*base, "--sign-key", str(operator)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2 and "not fixture evidence" in done.stderr, done.stderr
+    done = subprocess.run(
+        [*base, "--sign-key", str(key_file)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"signed by key {key_id_of(ours.public_key())} (our-fixture-key)" in done.stdout
+    (record,) = load_evidence(evidence, lock).records
+    assert record.signature is not None and record.signature.key_id == key_id_of(ours.public_key())
+    assert "--sign-key" in record.command and str(key_file) not in record.command

@@ -138,6 +138,10 @@ async def certify_or_reuse(
         f"record {result.path} ({record.evidence_class.value} evidence), "
         f"{time.perf_counter() - began:.1f} s"
     )
+    if record.signature is not None:
+        signer = lock.certifier(record.signature.key_id)
+        name = f" ({signer.name})" if signer is not None else ""
+        say(f"signed by key {record.signature.key_id}{name}")
     failed = []
     for req in record.requirements:
         say(f"  {req.verdict.value:<12} {req.id}: {req.detail}")
