@@ -485,7 +485,7 @@ def _log(stage: StageSpec, session_id: str, epoch: int) -> Logger:
     return logger.bind(
         session=session_id,
         epoch=epoch,
-        stage=f"{stage.endpoint}[{stage.layer_begin}:{stage.layer_end})",
+        stage=f"{log_field(stage.endpoint)}[{stage.layer_begin}:{stage.layer_end})",
     )
 
 

@@ -48,6 +48,7 @@ from dgr_session.events import (
     Start,
 )
 from dgr_session.faults import FailureReport, FaultKind, last_stage_fault
+from dgr_session.identifiers import check_session_id
 from dgr_session.identity import EvidenceClass, ModelIdentity, Recipe
 from dgr_session.machine import (
     HOLDING_STATES,
@@ -76,7 +77,9 @@ class RouteSession:
     """One route session's control logic, fed by a driver.
 
     Call :meth:`handle` with each event; execute the commands it returns, in order. The session
-    starts in ``new``; feed :class:`~dgr_session.events.Start` first. Every method either
+    starts in ``new``; feed :class:`~dgr_session.events.Start` first. A ``session_id`` that
+    breaks :mod:`dgr_session.identifiers`' rule is refused at construction
+    (:class:`~dgr_session.identifiers.InvalidIdentifier`). Every method either
     succeeds or raises :class:`~dgr_session.errors.InvalidTransition` without changing anything
     (a driver bug); remote faults never raise, they become state.
     """
@@ -145,6 +148,7 @@ class RouteSession:
         prefill_chunk: int | None = None,
         certification_verifier: CertificationVerifier | None = None,
     ) -> None:
+        check_session_id(session_id)  # it names the session in every command and log line
         if not prompt:
             raise ValueError("the prompt needs at least one token")
         if max_new_tokens < 1:

@@ -164,6 +164,12 @@ def test_a_call_grpc_fails_in_this_process_is_the_clients_fault() -> None:
 # --- the session: a client fault ends it, blaming nobody ----------------------------------------
 
 
+@pytest.mark.parametrize("value", HOSTILE.values(), ids=HOSTILE.keys())
+def test_the_sans_io_core_refuses_a_hostile_id_too(value: str) -> None:
+    with pytest.raises(InvalidIdentifier):
+        RouteSession(value, PROMPT, max_new_tokens=4, machine=SessionMachine())
+
+
 def test_a_client_fault_ends_the_session_without_a_report_naming_a_stage() -> None:
     core = RouteSession(
         "s",
