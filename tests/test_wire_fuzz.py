@@ -23,6 +23,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from dgr_engine import ShardEngine
 from dgr_engine.chain import whole_model_reference
 from dgr_engine.client import ShardClient, expectations_of
 from dgr_engine.options import EngineOptions
@@ -332,3 +333,102 @@ async def _describe(address: str) -> Advert:
 
 async def _expectations(address: str) -> Expectations:
     return expectations_of(await _describe(address))
+
+
+# --- boundary tensors on a later stage ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def last_stage(tiny_llama: Path) -> Iterator[WorkerProcess]:
+    with WorkerProcess.spawn(tiny_llama, (2, 4), extra_args=ARGS) as process:
+        yield process
+
+
+class RelayedVictim:
+    """A session whose layers [0, 2) run here, in-process, and [2, 4) on the fuzzed worker,
+    one token per :meth:`step`."""
+
+    def __init__(self, tiny_llama: Path, address: str) -> None:
+        self.engine = ShardEngine(tiny_llama, layers=(0, 2), **OPTIONS.engine_kwargs())
+        self.engine.open_session(1, 1)
+        self.address = address
+        self.tokens: list[int] = []
+        self.secret = b""
+        self.expect: Expectations | None = None
+
+    async def step(self) -> None:
+        if len(self.tokens) >= VICTIM_STEPS:
+            return
+        if self.expect is None:
+            async with ShardClient(self.address, timeout=20.0, streaming=False) as client:
+                self.expect = expectations_of(await client.describe())
+                await client.open("victim-relayed", 1, self.expect)
+                self.secret = client.session_secret("victim-relayed", 1)
+        at = 0 if not self.tokens else len(PROMPT) + len(self.tokens) - 1
+        rows = PROMPT if not self.tokens else [self.tokens[-1]]
+        positions = np.arange(at, at + len(rows), dtype=np.int32)
+        boundary = self.engine.forward(1, 1, positions, tokens=np.asarray(rows, dtype=np.int32))
+        request = encode_forward(
+            "victim-relayed",
+            1,
+            len(self.tokens),
+            self.expect,
+            positions,
+            boundary=boundary,
+            session_secret=self.secret,
+        )
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            reply = await shard_pb2_grpc.ShardStub(channel).Forward(request, timeout=20.0)
+        self.tokens.append(int(np.argmax(output_from_reply(reply)[-1])))
+
+
+def test_generated_boundary_tensors_on_a_later_stage(
+    tiny_llama: Path, last_stage: WorkerProcess, want: list[int]
+) -> None:
+    """Frames of an open session, exact but for their boundary tensor: any dtype (defined or
+    not), shape and bytes. Each is answered or refused typed, never as the worker's fault, and
+    a session relayed through the same worker stays exact."""
+    real = run(_expectations(last_stage.address))
+    victim = RelayedVictim(tiny_llama, last_stage.address)
+    secret = run(_open(last_stage.address, "attacker", real))
+    width = real.boundary_width
+    examples = 0
+
+    @FUZZ
+    @given(
+        dtype=st.one_of(st.integers(0, 3), INT32),
+        shape=st.one_of(st.just([1, width]), st.lists(st.integers(0, 2**32 - 1), max_size=3)),
+        data=st.one_of(
+            st.just(np.ones((1, width), "<f4").tobytes()),
+            st.binary(max_size=4 * width + 8),
+        ),
+    )
+    def fuzz(dtype: int, shape: list[int], data: bytes) -> None:
+        nonlocal examples
+        examples += 1
+        request = encode_forward(
+            "attacker", 1, 0, real, [0], boundary=np.ones((1, width)), session_secret=secret
+        )
+        request.boundary.dtype = dtype  # type: ignore[assignment]  # an open enum: any int32
+        del request.boundary.shape[:]
+        request.boundary.shape.extend(shape)
+        request.boundary.data = data
+        assert_typed(run(call_raw(last_stage.address, "Forward", request.SerializeToString())))
+        run(victim.step())
+
+    try:
+        run(victim.step())
+        fuzz()
+    finally:
+        victim.engine.close()
+    print(f"\nboundaries: {examples} examples, victim {len(victim.tokens)} tokens exact")
+    assert last_stage.proc.poll() is None, last_stage.stderr_text()
+    assert victim.tokens == want[: len(victim.tokens)] and len(victim.tokens) >= examples // 2
+    assert_healthy(last_stage)
+    assert "Traceback" not in last_stage.stderr_text()
+
+
+async def _open(address: str, session_id: str, expect: Expectations) -> bytes:
+    async with ShardClient(address, timeout=10.0) as client:
+        await client.open(session_id, 1, expect)
+        return client.session_secret(session_id, 1)
