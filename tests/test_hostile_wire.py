@@ -325,3 +325,46 @@ def test_a_newline_session_id_forges_no_log_line_on_a_worker_that_requires_grant
     (refusal,) = [line for line in lines if FORGED in line]
     assert "open refused: INVALID_ARGUMENT" in refusal and "session=evil\\nFORGED" in refusal
     assert "Traceback" not in "\n".join(lines)
+
+
+def test_a_chain_hop_out_of_range_is_the_callers_refusal(
+    stages: tuple[WorkerProcess, WorkerProcess], want: list[int]
+) -> None:
+    """A chained frame's ``chain_hop`` is the caller's to give; one that cannot be a stage's
+    index (the largest uint32 would overflow the next frame's) is a malformed frame, refused
+    before the rows run, on a stage linked to the next one."""
+    first, last = stages
+
+    async def scenario() -> None:
+        async with Honest(stages, "honest-hops") as honest:
+            await honest.step()
+            e0, e1 = (expectations_to_proto(e) for e in honest.expect)
+            secrets = [await raw_open(first.address, "hopper", e0)]
+            secrets.append(await raw_open(last.address, "hopper", e1))
+            link = pb.LinkRequest(
+                session_id="hopper",
+                epoch=1,
+                session_secret=secrets[0],
+                next=pb.ChainHop(endpoint=last.address, expect=e1, session_secret=secrets[1]),
+            )
+            async with grpc.aio.insecure_channel(first.address) as channel:
+                await channel.unary_unary("/dgr.shard.v1.Chain/Link")(
+                    link.SerializeToString(), timeout=10.0
+                )
+            for hop in (2**32 - 1, (1 << 16) + 1):
+                frame = encode_forward(
+                    "hopper", 1, 0, honest.expect[0], range(3), tokens=[5, 6, 7],
+                    session_secret=secrets[0],
+                )  # fmt: skip
+                frame.chain_hop = hop
+                error = await refused(first.address, "Chain", "ChainStream", frame)
+                assert_the_callers_refusal(error, f"chain_hop {hop} is over")
+                await honest.step()
+            while len(honest.tokens) < STEPS:
+                await honest.step()
+            assert honest.tokens == want
+        for stage in stages:
+            assert await health(stage.address) == (0, 0)
+
+    run(scenario(), limit=120.0)
+    assert_no_tracebacks(first, last)

@@ -108,8 +108,8 @@ def test_scraped_counters_match_what_the_route_did(tiny_llama: Path) -> None:
 # --- where and how the metrics are served (issue 28, item 4) ----------------------------------
 
 
-def _get(url: str, context: ssl.SSLContext | None = None) -> str:
-    with urllib.request.urlopen(url, timeout=10, context=context) as response:  # noqa: S310
+def _get(url: str, context: ssl.SSLContext | None = None, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout, context=context) as response:  # noqa: S310
         return str(response.read().decode())
 
 
@@ -165,7 +165,11 @@ def test_metrics_over_tls_need_the_workers_ca_and_under_mutual_tls_a_client_cert
         try:
             url = f"https://{worker.metrics_address}/metrics"
             assert worker.metrics_address.startswith("127.0.0.1:")
-            text = await asyncio.to_thread(_get, url, context(client))
+            host, port = worker.metrics_address.rsplit(":", 1)
+            # a client that connects and says nothing holds up no scrape (its handshake waits
+            # in a thread of its own): the scrape is answered well within the handshake bound
+            with socket.create_connection((host, int(port)), timeout=5):
+                text = await asyncio.to_thread(_get, url, context(client), 5.0)
             families = {f.name for f in text_string_to_metric_families(text)}
             assert {"dgr_worker_info", "dgr_worker_sessions_open"} <= families
             for refused in (
