@@ -110,9 +110,11 @@ class Health:
     uptime_seconds: float
     """Since the worker started serving."""
     recent_errors: int
-    """Refused or failed calls in the recent window."""
+    """The worker's own faults in the recent window (its engine failed, a frame's deadline
+    passed in its queue, non-finite output, an internal error); callers' refusals never
+    count (``dgr_engine.wire.status.is_worker_fault``)."""
     total_errors: int
-    """Refused or failed calls since start."""
+    """The worker's own faults since start."""
     window_seconds: float
     """Length of the recent window."""
 

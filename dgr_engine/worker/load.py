@@ -65,6 +65,8 @@ class LoadMeter:
             self._trim(now)
 
     def error(self) -> None:
+        """One fault of the worker's own (never a caller's refusal: the servicers count only
+        what ``dgr_engine.wire.status.is_worker_fault`` says is one)."""
         now = self._now()
         with self._lock:
             self._errors.append(now)
