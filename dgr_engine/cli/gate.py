@@ -6,7 +6,8 @@
 
 --class sets the evidence class evaluated at (default: the class the gate's story requires);
 only records of that class or above are read, and the verdict line names the class. Records
-that are refused (malformed, tampered, made under another lock or before it) are listed.
+that are refused (malformed, tampered, made under another lock or before it, unsigned, or
+signed by a key the lock does not trust for their class) are listed.
 Exit status: 0 for the gate's first (passing) verdict, 1 for any other, 2 on a bad lock.
 """
 
