@@ -142,7 +142,8 @@ class ChainHub:
     ) -> None:
         """Without grant keys, before a link: the named next stage must say that it holds
         ``(session_id, epoch)`` with the secret the linking client gave for it (a ``Usage``
-        with ``held``). One call, and no frame ever goes to an endpoint that does not; raises
+        with ``held``), or a newer epoch of it (its epoch fence then refuses the frames, as it
+        would have). One call, and no frame ever goes to an endpoint that does neither; raises
         ``GrantDenied`` when it answers no, ``ShardUnavailable`` when it does not answer (the
         client then blames the next stage, not this one)."""
         if hop.tls and self.tls is None:
@@ -157,6 +158,8 @@ class ChainHub:
             await shard.Usage(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             said = dict(exc.trailing_metadata() or ())
+            if said.get(STATUS_KEY) == "DGR_E_STALE_EPOCH":
+                return  # it holds a newer epoch: its fence refuses the frames, naming it
             if STATUS_KEY not in said:  # not a dgr worker's refusal: unreachable, or no worker
                 raise ShardUnavailable(
                     f"DGR_E_UNAVAILABLE: the next stage {hop.endpoint!r} did not answer whether "

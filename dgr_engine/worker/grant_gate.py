@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import attrs
 
-from dgr_engine.errors import GrantDenied, GrantUnauthenticated
+from dgr_engine.errors import GrantDenied, GrantUnauthenticated, StaleEpoch
 from dgr_engine.grants import Grant, GrantVerifier
 
 SECRET_BYTES = 16
@@ -113,8 +113,18 @@ class GrantGate:
 
     def check_held(self, session_id: str, epoch: int, secret: bytes) -> None:
         """``GrantUnauthenticated`` unless the session is held here at ``epoch`` with
-        ``secret`` (with or without grant keys): a stage asking before it links to this one."""
+        ``secret`` (with or without grant keys): a stage asking before it links to this one.
+        ``StaleEpoch`` when a newer epoch is held (as a frame of ``epoch`` would be refused:
+        the asking stage links, and this stage's fence refuses the frames, naming itself)."""
         held = self._current(session_id)
+        if held is not None and held.epoch > epoch:
+            raise StaleEpoch(
+                f"DGR_E_STALE_EPOCH: session {session_id!r} epoch {epoch} is older than the "
+                f"open epoch {held.epoch}",
+                session_id=session_id,
+                epoch=epoch,
+                held_epoch=held.epoch,
+            )
         expected = held.secret if held is not None else b"\0" * SECRET_BYTES
         if not hmac.compare_digest(expected, bytes(secret)) or held is None or held.epoch != epoch:
             raise GrantUnauthenticated(
