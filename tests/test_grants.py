@@ -7,6 +7,8 @@ mutates valid grants byte by byte: no mutation is ever accepted."""
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -31,10 +33,15 @@ from dgr_engine.stage_transport import GrpcStageTransport
 from dgr_session import (
     EvidenceClass,
     FailurePolicy,
+    Lane,
+    ModelIdentity,
+    Recipe,
+    Route,
     SessionHandle,
     SessionManager,
     SessionResult,
     SessionState,
+    StageSpec,
 )
 
 KW = {"max_sessions": 4, "n_ctx_per_session": 64, "n_threads": 1, "n_batch": 16}
@@ -99,6 +106,69 @@ def test_a_grant_opens_exactly_its_session_epoch_stage_model_and_lane_once() -> 
     for bad in (b"", b"x", b"a.b.c", b"!!.!!", b"W10.c2ln"):
         with pytest.raises(GrantUnauthenticated):
             check(verifier, bad)
+
+
+def test_a_verifier_refuses_grants_issued_before_it_started_and_grants_without_a_time() -> None:
+    """A restarted worker's verifier cannot know the nonces its previous instance spent: it
+    refuses every grant issued before it was made, however valid otherwise; a grant whose
+    signed payload names no issue time (an older issuer's) is malformed, not let through."""
+    before = issue(grant(issued_at=time.time() - 1), TRACKER)
+    verifier = GrantVerifier({"k1": TRACKER.public_key()})
+    with pytest.raises(GrantDenied, match="issued before this worker started"):
+        check(verifier, before)
+    assert check(verifier, issue(grant(), TRACKER)).issued_at >= verifier.started_at
+    fields = attrs.asdict(grant())
+    del fields["issued_at"]
+    payload = json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+    untimed = b".".join(
+        base64.urlsafe_b64encode(part).rstrip(b"=") for part in (payload, TRACKER.sign(payload))
+    )
+    with pytest.raises(GrantUnauthenticated, match="no issue time"):
+        check(verifier, untimed)
+
+
+def test_a_route_is_granted_stage_by_stage_with_each_next_stage_named() -> None:
+    """``GrantIssuer.grant_route`` names, in each stage's grant, where its output may go: the
+    next stage, and for the last one the first (a ring links back); ``usage_grant`` opens
+    nothing but proves the tracker to ``Usage``."""
+    issuer = GrantIssuer(TRACKER, "k1")
+    verifier = GrantVerifier({"k1": TRACKER.public_key()})
+    lane = Lane(
+        backend="cpu",
+        llama_cpp_commit="c" * 40,
+        patch_stack_hash=bytes(32),
+        dgr_version="0.1.0",
+        hardware="test",
+        lane_id="lane",
+    )
+    stages = [
+        StageSpec(
+            endpoint=f"127.0.0.1:{7000 + i}",
+            layer_begin=2 * i,
+            layer_end=2 * i + 2,
+            identity=ModelIdentity(content_hash=bytes(32), arch="llama", n_layer=6),
+            recipe=Recipe(quant_types=("F32",), context=64),
+            lane=lane,
+        )
+        for i in range(3)
+    ]
+    granted = issuer.grant_route("s", 3, Route(stages))
+    names = [verifier.signed(stage.grant).next_endpoint for stage in granted.stages]
+    assert names == ["127.0.0.1:7001", "127.0.0.1:7002", "127.0.0.1:7000"]
+    usage = issuer.usage_grant("s", "127.0.0.1:7001")
+    assert verifier.permits_usage(usage, session_id="s", endpoint="127.0.0.1:7001")
+    assert not verifier.permits_usage(usage, session_id="t", endpoint="127.0.0.1:7001")
+    assert not verifier.permits_usage(usage, session_id="s", endpoint="127.0.0.1:7002")
+    with pytest.raises(GrantDenied, match="another layer range"):
+        verifier.verify(
+            usage,
+            session_id="s",
+            epoch=0,
+            endpoint="127.0.0.1:7001",
+            layers=(2, 4),
+            model_sha256="",
+            lane_id="",
+        )
 
 
 FIXED = issue(grant(nonce="00" * 16, expires_at=time.time() + 3600), TRACKER)
