@@ -1,4 +1,5 @@
-"""The ``--evidence`` and ``--lock`` options the certification-aware programs share."""
+"""The ``--evidence``, ``--lock`` and ``--sign-key`` options the certification-aware programs
+share."""
 
 from __future__ import annotations
 
@@ -18,3 +19,15 @@ def add_evidence_arguments(p: argparse.ArgumentParser, *, lock: bool = True) -> 
         p.add_argument(
             "--lock", type=Path, default=None, help="the lock (default: certification/lock.json)"
         )
+
+
+SIGN_KEY_HELP = (
+    "the certifier's Ed25519 private key (unencrypted PEM) that signs the record (default: the "
+    "fixture certifier, whose key is public: fixture evidence only)"
+)
+
+
+def add_sign_key_argument(p: argparse.ArgumentParser) -> None:
+    """Adds ``--sign-key FILE`` (read with
+    :func:`~dgr_engine.certification.signing.load_signing_key`)."""
+    p.add_argument("--sign-key", type=Path, default=None, metavar="FILE", help=SIGN_KEY_HELP)

@@ -8,7 +8,9 @@ names the converted file), runs transformers on the CPU in float32 and the whole
 llama.cpp on the same prompts (teacher-forced logits at every position, greedy tokens, decode and
 prefill speed, peak memory, each side in its own process), runs the negative control (the GGUF
 with its RoPE base changed must fail parity), writes a baseline record when an evidence class
-can be derived (a dgr fixture, or a real model the lock names), and prints DGR-020's verdict.
+can be derived (a dgr fixture, or a real model the lock names), signed by --sign-key's
+certifier key (default: the fixture certifier, fixture evidence only), and prints DGR-020's
+verdict.
 Exit 0: go; 1: optimize baseline or stop; 2: refused (bad input, lock, extras missing).
 """
 
@@ -19,7 +21,7 @@ import datetime as dt
 import sys
 from pathlib import Path
 
-from dgr_engine.cli._evidence_args import add_evidence_arguments
+from dgr_engine.cli._evidence_args import add_evidence_arguments, add_sign_key_argument
 from dgr_engine.numerics import FLASH_ATTN_MODES, KV_TYPES, Numerics
 
 
@@ -37,6 +39,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--no-record", action="store_true", help="print the figures only; write no record"
     )
     add_evidence_arguments(p)
+    add_sign_key_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from dgr_engine.certification.gates import evaluate
     from dgr_engine.certification.lock import load_lock
     from dgr_engine.certification.record import default_evidence_dir, load_evidence
+    from dgr_engine.certification.signing import load_signing_key
     from dgr_engine.fixtures.converted import ensure_converted
 
     def say(text: str) -> None:
@@ -57,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
 
     started = dt.datetime.now(dt.UTC)
     try:
+        key = None if args.sign_key is None else load_signing_key(args.sign_key)
         lock = load_lock(args.lock)
         hf_dir, gguf = args.hf_dir, args.gguf
         if args.fixture is not None:
@@ -92,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     argv += ["--flash-attn", args.flash_attn, "--threads", str(args.threads)]
     try:
         record, path = write_baseline_record(
-            result, lock=lock, evidence_dir=evidence, started=started, command=argv
+            result, lock=lock, evidence_dir=evidence, started=started, command=argv, key=key
         )
     except EvidenceError as exc:
         print(f"dgr baseline: no record: {exc}", file=sys.stderr)

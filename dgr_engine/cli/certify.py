@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dgr_engine.cli._evidence_args import add_evidence_arguments
+from dgr_engine.cli._evidence_args import add_evidence_arguments, add_sign_key_argument
 from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.options import EngineOptions
@@ -49,14 +49,7 @@ def configure(p: argparse.ArgumentParser) -> None:
     model.add_argument("--fixture", help="a generated fixture by name (built if missing)")
     EngineOptions.add_arguments(p, **CERTIFY_OPTIONS)
     add_evidence_arguments(p)
-    p.add_argument(
-        "--sign-key",
-        type=Path,
-        default=None,
-        metavar="FILE",
-        help="the certifier's Ed25519 private key (PEM) that signs the record (default: the "
-        "fixture certifier: fixture evidence only)",
-    )
+    add_sign_key_argument(p)
     p.add_argument(
         "--reuse",
         action="store_true",
