@@ -290,9 +290,11 @@ def test_a_chained_session_with_grants_and_refusals_of_wrong_secrets(tmp_path: P
 
 
 def test_a_stale_epoch_on_the_worker_to_worker_path_is_refused_naming_the_stage() -> None:
-    """A newer epoch opened on the last stage under the chain: the chained frame of the older
-    epoch is refused there (StaleEpoch, the held epoch named), and the transport raises it at
-    that stage's forward, so the route session blames the right stage."""
+    """A newer epoch opened on the last stage under the linked chain: the chained frame of the
+    older epoch is refused there (StaleEpoch, the held epoch named), and the transport raises
+    it at that stage's forward, so the route session blames the right stage. (The newer epoch
+    comes after the first frame linked the chain: a Link checks that the next stage holds the
+    linked epoch, so one opened before would be refused at the Link.)"""
     path = ensure_fixture("tiny-llama")
     provider = LoopbackRouteProvider(path, ((0, 2), (2, 4)), options=OPTIONS)
 
@@ -304,19 +306,23 @@ def test_a_stale_epoch_on_the_worker_to_worker_path_is_refused_naming_the_stage(
             first, last = route.stages
             for stage in route.stages:
                 await transport.open(stage, "s", 1)
+            linked = await transport.forward(first, "s", 1, 0, range(3), [5, 6, 7], None)
+            assert isinstance(linked, Boundary) and isinstance(linked.rows, ChainTicket)
+            out = await transport.forward(last, "s", 1, 0, range(3), [5, 6, 7], linked.rows)
+            assert isinstance(out, Logits)
             async with ShardClient(last.endpoint) as other:
                 await other.open("s", 2, expectations_for(last))  # a newer epoch there
-            step0 = await transport.forward(first, "s", 1, 0, range(3), [5, 6, 7], None)
-            assert isinstance(step0, Boundary) and isinstance(step0.rows, ChainTicket)
+            step1 = await transport.forward(first, "s", 1, 1, range(3, 4), [8], None)
+            assert isinstance(step1, Boundary) and isinstance(step1.rows, ChainTicket)
             with pytest.raises(StaleEpoch) as refused:
-                await transport.forward(last, "s", 1, 0, range(3), [5, 6, 7], step0.rows)
+                await transport.forward(last, "s", 1, 1, range(3, 4), [8], step1.rows)
             assert refused.value.held_epoch == 2
             assert last.endpoint in str(refused.value)
             # the epoch is over: the next frame fails at once, at the same stage
-            again = await transport.forward(first, "s", 1, 1, range(3, 4), [8], None)
+            again = await transport.forward(first, "s", 1, 2, range(4, 5), [9], None)
             assert isinstance(again, Boundary)
             with pytest.raises(StaleEpoch):
-                await transport.forward(last, "s", 1, 1, range(3, 4), [8], again.rows)
+                await transport.forward(last, "s", 1, 2, range(4, 5), [9], again.rows)
             for stage in route.stages:
                 await transport.close(stage, "s", 1)
 
