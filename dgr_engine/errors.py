@@ -205,7 +205,8 @@ class ShardDeadlineExceeded(EngineError, TimeoutError):
 
 class GrantUnauthenticated(EngineError, PermissionError):
     """The open carried no route grant, or one that is malformed, badly signed or signed by a
-    key the worker does not know; or a frame or close carried no or the wrong session secret.
+    key the worker does not know; or a frame, close, link, output stream or usage request
+    carried no or the wrong session secret (every session has one, with or without grants).
     Nothing changed. A route session cannot use this stage: ask for another route."""
 
     status = "DGR_E_UNAUTHENTICATED"
@@ -214,7 +215,10 @@ class GrantUnauthenticated(EngineError, PermissionError):
 
 class GrantDenied(EngineError, PermissionError):
     """A validly signed route grant that does not permit this open: another session, epoch,
-    stage, model or lane, expired, or used before. Nothing changed."""
+    stage, model or lane, expired, used before, or issued before the worker started; or a
+    ``Link`` to a stage the grant does not name as next (without grants: one that does not
+    confirm it holds the session); or, without grants, an open of a session another client
+    holds. Nothing changed. A route session cannot use this stage: ask for another route."""
 
     status = "DGR_E_PERMISSION"
     fault_kind = FaultKind.PROTOCOL
