@@ -374,7 +374,21 @@ async def hostile_then_ordinary(
         assert transport.stats() == {}  # no call was made, none failed
         for worker in provider.workers:
             saw_nothing(worker)
-        result = await manager.start(ORDINARY, max_new_tokens=N_TOKENS, session_id="ok-28").wait()
+        refused: list[str] = []
+
+        def beside(_token: int) -> None:  # mid-decode, the hostile ids again, beside it
+            if refused:
+                return
+            for name, value in HOSTILE.items():
+                with pytest.raises(InvalidIdentifier):
+                    manager.start(ORDINARY, max_new_tokens=N_TOKENS, session_id=value)
+                refused.append(name)
+
+        handle = manager.start(
+            ORDINARY, max_new_tokens=N_TOKENS, session_id="ok-28", on_token=beside
+        )
+        result = await handle.wait()
+        assert refused == list(HOSTILE)
         assert result.state is SessionState.DONE, result.error
         assert (result.epoch, result.route_changes, result.reports) == (1, 0, ())
         tokens.append(result.tokens)
