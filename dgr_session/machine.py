@@ -42,7 +42,8 @@ Loss and recovery::
 
 Terminal states (no trigger leaves them)::
 
-    any live state --exhausted--> failed        (budget spent or session deadline passed)
+    any live state --exhausted--> failed        (budget spent, session deadline passed, or a
+                                                 call failed in the client: ClientFailure)
     any live state --cancel-----> cancelled     (stages of the live epoch are closed)
     prefilling | decoding --finished--> done    (max_new_tokens reached or a stop token)
 
