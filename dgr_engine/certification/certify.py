@@ -188,8 +188,10 @@ async def certify(
     n_layer = n_layer_of(model)
     lane = await asyncio.to_thread(lane_of, model, options)
     commit, _clean = git_commit()
-    released = release_state(lane.dgr_version).is_release
-    facts = derive_facts(lane, fixture_mark=build.fixture_mark, lock=lock, release_build=released)
+    release = release_state(lane.dgr_version)
+    facts = derive_facts(
+        lane, fixture_mark=build.fixture_mark, lock=lock, release_build=release.is_release
+    )
     evidence = facts.evidence_class  # UnclassifiableModel before anything runs
     key = signing_key_for(lock, evidence, key)
     comparable = lock.require_comparable_lane(evidence, lane.backend, arch, facts.real_model)
@@ -201,6 +203,11 @@ async def certify(
         f"lane {lane.lane_id[:12]} in the lock's {comparable.name} ({arch}, {n_layer} layers, "
         f"{evidence.value} evidence: "
         f"{'fixture mark ' + repr(facts.fixture_mark) if facts.fixture_mark else facts.real_model})"
+    )
+    why_not = "; ".join(release.reasons)
+    progress(
+        f"release build: {'yes' if release.is_release else f'no ({why_not})'}; signed by key "
+        f"{signing.key_id_of(key.public_key())}"
     )
     progress(f"layouts: {', '.join(f'{len(lay)} stages' for lay in layouts)}")
 
