@@ -261,14 +261,15 @@ class _Chain:
         if t.ring:
             steps.append((last, ring()))
         results = await asyncio.gather(*(c for _, c in steps), return_exceptions=True)
-        for (k, _), result in zip(steps, results, strict=True):
+        for i, ((k, _), result) in enumerate(zip(steps, results, strict=True)):
             if isinstance(result, BaseException):
                 error: Exception
                 if isinstance(result, grpc.aio.AioRpcError):
                     error = _error_of(result)
                     said = dict(result.trailing_metadata() or ())
-                    if k < last and said.get(STATUS_KEY) == "DGR_E_UNAVAILABLE":
-                        k += 1  # stage k could not reach the next stage it was to confirm
+                    linking = k < last or (t.ring and i == len(steps) - 1)
+                    if linking and said.get(STATUS_KEY) == "DGR_E_UNAVAILABLE":
+                        k = (k + 1) % len(route)  # it could not reach the stage it links to
                 elif isinstance(result, TimeoutError):
                     error = ShardDeadlineExceeded(f"no answer within {t.timeout} s")
                 elif isinstance(result, DgrError):

@@ -25,13 +25,15 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dgr_engine.chain import LocalChain
+from dgr_engine.chain_transport import ChainStageTransport
 from dgr_engine.client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
-from dgr_engine.errors import GrantDenied, GrantUnauthenticated
+from dgr_engine.errors import GrantDenied, GrantUnauthenticated, ShardUnavailable
 from dgr_engine.grants import Grant, GrantIssuer, issue, public_pem
 from dgr_engine.options import EngineOptions
 from dgr_engine.pki import authority
 from dgr_engine.processes import WorkerProcess
+from dgr_engine.route_provider import LoopbackRouteProvider
 from dgr_engine.tls import ClientTls, ServerTls
 from dgr_engine.wire.advert import Advert
 from dgr_engine.wire.frames import encode_forward, expectations_to_proto, output_from_reply
@@ -39,6 +41,7 @@ from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import STATUS_KEY
 from dgr_engine.worker import ShardWorker, WorkerConfig
+from dgr_session.transport import Boundary
 
 T = TypeVar("T")
 OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=64, n_batch=16, max_sessions=4)
@@ -473,5 +476,35 @@ def test_link_dials_only_the_next_stage(
         finally:
             for worker in (*stages, spare):
                 await worker.stop()
+
+    run(scenario())
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("certified_fixtures")
+def test_a_link_to_a_lost_next_stage_blames_that_stage_not_the_one_that_asked(
+    tiny_llama: Path,
+) -> None:
+    """Without grants the first stage asks its next stage before it links; when that stage
+    is gone (SIGKILLed after the opens), the first stage's refusal (``DGR_E_UNAVAILABLE``)
+    is filed by the transport against the lost stage, so a route change never excludes the
+    healthy stage that asked."""
+    provider = LoopbackRouteProvider(tiny_llama, ((0, 2), (2, 4)), options=OPTIONS)
+
+    async def scenario() -> None:
+        async with provider, ChainStageTransport(timeout=10.0) as transport:
+            route = await provider.assign("s", None)
+            assert route is not None
+            first, last = route.stages
+            for stage in route.stages:
+                await transport.open(stage, "s", 1)
+            provider.kill(last.endpoint)
+            step0 = await transport.forward(first, "s", 1, 0, range(3), [5, 6, 7], None)
+            assert isinstance(step0, Boundary)  # the first stage is not blamed
+            with pytest.raises(ShardUnavailable) as lost:
+                await transport.forward(last, "s", 1, 0, range(3), [5, 6, 7], step0.rows)
+            assert last.endpoint in str(lost.value)
+            await transport.close(first, "s", 1)
+        assert provider.workers[0].process.proc.poll() is not None  # stopped by the provider
 
     run(scenario())
