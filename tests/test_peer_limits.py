@@ -13,7 +13,7 @@ import pytest
 from dgr_engine.chain import LocalChain
 from dgr_engine.client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
-from dgr_engine.errors import CapacityExceeded
+from dgr_engine.errors import CapacityExceeded, GrantDenied
 from dgr_engine.worker import ShardWorker, WorkerConfig
 from dgr_engine.worker.peer_limits import PeerLimitConfig, PeerLimits, client_identity
 
@@ -51,6 +51,21 @@ def test_sessions_per_client_counts_only_sessions_still_held() -> None:
     limits.check_open("x", "c")
     with pytest.raises(ValueError, match="sessions_per_client must be >= 1"):
         PeerLimitConfig(sessions_per_client=0)
+
+
+def test_a_held_session_is_its_clients_until_it_is_closed() -> None:
+    """Without grants, another identity's open of a held session would discard its state:
+    refused; its own client may open it again, and anyone once nobody holds it."""
+    held: set[str] = set()
+    limits = PeerLimits(PeerLimitConfig(), held.__contains__)
+    limits.opened("cert:alice", "s")
+    held.add("s")
+    with pytest.raises(GrantDenied, match="another client holds it"):
+        limits.check_owner("cert:bob", "s")
+    limits.check_owner("cert:alice", "s")  # a newer epoch of its own session
+    limits.check_owner("cert:bob", "t")  # a session nobody holds
+    held.discard("s")  # closed (by its client, a lease or a stall)
+    limits.check_owner("cert:bob", "s")
 
 
 def test_frames_per_second_is_a_bucket_with_a_retry_hint() -> None:
