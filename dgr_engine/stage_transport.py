@@ -267,7 +267,7 @@ class GrpcStageTransport:
                 session_id, epoch, expectations_for(stage), grant=stage.grant, timeout=self.timeout
             )
         except Exception as exc:
-            if not sent:  # never reached the stage: it holds nothing more than before
+            if not sent or _client_made(exc):  # never reached the stage: it holds no more
                 if before is None:
                     self._sent_open.pop(key, None)
                 else:
@@ -339,7 +339,8 @@ class GrpcStageTransport:
         try:
             await self._close_once(stage, session_id, epoch)
         except Exception as exc:
-            self._retry_close_later(stage, session_id, epoch)
+            if not _client_made(exc):  # a close this client cannot send would fail again
+                self._retry_close_later(stage, session_id, epoch)
             self._raise(stage, session_id, epoch, "close", exc)
         log.debug("closed")
 
@@ -465,7 +466,7 @@ class GrpcStageTransport:
         """Re-raises ``exc`` as it is (each error declares its fault kind; see the module's
         table), its message prefixed with the endpoint and the call; counts and logs it. Call
         from the ``except`` block that caught ``exc``."""
-        if getattr(exc, "fault_kind", None) is not FaultKind.CLIENT:
+        if not _client_made(exc):
             self._counter(stage).failures += 1  # the client's own failure is not the stage's
         endpoint = stage.endpoint
         if isinstance(exc, StageDead | ExpectationMismatch | FrameRejected):
@@ -479,6 +480,11 @@ class GrpcStageTransport:
             "{} failed: {}: {}", what, type(exc).__name__, log_field(str(exc))
         )
         raise exc
+
+
+def _client_made(exc: BaseException) -> bool:
+    """``exc`` failed in this client before anything was sent (fault kind ``client``)."""
+    return getattr(exc, "fault_kind", None) is FaultKind.CLIENT
 
 
 def _log(stage: StageSpec, session_id: str, epoch: int) -> Logger:

@@ -182,6 +182,8 @@ def test_failures_are_what_the_manager_classifies(two: list[tuple[WorkerProcess,
             with pytest.raises(E.ClientCallError):
                 await t.forward(first, "g", 1, 0, range(3), [1, 2, 3], None)
             assert t.stats()[first.endpoint].failures == 4
+            await t.close(first, "g", 1)  # its open was never sent: nothing to close, no call
+            assert t.pending_closes == 0
 
     run(scenario())
 
