@@ -20,8 +20,6 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from dgr_engine.fixtures.split import SPLITS
-
 MIB = 1024 * 1024
 SLACK = 64 * MIB
 CHILD_KW: dict[str, Any] = {
@@ -172,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['peak_rss_bytes'] / budget:>11.3f} {'yes' if ok else 'NO':>3}"
             )
     split_name = f"{args.fixture}-split"
+    # imported here, not at the top: the measured child process loads only what a shard needs
+    from dgr_engine.fixtures.split import SPLITS
+
     if args.split_stages and split_name in SPLITS and n_layer is not None:
         all_ok &= split_rows(split_name, n_layer, args.split_stages)
     verdict = "met" if all_ok else "MISSED"
