@@ -30,7 +30,7 @@ import attrs
 import numpy as np
 
 from dgr_engine.client import ShardClient
-from dgr_engine.errors import EngineError
+from dgr_engine.errors import ShardError
 from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import LoopbackRouteProvider, describe
 from dgr_engine.stage_transport import GrpcStageTransport, expectations_for
@@ -277,7 +277,7 @@ async def _hostile(
             boundary=rows,
             timeout=5.0,
         )
-    except EngineError as exc:
+    except ShardError as exc:  # a refusal, or no answer (a killed or stalled worker)
         answer = type(exc).__name__
     else:
         answer = "accepted"

@@ -37,9 +37,9 @@ import numpy as np
 
 from dgr_engine.client import client_call_error, session_metadata
 from dgr_engine.errors import (
-    EngineError,
     FrameRejected,
     ShardDeadlineExceeded,
+    ShardError,
     ShardRpcError,
     ShardUnavailable,
 )
@@ -143,7 +143,7 @@ def _hop_of(trailers: Any, default: int) -> int:
     return default
 
 
-def _error_of(exc: grpc.aio.AioRpcError) -> EngineError:
+def _error_of(exc: grpc.aio.AioRpcError) -> ShardError:
     return error_from_trailers(exc.code(), exc.trailing_metadata(), exc.details() or "")
 
 

@@ -33,9 +33,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from dgr_engine.errors import (
     ClientCallError,
-    EngineError,
     FrameRejected,
     ShardDeadlineExceeded,
+    ShardError,
     ShardRpcError,
     ShardUnavailable,
 )
@@ -413,7 +413,7 @@ def client_call_error(exc: BaseException) -> ClientCallError:
     return ClientCallError(f"the call failed in this client, nothing was sent: {exc!r}")
 
 
-def _error_of(exc: grpc.aio.AioRpcError) -> EngineError:
+def _error_of(exc: grpc.aio.AioRpcError) -> ShardError:
     return error_from_trailers(exc.code(), exc.trailing_metadata(), exc.details() or "")
 
 

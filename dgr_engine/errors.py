@@ -1,4 +1,18 @@
-"""Typed errors of the shard engine, one per C status code, and the one place that maps codes.
+"""Typed errors of the shards: one per C status code of the engine, the worker's refusals, the
+client's transport failures, and the one place that maps C status codes.
+
+Every failure of a shard call is a :class:`ShardError`, in two branches that do not overlap:
+
+* :class:`EngineError` (``code``, ``status``): the shard answered and refused the call - its
+  engine's C status (``DGR_E_*``, :func:`error_for_status`) or its worker's own check (frame,
+  expectation, grant: ``code`` -1). Catch it where a refusal is meant.
+* :class:`ShardTransportError` (``status`` only, no C status): no such answer - the worker is
+  unreachable or gone (:class:`ShardUnavailable`), too slow (:class:`ShardDeadlineExceeded`),
+  answered out of protocol (:class:`ShardRpcError`), or this client failed the call before
+  sending it (:class:`ClientCallError`). Catch it where a dead or unreachable worker is meant.
+
+``ShardError``, ``EngineError`` and ``StaleEpoch`` are defined in :mod:`dgr_session.errors` (so
+that the control plane's ``StaleEpoch`` and the engine's are one class) and re-exported here.
 
 Every class documents what happened to the session's state, as the C header does for its code,
 and declares the fault kind a route session files it under (``fault_kind``), so transports raise
@@ -8,26 +22,43 @@ for callers that do not know dgr.
 
 from __future__ import annotations
 
-from typing import ClassVar
-
 from dgr_session import errors as session_errors
-from dgr_session.errors import DgrError
+from dgr_session.errors import EngineError, ShardError, StaleEpoch
 from dgr_session.faults import FaultKind
 
+__all__ = [
+    "AbiMismatch",
+    "CapacityExceeded",
+    "ClientCallError",
+    "ContextFull",
+    "DecodeError",
+    "EngineClosed",
+    "EngineError",
+    "ExpectationMismatch",
+    "FrameRejected",
+    "GrantDenied",
+    "GrantUnauthenticated",
+    "InternalError",
+    "InvalidArgument",
+    "LayerRangeError",
+    "ModelLoadError",
+    "NonFiniteOutput",
+    "PositionMismatch",
+    "ShapeMismatch",
+    "ShardDeadlineExceeded",
+    "ShardError",
+    "ShardRpcError",
+    "ShardTransportError",
+    "ShardUnavailable",
+    "StaleEpoch",
+    "StateError",
+    "UnknownSession",
+    "UnsupportedArchitecture",
+    "UnsupportedFeature",
+    "error_for_status",
+]
 
-class EngineError(DgrError):
-    """A shard engine call failed. ``code`` is the C status, ``status`` its stable name."""
-
-    code: int = -1
-    status: str = "DGR_E_UNKNOWN_STATUS"
-    fault_kind: ClassVar[FaultKind] = FaultKind.ENGINE_ERROR
-
-    def __init__(self, message: str, *, code: int | None = None, status: str | None = None) -> None:
-        super().__init__(message)
-        if code is not None:
-            self.code = code
-        if status is not None:
-            self.status = status
+# -- the engine's C statuses (EngineError's branch) ---------------------------------------------
 
 
 class InvalidArgument(EngineError, ValueError):
@@ -65,32 +96,7 @@ class UnknownSession(EngineError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-class StaleEpoch(EngineError, session_errors.StaleEpoch):
-    """The epoch is older than the session's current one. Nothing changed; the newer epoch's
-    state is untouched. The caller's session lives on under its newer epoch.
-
-    The engine's side of :class:`dgr_session.errors.StaleEpoch`: ``held_epoch`` is the epoch the
-    refusing engine holds (from the C ABI, or the worker's refusal); ``session_id`` and ``epoch``
-    name the refused call where the raiser knows them. Each is ``None`` when unknown."""
-
-    code, status = 6, "DGR_E_STALE_EPOCH"
-    fault_kind = FaultKind.PROTOCOL
-
-    def __init__(
-        self,
-        message: str,
-        *,
-        code: int | None = None,
-        status: str | None = None,
-        session_id: str | None = None,
-        epoch: int | None = None,
-        held_epoch: int | None = None,
-    ) -> None:
-        # EngineError's super() reaches dgr_session's StaleEpoch with the message only
-        super().__init__(message, code=code, status=status)
-        self.session_id = session_id
-        self.epoch = epoch
-        self.held_epoch = held_epoch
+# StaleEpoch (C status 6, DGR_E_STALE_EPOCH) is dgr_session's, imported above: one class.
 
 
 class CapacityExceeded(EngineError, session_errors.StageBusy):
@@ -165,7 +171,7 @@ class EngineClosed(EngineError):
     fault_kind = FaultKind.DEAD
 
 
-# -- refusals of the gRPC worker and its client (no C status of their own) --------------------
+# -- refusals of the gRPC worker (EngineError's branch: a dgr status, no C status) -----------
 
 
 class FrameRejected(EngineError, ValueError):
@@ -182,25 +188,6 @@ class ExpectationMismatch(EngineError, ValueError):
     changed; the route is wrong, not the data: ask for another route."""
 
     status = "DGR_E_EXPECTATION"
-
-
-class ShardUnavailable(EngineError, session_errors.StageDead):
-    """The worker is unreachable or shutting down; its sessions' state is gone or going. The
-    route session must move to a new route (re-prefill under a new epoch): it lives on.
-
-    The worker client's side of :class:`dgr_session.errors.StageDead` (a ``ConnectionError``)."""
-
-    status = "DGR_E_UNAVAILABLE"
-    fault_kind = FaultKind.DEAD
-
-
-class ShardDeadlineExceeded(EngineError, TimeoutError):
-    """The call's deadline passed. With ``DGR_E_DEADLINE`` the engine never ran (nothing
-    changed); without it (the client gave up) the state may have advanced: treat the stage as
-    faulty and re-prefill under a new epoch."""
-
-    status = "DGR_E_DEADLINE"
-    fault_kind = FaultKind.DEADLINE
 
 
 class GrantUnauthenticated(EngineError, PermissionError):
@@ -224,7 +211,38 @@ class GrantDenied(EngineError, PermissionError):
     fault_kind = FaultKind.PROTOCOL
 
 
-class ClientCallError(EngineError):
+# -- the client's transport failures (ShardTransportError's branch: no C status) ---------------
+
+
+class ShardTransportError(ShardError):
+    """A call to a shard got no dgr refusal: the worker is unreachable, gone or too slow, it
+    answered out of protocol, or this client failed the call before sending it. No engine
+    status came back (``status`` names what the client saw). Each subclass says what the
+    worker may have changed; the route session lives on (on a new route, within its failure
+    budget) except after :class:`ClientCallError`, which ends it blaming no stage."""
+
+
+class ShardUnavailable(ShardTransportError, session_errors.StageDead):
+    """The worker is unreachable or shutting down; its sessions' state is gone or going. The
+    route session must move to a new route (re-prefill under a new epoch): it lives on.
+
+    The worker client's side of :class:`dgr_session.errors.StageDead` (a ``ConnectionError``)."""
+
+    status = "DGR_E_UNAVAILABLE"
+    fault_kind = FaultKind.DEAD
+
+
+class ShardDeadlineExceeded(ShardTransportError, TimeoutError):
+    """The call's deadline passed. With ``DGR_E_DEADLINE`` the worker answered that the frame's
+    deadline passed in its queue and the engine never ran (nothing changed); without it (the
+    client gave up) the state may have advanced. Either way the stage is faulty: the route
+    session re-prefills under a new epoch within its failure budget (it lives on)."""
+
+    status = "DGR_E_DEADLINE"
+    fault_kind = FaultKind.DEADLINE
+
+
+class ClientCallError(ShardTransportError):
     """A call failed in this client before anything reached the worker: gRPC refused to start
     it (invalid metadata, a message that cannot be serialised) or the client's own channel is
     closed. The worker saw nothing and changed nothing; it is not to blame (fault kind
@@ -234,16 +252,22 @@ class ClientCallError(EngineError):
     fault_kind = FaultKind.CLIENT
 
 
-class ShardRpcError(EngineError):
+class ShardRpcError(ShardTransportError):
     """A gRPC failure without a dgr reason (``status`` is ``GRPC_<CODE>``), or a reply out of
-    protocol (``DGR_E_PROTOCOL``). Treat the stage as faulty."""
+    protocol (``DGR_E_PROTOCOL``). What the worker changed is unknown: the route session treats
+    the stage as faulty and moves to a new route within its failure budget (it lives on)."""
 
     status = "DGR_E_RPC"
+
+
+# -- the native module -------------------------------------------------------------------------
 
 
 class AbiMismatch(ImportError):
     """The compiled native module does not match this Python package's ABI version."""
 
+
+# -- the one place that maps C status codes ----------------------------------------------------
 
 _BY_CODE: dict[int, type[EngineError]] = {
     cls.code: cls

@@ -94,30 +94,76 @@ class UnverifiedCertification(DarkLane):
 # Stage faults (what transports raise; the session survives them within its budget)
 
 
-class StaleEpoch(DgrError):
-    """A message names an epoch older than the one the receiver holds for that session.
+class ShardError(DgrError):
+    """Base of a failed call to one shard (a stage's worker or engine), in two branches:
 
-    Raised by stages and transports when asked to act for an old epoch (the newer epoch is kept
-    and lives on). The session core never raises it: it drops stale events and counts them.
-    The engine's refusal (``dgr_engine.errors.StaleEpoch``) is this class too.
+    * :class:`EngineError` - the shard answered and refused the call with a dgr status (its
+      engine's C status, or its worker's own check): the shard is there;
+    * ``dgr_engine.errors.ShardTransportError`` - the call got no such answer: the worker is
+      unreachable or too slow, answered out of protocol, or the client failed the call itself.
+
+    ``status`` is the stable name of what happened; ``fault_kind`` how a route session files
+    it. Whether the session lives on is each class's to say (most: it lives on, on a new route
+    within its failure budget).
     """
 
-    fault_kind: ClassVar[FaultKind] = FaultKind.PROTOCOL
+    status: str = "DGR_E_UNKNOWN_STATUS"
+    fault_kind: ClassVar[FaultKind] = FaultKind.ENGINE_ERROR
+
+    def __init__(self, message: str, *, status: str | None = None) -> None:
+        super().__init__(message)
+        if status is not None:
+            self.status = status
+
+
+class EngineError(ShardError):
+    """A shard refused a call with a dgr status: its engine's C status (``code``, mapped in one
+    place: ``dgr_engine.errors.error_for_status``), or its worker's own refusal (``code`` -1).
+    ``status`` is the status's stable name. The subclasses (``dgr_engine.errors``) say what
+    changed; a route session files an unclassified one as the stage's engine fault and moves to
+    a new route within its failure budget: it lives on.
+
+    Defined here, beside :class:`StaleEpoch` (the one refusal the control plane raises too), and
+    re-exported by ``dgr_engine.errors``, where every other engine error lives.
+    """
+
+    code: int = -1
+
+    def __init__(self, message: str, *, code: int | None = None, status: str | None = None) -> None:
+        super().__init__(message, status=status)
+        if code is not None:
+            self.code = code
+
+
+class StaleEpoch(EngineError):
+    """A message names an epoch older than the one the receiver holds for that session.
+
+    Raised by stages, their engines (``DGR_E_STALE_EPOCH``, C status 6) and transports when
+    asked to act for an old epoch: nothing changed, and the newer epoch's state is untouched (it
+    lives on). The session core never raises it: it drops stale events and counts them. One
+    class: ``dgr_engine.errors.StaleEpoch`` is this class.
+    """
+
+    code, status = 6, "DGR_E_STALE_EPOCH"
+    fault_kind = FaultKind.PROTOCOL
 
     def __init__(
         self,
         message: str,
         *,
+        code: int | None = None,
+        status: str | None = None,
         session_id: str | None = None,
         epoch: int | None = None,
         held_epoch: int | None = None,
     ) -> None:
-        super().__init__(message)
+        super().__init__(message, code=code, status=status)
         #: Session the message belonged to, or ``None`` when the refusing side did not say.
         self.session_id = session_id
         #: Epoch the message named, or ``None`` when the refusing side did not say.
         self.epoch = epoch
-        #: Newer epoch the receiver holds, or ``None`` when it did not say.
+        #: Newer epoch the receiver holds (for the engine: ``dgr_last_held_epoch()``), or
+        #: ``None`` when it did not say.
         self.held_epoch = held_epoch
 
 

@@ -287,12 +287,20 @@ NOT_ENGINE_ERROR = {
     E.CapacityExceeded: FaultKind.BUSY,  # load, not a fault
     E.GrantUnauthenticated: FaultKind.PROTOCOL,  # the route's grants are wrong, not the stage
     E.GrantDenied: FaultKind.PROTOCOL,
+    E.ClientCallError: FaultKind.CLIENT,  # the client's own failure: no stage to blame
 }
+
+REFUSALS = 21  # EngineError, 14 C statuses, NonFiniteOutput, EngineClosed, 4 of the worker
+TRANSPORT = 5  # ShardTransportError, unavailable, deadline, RPC error, the client's own
+
+
+def shard_errors() -> list[type[E.ShardError]]:
+    return [c for c in vars(E).values() if isinstance(c, type) and issubclass(c, E.ShardError)]
 
 
 def test_each_engine_error_declares_its_fault_kind() -> None:
-    classes = [c for c in vars(E).values() if isinstance(c, type) and issubclass(c, E.EngineError)]
-    assert len(classes) == 24  # EngineError, 14 C statuses, EngineClosed, 8 of the worker and wire
+    classes = shard_errors()
+    assert len(classes) == 1 + REFUSALS + TRANSPORT  # ShardError and its two branches
     for cls in classes:
         kind = NOT_ENGINE_ERROR.get(cls, FaultKind.ENGINE_ERROR)
         assert cls.fault_kind is kind, cls
@@ -302,3 +310,38 @@ def test_each_engine_error_declares_its_fault_kind() -> None:
     assert issubclass(E.ShardUnavailable, ConnectionError)
     assert issubclass(E.StaleEpoch, session_errors.StaleEpoch)
     assert issubclass(E.ShardDeadlineExceeded, TimeoutError)
+
+
+def test_a_shard_error_is_a_refusal_or_a_transport_failure_never_both() -> None:
+    refusals = [c for c in shard_errors() if issubclass(c, E.EngineError)]
+    transport = [c for c in shard_errors() if issubclass(c, E.ShardTransportError)]
+    assert len(refusals) == REFUSALS and len(transport) == TRANSPORT
+    assert not set(refusals) & set(transport)
+    assert set(refusals) | set(transport) | {E.ShardError} == set(shard_errors())
+    # an unreachable, slow or out-of-protocol worker, or the client's own failure, is no refusal
+    for cls in (E.ShardUnavailable, E.ShardDeadlineExceeded, E.ShardRpcError, E.ClientCallError):
+        assert cls in transport and not issubclass(cls, E.EngineError), cls
+        with pytest.raises(E.ShardTransportError):
+            raise cls("x")
+    # every class the C status table maps to is a refusal, and so is every worker refusal
+    assert all(issubclass(cls, E.EngineError) for cls in E._BY_CODE.values())
+    for cls in (E.FrameRejected, E.ExpectationMismatch, E.GrantDenied, E.NonFiniteOutput):
+        assert cls in refusals and not issubclass(cls, E.ShardTransportError), cls
+    # a transport failure carries a status and no C status
+    late = E.ShardDeadlineExceeded("x", status="GRPC_DEADLINE_EXCEEDED")
+    assert late.status == "GRPC_DEADLINE_EXCEEDED" and not hasattr(late, "code")
+
+
+def test_one_stale_epoch_for_the_control_plane_and_the_engine() -> None:
+    import dgr_session
+
+    assert E.StaleEpoch is session_errors.StaleEpoch is dgr_session.StaleEpoch
+    assert [n for n, c in vars(E).items() if c is E.StaleEpoch] == ["StaleEpoch"]
+    assert E.EngineError is session_errors.EngineError and E.ShardError is session_errors.ShardError
+    stale = E.error_for_status(6, "DGR_E_STALE_EPOCH", "epoch 1 is stale", held_epoch=4)
+    assert type(stale) is dgr_session.StaleEpoch and stale.held_epoch == 4
+    assert (stale.code, stale.status) == (6, "DGR_E_STALE_EPOCH")
+    assert stale.fault_kind is FaultKind.PROTOCOL
+    # what the control plane raises is the engine's refusal too: one except catches both
+    made_here = dgr_session.StaleEpoch("old", session_id="s", epoch=1, held_epoch=2)
+    assert isinstance(made_here, E.EngineError) and made_here.code == 6

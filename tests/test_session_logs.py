@@ -16,7 +16,7 @@ from route_runs import run_session
 
 from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.client import ShardClient
-from dgr_engine.errors import EngineError
+from dgr_engine.errors import ShardUnavailable
 from dgr_engine.options import EngineOptions
 from dgr_engine.route_provider import LoopbackRouteProvider
 from dgr_engine.wire.frames import Expectations
@@ -53,7 +53,7 @@ def test_every_call_carries_the_session_in_its_metadata() -> None:
                     client.forward("story", 3, 7, expect, [0], tokens=[1]),
                     client.close("story", 3),
                 ):
-                    with pytest.raises(EngineError):
+                    with pytest.raises(ShardUnavailable):
                         await call
         finally:
             await server.stop(0)

@@ -16,7 +16,7 @@ import pytest
 from dgr_engine.chain import LocalChain
 from dgr_engine.client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
-from dgr_engine.errors import EngineError
+from dgr_engine.errors import ShardUnavailable
 from dgr_engine.pki import Authority, authority
 from dgr_engine.processes import WorkerProcess, dgr_command
 from dgr_engine.tls import ClientTls, ServerTls, TlsConfigError, check_plaintext_bind, is_loopback
@@ -54,7 +54,7 @@ async def _prefill(address: str, tls: ClientTls | None, session: str) -> np.ndar
 
 async def _refused(address: str, tls: ClientTls | None) -> None:
     async with ShardClient(address, timeout=5.0, tls=tls) as client:
-        with pytest.raises(EngineError):
+        with pytest.raises(ShardUnavailable):
             await client.describe()
 
 

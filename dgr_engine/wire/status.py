@@ -28,7 +28,7 @@ refused the frame or was lost (``docs/chain.md``)."""
 
 _C = grpc.StatusCode
 
-_BY_STATUS: dict[str, tuple[grpc.StatusCode, type[E.EngineError]]] = {
+_BY_STATUS: dict[str, tuple[grpc.StatusCode, type[E.ShardError]]] = {
     "DGR_E_FRAME": (_C.INVALID_ARGUMENT, E.FrameRejected),
     "DGR_E_UNAUTHENTICATED": (_C.UNAUTHENTICATED, E.GrantUnauthenticated),
     "DGR_E_PERMISSION": (_C.PERMISSION_DENIED, E.GrantDenied),
@@ -55,7 +55,7 @@ _BY_STATUS: dict[str, tuple[grpc.StatusCode, type[E.EngineError]]] = {
     "DGR_E_INTERNAL": (_C.INTERNAL, E.InternalError),
 }
 
-_BY_CODE: dict[grpc.StatusCode, type[E.EngineError]] = {
+_BY_CODE: dict[grpc.StatusCode, type[E.ShardError]] = {
     _C.UNAVAILABLE: E.ShardUnavailable,
     _C.CANCELLED: E.ShardUnavailable,
     _C.DEADLINE_EXCEEDED: E.ShardDeadlineExceeded,
@@ -89,7 +89,7 @@ def grpc_status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return _C.INVALID_ARGUMENT, "DGR_E_FRAME"
     if isinstance(exc, E.EngineClosed):
         return _C.UNAVAILABLE, "DGR_E_SHUTTING_DOWN"
-    if isinstance(exc, E.EngineError) and exc.status in _BY_STATUS:
+    if isinstance(exc, E.ShardError) and exc.status in _BY_STATUS:
         return _BY_STATUS[exc.status][0], exc.status
     return _C.INTERNAL, "DGR_E_INTERNAL"
 
@@ -109,7 +109,7 @@ def refusal_trailers(exc: BaseException, status: str) -> tuple[tuple[str, str], 
 
 def error_from_trailers(
     code: grpc.StatusCode, trailers: Iterable[tuple[str, str | bytes]] | None, details: str
-) -> E.EngineError:
+) -> E.ShardError:
     """The typed exception for a failed call, from its code, trailing metadata and details
     (see :func:`error_from_rpc`); a stale-epoch refusal carries the worker's held epoch."""
     found: dict[str, str] = {}
@@ -126,7 +126,7 @@ def error_from_trailers(
     return error
 
 
-def error_from_rpc(code: grpc.StatusCode, status: str | None, details: str) -> E.EngineError:
+def error_from_rpc(code: grpc.StatusCode, status: str | None, details: str) -> E.ShardError:
     """The typed exception for a failed call: by dgr-status when the worker sent one, else by
     gRPC code (connection failures, deadlines, gRPC's own size limit)."""
     if status is not None and status in _BY_STATUS:

@@ -26,7 +26,7 @@ import grpc
 import numpy as np
 
 from dgr_engine.client import DEFAULT_MAX_MESSAGE_BYTES, session_metadata
-from dgr_engine.errors import EngineError, FrameRejected, GrantDenied, ShardUnavailable
+from dgr_engine.errors import FrameRejected, GrantDenied, ShardError, ShardUnavailable
 from dgr_engine.tls import ClientTls
 from dgr_engine.wire import frames
 from dgr_engine.wire.proto import shard_pb2 as pb
@@ -660,7 +660,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
             epoch=log_field(getattr(request, "epoch", "-")),
         )
         text = str(exc) if str(exc).startswith(status) else f"{status}: {exc}"
-        if isinstance(exc, EngineError) or status != "DGR_E_INTERNAL":
+        if isinstance(exc, ShardError) or status != "DGR_E_INTERNAL":  # any typed refusal
             log.warning("chained frame refused: {} {}", code.name, log_field(text, limit=1000))
         else:
             log.opt(exception=exc).error("chained frame failed: {!r}", exc)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 import grpc
 
-from dgr_engine.errors import EngineError, FrameRejected
+from dgr_engine.errors import FrameRejected, ShardError
 from dgr_engine.wire import frames
 from dgr_engine.wire.advert import advert_to_proto
 from dgr_engine.wire.proto import shard_pb2 as pb
@@ -239,7 +239,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         self.w.metrics.refusals.labels(status).inc()
         if is_worker_fault(exc):
             self.w.meter.error()  # the advert's health counts the worker's own faults only
-        if isinstance(exc, EngineError) or status != "DGR_E_INTERNAL":
+        if isinstance(exc, ShardError) or status != "DGR_E_INTERNAL":  # any typed refusal
             reason = log_field(_details(exc, status), limit=_DETAILS_LOGGED)
             log.warning("{} refused: {} {}", what, code.name, reason)
         else:
