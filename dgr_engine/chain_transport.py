@@ -47,6 +47,7 @@ from dgr_engine.stage_transport import GrpcStageTransport, expectations_for
 from dgr_engine.wire.frames import encode_forward, expectations_to_proto, output_from_reply
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY, error_from_trailers
+from dgr_session.commands import Forward
 from dgr_session.errors import DgrError
 from dgr_session.faults import FaultKind
 from dgr_session.identifiers import check_session_id
@@ -456,35 +457,15 @@ class ChainStageTransport(GrpcStageTransport):
             await chain.aclose()
         await super().close(stage, session_id, epoch)
 
-    async def forward(
-        self,
-        stage: StageSpec,
-        session_id: str,
-        epoch: int,
-        step: int,
-        positions: range,
-        token_ids: Sequence[int],
-        boundary: object | None,
-        *,
-        want_logits: bool = True,
-        kind: str = "decode",
-    ) -> StageResult:
+    async def forward(self, call: Forward) -> StageResult:
+        stage, session_id, epoch, step = call.stage, call.session_id, call.epoch, call.step
+        positions, token_ids, boundary = call.positions, call.token_ids, call.boundary
         check_session_id(session_id)
         chain = self._chains.get((session_id, epoch))
         if isinstance(boundary, ChainTicket) and chain is not None:
             return self._answer(chain, stage, boundary)
         if chain is None or boundary is not None or stage.layer_begin != 0:
-            return await super().forward(
-                stage,
-                session_id,
-                epoch,
-                step,
-                positions,
-                token_ids,
-                boundary,
-                want_logits=want_logits,
-                kind=kind,
-            )
+            return await super().forward(call)
         loop = asyncio.get_running_loop()
         ticket = ChainTicket(step, len(positions), loop.create_future())
         began = loop.time()
@@ -513,10 +494,10 @@ class ChainStageTransport(GrpcStageTransport):
                 expectations_for(stage),
                 positions,
                 tokens=np.asarray(token_ids, dtype=np.int32),
-                no_logits=not want_logits,
+                no_logits=not call.wants_logits,
                 timeout=self.timeout,
                 session_secret=self.client(stage.endpoint).session_secret(session_id, epoch),
-                kind=kind,
+                kind=call.kind,
             )
             if until > step:
                 request.ring_until_step = until
@@ -529,7 +510,7 @@ class ChainStageTransport(GrpcStageTransport):
                     await asyncio.shield(ticket.done)
             except TimeoutError:
                 chain.fail(0, ShardDeadlineExceeded(f"no chained output within {self.timeout} s"))
-        if ticket.reply is not None and until > step and want_logits:
+        if ticket.reply is not None and until > step and call.wants_logits:
             rows = ticket.reply.reply.output.shape
             if len(rows) == 2 and rows[0] > 0:  # the ring sends the next step on by itself
                 token = int(np.argmax(output_from_reply(ticket.reply.reply)[-1]))

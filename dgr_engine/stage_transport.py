@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, NoReturn
 
 import attrs
@@ -31,6 +31,7 @@ from dgr_engine.errors import (
 from dgr_engine.tls import ClientTls
 from dgr_engine.wire.advert import Advert
 from dgr_engine.wire.frames import SCHEMA_VERSION, Expectations
+from dgr_session.commands import Forward
 from dgr_session.errors import StageDead
 from dgr_session.faults import FaultKind
 from dgr_session.identifiers import check_session_id, log_field
@@ -279,26 +280,16 @@ class GrpcStageTransport:
                 del self._opening[(*key, epoch)]
         log.debug("opened")
 
-    async def forward(
-        self,
-        stage: StageSpec,
-        session_id: str,
-        epoch: int,
-        step: int,
-        positions: range,
-        token_ids: Sequence[int],
-        boundary: object | None,
-        *,
-        want_logits: bool = True,
-        kind: str = "decode",
-    ) -> StageResult:
+    async def forward(self, call: Forward) -> StageResult:
+        stage, session_id, epoch, step = call.stage, call.session_id, call.epoch, call.step
+        positions = call.positions
         check_session_id(session_id)
         n = len(positions)
         try:
             advert = self._adverts.get(stage.endpoint) or await self.advert(stage.endpoint)
             send_ids = advert.span.is_first or advert.span.needs_token_ids
-            tokens = np.asarray(token_ids, dtype=np.int32) if send_ids else None
-            rows = None if boundary is None else _rows(boundary)
+            tokens = np.asarray(call.token_ids, dtype=np.int32) if send_ids else None
+            rows = None if call.boundary is None else _rows(call.boundary)
             result = await self.client(stage.endpoint).forward(
                 session_id,
                 epoch,
@@ -307,9 +298,9 @@ class GrpcStageTransport:
                 positions,
                 tokens=tokens,
                 boundary=rows,
-                logits=want_logits,
+                logits=call.wants_logits,
                 timeout=self.timeout,
-                kind=kind,
+                kind=call.kind,
             )
         except Exception as exc:
             self._raise(stage, session_id, epoch, f"forward step {step}", exc)

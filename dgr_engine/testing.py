@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -26,6 +26,7 @@ from dgr_engine.errors import (
     StaleEpoch,
     UnknownSession,
 )
+from dgr_session.commands import Forward
 from dgr_session.errors import StageDead
 from dgr_session.route import StageSpec
 from dgr_session.testing import ReplyGate
@@ -124,24 +125,12 @@ class EngineTransport:
         sid = self._sid(session_id)
         await self._call(stage, session_id, epoch, True, lambda e: e.open_session(sid, epoch))
 
-    async def forward(
-        self,
-        stage: StageSpec,
-        session_id: str,
-        epoch: int,
-        step: int,
-        positions: range,
-        token_ids: Sequence[int],
-        boundary: object | None,
-        *,
-        want_logits: bool = True,
-        kind: str = "decode",
-    ) -> StageResult:
-        sid = self._sid(session_id)
-        pos = np.arange(positions.start, positions.stop, dtype=np.int32)
-        tokens = np.asarray(token_ids, dtype=np.int32)
+    async def forward(self, call: Forward) -> StageResult:
+        sid, epoch, boundary = self._sid(call.session_id), call.epoch, call.boundary
+        pos = np.arange(call.positions.start, call.positions.stop, dtype=np.int32)
+        tokens = np.asarray(call.token_ids, dtype=np.int32)
         # no logits wanted: no output row (the engine skips the output head)
-        none = None if want_logits else np.zeros(len(pos), dtype=np.uint8)
+        none = None if call.wants_logits else np.zeros(len(pos), dtype=np.uint8)
 
         def run(engine: ShardEngine) -> StageResult:
             info = engine.info
@@ -158,7 +147,7 @@ class EngineTransport:
                 return Boundary(out)
             return Logits.last_row(out)
 
-        return await self._call(stage, session_id, epoch, True, run)
+        return await self._call(call.stage, call.session_id, epoch, True, run)
 
     async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
         sid = self._sid(session_id)

@@ -482,17 +482,7 @@ class SessionManager:
             )
 
         try:
-            result = await self._transport.forward(
-                cmd.stage,
-                sid,
-                epoch,
-                step,
-                cmd.positions,
-                cmd.token_ids,
-                cmd.boundary,
-                want_logits=cmd.wants_logits,
-                kind=cmd.kind,
-            )
+            result = await self._transport.forward(cmd)
         except Exception as err:  # noqa: BLE001 - every failure becomes a typed fault
             handle._post(failed(fault_kind(err), repr(err)))
             return

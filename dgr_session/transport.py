@@ -14,11 +14,11 @@ k + 1 untouched.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import attrs
 
+from dgr_session.commands import Forward
 from dgr_session.faults import FailureReport
 from dgr_session.route import Route, StageSpec
 from dgr_session.usage import StageCost
@@ -64,25 +64,20 @@ class StageTransport(Protocol):
         """Open the session's sequence on ``stage`` for ``epoch``, discarding older epochs."""
         ...
 
-    async def forward(
-        self,
-        stage: StageSpec,
-        session_id: str,
-        epoch: int,
-        step: int,
-        positions: range,
-        token_ids: Sequence[int],
-        boundary: object | None,
-        *,
-        want_logits: bool = True,
-        kind: str = "decode",
-    ) -> StageResult:
-        """Run tokens at ``positions`` (``boundary``: the previous stage's rows, ``None`` for
-        stage 0). Return :class:`Boundary` from a middle stage, :class:`Logits` from the last.
-        ``want_logits=False``: nobody reads the last stage's logits this time (a prefill chunk
-        or a replayed token); a transport may skip computing and shipping them (its
-        :class:`Logits` may then be empty). ``kind``: ``prefill``, ``decode`` or ``replay``
-        (``Forward.kind``), for the stage's metrics and usage records; rows compute alike."""
+    async def forward(self, call: Forward) -> StageResult:
+        """Run one :class:`~dgr_session.commands.Forward`, the core's command, as it is.
+
+        What the transport reads of it: ``stage`` (where), ``session_id``, ``epoch`` and ``step``
+        (which session, epoch and step the answer belongs to), ``positions`` and ``token_ids``
+        (the tokens, at KV positions that continue the epoch exactly), ``boundary`` (the previous
+        stage's rows, relayed untouched; ``None`` for stage 0), ``wants_logits`` (``False``:
+        nobody reads the last stage's logits this time, a prefill chunk or a replayed token; a
+        transport may skip computing and shipping them, and its :class:`Logits` may then be
+        empty) and ``kind`` (``prefill``, ``decode`` or ``replay``, for the stage's metrics and
+        usage records; rows compute alike). ``stage_index`` and ``final`` are the driver's.
+
+        Return :class:`Boundary` from a middle stage, :class:`Logits` from the last. A field the
+        core adds to ``Forward`` reaches every transport without a signature changing."""
         ...
 
     async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:

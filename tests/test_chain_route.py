@@ -44,6 +44,7 @@ from dgr_session import (
     SessionResult,
     SessionState,
 )
+from dgr_session.testing import forward_call
 from dgr_session.transport import Boundary, Logits
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("certified_fixtures")]
@@ -306,23 +307,27 @@ def test_a_stale_epoch_on_the_worker_to_worker_path_is_refused_naming_the_stage(
             first, last = route.stages
             for stage in route.stages:
                 await transport.open(stage, "s", 1)
-            linked = await transport.forward(first, "s", 1, 0, range(3), [5, 6, 7], None)
+            linked = await transport.forward(
+                forward_call(first, "s", 1, 0, range(3), [5, 6, 7], None)
+            )
             assert isinstance(linked, Boundary) and isinstance(linked.rows, ChainTicket)
-            out = await transport.forward(last, "s", 1, 0, range(3), [5, 6, 7], linked.rows)
+            out = await transport.forward(
+                forward_call(last, "s", 1, 0, range(3), [5, 6, 7], linked.rows)
+            )
             assert isinstance(out, Logits)
             async with ShardClient(last.endpoint) as other:
                 await other.open("s", 2, expectations_for(last))  # a newer epoch there
-            step1 = await transport.forward(first, "s", 1, 1, range(3, 4), [8], None)
+            step1 = await transport.forward(forward_call(first, "s", 1, 1, range(3, 4), [8], None))
             assert isinstance(step1, Boundary) and isinstance(step1.rows, ChainTicket)
             with pytest.raises(StaleEpoch) as refused:
-                await transport.forward(last, "s", 1, 1, range(3, 4), [8], step1.rows)
+                await transport.forward(forward_call(last, "s", 1, 1, range(3, 4), [8], step1.rows))
             assert refused.value.held_epoch == 2
             assert last.endpoint in str(refused.value)
             # the epoch is over: the next frame fails at once, at the same stage
-            again = await transport.forward(first, "s", 1, 2, range(4, 5), [9], None)
+            again = await transport.forward(forward_call(first, "s", 1, 2, range(4, 5), [9], None))
             assert isinstance(again, Boundary)
             with pytest.raises(StaleEpoch):
-                await transport.forward(last, "s", 1, 2, range(4, 5), [9], again.rows)
+                await transport.forward(forward_call(last, "s", 1, 2, range(4, 5), [9], again.rows))
             for stage in route.stages:
                 await transport.close(stage, "s", 1)
 
@@ -368,11 +373,15 @@ def test_a_chained_route_over_mutual_tls_and_a_stage_without_chain_credentials(
                 ids, pos = list(prompt), 0
                 for step in range(6):
                     out = await transport.forward(
-                        route.stages[0], "t", 0, step, range(pos, pos + len(ids)), ids, None
+                        forward_call(
+                            route.stages[0], "t", 0, step, range(pos, pos + len(ids)), ids, None
+                        )
                     )
                     assert isinstance(out, Boundary)
                     logits = await transport.forward(
-                        route.stages[1], "t", 0, step, range(pos, pos + len(ids)), ids, out.rows
+                        forward_call(
+                            route.stages[1], "t", 0, step, range(pos, pos + len(ids)), ids, out.rows
+                        )
                     )
                     assert isinstance(logits, Logits)
                     assert np.array_equal(np.asarray(logits.values), want_logits[step])
@@ -388,7 +397,9 @@ def test_a_chained_route_over_mutual_tls_and_a_stage_without_chain_credentials(
                 for stage in route.stages:
                     await transport.open(stage, "u", 0)
                 with pytest.raises(FrameRejected, match="no chain TLS credentials"):
-                    await transport.forward(route.stages[0], "u", 0, 0, range(3), [1, 2, 3], None)
+                    await transport.forward(
+                        forward_call(route.stages[0], "u", 0, 0, range(3), [1, 2, 3], None)
+                    )
                 for stage in route.stages:
                     await transport.close(stage, "u", 0)
         finally:

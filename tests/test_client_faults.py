@@ -38,6 +38,7 @@ from dgr_session import (
     EvidenceClass,
     FailurePolicy,
     FaultKind,
+    Forward,
     InvalidIdentifier,
     NoRouteAvailable,
     RequestRoute,
@@ -60,6 +61,7 @@ from dgr_session.testing import (
     FakeTransport,
     ScriptedRouteProvider,
     fixture_identity,
+    forward_call,
     make_route,
     run_virtual,
     settle,
@@ -211,8 +213,8 @@ class ClientBroken:
             raise ClientCallError("the call failed in this client, nothing was sent")
         await self.inner.open(stage, session_id, epoch)
 
-    async def forward(self, stage: StageSpec, *args: Any, **kwargs: Any) -> StageResult:
-        return await self.inner.forward(stage, *args, **kwargs)
+    async def forward(self, call: Forward) -> StageResult:
+        return await self.inner.forward(call)
 
     async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
         await self.inner.close(stage, session_id, epoch)
@@ -369,7 +371,7 @@ async def hostile_then_ordinary(
                 with pytest.raises(InvalidIdentifier):
                     await getattr(transport, call)(first.stage, value, 1)
             with pytest.raises(InvalidIdentifier):
-                await transport.forward(first.stage, value, 1, 0, range(1), [1], None)
+                await transport.forward(forward_call(first.stage, value, 1, 0, range(1), [1], None))
         assert provider.assigned == [] and provider.reports == []
         assert transport.stats() == {}  # no call was made, none failed
         for worker in provider.workers:

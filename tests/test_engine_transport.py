@@ -32,6 +32,7 @@ from dgr_session import (
 from dgr_session.testing import (
     ScriptedRouteProvider,
     fixture_identity,
+    forward_call,
     make_route,
     run_virtual,
     settle,
@@ -189,9 +190,9 @@ def test_stale_epoch_from_an_engine_is_a_typed_session_error(tiny_llama: Path) -
     async def main():
         await t.open(spec, "s", 3)
         with pytest.raises(StaleEpoch) as info:
-            await t.forward(spec, "s", 2, 0, range(0, 1), [1], None)
+            await t.forward(forward_call(spec, "s", 2, 0, range(0, 1), [1], None))
         assert info.value.held_epoch == 3
-        logits = await t.forward(spec, "s", 3, 0, range(0, 1), [1], None)
+        logits = await t.forward(forward_call(spec, "s", 3, 0, range(0, 1), [1], None))
         assert np.isfinite(logits.values).all()
         await t.close(spec, "s", 3)
         await t.close(spec, "s", 3)  # not held any more: a no-op
@@ -252,7 +253,7 @@ def test_requests_a_correct_driver_never_sends_are_recorded(transport) -> None:
     async def main():
         await transport.open(spec, "v", 1)
         with pytest.raises(E.PositionMismatch):
-            await transport.forward(spec, "v", 1, 0, range(3, 4), [1], None)
+            await transport.forward(forward_call(spec, "v", 1, 0, range(3, 4), [1], None))
 
     run_virtual(main)
     (violation,) = transport.violations

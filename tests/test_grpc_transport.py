@@ -36,6 +36,7 @@ from dgr_session import (
     StaleEpoch,
     fault_kind,
 )
+from dgr_session.testing import forward_call
 
 pytestmark = pytest.mark.slow
 
@@ -83,9 +84,9 @@ def test_rows_and_logits_are_numpy_and_equal_the_whole_model(
             for stage in (first, last):
                 await t.open(stage, "rows", 3)
             positions = range(len(PROMPT))
-            mid = await t.forward(first, "rows", 3, 0, positions, PROMPT, None)
+            mid = await t.forward(forward_call(first, "rows", 3, 0, positions, PROMPT, None))
             assert isinstance(mid, Boundary)
-            out = await t.forward(last, "rows", 3, 0, positions, PROMPT, mid.rows)
+            out = await t.forward(forward_call(last, "rows", 3, 0, positions, PROMPT, mid.rows))
             for stage in (first, last):
                 await t.close(stage, "rows", 3)
             return mid, out, t.stats()
@@ -145,7 +146,7 @@ def test_failures_are_what_the_manager_classifies(two: list[tuple[WorkerProcess,
             # as the worker says it, not guessed: two ahead of the stale one)
             await t.open(first, "f", 2)
             with pytest.raises(StaleEpoch) as stale:
-                await t.forward(first, "f", 0, 0, range(3), [1, 2, 3], None)
+                await t.forward(forward_call(first, "f", 0, 0, range(3), [1, 2, 3], None))
             assert (stale.value.session_id, stale.value.epoch) == ("f", 0)
             assert stale.value.held_epoch == 2
             assert fault_kind(stale.value) is FaultKind.PROTOCOL
@@ -154,13 +155,13 @@ def test_failures_are_what_the_manager_classifies(two: list[tuple[WorkerProcess,
 
             # an engine refusal: the engine's typed error, fault "engine_error"
             with pytest.raises(E.PositionMismatch) as position:
-                await t.forward(first, "f", 2, 0, range(5, 6), [1], None)
+                await t.forward(forward_call(first, "f", 2, 0, range(5, 6), [1], None))
             assert fault_kind(position.value) is FaultKind.ENGINE_ERROR
             # the route names another range than the worker serves: refused, nothing changed
             with pytest.raises(E.EngineError) as mismatch:
-                await t.forward(wrong_range, "f", 2, 0, range(3), [1, 2, 3], None)
+                await t.forward(forward_call(wrong_range, "f", 2, 0, range(3), [1, 2, 3], None))
             assert mismatch.value.status == "DGR_E_EXPECTATION_RANGE"
-            out = await t.forward(first, "f", 2, 0, range(3), [1, 2, 3], None)
+            out = await t.forward(forward_call(first, "f", 2, 0, range(3), [1, 2, 3], None))
             assert isinstance(out, Boundary) and out.rows.shape == (3, 64)  # type: ignore[attr-defined]
 
             # closes are no-ops where nothing is held: older epoch, unknown session, twice
@@ -180,7 +181,7 @@ def test_failures_are_what_the_manager_classifies(two: list[tuple[WorkerProcess,
                 await t.open(first, "g", 1)
             assert fault_kind(local.value) is FaultKind.CLIENT
             with pytest.raises(E.ClientCallError):
-                await t.forward(first, "g", 1, 0, range(3), [1, 2, 3], None)
+                await t.forward(forward_call(first, "g", 1, 0, range(3), [1, 2, 3], None))
             assert t.stats()[first.endpoint].failures == 4
             await t.close(first, "g", 1)  # its open was never sent: nothing to close, no call
             assert t.pending_closes == 0
@@ -196,12 +197,12 @@ def test_a_hung_stage_times_out_and_a_killed_one_is_dead(tiny_llama: Path) -> No
         async def scenario() -> None:
             async with GrpcStageTransport(timeout=1.0, close_timeout=0.5) as t:
                 await t.open(stage, "h", 0)
-                out = await t.forward(stage, "h", 0, 0, range(4), [1, 2, 3, 4], None)
+                out = await t.forward(forward_call(stage, "h", 0, 0, range(4), [1, 2, 3, 4], None))
                 assert isinstance(out, Logits)
                 worker.proc.send_signal(signal.SIGSTOP)
                 began = time.monotonic()
                 with pytest.raises(TimeoutError) as late:
-                    await t.forward(stage, "h", 0, 1, range(4, 5), [5], None)
+                    await t.forward(forward_call(stage, "h", 0, 1, range(4, 5), [5], None))
                 assert fault_kind(late.value) is FaultKind.DEADLINE
                 with pytest.raises(TimeoutError):
                     await t.close(stage, "h", 0)
@@ -209,7 +210,7 @@ def test_a_hung_stage_times_out_and_a_killed_one_is_dead(tiny_llama: Path) -> No
                 worker.proc.send_signal(signal.SIGCONT)
                 worker.kill()
                 with pytest.raises(StageDead):
-                    await t.forward(stage, "h", 0, 2, range(5, 6), [6], None)
+                    await t.forward(forward_call(stage, "h", 0, 2, range(5, 6), [6], None))
                 with pytest.raises(StageDead):
                     await t.open(stage, "h", 1)
 

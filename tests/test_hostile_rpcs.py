@@ -41,6 +41,7 @@ from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import STATUS_KEY
 from dgr_engine.worker import ShardWorker, WorkerConfig
+from dgr_session.testing import forward_call
 from dgr_session.transport import Boundary
 
 T = TypeVar("T")
@@ -499,10 +500,14 @@ def test_a_link_to_a_lost_next_stage_blames_that_stage_not_the_one_that_asked(
             for stage in route.stages:
                 await transport.open(stage, "s", 1)
             provider.kill(last.endpoint)
-            step0 = await transport.forward(first, "s", 1, 0, range(3), [5, 6, 7], None)
+            step0 = await transport.forward(
+                forward_call(first, "s", 1, 0, range(3), [5, 6, 7], None)
+            )
             assert isinstance(step0, Boundary)  # the first stage is not blamed
             with pytest.raises(ShardUnavailable) as lost:
-                await transport.forward(last, "s", 1, 0, range(3), [5, 6, 7], step0.rows)
+                await transport.forward(
+                    forward_call(last, "s", 1, 0, range(3), [5, 6, 7], step0.rows)
+                )
             assert last.endpoint in str(lost.value)
             await transport.close(first, "s", 1)
         assert provider.workers[0].process.proc.poll() is not None  # stopped by the provider

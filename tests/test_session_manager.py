@@ -10,11 +10,13 @@ import attrs
 import pytest
 
 from dgr_session import (
+    Boundary,
     EvidenceClass,
     FailureBudgetExhausted,
     FailurePolicy,
     FaultKind,
     FinishReason,
+    Forward,
     InvalidIdentifier,
     Logits,
     NoRouteAvailable,
@@ -27,7 +29,6 @@ from dgr_session import (
     SessionState,
     StageDead,
     StageResult,
-    StageSpec,
     StaleEpoch,
     StepDeadlineExceeded,
     fault_kind,
@@ -417,30 +418,9 @@ def test_seeded_sampler_is_deterministic_and_survives_route_changes() -> None:
 
 def test_wrong_answer_kind_is_a_protocol_fault() -> None:
     class MiddleGivesLogits(FakeTransport):
-        async def forward(
-            self,
-            stage: StageSpec,
-            session_id: str,
-            epoch: int,
-            step: int,
-            positions: range,
-            token_ids: Sequence[int],
-            boundary: object | None,
-            *,
-            want_logits: bool = True,
-            kind: str = "decode",
-        ) -> StageResult:
-            result = await super().forward(
-                stage,
-                session_id,
-                epoch,
-                step,
-                positions,
-                token_ids,
-                boundary,
-                want_logits=want_logits,
-            )
-            return Logits([1.0]) if stage.endpoint == "bad" else result
+        async def forward(self, call: Forward) -> StageResult:
+            result = await super().forward(call)
+            return Logits([1.0]) if call.stage.endpoint == "bad" else result
 
     transport = MiddleGivesLogits(MODEL)
     provider = ScriptedRouteProvider([route(["bad", "b"], [3]), route(["a", "b"], [3])])
@@ -453,6 +433,44 @@ def test_wrong_answer_kind_is_a_protocol_fault() -> None:
         assert result.reports[0].endpoint == "bad"
 
     run_virtual(main)
+
+
+def test_the_transport_gets_the_cores_forward_command_as_it_is() -> None:
+    """One value per forward: the core's ``Forward``, its stage, index, boundary and kind intact."""
+    answers: list[tuple[Forward, StageResult]] = []
+
+    class Recording(FakeTransport):
+        async def forward(self, call: Forward) -> StageResult:
+            result = await super().forward(call)
+            answers.append((call, result))
+            return result
+
+    transport = Recording(MODEL)
+    the_route = route(["a", "b", "c"], [2, 4])
+    provider = ScriptedRouteProvider([the_route])
+
+    async def main() -> None:
+        manager = fixture_manager(transport, provider, policy=POLICY)
+        result = await manager.start(PROMPT, max_new_tokens=3, session_id="v").wait()
+        assert result.tokens == MODEL.reference(PROMPT, 3)
+
+    run_virtual(main)
+    assert len(answers) == 3 * 3  # three stages, three steps
+    for call, _ in answers:
+        assert isinstance(call, Forward) and call.session_id == "v" and call.epoch == 1
+        assert call.stage is the_route.stages[call.stage_index]
+        assert call.final is (call.stage_index == 2)
+    assert [c.kind for c, _ in answers] == ["prefill"] * 3 + ["decode"] * 6
+    by_step = {(c.step, c.stage_index): (c, r) for c, r in answers}
+    for step in range(3):
+        first, _ = by_step[(step, 0)]
+        assert first.boundary is None
+        for index in (1, 2):
+            call, _ = by_step[(step, index)]
+            before = by_step[(step, index - 1)][1]
+            assert isinstance(before, Boundary)
+            assert call.boundary is before.rows  # relayed untouched
+            assert (call.positions, call.token_ids) == (first.positions, first.token_ids)
 
 
 def test_duplicate_session_id_is_refused() -> None:

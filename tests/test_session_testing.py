@@ -12,6 +12,7 @@ from dgr_session.testing import (
     FakeModel,
     FakeTransport,
     fixture_identity,
+    forward_call,
     make_route,
     run_virtual,
     settle,
@@ -29,7 +30,9 @@ async def chain(transport: FakeTransport, cuts: list[int], sid: str, tokens: lis
     rows: object = None
     result: object = None
     for stage in route.stages:
-        result = await transport.forward(stage, sid, 1, 0, range(len(tokens)), tokens, rows)
+        result = await transport.forward(
+            forward_call(stage, sid, 1, 0, range(len(tokens)), tokens, rows)
+        )
         rows = result.rows if isinstance(result, Boundary) else None
     assert isinstance(result, Logits)
     return greedy(result.values)
@@ -53,17 +56,17 @@ def test_stage_refuses_what_a_real_engine_refuses() -> None:
 
     async def main() -> None:
         with pytest.raises(FakeEngineError, match="not open"):
-            await transport.forward(stage, "s", 1, 0, range(0, 1), [1], None)
+            await transport.forward(forward_call(stage, "s", 1, 0, range(0, 1), [1], None))
         await transport.open(stage, "s", 2)
         with pytest.raises(StaleEpoch):
             await transport.open(stage, "s", 1)
         with pytest.raises(FakeEngineError, match="do not continue"):
-            await transport.forward(stage, "s", 2, 0, range(1, 2), [1], None)
+            await transport.forward(forward_call(stage, "s", 2, 0, range(1, 2), [1], None))
         assert transport.violations  # a correct driver never does that
-        await transport.forward(stage, "s", 2, 0, range(0, 2), [1, 2], None)
+        await transport.forward(forward_call(stage, "s", 2, 0, range(0, 2), [1, 2], None))
         await transport.open(stage, "s", 3)  # a newer epoch discards the older one
         assert transport.slots() == {("a", "s"): 3}
-        await transport.forward(stage, "s", 3, 0, range(0, 1), [1], None)
+        await transport.forward(forward_call(stage, "s", 3, 0, range(0, 1), [1], None))
         await transport.close(stage, "s", 2)  # closing an older epoch leaves the newer
         assert transport.slots() == {("a", "s"): 3}
         await transport.close(stage, "s", 3)
@@ -89,7 +92,9 @@ def test_faults_kill_hang_release_fail() -> None:
         transport.release("a")
         await held
         transport.hang("a")
-        lost = asyncio.ensure_future(transport.forward(stage, "s", 1, 0, range(1), [1], None))
+        lost = asyncio.ensure_future(
+            transport.forward(forward_call(stage, "s", 1, 0, range(1), [1], None))
+        )
         await settle()
         transport.kill("a")
         with pytest.raises(StageDead):
@@ -110,7 +115,7 @@ def test_latency_is_loop_time() -> None:
 
     async def main() -> float:
         await transport.open(stage, "s", 1)
-        await transport.forward(stage, "s", 1, 0, range(2), [1, 2], None)
+        await transport.forward(forward_call(stage, "s", 1, 0, range(2), [1, 2], None))
         return asyncio.get_running_loop().time()
 
     assert run_virtual(main) == 0.5

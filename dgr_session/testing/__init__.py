@@ -2,12 +2,14 @@
 
 ``fake_model`` (a deterministic layered model), ``fake_transport`` (stages over it with fault
 injection), ``reply_gate`` (holding and releasing replies), ``providers`` (route providers),
-``routes`` (fixture identities, lanes and routes), ``null_transport`` (benchmarks),
+``routes`` (fixture identities, lanes and routes), ``forwards`` (a core's ``Forward`` built by
+hand, to call a transport directly), ``null_transport`` (benchmarks),
 ``virtual_clock`` (an asyncio loop on virtual time). Production code never imports them.
 """
 
 from dgr_session.testing.fake_model import FakeModel
 from dgr_session.testing.fake_transport import Call, FakeEngineError, FakeTransport
+from dgr_session.testing.forwards import forward_call
 from dgr_session.testing.null_transport import NullTransport
 from dgr_session.testing.providers import (
     HANG,
@@ -35,6 +37,7 @@ __all__ = [
     "fixture_identity",
     "fixture_lane",
     "fixture_recipe",
+    "forward_call",
     "make_route",
     "run_virtual",
     "settle",

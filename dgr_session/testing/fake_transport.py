@@ -3,11 +3,12 @@ fault injection: kill, hang, release (late replies), fail the next calls."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TypeVar
 
 import attrs
 
+from dgr_session.commands import Forward
 from dgr_session.errors import DgrError, StageDead, StaleEpoch
 from dgr_session.route import StageSpec
 from dgr_session.testing.fake_model import FakeModel
@@ -142,37 +143,27 @@ class FakeTransport:
         self._log(Call("open", stage.endpoint, session_id, epoch, layers=_layers(stage)))
         await self._call(stage, True, lambda st: self._open(st, stage, session_id, epoch))
 
-    async def forward(
-        self,
-        stage: StageSpec,
-        session_id: str,
-        epoch: int,
-        step: int,
-        positions: range,
-        token_ids: Sequence[int],
-        boundary: object | None,
-        *,
-        want_logits: bool = True,
-        kind: str = "decode",
-    ) -> StageResult:
-        ids = tuple(token_ids)
+    async def forward(self, call: Forward) -> StageResult:
+        stage, ids = call.stage, tuple(call.token_ids)
         self._log(
             Call(
                 "forward",
                 stage.endpoint,
-                session_id,
-                epoch,
-                step,
-                positions,
+                call.session_id,
+                call.epoch,
+                call.step,
+                call.positions,
                 ids,
                 _layers(stage),
-                want_logits,
+                call.wants_logits,
             )
         )
 
         def forward(st: _Stage) -> StageResult:
-            result = self._forward(st, stage, session_id, epoch, positions, ids, boundary)
-            return result if want_logits or isinstance(result, Boundary) else Logits(())
+            result = self._forward(
+                st, stage, call.session_id, call.epoch, call.positions, ids, call.boundary
+            )
+            return result if call.wants_logits or isinstance(result, Boundary) else Logits(())
 
         return await self._call(stage, True, forward)
 

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
 
+from dgr_session.commands import Forward
 from dgr_session.route import StageSpec
 from dgr_session.transport import Boundary, Logits, StageResult
 
@@ -23,22 +23,10 @@ class NullTransport:
     async def open(self, stage: StageSpec, session_id: str, epoch: int) -> None:
         return None
 
-    async def forward(
-        self,
-        stage: StageSpec,
-        session_id: str,
-        epoch: int,
-        step: int,
-        positions: range,
-        token_ids: Sequence[int],
-        boundary: object | None,
-        *,
-        want_logits: bool = True,
-        kind: str = "decode",
-    ) -> StageResult:
+    async def forward(self, call: Forward) -> StageResult:
         if self.gate is not None:
             await self.gate
-        return self._BOUNDARY if stage.boundary_out else self._LOGITS
+        return self._BOUNDARY if call.stage.boundary_out else self._LOGITS
 
     async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
         return None
