@@ -23,6 +23,7 @@ from dgr_session.commands import (
     Finish,
     FinishReason,
     Forward,
+    ForwardKind,
     OpenStage,
     RequestRoute,
 )
@@ -76,7 +77,7 @@ from dgr_session.machine import (
     shared_machine,
 )
 from dgr_session.manager import SessionHandle, SessionManager, SessionResult, fault_kind
-from dgr_session.policy import FailurePolicy
+from dgr_session.policy import FailurePolicy, ReplayMode
 from dgr_session.route import CertificationVerifier, Route, StageSpec, validate_route
 from dgr_session.sampling import SeededSampler, greedy
 from dgr_session.transport import (
@@ -119,6 +120,7 @@ __all__ = [
     "Finish",
     "FinishReason",
     "Forward",
+    "ForwardKind",
     "InsufficientEvidence",
     "InvalidIdentifier",
     "InvalidTransition",
@@ -129,6 +131,7 @@ __all__ = [
     "NonFiniteLogits",
     "OpenStage",
     "Recipe",
+    "ReplayMode",
     "RequestRoute",
     "Route",
     "RouteAssigned",

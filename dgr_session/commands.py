@@ -38,6 +38,18 @@ class FinishReason(enum.StrEnum):
     CANCELLED = "cancelled"
 
 
+class ForwardKind(enum.StrEnum):
+    """What the rows of a :class:`Forward` are, for metrics and usage (a stage computes them
+    alike). A ``str``: ``ForwardKind.PREFILL == "prefill"``."""
+
+    #: The prompt, in the session's first epoch.
+    PREFILL = "prefill"
+    #: The newest accepted token.
+    DECODE = "decode"
+    #: A re-prefill of prompt and accepted tokens after a route change.
+    REPLAY = "replay"
+
+
 @attrs.frozen
 class OpenStage:
     """Open the session's sequence on a stage for a (fresh) epoch; answer with
@@ -87,10 +99,10 @@ class Forward:
     """False when nobody reads this forward's logits: a prefill chunk before the prompt's last,
     or an accepted token replayed after a route change. The last stage is then asked for no
     logits (no output head, nothing shipped) and its answer carries no token."""
-    kind: str = "decode"
+    kind: ForwardKind = ForwardKind.DECODE
     """What the rows are, for metrics and usage (the stage computes them alike): ``prefill``
     (the prompt, first epoch), ``decode`` (the newest token) or ``replay`` (a re-prefill of
-    prompt and accepted tokens after a route change)."""
+    prompt and accepted tokens after a route change); see :class:`ForwardKind`."""
 
 
 @attrs.frozen

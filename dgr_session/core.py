@@ -10,9 +10,11 @@ commands go with it.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import assert_never
 
 from loguru import logger
 
+from dgr_session.budget import FailureBudget
 from dgr_session.commands import (
     CloseStage,
     Command,
@@ -20,6 +22,7 @@ from dgr_session.commands import (
     Finish,
     FinishReason,
     Forward,
+    ForwardKind,
     OpenStage,
     RequestRoute,
 )
@@ -58,19 +61,26 @@ from dgr_session.machine import (
     SessionState,
     shared_machine,
 )
-from dgr_session.policy import FailurePolicy
+from dgr_session.pipeline import Chunk, EpochPipeline
+from dgr_session.policy import FailurePolicy, ReplayMode
 from dgr_session.route import CertificationVerifier, Route, validate_route
 
 _S = SessionState
 _TERMINAL = frozenset(state.value for state in TERMINAL_STATES)
 _HOLDING = frozenset(state.value for state in HOLDING_STATES)
 _FORWARDING = frozenset({_S.PREFILLING.value, _S.DECODING.value})
-_EMPTY = object()
-"""An empty input slot of a stage (no boundary rows waiting for it)."""
-
-# A chunk: the rows of one forward, sent through every stage in turn.
-# (positions, token ids, kind, whether the last stage's logits pick the next token)
-_Chunk = tuple[range, tuple[int, ...], str, bool]
+_EVENT_TYPES = frozenset(
+    {
+        Start,
+        ClockTick,
+        RouteAssigned,
+        RouteUnavailable,
+        StageOpened,
+        StageOutput,
+        StageFailed,
+        Cancel,
+    }
+)
 
 
 class RouteSession:
@@ -88,7 +98,6 @@ class RouteSession:
         "session_id",
         "prompt",
         "max_new_tokens",
-        "policy",
         "stop_tokens",
         "required_evidence",
         "certification_verifier",
@@ -99,33 +108,17 @@ class RouteSession:
         "_epoch",
         "_live",
         "_route",
-        "_n_stages",
+        "_pipe",
+        "_budget",
         "_accepted",
-        "_kv_pos",
         "_chunk",
         "_replay_rows",
         "_high_water",
-        "_sent",
-        "_flight",
-        "_stage_done",
-        "_computing",
-        "_slot",
-        "_opened",
-        "_hop_started",
-        "_hop_seconds",
         "_now",
         "_started_at",
         "_ended_at",
-        "_session_deadline_at",
-        "_wait_since",
-        "_wait_deadline",
-        "_backoff_until",
         "_awaiting_route",
         "_route_attempt",
-        "_route_changes",
-        "_faults_at_step",
-        "_busy_since",
-        "_busy_retry",
         "_reports",
         "_stale",
         "_error",
@@ -161,8 +154,8 @@ class RouteSession:
         self.prompt: tuple[int, ...] = tuple(prompt)
         #: Tokens to generate at most.
         self.max_new_tokens = max_new_tokens
-        #: The failure budget.
-        self.policy = policy if policy is not None else FailurePolicy()
+        # What the session spent of its failure policy, and the clocks the policy bounds.
+        self._budget = FailureBudget(policy if policy is not None else FailurePolicy())
         #: Token ids that end the session (state ``done``, reason ``stop``) once accepted.
         self.stop_tokens = frozenset(stop_tokens)
         #: Evidence class every stage's lane must be certified at (dark lanes never route).
@@ -188,51 +181,21 @@ class RouteSession:
         self._epoch = 0
         self._live = False
         self._route: Route | None = None
-        self._n_stages = 0
-        # Tokens. Invariant: every stage of a live epoch holds KV for positions [0, _kv_pos) of
-        # prompt + accepted, and _kv_pos <= len(prompt) + len(_accepted).
+        # The opens and forwards of the current epoch, made new (empty) by each route
+        # assignment: dgr_session.pipeline. Invariant: its stages hold KV for positions
+        # [0, kv_pos) of prompt + accepted, and kv_pos <= len(prompt) + len(_accepted).
+        self._pipe = EpochPipeline(0)
+        # Tokens.
         self._accepted: list[int] = []
-        self._kv_pos = 0
-        # Opening: bit i set once stage i confirmed the open of the live epoch.
-        self._opened = 0
-        # Forwards in flight. The rows from _kv_pos on are sent in chunks, pipelined: stage k
-        # works on chunk c + 1 while stage k + 1 works on chunk c, each stage takes its chunks
-        # in order and one at a time, and a stage takes its next chunk only once the next
-        # stage has taken its output, so at most 2 chunks per stage are in flight. Invariants:
-        # _flight holds the chunks sent to stage 0 whose last stage has not answered, oldest
-        # first; _sent is where the next chunk starts; _stage_done[k] counts the chunks stage k
-        # answered in this epoch, so stage k's current chunk is
-        # _flight[_stage_done[k] - _stage_done[-1]]; bit k of _computing is set while stage k
-        # has a forward in flight; _slot[k] holds the boundary rows waiting for stage k.
-        self._sent = 0
-        self._flight: list[_Chunk] = []
-        self._stage_done: list[int] = []
-        self._computing = 0
-        self._slot: list[object] = []
-        self._hop_started: list[float] = []
-        self._hop_seconds: list[float | None] = []
-        # Time, all from events. _wait_deadline bounds the current wait (route request, opening,
-        # or one step's forward); _backoff_until ends route_lost.
+        # Time, all from events (the deadlines and the backoff are the budget's).
         self._now = 0.0
         self._started_at: float | None = None
         self._ended_at: float | None = None
-        self._session_deadline_at = 0.0
-        self._wait_since = 0.0
-        self._wait_deadline: float | None = None
-        self._backoff_until = 0.0
         # Invariant: True exactly while a RequestRoute for epoch _epoch + 1 is unanswered.
         self._awaiting_route = False
         # Route requests issued for epoch _epoch + 1 (0 once a route is in use): only an answer
         # naming the newest is applied; one to a request that timed out is late, hence stale.
         self._route_attempt = 0
-        # Budget spent: route assignments after the first, and faults at the current step.
-        self._route_changes = 0
-        self._faults_at_step = 0
-        # Admission: when the first of a run of busy answers came (None: not waiting for a
-        # slot), and whether the next route assignment follows a busy answer (then it is not a
-        # route change: load spends the admission budget only).
-        self._busy_since: float | None = None
-        self._busy_retry = False
         self._reports: list[FailureReport] = []
         self._stale = 0
         self._error: DgrError | None = None
@@ -247,6 +210,11 @@ class RouteSession:
 
     # ----------------------------------------------------------------------------------------
     # Read-only view
+
+    @property
+    def policy(self) -> FailurePolicy:
+        """The failure budget."""
+        return self._budget.policy
 
     @property
     def state(self) -> SessionState:
@@ -293,22 +261,22 @@ class RouteSession:
         """Stages of the live epoch that confirmed their open (empty when no epoch is live)."""
         if not self._live:
             return ()
-        return tuple(i for i in range(self._n_stages) if self._opened >> i & 1)
+        return self._pipe.opened_stages()
 
     @property
     def kv_positions(self) -> int:
         """Positions the live epoch's stages hold KV for."""
-        return self._kv_pos if self._live else 0
+        return self._pipe.kv_pos if self._live else 0
 
     @property
     def route_changes(self) -> int:
         """Route assignments after the first."""
-        return self._route_changes
+        return self._budget.route_changes
 
     @property
     def attempts(self) -> int:
         """Attempts at the current step so far (1 + faults at this step)."""
-        return self._faults_at_step + 1
+        return self._budget.attempts
 
     @property
     def reports(self) -> tuple[FailureReport, ...]:
@@ -346,22 +314,15 @@ class RouteSession:
         (deadline or end of backoff); ``None`` when finished or not started."""
         if self._state in _TERMINAL or self._started_at is None:
             return None
-        when = self._session_deadline_at
-        if self._state == _S.ROUTE_LOST.value:
-            return min(when, self._backoff_until)
-        if self._wait_deadline is not None and self._wait_deadline < when:
-            return self._wait_deadline
-        return when
+        return self._budget.next_timer(backing_off=self._state == _S.ROUTE_LOST.value)
 
     # ----------------------------------------------------------------------------------------
     # Events
 
     def handle(self, event: Event) -> list[Command]:
         """Apply one event; return the commands to execute, in order."""
-        try:
-            handler = _HANDLERS[type(event)]
-        except KeyError:
-            raise TypeError(f"not a session event: {event!r}") from None
+        if type(event) not in _EVENT_TYPES:
+            raise TypeError(f"not a session event: {event!r}")
         if event.session_id != self.session_id:
             raise InvalidTransition(
                 f"event for session {event.session_id!r} fed to session {self.session_id!r}",
@@ -369,7 +330,25 @@ class RouteSession:
                 event=type(event).__name__,
             )
         out: list[Command] = []
-        handler(self, event, out)
+        match event:  # the most frequent first
+            case StageOutput():
+                self._on_output(event, out)
+            case StageOpened():
+                self._on_opened(event, out)
+            case ClockTick():
+                self._on_tick(event, out)
+            case RouteAssigned():
+                self._on_route_assigned(event, out)
+            case StageFailed():
+                self._on_failed(event, out)
+            case RouteUnavailable():
+                self._on_route_unavailable(event, out)
+            case Start():
+                self._on_start(event, out)
+            case Cancel():
+                self._on_cancel(event, out)
+            case _:
+                assert_never(event)
         return out
 
     def _on_start(self, event: Start, out: list[Command]) -> None:
@@ -379,7 +358,7 @@ class RouteSession:
             )
         self._now = event.now
         self._started_at = event.now
-        self._session_deadline_at = event.now + self.policy.session_deadline
+        self._budget.start(event.now)
         self._ask_route(None, out)
 
     def _on_tick(self, event: ClockTick, out: list[Command]) -> None:
@@ -388,18 +367,18 @@ class RouteSession:
         if self._state in _TERMINAL or self._started_at is None:
             return
         now = self._now
-        if now >= self._session_deadline_at:
+        budget = self._budget
+        if budget.session_over(now):
             self._fail_session_deadline(out)
         elif self._state == _S.ROUTE_LOST.value:
-            if now >= self._backoff_until:
+            if budget.backoff_over(now):
                 self._fire("backoff_elapsed")
                 self._ask_route(self._reports[-1] if self._reports else None, out)
-        elif self._wait_deadline is not None and now >= self._wait_deadline:
+        elif budget.wait_over(now):
             stage_index = self._awaited_stage()
-            detail = f"no answer within the step deadline of {self.policy.step_deadline}s"
-            cause = StepDeadlineExceeded(
-                detail, stage_index=stage_index, deadline=self.policy.step_deadline
-            )
+            deadline = budget.policy.step_deadline
+            detail = f"no answer within the step deadline of {deadline}s"
+            cause = StepDeadlineExceeded(detail, stage_index=stage_index, deadline=deadline)
             self._fault(stage_index, FaultKind.DEADLINE, detail, out, cause=cause)
 
     def _on_route_assigned(self, event: RouteAssigned, out: list[Command]) -> None:
@@ -426,9 +405,7 @@ class RouteSession:
                 err.stage_index, FaultKind.ROUTE_INVALID, str(err), out, endpoint=err.endpoint
             )
             return
-        if self._route is not None and not self._busy_retry:
-            self._route_changes += 1
-        self._busy_retry = False
+        self._budget.route_assigned(first=self._route is None)
         if self._identity is None:
             self._identity = route.identity
         if self._recipe is None:
@@ -438,18 +415,8 @@ class RouteSession:
         self._epoch = event.epoch
         self._route_attempt = 0
         self._route = route
-        self._n_stages = len(route.stages)
         self._live = True
-        self._kv_pos = 0
-        self._opened = 0
-        n = self._n_stages
-        self._sent = 0
-        self._flight = []
-        self._stage_done = [0] * n
-        self._computing = 0
-        self._slot = [_EMPTY] * n
-        self._hop_started = [0.0] * n
-        self._hop_seconds = [None] * n
+        self._pipe = EpochPipeline(len(route.stages))  # a new epoch starts empty
         self._fire("route_assigned")
         self._begin_wait()
         for index, stage in enumerate(route.stages):
@@ -464,14 +431,13 @@ class RouteSession:
     def _on_opened(self, event: StageOpened, out: list[Command]) -> None:
         if not self._stage_answer_applies(event.epoch, event.stage_index):
             return
-        bit = 1 << event.stage_index
-        if self._state != _S.OPENING.value or self._opened & bit:
+        pipe = self._pipe
+        if self._state != _S.OPENING.value or not pipe.confirm_open(event.stage_index):
             detail = f"unexpected StageOpened in state {self._state}"
             self._fault(event.stage_index, FaultKind.PROTOCOL, detail, out)
             return
-        self._opened |= bit
-        if self._opened == (1 << self._n_stages) - 1:
-            self._busy_since = None
+        if pipe.all_open:
+            self._budget.admitted()
             self._fire("stages_opened")
             self._start_forward(out)
 
@@ -484,31 +450,23 @@ class RouteSession:
             detail = f"unexpected StageOutput in state {self._state}"
             self._fault(index, FaultKind.PROTOCOL, detail, out)
             return
-        bit = 1 << index
-        if not self._computing & bit or event.step != step:
+        pipe = self._pipe
+        if not pipe.is_computing(index) or event.step != step:
             detail = (
                 f"output of stage {index} step {event.step}, awaited stages"
-                f" {self._computing_stages()} step {step}"
+                f" {pipe.computing_stages()} step {step}"
             )
             self._fault(index, FaultKind.PROTOCOL, detail, out)
             return
-        self._computing ^= bit
-        self._hop_seconds[index] = self._now - self._hop_started[index]
-        done = self._stage_done
-        last = self._n_stages - 1
-        done[index] += 1
-        if index < last:
-            self._slot[index + 1] = event.payload  # the next stage takes it once it is free
+        chunk = pipe.answered(index, event.payload, self._now)
+        if chunk is None:  # a middle stage: the next stage takes its rows once it is free
             self._pump(index + 1, out)
             return
-        chunk = self._flight.pop(0)
-        positions = chunk[0]
-        self._high_water = max(self._high_water, positions.stop)
-        self._kv_pos = positions.stop
-        if not chunk[3]:  # a prefill chunk or replayed rows: no token to take
+        self._high_water = max(self._high_water, chunk.positions.stop)
+        if not chunk.wants_logits:  # a prefill chunk or replayed rows: no token to take
             self._begin_wait()
             self._pump(index, out)
-            if not self._flight:  # the route is empty: stage 0 goes on (not pipelined)
+            if not pipe.flight:  # the route is empty: stage 0 goes on (not pipelined)
                 self._pump(0, out)
             return
         token = event.token
@@ -559,9 +517,10 @@ class RouteSession:
 
     def _stage_answer_applies(self, epoch: int, stage_index: int) -> bool:
         if epoch == self._epoch and self._live:
-            if not 0 <= stage_index < self._n_stages:
+            n_stages = self._pipe.n_stages
+            if not 0 <= stage_index < n_stages:
                 raise InvalidTransition(
-                    f"stage index {stage_index} outside a route of {self._n_stages} stages",
+                    f"stage index {stage_index} outside a route of {n_stages} stages",
                     state=self._state,
                     event="stage answer",
                 )
@@ -596,8 +555,7 @@ class RouteSession:
             )
 
     def _begin_wait(self) -> None:
-        self._wait_since = self._now
-        self._wait_deadline = self._now + self.policy.step_deadline
+        self._budget.begin_wait(self._now)
 
     def _ask_route(self, report: FailureReport | None, out: list[Command]) -> None:
         self._awaiting_route = True
@@ -607,25 +565,22 @@ class RouteSession:
 
     def _awaited_stage(self) -> int | None:
         if self._state == _S.OPENING.value:
-            for index in range(self._n_stages):
-                if not self._opened & (1 << index):
-                    return index
+            index = self._pipe.first_unopened()
+            if index is not None:
+                return index
         if self._state in _HOLDING:
-            computing = self._computing  # the furthest stage holds the oldest chunk
-            return computing.bit_length() - 1 if computing else 0
+            return self._pipe.furthest_computing()  # it holds the oldest chunk
         return None
 
-    def _computing_stages(self) -> list[int]:
-        return [k for k in range(self._n_stages) if self._computing & (1 << k)]
-
     def _start_forward(self, out: list[Command]) -> None:
-        """Starts forwarding the rows from ``_kv_pos`` to the newest position (every stage is
+        """Starts forwarding the rows from ``kv_pos`` to the newest position (every stage is
         idle): a prefill or re-prefill after the stages opened, one token after each accept."""
         self._begin_wait()
         self._pump(0, out)
 
-    def _next_chunk(self) -> _Chunk | None:
-        """The rows of the next forward into stage 0, or None when every row has been sent.
+    def _next_chunk(self, pos: int) -> Chunk | None:
+        """The rows of the next forward into stage 0, starting at ``pos``, or None when every
+        row has been sent.
 
         A prefill sends the prompt in pinned chunks; decoding sends the newest accepted token.
         A re-prefill after a route change (accepted tokens to replay) sends, with replay
@@ -635,12 +590,11 @@ class RouteSession:
         differently in the last bits and could flip a greedy near-tie. Either way the chunks
         are pipelined across the stages (each stage computes the same calls, in the same
         order, as when they are not)."""
-        pos = self._sent
         n_prompt = len(self.prompt)
         end = n_prompt + len(self._accepted)
         if pos >= end:
             return None
-        if pos + 1 < end and self._accepted and self.policy.replay == "batched":
+        if pos + 1 < end and self._accepted and self._budget.policy.replay is ReplayMode.BATCHED:
             history = (*self.prompt, *self._accepted)  # a replay: prompt and accepted join
             tokens = history[pos : pos + self._replay_rows]
         elif pos < n_prompt:
@@ -650,61 +604,43 @@ class RouteSession:
             tokens = (self._accepted[pos - n_prompt],)
         stop = pos + len(tokens)
         if pos < self._high_water:  # rows an earlier epoch computed: a re-prefill
-            kind = "replay"
+            kind = ForwardKind.REPLAY
         else:
-            kind = "prefill" if pos < n_prompt else "decode"
-        return (range(pos, stop), tokens, kind, stop == end)
+            kind = ForwardKind.PREFILL if pos < n_prompt else ForwardKind.DECODE
+        return Chunk(range(pos, stop), tokens, kind, stop == end)
 
     def _pump(self, index: int, out: list[Command]) -> None:
-        """Stage ``index`` may be free to go on (it answered, or rows came for it, or the next
-        stage took its output): feed it, and the stages before it in turn, whatever waits for
-        them. A stage takes nothing while its own output waits for the next stage."""
-        last = self._n_stages - 1
-        slot = self._slot
-        while not self._computing & (1 << index):
-            if index < last and slot[index + 1] is not _EMPTY:
-                return  # its output is still waiting for the next stage
-            if index == 0:
-                if self._flight and not self.policy.pipelined:
-                    return  # one forward in flight per session
-                chunk = self._next_chunk()
-                if chunk is not None:
-                    self._flight.append(chunk)
-                    self._sent = chunk[0].stop
-                    self._send(0, chunk, None, out)
-                return
-            payload = slot[index]
-            if payload is _EMPTY:
-                return
-            slot[index] = _EMPTY
-            done = self._stage_done
-            self._send(index, self._flight[done[index] - done[last]], payload, out)
-            index -= 1  # its output slot is free: the stage before may go on
+        """Stage ``index`` may be free to go on: the pipeline feeds it, and the stages before
+        it, whatever waits for them (:meth:`EpochPipeline.pump`)."""
+        self._pipe.pump(
+            index,
+            self._now,
+            out,
+            pipelined=self._budget.policy.pipelined,
+            next_chunk=self._next_chunk,
+            forward=self._forward,
+        )
 
-    def _send(self, index: int, chunk: _Chunk, payload: object, out: list[Command]) -> None:
+    def _forward(self, index: int, chunk: Chunk, payload: object) -> Forward:
         assert self._route is not None  # live epoch
-        self._computing |= 1 << index
-        self._hop_started[index] = self._now
-        out.append(
-            Forward(
-                session_id=self.session_id,
-                epoch=self._epoch,
-                step=len(self._accepted),
-                stage_index=index,
-                stage=self._route.stages[index],
-                positions=chunk[0],
-                token_ids=chunk[1],
-                boundary=payload,
-                final=index == self._n_stages - 1,
-                wants_logits=chunk[3],
-                kind=chunk[2],
-            )
+        return Forward(
+            session_id=self.session_id,
+            epoch=self._epoch,
+            step=len(self._accepted),
+            stage_index=index,
+            stage=self._route.stages[index],
+            positions=chunk.positions,
+            token_ids=chunk.token_ids,
+            boundary=payload,
+            final=index == self._pipe.n_stages - 1,
+            wants_logits=chunk.wants_logits,
+            kind=chunk.kind,
         )
 
     def _accept(self, token: int, out: list[Command]) -> None:
         step = len(self._accepted)
         self._accepted.append(token)
-        self._faults_at_step = 0
+        self._budget.token_accepted()
         out.append(EmitToken(self.session_id, self._epoch, step, token))
         if token in self.stop_tokens:
             self._finish(FinishReason.STOP, out)
@@ -734,22 +670,16 @@ class RouteSession:
         if endpoint is None and stage_index is not None and self._live and self._route:
             endpoint = self._route.stages[stage_index].endpoint
         holding = self._state in _HOLDING
-        self._faults_at_step += 1
-        self._busy_retry = False
-        report = self._report(stage_index, endpoint, kind, detail, self._faults_at_step)
+        budget = self._budget
+        attempt = budget.fault()
+        report = self._report(stage_index, endpoint, kind, detail, attempt)
         self._close_epoch(out)
-        self._wait_deadline = None
+        budget.end_wait()
         self._awaiting_route = False
-        policy = self.policy
-        if self._faults_at_step >= policy.max_attempts_per_step:
-            spent = f"attempt {self._faults_at_step} of {policy.max_attempts_per_step} at step"
-        elif self._route is not None and self._route_changes >= policy.max_route_changes:
-            spent = f"route changes {self._route_changes} of {policy.max_route_changes} at step"
-        else:
+        spent = budget.spent(routed=self._route is not None)
+        if spent is None:
             self._fire("stage_lost" if holding else "route_refused", stage_index)
-            delay = policy.backoff_after(len(self._reports))
-            self._backoff_until = now + delay
-            if delay <= 0:
+            if budget.back_off(now, len(self._reports)):
                 self._fire("backoff_elapsed")
                 self._ask_route(report, out)
             return
@@ -793,10 +723,10 @@ class RouteSession:
             fault=kind,
             detail=detail,
             attempt=attempt,
-            route_changes=self._route_changes,
+            route_changes=self._budget.route_changes,
             at=now,
-            waited=now - self._wait_since,
-            hop_seconds=tuple(self._hop_seconds) if self._state in _HOLDING else (),
+            waited=self._budget.waited(now),
+            hop_seconds=self._pipe.hop_times() if self._state in _HOLDING else (),
         )
         self._reports.append(report)
         return report
@@ -808,16 +738,17 @@ class RouteSession:
         assert self._route is not None  # a live epoch
         endpoint = self._route.stages[stage_index].endpoint
         what = f"a call for stage {stage_index} ({endpoint}) failed in this client: {detail}"
-        self._report(None, None, FaultKind.CLIENT, what, self._faults_at_step + 1)
+        attempts = self._budget.attempts
+        self._report(None, None, FaultKind.CLIENT, what, attempts)
         self._close_epoch(out)
-        self._wait_deadline = None
+        self._budget.end_wait()
         error = self._failure(
             ClientFailure,
             f"session {self.session_id!r}: {what}; no stage is blamed",
             stage_index=None,
             endpoint=None,
             fault=FaultKind.CLIENT,
-            attempts=self._faults_at_step + 1,
+            attempts=attempts,
         )
         self._fire("exhausted", stage_index)
         self._end(FinishReason.FAILED, error, out)
@@ -831,20 +762,17 @@ class RouteSession:
         assert self._route is not None  # opening: a live epoch
         now = self._now
         endpoint = self._route.stages[stage_index].endpoint
-        if self._busy_since is None:
-            self._busy_since = self._wait_since  # the opening began then
-        report = self._report(
-            stage_index, endpoint, FaultKind.BUSY, detail, self._faults_at_step + 1
-        )
+        budget = self._budget
+        waited = budget.busy(now)
+        report = self._report(stage_index, endpoint, FaultKind.BUSY, detail, budget.attempts)
         self._close_epoch(out)
-        self._wait_deadline = None
-        waited = now - self._busy_since
-        budget = self.policy.admission_budget
-        if waited >= budget:
+        budget.end_wait()
+        if budget.admission_spent(waited):
             error = self._failure(
                 AdmissionTimeout,
                 f"session {self.session_id!r}: stage {stage_index} ({endpoint}) still busy after"
-                f" {waited:.1f}s of waiting for a session slot (admission budget {budget}s)",
+                f" {waited:.1f}s of waiting for a session slot"
+                f" (admission budget {budget.policy.admission_budget}s)",
                 stage_index=stage_index,
                 endpoint=endpoint,
                 fault=FaultKind.BUSY,
@@ -853,10 +781,7 @@ class RouteSession:
             self._end(FinishReason.FAILED, error, out)
             return
         self._fire("stage_lost", stage_index)
-        delay = self.policy.busy_retry if retry_after is None else max(retry_after, 0.0)
-        self._backoff_until = now + min(delay, budget - waited)
-        self._busy_retry = True
-        if self._backoff_until <= now:
+        if budget.busy_back_off(now, retry_after, waited):
             self._fire("backoff_elapsed")
             self._ask_route(report, out)
 
@@ -888,8 +813,9 @@ class RouteSession:
         fault: FaultKind | None,
         attempts: int | None = None,
     ) -> SessionFailed:
+        faults = self._budget.faults_at_step
         if attempts is None:
-            attempts = self._faults_at_step if fault is not None else self._faults_at_step + 1
+            attempts = faults if fault is not None else faults + 1
         return error_type(
             message,
             session_id=self.session_id,
@@ -899,7 +825,7 @@ class RouteSession:
             endpoint=endpoint,
             fault=fault,
             attempts=attempts,
-            route_changes=self._route_changes,
+            route_changes=self._budget.route_changes,
             reports=self._reports,
         )
 
@@ -914,19 +840,7 @@ class RouteSession:
         self._error = error
         self._reason = reason
         self._ended_at = self._now
-        self._wait_deadline = None
+        self._budget.end_wait()
         self._awaiting_route = False
         self._machine.remove_model(self)
         out.append(Finish(self.session_id, self._epoch, reason, tuple(self._accepted), error))
-
-
-_HANDLERS: dict[type, Callable[[RouteSession, object, list[Command]], None]] = {
-    Start: RouteSession._on_start,  # type: ignore[dict-item]
-    ClockTick: RouteSession._on_tick,  # type: ignore[dict-item]
-    RouteAssigned: RouteSession._on_route_assigned,  # type: ignore[dict-item]
-    RouteUnavailable: RouteSession._on_route_unavailable,  # type: ignore[dict-item]
-    StageOpened: RouteSession._on_opened,  # type: ignore[dict-item]
-    StageOutput: RouteSession._on_output,  # type: ignore[dict-item]
-    StageFailed: RouteSession._on_failed,  # type: ignore[dict-item]
-    Cancel: RouteSession._on_cancel,  # type: ignore[dict-item]
-}

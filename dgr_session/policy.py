@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Iterable
+from typing import cast
 
 import attrs
 
@@ -33,8 +35,23 @@ def _float_tuple(values: Iterable[float]) -> tuple[float, ...]:
     return tuple(float(value) for value in values)
 
 
-REPLAY_MODES = ("batched", "exact")
+class ReplayMode(enum.StrEnum):
+    """How a re-prefill after a route change rebuilds the stages' KV (``FailurePolicy.replay``).
+    A ``str``: ``ReplayMode.EXACT == "exact"``, and a policy takes either spelling."""
+
+    #: Prompt and accepted tokens together, in forwards of the new route's ``max_rows``.
+    BATCHED = "batched"
+    #: The first run's batching: the prompt in its pinned chunks, then one token per forward.
+    EXACT = "exact"
+
+
+REPLAY_MODES = tuple(mode.value for mode in ReplayMode)
 """``FailurePolicy.replay`` values."""
+
+
+def _replay_mode(value: str) -> ReplayMode:
+    # An unknown name passes through untouched, for the validator to refuse in its own words.
+    return ReplayMode(value) if value in REPLAY_MODES else cast(ReplayMode, value)
 
 
 @attrs.frozen
@@ -72,7 +89,11 @@ class FailurePolicy:
     route changes."""
     busy_retry: float = attrs.field(default=0.25, validator=_finite_positive)
     """Seconds to wait before asking again after a busy answer that carried no hint."""
-    replay: str = attrs.field(default="batched", validator=attrs.validators.in_(REPLAY_MODES))
+    replay: ReplayMode = attrs.field(
+        default=ReplayMode.BATCHED,
+        converter=_replay_mode,
+        validator=attrs.validators.in_(cast("tuple[ReplayMode, ...]", REPLAY_MODES)),
+    )
     """How a re-prefill after a route change rebuilds the stages' KV. ``batched``: the prompt
     and the accepted tokens together, in forwards of the new route's ``max_rows`` (as fast as
     one prefill of those rows; the KV may differ from the first run's in the last bits, since
