@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from dgr_session import Boundary, Logits, StageDead, StaleEpoch, greedy
+from dgr_session import Boundary, Forward, Logits, StageDead, StaleEpoch, greedy
 from dgr_session.testing import (
     FakeEngineError,
     FakeModel,
@@ -119,3 +119,13 @@ def test_latency_is_loop_time() -> None:
         return asyncio.get_running_loop().time()
 
     assert run_virtual(main) == 0.5
+
+
+def test_forward_call_is_the_forward_the_core_would_emit() -> None:
+    first, last = make_route(["a", "b"], [2], identity=IDENTITY).stages
+    call = forward_call(first, "s", 3, 1, range(4, 6), [7, 8], None, wants_logits=False)
+    assert isinstance(call, Forward)
+    assert (call.session_id, call.epoch, call.step, call.positions) == ("s", 3, 1, range(4, 6))
+    assert call.token_ids == (7, 8) and call.boundary is None and not call.wants_logits
+    assert call.kind == "decode" and not call.final  # the first stage hands on rows
+    assert forward_call(last, "s", 3, 1, range(4, 6), [7, 8], "rows", stage_index=1).final
