@@ -345,3 +345,25 @@ def test_one_stale_epoch_for_the_control_plane_and_the_engine() -> None:
     # what the control plane raises is the engine's refusal too: one except catches both
     made_here = dgr_session.StaleEpoch("old", session_id="s", epoch=1, held_epoch=2)
     assert isinstance(made_here, E.EngineError) and made_here.code == 6
+
+
+def test_the_wire_raises_a_refusal_as_an_engine_error_and_no_answer_as_a_transport_error() -> None:
+    import grpc
+
+    from dgr_engine.wire.status import error_from_rpc, grpc_status_for, known_statuses
+
+    no_answer = {"DGR_E_DEADLINE", "DGR_E_SHUTTING_DOWN", "DGR_E_UNAVAILABLE"}
+    for status in known_statuses():
+        error = error_from_rpc(grpc.StatusCode.UNKNOWN, status, "d")
+        branch = E.ShardTransportError if status in no_answer else E.EngineError
+        assert isinstance(error, branch) and error.status == status, status
+        assert grpc_status_for(error)[1] == status, status  # the worker sends either branch
+    for code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN):
+        unreachable = error_from_rpc(code, None, "connection refused")
+        assert isinstance(unreachable, E.ShardTransportError), code
+        assert not isinstance(unreachable, E.EngineError), code
+    with pytest.raises(E.ShardUnavailable):  # `except EngineError` no longer catches it
+        try:
+            raise error_from_rpc(grpc.StatusCode.UNAVAILABLE, None, "gone")
+        except E.EngineError:
+            pytest.fail("an unreachable worker was caught as a refusal")
