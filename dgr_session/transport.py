@@ -73,8 +73,9 @@ class StageTransport(Protocol):
         stage's rows, relayed untouched; ``None`` for stage 0), ``wants_logits`` (``False``:
         nobody reads the last stage's logits this time, a prefill chunk or a replayed token; a
         transport may skip computing and shipping them, and its :class:`Logits` may then be
-        empty) and ``kind`` (``prefill``, ``decode`` or ``replay``, for the stage's metrics and
-        usage records; rows compute alike). ``stage_index`` and ``final`` are the driver's.
+        empty) and ``kind`` (a :class:`~dgr_session.commands.ForwardKind`: ``prefill``,
+        ``decode`` or ``replay``, for the stage's metrics and usage records; rows compute alike).
+        ``stage_index`` and ``final`` are the driver's.
 
         Return :class:`Boundary` from a middle stage, :class:`Logits` from the last. A field the
         core adds to ``Forward`` reaches every transport without a signature changing."""

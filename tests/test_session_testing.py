@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from dgr_session import Boundary, Forward, Logits, StageDead, StaleEpoch, greedy
+from dgr_session import Boundary, Forward, ForwardKind, Logits, StageDead, StaleEpoch, greedy
 from dgr_session.testing import (
     FakeEngineError,
     FakeModel,
@@ -128,4 +128,5 @@ def test_forward_call_is_the_forward_the_core_would_emit() -> None:
     assert (call.session_id, call.epoch, call.step, call.positions) == ("s", 3, 1, range(4, 6))
     assert call.token_ids == (7, 8) and call.boundary is None and not call.wants_logits
     assert call.kind == "decode" and not call.final  # the first stage hands on rows
-    assert forward_call(last, "s", 3, 1, range(4, 6), [7, 8], "rows", stage_index=1).final
+    again = forward_call(last, "s", 3, 1, range(4, 6), [7, 8], "rows", kind=ForwardKind.REPLAY)
+    assert again.final and again.kind == "replay" and again.boundary == "rows"

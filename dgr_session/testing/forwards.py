@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from dgr_session.commands import Forward
+from dgr_session.commands import Forward, ForwardKind
 from dgr_session.route import StageSpec
 
 
@@ -23,10 +23,11 @@ def forward_call(
     *,
     stage_index: int = 0,
     wants_logits: bool = True,
+    kind: ForwardKind = ForwardKind.DECODE,
 ) -> Forward:
-    """The ``Forward`` the core would emit for this stage, of the default kind (``decode``;
-    ``attrs.evolve`` it for another). ``final`` follows the stage (it produces logits when its
-    ``boundary_out`` is 0); ``stage_index`` is the driver's and no transport reads it."""
+    """The ``Forward`` the core would emit for this stage. ``final`` follows the stage (it
+    produces logits when its ``boundary_out`` is 0); ``stage_index`` is the driver's and no
+    transport reads it."""
     return Forward(
         session_id=session_id,
         epoch=epoch,
@@ -38,4 +39,5 @@ def forward_call(
         boundary=boundary,
         final=stage.boundary_out == 0,
         wants_logits=wants_logits,
+        kind=kind,
     )
