@@ -1,9 +1,10 @@
 """A typed asyncio client for one shard worker (``dgr.shard.v1.Shard``).
 
-Every failed call raises the typed exception the worker's engine raised (``StaleEpoch``,
-``UnknownSession``, ``CapacityExceeded``, ...), read back from the ``dgr-status`` trailing
-metadata, or one of the client's own errors of ``dgr_engine.errors`` (``ShardUnavailable`` is
-a ``dgr_session.errors.StageDead``, ``ShardDeadlineExceeded`` a ``TimeoutError``). Each call has
+Every failed call raises the typed refusal the worker's engine raised (an ``EngineError``:
+``StaleEpoch``, ``UnknownSession``, ``CapacityExceeded``, ...), read back from the ``dgr-status``
+trailing metadata, or one of the client's own transport errors of ``dgr_engine.errors`` (a
+``ShardTransportError``: ``ShardUnavailable`` is a ``dgr_session.errors.StageDead``,
+``ShardDeadlineExceeded`` a ``TimeoutError``). Each call has
 a deadline (``timeout``, per call or the client's default). A session id that breaks
 ``dgr_session.identifiers``' rule is refused with ``InvalidIdentifier`` before any call, and a
 call gRPC fails in this process (nothing sent) raises ``ClientCallError``: both are the
