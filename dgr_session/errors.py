@@ -1,8 +1,10 @@
 """Typed errors of dgr.
 
 Every error dgr raises derives from :class:`DgrError`; the data plane (``dgr_engine``) defines its
-own subclasses by importing this base. Each docstring says whether the route session that met
-the error lives on:
+own subclasses by importing this base. A failed call to a shard is a :class:`ShardError`: a
+refusal (:class:`EngineError`, :class:`StaleEpoch` among them, defined here so that the control
+plane and the engine share the one class) or a transport failure (``dgr_engine.errors``). Each
+docstring says whether the route session that met the error lives on:
 
 * *lives on*: the session is still usable (for faults: it moves to a new route within its
   failure budget);
