@@ -345,6 +345,15 @@ def test_one_stale_epoch_for_the_control_plane_and_the_engine() -> None:
     # what the control plane raises is the engine's refusal too: one except catches both
     made_here = dgr_session.StaleEpoch("old", session_id="s", epoch=1, held_epoch=2)
     assert isinstance(made_here, E.EngineError) and made_here.code == 6
+    # and no module of either plane defines another class of that name
+    root = Path(session_errors.__file__).resolve().parents[1]  # the checkout, wherever tests are
+    defined = [
+        str(path.relative_to(root))
+        for package in ("dgr_session", "dgr_engine")
+        for path in sorted((root / package).rglob("*.py"))
+        if "class StaleEpoch(" in path.read_text(encoding="utf-8")
+    ]
+    assert defined == ["dgr_session/errors.py"]
 
 
 def test_the_wire_raises_a_refusal_as_an_engine_error_and_no_answer_as_a_transport_error() -> None:
