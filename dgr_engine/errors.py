@@ -15,9 +15,12 @@ Every failure of a shard call is a :class:`ShardError`, in two branches that do 
 that the control plane's ``StaleEpoch`` and the engine's are one class) and re-exported here.
 
 Every class documents what happened to the session's state, as the C header does for its code,
-and declares the fault kind a route session files it under (``fault_kind``), so transports raise
-it as it is. Each also inherits the builtin it resembles, so ``except ValueError`` keeps working
-for callers that do not know dgr.
+and whether the session lives on: the engine's session, for a caller of ``ShardEngine``; the
+route session, which files the error as a fault of the stage (within its failure budget, on a
+new route where the stage cannot go on). Every class also declares the fault kind a route
+session files it under (``fault_kind``), so transports raise it as it is. Each also inherits
+the builtin it resembles, so ``except ValueError`` keeps working for callers that do not know
+dgr.
 """
 
 from __future__ import annotations
@@ -62,32 +65,37 @@ __all__ = [
 
 
 class InvalidArgument(EngineError, ValueError):
-    """An argument is invalid (e.g. a token id outside the vocabulary). Nothing changed."""
+    """An argument is invalid (e.g. a token id outside the vocabulary). Nothing changed: the
+    session lives on."""
 
     code, status = 1, "DGR_E_INVALID_ARGUMENT"
 
 
 class ModelLoadError(EngineError, OSError):
-    """The GGUF is missing, truncated or corrupt. No engine was created."""
+    """The GGUF is missing, truncated or corrupt. No engine was created, so no session: a route
+    session files it like a dead stage and lives on elsewhere."""
 
     code, status = 2, "DGR_E_MODEL_LOAD"
     fault_kind = FaultKind.DEAD  # an OSError: no engine, as if its worker had died
 
 
 class UnsupportedArchitecture(EngineError, ValueError):
-    """The GGUF's architecture is not covered by the range-ownership patches. No engine."""
+    """The GGUF's architecture is not covered by the range-ownership patches. No engine was
+    created, so no session."""
 
     code, status = 3, "DGR_E_UNSUPPORTED_ARCH"
 
 
 class LayerRangeError(EngineError, ValueError):
-    """The layer range is empty or outside [0, n_layer). No engine was created."""
+    """The layer range is empty or outside [0, n_layer). No engine was created, so no
+    session."""
 
     code, status = 4, "DGR_E_LAYER_RANGE"
 
 
 class UnknownSession(EngineError, KeyError):
-    """No open session has this id, or its epoch has not been opened. Nothing changed."""
+    """No open session has this id, or its epoch has not been opened. Nothing changed; a route
+    session lives on: it re-prefills on a new epoch (a cache miss, no stage blamed)."""
 
     code, status = 5, "DGR_E_UNKNOWN_SESSION"
     fault_kind = FaultKind.STATE_LOST  # a cache miss on a healthy stage: re-prefill
@@ -100,7 +108,8 @@ class UnknownSession(EngineError, KeyError):
 
 
 class CapacityExceeded(EngineError, session_errors.StageBusy):
-    """Every session slot is taken. Nothing changed; close a session or use another shard.
+    """Every session slot is taken. Nothing changed; close a session or use another shard. A
+    route session lives on: it waits and asks again within its admission budget.
 
     Load, not a fault (:class:`dgr_session.errors.StageBusy`): ``retry_after`` is the worker's
     hint, seconds, when it sent one."""
@@ -110,20 +119,22 @@ class CapacityExceeded(EngineError, session_errors.StageBusy):
 
 
 class PositionMismatch(EngineError, ValueError):
-    """The positions do not continue the session's KV exactly. Nothing changed."""
+    """The positions do not continue the session's KV exactly. Nothing changed: the session
+    lives on."""
 
     code, status = 8, "DGR_E_POSITION"
 
 
 class ShapeMismatch(EngineError, ValueError):
     """Rows missing or unexpected, wrong row width, too many rows, output too small.
-    Nothing changed."""
+    Nothing changed: the session lives on."""
 
     code, status = 9, "DGR_E_SHAPE"
 
 
 class ContextFull(EngineError):
-    """The session's context has no room for these rows. Nothing changed."""
+    """The session's context has no room for these rows. Nothing changed: the session lives on
+    at its position (a route session, on a new route within its failure budget)."""
 
     code, status = 10, "DGR_E_CONTEXT_FULL"
 
@@ -132,7 +143,7 @@ class DecodeError(EngineError):
     """llama_decode failed. The rows of the call were rolled back: the session keeps its
     previous state and position - except where the state cannot drop a tail (DeepSeek V4),
     where the session is emptied (next position 0) and the message says so. Other sessions are
-    untouched."""
+    untouched; the session lives on."""
 
     code, status = 11, "DGR_E_DECODE"
 
@@ -140,33 +151,35 @@ class DecodeError(EngineError):
 class NonFiniteOutput(EngineError):
     """The engine produced NaN or infinity (a worker's check of every output). The session's
     state on that stage is unusable: the worker closed it. A route session files it as the
-    stage's engine fault and re-prefills elsewhere."""
+    stage's engine fault and re-prefills elsewhere: it lives on."""
 
     code, status = -1, "DGR_E_NON_FINITE"
 
 
 class StateError(EngineError, ValueError):
     """A saved state does not fit this engine (nothing changed), or llama.cpp refused it (the
-    session is emptied: next position 0)."""
+    session is emptied: next position 0). Either way the session lives on."""
 
     code, status = 12, "DGR_E_STATE"
 
 
 class UnsupportedFeature(EngineError):
-    """The feature is reserved and off (MTP). Nothing changed."""
+    """The feature is reserved and off (MTP). Nothing changed: the engine and its sessions live
+    on."""
 
     code, status = 13, "DGR_E_UNSUPPORTED"
 
 
 class InternalError(EngineError):
-    """An unexpected failure inside the engine; see the message."""
+    """An unexpected failure inside the engine; see the message. A route session files it as
+    the stage's engine fault and lives on, on a new route within its failure budget."""
 
     code, status = 14, "DGR_E_INTERNAL"
 
 
 class EngineClosed(EngineError):
     """The engine handle was closed; it cannot be used any more. A stage whose engine is closed
-    is dead: the route session moves to a new route."""
+    is dead: the route session moves to a new route (it lives on)."""
 
     fault_kind = FaultKind.DEAD
 
@@ -185,7 +198,7 @@ class FrameRejected(EngineError, ValueError):
 class ExpectationMismatch(EngineError, ValueError):
     """The frame was meant for another worker: its model hash, layer range, boundary width or
     schema version differs from what the worker serves (the ``status`` says which). Nothing
-    changed; the route is wrong, not the data: ask for another route."""
+    changed; the route is wrong, not the data: the session lives on, on another route."""
 
     status = "DGR_E_EXPECTATION"
 
@@ -194,7 +207,7 @@ class GrantUnauthenticated(EngineError, PermissionError):
     """The open carried no route grant, or one that is malformed, badly signed or signed by a
     key the worker does not know; or a frame, close, link, output stream or usage request
     carried no or the wrong session secret (every session has one, with or without grants).
-    Nothing changed. A route session cannot use this stage: ask for another route."""
+    Nothing changed. A route session cannot use this stage: it lives on, on another route."""
 
     status = "DGR_E_UNAUTHENTICATED"
     fault_kind = FaultKind.PROTOCOL
@@ -205,7 +218,8 @@ class GrantDenied(EngineError, PermissionError):
     stage, model or lane, expired, used before, or issued before the worker started; or a
     ``Link`` to a stage the grant does not name as next (without grants: one that does not
     confirm it holds the session); or, without grants, an open of a session another client
-    holds. Nothing changed. A route session cannot use this stage: ask for another route."""
+    holds. Nothing changed. A route session cannot use this stage: it lives on, on another
+    route."""
 
     status = "DGR_E_PERMISSION"
     fault_kind = FaultKind.PROTOCOL
@@ -264,7 +278,8 @@ class ShardRpcError(ShardTransportError):
 
 
 class AbiMismatch(ImportError):
-    """The compiled native module does not match this Python package's ABI version."""
+    """The compiled native module does not match this Python package's ABI version. Nothing
+    can be loaded: no engine, no session (an ``ImportError``, not a ``DgrError``)."""
 
 
 # -- the one place that maps C status codes ----------------------------------------------------
