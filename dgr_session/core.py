@@ -21,7 +21,6 @@ from dgr_session.commands import (
     EmitToken,
     Finish,
     FinishReason,
-    Forward,
     ForwardKind,
     OpenStage,
     RequestRoute,
@@ -61,7 +60,7 @@ from dgr_session.machine import (
     SessionState,
     shared_machine,
 )
-from dgr_session.pipeline import Chunk, EpochPipeline
+from dgr_session.pipeline import NO_EPOCH, Chunk, EpochPipeline
 from dgr_session.policy import FailurePolicy, ReplayMode
 from dgr_session.route import CertificationVerifier, Route, validate_route
 
@@ -69,6 +68,9 @@ _S = SessionState
 _TERMINAL = frozenset(state.value for state in TERMINAL_STATES)
 _HOLDING = frozenset(state.value for state in HOLDING_STATES)
 _FORWARDING = frozenset({_S.PREFILLING.value, _S.DECODING.value})
+_PREFILL, _DECODE, _REPLAY = ForwardKind.PREFILL, ForwardKind.DECODE, ForwardKind.REPLAY
+_BATCHED = ReplayMode.BATCHED
+_new_tuple = tuple.__new__
 _EVENT_TYPES = frozenset(
     {
         Start,
@@ -184,7 +186,7 @@ class RouteSession:
         # The opens and forwards of the current epoch, made new (empty) by each route
         # assignment: dgr_session.pipeline. Invariant: its stages hold KV for positions
         # [0, kv_pos) of prompt + accepted, and kv_pos <= len(prompt) + len(_accepted).
-        self._pipe = EpochPipeline(0)
+        self._pipe = NO_EPOCH
         # Tokens.
         self._accepted: list[int] = []
         # Time, all from events (the deadlines and the backoff are the budget's).
@@ -335,16 +337,16 @@ class RouteSession:
                 self._on_output(event, out)
             case StageOpened():
                 self._on_opened(event, out)
-            case ClockTick():
-                self._on_tick(event, out)
             case RouteAssigned():
                 self._on_route_assigned(event, out)
+            case ClockTick():
+                self._on_tick(event, out)
+            case Start():
+                self._on_start(event, out)
             case StageFailed():
                 self._on_failed(event, out)
             case RouteUnavailable():
                 self._on_route_unavailable(event, out)
-            case Start():
-                self._on_start(event, out)
             case Cancel():
                 self._on_cancel(event, out)
             case _:
@@ -416,9 +418,11 @@ class RouteSession:
         self._route_attempt = 0
         self._route = route
         self._live = True
-        self._pipe = EpochPipeline(len(route.stages))  # a new epoch starts empty
+        self._pipe = EpochPipeline(  # a new epoch starts empty
+            self.session_id, self._epoch, route.stages, self._budget.policy.pipelined
+        )
         self._fire("route_assigned")
-        self._begin_wait()
+        self._budget.begin_wait(self._now)
         for index, stage in enumerate(route.stages):
             out.append(OpenStage(self.session_id, self._epoch, index, stage))
 
@@ -429,42 +433,48 @@ class RouteSession:
         self._fault(None, FaultKind.NO_ROUTE, event.detail or "no route available", out)
 
     def _on_opened(self, event: StageOpened, out: list[Command]) -> None:
-        if not self._stage_answer_applies(event.epoch, event.stage_index):
-            return
+        index = event.stage_index
         pipe = self._pipe
-        if self._state != _S.OPENING.value or not pipe.confirm_open(event.stage_index):
+        applies = event.epoch == self._epoch and self._live and 0 <= index < pipe.n_stages
+        if not applies and not self._stage_answer_applies(event.epoch, index):
+            return  # (the check inlined for the common case: an answer of the live epoch)
+        if self._state != _S.OPENING.value or pipe.opened >> index & 1:
             detail = f"unexpected StageOpened in state {self._state}"
-            self._fault(event.stage_index, FaultKind.PROTOCOL, detail, out)
+            self._fault(index, FaultKind.PROTOCOL, detail, out)
             return
-        if pipe.all_open:
+        if pipe.confirm_open(index):  # every stage opened
             self._budget.admitted()
             self._fire("stages_opened")
             self._start_forward(out)
 
     def _on_output(self, event: StageOutput, out: list[Command]) -> None:
         index = event.stage_index
-        if not self._stage_answer_applies(event.epoch, index):
-            return
+        pipe = self._pipe
+        applies = event.epoch == self._epoch and self._live and 0 <= index < pipe.n_stages
+        if not applies and not self._stage_answer_applies(event.epoch, index):
+            return  # (the check inlined for the common case: an answer of the live epoch)
         step = len(self._accepted)
         if self._state not in _FORWARDING:
             detail = f"unexpected StageOutput in state {self._state}"
             self._fault(index, FaultKind.PROTOCOL, detail, out)
             return
-        pipe = self._pipe
-        if not pipe.is_computing(index) or event.step != step:
+        if not pipe.computing >> index & 1 or event.step != step:
             detail = (
                 f"output of stage {index} step {event.step}, awaited stages"
                 f" {pipe.computing_stages()} step {step}"
             )
             self._fault(index, FaultKind.PROTOCOL, detail, out)
             return
-        chunk = pipe.answered(index, event.payload, self._now)
-        if chunk is None:  # a middle stage: the next stage takes its rows once it is free
-            self._pump(index + 1, out)
+        if index < pipe.n_stages - 1:  # a middle stage: the next takes its rows once free
+            if pipe.relay(index, event.payload, step, self._now, out):  # stage 0 is free
+                chunk = self._next_chunk(pipe.sent)
+                if chunk is not None:
+                    pipe.send(0, chunk, None, step, self._now, out)
             return
+        chunk = pipe.complete(self._now)
         self._high_water = max(self._high_water, chunk.positions.stop)
         if not chunk.wants_logits:  # a prefill chunk or replayed rows: no token to take
-            self._begin_wait()
+            self._budget.begin_wait(self._now)
             self._pump(index, out)
             if not pipe.flight:  # the route is empty: stage 0 goes on (not pipelined)
                 self._pump(0, out)
@@ -554,13 +564,10 @@ class RouteSession:
                 stage=stage,
             )
 
-    def _begin_wait(self) -> None:
-        self._budget.begin_wait(self._now)
-
     def _ask_route(self, report: FailureReport | None, out: list[Command]) -> None:
         self._awaiting_route = True
         self._route_attempt += 1
-        self._begin_wait()
+        self._budget.begin_wait(self._now)
         out.append(RequestRoute(self.session_id, self._epoch + 1, report, self._route_attempt))
 
     def _awaited_stage(self) -> int | None:
@@ -575,8 +582,14 @@ class RouteSession:
     def _start_forward(self, out: list[Command]) -> None:
         """Starts forwarding the rows from ``kv_pos`` to the newest position (every stage is
         idle): a prefill or re-prefill after the stages opened, one token after each accept."""
-        self._begin_wait()
-        self._pump(0, out)
+        now = self._now
+        self._budget.begin_wait(now)
+        pipe = self._pipe
+        step = len(self._accepted)
+        if pipe.pump(0, step, now, out):  # (self._pump(0, out), inlined: once per token)
+            chunk = self._next_chunk(pipe.sent)
+            if chunk is not None:
+                pipe.send(0, chunk, None, step, now, out)
 
     def _next_chunk(self, pos: int) -> Chunk | None:
         """The rows of the next forward into stage 0, starting at ``pos``, or None when every
@@ -594,7 +607,7 @@ class RouteSession:
         end = n_prompt + len(self._accepted)
         if pos >= end:
             return None
-        if pos + 1 < end and self._accepted and self._budget.policy.replay is ReplayMode.BATCHED:
+        if pos + 1 < end and self._accepted and self._budget.policy.replay is _BATCHED:
             history = (*self.prompt, *self._accepted)  # a replay: prompt and accepted join
             tokens = history[pos : pos + self._replay_rows]
         elif pos < n_prompt:
@@ -604,38 +617,22 @@ class RouteSession:
             tokens = (self._accepted[pos - n_prompt],)
         stop = pos + len(tokens)
         if pos < self._high_water:  # rows an earlier epoch computed: a re-prefill
-            kind = ForwardKind.REPLAY
+            kind = _REPLAY
         else:
-            kind = ForwardKind.PREFILL if pos < n_prompt else ForwardKind.DECODE
-        return Chunk(range(pos, stop), tokens, kind, stop == end)
+            kind = _PREFILL if pos < n_prompt else _DECODE
+        # Chunk(positions, token_ids, kind, wants_logits), without NamedTuple's slower __new__
+        return _new_tuple(Chunk, (range(pos, stop), tokens, kind, stop == end))
 
     def _pump(self, index: int, out: list[Command]) -> None:
         """Stage ``index`` may be free to go on: the pipeline feeds it, and the stages before
-        it, whatever waits for them (:meth:`EpochPipeline.pump`)."""
-        self._pipe.pump(
-            index,
-            self._now,
-            out,
-            pipelined=self._budget.policy.pipelined,
-            next_chunk=self._next_chunk,
-            forward=self._forward,
-        )
-
-    def _forward(self, index: int, chunk: Chunk, payload: object) -> Forward:
-        assert self._route is not None  # live epoch
-        return Forward(
-            session_id=self.session_id,
-            epoch=self._epoch,
-            step=len(self._accepted),
-            stage_index=index,
-            stage=self._route.stages[index],
-            positions=chunk.positions,
-            token_ids=chunk.token_ids,
-            boundary=payload,
-            final=index == self._pipe.n_stages - 1,
-            wants_logits=chunk.wants_logits,
-            kind=chunk.kind,
-        )
+        it, whatever waits for them (:meth:`EpochPipeline.pump`); stage 0 takes the next
+        chunk, if any rows are left."""
+        pipe = self._pipe
+        step = len(self._accepted)
+        if pipe.pump(index, step, self._now, out):  # stage 0 is free: the next chunk, if any
+            chunk = self._next_chunk(pipe.sent)
+            if chunk is not None:
+                pipe.send(0, chunk, None, step, self._now, out)
 
     def _accept(self, token: int, out: list[Command]) -> None:
         step = len(self._accepted)

@@ -2,9 +2,9 @@
 
 A route session (:mod:`dgr_session.core`) makes a new :class:`EpochPipeline` for each route it
 is assigned and drops the old one whole, so a new epoch starts empty by construction: no
-field is reset by hand. The pipeline knows nothing of tokens, policies or the session's
-commands beyond what it is handed: the core says what the next chunk is and turns each send
-into a :class:`~dgr_session.commands.Forward`.
+field is reset by hand. The pipeline schedules the epoch's forwards and builds their
+:class:`~dgr_session.commands.Forward` commands; it knows nothing of tokens or faults: the core
+says what the next chunk into stage 0 is, and what to do with each answer.
 
 The rows from the epoch's first position on are sent in chunks, pipelined: stage k works on
 chunk c + 1 while stage k + 1 works on chunk c, each stage takes its chunks in order and one at
@@ -14,10 +14,11 @@ most 2 chunks per stage are in flight.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import NamedTuple
 
 from dgr_session.commands import Command, Forward, ForwardKind
+from dgr_session.route import StageSpec
 
 _EMPTY = object()
 """An empty input slot of a stage (no boundary rows waiting for it)."""
@@ -38,9 +39,10 @@ class Chunk(NamedTuple):
 
 
 class EpochPipeline:
-    """Opens and forwards in flight of one epoch over a route of ``n_stages`` stages.
+    """Opens and forwards in flight of one session's epoch over ``stages``.
 
-    Mutable; owned by one session and touched by one task. Invariants: bit i of ``opened`` is
+    ``pipelined`` False: one chunk in flight at a time (``FailurePolicy.pipelined``). Mutable;
+    owned by one session and touched by one task. Invariants: bit i of ``opened`` is
     set once stage i confirmed the open; every stage holds KV for positions ``[0, kv_pos)``;
     ``flight`` holds the chunks sent to stage 0 whose last stage has not answered, oldest
     first; ``sent`` is where the next chunk starts; ``stage_done[k]`` counts the chunks stage k
@@ -50,6 +52,10 @@ class EpochPipeline:
     """
 
     __slots__ = (
+        "session_id",
+        "epoch",
+        "stages",
+        "pipelined",
         "n_stages",
         "opened",
         "kv_pos",
@@ -62,7 +68,18 @@ class EpochPipeline:
         "hop_seconds",
     )
 
-    def __init__(self, n_stages: int) -> None:
+    def __init__(
+        self, session_id: str, epoch: int, stages: Sequence[StageSpec], pipelined: bool
+    ) -> None:
+        n_stages = len(stages)
+        #: Session the forwards are for.
+        self.session_id = session_id
+        #: Epoch the forwards run under.
+        self.epoch = epoch
+        #: Stages of the epoch's route, in order.
+        self.stages = stages
+        #: Whether chunks known ahead are pipelined across the stages.
+        self.pipelined = pipelined
         #: Stages of the route.
         self.n_stages = n_stages
         #: Bit i set once stage i confirmed its open.
@@ -88,16 +105,9 @@ class EpochPipeline:
     # Opening
 
     def confirm_open(self, index: int) -> bool:
-        """Stage ``index`` confirmed its open; ``False`` when it had already (nothing changes)."""
-        bit = 1 << index
-        if self.opened & bit:
-            return False
-        self.opened |= bit
-        return True
-
-    @property
-    def all_open(self) -> bool:
-        """True once every stage confirmed its open."""
+        """Stage ``index`` confirmed its open (bit ``index`` of ``opened`` was clear); True once
+        every stage has."""
+        self.opened |= 1 << index
         return self.opened == (1 << self.n_stages) - 1
 
     def opened_stages(self) -> tuple[int, ...]:
@@ -114,10 +124,6 @@ class EpochPipeline:
     # ----------------------------------------------------------------------------------------
     # Forwarding
 
-    def is_computing(self, index: int) -> bool:
-        """True while stage ``index`` has a forward in flight."""
-        return bool(self.computing & (1 << index))
-
     def computing_stages(self) -> list[int]:
         """Stages with a forward in flight, in route order."""
         return [k for k in range(self.n_stages) if self.computing & (1 << k)]
@@ -131,70 +137,77 @@ class EpochPipeline:
         """Seconds each stage took for its last answered forward (``None``: none yet)."""
         return tuple(self.hop_seconds)
 
-    def pump(
-        self,
-        index: int,
-        now: float,
-        out: list[Command],
-        *,
-        pipelined: bool,
-        next_chunk: Callable[[int], Chunk | None],
-        forward: Callable[[int, Chunk, object], Forward],
-    ) -> None:
+    def pump(self, index: int, step: int, now: float, out: list[Command]) -> bool:
         """Stage ``index`` may be free to go on (it answered, or rows came for it, or the next
         stage took its output): feed it, and the stages before it in turn, whatever waits for
-        them. A stage takes nothing while its own output waits for the next stage.
-
-        ``next_chunk(sent)`` gives the chunk into stage 0 starting at ``sent`` (``None``: every
-        row was sent); ``forward(index, chunk, boundary)`` builds the command, appended to
-        ``out``. ``pipelined`` False: one chunk in flight at a time."""
+        them, appending the forwards (of ``step``) to ``out``. A stage takes nothing while its
+        own output waits for the next stage. Returns True when stage 0 is free to take a new
+        chunk: the caller then gives it one with :meth:`send`, if any rows are left."""
         last = self.n_stages - 1
         slot = self.slot
         while not self.computing & (1 << index):
             if index < last and slot[index + 1] is not _EMPTY:
-                return  # its output is still waiting for the next stage
+                return False  # its output is still waiting for the next stage
             if index == 0:
-                if self.flight and not pipelined:
-                    return  # one forward in flight per session
-                chunk = next_chunk(self.sent)
-                if chunk is not None:
-                    self.flight.append(chunk)
-                    self.sent = chunk.positions.stop
-                    self._send(0, chunk, None, now, out, forward)
-                return
+                return self.pipelined or not self.flight  # else one forward in flight
             payload = slot[index]
             if payload is _EMPTY:
-                return
+                return False
             slot[index] = _EMPTY
             done = self.stage_done
-            chunk = self.flight[done[index] - done[last]]
-            self._send(index, chunk, payload, now, out, forward)
+            self.send(index, self.flight[done[index] - done[last]], payload, step, now, out)
             index -= 1  # its output slot is free: the stage before may go on
+        return False
 
-    def _send(
-        self,
-        index: int,
-        chunk: Chunk,
-        payload: object,
-        now: float,
-        out: list[Command],
-        forward: Callable[[int, Chunk, object], Forward],
+    def send(
+        self, index: int, chunk: Chunk, payload: object, step: int, now: float, out: list[Command]
     ) -> None:
+        """Appends the forward of ``chunk`` through stage ``index`` (free) to ``out``. Into
+        stage 0 (``payload`` ``None``), ``chunk`` starts at ``sent`` and joins the flight;
+        :meth:`pump` sends the later stages theirs."""
+        if index == 0:
+            self.flight.append(chunk)
+            self.sent = chunk.positions.stop
         self.computing |= 1 << index
         self.hop_started[index] = now
-        out.append(forward(index, chunk, payload))
+        out.append(
+            Forward(
+                session_id=self.session_id,
+                epoch=self.epoch,
+                step=step,
+                stage_index=index,
+                stage=self.stages[index],
+                positions=chunk.positions,
+                token_ids=chunk.token_ids,
+                boundary=payload,
+                final=index == self.n_stages - 1,
+                wants_logits=chunk.wants_logits,
+                kind=chunk.kind,
+            )
+        )
 
-    def answered(self, index: int, payload: object, now: float) -> Chunk | None:
-        """Stage ``index`` (computing) answered its current chunk at ``now``. A middle stage's
-        ``payload`` waits for the next stage (pump it next) and ``None`` is returned; the last
-        stage's answer completes the oldest chunk, which is returned (every stage now holds KV
-        up to its end)."""
+    def relay(self, index: int, payload: object, step: int, now: float, out: list[Command]) -> bool:
+        """Middle stage ``index`` (computing) answered its current chunk at ``now`` with
+        ``payload``, which waits for the next stage; pumps that stage (:meth:`pump`, whose
+        answer it returns)."""
         self.computing ^= 1 << index
         self.hop_seconds[index] = now - self.hop_started[index]
         self.stage_done[index] += 1
-        if index < self.n_stages - 1:
-            self.slot[index + 1] = payload  # the next stage takes it once it is free
-            return None
+        self.slot[index + 1] = payload  # the next stage takes it once it is free
+        return self.pump(index + 1, step, now, out)
+
+    def complete(self, now: float) -> Chunk:
+        """The last stage (computing) answered at ``now``: the oldest chunk went through the
+        whole route, and every stage holds KV up to its end. Returns it."""
+        index = self.n_stages - 1
+        self.computing ^= 1 << index
+        self.hop_seconds[index] = now - self.hop_started[index]
+        self.stage_done[index] += 1
         chunk = self.flight.pop(0)
         self.kv_pos = chunk.positions.stop
         return chunk
+
+
+NO_EPOCH = EpochPipeline("", 0, (), False)
+"""The pipeline of a session before its first route: no stages. Shared and never fed (a session
+feeds only the pipeline of its live epoch)."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
 import pytest
 from loguru import logger
 
+import dgr_session.core
 from dgr_session import (
     AdmissionTimeout,
     Cancel,
@@ -23,9 +25,11 @@ from dgr_session import (
     Finish,
     FinishReason,
     Forward,
+    ForwardKind,
     InvalidTransition,
     NoRouteAvailable,
     OpenStage,
+    ReplayMode,
     RequestRoute,
     Route,
     RouteAssigned,
@@ -813,3 +817,41 @@ def test_busy_while_decoding_is_a_fault_like_any_other() -> None:
     (request,) = of(busy(d, 0), RequestRoute)  # POLICY backs off 0 s: asks at once
     assert request.report.fault is FaultKind.BUSY
     assert d.core.attempts == 2  # counted against the step, as any fault outside opening
+
+
+def test_forward_kinds_and_replay_modes_are_str_enums_equal_to_their_old_strings() -> None:
+    assert dgr_session.ForwardKind is ForwardKind and dgr_session.ReplayMode is ReplayMode
+    assert [kind.value for kind in ForwardKind] == ["prefill", "decode", "replay"]
+    assert ForwardKind.PREFILL == "prefill" and isinstance(ForwardKind.REPLAY, str)
+    assert {"decode": 1}[ForwardKind.DECODE] == 1  # a str key, as a label or a wire name
+    assert FailurePolicy().replay is ReplayMode.BATCHED
+    exact = FailurePolicy(replay="exact")  # the old spelling still works, and becomes the enum
+    assert exact.replay is ReplayMode.EXACT and exact.replay == "exact"
+    assert exact == FailurePolicy(replay=ReplayMode.EXACT)
+    with pytest.raises(ValueError, match="'replay' must be in \\('batched', 'exact'\\)"):
+        FailurePolicy(replay="fast")
+
+
+def test_every_forward_names_its_kind_with_the_enum() -> None:
+    d = Driver(prompt=(5, 6), max_new_tokens=5).running(route("a", "b"))
+    _lose_stage_one_after_two_tokens(d)
+    d.assign(route("a", "c"))
+    d.open_all()
+    forwards = of(d.log, Forward)
+    assert {type(f.kind) for f in forwards} == {ForwardKind}
+    assert {f.kind for f in forwards} == set(ForwardKind)
+
+
+def test_event_dispatch_is_type_checked_without_ignores() -> None:
+    """handle() dispatches with match over the event classes, so mypy checks each handler
+    against its event; the core carries no ``type: ignore`` (mypy runs with
+    warn_unused_ignores, and this says there is none to warn about)."""
+    source = Path(dgr_session.core.__file__).read_text(encoding="utf-8")
+    assert "type: ignore" not in source
+    assert "match event:" in source
+    for event in (Start(SID, 0.0), Cancel(SID)):
+        assert f"case {type(event).__name__}():" in source
+    d = Driver()
+    with pytest.raises(TypeError, match="not a session event"):
+        d.feed(Forward)  # a class, not an event: refused before anything changes
+    assert d.core.state is SessionState.NEW and d.log == []

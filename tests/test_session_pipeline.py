@@ -12,11 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dgr_session import (
+    Command,
     EmitToken,
     EvidenceClass,
     FailurePolicy,
     FaultKind,
     Forward,
+    ForwardKind,
     OpenStage,
     RequestRoute,
     Route,
@@ -28,6 +30,7 @@ from dgr_session import (
     Start,
 )
 from dgr_session.machine import SessionMachine
+from dgr_session.pipeline import Chunk, EpochPipeline
 from dgr_session.testing import fixture_identity, make_route
 
 IDENTITY = fixture_identity(8)
@@ -247,3 +250,101 @@ def test_an_exact_replay_keeps_every_stage_busy_at_once() -> None:
     expected += [(range(10, 11), (core.tokens[7],), "decode")]
     assert all(calls == expected for calls in sims[1].calls)
     assert core.kv_positions == 11 and len(core.tokens) == 9
+
+
+PER_EPOCH_FIELDS = {
+    "_opened",
+    "_kv_pos",
+    "_sent",
+    "_flight",
+    "_stage_done",
+    "_computing",
+    "_slot",
+    "_hop_started",
+    "_hop_seconds",
+}
+
+
+def test_a_new_epoch_starts_with_a_new_empty_pipeline() -> None:
+    """The session keeps no per-epoch field of its own (it has no slot for one): the opens and
+    forwards in flight live in one EpochPipeline, made new on each route assignment. A stage
+    lost with chunks on their way leaves nothing behind for the next epoch."""
+    assert PER_EPOCH_FIELDS.isdisjoint(RouteSession.__slots__)
+    core = RouteSession(
+        SID,
+        tuple(range(1, 9)),
+        max_new_tokens=3,
+        policy=FailurePolicy(backoff=(0.0,)),
+        machine=SessionMachine(),
+        required_evidence=EvidenceClass.FIXTURE,
+    )
+    (request,) = core.handle(Start(SID, 0.0))
+    core.handle(RouteAssigned(SID, 1, route(3, 2, "a"), request.attempt))
+    for k in range(3):
+        out = core.handle(StageOpened(SID, 1, k))
+    sim = SimulatedRoute(3)
+    for command in out:
+        sim.take(command)
+    for k in (0, 0, 1):  # stage 0 answers twice, stage 1 once: three chunks on their way
+        out = core.handle(sim.answer(k))
+        for command in out:
+            if isinstance(command, Forward):
+                sim.take(command)
+    old = core._pipe
+    assert len(old.flight) == 3 and old.computing and old.sent == 6 and old.opened == 0b111
+    assert any(v is not None for v in old.hop_seconds)
+
+    out = core.handle(
+        StageFailed(session_id=SID, epoch=1, stage_index=2, kind=FaultKind.DEAD, detail="lost")
+    )
+    (request,) = [c for c in out if isinstance(c, RequestRoute)]
+    core.handle(RouteAssigned(SID, 2, route(2, 4, "b"), request.attempt))
+
+    new = core._pipe
+    assert new is not old and core.epoch == 2 and new.epoch == 2
+    assert (new.n_stages, new.opened, new.kv_pos, new.sent, new.computing) == (2, 0, 0, 0, 0)
+    assert new.flight == [] and new.stage_done == [0, 0]
+    assert new.hop_seconds == [None, None] and new.hop_times() == (None, None)
+    assert core.opened_stages == () and core.kv_positions == 0
+    # the old epoch's pipeline is left as the fault found it: nothing was reset by hand
+    assert len(old.flight) == 3 and old.sent == 6
+
+
+def test_an_epoch_pipeline_moves_named_chunks_through_its_stages_in_order() -> None:
+    """EpochPipeline on its own: a chunk into stage 0 is relayed stage by stage, a stage takes
+    its next chunk only once the next stage took its output, and the last stage's answer
+    completes the oldest chunk, named by its fields."""
+    stages = route(3, 8, "a").stages
+    pipe = EpochPipeline(SID, 4, stages, True)
+    assert pipe.first_unopened() == 0
+    assert [pipe.confirm_open(k) for k in (0, 2, 1)] == [False, False, True]
+    assert pipe.opened_stages() == (0, 1, 2) and pipe.first_unopened() is None
+    first = Chunk(range(0, 2), (5, 6), ForwardKind.PREFILL, False)
+    second = Chunk(range(2, 3), (7,), ForwardKind.PREFILL, True)
+    out: list[Command] = []
+    assert pipe.pump(0, 0, 1.0, out)  # every stage is idle: stage 0 takes a chunk
+    pipe.send(0, first, None, 0, 1.0, out)
+    assert not pipe.pump(0, 0, 1.0, out)  # stage 0 is computing
+    assert pipe.relay(0, "rows0", 0, 2.0, out)  # stage 1 takes them; stage 0 is free again
+    pipe.send(0, second, None, 0, 2.0, out)
+    assert not pipe.relay(0, "rows0'", 0, 3.0, out)  # stage 1 is busy: the rows wait
+    assert pipe.computing_stages() == [1] and pipe.furthest_computing() == 1
+    assert pipe.relay(1, "rows1", 0, 4.0, out)  # stages 2 and 1 go on; stage 0 is free
+    assert pipe.computing_stages() == [1, 2]
+    assert pipe.complete(5.0) is first and pipe.kv_pos == 2
+    assert not pipe.relay(1, "rows1'", 0, 6.0, out)
+    done = pipe.complete(7.0)
+    assert done is second and done.positions == range(2, 3) and done.wants_logits
+    assert pipe.kv_pos == 3 and pipe.flight == [] and pipe.computing == 0
+    forwards = [(f.stage_index, f.positions, f.boundary, f.kind, f.final) for f in out]
+    assert forwards == [
+        (0, range(0, 2), None, "prefill", False),
+        (1, range(0, 2), "rows0", "prefill", False),
+        (0, range(2, 3), None, "prefill", False),
+        (2, range(0, 2), "rows1", "prefill", True),
+        (1, range(2, 3), "rows0'", "prefill", False),
+        (2, range(2, 3), "rows1'", "prefill", True),
+    ]
+    assert all(f.session_id == SID and f.epoch == 4 and f.step == 0 for f in out)
+    assert [f.wants_logits for f in out] == [False, False, True, False, True, True]
+    assert pipe.hop_times() == (3.0 - 2.0, 6.0 - 4.0, 7.0 - 6.0)  # each stage's last forward
