@@ -4,7 +4,10 @@
 :class:`~dgr_session.events.Start` and :class:`~dgr_session.events.ClockTick`; stage answers
 come as events; tokens are chosen by the driver. The state table lives in
 :mod:`dgr_session.machine`; this module decides which trigger an event amounts to and which
-commands go with it.
+commands go with it. Its parts: the current epoch's opens and forwards in flight, one
+:class:`~dgr_session.pipeline.EpochPipeline` made new on each route assignment (a new epoch
+starts empty by construction), and what the session spent of its
+:class:`~dgr_session.policy.FailurePolicy`, one :class:`~dgr_session.budget.FailureBudget`.
 """
 
 from __future__ import annotations
