@@ -475,7 +475,9 @@ class RouteSession:
                     pipe.send(0, chunk, None, step, self._now, out)
             return
         chunk = pipe.complete(self._now)
-        self._high_water = max(self._high_water, chunk.positions.stop)
+        stop = chunk.positions.stop
+        if stop > self._high_water:
+            self._high_water = stop
         if not chunk.wants_logits:  # a prefill chunk or replayed rows: no token to take
             self._budget.begin_wait(self._now)
             self._pump(index, out)
