@@ -13,7 +13,7 @@ starts empty by construction), and what the session spent of its
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import assert_never
+from typing import Never, NoReturn
 
 from loguru import logger
 
@@ -86,6 +86,12 @@ _EVENT_TYPES = frozenset(
         Cancel,
     }
 )
+
+
+def _not_an_event(event: Never) -> NoReturn:
+    """Refuses what :meth:`RouteSession.handle` was given; typed ``Never`` so that mypy checks
+    that the ``match`` over the event classes leaves none out."""
+    raise TypeError(f"not a session event: {event!r}")
 
 
 class RouteSession:
@@ -326,9 +332,13 @@ class RouteSession:
 
     def handle(self, event: Event) -> list[Command]:
         """Apply one event; return the commands to execute, in order."""
-        if type(event) not in _EVENT_TYPES:
-            raise TypeError(f"not a session event: {event!r}")
-        if event.session_id != self.session_id:
+        try:
+            session_id = event.session_id
+        except AttributeError:
+            raise TypeError(f"not a session event: {event!r}") from None
+        if session_id != self.session_id:
+            if type(event) not in _EVENT_TYPES:
+                raise TypeError(f"not a session event: {event!r}")
             raise InvalidTransition(
                 f"event for session {event.session_id!r} fed to session {self.session_id!r}",
                 state=self._state,
@@ -352,8 +362,8 @@ class RouteSession:
                 self._on_route_unavailable(event, out)
             case Cancel():
                 self._on_cancel(event, out)
-            case _:
-                assert_never(event)
+            case _:  # an object with this session_id that is no event (mypy: none is left)
+                _not_an_event(event)
         return out
 
     def _on_start(self, event: Start, out: list[Command]) -> None:

@@ -192,9 +192,25 @@ class EpochPipeline:
         answer it returns)."""
         self.computing ^= 1 << index
         self.hop_seconds[index] = now - self.hop_started[index]
-        self.stage_done[index] += 1
-        self.slot[index + 1] = payload  # the next stage takes it once it is free
-        return self.pump(index + 1, step, now, out)
+        done = self.stage_done
+        done[index] += 1
+        slot = self.slot
+        slot[index + 1] = payload  # the next stage takes it once it is free
+        # pump(index + 1, ...), inlined: this runs for every middle stage's answer
+        last = self.n_stages - 1
+        index += 1
+        while not self.computing & (1 << index):
+            if index < last and slot[index + 1] is not _EMPTY:
+                return False
+            if index == 0:
+                return self.pipelined or not self.flight
+            rows = slot[index]
+            if rows is _EMPTY:
+                return False
+            slot[index] = _EMPTY
+            self.send(index, self.flight[done[index] - done[last]], rows, step, now, out)
+            index -= 1
+        return False
 
     def complete(self, now: float) -> Chunk:
         """The last stage (computing) answered at ``now``: the oldest chunk went through the

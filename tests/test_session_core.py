@@ -854,4 +854,9 @@ def test_event_dispatch_is_type_checked_without_ignores() -> None:
     d = Driver()
     with pytest.raises(TypeError, match="not a session event"):
         d.feed(Forward)  # a class, not an event: refused before anything changes
-    assert d.core.state is SessionState.NEW and d.log == []
+    d.start()
+    impostor = RequestRoute(SID, 1, None)  # names this session, but is a command
+    for wrong in (impostor, attrs.evolve(impostor, session_id="other"), "not an event"):
+        with pytest.raises(TypeError, match="not a session event"):
+            d.feed(wrong)
+    assert d.core.state is SessionState.NEW and d.core.route_attempt == 1 and d.log == [impostor]
