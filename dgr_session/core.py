@@ -600,11 +600,10 @@ class RouteSession:
         now = self._now
         self._budget.begin_wait(now)
         pipe = self._pipe
-        step = len(self._accepted)
-        if pipe.pump(0, step, now, out):  # (self._pump(0, out), inlined: once per token)
-            chunk = self._next_chunk(pipe.sent)
-            if chunk is not None:
-                pipe.send(0, chunk, None, step, now, out)
+        assert not pipe.computing and not pipe.flight  # so stage 0 is free (no pump needed)
+        chunk = self._next_chunk(pipe.sent)
+        if chunk is not None:
+            pipe.send(0, chunk, None, len(self._accepted), now, out)
 
     def _next_chunk(self, pos: int) -> Chunk | None:
         """The rows of the next forward into stage 0, starting at ``pos``, or None when every

@@ -165,9 +165,10 @@ class EpochPipeline:
         """Appends the forward of ``chunk`` through stage ``index`` (free) to ``out``. Into
         stage 0 (``payload`` ``None``), ``chunk`` starts at ``sent`` and joins the flight;
         :meth:`pump` sends the later stages theirs."""
+        positions, token_ids, kind, wants_logits = chunk  # (faster than four attribute reads)
         if index == 0:
             self.flight.append(chunk)
-            self.sent = chunk.positions.stop
+            self.sent = positions.stop
         self.computing |= 1 << index
         self.hop_started[index] = now
         out.append(
@@ -177,12 +178,12 @@ class EpochPipeline:
                 step=step,
                 stage_index=index,
                 stage=self.stages[index],
-                positions=chunk.positions,
-                token_ids=chunk.token_ids,
+                positions=positions,
+                token_ids=token_ids,
                 boundary=payload,
                 final=index == self.n_stages - 1,
-                wants_logits=chunk.wants_logits,
-                kind=chunk.kind,
+                wants_logits=wants_logits,
+                kind=kind,
             )
         )
 
