@@ -352,10 +352,10 @@ class RouteSession:
                 self._on_opened(event, out)
             case RouteAssigned():
                 self._on_route_assigned(event, out)
-            case ClockTick():
-                self._on_tick(event, out)
             case Start():
                 self._on_start(event, out)
+            case ClockTick():  # timers only
+                self._on_tick(event, out)
             case StageFailed():
                 self._on_failed(event, out)
             case RouteUnavailable():
