@@ -223,8 +223,3 @@ class EpochPipeline:
         chunk = self.flight.pop(0)
         self.kv_pos = chunk.positions.stop
         return chunk
-
-
-NO_EPOCH = EpochPipeline("", 0, (), False)
-"""The pipeline of a session before its first route: no stages. Shared and never fed (a session
-feeds only the pipeline of its live epoch)."""
