@@ -91,3 +91,42 @@ def test_the_campaign_interleaving_leaves_no_slot_held(tiny_llama: Path) -> None
             await worker.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), 90))
+
+
+def test_a_close_of_a_newer_epoch_frees_a_slot_whose_open_reply_was_lost(
+    tiny_llama: Path,
+) -> None:
+    """The same order when the reply of epoch 2's open never reached the client (it timed out
+    while the worker was stalled): the client holds no secret of epoch 2, yet its close of
+    epoch 3 must land, as an open of epoch 3 from it would, or epoch 3's late open keeps the
+    slot. (That a close from another client identity is refused is in
+    ``tests/test_hostile_rpcs.py``, under mutual TLS.)"""
+    config = WorkerConfig(port=0, admission_wait_seconds=30.0)
+    worker = ShardWorker.load(tiny_llama, (0, 2), config=config, **KW)
+
+    async def scenario() -> None:
+        address = await worker.start()
+        try:
+            async with (
+                ShardClient(address, timeout=30.0) as client,
+                ShardClient(address, timeout=30.0) as lost,
+            ):
+                expect = expectations_of(await client.describe())
+                await client.open("holder", 1, expect)  # every slot taken
+                open_2 = asyncio.ensure_future(lost.open("s", 2, expect))
+                await _until(lambda: worker.admission.waiting == 1, "epoch 2 in line")
+                open_3 = asyncio.ensure_future(lost.open("s", 3, expect))
+                await _until(lambda: worker.admission.waiting == 2, "epoch 3 in line")
+                await client.close("holder", 1)
+                await open_2  # admitted; its secret reached `lost` only, never `client`
+                assert worker.admission.waiting == 1 and worker.table.holds("s")
+                await client.close("s", 3)  # no secret of epoch 2: the open's authority
+                with pytest.raises(E.StaleEpoch, match="closed by its client before this open"):
+                    await open_3
+                assert worker.table.snapshot().sessions_open == 0
+                assert worker.admission.waiting == 0
+                assert worker.meter.snapshot().total_errors == 0
+        finally:
+            await worker.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 90))

@@ -94,6 +94,11 @@ class GrantGate:
         held = self._held.get(session_id)
         return held if held is not None and self._holds(session_id) else None
 
+    def held_epoch(self, session_id: str) -> int | None:
+        """The epoch of ``session_id`` held here (``None``: none is)."""
+        held = self._current(session_id)
+        return None if held is None else held.epoch
+
     def check(self, session_id: str, epoch: int, secret: bytes, *, close: bool = False) -> None:
         """Before a frame, link, output stream or (``close``) a close: ``GrantUnauthenticated``
         unless ``secret`` is the one the open of the held epoch returned (see the module's

@@ -98,15 +98,16 @@ class PeerLimits:
     def opened(self, client: str, session_id: str) -> None:
         self._owner[session_id] = client
 
-    def check_owner(self, client: str, session_id: str) -> None:
-        """Before an open on a worker without grant keys: ``GrantDenied`` when another client
-        identity holds ``session_id`` here (an open of a newer epoch would discard its state;
-        with grant keys the tracker's grant decides who may open it)."""
+    def check_owner(self, client: str, session_id: str, action: str = "open") -> None:
+        """Before an open (or a close of a newer epoch, ``action="close"``) on a worker without
+        grant keys: ``GrantDenied`` when another client identity holds ``session_id`` here
+        (either would discard its state; with grant keys the tracker's grant decides who may
+        open it)."""
         owner = self._owner.get(session_id)
         if owner is not None and owner != client and self._holds(session_id):
             raise GrantDenied(
-                f"DGR_E_PERMISSION: open of session {session_id!r}: another client holds it "
-                "on this worker"
+                f"DGR_E_PERMISSION: {action} of session {session_id!r}: another client holds "
+                "it on this worker"
             )
 
     def check_frame(self, session_id: str) -> None:

@@ -105,9 +105,18 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         log = bind_request(self.w.log, request)
         try:
             frames.check_session_id(request.session_id)
-            self.w.grants.check(
-                request.session_id, int(request.epoch), request.session_secret, close=True
-            )
+            held = self.w.grants.held_epoch(request.session_id)
+            if not self.w.grants.enabled and held is not None and held < request.epoch:
+                # A close of a newer epoch than the one held may come from a client that never
+                # got the held epoch's secret (that open's reply was lost). It has the authority
+                # an open of its epoch has, which discards the held one too: the session's
+                # owner's (without grants; OpenSession checks the same).
+                client = client_identity(context.peer(), context.auth_context())
+                self.w.limits.check_owner(client, request.session_id, "close")
+            else:
+                self.w.grants.check(
+                    request.session_id, int(request.epoch), request.session_secret, close=True
+                )
             closed = await self.w.close_session(request.session_id, int(request.epoch))
             self.w.grants.closed(request.session_id, int(request.epoch))
             if self.chain is not None:
