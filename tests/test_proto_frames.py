@@ -387,7 +387,7 @@ def test_every_defined_kind_is_decoded(kind: str) -> None:
         (E.DecodeError("x"), True),
         (E.InternalError("x"), True),
         (E.NonFiniteOutput("x"), True),
-        (E.ShardDeadlineExceeded("x", status="DGR_E_DEADLINE"), True),
+        (E.ShardDeadlineExceeded("x", status="DGR_E_DEADLINE"), False),  # the caller's budget
         (RuntimeError("a bug"), True),
         (ValueError("a bug"), True),
         (FrameRejected("x"), False),

@@ -234,7 +234,9 @@ def test_a_frame_past_its_deadline_is_refused_without_running(tiny_llama: Path) 
                 assert await busy is True
                 assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 assert dict(info.value.trailing_metadata() or ())[STATUS_KEY] == "DGR_E_DEADLINE"
-                assert worker.meter.snapshot().total_errors == 1  # the worker's own fault
+                # a deadline is the caller's choice and a busy queue is load, not a fault (issue
+                # 28: no client can lower a worker's health by what it sends, timeout_ms=1 too)
+                assert worker.meter.snapshot().total_errors == 0
                 # it never ran: the session is still at position 0
                 result = await client.forward("d", 0, 1, expect, [0, 1], tokens=[1, 2])
                 assert result.next_pos == 2

@@ -62,12 +62,15 @@ _BY_CODE: dict[grpc.StatusCode, type[E.ShardError]] = {
 }
 
 
-WORKER_FAULTS = frozenset({"DGR_E_DECODE", "DGR_E_INTERNAL", "DGR_E_DEADLINE", "DGR_E_NON_FINITE"})
-"""Refusals that are the worker's own fault: its engine failed or produced non-finite output, a
-frame's deadline passed in its queue, or it hit an unexpected error. Every other refusal (a
-malformed frame, an undefined enum value, an invalid session id, non-finite rows, bad shapes or
-positions, stale epochs, unknown sessions, wrong expectations, missing grants or secrets,
-capacity) is the caller's doing, or routine around route changes."""
+WORKER_FAULTS = frozenset({"DGR_E_DECODE", "DGR_E_INTERNAL", "DGR_E_NON_FINITE"})
+"""Refusals that are the worker's own fault: its engine failed or produced non-finite output, or
+it hit an unexpected error. Every other refusal (a malformed frame, an undefined enum value, an
+invalid session id, non-finite rows, bad shapes or positions, stale epochs, unknown sessions,
+wrong expectations, missing grants or secrets, capacity) is the caller's doing, or routine
+around route changes. A frame's deadline passing (``DGR_E_DEADLINE``) is not counted either:
+the deadline is the caller's to choose (``timeout_ms=1`` would otherwise let any client make a
+healthy worker look faulty); a slow stage shows in the client's failure reports, which carry
+the stage and its timings, and the tracker judges from those."""
 
 
 def is_worker_fault(exc: BaseException) -> bool:
