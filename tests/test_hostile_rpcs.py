@@ -402,8 +402,9 @@ def test_link_dials_only_the_next_stage(
     secret for the right stage is refused by that stage at the first frame, as
     ``test_chain_route`` shows); without grants the named endpoint must confirm it holds the
     session at that epoch with the secret given (PERMISSION_DENIED when a worker says no,
-    UNAVAILABLE when nothing answers). The link to the true next stage then carries the prompt
-    to the whole model's logits."""
+    UNAVAILABLE when nothing answers), and no channel to an endpoint that did not confirm is
+    kept. The link to the true next stage then carries the prompt to the whole model's
+    logits."""
     want_prefill, _ = want
     keys = {"k1": TRACKER.public_key()} if grants else None
     config = WorkerConfig(grant_keys=keys)
@@ -451,6 +452,9 @@ def test_link_dials_only_the_next_stage(
                             )
                     else:
                         assert status_of(refused.value) == f"DGR_E_{without_grants}", endpoint
+                hub = stages[0].chain
+                assert hub is not None
+                assert a_spare not in hub.dialled() and foreign.endpoint not in hub.dialled()
                 if grants:
                     assert foreign.connections == 0  # nothing was dialled
                     # a grant that names no next stage links nowhere
@@ -470,6 +474,7 @@ def test_link_dials_only_the_next_stage(
 
                 await link(hop_to(a1, ad1, s1))  # the true next stage
                 assert np.array_equal(await chained_prefill(c0, c1, "s"), want_prefill)
+                assert hub.dialled() == frozenset({a1})  # the only channel kept
                 await c0.close("s", 1)
                 await c1.close("s", 1)
                 await c_spare.close("elsewhere", 1)

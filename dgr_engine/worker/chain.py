@@ -148,11 +148,16 @@ class ChainHub:
         client then blames the next stage, not this one)."""
         if hop.tls and self.tls is None:
             return  # link() refuses it
-        probe = _Link(epoch, hop.endpoint, pb.Expectations(), bytes(hop.session_secret), hop.tls)
-        self.stub(probe)
-        shard = self._shard_stubs[(probe.endpoint, probe.tls)]
+        key = (hop.endpoint, bool(hop.tls))
+        shard = self._shard_stubs.get(key)
+        # an endpoint not linked to yet gets a channel of its own for this one call, closed
+        # after it: only a confirmed next stage's channel is kept (link() opens it)
+        probe = None if shard is not None else self._open_channel(*key)
+        if probe is not None:
+            shard = shard_pb2_grpc.ShardStub(probe)
+        assert shard is not None
         request = pb.UsageRequest(
-            session_id=session_id, session_secret=probe.secret, held=True, epoch=epoch
+            session_id=session_id, session_secret=bytes(hop.session_secret), held=True, epoch=epoch
         )
         try:
             await shard.Usage(request, timeout=timeout)
@@ -171,6 +176,9 @@ class ChainHub:
                 f"{session_id!r} epoch {epoch} with the secret given ({said[STATUS_KEY]}): "
                 "not linked"
             ) from None
+        finally:
+            if probe is not None:
+                await probe.close()
 
     def next_hop(self, session_id: str, epoch: int) -> _Link:
         link = self._links.get(session_id)
@@ -254,22 +262,27 @@ class ChainHub:
         if ring is not None and ring[0].epoch <= epoch:
             self._rings.pop(session_id)[1].finish_soon()
 
+    def dialled(self) -> frozenset[str]:
+        """The endpoints this stage keeps a channel to: next stages it was linked to (an
+        endpoint a ``Link`` named but that never confirmed is not among them)."""
+        return frozenset(endpoint for endpoint, _tls in self._stubs)
+
+    def _open_channel(self, endpoint: str, tls: bool) -> grpc.aio.Channel:
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+        ]
+        if tls:
+            assert self.tls is not None  # checked by link()
+            options += self.tls.channel_options()
+            return grpc.aio.secure_channel(endpoint, self.tls.credentials(), options=options)
+        return grpc.aio.insecure_channel(endpoint, options=options)
+
     def stub(self, link: _Link) -> shard_pb2_grpc.ChainStub:
         key = (link.endpoint, link.tls)
         stub = self._stubs.get(key)
         if stub is None:
-            options: list[tuple[str, Any]] = [
-                ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-                ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
-            ]
-            if link.tls:
-                assert self.tls is not None  # checked by link()
-                options += self.tls.channel_options()
-                channel = grpc.aio.secure_channel(
-                    link.endpoint, self.tls.credentials(), options=options
-                )
-            else:
-                channel = grpc.aio.insecure_channel(link.endpoint, options=options)
+            channel = self._open_channel(*key)
             self._channels.append(channel)
             stub = self._stubs[key] = shard_pb2_grpc.ChainStub(channel)
             self._shard_stubs[key] = shard_pb2_grpc.ShardStub(channel)
