@@ -26,6 +26,7 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from dgr_engine.certification.verify import LockVerifier
 from dgr_engine.chain import whole_model_greedy
 from dgr_engine.client import ShardClient
 from dgr_engine.fixtures import ensure_fixture
@@ -71,7 +72,8 @@ class CheapestRoute:
     compatible ones, then the cheapest chain of ranges covering every layer (a full worker is
     dear, not excluded: its line is fair, and busy is load, not a fault). It is also a
     ``GrantingRouteProvider``: the manager asks it to sign each route for its session and
-    epoch."""
+    epoch. Its ``certification_verifier`` checks every stage's certification record against
+    the tracker's own lock (``certification/lock.json``) instead of the worker's word."""
 
     def __init__(
         self, endpoints: list[str], model: ModelIdentity, grants: GrantIssuer, tls: ClientTls
@@ -81,6 +83,7 @@ class CheapestRoute:
         self.blamed: set[str] = set()
         self.grants = grants
         self.tls = tls
+        self.certification_verifier = LockVerifier()  # the manager validates routes with it
 
     def grant_route(self, session_id: str, epoch: int, route: Route) -> Route:
         return self.grants.grant_route(session_id, epoch, route)
