@@ -7,9 +7,9 @@ the client sends each stage its input and gets each stage's output back) and **c
 straight to the next, the last stage's output comes back on the client's output stream), and
 **ring** (``ChainStageTransport(ring=True)``: besides, the last stage sends each next decode
 frame, its greedy token, to the first stage itself; the client only checks). A
-link with RTT > 0 is the userspace WAN proxy of ``dgr_engine.netem`` in front of every stage
-(half the RTT each way), so client-to-stage and stage-to-stage hops cross one each; RTT 0 is
-plain loopback, no proxy. Tokens are checked against the whole model in every run.
+link with RTT > 0 is the userspace WAN proxy of ``dgr_engine.tooling.delay_proxy`` in front
+of every stage (half the RTT each way), so client-to-stage and stage-to-stage hops cross one
+each; RTT 0 is plain loopback, no proxy. Tokens are checked against the whole model in every run.
 
     python -m benchmarks.chain [--fixture mid-llama] [--rtts 0,10,30] [--stages 2 4]
 
@@ -35,14 +35,14 @@ from typing import Any
 import attrs
 import numpy as np
 
-from dgr_engine.chain import split_points, whole_model_reference
-from dgr_engine.chain_transport import ChainRecord, ChainStageTransport
+from dgr_engine.client.chained import ChainRecord, ChainStageTransport
+from dgr_engine.client.relay import ForwardRecord, GrpcStageTransport
 from dgr_engine.fixtures import ensure_fixture, lookup
-from dgr_engine.netem import Link, ProxiedRoutes
 from dgr_engine.options import EngineOptions
-from dgr_engine.processes import dgr_command
-from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import ForwardRecord, GrpcStageTransport
+from dgr_engine.reference import split_points, whole_model_reference
+from dgr_engine.tooling.delay_proxy import Link, ProxiedRoutes
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
+from dgr_engine.tooling.processes import dgr_command
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager, SessionState
 from dgr_session.transport import RouteProvider
 

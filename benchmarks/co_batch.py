@@ -39,11 +39,11 @@ import attrs
 import numpy as np
 
 from benchmarks.concurrent_route import ConcurrentRoute
-from dgr_engine.chain import split_points, whole_model_greedy
 from dgr_engine.engine import ForwardItem, ShardEngine
 from dgr_engine.fixtures import ensure_fixture, lookup
 from dgr_engine.options import EngineOptions
-from dgr_engine.processes import dgr_command
+from dgr_engine.reference import split_points, whole_model_greedy
+from dgr_engine.tooling.processes import dgr_command
 
 PROMPT_LEN = 16
 MODES = ("session", "co-batch")

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
 
+from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.options import EngineOptions
-from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import GrpcStageTransport
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager, SessionState
 
 

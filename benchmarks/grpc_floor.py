@@ -34,7 +34,7 @@ from pathlib import Path
 import grpc
 import numpy as np
 
-from dgr_engine.processes import WorkerProcess
+from dgr_engine.tooling.processes import WorkerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -18,7 +18,7 @@ import numpy as np
 from loguru import logger
 
 from dgr_engine.cli._logs import log_to_stderr
-from dgr_engine.client import ShardClient, expectations_of, session_metadata
+from dgr_engine.client.shard_client import ShardClient, expectations_of, session_metadata
 from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.worker import ShardWorker, WorkerConfig

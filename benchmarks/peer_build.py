@@ -37,7 +37,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Final
 
-from dgr_engine.llama_build import CHECKOUT, build_module
+from dgr_engine.tooling.llama_build import CHECKOUT, build_module
 
 Log = Callable[[str], None]
 

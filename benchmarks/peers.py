@@ -76,12 +76,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before the engine loads l
 from benchmarks import peer_build, recovery  # noqa: E402
 from benchmarks.concurrent_route import ConcurrentRoute  # noqa: E402
 from benchmarks.pipeline import RouteBench, Speed, _plain_png, _prompt, whole_model  # noqa: E402
-from dgr_engine.chain import split_points, whole_model_greedy  # noqa: E402
 from dgr_engine.engine import ShardEngine  # noqa: E402
 from dgr_engine.fixtures import ensure_fixture, lookup  # noqa: E402
 from dgr_engine.numerics import FLASH_ATTN_MODES, KV_TYPES  # noqa: E402
 from dgr_engine.options import EngineOptions  # noqa: E402
-from dgr_engine.processes import dgr_command  # noqa: E402
+from dgr_engine.reference import split_points, whole_model_greedy  # noqa: E402
+from dgr_engine.tooling.processes import dgr_command  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EVIDENCE_NOTE = (

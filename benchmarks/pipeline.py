@@ -62,14 +62,14 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before the engine loads l
 
 from benchmarks import grpc_floor, seam_overhead  # noqa: E402
 from benchmarks.concurrent_route import LoopbackRoute  # noqa: E402
-from dgr_engine.chain import split_points  # noqa: E402
-from dgr_engine.chain_transport import ChainStageTransport  # noqa: E402
+from dgr_engine.client.chained import ChainStageTransport  # noqa: E402
+from dgr_engine.client.relay import ForwardRecord, GrpcStageTransport  # noqa: E402
 from dgr_engine.engine import ShardEngine  # noqa: E402
 from dgr_engine.fixtures import ensure_fixture, lookup  # noqa: E402
 from dgr_engine.options import EngineOptions  # noqa: E402
-from dgr_engine.processes import dgr_command  # noqa: E402
-from dgr_engine.route_provider import LoopbackRouteProvider  # noqa: E402
-from dgr_engine.stage_transport import ForwardRecord, GrpcStageTransport  # noqa: E402
+from dgr_engine.reference import split_points  # noqa: E402
+from dgr_engine.tooling.loopback import LoopbackRouteProvider  # noqa: E402
+from dgr_engine.tooling.processes import dgr_command  # noqa: E402
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

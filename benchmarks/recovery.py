@@ -37,13 +37,13 @@ from typing import Any
 
 import numpy as np
 
-from dgr_engine.chain import LocalChain, split_points, whole_model_greedy
+from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.engine import ShardEngine
 from dgr_engine.fixtures import ensure_fixture, lookup
 from dgr_engine.options import EngineOptions
-from dgr_engine.processes import dgr_command
-from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import GrpcStageTransport
+from dgr_engine.reference import LocalChain, split_points, whole_model_greedy
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
+from dgr_engine.tooling.processes import dgr_command
 from dgr_session import EvidenceClass, FailurePolicy, SessionHandle, SessionManager, SessionState
 
 PROMPT_LEN = 16

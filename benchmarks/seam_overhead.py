@@ -34,10 +34,10 @@ from typing import Any
 import attrs
 import numpy as np
 
-from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.engine import ForwardItem
 from dgr_engine.fixtures import ensure_fixture
-from dgr_engine.processes import WorkerProcess
+from dgr_engine.tooling.processes import WorkerProcess
 from dgr_engine.wire.frames import check_finite_rows
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -24,16 +24,16 @@ from typing import Any
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dgr_engine.chain import split_points
 from dgr_engine.cli.certify import CERTIFY_OPTIONS
+from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.fixtures import ensure_fixture, lookup
-from dgr_engine.grants import Grant, GrantIssuer, GrantVerifier, issue
 from dgr_engine.options import EngineOptions
-from dgr_engine.pki import local_pki
-from dgr_engine.processes import dgr_command
-from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import GrpcStageTransport
-from dgr_engine.tls import ClientTls
+from dgr_engine.reference import split_points
+from dgr_engine.security.grants import Grant, GrantIssuer, GrantVerifier, issue
+from dgr_engine.security.tls import ClientTls
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
+from dgr_engine.tooling.processes import dgr_command
+from dgr_engine.tooling.throwaway_ca import local_pki
 from dgr_engine.worker.grant_gate import GrantGate
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager, SessionState
 

@@ -91,8 +91,8 @@ def split_rows(name: str, n_layer: int, n_stages: int) -> bool:
     temporary directory, removed at the end), loaded from there, measured."""
     from dgr_engine.artifacts import provision
     from dgr_engine.artifacts.sources import DirectorySource
-    from dgr_engine.chain import split_points
     from dgr_engine.fixtures.split import ensure_split
+    from dgr_engine.reference import split_points
 
     split = ensure_split(name)
     manifest = split.manifest
@@ -141,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         child(args.child[0], int(args.child[1]), int(args.child[2]))
         return 0
 
-    from dgr_engine.chain import split_points
     from dgr_engine.fixtures import ensure_fixture
+    from dgr_engine.reference import split_points
 
     path = ensure_fixture(args.fixture)
     file_mib = path.stat().st_size / MIB

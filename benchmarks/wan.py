@@ -1,11 +1,11 @@
 """Decode speed and recovery time of a route against the round-trip time of its hops.
 
 Each stage of a 2-stage route of a fixture is reached through a userspace WAN proxy
-(``dgr_engine.netem``) adding RTT per hop (half each way, 1 ms jitter); for each RTT a fresh
-pool of ``dgr worker`` processes runs one session: decode tokens per second (after the
-prefill), then the last stage is SIGKILLed at ``--kill-at`` tokens and recovery is timed from
-the last token before the kill to the first one after it (detection, new route, re-prefill of
-prompt + accepted tokens through the proxies). The whole model's decode speed in-process is
+(``dgr_engine.tooling.delay_proxy``) adding RTT per hop (half each way, 1 ms jitter); for each
+RTT a fresh pool of ``dgr worker`` processes runs one session: decode tokens per second (after
+the prefill), then the last stage is SIGKILLed at ``--kill-at`` tokens and recovery is timed
+from the last token before the kill to the first one after it (detection, new route, re-prefill
+of prompt + accepted tokens through the proxies). The whole model's decode speed in-process is
 measured in the same run as the reference, and every session's tokens are checked against it.
 
     python -m benchmarks.wan [--fixture tiny-llama] [--rtts 0,10,30,60] [--tokens 32]
@@ -29,15 +29,15 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from dgr_engine.chain import LocalChain, split_points, whole_model_reference
 from dgr_engine.cli.certify import CERTIFY_OPTIONS
+from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.engine import ShardEngine
 from dgr_engine.fixtures import ensure_fixture, lookup
-from dgr_engine.netem import Link, ProxiedRoutes
 from dgr_engine.options import EngineOptions
-from dgr_engine.processes import dgr_command
-from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import GrpcStageTransport
+from dgr_engine.reference import LocalChain, split_points, whole_model_reference
+from dgr_engine.tooling.delay_proxy import Link, ProxiedRoutes
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
+from dgr_engine.tooling.processes import dgr_command
 from dgr_session import EvidenceClass, FailurePolicy, SessionHandle, SessionManager, SessionState
 
 

@@ -279,7 +279,7 @@ class SessionManager:
         ``max_rows`` of the first route's stages, else the whole prompt).
 
         A transport with a ``session_starting(session_id, max_new_tokens, stop_tokens)``
-        method is told first (a ring, ``dgr_engine.chain_transport``, runs ahead within them).
+        method is told first (a ring, ``dgr_engine.client.chained``, runs ahead within them).
         """
         sid = check_session_id(session_id) if session_id is not None else uuid.uuid4().hex
         if sid in self._live:

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 # --- readme:begin ---
 from dgr_engine import ShardEngine
-from dgr_engine.chain import LocalChain
 from dgr_engine.fixtures import ensure_fixture
+from dgr_engine.reference import LocalChain
 
 path = ensure_fixture("tiny-llama")  # 4 layers, n_embd 64, random weights
 stages = [ShardEngine(path, layers=r) for r in [(0, 1), (1, 3), (3, 4)]]

@@ -20,9 +20,9 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from dgr_engine import ShardEngine
-from dgr_engine.chain import n_layer_of, whole_model_greedy
 from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.options import EngineOptions
+from dgr_engine.reference import n_layer_of, whole_model_greedy
 from dgr_engine.testing import EngineTransport
 from dgr_session import (
     EvidenceClass,

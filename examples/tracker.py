@@ -12,9 +12,9 @@ and moves them to the other layout. Tokens are checked against the whole model, 
 counters are printed as a bill. Every worker is stopped at the end, also on an error or Ctrl-C.
 
 The channel is secured as a deployment's would be: the workers serve mutual TLS (here with a
-throwaway CA, ``dgr_engine.pki``; a real tracker uses its operators' PKI) and open a session
-only with a route grant signed by the tracker's Ed25519 key, which ``CheapestRoute.grant_route``
-issues for every session and epoch.
+throwaway CA, ``dgr_engine.tooling.throwaway_ca``; a real tracker uses its operators' PKI)
+and open a session only with a route grant signed by the tracker's Ed25519 key, which
+``CheapestRoute.grant_route`` issues for every session and epoch.
 """
 
 from __future__ import annotations
@@ -27,16 +27,16 @@ from pathlib import Path
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dgr_engine.certification.verify import LockVerifier
-from dgr_engine.chain import whole_model_greedy
-from dgr_engine.client import ShardClient
+from dgr_engine.client.relay import GrpcStageTransport
+from dgr_engine.client.routes import describe
+from dgr_engine.client.shard_client import ShardClient
 from dgr_engine.fixtures import ensure_fixture
-from dgr_engine.grants import GrantIssuer
 from dgr_engine.options import EngineOptions
-from dgr_engine.pki import local_pki
-from dgr_engine.processes import WorkerProcess, dgr_command
-from dgr_engine.route_provider import describe
-from dgr_engine.stage_transport import GrpcStageTransport
-from dgr_engine.tls import ClientTls
+from dgr_engine.reference import whole_model_greedy
+from dgr_engine.security.grants import GrantIssuer
+from dgr_engine.security.tls import ClientTls
+from dgr_engine.tooling.processes import WorkerProcess, dgr_command
+from dgr_engine.tooling.throwaway_ca import local_pki
 from dgr_engine.wire.advert import Advert
 from dgr_session import (
     EvidenceClass,

@@ -19,7 +19,7 @@ import pytest
 
 from dgr_engine.certification.record import EVIDENCE_DIR_ENV
 from dgr_engine.fixtures import ensure_fixture
-from dgr_engine.processes import dgr_command
+from dgr_engine.tooling.processes import dgr_command
 
 # Nothing a test runs may write certification records into the checkout's evidence/: by
 # default they go to (and workers read) an empty directory of this run. Tests that route over

@@ -7,8 +7,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
-from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import GrpcStageTransport
+from dgr_engine.client.relay import GrpcStageTransport
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_session import (
     EvidenceClass,
     FailurePolicy,

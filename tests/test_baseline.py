@@ -35,10 +35,10 @@ from dgr_engine.baseline.runner import (
 from dgr_engine.certification.gates import evaluate
 from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.record import RecordKind, Verdict, load_evidence
-from dgr_engine.chain import LocalChain
 from dgr_engine.fixtures import converted
 from dgr_engine.numerics import EXACT, Numerics
-from dgr_engine.processes import dgr_command
+from dgr_engine.reference import LocalChain
+from dgr_engine.tooling.processes import dgr_command
 from dgr_session.identity import EvidenceClass
 
 EXACT_BOUND = 1e-4

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from dgr_engine import errors as E
-from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
 from dgr_engine.worker import ShardWorker, WorkerConfig
 from dgr_engine.worker.sessions import SessionTable

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from gguf import GGUFWriter
 
-from dgr_engine.certification.certify import layouts_for
 from dgr_engine.certification.gates import CORRECTNESS
 from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.record import RecordKind, Verdict, load_evidence
+from dgr_engine.certify.runner import layouts_for
 from dgr_engine.cli import main
 from dgr_engine.fixtures import llama, lookup
 from dgr_engine.fixtures.catalog import FixtureSpec
-from dgr_engine.processes import dgr_command
+from dgr_engine.tooling.processes import dgr_command
 from dgr_session.identity import EvidenceClass
 
 pytestmark = pytest.mark.slow

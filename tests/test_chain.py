@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from dgr_engine import ShardEngine
-from dgr_engine.chain import LocalChain, split_points
 from dgr_engine.errors import ShapeMismatch
+from dgr_engine.reference import LocalChain, split_points
 
 ROOT = Path(__file__).resolve().parents[1]
 

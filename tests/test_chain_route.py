@@ -1,4 +1,4 @@
-"""End to end: chained routes (``dgr_engine.chain_transport``, ``docs/chain.md``) over real
+"""End to end: chained routes (``dgr_engine.client.chained``, ``docs/chain.md``) over real
 ``dgr worker`` processes on 127.0.0.1.
 
 The client sends each frame to the first stage only; each stage forwards its output to the next
@@ -21,17 +21,18 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dgr_engine.chain import whole_model_reference
-from dgr_engine.chain_transport import ChainStageTransport, ChainTicket
-from dgr_engine.client import ShardClient
+from dgr_engine.client.chained import ChainStageTransport, ChainTicket
+from dgr_engine.client.relay import expectations_for
+from dgr_engine.client.routes import EndpointRouteProvider
+from dgr_engine.client.shard_client import ShardClient
 from dgr_engine.errors import FrameRejected, StaleEpoch
 from dgr_engine.fixtures import ensure_fixture
-from dgr_engine.grants import GrantIssuer
 from dgr_engine.options import EngineOptions
-from dgr_engine.pki import authority
-from dgr_engine.route_provider import EndpointRouteProvider, LoopbackRouteProvider
-from dgr_engine.stage_transport import expectations_for
-from dgr_engine.tls import ClientTls, ServerTls
+from dgr_engine.reference import whole_model_reference
+from dgr_engine.security.grants import GrantIssuer
+from dgr_engine.security.tls import ClientTls, ServerTls
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
+from dgr_engine.tooling.throwaway_ca import authority
 from dgr_engine.wire.frames import encode_forward, expectations_to_proto
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.worker import ShardWorker, WorkerConfig

@@ -23,13 +23,13 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dgr_engine.chain import whole_model_reference
-from dgr_engine.chain_transport import ChainStageTransport
-from dgr_engine.client import ShardClient, session_metadata
+from dgr_engine.client.chained import ChainStageTransport
+from dgr_engine.client.relay import GrpcStageTransport
+from dgr_engine.client.shard_client import ShardClient, session_metadata
 from dgr_engine.errors import ClientCallError, ShardUnavailable
 from dgr_engine.options import EngineOptions
-from dgr_engine.route_provider import LoopbackRouteProvider, PooledWorker
-from dgr_engine.stage_transport import GrpcStageTransport
+from dgr_engine.reference import whole_model_reference
+from dgr_engine.tooling.loopback import LoopbackRouteProvider, PooledWorker
 from dgr_engine.wire.frames import Expectations
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_session import (

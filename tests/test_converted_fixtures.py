@@ -14,9 +14,9 @@ from gguf import GGUFReader
 
 from dgr_engine import ShardEngine
 from dgr_engine.certification.classify import FIXTURE_MARK_KEY
-from dgr_engine.chain import LocalChain
 from dgr_engine.fixtures import converted
 from dgr_engine.numerics import EXACT, Numerics
+from dgr_engine.reference import LocalChain
 from tests.test_engine_parity import all_cuts
 
 N_LAYER = 3

@@ -14,11 +14,11 @@ from test_metrics import count, scrape
 
 from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.record import load_evidence
-from dgr_engine.chain import whole_model_greedy
-from dgr_engine.client import ShardClient
+from dgr_engine.client.relay import GrpcStageTransport
+from dgr_engine.client.shard_client import ShardClient
 from dgr_engine.options import EngineOptions
-from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import GrpcStageTransport
+from dgr_engine.reference import whole_model_greedy
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_session import (
     EvidenceClass,
     FailurePolicy,

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from dgr_engine.chain import whole_model_greedy
 from dgr_engine.cli.generate import DEFAULT_PROMPT
 from dgr_engine.options import EngineOptions
-from dgr_engine.processes import WorkerProcess
+from dgr_engine.reference import whole_model_greedy
+from dgr_engine.tooling.processes import WorkerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("certified_fixtures")]
 
@@ -132,7 +132,7 @@ def test_generate_over_dark_workers_is_refused(tmp_path: Path) -> None:
 
 
 def test_generate_over_mutual_tls_endpoints(tiny_llama: Path, tmp_path: Path) -> None:
-    from dgr_engine.pki import local_pki
+    from dgr_engine.tooling.throwaway_ca import local_pki
 
     pki = local_pki(tmp_path)
     secure = [

@@ -19,10 +19,10 @@ import attrs
 import numpy as np
 import pytest
 
-from dgr_engine.chain import whole_model_reference
+from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.options import EngineOptions
-from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import GrpcStageTransport
+from dgr_engine.reference import whole_model_reference
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_session import (
     EvidenceClass,
     FailurePolicy,

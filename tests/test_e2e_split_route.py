@@ -17,12 +17,12 @@ import pytest
 
 from dgr_engine.artifacts.manifest import Manifest
 from dgr_engine.artifacts.state import state_path
-from dgr_engine.chain import split_points, whole_model_reference
-from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.fixtures.split import SPLITS, ensure_split
 from dgr_engine.options import EngineOptions
-from dgr_engine.processes import WorkerProcess, dgr_command
+from dgr_engine.reference import split_points, whole_model_reference
+from dgr_engine.tooling.processes import WorkerProcess, dgr_command
 
 pytestmark = pytest.mark.slow
 

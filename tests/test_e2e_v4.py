@@ -17,12 +17,12 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from dgr_engine.chain import whole_model_reference
+from dgr_engine.client.relay import GrpcStageTransport, StageStats
 from dgr_engine.fixtures import FIXTURES, ensure_fixture
 from dgr_engine.fixtures.deepseek4 import Deepseek4Spec
 from dgr_engine.options import EngineOptions
-from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import GrpcStageTransport, StageStats
+from dgr_engine.reference import whole_model_reference
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_session import (
     EvidenceClass,
     FailurePolicy,

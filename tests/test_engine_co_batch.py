@@ -18,10 +18,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from dgr_engine.chain import split_points
 from dgr_engine.engine import ForwardItem, ShardEngine
 from dgr_engine.errors import InvalidArgument, PositionMismatch, ShapeMismatch, StaleEpoch
 from dgr_engine.fixtures import ensure_fixture
+from dgr_engine.reference import split_points
 
 OPTIONS = {"max_sessions": 8, "n_ctx_per_session": 128, "n_threads": 1, "n_batch": 64}
 PROMPTS = [[1 + s, 5, 9, 13 + s, 2 * s + 3] for s in range(6)]

@@ -15,7 +15,7 @@ import pytest
 
 from dgr_engine import ShardEngine, _binding
 from dgr_engine import errors as E
-from dgr_engine.chain import LocalChain
+from dgr_engine.reference import LocalChain
 from dgr_engine.testing import write_corrupt_copy, write_truncated_copy
 from dgr_session import errors as session_errors
 from dgr_session.faults import FaultKind

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dgr_engine import ShardEngine
-from dgr_engine.chain import LocalChain
+from dgr_engine.reference import LocalChain
 
 N_LAYER = 4
 PROMPT = [int(t) for t in (np.arange(16) * 37 + 11) % 256]

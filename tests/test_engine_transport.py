@@ -17,7 +17,7 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine import errors as E
-from dgr_engine.chain import LocalChain
+from dgr_engine.reference import LocalChain
 from dgr_engine.testing import EngineTransport
 from dgr_session import (
     EvidenceClass,

@@ -1,4 +1,4 @@
-"""The randomized fault campaign (``dgr_engine.campaign``) over real worker processes.
+"""The randomized fault campaign (``dgr_engine.tooling.fault_campaign``) over real worker processes.
 
 Schedules are drawn by hypothesis (so a failing one shrinks and replays): a 4-stage route of
 tiny-llama, workers spawned on demand to replace lost ones, 8 concurrent sessions over workers
@@ -35,9 +35,9 @@ import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from dgr_engine.campaign import CampaignConfig, Fault, FaultAction, run_schedule
-from dgr_engine.chain import whole_model_reference
 from dgr_engine.options import EngineOptions
+from dgr_engine.reference import whole_model_reference
+from dgr_engine.tooling.fault_campaign import CampaignConfig, Fault, FaultAction, run_schedule
 from dgr_session import FailurePolicy, SessionCancelled, SessionFailed, SessionState
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("certified_fixtures")]

@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 from dgr_engine import ShardEngine
-from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.errors import FrameRejected, NonFiniteOutput, UnknownSession
-from dgr_engine.processes import WorkerProcess
+from dgr_engine.tooling.processes import WorkerProcess
 from dgr_engine.wire.frames import ForwardFrame
 from dgr_engine.wire.status import STATUS_KEY, error_from_trailers, grpc_status_for
 from dgr_engine.worker.sessions import SessionTable

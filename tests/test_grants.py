@@ -21,15 +21,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dgr_engine.chain import LocalChain, whole_model_reference
-from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.client.relay import GrpcStageTransport
+from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import GrantDenied, GrantUnauthenticated
-from dgr_engine.grants import Grant, GrantIssuer, GrantVerifier, issue, public_pem
 from dgr_engine.options import EngineOptions
-from dgr_engine.processes import WorkerProcess, dgr_command
-from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import GrpcStageTransport
+from dgr_engine.reference import LocalChain, whole_model_reference
+from dgr_engine.security.grants import Grant, GrantIssuer, GrantVerifier, issue, public_pem
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
+from dgr_engine.tooling.processes import WorkerProcess, dgr_command
 from dgr_session import (
     EvidenceClass,
     FailurePolicy,

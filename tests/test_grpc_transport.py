@@ -21,10 +21,10 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine import errors as E
+from dgr_engine.client.relay import ForwardRecord, GrpcStageTransport
+from dgr_engine.client.routes import describe
 from dgr_engine.options import EngineOptions
-from dgr_engine.processes import WorkerProcess
-from dgr_engine.route_provider import describe
-from dgr_engine.stage_transport import ForwardRecord, GrpcStageTransport
+from dgr_engine.tooling.processes import WorkerProcess
 from dgr_engine.wire.advert import Advert
 from dgr_session import (
     Boundary,

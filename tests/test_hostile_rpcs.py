@@ -24,17 +24,17 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dgr_engine.chain import LocalChain
-from dgr_engine.chain_transport import ChainStageTransport
-from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.client.chained import ChainStageTransport
+from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import GrantDenied, GrantUnauthenticated, ShardUnavailable
-from dgr_engine.grants import Grant, GrantIssuer, issue, public_pem
 from dgr_engine.options import EngineOptions
-from dgr_engine.pki import authority
-from dgr_engine.processes import WorkerProcess
-from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.tls import ClientTls, ServerTls
+from dgr_engine.reference import LocalChain
+from dgr_engine.security.grants import Grant, GrantIssuer, issue, public_pem
+from dgr_engine.security.tls import ClientTls, ServerTls
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
+from dgr_engine.tooling.processes import WorkerProcess
+from dgr_engine.tooling.throwaway_ca import authority
 from dgr_engine.wire.advert import Advert
 from dgr_engine.wire.frames import encode_forward, expectations_to_proto, output_from_reply
 from dgr_engine.wire.proto import shard_pb2 as pb

@@ -26,11 +26,11 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dgr_engine.chain import whole_model_reference
-from dgr_engine.client import ShardClient, expectations_of
-from dgr_engine.grants import public_pem
+from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.options import EngineOptions
-from dgr_engine.processes import WorkerProcess
+from dgr_engine.reference import whole_model_reference
+from dgr_engine.security.grants import public_pem
+from dgr_engine.tooling.processes import WorkerProcess
 from dgr_engine.wire.frames import Expectations, encode_forward, expectations_to_proto
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.status import STATUS_KEY

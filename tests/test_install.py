@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from dgr_engine.processes import WorkerProcess
+from dgr_engine.tooling.processes import WorkerProcess
 
 pytestmark = pytest.mark.slow
 

@@ -17,13 +17,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from route_runs import lose_last_stage_at, run_session
 
-from dgr_engine.client import ShardClient
+from dgr_engine.client.shard_client import ShardClient
 from dgr_engine.errors import ExpectationMismatch
 from dgr_engine.options import EngineOptions
-from dgr_engine.pki import Issued, authority
-from dgr_engine.processes import WorkerProcess
-from dgr_engine.route_provider import LoopbackRouteProvider, PooledWorker
-from dgr_engine.tls import ClientTls, ServerTls
+from dgr_engine.security.tls import ClientTls, ServerTls
+from dgr_engine.tooling.loopback import LoopbackRouteProvider, PooledWorker
+from dgr_engine.tooling.processes import WorkerProcess
+from dgr_engine.tooling.throwaway_ca import Issued, authority
 from dgr_engine.wire.frames import Expectations
 from dgr_engine.worker import ShardWorker, WorkerConfig
 from dgr_session import SessionState

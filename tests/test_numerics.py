@@ -11,11 +11,11 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine._binding import ffi, lib
-from dgr_engine.chain import LocalChain
 from dgr_engine.errors import InvalidArgument
 from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.numerics import EXACT, FLASH_ATTN_MODES, KV_TYPES, Numerics
 from dgr_engine.options import EngineOptions
+from dgr_engine.reference import LocalChain
 from dgr_engine.wire import advert as wire_advert
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.worker import ShardWorker

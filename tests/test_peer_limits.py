@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dgr_engine.chain import LocalChain
-from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import CapacityExceeded, GrantDenied
+from dgr_engine.reference import LocalChain
 from dgr_engine.worker import ShardWorker, WorkerConfig
 from dgr_engine.worker.peer_limits import PeerLimitConfig, PeerLimits, client_identity
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import concurrent_route, peer_build, peers, targets
-from dgr_engine.chain import split_points
+from dgr_engine.reference import split_points
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -15,10 +15,10 @@ from loguru import logger
 from route_runs import run_session
 
 from dgr_engine.cli._logs import log_to_stderr
-from dgr_engine.client import ShardClient
+from dgr_engine.client.shard_client import ShardClient
 from dgr_engine.errors import ShardUnavailable
 from dgr_engine.options import EngineOptions
-from dgr_engine.route_provider import LoopbackRouteProvider
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_engine.wire.frames import Expectations
 from dgr_session import SessionState
 

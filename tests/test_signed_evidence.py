@@ -259,7 +259,7 @@ def test_a_release_claim_is_checked_not_taken_from_the_file(
 
 
 def test_sign_key_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
-    from dgr_engine.processes import dgr_command
+    from dgr_engine.tooling.processes import dgr_command
 
     rsa_like = tmp_path / "garbage.pem"
     rsa_like.write_text("-----BEGIN PRIVATE KEY-----\nnot a key\n-----END PRIVATE KEY-----\n")
@@ -280,7 +280,7 @@ def test_sign_key_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
 
 
 def test_certify_refuses_a_key_the_lock_does_not_trust_before_running(tmp_path: Path) -> None:
-    from dgr_engine.processes import dgr_command
+    from dgr_engine.tooling.processes import dgr_command
 
     stranger = tmp_path / "stranger.pem"
     stranger.write_bytes(private_pem(Ed25519PrivateKey.generate()))
@@ -300,7 +300,7 @@ def test_certify_refuses_a_key_the_lock_does_not_trust_before_running(tmp_path: 
 
 
 def test_certify_signs_with_the_key_given(tmp_path: Path, kit: EvidenceKit) -> None:
-    from dgr_engine.processes import dgr_command
+    from dgr_engine.tooling.processes import dgr_command
 
     ours = Ed25519PrivateKey.generate()
     lock = kit.edit_lock(

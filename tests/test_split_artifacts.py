@@ -21,9 +21,9 @@ from dgr_engine.artifacts.errors import ArtifactCorrupt, ArtifactMissing
 from dgr_engine.artifacts.manifest import FileEntry
 from dgr_engine.artifacts.sources import DirectorySource
 from dgr_engine.artifacts.state import ArtifactState, FileRecord
-from dgr_engine.chain import LocalChain, split_points
 from dgr_engine.errors import EngineError
 from dgr_engine.fixtures.split import SPLITS, ensure_split, source_path
+from dgr_engine.reference import LocalChain, split_points
 
 ENGINE_KW = {"max_sessions": 2, "n_ctx_per_session": 128, "n_threads": 2, "n_batch": 64}
 PROMPT = [int(t) for t in (np.arange(12) * 29 + 5) % 256]

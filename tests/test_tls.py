@@ -13,13 +13,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dgr_engine.chain import LocalChain
-from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import ShardUnavailable
-from dgr_engine.pki import Authority, authority
-from dgr_engine.processes import WorkerProcess, dgr_command
-from dgr_engine.tls import ClientTls, ServerTls, TlsConfigError, check_plaintext_bind, is_loopback
+from dgr_engine.reference import LocalChain
+from dgr_engine.security.tls import (
+    ClientTls,
+    ServerTls,
+    TlsConfigError,
+    check_plaintext_bind,
+    is_loopback,
+)
+from dgr_engine.tooling.processes import WorkerProcess, dgr_command
+from dgr_engine.tooling.throwaway_ca import Authority, authority
 from dgr_engine.worker import ShardWorker, WorkerConfig
 
 KW = {"max_sessions": 2, "n_ctx_per_session": 64, "n_threads": 1, "n_batch": 16}

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from dgr_engine.client.text import prompt_ids
 from dgr_engine.errors import InvalidArgument, UnsupportedFeature
 from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.fixtures.converted import ensure_converted
-from dgr_engine.processes import dgr_command
-from dgr_engine.text import prompt_ids
 from dgr_engine.tokenizer import TextStream, Tokenizer
+from dgr_engine.tooling.processes import dgr_command
 
 BYTE_BASE = 3
 """The tiny tokenizer's byte pieces <0x00>..<0xFF> follow <unk>, <s>, </s>."""

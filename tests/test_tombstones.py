@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from dgr_engine import errors as E
-from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.wire.frames import expectations_to_proto
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from route_runs import lose_last_stage_at, run_session
 
-from dgr_engine.client import ShardClient
+from dgr_engine.client.relay import GrpcStageTransport
+from dgr_engine.client.shard_client import ShardClient
 from dgr_engine.errors import GrantUnauthenticated
 from dgr_engine.options import EngineOptions
-from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import GrpcStageTransport
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_session import (
     FaultKind,
     SessionState,

@@ -18,8 +18,8 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine import errors as E
-from dgr_engine.chain import LocalChain
 from dgr_engine.fixtures import FIXTURES, ensure_fixture
+from dgr_engine.reference import LocalChain
 
 SPEC = FIXTURES["tiny-v4"]
 PROMPT = [int(t) for t in np.random.default_rng(4).integers(0, SPEC.n_vocab, 300)]

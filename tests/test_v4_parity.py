@@ -18,8 +18,8 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine import errors as E
-from dgr_engine.chain import LocalChain
 from dgr_engine.fixtures import FIXTURES, ensure_fixture
+from dgr_engine.reference import LocalChain
 
 TINY = FIXTURES["tiny-v4"]
 N_LAYER = TINY.n_layer

@@ -1,5 +1,5 @@
-"""A WAN between stages (issue 12): the userspace proxy (``dgr_engine.netem``) and routes
-through it. Its delays are the thing under test, so the unit tests measure them; nothing
+"""A WAN between stages (issue 12): the userspace proxy (``dgr_engine.tooling.delay_proxy``)
+and routes through it. Its delays are the thing under test, so the unit tests measure them; nothing
 waits on a sleep for synchronisation. Routes over 30 ms RTT per hop keep the whole model's
 tokens and recover from a killed stage within the policy's bounds."""
 
@@ -14,11 +14,11 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from dgr_engine.chain import whole_model_reference
-from dgr_engine.netem import Link, ProxiedRoutes, WanProxy
+from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.options import EngineOptions
-from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import GrpcStageTransport
+from dgr_engine.reference import whole_model_reference
+from dgr_engine.tooling.delay_proxy import Link, ProxiedRoutes, WanProxy
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_session import (
     EvidenceClass,
     FailurePolicy,

@@ -24,10 +24,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dgr_engine import ShardEngine
-from dgr_engine.chain import whole_model_reference
-from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.options import EngineOptions
-from dgr_engine.processes import WorkerProcess
+from dgr_engine.reference import whole_model_reference
+from dgr_engine.tooling.processes import WorkerProcess
 from dgr_engine.wire.advert import Advert
 from dgr_engine.wire.frames import (
     Expectations,

@@ -22,10 +22,10 @@ import pytest
 from dgr_engine import ShardEngine
 from dgr_engine import errors as E
 from dgr_engine._binding import LLAMA_COMMIT, PATCH_STACK_SHA256
-from dgr_engine.chain import LocalChain
-from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.errors import FrameRejected, ShardUnavailable
-from dgr_engine.processes import WorkerProcess
+from dgr_engine.reference import LocalChain
+from dgr_engine.tooling.processes import WorkerProcess
 from dgr_engine.wire.frames import Expectations, encode_forward
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc

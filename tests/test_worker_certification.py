@@ -292,11 +292,11 @@ def test_a_session_never_routes_a_worker_whose_record_its_lock_does_not_vouch_fo
     repo's) does not vouch for it, so the session refuses the route before sending the worker
     anything, while a session over an honest worker beside it stays exact."""
     from dgr_engine.certification.signing import public_key_text
-    from dgr_engine.chain import whole_model_greedy
     from dgr_engine.cli.certify import CERTIFY_OPTIONS
+    from dgr_engine.client.relay import GrpcStageTransport
     from dgr_engine.options import EngineOptions
-    from dgr_engine.route_provider import LoopbackRouteProvider
-    from dgr_engine.stage_transport import GrpcStageTransport
+    from dgr_engine.reference import whole_model_greedy
+    from dgr_engine.tooling.loopback import LoopbackRouteProvider
     from dgr_session.manager import SessionManager
     from dgr_session.policy import FailurePolicy
 

@@ -18,8 +18,8 @@ import pytest
 from dgr_engine.errors import InvalidArgument, ModelLoadError
 from dgr_engine.fixtures.split import ensure_split
 from dgr_engine.gguf_check import check_gguf
-from dgr_engine.processes import dgr_command
 from dgr_engine.testing import write_corrupt_copy, write_truncated_copy
+from dgr_engine.tooling.processes import dgr_command
 from dgr_engine.worker import preflight as preflight_module
 from dgr_engine.worker.preflight import preflight
 

@@ -18,12 +18,12 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine import errors as E
-from dgr_engine.chain import whole_model_reference
-from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.client.relay import GrpcStageTransport
+from dgr_engine.client.routes import EndpointRouteProvider
+from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.errors import ShardDeadlineExceeded
 from dgr_engine.options import EngineOptions
-from dgr_engine.route_provider import EndpointRouteProvider
-from dgr_engine.stage_transport import GrpcStageTransport
+from dgr_engine.reference import whole_model_reference
 from dgr_engine.wire.frames import ForwardFrame, encode_forward
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import STATUS_KEY

@@ -28,7 +28,7 @@ from dgr_engine.baseline.errors import (
     ConversionFailed,
     HfModelInvalid,
 )
-from dgr_engine.llama_build import CHECKOUT, CheckoutMissing, build_module
+from dgr_engine.tooling.llama_build import CHECKOUT, CheckoutMissing, build_module
 
 CONVERTER_TIMEOUT_SECONDS: Final = 900.0
 OUTTYPES: Final = ("f32", "f16", "bf16", "q8_0")

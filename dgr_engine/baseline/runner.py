@@ -24,7 +24,6 @@ from gguf import GGUFValueType
 
 from dgr_engine.baseline import converter, gguf_copy, metadata_check, runs
 from dgr_engine.baseline.compare import Comparison, compare
-from dgr_engine.certification.certify import git_commit, machine_facts, signing_key_for
 from dgr_engine.certification.classify import derive_facts
 from dgr_engine.certification.lock import Lock, Thresholds
 from dgr_engine.certification.record import (
@@ -36,8 +35,9 @@ from dgr_engine.certification.record import (
     write_record,
 )
 from dgr_engine.certification.release import release_state
-from dgr_engine.chain import n_layer_of
+from dgr_engine.certify.runner import git_commit, machine_facts, signing_key_for
 from dgr_engine.numerics import Numerics
+from dgr_engine.reference import n_layer_of
 from dgr_engine.worker.identity import BuildIdentity
 
 PROMPTS: Final = 2

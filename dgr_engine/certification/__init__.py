@@ -6,7 +6,11 @@
 * :mod:`~dgr_engine.certification.record`: typed, schema-checked records and their store;
 * :mod:`~dgr_engine.certification.gates`: DGR-020, DGR-054, DGR-070;
 * :mod:`~dgr_engine.certification.registry`: the certification a worker's lane holds;
-* :mod:`~dgr_engine.certification.certify`: the scenarios ``dgr certify`` runs.
+* :mod:`~dgr_engine.certification.signing`, ``verify``, ``release``: signed records, checked
+  against a lock, and what a release claim needs.
+
+The runners that drive routes to make records (``dgr certify``) are their own room,
+:mod:`dgr_engine.certify`; this package never imports them.
 
 ``docs/certification.md`` says how they fit.
 """

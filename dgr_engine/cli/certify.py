@@ -100,9 +100,9 @@ async def certify_or_reuse(
 ) -> int:
     """Reuse a matching passing record (with ``reuse``) or certify, signing with ``key``
     (default: the fixture certifier); print the outcome."""
-    from dgr_engine.certification.certify import certify
     from dgr_engine.certification.gates import CORRECTNESS
     from dgr_engine.certification.record import Verdict
+    from dgr_engine.certify.runner import certify
 
     if reuse:
         found = await asyncio.to_thread(matching_record, model, options, lock, evidence)
@@ -145,8 +145,8 @@ async def certify_or_reuse(
 
 def matching_record(model: Path, options: EngineOptions, lock: Lock, evidence: Path) -> str | None:
     """Path of a passing record of exactly the lane ``model`` + ``options`` has here."""
-    from dgr_engine.certification.certify import lane_of
     from dgr_engine.certification.registry import find_certification
+    from dgr_engine.certify.runner import lane_of
 
     lane = lane_of(model, options)
     found = find_certification(lane, evidence, lock=lock)

@@ -34,17 +34,17 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.record import default_evidence_dir
-from dgr_engine.chain import split_points, whole_model_greedy
 from dgr_engine.cli._evidence_args import add_evidence_arguments
 from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.cli.certify import CERTIFY_OPTIONS, certify_or_reuse
+from dgr_engine.client.relay import ForwardRecord, GrpcStageTransport
 from dgr_engine.fixtures import ensure_fixture, lookup
-from dgr_engine.grants import GrantIssuer
 from dgr_engine.options import EngineOptions
-from dgr_engine.pki import local_pki
-from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import ForwardRecord, GrpcStageTransport
+from dgr_engine.reference import split_points, whole_model_greedy
+from dgr_engine.security.grants import GrantIssuer
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
+from dgr_engine.tooling.throwaway_ca import local_pki
 from dgr_session import (
     EvidenceClass,
     FailurePolicy,

@@ -30,17 +30,18 @@ from typing import Any
 
 import attrs
 
-from dgr_engine.chain import n_layer_of, split_points, whole_model_greedy
-from dgr_engine.chain_transport import ChainStageTransport
 from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.cli.certify import CERTIFY_OPTIONS
+from dgr_engine.client.chained import ChainStageTransport
+from dgr_engine.client.relay import GrpcStageTransport, StageStats
+from dgr_engine.client.routes import EndpointRouteProvider
+from dgr_engine.client.text import prompt_ids, start_text
 from dgr_engine.errors import EngineError
 from dgr_engine.options import EngineOptions
-from dgr_engine.route_provider import EndpointRouteProvider, LoopbackRouteProvider
-from dgr_engine.stage_transport import GrpcStageTransport, StageStats
-from dgr_engine.text import prompt_ids, start_text
-from dgr_engine.tls import ClientTls
+from dgr_engine.reference import n_layer_of, split_points, whole_model_greedy
+from dgr_engine.security.tls import ClientTls
 from dgr_engine.tokenizer import Tokenizer
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_session import EvidenceClass, FailurePolicy, FaultKind, SessionManager, SessionResult
 from dgr_session.transport import RouteProvider
 

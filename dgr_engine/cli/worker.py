@@ -40,7 +40,7 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     from dgr_engine.artifacts.shard import ShardArtifacts
-    from dgr_engine.tls import ClientTls, ServerTls
+    from dgr_engine.security.tls import ClientTls, ServerTls
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -232,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _grant_keys(specs: list[str]) -> dict[str, Ed25519PublicKey] | None:
     """``ID=PEM`` pairs as keys by id; ``ValueError`` naming a bad one."""
-    from dgr_engine.grants import load_public_key
+    from dgr_engine.security.grants import load_public_key
 
     keys = {}
     for spec in specs:
@@ -248,7 +248,7 @@ def _grant_keys(specs: list[str]) -> dict[str, Ed25519PublicKey] | None:
 def _server_tls(args: argparse.Namespace) -> ServerTls | None:
     """The TLS the flags ask for (files read now); ``ValueError`` on a half-given pair, a CA
     without TLS, an unreadable file, or plaintext beyond loopback without the explicit flag."""
-    from dgr_engine.tls import ServerTls, check_plaintext_bind
+    from dgr_engine.security.tls import ServerTls, check_plaintext_bind
 
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
@@ -271,7 +271,7 @@ def _check_metrics_args(args: argparse.Namespace) -> None:
 def _chain_tls(args: argparse.Namespace) -> ClientTls | None:
     """How the worker dials next stages of chained routes; ``ValueError`` for a certificate or
     key without the CA, or an unreadable file."""
-    from dgr_engine.tls import ClientTls
+    from dgr_engine.security.tls import ClientTls
 
     if args.chain_tls_ca is None:
         if args.chain_tls_cert is not None or args.chain_tls_key is not None:

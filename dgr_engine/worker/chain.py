@@ -25,10 +25,10 @@ import attrs
 import grpc
 import numpy as np
 
-from dgr_engine.client import DEFAULT_MAX_MESSAGE_BYTES, session_metadata
 from dgr_engine.errors import FrameRejected, GrantDenied, ShardError, ShardUnavailable
-from dgr_engine.tls import ClientTls
+from dgr_engine.security.tls import ClientTls
 from dgr_engine.wire import frames
+from dgr_engine.wire.metadata import DEFAULT_MAX_MESSAGE_BYTES, session_metadata
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import (

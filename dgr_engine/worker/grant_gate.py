@@ -1,5 +1,5 @@
 """A worker's door for sessions: with grant keys, an open needs a route grant for exactly that
-session, epoch and stage (``dgr_engine.grants``); with or without them, the open returns a
+session, epoch and stage (``dgr_engine.security.grants``); with or without them, the open returns a
 fresh random session secret, which every later frame, close, ``Link`` and ``ChainOutput`` of
 that epoch must carry (compared in constant time; no signature check per frame), so no client
 can touch a session another client opened.
@@ -20,7 +20,7 @@ from collections.abc import Callable
 import attrs
 
 from dgr_engine.errors import GrantDenied, GrantUnauthenticated, StaleEpoch
-from dgr_engine.grants import Grant, GrantVerifier
+from dgr_engine.security.grants import Grant, GrantVerifier
 
 SECRET_BYTES = 16
 

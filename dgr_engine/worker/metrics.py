@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
-from dgr_engine.tls import ServerTls
+from dgr_engine.security.tls import ServerTls
 from dgr_engine.worker.metrics_server import MetricsHttpServer
 
 _KINDS = ("prefill", "decode", "replay")

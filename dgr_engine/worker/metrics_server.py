@@ -6,7 +6,7 @@ when the worker requires client certificates (mutual TLS), requires a client cer
 the same CA: the metrics are then as authenticated as the frames. Each connection's TLS
 handshake runs in its own handler thread, with a timeout, so a client that connects and says
 nothing never holds up the others. The certificate and key are in memory
-(``dgr_engine.tls.ServerTls``) and Python's ``ssl`` loads them from files only: they are
+(``dgr_engine.security.tls.ServerTls``) and Python's ``ssl`` loads them from files only: they are
 written into a private temporary folder (mode 0700) for the load and deleted at once.
 """
 
@@ -24,7 +24,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
 
-from dgr_engine.tls import ServerTls
+from dgr_engine.security.tls import ServerTls
 
 HANDSHAKE_SECONDS = 10.0
 """How long one connection may take for its TLS handshake and its request."""

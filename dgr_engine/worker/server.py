@@ -26,9 +26,9 @@ from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.registry import LaneLookup, find_certification
 from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import StaleEpoch, UnknownSession
-from dgr_engine.grants import Grant, GrantVerifier
 from dgr_engine.numerics import Numerics
-from dgr_engine.tls import ClientTls, ServerTls, check_plaintext_bind, is_loopback
+from dgr_engine.security.grants import Grant, GrantVerifier
+from dgr_engine.security.tls import ClientTls, ServerTls, check_plaintext_bind, is_loopback
 from dgr_engine.wire import frames as frames
 from dgr_engine.wire.advert import (
     Advert,
@@ -118,7 +118,8 @@ class WorkerConfig:
     """Forward frames one session may send per second (bursts of 8); ``None``: no limit."""
     grant_keys: Mapping[str, Ed25519PublicKey] | None = None
     """The tracker's public keys by key id: an open then needs a route grant signed by one of
-    them for exactly that session, epoch and stage (``dgr_engine.grants``); ``None``: none."""
+    them for exactly that session, epoch and stage (``dgr_engine.security.grants``);
+    ``None``: none."""
     grant_endpoint: str | None = None
     """This stage's endpoint as the tracker's routes name it (default: the bound address)."""
     metrics_port: int | None = None

@@ -35,8 +35,8 @@ from hypothesis.stateful import (
 )
 
 from dgr_engine import ShardEngine
-from dgr_engine.chain import LocalChain
 from dgr_engine.fixtures import ensure_fixture
+from dgr_engine.reference import LocalChain
 from dgr_engine.testing import EngineTransport
 from dgr_session import (
     EvidenceClass,

@@ -28,7 +28,7 @@ import attrs
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dgr_engine.certification import scenarios, signing
+from dgr_engine.certification import signing
 from dgr_engine.certification.classify import derive_facts
 from dgr_engine.certification.errors import SignatureRefused
 from dgr_engine.certification.gates import HOP_PARTS
@@ -44,11 +44,12 @@ from dgr_engine.certification.record import (
     write_record,
 )
 from dgr_engine.certification.release import release_state
-from dgr_engine.certification.scenarios import Layout, Reference
-from dgr_engine.chain import n_layer_of, split_points, whole_model_reference
+from dgr_engine.certify import scenarios
+from dgr_engine.certify.scenarios import Layout, Reference
 from dgr_engine.engine import ShardEngine
 from dgr_engine.options import EngineOptions
-from dgr_engine.route_provider import LoopbackRouteProvider
+from dgr_engine.reference import n_layer_of, split_points, whole_model_reference
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_engine.worker.identity import BuildIdentity
 from dgr_session.identity import EvidenceClass
 

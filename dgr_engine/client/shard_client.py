@@ -40,7 +40,7 @@ from dgr_engine.errors import (
     ShardRpcError,
     ShardUnavailable,
 )
-from dgr_engine.tls import ClientTls
+from dgr_engine.security.tls import ClientTls
 from dgr_engine.wire.advert import Advert, advert_from_proto
 from dgr_engine.wire.frames import (
     SCHEMA_VERSION,
@@ -50,6 +50,7 @@ from dgr_engine.wire.frames import (
     expectations_to_proto,
     output_from_reply,
 )
+from dgr_engine.wire.metadata import DEFAULT_MAX_MESSAGE_BYTES, session_metadata
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import error_from_trailers
@@ -58,6 +59,7 @@ from dgr_session.identifiers import check_session_id
 from dgr_session.usage import UsageRecord
 
 __all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
     "SCHEMA_VERSION",
     "Expectations",
     "ForwardResult",
@@ -68,8 +70,7 @@ __all__ = [
     "session_metadata",
 ]
 
-DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024
-"""Largest reply the client accepts by default (a 512-row prefill of full V4 logits is ~260 MB)."""
+
 USAGE_SECRETS_KEPT = 4096
 """Sessions whose last secret a client keeps after their close, for ``usage``."""
 
@@ -159,7 +160,7 @@ class ShardClient:
         self._stub = shard_pb2_grpc.ShardStub(self._channel)
         self.chain = shard_pb2_grpc.ChainStub(self._channel)
         """The worker's ``Chain`` service over this client's channel (chained routes:
-        ``dgr_engine.chain_transport``)."""
+        ``dgr_engine.client.chained``)."""
         self._health = health_pb2_grpc.HealthStub(self._channel)
 
     async def __aenter__(self) -> ShardClient:
@@ -389,22 +390,6 @@ class ShardClient:
                 f"reply for ({reply.session_id!r}, {reply.epoch}), asked ({session_id!r}, {epoch})",
                 status="DGR_E_PROTOCOL",
             )
-
-
-def session_metadata(request: Any) -> tuple[tuple[str, str], ...]:
-    """The session, epoch and step of a request as gRPC metadata (``dgr-session``,
-    ``dgr-epoch``, ``dgr-step``), for proxies, interceptors and logs that see no payload; a
-    stream carries those of its first frame. A session id that cannot be metadata (it breaks
-    ``dgr_session.identifiers``' rule) raises ``InvalidIdentifier``: gRPC would fail the call
-    in this process, and a stream's failure would read like a lost connection."""
-    out: tuple[tuple[str, str], ...] = ()
-    for key, field in (("dgr-session", "session_id"), ("dgr-epoch", "epoch"), ("dgr-step", "step")):
-        value = getattr(request, field, None)
-        if value is not None and value != "":
-            if key == "dgr-session":
-                check_session_id(value)
-            out += ((key, str(value)),)
-    return out
 
 
 def client_call_error(exc: BaseException) -> ClientCallError:

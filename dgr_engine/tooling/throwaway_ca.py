@@ -15,7 +15,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from dgr_engine.tls import ClientTls
+from dgr_engine.security.tls import ClientTls
 
 
 @attrs.frozen

@@ -29,11 +29,12 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from dgr_engine.client import ShardClient
+from dgr_engine.client.relay import GrpcStageTransport, expectations_for
+from dgr_engine.client.routes import describe
+from dgr_engine.client.shard_client import ShardClient
 from dgr_engine.errors import ShardError
 from dgr_engine.options import EngineOptions
-from dgr_engine.route_provider import LoopbackRouteProvider, describe
-from dgr_engine.stage_transport import GrpcStageTransport, expectations_for
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_engine.wire.frames import Expectations
 from dgr_session import (
     EvidenceClass,

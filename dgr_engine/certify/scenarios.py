@@ -24,12 +24,12 @@ import numpy.typing as npt
 
 from dgr_engine.certification.lock import Thresholds
 from dgr_engine.certification.record import Figure, Requirement, Verdict
-from dgr_engine.chain import LocalChain
-from dgr_engine.client import ShardClient, expectations_of
+from dgr_engine.client.relay import ForwardRecord, GrpcStageTransport
+from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
 from dgr_engine.options import EngineOptions
-from dgr_engine.route_provider import LoopbackRouteProvider
-from dgr_engine.stage_transport import ForwardRecord, GrpcStageTransport
+from dgr_engine.reference import LocalChain
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_session.faults import FailureReport

@@ -20,7 +20,7 @@ import attrs
 import numpy as np
 from loguru import logger
 
-from dgr_engine.client import DEFAULT_MAX_MESSAGE_BYTES, ForwardResult, ShardClient
+from dgr_engine.client.shard_client import DEFAULT_MAX_MESSAGE_BYTES, ForwardResult, ShardClient
 from dgr_engine.errors import (
     EngineError,
     ExpectationMismatch,
@@ -28,7 +28,7 @@ from dgr_engine.errors import (
     StaleEpoch,
     UnknownSession,
 )
-from dgr_engine.tls import ClientTls
+from dgr_engine.security.tls import ClientTls
 from dgr_engine.wire.advert import Advert
 from dgr_engine.wire.frames import SCHEMA_VERSION, Expectations
 from dgr_session.commands import Forward

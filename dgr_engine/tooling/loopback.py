@@ -1,4 +1,4 @@
-"""Route providers over real workers: a local stand-in for the tracker.
+"""A route provider over worker processes it spawns itself: a local stand-in for the tracker.
 
 * :class:`LoopbackRouteProvider` spawns ``dgr worker`` subprocesses on 127.0.0.1 for a layout
   (contiguous layer ranges), plus optional spares, and assigns routes from them as a tracker
@@ -7,14 +7,12 @@
   worker spawned on demand (``spawn_on_demand``), or to nobody (then no route). It owns every
   process it started: :meth:`~LoopbackRouteProvider.aclose` stops them all (SIGCONT first for
   a stopped one), :meth:`~LoopbackRouteProvider.kill_all` is the synchronous last resort.
-* :class:`EndpointRouteProvider` routes over fixed endpoints given in order (``dgr generate
-  --endpoints``): the route of their adverts while every one of them is serving, else none.
 
-Both check every worker's certification against the client's own lock, not the worker's word:
-their ``certification_verifier`` (default :class:`~dgr_engine.certification.verify.LockVerifier`
-of the default lock) is what a ``SessionManager`` over them validates routes with.
+It checks every worker's certification against the client's own lock, not the worker's word:
+its ``certification_verifier`` (default :class:`~dgr_engine.certification.verify.LockVerifier`
+of the default lock) is what a ``SessionManager`` over it validates routes with.
 
-Routing policy is the tracker's; these exist for the demo, ``dgr generate`` and the tests.
+Routing policy is the tracker's; this exists for the demo, ``dgr generate`` and the tests.
 Every wait is bounded (worker start-up, ``Describe``, health checks, shutdown).
 """
 
@@ -30,29 +28,23 @@ import attrs
 from loguru import logger
 
 from dgr_engine.certification.verify import LockVerifier
-from dgr_engine.client import ShardClient
-from dgr_engine.grants import GrantIssuer
+from dgr_engine.client.routes import describe
 from dgr_engine.options import EngineOptions
-from dgr_engine.processes import WorkerProcess
-from dgr_engine.tls import ClientTls
+from dgr_engine.security.grants import GrantIssuer
+from dgr_engine.security.tls import ClientTls
+from dgr_engine.tooling.processes import WorkerProcess
 from dgr_engine.wire.advert import Advert
 from dgr_session.faults import FailureReport, FaultKind
 from dgr_session.identifiers import log_field
 from dgr_session.route import CertificationVerifier, Route, StageSpec
 
-__all__ = ["EndpointRouteProvider", "LoopbackRouteProvider", "PooledWorker", "describe"]
+__all__ = ["LoopbackRouteProvider", "PooledWorker"]
 
 _BLAMED = frozenset(
     {FaultKind.DEAD, FaultKind.DEADLINE, FaultKind.ENGINE_ERROR, FaultKind.PROTOCOL}
 )
 """Faults that disqualify the worker named by the report (never ``busy``, ``state_lost`` or
 ``client``: load, a cache miss, and a failure of the client's own making blame nobody)."""
-
-
-async def describe(endpoint: str, *, timeout: float = 10.0, tls: ClientTls | None = None) -> Advert:
-    """The advert of the worker at ``endpoint`` (one short-lived channel; TLS with ``tls``)."""
-    async with ShardClient(endpoint, timeout=timeout, tls=tls) as client:
-        return await client.describe()
 
 
 @attrs.define(eq=False)
@@ -317,45 +309,3 @@ class LoopbackRouteProvider:
         if not self.spawn_on_demand or self._closed:
             return None
         return await self.spawn(layers)
-
-
-class EndpointRouteProvider:
-    """Routes over fixed endpoints, in the order given (each serving the next range).
-
-    Every request checks that all endpoints are serving (health, ``probe_timeout``) and
-    re-reads their adverts; if one is not, there is no route (no alternative exists).
-    """
-
-    def __init__(
-        self,
-        endpoints: Sequence[str],
-        *,
-        probe_timeout: float = 5.0,
-        tls: ClientTls | None = None,
-        certification_verifier: CertificationVerifier | None = None,
-    ) -> None:
-        if not endpoints:
-            raise ValueError("at least one endpoint is needed")
-        self.certification_verifier = (
-            certification_verifier if certification_verifier is not None else LockVerifier()
-        )
-        """Checks the workers' certifications against the client's lock."""
-        self.endpoints = tuple(endpoints)
-        self.probe_timeout = probe_timeout
-        self.tls = tls
-        #: Every report received, in order.
-        self.reports: list[FailureReport] = []
-        self.adverts: dict[str, Advert] = {}
-
-    async def assign(self, session_id: str, report: FailureReport | None) -> Route | None:
-        if report is not None:
-            self.reports.append(report)
-        stages = []
-        for endpoint in self.endpoints:
-            async with ShardClient(endpoint, timeout=self.probe_timeout, tls=self.tls) as client:
-                if not await client.serving():
-                    return None
-                advert = await client.describe()
-            self.adverts[endpoint] = advert
-            stages.append(advert.stage_spec(endpoint))
-        return Route(stages)

@@ -35,7 +35,8 @@ import attrs
 import grpc
 import numpy as np
 
-from dgr_engine.client import client_call_error, session_metadata
+from dgr_engine.client.relay import GrpcStageTransport, expectations_for
+from dgr_engine.client.shard_client import client_call_error, session_metadata
 from dgr_engine.errors import (
     FrameRejected,
     ShardDeadlineExceeded,
@@ -43,7 +44,6 @@ from dgr_engine.errors import (
     ShardRpcError,
     ShardUnavailable,
 )
-from dgr_engine.stage_transport import GrpcStageTransport, expectations_for
 from dgr_engine.wire.frames import encode_forward, expectations_to_proto, output_from_reply
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY, error_from_trailers
@@ -397,7 +397,7 @@ class _Chain:
 
 
 class ChainStageTransport(GrpcStageTransport):
-    """:class:`~dgr_engine.stage_transport.GrpcStageTransport` for chained routes (the same
+    """:class:`~dgr_engine.client.relay.GrpcStageTransport` for chained routes (the same
     options): the client sends each frame to the first stage only, each stage sends its output
     to the next, and the last stage's output comes back on a stream the transport opened on it.
     A forward whose boundary is not a :class:`ChainTicket` of an opened route (a caller relaying

@@ -14,7 +14,7 @@ from typing import Final
 
 from dgr_session.errors import DgrError
 
-CHECKOUT: Final = Path(__file__).resolve().parents[1]
+CHECKOUT: Final = Path(__file__).resolve().parents[2]
 BUILD_SCRIPT: Final = CHECKOUT / "native" / "build_llama.py"
 
 

@@ -1,0 +1,13 @@
+"""Single-machine tooling: what the demo, the tests, the benchmarks and local trials use to
+stand a route up on one machine, and what a deployed worker or client never needs.
+
+* :mod:`~dgr_engine.tooling.processes`: starting and stopping ``dgr worker`` processes;
+* :mod:`~dgr_engine.tooling.loopback`: ``LoopbackRouteProvider``, routes over workers it spawns;
+* :mod:`~dgr_engine.tooling.delay_proxy`: a WAN between stages (latency, jitter, bandwidth);
+* :mod:`~dgr_engine.tooling.fault_campaign`: faults injected into concurrent route sessions;
+* :mod:`~dgr_engine.tooling.throwaway_ca`: self-signed CAs and certificates for local TLS;
+* :mod:`~dgr_engine.tooling.llama_build`: the pinned llama.cpp tree and its tools (converter,
+  ``llama-gguf-split``) for what needs them at run time.
+
+``dgr_engine.worker`` and ``dgr_engine.client`` never import this room (a test keeps the rule).
+"""
