@@ -170,8 +170,8 @@ class SessionMachine(Machine):
         transitions that run nothing on the way: every one of them while the machine has no
         callbacks, conditions or hooks (it has none: see the module's docs), else none.
 
-        :meth:`fire` applies these by assignment; ``tests/test_session_machine.py`` checks that
-        this gives the library's own dispatch result for every state and trigger."""
+        :meth:`fire` applies these by assignment; ``tests/session/test_session_machine.py``
+        checks that this gives the library's own dispatch result for every state and trigger."""
         hooks = (
             self.before_state_change,
             self.after_state_change,

@@ -1,6 +1,6 @@
 """Regenerates the Python code of ``proto/dgr/shard/v1/shard.proto`` into ``dgr_engine/wire/proto``.
 
-The generated modules are committed; ``tests/test_proto_drift.py`` regenerates them into a
+The generated modules are committed; ``tests/wire/test_proto_drift.py`` regenerates them into a
 temporary directory and compares byte for byte, so they cannot drift from the ``.proto``.
 Run after editing the ``.proto`` (needs ``grpcio-tools``; the generated code names its exact
 version, so use the pinned one)::

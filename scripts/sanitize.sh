@@ -38,10 +38,10 @@ print(f"sanitize: testing {where}", file=sys.stderr)
 '
 set +e
 .venv/bin/python -P -m pytest -p no:cacheprovider -q \
-    tests/test_binding.py tests/test_engine_parity.py tests/test_engine_errors.py \
-    tests/test_v4_parity.py tests/test_v4_errors.py tests/test_chain.py \
-    tests/test_finite_values.py \
-    --deselect tests/test_chain.py::test_shard_memory_benchmark_runs_on_the_tiny_fixture \
+    tests/engine/test_binding.py tests/engine/test_engine_parity.py tests/engine/test_engine_errors.py \
+    tests/engine/test_v4_parity.py tests/engine/test_v4_errors.py tests/engine/test_chain.py \
+    tests/engine/test_finite_values.py \
+    --deselect tests/engine/test_chain.py::test_shard_memory_benchmark_runs_on_the_tiny_fixture \
     "$@"  # (the memory benchmark's RSS bound cannot hold with ASan's shadow memory)
 code=$?
 set -e

@@ -9,7 +9,7 @@ workers have fewer slots than there are sessions. :func:`run_schedule` starts a 
 runs the sessions, injects, waits for quiescence and returns a :class:`CampaignOutcome`: every
 session's result, the faults injected, the hostile frames' answers, each worker's open
 sessions and RSS growth after quiescence, and the workers that died without being killed.
-``tests/test_fault_campaign.py`` draws schedules with hypothesis and checks the invariants;
+``tests/e2e/test_fault_campaign.py`` draws schedules with hypothesis and checks the invariants;
 ``docs/reliability.md`` gives the soak command.
 
 Not a test double: it drives real ``dgr worker`` processes only, over 127.0.0.1; every wait is

@@ -1,0 +1,171 @@
+"""README command 1: worker processes on loopback, a stage SIGKILLed mid-decode, a new route
+under a new epoch, output equal to the whole model; every process stopped, also on Ctrl-C."""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+from dgr_engine import cli
+
+
+def demo_main(args: list[str]) -> int:
+    return cli.main(["demo", *args])
+
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def dgr_sh_command(branch: str) -> list[str]:
+    """The program ``./dgr.sh BRANCH`` execs once its venv is ready, with this test run's venv
+    (the one ``dgr.sh`` made) for ``.venv/bin``."""
+    script = (ROOT / "dgr.sh").read_text()
+    body = script.split(f"    {branch})\n", 1)[1].split(";;", 1)[0]
+    (line,) = [s.strip() for s in body.splitlines() if s.strip().startswith("exec ")]
+    words = [w for w in shlex.split(line)[1:] if w != "$@"]
+    venv_bin = Path(sys.executable).parent
+    return [
+        str(venv_bin / w.removeprefix(".venv/bin/")) if w.startswith(".venv/") else w for w in words
+    ]
+
+
+def test_dgr_sh_demo_runs_the_dgr_demo_program() -> None:
+    command = dgr_sh_command("demo")
+    assert Path(command[0]).name == "dgr" and command[1:] == ["demo"], command
+    done = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "PARITY OK" in done.stdout, done.stdout + done.stderr
+
+
+def pids_in(text: str) -> list[int]:
+    return [int(p) for p in re.findall(r"\bpid (\d+)", text)]
+
+
+def assert_gone(pids: list[int], out: str = "") -> None:
+    assert pids, out
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)  # stopped and reaped by the demo
+            print(f"pid {pid} is still there\n{out}")
+
+
+def test_demo_loses_a_stage_and_recovers_with_parity(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    args = ["--stages", "4", "--sessions", "2", "--steps", "10", "--lose-at", "3"]
+    assert demo_main([*args, "--evidence", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    # no record of this lane yet: the demo certifies it first, and says what evidence that is
+    assert "certify   the fixture lane on this machine" in out, out
+    assert re.search(
+        r"^record .*/fixture/[0-9a-f]{64}/[0-9a-f]{64}\.json \(fixture evidence\)", out, re.M
+    )
+    assert "lanes     certified with FIXTURE evidence (generated model: not real-model" in out
+    assert "security  mutual TLS (a throwaway local CA) and route grants" in out
+    assert re.search(r"SIGKILL stage 1 \[1,2\) pid \d+", out), out
+    assert out.count("new route:") == 2 and "(spare)" in out, out
+    assert out.count("epoch 2: re-prefill from position 0") == 2, out
+    replays = re.findall(
+        r"the prompt and (\d+) accepted tokens in batched forwards \(first call (\d+) tokens\)", out
+    )
+    assert len(replays) == 2, out
+    assert all(int(call) == 12 + int(k) for k, call in replays), out  # prompt + tokens at once
+    assert out.count("epoch 1 -> 2  route changes 1") == 2, out
+    assert out.count("whole-model equal: True") == 2, out
+    assert "boundary bytes between stages" in out and "killed" in out, out
+    assert out.rstrip().endswith("PARITY OK"), out
+    assert_gone(pids_in(out), out)
+
+    # the record of exactly this lane is reused by the next run
+    again = ["--stages", "2", "--sessions", "1", "--steps", "4", "--lose-at", "2"]
+    assert demo_main([*again, "--evidence", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^reusing record .*\.json \(same lane, same lock\)$", out, re.M), out
+    assert out.rstrip().endswith("PARITY OK"), out
+
+
+def test_demo_on_tiny_v4_with_a_replacement_spawned_on_demand(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = ["--fixture", "tiny-v4", "--sessions", "2", "--steps", "12", "--no-spare"]
+    assert demo_main(args) == 0
+    out = capsys.readouterr().out
+    assert "+token ids" in out, out  # stage [2,4) owns hash-routed layer 2
+    assert "(replacement)" in out and "spare" not in out, out
+    assert out.count("whole-model equal: True") == 2, out
+    assert out.rstrip().endswith("PARITY OK"), out
+    assert_gone(pids_in(out), out)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_an_interrupted_demo_stops_every_worker(sig: signal.Signals) -> None:
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
+    # A suite started as a background job (`cmd &` in a shell without job control) inherits
+    # SIGINT ignored, and so would the demo, which then never sees the signal. A handler set
+    # here is reset to the default in the child at exec, as in a terminal.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            # long enough (8 x 240 tokens) that the signal lands mid-run even on a loaded box
+            [*dgr_sh_command("demo"), "--sessions", "8", "--steps", "240", "--lose-at", "239"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    lines: queue.Queue[str | None] = queue.Queue()
+    errors: list[str] = []
+
+    def drain() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.put(line)
+        lines.put(None)
+
+    def drain_stderr() -> None:
+        assert proc.stderr is not None
+        errors.extend(proc.stderr)
+
+    # one reader per pipe, and nothing else reads them (communicate() would race the readers)
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    err_reader = threading.Thread(target=drain_stderr, daemon=True)
+    err_reader.start()
+    seen: list[str] = []
+    try:
+        while True:
+            line = lines.get(timeout=60)
+            assert line is not None, f"demo ended early: {''.join(seen)}{''.join(errors)}"
+            seen.append(line)
+            if line.startswith("sessions"):  # the workers run and the sessions have started
+                break
+        proc.send_signal(sig)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    reader.join(10)
+    err_reader.join(10)
+    err = "".join(errors)
+    while (line := lines.get(timeout=10)) is not None:
+        seen.append(line)
+    out = "".join(seen)
+    assert proc.returncode == 130, out + err
+    assert "interrupted: every worker stopped" in err
+    assert "PARITY" not in out
+    assert len(pids_in(out)) == 4  # three stages and a spare
+    assert_gone(pids_in(out))

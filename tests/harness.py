@@ -1,0 +1,380 @@
+"""The suite's shared helpers, in one place: bounded runs, the engine options and prompt most
+worker tests use, the evidence kit of the certification tests, one route session over a
+loopback provider, the evidence directories ``dgr certify`` fills for a run, and the rule that
+the fast set (``-m "not slow"``) starts no worker process.
+
+``conftest.py`` turns these into fixtures and hooks; test modules import what they need from
+here (``from tests.harness import run``)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import attrs
+import numpy as np
+
+from dgr_engine.client.relay import GrpcStageTransport
+from dgr_engine.options import EngineOptions
+from dgr_engine.tooling.loopback import LoopbackRouteProvider
+from dgr_engine.tooling.processes import dgr_command
+from dgr_session import (
+    EvidenceClass,
+    FailurePolicy,
+    SessionHandle,
+    SessionManager,
+    SessionResult,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+"""The checkout the suite runs in."""
+
+T = TypeVar("T")
+
+WORKER_OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=4)
+"""The engine options of most tests that start workers: one thread each (2 cores are shared by
+every process of a route), room for four sessions."""
+
+PARITY_PROMPT = [int(t) for t in (np.arange(16) * 37 + 11) % 256]
+"""A 16-token prompt inside every fixture's vocabulary, for parity runs."""
+
+
+def run(coro: Coroutine[Any, Any, T], limit: float = 60.0) -> T:
+    """Runs a test scenario in a fresh event loop with an overall time bound (seconds)."""
+    return asyncio.run(asyncio.wait_for(coro, limit))
+
+
+# -- the fast set starts no worker process ------------------------------------------------------
+
+WORKER_SUBCOMMANDS = frozenset({"worker", "certify", "demo", "generate"})
+"""``dgr`` subcommands that run (or spawn) a shard worker."""
+
+
+class WorkerInFastSet(AssertionError):
+    """A test outside the slow set tried to start a worker process."""
+
+
+def starts_a_worker(args: Any) -> bool:
+    """Whether a command line (``Popen``'s first argument) runs a shard worker: ``dgr`` with a
+    subcommand that serves or spawns workers, the CLI module run by Python, or an example or a
+    benchmark (they stand routes up)."""
+    argv = [args] if isinstance(args, str | os.PathLike) else list(args)
+    words = [os.fspath(a) for a in argv]
+    if len(words) == 1 and isinstance(args, str):
+        words = words[0].split()
+    for i, word in enumerate(words):
+        name = os.path.basename(word)
+        rest = words[i + 1 :]
+        if name == "dgr" and rest and rest[0] in WORKER_SUBCOMMANDS:
+            return True
+        if word == "-m" and rest and rest[0].startswith(("dgr_engine.cli", "benchmarks")):
+            return True
+        if word.endswith(".py") and "examples" in Path(word).parts:
+            return True
+    return False
+
+
+def no_worker_popen(real: type[subprocess.Popen[Any]]) -> type[subprocess.Popen[Any]]:
+    """``subprocess.Popen`` that refuses to start a worker process (:func:`starts_a_worker`)."""
+
+    class NoWorkerPopen(real):  # type: ignore[valid-type,misc]
+        def __init__(self, args: Any, *rest: Any, **kwargs: Any) -> None:
+            if starts_a_worker(args):
+                raise WorkerInFastSet(
+                    f"a test outside the slow set started a worker process: {args!r}; "
+                    "move it to tests/e2e/ or mark it slow"
+                )
+            super().__init__(args, *rest, **kwargs)
+
+    return NoWorkerPopen
+
+
+# -- evidence directories ------------------------------------------------------------------------
+
+CERTIFIED_FIXTURES = ("tiny-llama", "tiny-v4")
+"""The fixtures whose lanes (``dgr certify``'s default engine options) the suite certifies."""
+CO_BATCH_FIXTURES = ("tiny-llama",)
+"""Fixtures whose co-batching lanes (``--batching co-batch``) the suite certifies as well."""
+
+
+def certify(root: Path, name: str, *extra: str) -> None:
+    """``dgr certify --fixture NAME`` into ``root`` as a user would run it, its output kept
+    beside ``root``."""
+    done = subprocess.run(
+        [dgr_command(), "certify", "--fixture", name, "--evidence", str(root), *extra],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    what = " ".join([name, *extra])
+    assert done.returncode == 0, f"dgr certify --fixture {what}:\n{done.stdout}{done.stderr}"
+    (root.parent / f"certify-{'-'.join([name, *extra[1:]])}.log").write_text(done.stdout)
+
+
+@attrs.define
+class EvidenceDirs:
+    """The evidence directories of one test run, made on first use: ``empty`` (what every
+    test's workers read unless it asks for certified lanes), ``certified`` (the records ``dgr
+    certify`` made in this run for :data:`CERTIFIED_FIXTURES`) and ``co_batch`` (those plus
+    the co-batching lanes of :data:`CO_BATCH_FIXTURES`)."""
+
+    base: Path = attrs.field(factory=lambda: Path(tempfile.mkdtemp(prefix="dgr-test-evidence-")))
+    _certified: Path | None = None
+    _co_batch: Path | None = None
+
+    @property
+    def empty(self) -> Path:
+        path = self.base / "empty" / "evidence"
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def certified(self) -> Path:
+        if self._certified is None:
+            root = self.base / "certified" / "evidence"
+            root.mkdir(parents=True, exist_ok=True)
+            for name in CERTIFIED_FIXTURES:
+                certify(root, name)
+            self._certified = root
+        return self._certified
+
+    def co_batch(self) -> Path:
+        if self._co_batch is None:
+            root = self.base / "co-batch" / "evidence"
+            root.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(self.certified(), root)
+            for name in CO_BATCH_FIXTURES:
+                certify(root, name, "--batching", "co-batch")
+            self._co_batch = root
+        return self._co_batch
+
+    def remove(self) -> None:
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+# -- the certification tests' kit ----------------------------------------------------------------
+
+
+class EvidenceKit:
+    """Makes locks, lanes and evidence records for the certification tests (in ``root``).
+
+    The kit's lock is the repo's plus two test certifiers made for the kit: ``operator``,
+    trusted for real-model and real-hardware evidence, and ``releaser``, trusted for release.
+    :meth:`write` signs a record with the key its class calls for (the fixture certifier for
+    fixture evidence)."""
+
+    def __init__(self, root: Path) -> None:
+        import json
+
+        from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+        from dgr_engine.certification.lock import load_lock
+        from dgr_engine.certification.signing import public_key_text
+
+        self.root = root
+        self.operator = Ed25519PrivateKey.generate()
+        self.releaser = Ed25519PrivateKey.generate()
+        data = json.loads((REPO / "certification/lock.json").read_text())
+        data["certifiers"] += [
+            {
+                "name": "test-operator",
+                "public_key": public_key_text(self.operator.public_key()),
+                "classes": ["real-model", "real-hardware"],
+            },
+            {
+                "name": "test-releaser",
+                "public_key": public_key_text(self.releaser.public_key()),
+                "classes": ["release"],
+            },
+        ]
+        self.lock_path = root / "lock.json"
+        self.lock_path.write_text(json.dumps(data, indent=2))
+        self.lock = load_lock(self.lock_path)  # outside git: its time is the declared one
+
+    def edit_lock(self, edit: Any) -> Any:
+        """Rewrites the lock (``edit`` changes the parsed JSON in place) and reloads it."""
+        import json
+
+        from dgr_engine.certification.lock import load_lock
+
+        data = json.loads(self.lock_path.read_text())
+        edit(data)
+        self.lock_path.write_text(json.dumps(data))
+        self.lock = load_lock(self.lock_path)
+        return self.lock
+
+    @staticmethod
+    def lane(**changes: Any) -> Any:
+        from dgr_engine.certification.lane import LaneKey
+
+        fields: dict[str, Any] = {
+            "backend": "cpu",
+            "llama_cpp_commit": "0c1e57098bba43ac29e6e3b677cdceebdd22334f",
+            "patch_stack_sha256": "ab" * 32,
+            "dgr_version": "0.1.0",
+            "build_flags": "GGML_NATIVE=OFF",
+            "system_info": "CPU : AVX2 = 1 |",
+            "hardware": "x86_64 | Test CPU | avx avx2",
+            "model_sha256": "cd" * 32,
+            "arch": "llama",
+            "n_layer": 4,
+            "quant_types": ("F32",),
+            "kv_type": "f16",
+            "flash_attn": "auto",
+            "context_per_session": 256,
+            "placement": "cpu",
+        }
+        fields.update(changes)
+        return LaneKey(**fields)
+
+    @staticmethod
+    def fixture_facts(**changes: Any) -> Any:
+        from dgr_engine.certification.classify import EvidenceFacts
+
+        fields: dict[str, Any] = {
+            "fixture_mark": "dgr-fixtures/2 tiny-llama",
+            "real_model": None,
+            "hardware_lane": None,
+            "release_build": False,
+        }
+        fields.update(changes)
+        return EvidenceFacts(**fields)
+
+    def record(
+        self,
+        *,
+        kind: str = "certification",
+        family: str = "dense",
+        failing: tuple[str, ...] = (),
+        shares: dict[str, float] | None = None,
+        requirement_ids: tuple[str, ...] | None = None,
+        **changes: Any,
+    ) -> Any:
+        """A record made now under the kit's lock; every requirement passes but ``failing``."""
+        import datetime as dt
+
+        from dgr_engine.certification import gates
+        from dgr_engine.certification.record import (
+            EvidenceRecord,
+            Figure,
+            RecordKind,
+            Requirement,
+            Verdict,
+        )
+
+        ids = requirement_ids
+        if ids is None:
+            ids = {
+                "certification": gates.CORRECTNESS + gates.SPEED,
+                "baseline": ("baseline.parity", "baseline.speed"),
+                "mtp": gates.MTP_REQUIREMENTS,
+            }[kind]
+        shares = shares or {"engine": 0.4, "worker": 0.1, "transit": 0.3, "client": 0.2}
+        now = dt.datetime.now(dt.UTC)
+        fields: dict[str, Any] = {
+            "kind": RecordKind(kind),
+            "lane": self.lane(arch="deepseek4" if family == "v4" else "llama"),
+            "lock_sha256": self.lock.sha256,
+            "facts": self.fixture_facts(),
+            "family": family,
+            "command": ("dgr", "certify", "--fixture", "tiny-llama"),
+            "dgr_commit": "0" * 40,
+            "machine": {"hardware": "x86_64 | Test CPU | avx avx2", "cpus": "2"},
+            "started_at": now,
+            "ended_at": now + dt.timedelta(seconds=8),
+            "figures": [Figure("speed.decode_ratio", 0.5, "whole/route", "2 stages")]
+            + [Figure(f"hop.{p}_share", v, "share", "decode") for p, v in shares.items()],
+            "requirements": [
+                Requirement(r, Verdict.FAIL if r in failing else Verdict.PASS, f"{r} detail")
+                for r in ids
+            ],
+        }
+        fields.update(changes)
+        return EvidenceRecord(**fields)
+
+    def key_for(self, record: Any) -> Any:
+        """The key the kit signs ``record`` with: the one its class calls for."""
+        from dgr_engine.certification.signing import FIXTURE_CERTIFIER
+        from dgr_session.identity import EvidenceClass
+
+        return {
+            EvidenceClass.FIXTURE: FIXTURE_CERTIFIER,
+            EvidenceClass.REAL_MODEL: self.operator,
+            EvidenceClass.REAL_HARDWARE: self.operator,
+            EvidenceClass.RELEASE: self.releaser,
+        }[record.evidence_class]
+
+    def write(self, record: Any, directory: Path | None = None, *, key: Any = None) -> Path:
+        """``record`` written under ``directory`` (default: the kit's evidence/), signed by
+        ``key`` (default: :meth:`key_for`)."""
+        from dgr_engine.certification.record import write_record
+
+        key = key if key is not None else self.key_for(record)
+        path: Path = write_record(record, directory or self.root / "evidence", key=key)
+        return path
+
+
+# -- one route session over a loopback provider's workers ----------------------------------------
+
+TokenHook = Callable[[SessionHandle, int], None]
+
+
+def lose_last_stage_at(provider: LoopbackRouteProvider, tokens: int) -> TokenHook:
+    """An ``on_token`` hook that SIGKILLs the route's last stage once, when the session has
+    accepted ``tokens`` tokens."""
+
+    def hook(handle: SessionHandle, _token: int) -> None:
+        route = handle.core.route
+        if len(handle.tokens) == tokens and route is not None and not provider.reports:
+            provider.kill(route.stages[-1].endpoint)
+
+    return hook
+
+
+def run_session(
+    provider: LoopbackRouteProvider,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    *,
+    session_id: str | None = None,
+    on_token: TokenHook | None = None,
+    after: Callable[[LoopbackRouteProvider], Awaitable[None]] | None = None,
+    seen: Callable[[GrpcStageTransport], None] | None = None,
+    limit: float = 120.0,
+) -> SessionResult:
+    """``seen`` is called with the session's transport (its clients hold the session's
+    secrets, e.g. for ``after`` to read the workers' usage as the session's holder)."""
+
+    async def scenario() -> SessionResult:
+        async with provider, GrpcStageTransport(timeout=20.0) as transport:
+            if seen is not None:
+                seen(transport)
+            manager = SessionManager(
+                transport,
+                provider,
+                policy=FailurePolicy(step_deadline=20.0),
+                required_evidence=EvidenceClass.FIXTURE,
+            )
+            handles: list[SessionHandle] = []
+
+            def hook(token: int) -> None:
+                if on_token is not None:
+                    on_token(handles[0], token)
+
+            handles.append(
+                manager.start(
+                    prompt, max_new_tokens=max_new_tokens, session_id=session_id, on_token=hook
+                )
+            )
+            result = await handles[0].wait()
+            await manager.aclose()
+            if after is not None:
+                await after(provider)
+            return result
+
+    return asyncio.run(asyncio.wait_for(scenario(), limit))
