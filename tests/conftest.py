@@ -56,15 +56,26 @@ def _evidence_for(item: pytest.Item) -> Path:
     return dirs.empty
 
 
+_PATCH = pytest.StashKey[pytest.MonkeyPatch]()
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
     with pytest.MonkeyPatch.context() as patch:
+        item.stash[_PATCH] = patch
         patch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+        patch.setenv(EVIDENCE_DIR_ENV, str(item.config.stash[_DIRS].empty))
         if item.get_closest_marker("slow") is None:
             patch.setattr(subprocess, "Popen", no_worker_popen(subprocess.Popen))
-        # made (by `dgr certify`) under the guard: a fast test cannot ask for certified lanes
-        patch.setenv(EVIDENCE_DIR_ENV, str(_evidence_for(item)))
         return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
+    # in the setup phase, so that a failure is this test's error; under the Popen guard, so
+    # that a fast test cannot ask for certified lanes (made by `dgr certify`)
+    item.stash[_PATCH].setenv(EVIDENCE_DIR_ENV, str(_evidence_for(item)))
+    return (yield)
 
 
 @pytest.fixture(scope="session")

@@ -61,21 +61,20 @@ class WorkerInFastSet(AssertionError):
 
 
 def starts_a_worker(args: Any) -> bool:
-    """Whether a command line (``Popen``'s first argument) runs a shard worker: ``dgr`` with a
-    subcommand that serves or spawns workers, the CLI module run by Python, or an example or a
-    benchmark (they stand routes up)."""
-    argv = [args] if isinstance(args, str | os.PathLike) else list(args)
-    words = [os.fspath(a) for a in argv]
-    if len(words) == 1 and isinstance(args, str):
-        words = words[0].split()
+    """Whether a command line (``Popen``'s first argument) runs a shard worker: ``dgr`` (or
+    ``python -m dgr_engine.cli``) with a subcommand that serves or spawns workers, or a
+    benchmark (``python -m benchmarks.NAME``: they stand routes up)."""
+    if isinstance(args, str | bytes | os.PathLike):
+        words = os.fsdecode(args).split()
+    else:
+        words = [os.fsdecode(a) for a in args]
     for i, word in enumerate(words):
-        name = os.path.basename(word)
         rest = words[i + 1 :]
-        if name == "dgr" and rest and rest[0] in WORKER_SUBCOMMANDS:
+        if os.path.basename(word) == "dgr" and rest[:1] and rest[0] in WORKER_SUBCOMMANDS:
             return True
-        if word == "-m" and rest and rest[0].startswith(("dgr_engine.cli", "benchmarks")):
-            return True
-        if word.endswith(".py") and "examples" in Path(word).parts:
+        if word == "-m" and rest[:1] == ["dgr_engine.cli"]:
+            return rest[1:2] != [] and rest[1] in WORKER_SUBCOMMANDS
+        if word == "-m" and rest[:1] and rest[0].startswith("benchmarks"):
             return True
     return False
 
@@ -84,13 +83,14 @@ def no_worker_popen(real: type[subprocess.Popen[Any]]) -> type[subprocess.Popen[
     """``subprocess.Popen`` that refuses to start a worker process (:func:`starts_a_worker`)."""
 
     class NoWorkerPopen(real):  # type: ignore[valid-type,misc]
-        def __init__(self, args: Any, *rest: Any, **kwargs: Any) -> None:
+        def __new__(cls, args: Any, *rest: Any, **kwargs: Any) -> Any:
+            # refused before an instance exists (a half-made Popen complains when collected)
             if starts_a_worker(args):
                 raise WorkerInFastSet(
                     f"a test outside the slow set started a worker process: {args!r}; "
                     "move it to tests/e2e/ or mark it slow"
                 )
-            super().__init__(args, *rest, **kwargs)
+            return super().__new__(cls)
 
     return NoWorkerPopen
 

@@ -258,6 +258,7 @@ def test_a_release_claim_is_checked_not_taken_from_the_file(
 # --- dgr certify --sign-key --------------------------------------------------------------------
 
 
+@pytest.mark.slow  # starts worker processes
 def test_sign_key_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
     from dgr_engine.tooling.processes import dgr_command
 
@@ -279,6 +280,7 @@ def test_sign_key_errors_are_one_line_and_exit_2(tmp_path: Path) -> None:
         assert len(lines) == 1 and says in lines[0] and str(key) in lines[0], done.stderr
 
 
+@pytest.mark.slow  # starts worker processes
 def test_certify_refuses_a_key_the_lock_does_not_trust_before_running(tmp_path: Path) -> None:
     from dgr_engine.tooling.processes import dgr_command
 
@@ -299,6 +301,7 @@ def test_certify_refuses_a_key_the_lock_does_not_trust_before_running(tmp_path: 
     assert len(done.stderr.strip().splitlines()) == 1 and not evidence.exists()
 
 
+@pytest.mark.slow  # starts worker processes
 def test_certify_signs_with_the_key_given(tmp_path: Path, kit: EvidenceKit) -> None:
     from dgr_engine.tooling.processes import dgr_command
 

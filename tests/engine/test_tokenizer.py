@@ -82,6 +82,7 @@ def _generate(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow  # starts worker processes
 def test_generate_takes_and_prints_text_and_refuses_it_without_a_tokenizer(
     converted: Path, tmp_path: Path
 ) -> None:

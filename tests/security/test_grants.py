@@ -200,6 +200,7 @@ def worker(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield process
 
 
+@pytest.mark.slow  # starts worker processes
 def test_attacks_on_a_worker_with_grants_are_refused_and_a_proper_session_lives_on(
     tiny_llama: Path, worker: WorkerProcess
 ) -> None:
@@ -274,6 +275,7 @@ def test_attacks_on_a_worker_with_grants_are_refused_and_a_proper_session_lives_
 
 
 @pytest.mark.usefixtures("certified_fixtures")
+@pytest.mark.slow  # starts worker processes
 def test_a_route_session_carries_fresh_grants_across_a_lost_stage(
     tiny_llama: Path, tmp_path: Path
 ) -> None:

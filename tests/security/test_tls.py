@@ -124,6 +124,7 @@ def _worker_line(*args: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow  # starts worker processes
 def test_the_worker_command_refuses_unsafe_or_half_given_tls(
     pki: tuple[Authority, Authority], tmp_path: Path
 ) -> None:
@@ -144,6 +145,7 @@ def test_the_worker_command_refuses_unsafe_or_half_given_tls(
     assert line == f"dgr worker: error: CA {not_pem}: not a PEM file"
 
 
+@pytest.mark.slow  # starts worker processes
 def test_a_tls_worker_process_serves_tls_only(
     tiny_llama: Path, pki: tuple[Authority, Authority]
 ) -> None:

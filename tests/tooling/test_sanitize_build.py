@@ -66,5 +66,5 @@ def test_the_script_runs_the_engine_tests_with_the_runtimes_preloaded() -> None:
     assert "DGR_SANITIZE=1" in script and "LD_PRELOAD" in script
     assert "halt_on_error=1" in script and "detect_leaks=0" in script
     for test in ("test_engine_parity.py", "test_v4_parity.py", "test_engine_errors.py"):
-        assert f"tests/{test}" in script
-        assert (REPO / "tests" / test).is_file()
+        assert f"tests/engine/{test}" in script
+        assert (REPO / "tests" / "engine" / test).is_file()

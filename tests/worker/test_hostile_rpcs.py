@@ -119,6 +119,7 @@ def grant_key_args(tmp_path: Path) -> list[str]:
     return ["--grant-key", f"k1={pem}"]
 
 
+@pytest.mark.slow  # starts worker processes
 def test_a_used_grant_opens_nothing_after_its_worker_restarts_on_the_same_port(
     tiny_llama: Path, grant_key_args: list[str], want: tuple[np.ndarray, np.ndarray]
 ) -> None:

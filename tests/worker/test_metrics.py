@@ -52,6 +52,7 @@ def count(samples: Samples, name: str, **labels: str) -> float:
 
 
 @pytest.mark.usefixtures("certified_fixtures")  # a route session needs certified lanes
+@pytest.mark.slow  # starts worker processes
 def test_scraped_counters_match_what_the_route_did(tiny_llama: Path) -> None:
     provider = LoopbackRouteProvider(
         tiny_llama,
@@ -123,6 +124,7 @@ def _not_served(host: str, port: str) -> bool:
         return True
 
 
+@pytest.mark.slow  # starts worker processes
 def test_metrics_bind_loopback_unless_told_otherwise_whatever_the_workers_host(
     tiny_llama: Path,
 ) -> None:

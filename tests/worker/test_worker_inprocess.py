@@ -391,6 +391,7 @@ def test_the_worker_expires_an_abandoned_session_by_itself(tiny_llama: Path) -> 
     run(scenario())
 
 
+@pytest.mark.slow  # starts worker processes
 def test_a_route_session_survives_a_lease_expiry_by_re_prefilling(
     tiny_llama: Path, fixture_evidence: Path
 ) -> None:
