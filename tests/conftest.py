@@ -53,7 +53,7 @@ def _evidence_for(item: pytest.Item) -> Path:
         return dirs.co_batch()
     if "certified_fixtures" in names:
         return dirs.certified()
-    return dirs.empty
+    return dirs.empty()
 
 
 _PATCH = pytest.StashKey[pytest.MonkeyPatch]()
@@ -64,7 +64,6 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     with pytest.MonkeyPatch.context() as patch:
         item.stash[_PATCH] = patch
         patch.setenv("OMP_WAIT_POLICY", "PASSIVE")
-        patch.setenv(EVIDENCE_DIR_ENV, str(item.config.stash[_DIRS].empty))
         if item.get_closest_marker("slow") is None:
             patch.setattr(subprocess, "Popen", no_worker_popen(subprocess.Popen))
         return (yield)

@@ -119,8 +119,8 @@ def certify(root: Path, name: str, *extra: str) -> None:
 
 @attrs.define
 class EvidenceDirs:
-    """The evidence directories of one test run, made on first use: ``empty`` (what every
-    test's workers read unless it asks for certified lanes), ``certified`` (the records ``dgr
+    """The evidence directories of one test run, made on first use: ``empty`` (one per test:
+    what its workers read unless it asks for certified lanes), ``certified`` (the records ``dgr
     certify`` made in this run for :data:`CERTIFIED_FIXTURES`) and ``co_batch`` (those plus
     the co-batching lanes of :data:`CO_BATCH_FIXTURES`)."""
 
@@ -128,10 +128,14 @@ class EvidenceDirs:
     _certified: Path | None = None
     _co_batch: Path | None = None
 
-    @property
+    _made: int = 0
+
     def empty(self) -> Path:
-        path = self.base / "empty" / "evidence"
-        path.mkdir(parents=True, exist_ok=True)
+        """A new empty directory: one test's, so what one test's workers write there (a demo's
+        records) is never what another reads."""
+        self._made += 1
+        path = self.base / "empty" / str(self._made) / "evidence"
+        path.mkdir(parents=True)
         return path
 
     def certified(self) -> Path:

@@ -26,7 +26,6 @@ from dgr_engine.client.chained import ChainStageTransport
 from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.client.shard_client import ShardClient, session_metadata
 from dgr_engine.errors import ClientCallError, ShardUnavailable
-from dgr_engine.options import EngineOptions
 from dgr_engine.reference import whole_model_reference
 from dgr_engine.tooling.loopback import LoopbackRouteProvider, PooledWorker
 from dgr_engine.wire.frames import Expectations
@@ -65,7 +64,7 @@ from dgr_session.testing import (
     run_virtual,
     settle,
 )
-from tests.harness import run
+from tests.harness import WORKER_OPTIONS, run
 
 T = TypeVar("T")
 
@@ -313,7 +312,7 @@ def test_no_route_available_names_no_stage_when_none_failed() -> None:
 
 # --- real workers: the hostile ids, then an ordinary session on the same provider ---------------
 
-OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=4)
+OPTIONS = WORKER_OPTIONS
 N_TOKENS = 8
 ORDINARY = [int(t) for t in np.random.default_rng(28).integers(0, 256, size=10)]
 

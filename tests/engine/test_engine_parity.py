@@ -11,9 +11,10 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine.reference import LocalChain
+from tests.harness import PARITY_PROMPT
 
 N_LAYER = 4
-PROMPT = [int(t) for t in (np.arange(16) * 37 + 11) % 256]
+PROMPT = PARITY_PROMPT
 N_DECODE = 32
 ENGINE_KW = {"max_sessions": 4, "n_ctx_per_session": 256, "n_threads": 2, "n_batch": 64}
 

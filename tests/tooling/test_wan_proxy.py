@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from dgr_engine.client.relay import GrpcStageTransport
-from dgr_engine.options import EngineOptions
 from dgr_engine.reference import whole_model_reference
 from dgr_engine.tooling.delay_proxy import Link, ProxiedRoutes, WanProxy
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
@@ -26,10 +25,10 @@ from dgr_session import (
     SessionManager,
     SessionState,
 )
-from tests.harness import run
+from tests.harness import WORKER_OPTIONS, run
 
 T = TypeVar("T")
-OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=4)
+OPTIONS = WORKER_OPTIONS
 PROMPT = [9, 40, 2, 133, 77, 5, 18]
 N_TOKENS = 12
 

@@ -24,7 +24,6 @@ from hypothesis import strategies as st
 
 from dgr_engine import ShardEngine
 from dgr_engine.client.shard_client import ShardClient, expectations_of
-from dgr_engine.options import EngineOptions
 from dgr_engine.reference import whole_model_reference
 from dgr_engine.tooling.processes import WorkerProcess
 from dgr_engine.wire.advert import Advert
@@ -38,11 +37,12 @@ from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import STATUS_KEY
 from tests import harness
+from tests.harness import WORKER_OPTIONS
 
 pytestmark = pytest.mark.slow
 
 T = TypeVar("T")
-OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=4)
+OPTIONS = WORKER_OPTIONS
 # more slots than the victims and the fuzzed opens need (slots do not change results)
 ARGS = [*OPTIONS.worker_argv(), "--max-sessions", "64", "--admission-wait", "0"]
 PROMPT = [7, 1, 200, 33, 90]
