@@ -11,7 +11,8 @@ The rooms (``docs/architecture-rooms.md`` draws them):
 * ``worker``: the shard worker (``dgr worker``);
 * ``certification``: the pure decision framework (lanes, lock, records, gates, signing);
   ``certify``: the runners that drive routes to make records;
-* ``artifacts``, ``fixtures``, ``baseline``: model files, generated models, the DGR-020 baseline;
+* ``artifacts``, ``models``, ``fixtures``, ``baseline``: model files, real models, generated
+  models, the DGR-020 baseline;
 * ``tooling``: single-machine tooling (worker processes, the loopback provider, a delay proxy,
   the fault campaign, a throwaway CA), never imported by ``worker`` or ``client``;
 * ``cli``: the ``dgr`` command.

@@ -7,6 +7,7 @@
     dgr generate  generate tokens over a route of workers
     dgr demo      the main job: a local route, a stage lost and recovered, whole-model parity
     dgr fixtures  list or build the generated fixture models
+    dgr models    list, fetch or locate the real models of the catalog
     dgr certify   certify a lane here: its scenarios over real workers, one evidence record
     dgr baseline  DGR-020: safetensors against whole-model llama.cpp, one baseline record
     dgr artifacts the hashed manifest of a single or split GGUF
@@ -20,13 +21,24 @@ import sys
 from collections.abc import Sequence
 
 from dgr_engine.argtypes import OneLineParser
-from dgr_engine.cli import artifacts, baseline, certify, demo, fixtures, gate, generate, worker
+from dgr_engine.cli import (
+    artifacts,
+    baseline,
+    certify,
+    demo,
+    fixtures,
+    gate,
+    generate,
+    models,
+    worker,
+)
 
 _SUBCOMMANDS = {
     "worker": worker,
     "generate": generate,
     "demo": demo,
     "fixtures": fixtures,
+    "models": models,
     "certify": certify,
     "baseline": baseline,
     "artifacts": artifacts,

