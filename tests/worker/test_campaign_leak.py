@@ -9,7 +9,7 @@ epoch 2 took a slot and the open of epoch 3 waited in line for one. The client's
 3 then found epoch 2, closed it, and freed its slot, and the open of epoch 3 took it: "session
 closed (epoch 2)", then "session opened" at epoch 3, held after the client had closed it. A
 close that finds an older epoch now leaves a tombstone as a close that finds nothing does, and
-the late open is refused. """
+the late open is refused."""
 
 from __future__ import annotations
 
