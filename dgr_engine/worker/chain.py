@@ -29,7 +29,7 @@ from dgr_engine.errors import FrameRejected
 from dgr_engine.wire import frames
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
-from dgr_engine.worker.chain_downstream import ChainFailure, Downstream
+from dgr_engine.worker.chain_downstream import ChainFailure, ChainLink, Downstream
 from dgr_engine.worker.chain_frames import next_frame, ring_frame
 from dgr_engine.worker.chain_hub import ChainHub
 from dgr_engine.worker.frame_path import FramePath
@@ -202,13 +202,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
                 raise FrameRejected(f"DGR_E_FRAME: chain_hop {hop} is over {MAX_CHAIN_HOP}")
             frames.check_session_id(sid)  # before it reaches the hub or a log line
             # where the output goes is checked before the rows touch the session's state
-            ring = None
-            if self.host.info.is_last:
-                self.hub.check_output(sid, epoch)
-                link = None
-                ring = self.hub.ring_link(sid, epoch)
-            else:
-                link = self.hub.next_hop(sid, epoch)
+            link, ring = self._where_output_goes(request)
             reply = await self.path.forward(request, None)
         except Exception as exc:
             await self.path.refuse(context, exc, request, _CHAINED, hop=hop)
@@ -244,6 +238,24 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
             )
         await down.send(next_frame(request, reply, link, trace))
         return down
+
+    def _where_output_goes(
+        self, request: pb.ForwardRequest
+    ) -> tuple[ChainLink | None, ChainLink | None]:
+        """The next stage's link (``None`` on the last stage) and, on a ring's last stage, its
+        ring link. ``FrameRejected`` when there is none; but the hub forgets an epoch the
+        session table closed, so a frame of an epoch that is not open here (checked after its
+        secret, as any frame's) is refused as the table refuses it (unknown, stale)."""
+        sid, epoch = request.session_id, int(request.epoch)
+        try:
+            if self.host.info.is_last:
+                self.hub.check_output(sid, epoch)
+                return None, self.hub.ring_link(sid, epoch)
+            return self.hub.next_hop(sid, epoch), None
+        except FrameRejected:
+            self.host.grants.check(sid, epoch, request.session_secret)
+            self.path.check_open(sid, epoch)
+            raise
 
     async def _abort(
         self,

@@ -4,8 +4,9 @@ stream back to the first stage); and the channels to next stages, one per endpoi
 every session.
 
 The hub forgets a session's link, output stream and ring stream when the session table says
-it closed that epoch, for any cause (the hub is one of its close listeners,
-``worker/closes.py``): an output stream then ends, and a ring's stream is half-closed.
+it closed that epoch (the hub is one of its close listeners, ``worker/closes.py``): a ring's
+stream is half-closed, and an output stream ends if its client closed the epoch (see
+:meth:`ChainHub.session_closed`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import STATUS_KEY
 from dgr_engine.worker.chain_downstream import ChainFailure, ChainLink, Downstream
-from dgr_engine.worker.closes import SessionClosed
+from dgr_engine.worker.closes import CloseCause, SessionClosed
 
 
 @attrs.define(eq=False)
@@ -185,19 +186,24 @@ class ChainHub:
             del self._outputs[session_id]
 
     def session_closed(self, closed: SessionClosed) -> None:
-        """The session table closed an epoch (any cause): as :meth:`closed`."""
-        self.closed(closed.session_id, closed.epoch)
-
-    def closed(self, session_id: str, epoch: int) -> None:
-        """The session's ``epoch`` (or an older one) was closed here: forget its link, end its
-        output stream and half-close its ring stream."""
+        """The session table closed an epoch (or an older one held): forget its link and
+        half-close its ring stream; forget its output stream, and end it only when its client
+        closed the epoch. An end the worker chose (a lease, a stall, an abandoned call) would
+        read to the client as the last stage lost, while the chain's own failure, or the
+        table's refusal of the epoch's next frame, says what happened and where; the client
+        ends that stream itself when it closes the epoch. A newer epoch's open changes nothing
+        here: its ``Link`` and ``ChainOutput`` replace the older epoch's."""
+        if closed.still_held:
+            return
+        session_id, epoch = closed.session_id, closed.epoch
         link = self._links.get(session_id)
         if link is not None and link.epoch <= epoch:
             del self._links[session_id]
         output = self._outputs.get(session_id)
         if output is not None and output.epoch <= epoch:
             del self._outputs[session_id]
-            output.queue.put_nowait(None)
+            if closed.cause is CloseCause.CLIENT:
+                output.queue.put_nowait(None)
         ring = self._rings.get(session_id)
         if ring is not None and ring[0].epoch <= epoch:
             self._rings.pop(session_id)[1].finish_soon()

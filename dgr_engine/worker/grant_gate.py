@@ -3,7 +3,7 @@ session, epoch and stage (``dgr_engine.security.grants``); with or without them,
 fresh random session secret, which every later frame, close, ``Link`` and ``ChainOutput`` of
 that epoch must carry (compared in constant time; no signature check per frame), so no client
 can touch a session another client opened. The gate forgets an epoch's secret when the session
-table says it closed that epoch, for any cause (``worker/closes.py``).
+table says it closed that epoch (``worker/closes.py``), or when a newer epoch opens.
 
 Without grant keys a request that names no session held here, or another epoch of it, passes
 the door and is refused by the session table as before (unknown session, stale epoch): it
@@ -41,7 +41,8 @@ class GrantGate:
     def __init__(self, verifier: GrantVerifier | None) -> None:
         self.verifier = verifier
         self._held: dict[str, _Held] = {}
-        # an entry goes when the session table closes its epoch (session_closed)
+        # an entry goes when the session table closes its epoch (session_closed), or is
+        # replaced by a newer epoch's (opened)
         self._grants: dict[tuple[str, int], Grant] = {}
         # grants admitted whose open has not answered yet (admit -> opened / refund)
 
@@ -156,5 +157,7 @@ class GrantGate:
             del self._held[session_id]
 
     def session_closed(self, closed: SessionClosed) -> None:
-        """The session table closed an epoch (any cause): as :meth:`closed`."""
-        self.closed(closed.session_id, closed.epoch)
+        """The session table closed an epoch: as :meth:`closed`, unless a newer epoch's open
+        discarded it (that open's :meth:`opened` replaces its secret, as it always did)."""
+        if not closed.still_held:
+            self.closed(closed.session_id, closed.epoch)

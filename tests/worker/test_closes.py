@@ -1,7 +1,8 @@
 """Closes, published (``dgr_engine.worker.closes``): the session table tells its listeners of
 every close, whatever its cause, outside its lock, and a listener that raises breaks nothing;
 in a worker, a close by lease, by stall reclaim and by an abandoned call each reach the chain
-hub, the grant gate and the per-client limits, on the event loop's thread."""
+hub, the grant gate and the per-client limits, on the event loop's thread, and each forgets
+that session."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from dgr_engine.errors import FrameRejected, GrantDenied, NonFiniteOutput, Unkno
 from dgr_engine.wire.frames import ForwardFrame
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.worker import ShardWorker, WorkerConfig
+from dgr_engine.worker.chain_hub import OutputStream
 from dgr_engine.worker.closes import CloseCause, OnLoop, SessionClosed
 from dgr_engine.worker.identity import BuildIdentity
 from dgr_engine.worker.sessions import SessionTable
@@ -198,6 +200,7 @@ class Listeners:
 
     def __init__(self, worker: ShardWorker) -> None:
         self.worker = worker
+        self.outputs: dict[str, OutputStream] = {}
         self.threads: dict[str, set[str]] = {"chain": set(), "grants": set(), "limits": set()}
         for name, listener in (
             ("chain", worker.chain),
@@ -216,7 +219,12 @@ class Listeners:
         """Gives the chain hub a link and an output stream of the session's epoch."""
         hop = pb.ChainHop(endpoint="127.0.0.1:9", session_secret=b"next")
         self.worker.chain.link(session_id, epoch, hop)
-        self.worker.chain.open_output(session_id, epoch)
+        self.outputs[session_id] = self.worker.chain.open_output(session_id, epoch)
+
+    def output_ended(self, session_id: str) -> bool:
+        """Whether the session's output stream was ended (its client's close does that)."""
+        queue = self.outputs[session_id].queue
+        return not queue.empty() and queue.get_nowait() is None
 
     def chain_knows(self, session_id: str, epoch: int) -> bool:
         try:
@@ -276,9 +284,13 @@ def _scenario(
                 await body(worker, listeners, client, expect)
                 assert listeners.none_know("gone", 1)
                 assert not worker.table.holds("gone")
+                # forgotten, not ended: an end the client did not ask for would read as the
+                # last stage lost (the client ends it when it closes the epoch)
+                assert not listeners.output_ended("gone")
                 if kept_lives:
                     assert listeners.all_know("kept", 1)  # another session: untouched
                     await client.close("kept", 1)  # the client's own close, for once
+                    assert listeners.output_ended("kept")
                 assert listeners.none_know("kept", 1)
         finally:
             await worker.stop()
