@@ -27,16 +27,28 @@ import asyncio
 import collections
 import time
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import attrs
 
 from dgr_engine.wire.frames import FloatRows, ForwardFrame
 from dgr_engine.worker.engine_thread import EngineThread, expired_in_queue
 
-#: What a frame's run gives: output rows, the session's next position, the ns it waited (in
-#: the queue, and in its call while other sessions' rows ran) and the ns of its call that were
-#: its own (the call's time times its share of the call's rows).
-FrameResult = tuple[FloatRows, int, int, int]
+
+class FrameResult(NamedTuple):
+    """What a frame's run on the engine gives."""
+
+    rows: FloatRows
+    """Its output rows."""
+    next_pos: int
+    """The session's next position."""
+    queue_ns: int
+    """Nanoseconds it waited: in the queue (and, co-batched, in its call while other sessions'
+    rows ran)."""
+    compute_ns: int
+    """Nanoseconds of engine time that were its own (co-batched: the call's time times its
+    share of the call's rows)."""
+
 
 RunBatch = Callable[[Sequence[ForwardFrame]], list[tuple[FloatRows, int] | Exception]]
 
@@ -202,7 +214,7 @@ class CoBatcher:
                 # rest of the call it spent waiting on other sessions' rows counts as queueing
                 share = took * batch[index].frame.n_rows // total_rows
                 queued = began - batch[index].enqueued_ns + took - share
-                results[index] = (rows, next_pos, queued, share)
+                results[index] = FrameResult(rows, next_pos, queued, share)
         return [result for result in results if result is not None]
 
 

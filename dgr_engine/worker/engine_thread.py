@@ -59,19 +59,21 @@ class EngineThread:
         self._thread.join(timeout)
 
     def _main(self) -> None:
+        # each job is counted finished before its caller can see the outcome: a caller that
+        # resumes (and may submit its next job at once, or run one inline) finds the thread idle
         while (job := self._jobs.get()) is not None:
             loop, future, fn, args = job
-            try:
-                if future.cancelled():
-                    continue
-                try:
-                    result = fn(*args)
-                except BaseException as exc:
-                    _deliver(loop, future, _set_exception, exc)
-                else:
-                    _deliver(loop, future, _set_result, result)
-            finally:
+            if future.cancelled():
                 self._finished += 1
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as exc:
+                self._finished += 1
+                _deliver(loop, future, _set_exception, exc)
+            else:
+                self._finished += 1
+                _deliver(loop, future, _set_result, result)
 
 
 def _deliver(

@@ -2,7 +2,8 @@
 session, epoch and stage (``dgr_engine.security.grants``); with or without them, the open returns a
 fresh random session secret, which every later frame, close, ``Link`` and ``ChainOutput`` of
 that epoch must carry (compared in constant time; no signature check per frame), so no client
-can touch a session another client opened.
+can touch a session another client opened. The gate forgets an epoch's secret when the session
+table says it closed that epoch (``worker/closes.py``), or when a newer epoch opens.
 
 Without grant keys a request that names no session held here, or another epoch of it, passes
 the door and is refused by the session table as before (unknown session, stale epoch): it
@@ -15,12 +16,12 @@ from __future__ import annotations
 
 import hmac
 import secrets
-from collections.abc import Callable
 
 import attrs
 
 from dgr_engine.errors import GrantDenied, GrantUnauthenticated, StaleEpoch
 from dgr_engine.security.grants import Grant, GrantVerifier
+from dgr_engine.worker.closes import SessionClosed
 
 SECRET_BYTES = 16
 
@@ -34,13 +35,14 @@ class _Held:
 
 
 class GrantGate:
-    """Grants at open, session secrets after. ``holds(session_id)``: the worker still holds the
-    session (secrets of sessions gone are dropped)."""
+    """Grants at open, session secrets after; a close listener of the session table (the
+    secret of an epoch closed is dropped)."""
 
-    def __init__(self, verifier: GrantVerifier | None, holds: Callable[[str], bool]) -> None:
+    def __init__(self, verifier: GrantVerifier | None) -> None:
         self.verifier = verifier
-        self._holds = holds
         self._held: dict[str, _Held] = {}
+        # an entry goes when the session table closes its epoch (session_closed), or is
+        # replaced by a newer epoch's (opened)
         self._grants: dict[tuple[str, int], Grant] = {}
         # grants admitted whose open has not answered yet (admit -> opened / refund)
 
@@ -83,16 +85,13 @@ class GrantGate:
 
     def opened(self, session_id: str, epoch: int) -> bytes:
         """After an open: the epoch's new secret (with or without grant keys)."""
-        for gone in [s for s in self._held if not self._holds(s)]:
-            del self._held[gone]
         secret = secrets.token_bytes(SECRET_BYTES)
         grant = self._grants.pop((session_id, epoch), None)
         self._held[session_id] = _Held(epoch, secret, grant)
         return secret
 
     def _current(self, session_id: str) -> _Held | None:
-        held = self._held.get(session_id)
-        return held if held is not None and self._holds(session_id) else None
+        return self._held.get(session_id)
 
     def held_epoch(self, session_id: str) -> int | None:
         """The epoch of ``session_id`` held here (``None``: none is)."""
@@ -152,6 +151,13 @@ class GrantGate:
             )
 
     def closed(self, session_id: str, epoch: int) -> None:
+        """``(session_id, epoch)`` (or an older epoch of it) is closed here: its secret goes."""
         held = self._held.get(session_id)
         if held is not None and held.epoch <= epoch:
             del self._held[session_id]
+
+    def session_closed(self, closed: SessionClosed) -> None:
+        """The session table closed an epoch: as :meth:`closed`, unless a newer epoch's open
+        discarded it (that open's :meth:`opened` replaces its secret, as it always did)."""
+        if not closed.still_held:
+            self.closed(closed.session_id, closed.epoch)

@@ -6,7 +6,8 @@ one (mutual TLS), else the host it connects from. Refusals are ``DGR_E_CAPACITY`
 (``RESOURCE_EXHAUSTED``): a session refused for its client's limit is load, like a busy worker,
 and a frame over its session's rate carries the seconds until it would be taken. Without grant
 keys the identity also guards a held session: another identity's open of it is refused
-(``DGR_E_PERMISSION``).
+(``DGR_E_PERMISSION``). A session's owner and frame budget are forgotten when the session table
+says it closed the session (for any cause but a newer epoch's open: ``worker/closes.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from typing import Any
 import attrs
 
 from dgr_engine.errors import CapacityExceeded, GrantDenied
+from dgr_engine.worker.closes import SessionClosed
 
 
 def client_identity(peer: str, auth: Mapping[str, Any]) -> str:
@@ -61,25 +63,26 @@ class _Bucket:
 
 
 class PeerLimits:
-    """Who holds which session, and each session's frame budget. ``holds(session_id)`` says
-    whether the worker still holds a session (closed ones, by anyone, are forgotten lazily)."""
+    """Who holds which session, and each session's frame budget; a close listener of the
+    session table (a session closed, by anyone, is forgotten)."""
 
     def __init__(
         self,
         config: PeerLimitConfig,
-        holds: Callable[[str], bool],
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
-        self._holds = holds
         self._now = clock
         self._owner: dict[str, str] = {}
+        # invariant: the sessions held here, each with the client identity that opened it
         self._buckets: dict[str, _Bucket] = {}
 
-    def _prune(self) -> None:
-        for session_id in [s for s in self._owner if not self._holds(s)]:
-            del self._owner[session_id]
-            self._buckets.pop(session_id, None)
+    def session_closed(self, closed: SessionClosed) -> None:
+        """The session table closed an epoch: unless a newer epoch of it lives on, the session
+        has no owner and no frame budget any more."""
+        if not closed.still_held:
+            self._owner.pop(closed.session_id, None)
+            self._buckets.pop(closed.session_id, None)
 
     def check_open(self, client: str, session_id: str) -> None:
         """Before an open: ``CapacityExceeded`` when ``client`` already holds its limit of
@@ -87,7 +90,6 @@ class PeerLimits:
         limit = self.config.sessions_per_client
         if limit is None or self._owner.get(session_id) == client:
             return
-        self._prune()
         held = sum(1 for owner in self._owner.values() if owner == client)
         if held >= limit:
             raise CapacityExceeded(
@@ -104,7 +106,7 @@ class PeerLimits:
         (either would discard its state; with grant keys the tracker's grant decides who may
         open it)."""
         owner = self._owner.get(session_id)
-        if owner is not None and owner != client and self._holds(session_id):
+        if owner is not None and owner != client:
             raise GrantDenied(
                 f"DGR_E_PERMISSION: {action} of session {session_id!r}: another client holds "
                 "it on this worker"
@@ -130,6 +132,6 @@ class PeerLimits:
             raise error
         bucket.tokens -= 1.0
         if len(self._buckets) > 4 * max(len(self._owner), 64):
-            self._prune()
-            for stale in [s for s in self._buckets if not self._holds(s)]:
+            # frames that named sessions nobody holds (the table refused them): bounded
+            for stale in [s for s in self._buckets if s not in self._owner]:
                 del self._buckets[stale]

@@ -1,9 +1,14 @@
 """The worker's session table: wire session ids over one engine's session keys, with each
 session's epoch, next position and last use mirrored for ``Describe`` and the lease sweeper.
 
-Every method but :meth:`SessionTable.snapshot` and :meth:`SessionTable.oldest_use` runs on the
-engine thread; ``_lock`` only guards the dict against a concurrent reader (invariant: an entry
-exists iff its engine session is open).
+Every method but :meth:`SessionTable.snapshot`, :meth:`SessionTable.oldest_use`,
+:meth:`SessionTable.holds` and :meth:`SessionTable.check_open` runs on the engine thread;
+``_lock`` only guards the dict against a concurrent reader (invariant: an entry exists iff its
+engine session is open).
+
+The table publishes every close it makes, whatever its cause, to the listeners it was built
+with (``worker/closes.py``): after the engine closed the session and the entry is gone, outside
+``_lock``, each listener told in turn, one that raises logged and skipped.
 """
 
 from __future__ import annotations
@@ -13,16 +18,21 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import attrs
 import numpy as np
+from loguru import logger
 
 from dgr_engine.engine import FloatArray, ForwardItem, ShardInfo
 from dgr_engine.errors import EngineError, NonFiniteOutput, StaleEpoch, UnknownSession
 from dgr_engine.numerics import Numerics
 from dgr_engine.wire.frames import FloatRows, ForwardFrame
+from dgr_engine.worker.closes import CloseCause, CloseListener, SessionClosed, notify
 from dgr_engine.worker.tombstones import Tombstones
+
+if TYPE_CHECKING:
+    from loguru import Logger
 
 
 class EngineLike(Protocol):
@@ -80,9 +90,14 @@ class SessionTable:
         clock: Callable[[], float] = time.monotonic,
         *,
         tombstone_seconds: float = 600.0,
+        listeners: Sequence[CloseListener] = (),
+        log: Logger | None = None,
     ) -> None:
         self.engine = engine
         self.clock = clock
+        self._listeners = tuple(listeners)
+        """Told of every close (``worker/closes.py``), in this order."""
+        self._log = log if log is not None else logger
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._keys = itertools.count(1)
@@ -112,6 +127,8 @@ class SessionTable:
                 self._entries[session_id] = _Entry(key, epoch, self.clock())
         else:
             entry.last_used = self.clock()
+        if entry is not None and discarded:  # the older epoch's state is gone
+            self._publish(session_id, entry.epoch, CloseCause.SUPERSEDED)
         return discarded
 
     def forward(self, frame: ForwardFrame) -> tuple[FloatRows, int]:
@@ -171,7 +188,7 @@ class SessionTable:
         """After the engine ran ``frame``: refuses (and closes) output that is not finite, else
         advances the mirrored position."""
         if not np.isfinite(out).all():  # its KV holds them too: nobody may continue it
-            self.close(frame.session_id, frame.epoch)
+            self.close(frame.session_id, frame.epoch, CloseCause.NON_FINITE)
             raise NonFiniteOutput(
                 f"DGR_E_NON_FINITE: the engine produced NaN or infinity for session "
                 f"{frame.session_id!r} epoch {frame.epoch}; the session was closed"
@@ -179,12 +196,13 @@ class SessionTable:
         entry.next_pos = int(frame.positions[-1]) + 1
         return out, entry.next_pos
 
-    def close(self, session_id: str, epoch: int) -> int:
+    def close(self, session_id: str, epoch: int, cause: CloseCause = CloseCause.CLIENT) -> int:
         """Closes the session if it is open at ``epoch`` or older (a newer epoch was opened
         elsewhere: the state held here is dead); returns the epoch closed. A newer open epoch
         is refused as stale, an unknown session as unknown. A close that finds nothing of its
         epoch (nothing, or an older epoch) leaves a tombstone: that epoch's open may still be on
-        its way (in line for a slot, or queued behind a stall), and is refused when it lands."""
+        its way (in line for a slot, or queued behind a stall), and is refused when it lands.
+        ``cause`` is what the listeners are told."""
         entry = self._entries.get(session_id)
         if entry is None or entry.epoch < epoch:
             self._tombstones.record(session_id, epoch)
@@ -194,6 +212,7 @@ class SessionTable:
             self.engine.close_session(entry.key, entry.epoch)
         with self._lock:
             del self._entries[session_id]
+        self._publish(session_id, entry.epoch, cause)
         return entry.epoch
 
     def holds(self, session_id: str) -> bool:
@@ -201,22 +220,29 @@ class SessionTable:
         with self._lock:
             return session_id in self._entries
 
-    def close_all(self) -> int:
-        """Closes every session; returns how many were open."""
+    def check_open(self, session_id: str, epoch: int) -> None:
+        """``UnknownSession`` / ``StaleEpoch`` unless ``(session_id, epoch)`` is open here;
+        safe from any thread."""
         with self._lock:
-            entries = list(self._entries.values())
+            self._live(session_id, epoch)
+
+    def close_all(self) -> int:
+        """Closes every session (cause ``SHUTDOWN``); returns how many were open."""
+        with self._lock:
+            entries = list(self._entries.items())
             self._entries.clear()
-        for entry in entries:
+        for session_id, entry in entries:
             self.engine.close_session(entry.key, entry.epoch)
+            self._publish(session_id, entry.epoch, CloseCause.SHUTDOWN)
         return len(entries)
 
     def expire_idle(self, lease_seconds: float) -> LeaseSweep:
         """Closes every session unused (not opened or forwarded) for at least
-        ``lease_seconds``. A session whose engine close fails stays open (and listed as
-        failed)."""
-        return self.expire_unused_since(self.clock() - lease_seconds)
+        ``lease_seconds`` (cause ``LEASE``). A session whose engine close fails stays open (and
+        listed as failed)."""
+        return self.expire_unused_since(self.clock() - lease_seconds, CloseCause.LEASE)
 
-    def expire_unused_since(self, since: float) -> LeaseSweep:
+    def expire_unused_since(self, since: float, cause: CloseCause = CloseCause.STALL) -> LeaseSweep:
         """Closes every session last used at or before ``since`` (clock time); as
         :meth:`expire_idle`."""
         with self._lock:
@@ -232,7 +258,12 @@ class SessionTable:
             with self._lock:
                 del self._entries[session_id]
             sweep.closed.append((session_id, entry.epoch))
+            self._publish(session_id, entry.epoch, cause)
         return sweep
+
+    def _publish(self, session_id: str, epoch: int, cause: CloseCause) -> None:
+        """Tells the listeners (never under ``_lock``; a listener's failure is logged)."""
+        notify(self._listeners, SessionClosed(session_id, epoch, cause), self._log)
 
     def oldest_use(self) -> float | None:
         """When the least recently used session was last used (``None``: no session open);

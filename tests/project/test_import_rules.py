@@ -228,6 +228,12 @@ def test_importing_the_worker_and_the_client_loads_no_tooling() -> None:
     assert done.stdout.strip() == "[]", done.stdout
 
 
+def test_dgr_engine_has_no_import_cycle() -> None:
+    assert "dgr_engine.worker.server" in GRAPH
+    found = cycles(GRAPH)
+    assert not found, f"import cycles: {found}"
+
+
 def test_the_cycle_finder_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert cycles(graph) == [["a", "b", "c"]]

@@ -15,6 +15,7 @@ from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import CapacityExceeded, GrantDenied
 from dgr_engine.reference import LocalChain
 from dgr_engine.worker import ShardWorker, WorkerConfig
+from dgr_engine.worker.closes import CloseCause, SessionClosed
 from dgr_engine.worker.peer_limits import PeerLimitConfig, PeerLimits, client_identity
 
 KW = {"max_sessions": 4, "n_ctx_per_session": 64, "n_threads": 1, "n_batch": 16}
@@ -37,17 +38,15 @@ def test_client_identity_is_the_certificate_name_else_the_host() -> None:
 
 
 def test_sessions_per_client_counts_only_sessions_still_held() -> None:
-    held: set[str] = set()
-    limits = PeerLimits(PeerLimitConfig(sessions_per_client=2), held.__contains__)
+    limits = PeerLimits(PeerLimitConfig(sessions_per_client=2))
     for sid in ("a", "b"):
         limits.check_open("x", sid)
         limits.opened("x", sid)
-        held.add(sid)
     limits.check_open("x", "a")  # a newer epoch of a session it holds
     limits.check_open("y", "c")  # another client
     with pytest.raises(CapacityExceeded, match="client x holds 2 sessions, its limit"):
         limits.check_open("x", "c")
-    held.discard("a")  # closed (by anyone: the lease, the client)
+    limits.session_closed(SessionClosed("a", 1, CloseCause.LEASE))  # by anyone: the lease
     limits.check_open("x", "c")
     with pytest.raises(ValueError, match="sessions_per_client must be >= 1"):
         PeerLimitConfig(sessions_per_client=0)
@@ -56,21 +55,19 @@ def test_sessions_per_client_counts_only_sessions_still_held() -> None:
 def test_a_held_session_is_its_clients_until_it_is_closed() -> None:
     """Without grants, another identity's open of a held session would discard its state:
     refused; its own client may open it again, and anyone once nobody holds it."""
-    held: set[str] = set()
-    limits = PeerLimits(PeerLimitConfig(), held.__contains__)
+    limits = PeerLimits(PeerLimitConfig())
     limits.opened("cert:alice", "s")
-    held.add("s")
     with pytest.raises(GrantDenied, match="another client holds it"):
         limits.check_owner("cert:bob", "s")
     limits.check_owner("cert:alice", "s")  # a newer epoch of its own session
     limits.check_owner("cert:bob", "t")  # a session nobody holds
-    held.discard("s")  # closed (by its client, a lease or a stall)
+    limits.session_closed(SessionClosed("s", 0, CloseCause.STALL))  # a lease, a stall, ...
     limits.check_owner("cert:bob", "s")
 
 
 def test_frames_per_second_is_a_bucket_with_a_retry_hint() -> None:
     clock = Clock()
-    limits = PeerLimits(PeerLimitConfig(frames_per_second=2.0, burst=3), lambda _s: True, clock)
+    limits = PeerLimits(PeerLimitConfig(frames_per_second=2.0, burst=3), clock)
     for _ in range(3):
         limits.check_frame("s")
     with pytest.raises(CapacityExceeded, match="more than 2 frames per second") as caught:

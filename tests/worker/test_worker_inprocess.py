@@ -10,7 +10,6 @@ import time
 from pathlib import Path
 from typing import Any, TypeVar
 
-import attrs
 import grpc
 import numpy as np
 import pytest
@@ -308,7 +307,7 @@ def test_one_row_frames_run_on_the_loop_when_the_engine_is_idle_and_steps_are_sh
                 await client.forward("i", 0, 6, expect, [8], tokens=[9])
                 assert ran_on[-2:] == ["dgr-engine", loop_thread]
                 # inline_max_rows=0: always the engine thread
-                worker.config = attrs.evolve(worker.config, inline_max_rows=0)
+                worker.dispatch.inline_max_rows = 0
                 await client.forward("i", 0, 7, expect, [9], tokens=[10])
                 assert ran_on[-1] == "dgr-engine"
                 # closed before the client goes: a client leaving cancels its streams, and the

@@ -1,0 +1,157 @@
+"""A stage's stream to the next stage of a chained route (``docs/chain.md``): where a link
+points (:class:`ChainLink`), the stream that carries one upstream stream's frames on
+(:class:`Downstream`), and how its end is passed up (:class:`ChainFailure`): the downstream's
+own refusal as it is (it names its hop already), or the next stage lost (``UNAVAILABLE``,
+naming the hop this stage dialled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+import grpc
+
+from dgr_engine.wire.metadata import session_metadata
+from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_engine.wire.proto import shard_pb2_grpc
+from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY
+
+_FAILURE_WAIT = 5.0
+"""Seconds a stage whose write downstream failed waits for the downstream's status."""
+
+Trailers = tuple[tuple[str, str], ...]
+
+
+@attrs.frozen
+class ChainFailure:
+    """How a chained stream ends: a gRPC code, details and trailers (with ``dgr-chain-hop``)."""
+
+    code: grpc.StatusCode
+    details: str
+    trailers: Trailers
+
+
+@attrs.frozen
+class ChainLink:
+    """Where a session's output goes from this stage, for one epoch (``Chain.Link``)."""
+
+    epoch: int
+    endpoint: str
+    expect: pb.Expectations
+    secret: bytes
+    tls: bool
+    ring: bool = False
+    """The last stage's link to the first: a ring (``LinkRequest.ring``)."""
+
+
+def failure_of(
+    code: grpc.StatusCode,
+    details: str,
+    trailers: Iterable[tuple[str, Any]] | None,
+    hop: int,
+    endpoint: str,
+) -> ChainFailure:
+    """A downstream stream's end, as this stage passes it up: the downstream's own refusal
+    (already naming its hop), or the next stage lost (``UNAVAILABLE``, naming ``hop``)."""
+    found: dict[str, str] = {}
+    for key, value in trailers or ():
+        found[key] = value if isinstance(value, str) else bytes(value).decode()
+    if CHAIN_HOP_KEY in found:
+        return ChainFailure(code, details, tuple(found.items()))
+    if STATUS_KEY not in found and code in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.CANCELLED,
+        grpc.StatusCode.UNKNOWN,
+    ):
+        code, found[STATUS_KEY] = grpc.StatusCode.UNAVAILABLE, "DGR_E_UNAVAILABLE"
+        details = f"chain hop {hop} ({endpoint}) lost: {details}"
+    found[CHAIN_HOP_KEY] = str(hop)
+    return ChainFailure(code, details, tuple(found.items()))
+
+
+class Downstream:
+    """This stage's stream to the next stage for one upstream stream: frames out; its end, if
+    it is an error, resolves ``failed``."""
+
+    def __init__(
+        self,
+        stub: shard_pb2_grpc.ChainStub,
+        first: pb.ForwardRequest,
+        link: ChainLink,
+        hop: int,
+        failed: asyncio.Future[ChainFailure],
+        watchers: set[asyncio.Task[None]],
+    ) -> None:
+        self.link = link
+        self.hop = hop
+        self.failed = failed
+        self.watchers = watchers
+        self.call = stub.ChainStream(metadata=session_metadata(first))
+        self.watcher = asyncio.get_running_loop().create_task(self._watch())
+        watchers.add(self.watcher)
+        self.watcher.add_done_callback(watchers.discard)
+
+    def _fail(self, failure: ChainFailure) -> None:
+        if not self.failed.done():
+            self.failed.set_result(failure)
+
+    async def _watch(self) -> None:
+        try:
+            while await self.call.read() is not grpc.aio.EOF:
+                pass  # nothing is answered while all goes well
+            code = await self.call.code()
+            if code == grpc.StatusCode.OK:
+                return
+            details = await self.call.details() or ""
+            trailers = await self.call.trailing_metadata()
+            self._fail(failure_of(code, details, trailers, self.hop, self.link.endpoint))
+        except grpc.aio.AioRpcError as exc:
+            self._fail(
+                failure_of(
+                    exc.code(),
+                    exc.details() or "",
+                    exc.trailing_metadata(),
+                    self.hop,
+                    self.link.endpoint,
+                )
+            )
+        except asyncio.InvalidStateError:
+            pass
+
+    async def send(self, request: pb.ForwardRequest) -> None:
+        try:
+            await self.call.write(request)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            try:  # the stream is over: its status says why
+                async with asyncio.timeout(_FAILURE_WAIT):
+                    await asyncio.shield(self.failed)
+            except TimeoutError:
+                self._fail(
+                    failure_of(
+                        grpc.StatusCode.UNAVAILABLE, repr(exc), None, self.hop, self.link.endpoint
+                    )
+                )
+
+    async def finish(self) -> None:
+        """The upstream stream ended: half-close this one (the next stage ends in turn)."""
+        try:
+            await self.call.done_writing()
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            pass
+
+    def cancel(self) -> None:
+        self.call.cancel()
+        self.watcher.cancel()
+
+    def finish_soon(self) -> None:
+        """Half-closes in the background (a ring whose epoch was closed)."""
+        task = asyncio.get_running_loop().create_task(self.finish())
+        self.watchers.add(task)
+        task.add_done_callback(self.watchers.discard)
+
+
+__all__ = ["ChainFailure", "ChainLink", "Downstream", "Trailers", "failure_of"]
