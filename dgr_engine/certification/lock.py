@@ -81,6 +81,23 @@ class Speed:
 
 
 @attrs.frozen
+class QuantizedBaseline:
+    """DGR-020 for a quantized GGUF: whole-model llama.cpp against ``transformers`` running the
+    same GGUF's weights dequantized to float32, teacher-forced over seeded prompts."""
+
+    prompt_tokens_min: int
+    """Teacher-forced positions over all prompts, at least."""
+    kld_mean_max: float
+    """Mean KL divergence (nats) of the next-token distributions, reference to llama.cpp."""
+    kld_p99_max: float
+    """Its 99th percentile over positions."""
+    top1_agreement_min: float
+    """Share of positions whose top-1 token agrees."""
+    decode_ratio_min: float
+    """llama.cpp decode speed over ``transformers``' at least this."""
+
+
+@attrs.frozen
 class Thresholds:
     """Every threshold a verdict is measured against."""
 
@@ -104,6 +121,9 @@ class Thresholds:
     isolation_sessions: int
     isolation_tokens: int
     max_route_changes: int
+    quantized: QuantizedBaseline
+    """DGR-020's thresholds for a quantized GGUF (no safetensors: its own weights
+    dequantized)."""
 
 
 @attrs.frozen
@@ -419,6 +439,15 @@ def _thresholds(r: _Reader, data: Any) -> Thresholds:
         isolation_sessions=r.count(data, f"{t}.isolation.sessions"),
         isolation_tokens=r.count(data, f"{t}.isolation.tokens"),
         max_route_changes=r.count(data, f"{t}.failure.max_route_changes"),
+        quantized=QuantizedBaseline(
+            prompt_tokens_min=r.count(data, f"{t}.baseline_quantized.prompt_tokens_min"),
+            kld_mean_max=r.number(data, f"{t}.baseline_quantized.kld_mean_max"),
+            kld_p99_max=r.number(data, f"{t}.baseline_quantized.kld_p99_max"),
+            top1_agreement_min=r.number(data, f"{t}.baseline_quantized.top1_agreement_min"),
+            decode_ratio_min=r.number(
+                data, f"{t}.baseline_quantized.llama_cpp_vs_transformers_decode_ratio_min"
+            ),
+        ),
     )
 
 
