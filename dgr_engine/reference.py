@@ -124,6 +124,13 @@ def split_points(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
     return list(zip(bounds[:-1], bounds[1:], strict=True))
 
 
+def arch_of(model: str | os.PathLike[str]) -> str:
+    """``general.architecture`` of a GGUF (from its metadata, without loading tensors)."""
+    from gguf import GGUFReader
+
+    return bytes(GGUFReader(model).fields["general.architecture"].parts[-1]).decode()
+
+
 def n_layer_of(model: str | os.PathLike[str]) -> int:
     """Main layers of a GGUF (from its metadata, without loading tensors): ``block_count``
     less the MTP/nextn layers, which are never routed (as the C engine counts them)."""

@@ -11,6 +11,7 @@
     dgr certify   certify a lane here: its scenarios over real workers, one evidence record
     dgr baseline  DGR-020: safetensors against whole-model llama.cpp, one baseline record
     dgr artifacts the hashed manifest of a single or split GGUF
+    dgr lock      make a lock: declare a real model, a hardware lane, a certifier key
     dgr gate      evaluate DGR-020, DGR-054 or DGR-070 from the records, against the lock
 """
 
@@ -29,6 +30,7 @@ from dgr_engine.cli import (
     fixtures,
     gate,
     generate,
+    lock,
     models,
     worker,
 )
@@ -42,6 +44,7 @@ _SUBCOMMANDS = {
     "certify": certify,
     "baseline": baseline,
     "artifacts": artifacts,
+    "lock": lock,
     "gate": gate,
 }
 

@@ -12,6 +12,7 @@ from dgr_engine.models.fetch import (
     fetch_model,
     model_path,
 )
+from dgr_engine.models.resolve import resolve_model
 
 __all__ = [
     "CATALOG",
@@ -23,4 +24,5 @@ __all__ = [
     "fetch_model",
     "lookup",
     "model_path",
+    "resolve_model",
 ]

@@ -1,0 +1,42 @@
+"""A model given on a command line: a catalog name (fetched and verified when needed) or the
+path of a GGUF file."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from dgr_engine.models.catalog import CATALOG, UnknownModel, lookup
+from dgr_engine.models.fetch import ModelNotFetched, fetch_model, model_path, models_root
+
+
+def resolve_model(
+    given: str | os.PathLike[str],
+    *,
+    root: str | os.PathLike[str] | None = None,
+    notice: Callable[[str], None] | None = None,
+) -> Path:
+    """The GGUF ``given`` names: a catalog name (``dgr models list``), taken from the models
+    directory (``root``, else the default: :func:`~dgr_engine.models.fetch.models_root`) or
+    fetched there first, with ``notice`` told so; else an existing file.
+    :class:`~dgr_engine.models.catalog.UnknownModel` (which lists the catalog) for a name
+    that is neither, ``FileNotFoundError`` for a path that is not a file."""
+    text = os.fspath(given)
+    if text in CATALOG:
+        model = lookup(text)
+        folder = models_root(root)
+        try:
+            return model_path(model, folder)
+        except ModelNotFetched:
+            if notice is not None:
+                notice(f"fetching {model.name} ({model.size / 2**20:.0f} MiB) into {folder}")
+            path, _report = fetch_model(model, folder, notice=notice)
+            return path
+    path = Path(text)
+    if path.is_file():
+        return path
+    if path.suffix == ".gguf" or os.sep in text or path.exists():
+        raise FileNotFoundError(f"{text}: no such GGUF file")
+    lookup(text)  # not a catalog name either: UnknownModel, naming the catalog
+    raise AssertionError("unreachable")
