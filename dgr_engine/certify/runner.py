@@ -29,7 +29,7 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dgr_engine.certification import signing
-from dgr_engine.certification.classify import derive_facts
+from dgr_engine.certification.classify import EvidenceFacts, derive_facts
 from dgr_engine.certification.errors import SignatureRefused
 from dgr_engine.certification.gates import HOP_PARTS
 from dgr_engine.certification.lane import LaneKey
@@ -134,6 +134,25 @@ def signing_key_for(
     return key
 
 
+def evidence_class_reason(facts: EvidenceFacts, lane: LaneKey) -> str:
+    """Why the record has its class, in one line (a real model off a declared hardware lane
+    says which facts of this machine no hardware lane of the lock names)."""
+    cls = facts.evidence_class.value
+    if facts.fixture_mark is not None:
+        return f"{cls}: a generated fixture (dgr.fixture mark {facts.fixture_mark!r})"
+    if facts.hardware_lane is None:
+        return (
+            f"{cls}: the lock's real model {facts.real_model}, but no hardware lane of the lock "
+            f"names this machine and build ({lane.hardware}; llama.cpp "
+            f"{lane.llama_cpp_commit[:12]}, patch stack {lane.patch_stack_sha256[:12]}, "
+            f"{lane.backend}), so not real-hardware (declare it: dgr lock declare-hardware)"
+        )
+    return (
+        f"{cls}: the lock's real model {facts.real_model} on its hardware lane "
+        f"{facts.hardware_lane}"
+    )
+
+
 def machine_facts(hardware: str) -> dict[str, str]:
     return {
         "hardware": hardware,
@@ -194,6 +213,7 @@ async def certify(
         lane, fixture_mark=build.fixture_mark, lock=lock, release_build=release.is_release
     )
     evidence = facts.evidence_class  # UnclassifiableModel before anything runs
+    class_reason = evidence_class_reason(facts, lane)
     key = signing_key_for(lock, evidence, key)
     comparable = lock.require_comparable_lane(evidence, lane.backend, arch, facts.real_model)
     family = comparable.family
@@ -205,6 +225,7 @@ async def certify(
         f"{evidence.value} evidence: "
         f"{'fixture mark ' + repr(facts.fixture_mark) if facts.fixture_mark else facts.real_model})"
     )
+    progress(f"evidence class: {class_reason}")
     why_not = "; ".join(release.reasons)
     progress(
         f"release build: {'yes' if release.is_release else f'no ({why_not})'}; signed by key "
@@ -352,7 +373,7 @@ async def certify(
         family=family,
         command=tuple(command),
         dgr_commit=commit,
-        machine=machine_facts(lane.hardware),
+        machine={**machine_facts(lane.hardware), "evidence_class": class_reason},
         started_at=started,
         ended_at=dt.datetime.now(dt.UTC),
         figures=tuple(figures),

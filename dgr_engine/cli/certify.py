@@ -45,7 +45,9 @@ lane certified by default)."""
 
 def configure(p: argparse.ArgumentParser) -> None:
     model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", type=Path, help="the GGUF file")
+    model.add_argument(
+        "--model", help="a catalog name (dgr models list; fetched when missing) or a GGUF file"
+    )
     model.add_argument("--fixture", help="a generated fixture by name (built if missing)")
     EngineOptions.add_arguments(p, **CERTIFY_OPTIONS)
     add_evidence_arguments(p)
@@ -59,19 +61,25 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dgr_engine.certification.errors import EvidenceError
+    from dgr_engine.certification.errors import EvidenceError, UnclassifiableModel
     from dgr_engine.certification.lock import load_lock
     from dgr_engine.certification.record import default_evidence_dir
     from dgr_engine.certification.signing import load_signing_key
     from dgr_engine.fixtures import ensure_fixture
+    from dgr_engine.models import resolve_model
+    from dgr_session.errors import DgrError
 
     if args.verbose:
         log_to_stderr("INFO")
     try:
         key = None if args.sign_key is None else load_signing_key(args.sign_key)
         lock = load_lock(args.lock)
-        model = args.model if args.model is not None else ensure_fixture(args.fixture)
-    except (EvidenceError, ValueError, OSError) as exc:
+        model = (
+            resolve_model(args.model, notice=lambda text: print(text, flush=True))
+            if args.model is not None
+            else ensure_fixture(args.fixture)
+        )
+    except (EvidenceError, DgrError, LookupError, ValueError, OSError) as exc:
         print(f"dgr certify: {exc}", file=sys.stderr)
         return 2
     evidence = args.evidence if args.evidence is not None else default_evidence_dir()
@@ -84,6 +92,13 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print("interrupted: every worker stopped, no record written", file=sys.stderr)
         return 130
+    except UnclassifiableModel as exc:
+        print(
+            f"dgr certify: {exc}; to certify it as a real model, declare it in a new lock: "
+            f"dgr lock declare-model {args.model or model} --lock {lock.path}",
+            file=sys.stderr,
+        )
+        return 2
     except (EvidenceError, ValueError) as exc:
         print(f"dgr certify: {exc}", file=sys.stderr)
         return 2
