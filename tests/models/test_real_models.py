@@ -193,3 +193,33 @@ def test_smollm2_over_three_stages_is_the_whole_model_and_answers(
     assert tokens == ref_tokens
     assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
     assert "Paris" in tokenizer.decode(tokens), tokenizer.decode(tokens)
+
+
+@pytest.mark.slow  # the real model; every layout dgr certify runs on it
+def test_every_certify_layout_of_smollm2_is_the_whole_model(smollm2: Path, closing: list) -> None:
+    from dgr_engine.certification.lock import load_lock
+    from dgr_engine.certify.runner import layouts_for
+
+    layouts = layouts_for(30, load_lock().thresholds.layout_stage_counts)
+    assert [len(layout) for layout in layouts] == [2, 3, 4, 10]  # the lock's counts, 30 layers
+    kw = {"n_threads": 1, "n_ctx_per_session": 64, "n_batch": 32, "max_sessions": 1}
+    whole = ShardEngine(smollm2, **kw)
+    closing.append(whole)
+    prompt = [1, 504, 3458, 282, 4649, 314, 253, 2369, 30, 198, 2, 9690, 198]  # 13 positions
+    reference = LocalChain([whole])
+    reference.open(1, 0)
+    ref_tokens, ref_logits = reference.greedy(1, 0, prompt, 6, all_prefill_logits=True)
+    for layout in layouts:
+        stages = [ShardEngine(smollm2, layers=r, **kw) for r in layout]
+        try:
+            route = LocalChain(stages)
+            route.open(1, 0)
+            tokens, logits = route.greedy(1, 0, prompt, 6, all_prefill_logits=True)
+            assert tokens == ref_tokens, layout
+            assert len(logits) == len(ref_logits)
+            assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True)), (
+                layout
+            )
+        finally:
+            for stage in stages:
+                stage.close()
