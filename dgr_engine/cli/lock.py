@@ -105,9 +105,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _lock_path(given: Path | None) -> Path:
-    from dgr_engine.certification.lock import default_lock_path
+    """The lock file named (``--lock``), else the default one, which must load (outside a
+    checkout with no ``$DGR_LOCK`` there is none: the refusal says how to name one)."""
+    from dgr_engine.certification.lock import load_lock
 
-    return given if given is not None else default_lock_path()
+    return given if given is not None else load_lock(None).path
 
 
 def _read(path: Path) -> dict[str, Any]:
