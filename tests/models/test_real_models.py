@@ -5,6 +5,7 @@ stages bit for bit equal to the whole model, answering a question."""
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import zipfile
 from pathlib import Path
@@ -158,6 +159,25 @@ def test_command_line_mistakes_are_one_line_and_exit_2(tmp_path: Path) -> None:
     assert done.returncode == 2 and "/home" in done.stderr and "Traceback" not in done.stderr
     done = _dgr("list")
     assert done.returncode == 0 and SMOLLM2 in done.stdout and "Apache-2.0" in done.stdout
+
+
+def test_no_network_is_one_line_exit_2_and_nothing_named(tmp_path: Path) -> None:
+    # pip pointed at a loopback port nothing listens on, without its cache or retries
+    env = {**os.environ, "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_CACHE_DIR": "1"}
+    env.update(PIP_RETRIES="0", PIP_TIMEOUT="5", PIP_EXTRA_INDEX_URL="", PIP_FIND_LINKS="")
+    root = tmp_path / "models"
+    done = subprocess.run(
+        [dgr_command(), "models", "fetch", SMOLLM2, "--root", str(root), "--allow-temp-root"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 2, done.stderr
+    refusal = [line for line in done.stderr.splitlines() if "could not download" in line]
+    assert len(refusal) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "huggingface.co" in refusal[0]  # where the same file is, elsewhere
+    assert not (root / SMOLLM2 / lookup(SMOLLM2).file_name).exists()
 
 
 # -- the real model ------------------------------------------------------------------------------
