@@ -67,8 +67,10 @@ def _check_evidence_path(sid: str, cls: str, status: str, path: Any, root: Path)
     if not (root / rel).is_file():
         errors.append(f"{sid}: evidence path {path!r} does not exist")
     classes = {c.value for c in EvidenceClass if c.satisfies(EvidenceClass(cls))}
-    if cls != "fixture" and status == "done" and (
-        rel.parts[:1] != ("evidence",) or len(rel.parts) < 2 or rel.parts[1] not in classes
+    if (
+        cls != "fixture"
+        and status == "done"
+        and (rel.parts[:1] != ("evidence",) or len(rel.parts) < 2 or rel.parts[1] not in classes)
     ):
         errors.append(
             f"{sid}: {cls} evidence must live under evidence/<{cls} or above>/, got {path!r} "
