@@ -25,6 +25,7 @@ The command line is ``python -m benchmarks.peer_build [--force] [--print-prefix]
 from __future__ import annotations
 
 import datetime
+import enum
 import hashlib
 import json
 import os
@@ -37,7 +38,10 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Final
 
-from dgr_engine.tooling.llama_build import CHECKOUT, build_module
+import attrs
+
+from dgr_engine.tooling.llama_build import CHECKOUT, CheckoutMissing, build_module
+from dgr_session.errors import DgrError
 
 Log = Callable[[str], None]
 
@@ -221,3 +225,68 @@ def cached_prefix() -> Path | None:
     paths, *_, key = _inputs(build)
     prefix = Path(paths.cache_dir) / "peers" / key[:16]
     return prefix if _is_cached(prefix, key) else None
+
+
+BUILD_COMMAND: Final = "dgr certify --rpc build (or: python -m benchmarks.peer_build)"
+"""What builds the peers, as a reason that they are missing names it."""
+
+
+class PeerUse(enum.StrEnum):
+    """When ``dgr certify`` runs llama.cpp RPC beside the route (``--rpc``)."""
+
+    AUTO = "auto"
+    """When the peers are cached, or when the evidence is real-model or above (then built
+    first if missing)."""
+    BUILD = "build"
+    """Always: built first if missing; a failed build refuses the run."""
+    OFF = "off"
+    """Never (quick demo certifications): ``speed.vs_rpc`` is not measured."""
+
+
+class PeersUnavailable(DgrError, RuntimeError):
+    """The peers were required (``--rpc build``) and cannot be had: no source checkout, or the
+    build failed. Nothing was measured."""
+
+
+@attrs.frozen
+class Peers:
+    """Where the peers are, or why there are none."""
+
+    prefix: Path | None
+    """The prefix holding ``bin/<target>``; ``None`` when not available."""
+    reason: str = ""
+    """Why ``prefix`` is ``None`` (empty when it is not)."""
+
+
+def find_peers(use: PeerUse, *, build_when_missing: bool, log: Log) -> Peers:
+    """The peers as ``use`` asks: :attr:`PeerUse.AUTO` takes the cached build, and builds a
+    missing one only when ``build_when_missing`` (progress on ``log``; a cold build is about 12
+    minutes on 2 cores); a failure is the reason. :attr:`PeerUse.BUILD` builds when missing
+    and raises :class:`PeersUnavailable` when it cannot."""
+    if use is PeerUse.OFF:
+        return Peers(None, "dgr certify --rpc off: llama.cpp RPC was not run")
+    required = use is PeerUse.BUILD
+    try:
+        failures: tuple[type[BaseException], ...] = (build_module().BuildError, OSError)
+        prefix = cached_prefix()
+    except CheckoutMissing as exc:
+        if required:
+            raise PeersUnavailable(f"--rpc build: {exc}") from exc
+        return Peers(None, f"llama.cpp's peers cannot be built here: {exc}")
+    if prefix is not None:
+        return Peers(prefix)
+    if not (required or build_when_missing):
+        return Peers(
+            None,
+            "llama.cpp's peers (llama-bench, ggml-rpc-server) are not built in this workspace "
+            f"and fixture evidence does not build them: {BUILD_COMMAND} builds them (about "
+            "12 min on 2 cores), then certify measures RPC",
+        )
+    log("peers: llama-bench and ggml-rpc-server are not built yet: building them now (a cold")
+    log("peers: build takes about 12 minutes on 2 cores; cached in <cache>/peers after)")
+    try:
+        return Peers(ensure_peers(log=log))
+    except failures as exc:  # the build script's BuildError, a full disk
+        if required:
+            raise PeersUnavailable(f"--rpc build: building the peers failed: {exc}") from exc
+        return Peers(None, f"building llama.cpp's peers failed: {exc}")

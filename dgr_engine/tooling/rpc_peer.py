@@ -16,6 +16,7 @@ further stage on its server (:func:`rpc_split`, checked against llama.cpp's own 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -305,7 +306,7 @@ class PeerConfig:
         return ["-t", str(self.threads), "-ctk", kv, "-ctv", kv, "-fa", fa, "-b", nb, "-ub", nb]
 
 
-def run_llama_bench(
+def llama_bench_argv(
     config: PeerConfig,
     prompts: Sequence[int],
     n_gen: int,
@@ -314,10 +315,9 @@ def run_llama_bench(
     servers: Sequence[RpcServer] = (),
     n_layer: int = 0,
     verbose: bool = False,
-) -> tuple[list[BenchResult], str]:
-    """One ``llama-bench`` run (1 repetition per test); with ``servers``, RPC over them with
-    the first stage local (:func:`rpc_split`). Returns the tests and its stderr (llama.cpp's
-    log only with ``verbose``: a probe run, never a timed one)."""
+) -> list[str]:
+    """The command line of one ``llama-bench`` run (1 repetition per test); with ``servers``,
+    RPC over them with the first stage local (:func:`rpc_split`)."""
     argv = [str(config.bench), "-m", str(config.model), "-o", "json", "-r", "1"]
     if verbose:
         argv += ["-v", "--no-warmup"]
@@ -331,6 +331,24 @@ def run_llama_bench(
             argv += ["-ts", ts_arg(weights)]
     else:
         argv += ["-ngl", "0"]
+    return argv
+
+
+def run_llama_bench(
+    config: PeerConfig,
+    prompts: Sequence[int],
+    n_gen: int,
+    depths: Sequence[int],
+    *,
+    servers: Sequence[RpcServer] = (),
+    n_layer: int = 0,
+    verbose: bool = False,
+) -> tuple[list[BenchResult], str]:
+    """One ``llama-bench`` run (:func:`llama_bench_argv`). Returns the tests and its stderr
+    (llama.cpp's log only with ``verbose``: a probe run, never a timed one)."""
+    argv = llama_bench_argv(
+        config, prompts, n_gen, depths, servers=servers, n_layer=n_layer, verbose=verbose
+    )
     proc = subprocess.run(
         argv, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=peer_env(), check=False
     )
@@ -339,6 +357,55 @@ def run_llama_bench(
             f"llama-bench failed (exit {proc.returncode}): {' '.join(argv)}\n{proc.stderr[-1500:]}"
         )
     return parse_llama_bench(proc.stdout), proc.stderr
+
+
+async def run_llama_bench_async(
+    config: PeerConfig,
+    prompts: Sequence[int],
+    n_gen: int,
+    depths: Sequence[int],
+    *,
+    servers: Sequence[RpcServer] = (),
+    n_layer: int = 0,
+) -> list[BenchResult]:
+    """:func:`run_llama_bench` for an event loop: the process is killed and reaped when the
+    caller is cancelled (Ctrl-C) or :data:`RUN_TIMEOUT` passes (``TimeoutError``);
+    ``RuntimeError`` when it fails, ``ValueError`` when its output is not its JSON."""
+    argv = llama_bench_argv(config, prompts, n_gen, depths, servers=servers, n_layer=n_layer)
+    proc = await asyncio.create_subprocess_exec(
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=peer_env(),
+    )
+    try:
+        async with asyncio.timeout(RUN_TIMEOUT):
+            out, err = await proc.communicate()
+    finally:
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"llama-bench failed (exit {proc.returncode}): {' '.join(argv)}\n"
+            f"{err.decode(errors='replace')[-1500:]}"
+        )
+    return parse_llama_bench(out.decode(errors="replace"))
+
+
+def settings_differ(result: BenchResult, config: PeerConfig) -> str | None:
+    """What in a peer's own report differs from what it was given (threads, KV type,
+    flash-attention mode), or ``None`` when nothing does."""
+    wanted = {
+        "threads": (result.n_threads, config.threads),
+        "type_k": (result.type_k, config.kv_type),
+        "type_v": (result.type_v, config.kv_type),
+        "flash_attn": (result.flash_attn, FLASH_ATTN_CODE[config.flash_attn]),
+    }
+    bad = [f"{k} {got} (wanted {want})" for k, (got, want) in wanted.items() if got != want]
+    return "; ".join(bad) or None
 
 
 def run_batched_bench(
