@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import concurrent_route, peer_build, peers, targets
+from benchmarks import concurrent_route, targets
 from dgr_engine.reference import split_points
+from dgr_engine.tooling import peer_build
+from dgr_engine.tooling import rpc_peer as peers
 
 REPO = Path(__file__).resolve().parents[2]
 
