@@ -112,9 +112,11 @@ class BenchModel:
             raise BenchModelError(f"{self.label}: dgr certify of its lane failed: {last}")
 
 
-def add_model_arguments(parser: argparse.ArgumentParser, default_fixture: str) -> None:
-    """``--fixture`` / ``--model`` (one of the two; default: ``--fixture default_fixture``) and
-    the trust flags ``--lock``, ``--evidence``, ``--sign-key``."""
+def add_model_arguments(
+    parser: argparse.ArgumentParser, default_fixture: str, *, trust: bool = True
+) -> None:
+    """``--fixture`` / ``--model`` (one of the two; default: ``--fixture default_fixture``) and,
+    with ``trust`` (a benchmark that routes), ``--lock``, ``--evidence`` and ``--sign-key``."""
     group = parser.add_mutually_exclusive_group()
     group.add_argument(
         "--fixture", default=None, help=f"a generated fixture by name (default {default_fixture})"
@@ -125,6 +127,9 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_fixture: str) -
         metavar="NAME|PATH",
         help="a real model of `dgr models list` (fetched and verified when needed) or a GGUF file",
     )
+    parser.set_defaults(default_fixture=default_fixture, lock=None, evidence=None, sign_key=None)
+    if not trust:
+        return
     parser.add_argument(
         "--lock",
         type=Path,
@@ -146,7 +151,6 @@ def add_model_arguments(parser: argparse.ArgumentParser, default_fixture: str) -
         help="the certifier key dgr certify signs with (a real model's records need one the "
         "lock trusts for real-model evidence)",
     )
-    parser.set_defaults(default_fixture=default_fixture)
 
 
 def resolve(args: argparse.Namespace, notice: Callable[[str], None] | None = None) -> BenchModel:
