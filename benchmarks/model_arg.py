@@ -214,6 +214,7 @@ def _real(given: str, notice: Callable[[str], None] | None) -> BenchModel:
                 )
             label = path.name
         n_layer, n_embd, n_vocab = gguf_dims(path)
+        marked = fixture_mark(path) is not None
     except ModelFetchFailed as exc:
         raise BenchModelError(f"--model {given}: {exc}") from None
     except (OSError, KeyError, ValueError) as exc:
@@ -223,7 +224,7 @@ def _real(given: str, notice: Callable[[str], None] | None) -> BenchModel:
     return BenchModel(
         path=path,
         label=label,
-        kind="real model",
+        kind="fixture" if marked else "real model",  # derived from the file, as certify does
         n_layer=n_layer,
         n_embd=n_embd,
         n_vocab=n_vocab,
@@ -261,6 +262,16 @@ def gguf_dims(path: Path) -> tuple[int, int, int]:
     else:
         n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     return n_layer_of(path), n_embd, n_vocab
+
+
+def fixture_mark(path: Path) -> str | None:
+    """The GGUF's ``dgr.fixture`` mark (a generated fixture's), ``None`` when it has none."""
+    from gguf import GGUFReader
+
+    from dgr_engine.certification.classify import FIXTURE_MARK_KEY
+
+    field = GGUFReader(path).fields.get(FIXTURE_MARK_KEY)
+    return None if field is None else bytes(field.parts[-1]).decode()
 
 
 def _message(exc: BaseException) -> str:
