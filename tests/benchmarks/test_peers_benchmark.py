@@ -211,7 +211,7 @@ def test_peers_benchmark_end_to_end(
         (2, [2, 4]),
     ]
     for r in result["memory"]:
-        assert r["met"] == (r["peak_rss_bytes"] <= r["weight_bytes"] + r["kv_bytes"] + 64 << 20)
+        assert r["met"] == (r["peak_rss_bytes"] <= r["weight_bytes"] + r["kv_bytes"] + (64 << 20))
     assert "target: peak RSS <= weights + KV + 64 MiB on every shard:" in out
     assert "dgr >= 1.0 x RPC decode at 2 stages:" in out
     assert "fixture evidence" in out
