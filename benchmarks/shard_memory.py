@@ -198,4 +198,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if not __package__:  # run as a file (python benchmarks/shard_memory.py): its package too
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     raise SystemExit(main())
