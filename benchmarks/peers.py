@@ -28,6 +28,15 @@ mode (default f16 and auto: llama.cpp's defaults); the peers' own reports are ch
   same rows on the recovered route), batched replay. The peers have no recovery (a lost
   rpc-server ends llama.cpp's run); beside it, what RPC's 2-stage prefill of the same rows
   takes: the least a restarted peer would spend, before reloading the model.
+* **Time to first token** of the same prompt, in the decode/prefill rounds: dgr's whole model,
+  its prompt forward and greedy token (``pipeline.whole_model``'s prefill); dgr's routes, from
+  ``SessionManager.start`` to the first accepted token (the opens, the prefill through every
+  stage, the token: ``benchmarks/first_token.py``); llama-bench and RPC, the prompt test's
+  time (prompt / its prefill tok/s: the prompt decoded, the last row's logits computed, which
+  the first token is chosen from; inside the process, after loading).
+* **Peak RSS per shard** of the whole model and of each layout's shards, each loaded alone in a
+  process of its own (``benchmarks/shard_memory.py``: 1 session, 512 positions), against its
+  weights + KV + 64 MiB: met or missed per shard (a second table; no peer).
 
 Interleaved rounds: each round runs every contender once, the order rotated from round to round,
 after a warm-up round of dgr's contenders (the peers warm up inside each run); figures are the
@@ -40,14 +49,19 @@ plain bars). Targets (issue 15): dgr >= 1.0 x RPC decode at 2 and at 4 stages; 8
 2-stage route >= 0.9 x llama-batched-bench with 8 sequences and >= 3 x one session; batched
 recovery <= 1.3 x one prefill of the same rows + 0.3 s.
 
-    python -m benchmarks.peers [--fixture mid-llama] [--threads 1] [--prompt 128]
-        [--decode 64] [--repeats 5] [--stages 2 4] [--sessions 1 4 8]
+    python -m benchmarks.peers [--fixture mid-llama | --model NAME|PATH] [--threads 1]
+        [--prompt 128] [--decode 64] [--repeats 5] [--stages 2 4] [--sessions 1 4 8]
         [--accepted 16,128,400] [--worker-arg ARG]... [--co-batch on|off]
-        [--transports relay ring] [--out DIR]
+        [--transports relay ring] [--lock FILE --evidence DIR --sign-key FILE] [--out DIR]
 
-**Fixture evidence on this shared 2-core machine**: every route worker, rpc-server, the client
-and the peers share the same cores (a 2-stage route runs 2 computing processes at 1 thread each,
-the whole model 1), and other work on the machine lands on whichever contender is running.
+``--model`` takes a real model (a catalog name of ``dgr models list``, fetched when needed, or a
+GGUF file); its lane is certified (or its record reused) under ``--lock``, which must declare it
+(``benchmarks/model_arg.py``).
+
+**Fixture (or real-model) figures on this shared 2-core machine**: every route worker,
+rpc-server, the client and the peers share the same cores (a 2-stage route runs 2 computing
+processes at 1 thread each, the whole model 1), and other work on the machine lands on
+whichever contender is running.
 """
 
 from __future__ import annotations
@@ -70,16 +84,17 @@ import numpy as np
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before the engine loads libgomp
 
-from benchmarks import recovery  # noqa: E402
+from benchmarks import recovery, shard_memory  # noqa: E402
 from benchmarks.concurrent_route import ConcurrentRoute  # noqa: E402
-from benchmarks.pipeline import RouteBench, Speed, _plain_png, _prompt, whole_model  # noqa: E402
+from benchmarks.first_token import FirstTokenRouteBench, peer_ttft_s  # noqa: E402
+from benchmarks.model_arg import BenchModel, BenchModelError, add_model_arguments  # noqa: E402
+from benchmarks.model_arg import resolve as resolve_model  # noqa: E402
+from benchmarks.pipeline import Speed, _plain_png, _prompt, whole_model  # noqa: E402
 from dgr_engine.engine import ShardEngine  # noqa: E402
-from dgr_engine.fixtures import ensure_fixture, lookup  # noqa: E402
 from dgr_engine.numerics import FLASH_ATTN_MODES, KV_TYPES  # noqa: E402
 from dgr_engine.options import EngineOptions  # noqa: E402
 from dgr_engine.reference import split_points, whole_model_greedy  # noqa: E402
 from dgr_engine.tooling import peer_build  # noqa: E402
-from dgr_engine.tooling.processes import dgr_command  # noqa: E402
 from dgr_engine.tooling.rpc_peer import (  # noqa: E402
     FLASH_ATTN_CODE,
     BenchResult,
@@ -97,6 +112,8 @@ EVIDENCE_NOTE = (
     "fixture evidence on this shared 2-core machine: route workers, rpc-servers, the client and "
     "the peers share the same cores"
 )
+"""The figures' label for a fixture run (a real model's: :func:`evidence_note`)."""
+MIB = 1024 * 1024
 DECODE_TARGET = 1.0
 """dgr decode >= this x RPC decode at the same number of stages."""
 AGG_PEER_TARGET = 0.9
@@ -124,9 +141,21 @@ class Variant:
 # --- the run ----------------------------------------------------------------------------------
 
 
+def evidence_note(model: BenchModel) -> str:
+    """How to read the figures of a run on ``model``."""
+    if model.is_fixture:
+        return EVIDENCE_NOTE
+    return (
+        f"real-model figures ({model.label}) on this shared {os.cpu_count()}-core machine: route "
+        "workers, rpc-servers, the client and the peers share the same cores, and other work "
+        "runs on the machine concurrently"
+    )
+
+
 @attrs.frozen
 class Settings:
     fixture: str
+    """The model's label: a fixture's name, a catalog name or a GGUF's file name."""
     threads: int
     prompt: int
     decode: int
@@ -158,13 +187,13 @@ async def speed_rounds(
 ) -> dict[str, Any]:
     """Decode and prefill of every contender in interleaved rounds."""
     benches = {
-        f"{n}{'' if t == 'relay' else ' ' + t}": RouteBench(
+        f"{n}{'' if t == 'relay' else ' ' + t}": FirstTokenRouteBench(
             path, split_points(n_layer, n), options, transport=t
         )
         for n in s.stages
         for t in s.transports
     }
-    runs: dict[str, list[tuple[float, float]]] = {}
+    runs: dict[str, list[tuple[float, float, float]]] = {}  # prefill tok/s, decode tok/s, TTFT s
     tokens_equal: dict[str, bool] = {}
     peer_checks: list[dict[str, Any]] = []
     whole_tokens: list[int] = []
@@ -205,12 +234,13 @@ async def speed_rounds(
                         pre, dec, toks = whole_model(engine, 1000 + round_, prompt, s.decode)
                         whole_tokens = whole_tokens or toks
                         tokens_equal[name] = tokens_equal.get(name, True) and toks == whole_tokens
-                        figures = (s.prompt / pre, s.decode / dec)
+                        figures = (s.prompt / pre, s.decode / dec, pre)
                     elif kind == "dgr":
-                        run = await benches[which].run(prompt, s.decode)
+                        timed = await benches[which].timed_run(prompt, s.decode)
+                        run = timed.run
                         ok = whole_tokens == [] or run.tokens == whole_tokens
                         tokens_equal[name] = tokens_equal.get(name, True) and ok
-                        figures = (s.prompt / run.prefill_s, s.decode / run.decode_s)
+                        figures = (s.prompt / run.prefill_s, s.decode / run.decode_s, timed.ttft_s)
                     else:
                         stages = 1 if which == "whole" else int(which)
                         results, log = await asyncio.to_thread(
@@ -224,7 +254,7 @@ async def speed_rounds(
                         )
                         pp = pick(results, s.prompt, 0, 0)
                         tg = pick(results, 0, s.decode, s.prompt)
-                        figures = (pp.avg_ts, tg.avg_ts)
+                        figures = (pp.avg_ts, tg.avg_ts, peer_ttft_s(s.prompt, pp.avg_ts))
                         if round_ == 1:  # the timed run's own report
                             peer_checks.append(_bench_check(name, tg, "", config))
                     if round_:
@@ -234,9 +264,10 @@ async def speed_rounds(
             await bench.aclose()
     speeds = {
         name: {
-            "prefill_tps": _median([p for p, _ in got]),
-            "decode_tps": _median([d for _, d in got]),
-            "rounds": [{"prefill_tps": p, "decode_tps": d} for p, d in got],
+            "prefill_tps": _median([p for p, _, _ in got]),
+            "decode_tps": _median([d for _, d, _ in got]),
+            "ttft_s": _median([t for _, _, t in got]),
+            "rounds": [{"prefill_tps": p, "decode_tps": d, "ttft_s": t} for p, d, t in got],
         }
         for name, got in runs.items()
     }
@@ -473,6 +504,26 @@ def table_rows(
                     target,
                     met,
                 )
+    whole_t, whole_bench_t = whole_d["ttft_s"], whole_p["ttft_s"]
+    add(
+        f"time to first token, prompt {s.prompt} (s), whole model",
+        whole_t,
+        _s(whole_t),
+        whole_bench_t,
+        f"llama-bench prompt test: {_s(whole_bench_t)}",
+    )
+    for n in s.stages:
+        for transport in s.transports:
+            mode = "" if transport == "relay" else f" {transport}"
+            d, p = sp[f"dgr {n}{mode}"]["ttft_s"], sp[f"rpc {n}"]["ttft_s"]
+            add(
+                f"time to first token, prompt {s.prompt} (s), {n} stages"
+                + (f" [{transport}]" if mode else ""),
+                d,
+                _s(d),
+                p,
+                f"RPC prompt test, same split: {_s(p)}",
+            )
     peer = agg["tps"]["batched-bench"]
     top = max(s.sessions)
     for name in (v.name for v in s.variants):
@@ -592,19 +643,42 @@ def plot(
     return "matplotlib"
 
 
-def certify(fixture: str, options: EngineOptions) -> str | None:
+def certify(model: BenchModel, options: EngineOptions) -> str | None:
     """Dark lanes are unroutable: certify this lane (or reuse its record), as pipeline.py does.
     ``None`` when it passed, else the end of what ``dgr certify`` said."""
-    proc = subprocess.run(
-        [dgr_command(), "certify", "--fixture", fixture, "--reuse", *options.worker_argv()],
-        capture_output=True,
-        text=True,
-        timeout=3600,
-        check=False,
+    return model.certify(options)
+
+
+def memory_rows(path: Path, n_layer: int, stages: Sequence[int]) -> list[dict[str, Any]]:
+    """Peak RSS of the whole model and of each shard of ``stages``' even layouts, each loaded
+    alone in a process of its own (``shard_memory.shard_row``), with its budget and verdict."""
+    rows = []
+    for n in (1, *stages):
+        for begin, end in split_points(n_layer, n):
+            row = shard_memory.shard_row(path, begin, end)
+            rows.append({"stages": n, **row})
+            print(
+                f"  peak RSS, {n} stage{'s' if n > 1 else ''} [{begin},{end}): "
+                f"{row['peak_rss_bytes'] / MIB:.1f} MiB, budget {row['budget_bytes'] / MIB:.1f}",
+                flush=True,
+            )
+    return rows
+
+
+def print_memory_table(rows: Sequence[dict[str, Any]]) -> None:
+    print(
+        "| shard | layers | weights MiB | KV MiB | budget MiB | peak RSS MiB | RSS / budget | met |"
     )
-    if proc.returncode == 0:
-        return None
-    return "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-12:])
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        begin, end = r["layers"]
+        where = "whole model" if r["stages"] == 1 else f"{r['stages']} stages"
+        print(
+            f"| {where} | [{begin},{end}) | {r['weight_bytes'] / MIB:.1f} | "
+            f"{r['kv_bytes'] / MIB:.1f} | {r['budget_bytes'] / MIB:.1f} | "
+            f"{r['peak_rss_bytes'] / MIB:.1f} | {r['peak_rss_bytes'] / r['budget_bytes']:.3f} | "
+            f"{_met(r['met'])} |"
+        )
 
 
 def _all_finite(rows: Sequence[dict[str, Any]]) -> bool:
@@ -618,7 +692,7 @@ def _all_finite(rows: Sequence[dict[str, Any]]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--fixture", default="mid-llama")
+    add_model_arguments(parser, default_fixture="mid-llama")
     parser.add_argument("--threads", type=int, default=1, help="threads per computing process")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     parser.add_argument("--decode", type=int, default=64, help="decode steps after the prompt")
@@ -654,15 +728,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--stages: RPC needs at least 2 stages")
 
     began = time.monotonic()
-    spec = lookup(args.fixture)
-    path = ensure_fixture(args.fixture)
+    try:
+        model = resolve_model(args, notice=lambda m: print(m, flush=True))
+    except BenchModelError as exc:
+        print(f"benchmarks.peers: {exc}", file=sys.stderr)
+        return 2
+    model.export_trust()  # the workers and this client judge the lane by the same lock
+    path, note = model.path, evidence_note(model)
     accepted = tuple(int(k) for k in args.accepted.split(",") if k)
     base = tuple(args.worker_arg)
     variants = [Variant("plain" if not base else " ".join(base), None, base)]
     if args.co_batch != "off":  # workers co-batching sessions: EngineOptions.batching
         variants.append(Variant("co-batch", "co-batch", base))
     s = Settings(
-        fixture=args.fixture,
+        fixture=model.label,
         threads=args.threads,
         prompt=args.prompt,
         decode=args.decode,
@@ -699,44 +778,51 @@ def main(argv: list[str] | None = None) -> int:
     )
     rpc_binary = prefix / "bin" / "ggml-rpc-server"
     print(
-        f"{path.name}: {spec.n_layer} layers, n_embd {spec.n_embd}; {s.threads} thread(s) per "
+        f"{path.name}: {model.n_layer} layers, n_embd {model.n_embd}; {s.threads} thread(s) per "
         f"computing process, OMP_WAIT_POLICY=PASSIVE, kv {s.kv_type}, flash attention "
         f"{s.flash_attn}; prompt {s.prompt}, {s.decode} decode steps; median of {s.repeats} "
-        f"interleaved rounds; {os.cpu_count()} cores shared by every process ({EVIDENCE_NOTE})",
+        f"interleaved rounds; {os.cpu_count()} cores shared by every process ({note})",
         flush=True,
     )
     print(f"aggregate rows: {', '.join(v.name for v in variants)}", flush=True)
-    failed = certify(s.fixture, options)
+    print(f"certifying the lane of {model.label} (or reusing its record)", flush=True)
+    failed = certify(model, options)
     if failed is not None:
-        raise SystemExit(f"dgr certify failed for the lane of {options}:\n{failed}")
+        last = failed.strip().splitlines()[-1] if failed.strip() else "no output"
+        print(f"benchmarks.peers: dgr certify failed for {model.label}: {last}", file=sys.stderr)
+        return 2
     left_out: dict[str, str] = {}
     for v in variants[1:]:
-        if v.options(options) != options and (failed := certify(s.fixture, v.options(options))):
+        if v.options(options) != options and (failed := certify(model, v.options(options))):
             print(f"aggregate rows [{v.name}] left out: its lane did not certify:\n{failed}")
             left_out[v.name] = f"its lane did not certify: {failed}"
             s = attrs.evolve(s, variants=tuple(x for x in s.variants if x is not v))
     dgr_fa = {
         f"layers {a}:{b}": dgr_resolved_flash_attn(path, options, (a, b))
-        for a, b in [(0, spec.n_layer), split_points(spec.n_layer, 2)[1]]
+        for a, b in [(0, model.n_layer), split_points(model.n_layer, 2)[1]]
     }
 
-    prompt = _prompt(s.prompt, spec.n_vocab)
-    speeds = asyncio.run(speed_rounds(s, path, spec.n_layer, options, config, rpc_binary, prompt))
+    prompt = _prompt(s.prompt, model.n_vocab)
+    speeds = asyncio.run(speed_rounds(s, path, model.n_layer, options, config, rpc_binary, prompt))
     print(f"[{time.monotonic() - began:.0f} s] decode/prefill rounds done", flush=True)
 
     prompts = [
-        [int(t) for t in np.random.default_rng(100 + i).integers(0, spec.n_vocab, size=s.prompt)]
+        [int(t) for t in np.random.default_rng(100 + i).integers(0, model.n_vocab, size=s.prompt)]
         for i in range(max(s.sessions))
     ]
     references = whole_model_greedy(path, prompts, s.decode + 1, options)
-    agg = asyncio.run(aggregate_rounds(s, path, spec.n_layer, options, config, prompts, references))
+    agg = asyncio.run(
+        aggregate_rounds(s, path, model.n_layer, options, config, prompts, references)
+    )
     print(f"[{time.monotonic() - began:.0f} s] aggregate rounds done", flush=True)
-    rec = recovery_rows(s, path, spec.n_layer, options, config, rpc_binary, spec.n_vocab)
+    rec = recovery_rows(s, path, model.n_layer, options, config, rpc_binary, model.n_vocab)
     print(f"[{time.monotonic() - began:.0f} s] recovery done", flush=True)
+    memory = memory_rows(path, model.n_layer, s.stages)
+    print(f"[{time.monotonic() - began:.0f} s] peak RSS per shard done", flush=True)
 
     rows = table_rows(s, speeds, agg, rec)
     print()
-    print(f"dgr against llama.cpp's own tools ({EVIDENCE_NOTE}):")
+    print(f"dgr against llama.cpp's own tools ({note}):")
     print()
     print_table(rows)
     print()
@@ -777,11 +863,26 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{r['ratio']:.2f}" for r in decode_targets)
         + ")"
     )
+    print()
+    print(
+        "peak RSS per shard, each loaded alone (1 session, "
+        f"{shard_memory.CHILD_KW['n_ctx_per_session']} positions), against its weights + KV + "
+        "64 MiB:"
+    )
+    print()
+    print_memory_table(memory)
+    missed = sum(not r["met"] for r in memory)
+    print(
+        f"target: peak RSS <= weights + KV + 64 MiB on every shard: "
+        f"{_met(missed == 0)} ({len(memory) - missed} of {len(memory)} shards met)"
+    )
 
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "fixture": s.fixture,
-        "evidence": EVIDENCE_NOTE,
+        "model": model.label,
+        "model_kind": model.kind,
+        "evidence": note,
         "settings": attrs.asdict(s),
         "cores": os.cpu_count(),
         "options": attrs.asdict(options),
@@ -794,15 +895,14 @@ def main(argv: list[str] | None = None) -> int:
         "aggregate": agg,
         "recovery": rec,
         "table": rows,
+        "memory": memory,
+        "memory_target_met": all(r["met"] for r in memory),
         "all_finite": _all_finite(rows),
         "decode_target_met": verdict,
         "seconds": time.monotonic() - began,
     }
     (args.out / "peers.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    title = (
-        f"{s.fixture}: dgr vs llama.cpp's tools, {s.threads} thread(s) per process "
-        f"({EVIDENCE_NOTE})"
-    )
+    title = f"{s.fixture}: dgr vs llama.cpp's tools, {s.threads} thread(s) per process ({note})"
     how = plot(args.out / "peers.png", s, speeds, agg, rec, title)
     print(
         f"\nsaved {args.out / 'peers.json'} and {args.out / 'peers.png'} ({how}); "
