@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -70,5 +71,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
-    code: int = _SUBCOMMANDS[args.command].run(args)
+    try:
+        code: int = _SUBCOMMANDS[args.command].run(args)
+    except BrokenPipeError:  # the reader went away (``dgr gate ... | head``): not an error
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush fails quietly
+        return 0
     return code

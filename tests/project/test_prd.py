@@ -242,12 +242,20 @@ def test_repo_prd_gate_stories(prd: dict[str, Any]) -> None:
     assert story(prd, "DGR-070")["evidence_class_required"] in {"real-hardware", "release"}
 
 
-def test_repo_prd_claims_no_runtime_completion(prd: dict[str, Any]) -> None:
-    # The seed: no runtime implementation story has completion credit yet. DGR-017 is complete
-    # upstream, but nothing in this repo evidences it.
+def test_repo_prd_claims_completion_only_from_real_records(prd: dict[str, Any]) -> None:
+    # DGR-017 is complete upstream, but nothing in this repo evidences it. A seed story is done
+    # only with committed records of its class (real ones: fixture evidence never counts), the
+    # records the lock admits, and a gate's verdict the gate gives from them.
     assert story(prd, "DGR-017")["status"] != "done"
+    lock = load_lock(LOCK_PATH)
     for sid in SEED_STORIES - {"DGR-017"}:
-        assert story(prd, sid)["status"] != "done", sid
+        entry = story(prd, sid)
+        if entry["status"] != "done":
+            continue
+        required = EvidenceClass(entry["evidence_class_required"])
+        assert required is not EvidenceClass.FIXTURE, sid
+        records = [load_record(REPO_ROOT / path, lock) for path in entry["records"]]
+        assert records and all(r.evidence_class.satisfies(required) for r in records), sid
 
 
 # --- each rule fires on a broken copy ----------------------------------------------------------
@@ -313,7 +321,9 @@ def test_rejects_wrong_gate_vocabulary(prd: dict[str, Any]) -> None:
 
 
 def test_rejects_verdict_without_done_and_done_without_verdict(prd: dict[str, Any]) -> None:
-    assert_rejected(broken(prd, "DGR-020", verdict="go"), "exactly when it is done")
+    assert_rejected(broken(prd, "DGR-054", verdict="alpha"), "exactly when it is done")
+    assert_rejected(broken(prd, "DGR-020", verdict=None), "exactly when it is done")
+    assert_rejected(broken(prd, "DGR-020", verdict="go"), "claims 'go'")
 
 
 def test_rejects_gate_with_fixture_class(prd: dict[str, Any]) -> None:
@@ -337,8 +347,8 @@ def test_evidence_of_the_right_class_is_accepted(prd: dict[str, Any], tmp_path: 
     (root / "evidence" / "fixture" / "lock.json").write_text("{}")
     for s in prd["stories"]:  # keep the rest of the file valid under the scratch root
         s["evidence"], s["records"] = [], []
-        if s["status"] == "done" and not s.get("verdicts"):
-            s["status"] = "in-progress"
+        if s["status"] == "done":
+            s["status"], s["verdict"] = "in-progress", None
     good = broken(prd, "DGR-019", status="done", evidence=["evidence/real-model/lock.json"])
     # the path is accepted; being done still needs a real-model record, which no one has
     assert validate(good, root) == ["DGR-019: done without a record"]
