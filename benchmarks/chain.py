@@ -10,14 +10,23 @@ frame, its greedy token, to the first stage itself; the client only checks). A
 link with RTT > 0 is the userspace WAN proxy of ``dgr_engine.tooling.delay_proxy`` in front
 of every stage (half the RTT each way), so client-to-stage and stage-to-stage hops cross one
 each; RTT 0 is plain loopback, no proxy. Tokens are checked against the whole model in every run.
+Beside decode, each mode's **time to first token**: from ``SessionManager.start`` to the first
+accepted token (the route's opens, the prompt's prefill through every stage and its first
+greedy token), the median over the measured sessions.
 
-    python -m benchmarks.chain [--fixture mid-llama] [--rtts 0,10,30] [--stages 2 4]
+    python -m benchmarks.chain [--fixture mid-llama | --model NAME|PATH] [--rtts 0,10,30]
+        [--stages 2 4] [--lock FILE --evidence DIR --sign-key FILE]
+
+``--model`` takes a real model (a catalog name of ``dgr models list``, fetched when needed, or a
+GGUF file); its lane is certified (or its record reused) under ``--lock``, which must declare it
+(``benchmarks/model_arg.py``).
 
 Targets (issue 15, part 3): at 30 ms and 4 stages chain >= 1.8 x relay; on loopback
 chain >= relay. Saves ``benchmarks/out/chain.json``. Where a target is missed it prints where a
 decode token's time goes (``docs/chain.md`` has the latency arithmetic).
 
-Fixture evidence on this machine: every worker, proxy and the client share its cores.
+Fixture (or, with ``--model``, real-model) figures on this machine: every worker, proxy and the
+client share its cores, and other work on the machine runs concurrently.
 """
 
 from __future__ import annotations
@@ -27,7 +36,7 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,14 +44,13 @@ from typing import Any
 import attrs
 import numpy as np
 
+from benchmarks.model_arg import BenchModelError, add_model_arguments, resolve
 from dgr_engine.client.chained import ChainRecord, ChainStageTransport
 from dgr_engine.client.relay import ForwardRecord, GrpcStageTransport
-from dgr_engine.fixtures import ensure_fixture, lookup
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import split_points, whole_model_reference
 from dgr_engine.tooling.delay_proxy import Link, ProxiedRoutes
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
-from dgr_engine.tooling.processes import dgr_command
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager, SessionState
 from dgr_session.transport import RouteProvider
 
@@ -71,6 +79,9 @@ class Run:
     wait for the stages minus the handlers."""
     client_ms: float
     """Per decode token: the rest (session manager, transport, sampling)."""
+    ttft_ms: float = 0.0
+    """Time to first token: from ``SessionManager.start`` to the first accepted token (the
+    stages' opens, the prefill through every stage, its greedy token), median of the sessions."""
 
 
 @attrs.frozen
@@ -81,6 +92,9 @@ class Cell:
     chain_tps: float
     ring_tps: float
     exact: bool
+    relay_ttft_ms: float = 0.0
+    chain_ttft_ms: float = 0.0
+    ring_ttft_ms: float = 0.0
 
     @property
     def ratio(self) -> float:
@@ -94,8 +108,9 @@ class Cell:
 async def one_session(
     provider: RouteProvider, mode: str, prompt: list[int], tokens: int, tag: str
 ) -> tuple[list[int], list[float], list[tuple[int, int, int]]]:
-    """Runs one session; returns its tokens, the times they were accepted and, per decode
-    step after the first token, (client wait, handlers, engines) in µs."""
+    """Runs one session; returns its tokens, the times they were accepted (the first entry:
+    the time the session was started) and, per decode step after the first token, (client
+    wait, handlers, engines) in µs."""
     stamps: list[float] = []
     relay: list[ForwardRecord] = []
     chained: list[ChainRecord] = []
@@ -111,6 +126,7 @@ async def one_session(
         manager = SessionManager(
             transport, provider, policy=policy, required_evidence=EvidenceClass.FIXTURE
         )
+        stamps.append(time.perf_counter())
         handle = manager.start(
             prompt,
             max_new_tokens=tokens,
@@ -148,8 +164,10 @@ def summarize(
     rtt_ms: float,
     sessions: list[tuple[list[float], list[tuple[int, int, int]], bool]],
 ) -> Run:
-    gaps = [g for stamps, _, _ in sessions for g in np.diff(stamps[1:]).tolist()]
+    # stamps[0]: the session's start; stamps[1]: its first token (the prefill's)
+    gaps = [g for stamps, _, _ in sessions for g in np.diff(stamps[2:]).tolist()]
     per_token = statistics.median(gaps)
+    ttft = statistics.median(stamps[1] - stamps[0] for stamps, _, _ in sessions)
     parts = [p for _, ps, _ in sessions for p in ps]
     wait = statistics.median(p[0] for p in parts) / 1000
     handler = statistics.median(p[1] for p in parts) / 1000
@@ -165,6 +183,7 @@ def summarize(
         worker_ms=handler - engine,
         transit_ms=wait - handler,
         client_ms=per_token * 1000 - wait,
+        ttft_ms=ttft * 1000,
     )
 
 
@@ -210,7 +229,8 @@ async def measure(
                     runs.append(run)
                     print(
                         f"  {n} stages, {rtt:>4g} ms: {mode:<5} {run.decode_tps:7.1f} tok/s "
-                        f"({run.ms_per_token:.1f} ms/token, exact {run.exact})",
+                        f"({run.ms_per_token:.1f} ms/token, first token {run.ttft_ms:.0f} ms, "
+                        f"exact {run.exact})",
                         flush=True,
                     )
         finally:
@@ -220,7 +240,7 @@ async def measure(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--fixture", default="mid-llama")
+    add_model_arguments(parser, default_fixture="mid-llama")
     parser.add_argument("--rtts", default="0,10,30", help="RTT per link, ms, comma-separated")
     parser.add_argument("--stages", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--tokens", type=int, default=24, help="tokens per session")
@@ -229,31 +249,37 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="engine threads per worker")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out")
     args = parser.parse_args(argv)
-    path = ensure_fixture(args.fixture)
-    spec = lookup(args.fixture)
+    try:
+        model = resolve(args, notice=lambda m: print(m, flush=True))
+    except BenchModelError as exc:
+        print(f"benchmarks.chain: {exc}", file=sys.stderr)
+        return 2
+    model.export_trust()  # the workers and this client judge the lane by the same lock
+    path = model.path
     ctx = 1 << (args.prompt + args.tokens + 2).bit_length()
     options = EngineOptions(
         n_threads=args.threads, n_ctx_per_session=max(ctx, 64), n_batch=64, max_sessions=2
     )
     certify = attrs.evolve(options, max_sessions=8)  # the isolation scenario's sessions
-    subprocess.run(  # dark lanes are unroutable: certify the lane (or reuse its record)
-        [dgr_command(), "certify", "--fixture", args.fixture, "--reuse", *certify.worker_argv()],
-        check=True,
-        timeout=1800,
-        stdout=subprocess.DEVNULL,
-    )
+    print(f"certifying the lane of {model.label} (or reusing its record)", flush=True)
+    try:  # dark lanes are unroutable
+        model.require_certified(certify)
+    except BenchModelError as exc:
+        print(f"benchmarks.chain: {exc}", file=sys.stderr)
+        return 2
     rng = np.random.default_rng(5)
-    prompt = [int(t) for t in rng.integers(0, spec.n_vocab, size=args.prompt)]
+    prompt = [int(t) for t in rng.integers(0, model.n_vocab, size=args.prompt)]
     ((want, _),) = whole_model_reference(path, [prompt], args.tokens, options)
     rtts = [float(r) for r in args.rtts.split(",")]
     print(
-        f"{path.name}: {spec.n_layer} layers, stages {args.stages}, RTT per link {rtts} ms "
+        f"{path.name}: {model.n_layer} layers, stages {args.stages}, RTT per link {rtts} ms "
         f"(0: loopback, no proxy), {args.tokens} tokens, {args.rounds} rounds; "
-        f"{os.cpu_count()} cores shared by every worker, proxy and the client"
+        f"{model.evidence_note(os.cpu_count())}",
+        flush=True,
     )
     runs = asyncio.run(
         measure(
-            path, spec.n_layer, args.stages, rtts, prompt, args.tokens, args.rounds, want, options
+            path, model.n_layer, args.stages, rtts, prompt, args.tokens, args.rounds, want, options
         )
     )
     by = {(r.mode, r.stages, r.rtt_ms): r for r in runs}
@@ -265,17 +291,24 @@ def main(argv: list[str] | None = None) -> int:
             by[("chain", n, rtt)].decode_tps,
             by[("ring", n, rtt)].decode_tps,
             all(by[(m, n, rtt)].exact for m in MODES),
+            by[("relay", n, rtt)].ttft_ms,
+            by[("chain", n, rtt)].ttft_ms,
+            by[("ring", n, rtt)].ttft_ms,
         )
         for n in args.stages
         for rtt in rtts
     ]
     print()
     head = f"{'stages':>6} {'RTT ms':>6} {'relay tok/s':>11} {'chain tok/s':>11}"
-    print(f"{head} {'chain/relay':>11} {'ring tok/s':>10} {'ring/relay':>10} exact")
+    print(
+        f"{head} {'chain/relay':>11} {'ring tok/s':>10} {'ring/relay':>10} "
+        f"{'TTFT ms relay/chain/ring':>24} exact"
+    )
     for c in cells:
+        ttft = f"{c.relay_ttft_ms:.0f}/{c.chain_ttft_ms:.0f}/{c.ring_ttft_ms:.0f}"
         print(
             f"{c.stages:>6} {c.rtt_ms:>6g} {c.relay_tps:>11.1f} {c.chain_tps:>11.1f} "
-            f"{c.ratio:>11.2f} {c.ring_tps:>10.1f} {c.ring_ratio:>10.2f} {c.exact}"
+            f"{c.ratio:>11.2f} {c.ring_tps:>10.1f} {c.ring_ratio:>10.2f} {ttft:>24} {c.exact}"
         )
     targets: list[dict[str, Any]] = []
 
@@ -321,7 +354,10 @@ def main(argv: list[str] | None = None) -> int:
             )
     args.out.mkdir(parents=True, exist_ok=True)
     payload = {
-        "fixture": args.fixture,
+        "fixture": model.label if model.is_fixture else None,
+        "model": model.label,
+        "model_kind": model.kind,
+        "evidence": model.evidence_note(os.cpu_count()),
         "tokens": args.tokens,
         "rounds": args.rounds,
         "runs": [attrs.asdict(r) for r in runs],

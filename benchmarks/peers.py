@@ -1,7 +1,8 @@
 """dgr against llama.cpp's own tools, side by side in one run: the peers in the benchmark.
 
 The peers are built from the same pinned, patched llama.cpp as dgr's engines
-(``benchmarks/peer_build.py``, cached). Every computing process gets the same threads
+(``dgr_engine/tooling/peer_build.py``, cached; ``python -m benchmarks.peer_build``) and run by
+``dgr_engine/tooling/rpc_peer.py``. Every computing process gets the same threads
 (``--threads``, default 1), ``OMP_WAIT_POLICY=PASSIVE``, the same KV type and flash-attention
 mode (default f16 and auto: llama.cpp's defaults); the peers' own reports are checked for it.
 
@@ -27,6 +28,15 @@ mode (default f16 and auto: llama.cpp's defaults); the peers' own reports are ch
   same rows on the recovered route), batched replay. The peers have no recovery (a lost
   rpc-server ends llama.cpp's run); beside it, what RPC's 2-stage prefill of the same rows
   takes: the least a restarted peer would spend, before reloading the model.
+* **Time to first token** of the same prompt, in the decode/prefill rounds: dgr's whole model,
+  its prompt forward and greedy token (``pipeline.whole_model``'s prefill); dgr's routes, from
+  ``SessionManager.start`` to the first accepted token (the opens, the prefill through every
+  stage, the token: ``benchmarks/first_token.py``); llama-bench and RPC, the prompt test's
+  time (prompt / its prefill tok/s: the prompt decoded, the last row's logits computed, which
+  the first token is chosen from; inside the process, after loading).
+* **Peak RSS per shard** of the whole model and of each layout's shards, each loaded alone in a
+  process of its own (``benchmarks/shard_memory.py``: 1 session, 512 positions), against its
+  weights + KV + 64 MiB: met or missed per shard (a second table; no peer).
 
 Interleaved rounds: each round runs every contender once, the order rotated from round to round,
 after a warm-up round of dgr's contenders (the peers warm up inside each run); figures are the
@@ -39,409 +49,77 @@ plain bars). Targets (issue 15): dgr >= 1.0 x RPC decode at 2 and at 4 stages; 8
 2-stage route >= 0.9 x llama-batched-bench with 8 sequences and >= 3 x one session; batched
 recovery <= 1.3 x one prefill of the same rows + 0.3 s.
 
-    python -m benchmarks.peers [--fixture mid-llama] [--threads 1] [--prompt 128]
-        [--decode 64] [--repeats 5] [--stages 2 4] [--sessions 1 4 8]
+    python -m benchmarks.peers [--fixture mid-llama | --model NAME|PATH] [--threads 1]
+        [--prompt 128] [--decode 64] [--repeats 5] [--stages 2 4] [--sessions 1 4 8]
         [--accepted 16,128,400] [--worker-arg ARG]... [--co-batch on|off]
-        [--transports relay ring] [--out DIR]
+        [--transports relay ring] [--lock FILE --evidence DIR --sign-key FILE] [--out DIR]
 
-**Fixture evidence on this shared 2-core machine**: every route worker, rpc-server, the client
-and the peers share the same cores (a 2-stage route runs 2 computing processes at 1 thread each,
-the whole model 1), and other work on the machine lands on whichever contender is running.
+``--model`` takes a real model (a catalog name of ``dgr models list``, fetched when needed, or a
+GGUF file); its lane is certified (or its record reused) under ``--lock``, which must declare it
+(``benchmarks/model_arg.py``).
+
+**Fixture (or real-model) figures on this shared 2-core machine**: every route worker,
+rpc-server, the client and the peers share the same cores (a 2-stage route runs 2 computing
+processes at 1 thread each, the whole model 1), and other work on the machine lands on
+whichever contender is running.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import math
 import os
-import re
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import attrs
 import numpy as np
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before the engine loads libgomp
 
-from benchmarks import peer_build, recovery  # noqa: E402
+from benchmarks import recovery, shard_memory  # noqa: E402
 from benchmarks.concurrent_route import ConcurrentRoute  # noqa: E402
-from benchmarks.pipeline import RouteBench, Speed, _plain_png, _prompt, whole_model  # noqa: E402
+from benchmarks.first_token import FirstTokenRouteBench, peer_ttft_s  # noqa: E402
+from benchmarks.model_arg import BenchModel, BenchModelError, add_model_arguments  # noqa: E402
+from benchmarks.model_arg import resolve as resolve_model  # noqa: E402
+from benchmarks.pipeline import Speed, _plain_png, _prompt, whole_model  # noqa: E402
 from dgr_engine.engine import ShardEngine  # noqa: E402
-from dgr_engine.fixtures import ensure_fixture, lookup  # noqa: E402
 from dgr_engine.numerics import FLASH_ATTN_MODES, KV_TYPES  # noqa: E402
 from dgr_engine.options import EngineOptions  # noqa: E402
 from dgr_engine.reference import split_points, whole_model_greedy  # noqa: E402
-from dgr_engine.tooling.processes import dgr_command  # noqa: E402
+from dgr_engine.tooling import peer_build  # noqa: E402
+from dgr_engine.tooling.rpc_peer import (  # noqa: E402
+    FLASH_ATTN_CODE,
+    BenchResult,
+    PeerConfig,
+    kv_type_from_log,
+    pick,
+    resolved_flash_attn,
+    rpc_servers,
+    run_batched_bench,
+    run_llama_bench,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 EVIDENCE_NOTE = (
     "fixture evidence on this shared 2-core machine: route workers, rpc-servers, the client and "
     "the peers share the same cores"
 )
+"""The figures' label for a fixture run (a real model's: :func:`evidence_note`)."""
+MIB = 1024 * 1024
 DECODE_TARGET = 1.0
 """dgr decode >= this x RPC decode at the same number of stages."""
 AGG_PEER_TARGET = 0.9
 """8 sessions on a 2-stage route >= this x llama-batched-bench with 8 sequences."""
 AGG_SCALE_TARGET = 3.0
 """8 sessions on a 2-stage route >= this x one session."""
-FLASH_ATTN_CODE = {"auto": -1, "off": 0, "on": 1}
-"""llama.cpp's ``llama_flash_attn_type`` values, as llama-bench's JSON reports them."""
-RUN_TIMEOUT = 1800.0
-"""Bound on any one peer process run (seconds)."""
-
-
-# --- llama-bench JSON -------------------------------------------------------------------------
-
-
-@attrs.frozen
-class BenchResult:
-    """One test of ``llama-bench -o json``."""
-
-    n_prompt: int
-    n_gen: int
-    n_depth: int
-    avg_ts: float
-    """Tokens per second (the mean over the test's repetitions)."""
-    n_threads: int
-    type_k: str
-    type_v: str
-    flash_attn: int
-    """``llama_flash_attn_type`` as requested: -1 auto, 0 off, 1 on."""
-    n_gpu_layers: int
-    tensor_split: str
-    backends: str
-
-    @classmethod
-    def from_json(cls, item: dict[str, Any]) -> BenchResult:
-        return cls(
-            n_prompt=int(item["n_prompt"]),
-            n_gen=int(item["n_gen"]),
-            n_depth=int(item.get("n_depth", 0)),
-            avg_ts=float(item["avg_ts"]),
-            n_threads=int(item["n_threads"]),
-            type_k=str(item["type_k"]),
-            type_v=str(item["type_v"]),
-            flash_attn=_flash_attn_code(item["flash_attn"]),
-            n_gpu_layers=int(item["n_gpu_layers"]),
-            tensor_split=str(item.get("tensor_split", "")),
-            backends=str(item.get("backends", "")),
-        )
-
-
-def _flash_attn_code(value: Any) -> int:
-    """llama-bench writes ``flash_attn`` as an int (older builds: a bool or a mode name)."""
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, str) and value in FLASH_ATTN_CODE:
-        return FLASH_ATTN_CODE[value]
-    return int(value)
-
-
-def parse_llama_bench(stdout: str) -> list[BenchResult]:
-    """The tests of ``llama-bench -o json`` output (a JSON array on stdout; anything printed
-    before it is skipped). ``ValueError`` when there is no array or a test lacks a field."""
-    start = stdout.find("[")
-    while start != -1:
-        try:
-            items = json.loads(stdout[start:])
-        except json.JSONDecodeError:
-            start = stdout.find("[", start + 1)
-            continue
-        if not isinstance(items, list):
-            break
-        try:
-            return [BenchResult.from_json(item) for item in items]
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"llama-bench JSON test lacks a field: {exc!r}") from exc
-    raise ValueError(f"no llama-bench JSON array in its output: {stdout[:200]!r}")
-
-
-def pick(results: Sequence[BenchResult], n_prompt: int, n_gen: int, n_depth: int) -> BenchResult:
-    """The one test with these sizes (``LookupError`` if absent)."""
-    for result in results:
-        if (result.n_prompt, result.n_gen, result.n_depth) == (n_prompt, n_gen, n_depth):
-            return result
-    raise LookupError(f"llama-bench gave no test pp {n_prompt} tg {n_gen} depth {n_depth}")
-
-
-def parse_batched_bench(text: str) -> dict[int, dict[str, Any]]:
-    """``llama-batched-bench --output-format jsonl`` lines by ``pl`` (sequences)."""
-    rows: dict[int, dict[str, Any]] = {}
-    for line in text.splitlines():
-        line = line.strip()
-        if not (line.startswith("{") and line.endswith("}")):
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(item, dict) and "pl" in item and "speed_tg" in item:
-            rows[int(item["pl"])] = item
-    if not rows:
-        raise ValueError(f"no llama-batched-bench jsonl rows in its output: {text[-400:]!r}")
-    return rows
-
-
-# --- RPC split arithmetic ---------------------------------------------------------------------
-
-
-def rpc_split(n_layer: int, stages: int) -> tuple[int, list[float]]:
-    """``(-ngl, -ts weights)`` that make llama.cpp RPC run :func:`split_points` ``(n_layer,
-    stages)``: the local (llama-bench) process keeps the first range, server ``d`` the
-    ``d + 1``-th, the last server also the output layer (which ``-ngl`` counts as a layer).
-    Weights put each split point half a layer before a boundary, so float rounding in
-    llama.cpp's ``upper_bound`` cannot move a layer; one server needs no weights (``[]``)."""
-    if stages < 2:
-        raise ValueError("RPC needs at least 2 stages (1 local + 1 server)")
-    layout = split_points(n_layer, stages)
-    local = layout[0][1]
-    ngl = n_layer - local + 1
-    if stages == 2:
-        return ngl, []
-    ends = [end - local for _, end in layout[1:-1]]  # offsets where servers 1.. start
-    points = [end - 0.5 for end in ends] + [float(ngl)]
-    weights = [points[0]] + [b - a for a, b in zip(points, points[1:], strict=False)]
-    return ngl, weights
-
-
-def rpc_assignment(n_layer: int, ngl: int, weights: Sequence[float], n_devices: int) -> list[int]:
-    """Device of layers ``0..n_layer`` (``n_layer``: the output layer) as llama.cpp's
-    ``llama_model::load_tensors`` assigns them at the pinned commit (float32 arithmetic):
-    ``-1`` the local CPU, else the index of the RPC device."""
-    splits = np.zeros(n_devices, dtype=np.float32)
-    if weights and any(w != 0 for w in weights):
-        splits[:] = np.asarray(weights, dtype=np.float32)
-    else:
-        splits[:] = np.float32(1.0)  # equal free memory: an even split
-    cumulative = np.cumsum(splits, dtype=np.float32)
-    cumulative = (cumulative / cumulative[-1]).astype(np.float32)
-    start = max(n_layer + 1 - ngl, 0)
-    act = min(ngl, n_layer + 1)
-    out = []
-    for il in range(n_layer + 1):
-        if il < start or il - start >= act:
-            out.append(-1)
-            continue
-        x = np.float32(il - start) / np.float32(act)
-        out.append(int(np.searchsorted(cumulative, x, side="right")))
-    return out
-
-
-def ts_arg(weights: Sequence[float]) -> str:
-    """``-ts`` value: weights joined by ``/``."""
-    return "/".join(f"{w:g}" for w in weights)
-
-
-# --- peer processes ---------------------------------------------------------------------------
-
-
-def peer_env() -> dict[str, str]:
-    """The peers' environment: ``OMP_WAIT_POLICY=PASSIVE`` as for dgr."""
-    return dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class RpcServer:
-    """One ``ggml-rpc-server`` on 127.0.0.1 (it serves one client at a time)."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], port: int, stderr: IO[bytes]) -> None:
-        self.proc = proc
-        self.port = port
-        self._stderr = stderr
-
-    @property
-    def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    @classmethod
-    def start(cls, binary: Path, threads: int, timeout: float = 60.0) -> RpcServer:
-        """Starts a server on a free port and waits (bounded) until it accepts connections;
-        ``RuntimeError`` if it cannot (it is stopped first). Up to 3 ports are tried."""
-        error = ""
-        for _ in range(3):
-            port = _free_port()
-            stderr = tempfile.TemporaryFile()
-            proc = subprocess.Popen(
-                [str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", str(threads)],
-                stdout=subprocess.DEVNULL,
-                stderr=stderr,
-                env=peer_env(),
-            )
-            server = cls(proc, port, stderr)
-            try:
-                if server._await_listening(timeout):
-                    return server
-            except BaseException:
-                server.stop()
-                raise
-            error = server.stderr_text()
-            server.stop()
-        raise RuntimeError(f"ggml-rpc-server did not start: {error[-800:]}")
-
-    def _await_listening(self, timeout: float) -> bool:
-        """True once a connection is accepted (the probe closes at once: the server drops it
-        and waits for the next client); False if the process exits first."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                return False
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=1.0):
-                    return True
-            except OSError:
-                pass
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=0.05)  # bounded pause that also notices an exit
-        raise TimeoutError(f"ggml-rpc-server on port {self.port} not listening in {timeout} s")
-
-    def stderr_text(self) -> str:
-        self._stderr.seek(0)
-        return self._stderr.read().decode(errors="replace")
-
-    def stop(self, timeout: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=timeout)
-        self._stderr.close()
-
-
-@contextlib.contextmanager
-def rpc_servers(binary: Path, count: int, threads: int) -> Iterator[list[RpcServer]]:
-    servers: list[RpcServer] = []
-    try:
-        for _ in range(count):
-            servers.append(RpcServer.start(binary, threads))
-        yield servers
-    finally:
-        for server in servers:
-            server.stop()
-
-
-_FA_RESOLVED_RE = re.compile(r"Flash Attention (enabled|not supported)")
-
-
-def resolved_flash_attn(log: str) -> str | None:
-    """What llama.cpp resolved flash attention to (``on``/``off``) from a log of its context
-    set-up (``resolve_fused_ops: Flash Attention enabled``); ``None`` if the log does not say
-    (flash attention not ``auto``, or a quiet run)."""
-    found = _FA_RESOLVED_RE.findall(log)
-    if not found:
-        return None
-    return "on" if all(f == "enabled" for f in found) else "off"
-
-
-@attrs.frozen
-class PeerConfig:
-    """What every peer run shares."""
-
-    model: Path
-    bench: Path
-    batched: Path
-    threads: int
-    kv_type: str
-    flash_attn: str
-    n_batch: int
-
-    def common(self) -> list[str]:
-        kv, fa, nb = self.kv_type, self.flash_attn, str(self.n_batch)
-        return ["-t", str(self.threads), "-ctk", kv, "-ctv", kv, "-fa", fa, "-b", nb, "-ub", nb]
-
-
-def run_llama_bench(
-    config: PeerConfig,
-    prompts: Sequence[int],
-    n_gen: int,
-    depths: Sequence[int],
-    *,
-    servers: Sequence[RpcServer] = (),
-    n_layer: int = 0,
-    verbose: bool = False,
-) -> tuple[list[BenchResult], str]:
-    """One ``llama-bench`` run (1 repetition per test); with ``servers``, RPC over them with
-    the first stage local (:func:`rpc_split`). Returns the tests and its stderr (llama.cpp's
-    log only with ``verbose``: a probe run, never a timed one)."""
-    argv = [str(config.bench), "-m", str(config.model), "-o", "json", "-r", "1"]
-    if verbose:
-        argv += ["-v", "--no-warmup"]
-    argv += config.common()
-    argv += ["-p", ",".join(map(str, prompts)), "-n", str(n_gen)]
-    argv += ["-d", ",".join(map(str, depths))]
-    if servers:
-        ngl, weights = rpc_split(n_layer, len(servers) + 1)
-        argv += ["-rpc", ",".join(s.endpoint for s in servers), "-ngl", str(ngl)]
-        if weights:
-            argv += ["-ts", ts_arg(weights)]
-    else:
-        argv += ["-ngl", "0"]
-    proc = subprocess.run(
-        argv, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=peer_env(), check=False
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"llama-bench failed (exit {proc.returncode}): {' '.join(argv)}\n{proc.stderr[-1500:]}"
-        )
-    return parse_llama_bench(proc.stdout), proc.stderr
-
-
-def run_batched_bench(
-    config: PeerConfig, prompt: int, n_gen: int, sequences: Sequence[int], verbose: bool = False
-) -> tuple[dict[int, dict[str, Any]], str]:
-    """One ``llama-batched-bench`` run on the whole model: rows by sequence count, and its
-    stderr (llama.cpp's log only with ``verbose``: a probe run, never a timed one)."""
-    n_ctx = max(sequences) * (prompt + n_gen) + 64
-    argv = [str(config.batched), "-m", str(config.model), "-c", str(n_ctx)]
-    argv += [*config.common(), "-tb", str(config.threads), "-ngl", "0"]
-    argv += ["-npp", str(prompt), "-ntg", str(n_gen), "-npl", ",".join(map(str, sequences))]
-    argv += ["--output-format", "jsonl", *(["-v"] if verbose else [])]
-    # The tool prints its rows through llama.cpp's asynchronous log, whose singleton is leaked
-    # on purpose at this commit (common/log.cpp, common_log_main: "this design may cause logs
-    # to be lost if not flushed before the program exits"), and batched-bench returns from
-    # main without flushing it: now and then it exits 0 with the tail of its output, rows
-    # included, never written (measured: 1 run in 15 of a verbose probe on the loaded 2-core
-    # machine lost its last lines and its only row). The fix at the cause is a flush before
-    # exit in the peer's own source; a patch would change the patch stack and so every lane,
-    # so the peer stays as upstream ships it and a run whose output lost a row is run again
-    # once, then refused with what it printed.
-    runs = 2
-    for _ in range(runs):
-        proc = subprocess.run(
-            argv, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=peer_env(), check=False
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"llama-batched-bench failed (exit {proc.returncode}): {' '.join(argv)}\n"
-                f"{proc.stderr[-1500:]}"
-            )
-        try:
-            rows = parse_batched_bench(proc.stdout + "\n" + proc.stderr)
-        except ValueError:  # not one row: the whole tail was lost
-            rows = {}
-        missing = sorted(set(sequences) - set(rows))
-        if not missing:
-            return rows, proc.stderr
-    raise RuntimeError(
-        f"llama-batched-bench gave no row for {missing} sequences in {runs} runs: "
-        f"{' '.join(argv)}\n{(proc.stdout + proc.stderr)[-1500:]}"
-    )
 
 
 @attrs.frozen
@@ -463,9 +141,21 @@ class Variant:
 # --- the run ----------------------------------------------------------------------------------
 
 
+def evidence_note(model: BenchModel) -> str:
+    """How to read the figures of a run on ``model``."""
+    if model.is_fixture:
+        return EVIDENCE_NOTE
+    return (
+        f"real-model figures ({model.label}) on this shared {os.cpu_count()}-core machine: route "
+        "workers, rpc-servers, the client and the peers share the same cores, and other work "
+        "runs on the machine concurrently"
+    )
+
+
 @attrs.frozen
 class Settings:
     fixture: str
+    """The model's label: a fixture's name, a catalog name or a GGUF's file name."""
     threads: int
     prompt: int
     decode: int
@@ -497,13 +187,13 @@ async def speed_rounds(
 ) -> dict[str, Any]:
     """Decode and prefill of every contender in interleaved rounds."""
     benches = {
-        f"{n}{'' if t == 'relay' else ' ' + t}": RouteBench(
+        f"{n}{'' if t == 'relay' else ' ' + t}": FirstTokenRouteBench(
             path, split_points(n_layer, n), options, transport=t
         )
         for n in s.stages
         for t in s.transports
     }
-    runs: dict[str, list[tuple[float, float]]] = {}
+    runs: dict[str, list[tuple[float, float, float]]] = {}  # prefill tok/s, decode tok/s, TTFT s
     tokens_equal: dict[str, bool] = {}
     peer_checks: list[dict[str, Any]] = []
     whole_tokens: list[int] = []
@@ -544,12 +234,13 @@ async def speed_rounds(
                         pre, dec, toks = whole_model(engine, 1000 + round_, prompt, s.decode)
                         whole_tokens = whole_tokens or toks
                         tokens_equal[name] = tokens_equal.get(name, True) and toks == whole_tokens
-                        figures = (s.prompt / pre, s.decode / dec)
+                        figures = (s.prompt / pre, s.decode / dec, pre)
                     elif kind == "dgr":
-                        run = await benches[which].run(prompt, s.decode)
+                        timed = await benches[which].timed_run(prompt, s.decode)
+                        run = timed.run
                         ok = whole_tokens == [] or run.tokens == whole_tokens
                         tokens_equal[name] = tokens_equal.get(name, True) and ok
-                        figures = (s.prompt / run.prefill_s, s.decode / run.decode_s)
+                        figures = (s.prompt / run.prefill_s, s.decode / run.decode_s, timed.ttft_s)
                     else:
                         stages = 1 if which == "whole" else int(which)
                         results, log = await asyncio.to_thread(
@@ -563,7 +254,7 @@ async def speed_rounds(
                         )
                         pp = pick(results, s.prompt, 0, 0)
                         tg = pick(results, 0, s.decode, s.prompt)
-                        figures = (pp.avg_ts, tg.avg_ts)
+                        figures = (pp.avg_ts, tg.avg_ts, peer_ttft_s(s.prompt, pp.avg_ts))
                         if round_ == 1:  # the timed run's own report
                             peer_checks.append(_bench_check(name, tg, "", config))
                     if round_:
@@ -573,9 +264,10 @@ async def speed_rounds(
             await bench.aclose()
     speeds = {
         name: {
-            "prefill_tps": _median([p for p, _ in got]),
-            "decode_tps": _median([d for _, d in got]),
-            "rounds": [{"prefill_tps": p, "decode_tps": d} for p, d in got],
+            "prefill_tps": _median([p for p, _, _ in got]),
+            "decode_tps": _median([d for _, d, _ in got]),
+            "ttft_s": _median([t for _, _, t in got]),
+            "rounds": [{"prefill_tps": p, "decode_tps": d, "ttft_s": t} for p, d, t in got],
         }
         for name, got in runs.items()
     }
@@ -593,7 +285,7 @@ def _bench_check(name: str, tg: BenchResult, log: str, config: PeerConfig) -> di
         "type_v": tg.type_v,
         "flash_attn": tg.flash_attn,
         "flash_attn_resolved": resolved_flash_attn(log),
-        "kv_logged": _kv_type_from_log(log),
+        "kv_logged": kv_type_from_log(log),
         "n_gpu_layers": tg.n_gpu_layers,
         "tensor_split": tg.tensor_split,
         "backends": tg.backends,
@@ -601,7 +293,7 @@ def _bench_check(name: str, tg: BenchResult, log: str, config: PeerConfig) -> di
         and tg.type_k == config.kv_type
         and tg.type_v == config.kv_type
         and tg.flash_attn == fa_wanted
-        and _kv_type_from_log(log) in (None, config.kv_type),
+        and kv_type_from_log(log) in (None, config.kv_type),
     }
 
 
@@ -700,21 +392,12 @@ def _batched_check(row: dict[str, Any], log: str, config: PeerConfig) -> dict[st
         "n_threads_batch": row.get("n_threads_batch"),
         "flash_attn": row.get("flash_attn"),
         "flash_attn_resolved": resolved_flash_attn(log),
-        "kv_logged": _kv_type_from_log(log),
+        "kv_logged": kv_type_from_log(log),
         "same": row.get("n_threads") == config.threads
         and row.get("n_threads_batch") == config.threads
         and row.get("flash_attn") == FLASH_ATTN_CODE[config.flash_attn]
-        and _kv_type_from_log(log) in (None, config.kv_type),
+        and kv_type_from_log(log) in (None, config.kv_type),
     }
-
-
-_KV_LOG_RE = re.compile(r"llama_kv_cache:.*K \((\w+)\)")
-
-
-def _kv_type_from_log(log: str) -> str | None:
-    """The K cache type llama.cpp logged (``llama_kv_cache: ... K (f16): ...``)."""
-    m = _KV_LOG_RE.search(log)
-    return m.group(1) if m else None
 
 
 def recovery_rows(
@@ -821,6 +504,26 @@ def table_rows(
                     target,
                     met,
                 )
+    whole_t, whole_bench_t = whole_d["ttft_s"], whole_p["ttft_s"]
+    add(
+        f"time to first token, prompt {s.prompt} (s), whole model",
+        whole_t,
+        _s(whole_t),
+        whole_bench_t,
+        f"llama-bench prompt test: {_s(whole_bench_t)}",
+    )
+    for n in s.stages:
+        for transport in s.transports:
+            mode = "" if transport == "relay" else f" {transport}"
+            d, p = sp[f"dgr {n}{mode}"]["ttft_s"], sp[f"rpc {n}"]["ttft_s"]
+            add(
+                f"time to first token, prompt {s.prompt} (s), {n} stages"
+                + (f" [{transport}]" if mode else ""),
+                d,
+                _s(d),
+                p,
+                f"RPC prompt test, same split: {_s(p)}",
+            )
     peer = agg["tps"]["batched-bench"]
     top = max(s.sessions)
     for name in (v.name for v in s.variants):
@@ -940,19 +643,42 @@ def plot(
     return "matplotlib"
 
 
-def certify(fixture: str, options: EngineOptions) -> str | None:
+def certify(model: BenchModel, options: EngineOptions) -> str | None:
     """Dark lanes are unroutable: certify this lane (or reuse its record), as pipeline.py does.
     ``None`` when it passed, else the end of what ``dgr certify`` said."""
-    proc = subprocess.run(
-        [dgr_command(), "certify", "--fixture", fixture, "--reuse", *options.worker_argv()],
-        capture_output=True,
-        text=True,
-        timeout=3600,
-        check=False,
+    return model.certify(options)
+
+
+def memory_rows(path: Path, n_layer: int, stages: Sequence[int]) -> list[dict[str, Any]]:
+    """Peak RSS of the whole model and of each shard of ``stages``' even layouts, each loaded
+    alone in a process of its own (``shard_memory.shard_row``), with its budget and verdict."""
+    rows = []
+    for n in (1, *stages):
+        for begin, end in split_points(n_layer, n):
+            row = shard_memory.shard_row(path, begin, end)
+            rows.append({"stages": n, **row})
+            print(
+                f"  peak RSS, {n} stage{'s' if n > 1 else ''} [{begin},{end}): "
+                f"{row['peak_rss_bytes'] / MIB:.1f} MiB, budget {row['budget_bytes'] / MIB:.1f}",
+                flush=True,
+            )
+    return rows
+
+
+def print_memory_table(rows: Sequence[dict[str, Any]]) -> None:
+    print(
+        "| shard | layers | weights MiB | KV MiB | budget MiB | peak RSS MiB | RSS / budget | met |"
     )
-    if proc.returncode == 0:
-        return None
-    return "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-12:])
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        begin, end = r["layers"]
+        where = "whole model" if r["stages"] == 1 else f"{r['stages']} stages"
+        print(
+            f"| {where} | [{begin},{end}) | {r['weight_bytes'] / MIB:.1f} | "
+            f"{r['kv_bytes'] / MIB:.1f} | {r['budget_bytes'] / MIB:.1f} | "
+            f"{r['peak_rss_bytes'] / MIB:.1f} | {r['peak_rss_bytes'] / r['budget_bytes']:.3f} | "
+            f"{_met(r['met'])} |"
+        )
 
 
 def _all_finite(rows: Sequence[dict[str, Any]]) -> bool:
@@ -966,7 +692,7 @@ def _all_finite(rows: Sequence[dict[str, Any]]) -> bool:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--fixture", default="mid-llama")
+    add_model_arguments(parser, default_fixture="mid-llama")
     parser.add_argument("--threads", type=int, default=1, help="threads per computing process")
     parser.add_argument("--prompt", type=int, default=128, help="prompt tokens")
     parser.add_argument("--decode", type=int, default=64, help="decode steps after the prompt")
@@ -1002,15 +728,20 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--stages: RPC needs at least 2 stages")
 
     began = time.monotonic()
-    spec = lookup(args.fixture)
-    path = ensure_fixture(args.fixture)
+    try:
+        model = resolve_model(args, notice=lambda m: print(m, flush=True))
+    except BenchModelError as exc:
+        print(f"benchmarks.peers: {exc}", file=sys.stderr)
+        return 2
+    model.export_trust()  # the workers and this client judge the lane by the same lock
+    path, note = model.path, evidence_note(model)
     accepted = tuple(int(k) for k in args.accepted.split(",") if k)
     base = tuple(args.worker_arg)
     variants = [Variant("plain" if not base else " ".join(base), None, base)]
     if args.co_batch != "off":  # workers co-batching sessions: EngineOptions.batching
         variants.append(Variant("co-batch", "co-batch", base))
     s = Settings(
-        fixture=args.fixture,
+        fixture=model.label,
         threads=args.threads,
         prompt=args.prompt,
         decode=args.decode,
@@ -1047,44 +778,51 @@ def main(argv: list[str] | None = None) -> int:
     )
     rpc_binary = prefix / "bin" / "ggml-rpc-server"
     print(
-        f"{path.name}: {spec.n_layer} layers, n_embd {spec.n_embd}; {s.threads} thread(s) per "
+        f"{path.name}: {model.n_layer} layers, n_embd {model.n_embd}; {s.threads} thread(s) per "
         f"computing process, OMP_WAIT_POLICY=PASSIVE, kv {s.kv_type}, flash attention "
         f"{s.flash_attn}; prompt {s.prompt}, {s.decode} decode steps; median of {s.repeats} "
-        f"interleaved rounds; {os.cpu_count()} cores shared by every process ({EVIDENCE_NOTE})",
+        f"interleaved rounds; {os.cpu_count()} cores shared by every process ({note})",
         flush=True,
     )
     print(f"aggregate rows: {', '.join(v.name for v in variants)}", flush=True)
-    failed = certify(s.fixture, options)
+    print(f"certifying the lane of {model.label} (or reusing its record)", flush=True)
+    failed = certify(model, options)
     if failed is not None:
-        raise SystemExit(f"dgr certify failed for the lane of {options}:\n{failed}")
+        last = failed.strip().splitlines()[-1] if failed.strip() else "no output"
+        print(f"benchmarks.peers: dgr certify failed for {model.label}: {last}", file=sys.stderr)
+        return 2
     left_out: dict[str, str] = {}
     for v in variants[1:]:
-        if v.options(options) != options and (failed := certify(s.fixture, v.options(options))):
+        if v.options(options) != options and (failed := certify(model, v.options(options))):
             print(f"aggregate rows [{v.name}] left out: its lane did not certify:\n{failed}")
             left_out[v.name] = f"its lane did not certify: {failed}"
             s = attrs.evolve(s, variants=tuple(x for x in s.variants if x is not v))
     dgr_fa = {
         f"layers {a}:{b}": dgr_resolved_flash_attn(path, options, (a, b))
-        for a, b in [(0, spec.n_layer), split_points(spec.n_layer, 2)[1]]
+        for a, b in [(0, model.n_layer), split_points(model.n_layer, 2)[1]]
     }
 
-    prompt = _prompt(s.prompt, spec.n_vocab)
-    speeds = asyncio.run(speed_rounds(s, path, spec.n_layer, options, config, rpc_binary, prompt))
+    prompt = _prompt(s.prompt, model.n_vocab)
+    speeds = asyncio.run(speed_rounds(s, path, model.n_layer, options, config, rpc_binary, prompt))
     print(f"[{time.monotonic() - began:.0f} s] decode/prefill rounds done", flush=True)
 
     prompts = [
-        [int(t) for t in np.random.default_rng(100 + i).integers(0, spec.n_vocab, size=s.prompt)]
+        [int(t) for t in np.random.default_rng(100 + i).integers(0, model.n_vocab, size=s.prompt)]
         for i in range(max(s.sessions))
     ]
     references = whole_model_greedy(path, prompts, s.decode + 1, options)
-    agg = asyncio.run(aggregate_rounds(s, path, spec.n_layer, options, config, prompts, references))
+    agg = asyncio.run(
+        aggregate_rounds(s, path, model.n_layer, options, config, prompts, references)
+    )
     print(f"[{time.monotonic() - began:.0f} s] aggregate rounds done", flush=True)
-    rec = recovery_rows(s, path, spec.n_layer, options, config, rpc_binary, spec.n_vocab)
+    rec = recovery_rows(s, path, model.n_layer, options, config, rpc_binary, model.n_vocab)
     print(f"[{time.monotonic() - began:.0f} s] recovery done", flush=True)
+    memory = memory_rows(path, model.n_layer, s.stages)
+    print(f"[{time.monotonic() - began:.0f} s] peak RSS per shard done", flush=True)
 
     rows = table_rows(s, speeds, agg, rec)
     print()
-    print(f"dgr against llama.cpp's own tools ({EVIDENCE_NOTE}):")
+    print(f"dgr against llama.cpp's own tools ({note}):")
     print()
     print_table(rows)
     print()
@@ -1125,11 +863,26 @@ def main(argv: list[str] | None = None) -> int:
         + ", ".join(f"{r['ratio']:.2f}" for r in decode_targets)
         + ")"
     )
+    print()
+    print(
+        "peak RSS per shard, each loaded alone (1 session, "
+        f"{shard_memory.CHILD_KW['n_ctx_per_session']} positions), against its weights + KV + "
+        "64 MiB:"
+    )
+    print()
+    print_memory_table(memory)
+    missed = sum(not r["met"] for r in memory)
+    print(
+        f"target: peak RSS <= weights + KV + 64 MiB on every shard: "
+        f"{_met(missed == 0)} ({len(memory) - missed} of {len(memory)} shards met)"
+    )
 
     args.out.mkdir(parents=True, exist_ok=True)
     result = {
         "fixture": s.fixture,
-        "evidence": EVIDENCE_NOTE,
+        "model": model.label,
+        "model_kind": model.kind,
+        "evidence": note,
         "settings": attrs.asdict(s),
         "cores": os.cpu_count(),
         "options": attrs.asdict(options),
@@ -1142,15 +895,14 @@ def main(argv: list[str] | None = None) -> int:
         "aggregate": agg,
         "recovery": rec,
         "table": rows,
+        "memory": memory,
+        "memory_target_met": all(r["met"] for r in memory),
         "all_finite": _all_finite(rows),
         "decode_target_met": verdict,
         "seconds": time.monotonic() - began,
     }
     (args.out / "peers.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    title = (
-        f"{s.fixture}: dgr vs llama.cpp's tools, {s.threads} thread(s) per process "
-        f"({EVIDENCE_NOTE})"
-    )
+    title = f"{s.fixture}: dgr vs llama.cpp's tools, {s.threads} thread(s) per process ({note})"
     how = plot(args.out / "peers.png", s, speeds, agg, rec, title)
     print(
         f"\nsaved {args.out / 'peers.json'} and {args.out / 'peers.png'} ({how}); "

@@ -1,13 +1,16 @@
-"""Peak RSS and weight bytes per shard of the mid fixture, for 1, 2 and 4 stages, and the same
-model split into several GGUF files with each of 3 shards holding only its own files.
+"""Peak RSS and weight bytes per shard of the mid fixture (or a real model: ``--model``), for 1,
+2 and 4 stages, and the same fixture split into several GGUF files with each of 3 shards
+holding only its own files.
 
 Each shard is loaded in a process of its own (peak RSS is per process), runs a short prefill and
 a few decode steps, and reports its engine stats. Target: every shard's peak RSS <= its weights +
-its KV + 64 MiB. The split rows also give the bytes each shard keeps on disk (its files, fetched
-with ``--layers`` into a root of its own) against the whole model's. Fixture evidence only
-(random weights, this machine).
+its KV + 64 MiB (:func:`shard_row`; ``benchmarks.peers`` prints these rows beside its speed
+rows). The split rows also give the bytes each shard keeps on disk (its files, fetched with
+``--layers`` into a root of its own) against the whole model's. Fixture evidence with
+``--fixture`` (random weights); with ``--model``, a real model's figures; this machine either way.
 
-    python -m benchmarks.shard_memory [--fixture mid-llama] [--stages 1 2 4] [--split-stages 3]
+    python -m benchmarks.shard_memory [--fixture mid-llama | --model NAME|PATH] [--stages 1 2 4]
+        [--split-stages 3]
 """
 
 from __future__ import annotations
@@ -86,6 +89,15 @@ def measure(path: Path, begin: int, end: int) -> dict[str, int]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def shard_row(path: Path, begin: int, end: int) -> dict[str, Any]:
+    """One shard measured in a process of its own (:func:`measure`) with its budget (weights +
+    KV + 64 MiB) and whether its peak RSS kept to it (``met``)."""
+    r: dict[str, Any] = dict(measure(path, begin, end))
+    r["budget_bytes"] = r["weight_bytes"] + r["kv_bytes"] + SLACK
+    r["met"] = r["peak_rss_bytes"] <= r["budget_bytes"]
+    return r
+
+
 def split_rows(name: str, n_layer: int, n_stages: int) -> bool:
     """The split model's rows: each shard's files fetched alone into a root of its own (a
     temporary directory, removed at the end), loaded from there, measured."""
@@ -129,8 +141,11 @@ def split_rows(name: str, n_layer: int, n_stages: int) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # imported here, not at the top: the measured child process loads only what a shard needs
+    from benchmarks.model_arg import BenchModelError, add_model_arguments, resolve
+
     parser = argparse.ArgumentParser(description="peak RSS and weight bytes per shard")
-    parser.add_argument("--fixture", default="mid-llama")
+    add_model_arguments(parser, default_fixture="mid-llama", trust=False)
     parser.add_argument("--stages", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument(
         "--split-stages", type=int, default=3, help="shards of the split model (0: none)"
@@ -141,12 +156,17 @@ def main(argv: list[str] | None = None) -> int:
         child(args.child[0], int(args.child[1]), int(args.child[2]))
         return 0
 
-    from dgr_engine.fixtures import ensure_fixture
     from dgr_engine.reference import split_points
 
-    path = ensure_fixture(args.fixture)
+    try:
+        model = resolve(args, notice=lambda m: print(m, flush=True))
+    except BenchModelError as exc:
+        print(f"benchmarks.shard_memory: {exc}", file=sys.stderr)
+        return 2
+    path = model.path
     file_mib = path.stat().st_size / MIB
-    print(f"model {path.name}: {file_mib:.1f} MiB file (fixture evidence, this machine)")
+    what = "fixture evidence" if model.is_fixture else "real-model figures"
+    print(f"model {path.name}: {file_mib:.1f} MiB file ({what}, this machine)")
     header = (
         f"{'stages':>6} {'layers':>9} {'weights MiB':>12} {'KV MiB':>8} {'compute MiB':>12} "
         f"{'peak RSS MiB':>13} {'budget MiB':>11} {'RSS/budget':>11} {'ok':>3}"
@@ -154,14 +174,11 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("-" * len(header))
     all_ok = True
-    n_layer = None
+    n_layer = model.n_layer
     for n_stages in args.stages:
-        if n_layer is None:
-            n_layer = measure(path, 0, 1)["n_layer"]
         for begin, end in split_points(n_layer, n_stages):
-            r = measure(path, begin, end)
-            budget = r["weight_bytes"] + r["kv_bytes"] + SLACK
-            ok = r["peak_rss_bytes"] <= budget
+            r = shard_row(path, begin, end)
+            budget, ok = r["budget_bytes"], r["met"]
             all_ok &= ok
             print(
                 f"{n_stages:>6} {f'[{begin},{end})':>9} {r['weight_bytes'] / MIB:>12.1f} "
@@ -169,11 +186,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['peak_rss_bytes'] / MIB:>13.1f} {budget / MIB:>11.1f} "
                 f"{r['peak_rss_bytes'] / budget:>11.3f} {'yes' if ok else 'NO':>3}"
             )
-    split_name = f"{args.fixture}-split"
+    split_name = f"{model.label}-split"
     # imported here, not at the top: the measured child process loads only what a shard needs
     from dgr_engine.fixtures.split import SPLITS
 
-    if args.split_stages and split_name in SPLITS and n_layer is not None:
+    if args.split_stages and model.is_fixture and split_name in SPLITS:
         all_ok &= split_rows(split_name, n_layer, args.split_stages)
     verdict = "met" if all_ok else "MISSED"
     print(f"target (peak RSS <= weights + KV + 64 MiB on every shard): {verdict}")
@@ -181,4 +198,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    if not __package__:  # run as a file (python benchmarks/shard_memory.py): its package too
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     raise SystemExit(main())

@@ -51,12 +51,7 @@ def compare(
     norms = np.linalg.norm(ref, axis=1)
     rel = np.linalg.norm(diff, axis=1) / np.where(norms > 0, norms, 1.0)
     top2 = np.sort(ref, axis=1)[:, -2:]
-    flat_ref = [int(t) for seq in reference_tokens for t in seq]
-    flat_got = [int(t) for seq in tested_tokens for t in seq]
-    first = next(
-        (i for i, (a, b) in enumerate(zip(flat_ref, flat_got, strict=False)) if a != b),
-        None if len(flat_ref) == len(flat_got) else min(len(flat_ref), len(flat_got)),
-    )
+    first = first_difference(reference_tokens, tested_tokens)
     return Comparison(
         max_abs=float(np.abs(diff).max()),
         max_rel=float(rel.max()),
@@ -65,4 +60,17 @@ def compare(
         tokens_equal=first is None,
         first_difference=first,
         positions=int(ref.shape[0]),
+    )
+
+
+def first_difference(
+    reference_tokens: Sequence[Sequence[int]], tested_tokens: Sequence[Sequence[int]]
+) -> int | None:
+    """Index of the first differing token of the prompts' greedy continuations laid end to end
+    (``None``: equal; a shorter side differs where it ends)."""
+    flat_ref = [int(t) for seq in reference_tokens for t in seq]
+    flat_got = [int(t) for seq in tested_tokens for t in seq]
+    return next(
+        (i for i, (a, b) in enumerate(zip(flat_ref, flat_got, strict=False)) if a != b),
+        None if len(flat_ref) == len(flat_got) else min(len(flat_ref), len(flat_got)),
     )

@@ -35,3 +35,7 @@ class MetadataDisagrees(BaselineError, ValueError):
 
 class ExtrasMissing(BaselineError, RuntimeError):
     """``torch``/``transformers`` are not installed: ``pip install 'dgr[baseline]'``."""
+
+
+class GgufInvalid(BaselineError, ValueError):
+    """The model to compare is not there, or not a GGUF file (no ``GGUF`` magic)."""

@@ -9,7 +9,7 @@ parity). The copy is written to a temporary file renamed into place.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -30,19 +30,22 @@ def copy_with(
     src: str | os.PathLike[str],
     dst: str | os.PathLike[str],
     values: Mapping[str, tuple[Any, GGUFValueType]],
+    *,
+    without: Collection[str] = (),
 ) -> Path:
     """Copies ``src`` to ``dst`` with each ``values[key] = (value, type)`` set (added when the
-    key is new, replaced when it exists); returns ``dst``."""
+    key is new, replaced when it exists) and the keys in ``without`` left out; returns
+    ``dst``."""
     dst = Path(dst)
-    if _ARCH_KEY in values:
+    if _ARCH_KEY in values or _ARCH_KEY in without:
         raise ValueError(f"{_ARCH_KEY} is not changed by a copy")
     reader = GGUFReader(src)
     arch = reader.fields[_ARCH_KEY].contents()
     with replacing(dst) as tmp:
         writer = GGUFWriter(tmp, arch, endianess=reader.endianess)
         for name, field in reader.fields.items():
-            if name.startswith("GGUF.") or name == _ARCH_KEY:
-                continue  # written by the writer itself
+            if name.startswith("GGUF.") or name == _ARCH_KEY or name in without:
+                continue  # written by the writer itself, or left out
             if name in values:
                 value, vtype = values[name]
                 writer.add_key_value(name, value, vtype)

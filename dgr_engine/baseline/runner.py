@@ -24,18 +24,9 @@ from gguf import GGUFValueType
 
 from dgr_engine.baseline import converter, gguf_copy, metadata_check, runs
 from dgr_engine.baseline.compare import Comparison, compare
-from dgr_engine.certification.classify import derive_facts
+from dgr_engine.baseline.records import baseline_record_for, write_admitted
 from dgr_engine.certification.lock import Lock, Thresholds
-from dgr_engine.certification.record import (
-    EvidenceRecord,
-    Figure,
-    RecordKind,
-    Requirement,
-    Verdict,
-    write_record,
-)
-from dgr_engine.certification.release import release_state
-from dgr_engine.certify.runner import git_commit, machine_facts, signing_key_for
+from dgr_engine.certification.record import EvidenceRecord, Figure, Requirement, Verdict
 from dgr_engine.numerics import Numerics
 from dgr_engine.reference import n_layer_of
 from dgr_engine.worker.identity import BuildIdentity
@@ -241,28 +232,17 @@ def baseline_record(
     :class:`~dgr_engine.certification.errors.UnclassifiableModel` for a GGUF that is neither a
     dgr fixture nor a real model the lock names, and ``LockMismatch`` when the lock declares
     no comparable lane for it."""
-    build = result.build
     context = max(len(p) for p in result.work.prompts) + result.work.n_decode
-    lane = build.lane_key(arch=result.arch, n_layer=result.n_layer, context_per_session=context)
-    commit, _clean = git_commit()
-    released = release_state(lane.dgr_version).is_release
-    facts = derive_facts(lane, fixture_mark=build.fixture_mark, lock=lock, release_build=released)
-    comparable = lock.require_comparable_lane(
-        facts.evidence_class, lane.backend, result.arch, facts.real_model
-    )
-    return EvidenceRecord(
-        kind=RecordKind.BASELINE,
-        lane=lane,
-        lock_sha256=lock.sha256,
-        facts=facts,
-        family=comparable.family,
-        command=tuple(command),
-        dgr_commit=commit,
-        machine=machine_facts(lane.hardware),
-        started_at=started,
-        ended_at=dt.datetime.now(dt.UTC),
-        figures=tuple(figures_of(result)),
-        requirements=tuple(requirements_of(result, lock.thresholds)),
+    return baseline_record_for(
+        result.build,
+        arch=result.arch,
+        n_layer=result.n_layer,
+        context=context,
+        figures=figures_of(result),
+        requirements=requirements_of(result, lock.thresholds),
+        lock=lock,
+        started=started,
+        command=command,
     )
 
 
@@ -277,8 +257,10 @@ def write_baseline_record(
 ) -> tuple[EvidenceRecord, Path]:
     """:func:`baseline_record`, admitted by the lock and written, signed by ``key`` (default:
     the fixture certifier, fixture evidence only); returns it and its path."""
-    lock.require_committed()
-    lock.admit(lock.sha256, started, path=None)
-    record = baseline_record(result, lock=lock, started=started, command=command)
-    key = signing_key_for(lock, record.evidence_class, key)
-    return record, write_record(record, evidence_dir, key=key)
+    return write_admitted(
+        lambda: baseline_record(result, lock=lock, started=started, command=command),
+        lock=lock,
+        evidence_dir=evidence_dir,
+        started=started,
+        key=key,
+    )

@@ -1,5 +1,6 @@
-"""One side of the baseline each: ``transformers`` on the CPU in float32 from the safetensors,
-or whole-model llama.cpp (``ShardEngine`` over every layer) from the GGUF.
+"""One side of the baseline each: ``transformers`` on the CPU in float32 from the safetensors
+(or from a GGUF, its weights dequantized), or whole-model llama.cpp (``ShardEngine`` over every
+layer) from the GGUF.
 
 Both run the same work with the same number of threads: teacher-forced logits at every position
 of each prompt (one prefill each), then greedy decoding of ``n_decode`` tokens from each prompt
@@ -22,6 +23,7 @@ from typing import Any, Final, TypeVar
 import attrs
 import numpy as np
 
+from dgr_engine.baseline.errors import ArchitectureNotCovered
 from dgr_engine.numerics import Numerics
 
 CHILD_TIMEOUT_SECONDS: Final = 1200.0
@@ -64,7 +66,7 @@ def _peak_rss() -> int:
 
 
 def run_transformers(hf_dir: str, work: Work) -> SideResult:
-    """The reference side (call it in a child: :func:`in_child`)."""
+    """The reference side from safetensors (call it in a child: :func:`in_child`)."""
     import torch
     import transformers
 
@@ -74,7 +76,39 @@ def run_transformers(hf_dir: str, work: Work) -> SideResult:
     model = transformers.AutoModelForCausalLM.from_pretrained(
         hf_dir, dtype=torch.float32, attn_implementation="eager"
     ).eval()
-    load = time.perf_counter() - began
+    return _transformers_side(model, time.perf_counter() - began, work)
+
+
+def run_transformers_gguf(gguf: str, work: Work) -> SideResult:
+    """The reference side from a GGUF, its weights dequantized to float32 by ``transformers``
+    (through the ``gguf`` package) (call it in a child: :func:`in_child`)."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(work.threads)
+    transformers.utils.logging.disable_progress_bar()
+    path = Path(gguf)
+    began = time.perf_counter()
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent),
+            gguf_file=path.name,
+            dtype=torch.float32,
+            attn_implementation="eager",
+        ).eval()
+    except ValueError as exc:
+        if "is not supported" in str(exc):  # transformers' own words for an unknown arch
+            raise ArchitectureNotCovered(
+                f"transformers cannot load this GGUF: {exc}", path=path
+            ) from None
+        raise
+    return _transformers_side(model, time.perf_counter() - began, work)
+
+
+def _transformers_side(model: Any, load: float, work: Work) -> SideResult:
+    """Warm-up, then teacher-forced logits and greedy decoding of ``work`` with ``model``."""
+    import torch
+
     logits, tokens = [], []
     prefill = decode = 0.0
     with torch.inference_mode():
@@ -205,5 +239,6 @@ def in_child(fn: Callable[..., T], *args: Any, timeout: float = CHILD_TIMEOUT_SE
 
 _SIDES: Final[dict[str, Callable[..., SideResult]]] = {
     "run_transformers": run_transformers,
+    "run_transformers_gguf": run_transformers_gguf,
     "run_llama": run_llama,
 }

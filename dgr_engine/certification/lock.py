@@ -464,6 +464,14 @@ def load_lock(path: str | os.PathLike[str] | None = None) -> Lock:
     lock_path = Path(path) if path is not None else default_lock_path()
     try:
         text = lock_path.read_text()
+    except FileNotFoundError:
+        if path is not None or os.environ.get(LOCK_ENV):
+            raise EvidenceInvalid("cannot read the lock: No such file", path=lock_path) from None
+        raise EvidenceInvalid(
+            "no lock: dgr runs outside a checkout; name one with --lock FILE or $DGR_LOCK "
+            "(dgr lock new FILE --from LOCK makes one: docs/locks.md)",
+            path=lock_path,
+        ) from None
     except OSError as exc:
         raise EvidenceInvalid(f"cannot read the lock: {exc.strerror}", path=lock_path) from None
     try:

@@ -29,11 +29,11 @@ import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from dgr_engine.certification import signing
-from dgr_engine.certification.classify import derive_facts
+from dgr_engine.certification.classify import EvidenceFacts, derive_facts
 from dgr_engine.certification.errors import SignatureRefused
 from dgr_engine.certification.gates import HOP_PARTS
 from dgr_engine.certification.lane import LaneKey
-from dgr_engine.certification.lock import Lock
+from dgr_engine.certification.lock import Lock, Thresholds
 from dgr_engine.certification.record import (
     EvidenceRecord,
     Figure,
@@ -50,6 +50,7 @@ from dgr_engine.engine import ShardEngine
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import n_layer_of, split_points, whole_model_reference
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
+from dgr_engine.tooling.peer_build import PeerUse, find_peers
 from dgr_engine.worker.identity import BuildIdentity
 from dgr_session.identity import EvidenceClass
 
@@ -134,6 +135,25 @@ def signing_key_for(
     return key
 
 
+def evidence_class_reason(facts: EvidenceFacts, lane: LaneKey) -> str:
+    """Why the record has its class, in one line (a real model off a declared hardware lane
+    says which facts of this machine no hardware lane of the lock names)."""
+    cls = facts.evidence_class.value
+    if facts.fixture_mark is not None:
+        return f"{cls}: a generated fixture (dgr.fixture mark {facts.fixture_mark!r})"
+    if facts.hardware_lane is None:
+        return (
+            f"{cls}: the lock's real model {facts.real_model}, but no hardware lane of the lock "
+            f"names this machine and build ({lane.hardware}; llama.cpp "
+            f"{lane.llama_cpp_commit[:12]}, patch stack {lane.patch_stack_sha256[:12]}, "
+            f"{lane.backend}), so not real-hardware (declare it: dgr lock declare-hardware)"
+        )
+    return (
+        f"{cls}: the lock's real model {facts.real_model} on its hardware lane "
+        f"{facts.hardware_lane}"
+    )
+
+
 def machine_facts(hardware: str) -> dict[str, str]:
     return {
         "hardware": hardware,
@@ -169,9 +189,11 @@ async def certify(
     command: Sequence[str],
     progress: Callable[[str], None] = lambda _text: None,
     key: Ed25519PrivateKey | None = None,
+    rpc: PeerUse = PeerUse.AUTO,
 ) -> CertifyResult:
     """Certify the lane of ``model`` with ``options`` on this machine; write the record,
-    signed by ``key`` (default: the fixture certifier, for fixture evidence only)."""
+    signed by ``key`` (default: the fixture certifier, for fixture evidence only). ``rpc``:
+    when llama.cpp RPC runs beside the speed layouts (``speed.vs_rpc``; :class:`PeerUse`)."""
     began = time.perf_counter()
     started = dt.datetime.now(dt.UTC)
     model = Path(model).resolve()
@@ -194,6 +216,7 @@ async def certify(
         lane, fixture_mark=build.fixture_mark, lock=lock, release_build=release.is_release
     )
     evidence = facts.evidence_class  # UnclassifiableModel before anything runs
+    class_reason = evidence_class_reason(facts, lane)
     key = signing_key_for(lock, evidence, key)
     comparable = lock.require_comparable_lane(evidence, lane.backend, arch, facts.real_model)
     family = comparable.family
@@ -205,12 +228,14 @@ async def certify(
         f"{evidence.value} evidence: "
         f"{'fixture mark ' + repr(facts.fixture_mark) if facts.fixture_mark else facts.real_model})"
     )
+    progress(f"evidence class: {class_reason}")
     why_not = "; ".join(release.reasons)
     progress(
         f"release build: {'yes' if release.is_release else f'no ({why_not})'}; signed by key "
         f"{signing.key_id_of(key.public_key())}"
     )
     progress(f"layouts: {', '.join(f'{len(lay)} stages' for lay in layouts)}")
+    rpc_side, rpc_reason = await _rpc_side(rpc, evidence, model, options, n_layer, progress)
 
     prompts = _prompts(limits.isolation_sessions, n_vocab)
     ref = await _reference(model, prompts, limits.isolation_tokens, options)
@@ -227,6 +252,7 @@ async def certify(
     isolation: scenarios.Outcome | None = None
     failure: scenarios.Outcome | None = None
     shares: dict[str, float] | None = None
+    vs_rpc: list[scenarios.RpcComparison] = []
     speed_prompt = list(np.resize(np.asarray(prompts[0]), limits.speed.prefill_tokens))
     with tempfile.TemporaryDirectory(prefix="dgr-certify-") as empty:
         for index, layout in enumerate(layouts):
@@ -267,7 +293,14 @@ async def certify(
                 )
                 if len(layout) in limits.speed.stage_counts:
                     measured = await scenarios.speed(
-                        provider, evidence, model, options, speed_prompt, limits, len(layout)
+                        provider,
+                        evidence,
+                        model,
+                        options,
+                        speed_prompt,
+                        limits,
+                        len(layout),
+                        rpc=rpc_side,
                     )
                     figures += measured.figures
                     if shares is None:
@@ -280,6 +313,9 @@ async def certify(
                         f"      speed (whole/route): decode {measured.decode_ratio:.2f}, "
                         f"prefill {measured.prefill_ratio:.2f}"
                     )
+                    if measured.vs_rpc is not None:
+                        vs_rpc.append(measured.vs_rpc)
+                        progress(f"      {_rpc_line(measured.vs_rpc)}")
                 if len(layout) == 2 or (isolation is None and index == len(layouts) - 1):
                     isolation = await scenarios.isolation(provider, evidence, ref, limits)
                     figures += isolation.figures
@@ -298,6 +334,13 @@ async def certify(
             finally:
                 await provider.aclose()
     assert isolation is not None and failure is not None
+    rpc_outcome = scenarios.judge_vs_rpc(
+        vs_rpc,
+        limits.speed.vs_rpc_decode_ratio_min,
+        not_measured=rpc_reason,
+        how=_rpc_how(options, limits),
+    )
+    figures += rpc_outcome.figures
     if shares is not None:
         figures += [Figure(f"hop.{p}_share", shares[p], "share", "decode") for p in HOP_PARTS]
     seconds = time.perf_counter() - began
@@ -337,11 +380,7 @@ async def certify(
             prefill_ok,
             f"whole/route >= {limits.speed.prefill_ratio_min:g}: {', '.join(prefill_notes)}",
         ),
-        Requirement(
-            "speed.vs_rpc",
-            Verdict.NOT_MEASURED,
-            "llama.cpp RPC with the same split is not built in this workspace",
-        ),
+        rpc_outcome.requirement,
         _req("mtp.off", True, "MTP off: no shard loads or runs MTP/nextn layers"),
     ]
     record = EvidenceRecord(
@@ -352,7 +391,7 @@ async def certify(
         family=family,
         command=tuple(command),
         dgr_commit=commit,
-        machine=machine_facts(lane.hardware),
+        machine={**machine_facts(lane.hardware), "evidence_class": class_reason},
         started_at=started,
         ended_at=dt.datetime.now(dt.UTC),
         figures=tuple(figures),
@@ -361,6 +400,45 @@ async def certify(
     record = signed(record, key)
     path = write_record(record, evidence_dir)
     return CertifyResult(record, path, seconds)
+
+
+async def _rpc_side(
+    use: PeerUse,
+    evidence: EvidenceClass,
+    model: Path,
+    options: EngineOptions,
+    n_layer: int,
+    progress: Callable[[str], None],
+) -> tuple[scenarios.RpcSide | None, str]:
+    """llama.cpp RPC for the speed layouts as ``use`` asks (built first when missing, at
+    real-model class or above, with progress), or the reason it is not run."""
+    build = evidence.rank >= EvidenceClass.REAL_MODEL.rank
+    peers = await asyncio.to_thread(find_peers, use, build_when_missing=build, log=progress)
+    if peers.prefix is None:
+        progress(f"llama.cpp RPC: not measured ({peers.reason})")
+        return None, peers.reason
+    progress(f"llama.cpp RPC beside each speed layout: the peers at {peers.prefix}")
+    return scenarios.RpcSide.of(peers.prefix, model, options, n_layer), ""
+
+
+def _rpc_line(c: scenarios.RpcComparison) -> str:
+    if c.rpc_tps is None:
+        return f"vs llama.cpp RPC: not measured ({c.error})"
+    return (
+        f"vs llama.cpp RPC (same split): route {c.route_tps:.1f} tok/s, RPC {c.rpc_tps:.1f} "
+        f"tok/s, route/RPC {c.route_tps / c.rpc_tps:.2f}"
+    )
+
+
+def _rpc_how(options: EngineOptions, limits: Thresholds) -> str:
+    s = limits.speed
+    return (
+        f"route over the client relay; {options.n_threads} thread(s) per computing process, kv "
+        f"{options.kv_type}, flash attention {options.flash_attn}, OMP_WAIT_POLICY PASSIVE for "
+        f"RPC, {os.environ.get('OMP_WAIT_POLICY', 'unset')} for the route; "
+        f"{s.decode_tokens} tokens at depth {s.prefill_tokens}; median of {s.rounds} "
+        f"interleaved rounds; {os.cpu_count()} cores shared by every process"
+    )
 
 
 def _req(rid: str, ok: bool, detail: str) -> Requirement:

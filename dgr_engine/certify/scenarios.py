@@ -13,6 +13,7 @@ certification run does this, only for its own workers, and nothing it routes lea
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -30,6 +31,14 @@ from dgr_engine.engine import ShardEngine
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import LocalChain
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
+from dgr_engine.tooling.rpc_peer import (
+    PeerConfig,
+    RpcServer,
+    pick,
+    rpc_servers,
+    run_llama_bench_async,
+    settings_differ,
+)
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_session.faults import FailureReport
@@ -245,6 +254,58 @@ def resources(
 
 
 @attrs.frozen
+class RpcSide:
+    """llama.cpp RPC with the route's split, run beside the route in the speed rounds: the
+    ``llama-bench`` process computes the first stage's layers, one ``ggml-rpc-server`` per
+    further stage on 127.0.0.1 the rest (:func:`~dgr_engine.tooling.rpc_peer.rpc_split`), every
+    process with the route's threads, KV type and flash-attention mode and
+    ``OMP_WAIT_POLICY=PASSIVE``."""
+
+    config: PeerConfig
+    server: Path
+    """The ``ggml-rpc-server`` executable."""
+    n_layer: int
+
+    @classmethod
+    def of(cls, prefix: Path, model: Path, options: EngineOptions, n_layer: int) -> RpcSide:
+        """The peers installed at ``prefix`` (``bin/<tool>``) run with ``options``."""
+        config = PeerConfig(
+            model=model,
+            bench=prefix / "bin" / "llama-bench",
+            batched=prefix / "bin" / "llama-batched-bench",
+            threads=options.n_threads,
+            kv_type=options.kv_type,
+            flash_attn=options.flash_attn,
+            n_batch=options.n_batch,
+        )
+        return cls(config, prefix / "bin" / "ggml-rpc-server", n_layer)
+
+    async def decode_tps(
+        self, servers: Sequence[RpcServer], n_decode: int, depth: int
+    ) -> tuple[float, str | None]:
+        """One run: decode tok/s of ``n_decode`` tokens at ``depth``, and what in the peer's
+        own report differs from the settings it was given (``None``: nothing)."""
+        results = await run_llama_bench_async(
+            self.config, [0], n_decode, [depth], servers=servers, n_layer=self.n_layer
+        )
+        tg = pick(results, 0, n_decode, depth)
+        return tg.avg_ts, settings_differ(tg, self.config)
+
+
+@attrs.frozen
+class RpcComparison:
+    """One speed layout's routed decode against llama.cpp RPC with the same split."""
+
+    stages: int
+    route_tps: float
+    """The route's decode tok/s (median over the rounds)."""
+    rpc_tps: float | None
+    """RPC's decode tok/s (median over the rounds); ``None`` when it could not be measured."""
+    error: str = ""
+    """Why ``rpc_tps`` is ``None``."""
+
+
+@attrs.frozen
 class Speed:
     """One side-by-side speed measurement."""
 
@@ -252,6 +313,47 @@ class Speed:
     prefill_ratio: float
     figures: tuple[Figure, ...]
     shares: dict[str, float]
+    vs_rpc: RpcComparison | None = None
+    """Against llama.cpp RPC, when it was run."""
+
+
+def judge_vs_rpc(
+    comparisons: Sequence[RpcComparison],
+    minimum: float,
+    *,
+    not_measured: str = "",
+    how: str = "",
+) -> Outcome:
+    """``speed.vs_rpc``: pass when the route's decode tok/s is at least ``minimum`` x RPC's at
+    every speed layout; not measured when RPC was not run (``not_measured`` says why), when a
+    layout's RPC run failed, or when there was no speed layout. Figures per layout:
+    ``speed.vs_rpc_decode`` (route/RPC) and ``speed.decode_tps.rpc``."""
+    rid = "speed.vs_rpc"
+    if not_measured:
+        return Outcome((), Requirement(rid, Verdict.NOT_MEASURED, not_measured))
+    if not comparisons:
+        return Outcome((), Requirement(rid, Verdict.NOT_MEASURED, "no speed layout was run"))
+    figures: list[Figure] = []
+    parts, failed = [], []
+    for c in comparisons:
+        scenario = f"{c.stages} stages"
+        if c.rpc_tps is None or not c.rpc_tps > 0:
+            failed.append(f"{scenario}: {c.error or 'RPC gave no decode figure'}")
+            continue
+        ratio = c.route_tps / c.rpc_tps
+        figures.append(Figure("speed.vs_rpc_decode", ratio, "route/rpc", scenario))
+        figures.append(Figure("speed.decode_tps.rpc", c.rpc_tps, "tok/s", scenario))
+        parts.append((ratio, f"{scenario} {ratio:.2f} ({c.route_tps:.1f} / {c.rpc_tps:.1f} tok/s)"))
+    if failed:
+        detail = "llama.cpp RPC could not be measured: " + "; ".join(failed)
+        return Outcome(tuple(figures), Requirement(rid, Verdict.NOT_MEASURED, detail))
+    ok = all(ratio >= minimum for ratio, _ in parts)
+    detail = (
+        f"route decode / llama.cpp RPC decode with the same split >= {minimum:g}: "
+        + ", ".join(text for _, text in parts)
+        + (f" ({how})" if how else "")
+    )
+    return Outcome(tuple(figures), _req(rid, ok, detail))
 
 
 def _whole_model_speed(
@@ -285,44 +387,68 @@ async def speed(
     prompt: Sequence[int],
     limits: Thresholds,
     n_stages: int,
+    rpc: RpcSide | None = None,
 ) -> Speed:
     """Route against whole model, interleaved rounds: decode and prefill ratios (whole-model
     time over route time: 1.0 is parity, lower is slower), and the per-token breakdown of
-    routed decode into engine, worker code, transit and client code."""
+    routed decode into engine, worker code, transit and client code. With ``rpc``, each round
+    also runs llama.cpp RPC with the same split decoding as many tokens at the same depth (the
+    prompt's length); its servers are stopped before this returns, whatever happens."""
     n_decode = limits.speed.decode_tokens
     route_prefill, route_decode, whole_prefill, whole_decode = [], [], [], []
+    rpc_tps: list[float] = []
+    rpc_error = ""
     parts = {"engine": 0.0, "worker": 0.0, "transit": 0.0, "client": 0.0}
     decode_wall_us = 0.0
-    for _ in range(limits.speed.rounds):
-        p, d = await asyncio.to_thread(_whole_model_speed, model, options, prompt, n_decode)
-        whole_prefill.append(p)
-        whole_decode.append(d)
-        records: list[ForwardRecord] = []
-        stamps: list[float] = []
-        began = time.perf_counter()
-        await run_sessions(
-            provider,
-            evidence,
-            [prompt],
-            n_decode + 1,
-            deadline=limits.step_deadline_seconds,
-            observer=records.append,
-            on_token=lambda _i, _t, s=stamps: s.append(time.perf_counter()),  # type: ignore[misc]
-        )
-        route_prefill.append(stamps[0] - began)
-        decode_s = (stamps[-1] - stamps[0]) / n_decode
-        route_decode.append(decode_s)
-        decode_wall_us += decode_s * 1e6 * n_decode
-        steps = [r for r in records if r.positions.start >= len(prompt)]
-        parts["engine"] += sum(r.compute_us for r in steps)
-        parts["worker"] += sum(r.handler_us - r.compute_us for r in steps)
-        parts["transit"] += sum(r.wire_us - r.handler_us for r in steps)
+    with contextlib.ExitStack() as stack:
+        servers: list[RpcServer] = []
+        if rpc is not None:
+            try:
+                servers = stack.enter_context(
+                    rpc_servers(rpc.server, n_stages - 1, options.n_threads)
+                )
+            except (RuntimeError, OSError) as exc:
+                rpc_error = f"ggml-rpc-server did not start: {str(exc)[:300]}"
+        for _ in range(limits.speed.rounds):
+            p, d = await asyncio.to_thread(_whole_model_speed, model, options, prompt, n_decode)
+            whole_prefill.append(p)
+            whole_decode.append(d)
+            if rpc is not None and not rpc_error:
+                try:
+                    tps, differs = await rpc.decode_tps(servers, n_decode, len(prompt))
+                except (RuntimeError, ValueError, LookupError, TimeoutError, OSError) as exc:
+                    rpc_error = f"llama-bench over RPC failed: {str(exc)[-400:]}"
+                else:
+                    if differs is not None:
+                        rpc_error = f"llama-bench ran with other settings than the route: {differs}"
+                    rpc_tps.append(tps)
+            records: list[ForwardRecord] = []
+            stamps: list[float] = []
+            began = time.perf_counter()
+            await run_sessions(
+                provider,
+                evidence,
+                [prompt],
+                n_decode + 1,
+                deadline=limits.step_deadline_seconds,
+                observer=records.append,
+                on_token=lambda _i, _t, s=stamps: s.append(time.perf_counter()),  # type: ignore[misc]
+            )
+            route_prefill.append(stamps[0] - began)
+            decode_s = (stamps[-1] - stamps[0]) / n_decode
+            route_decode.append(decode_s)
+            decode_wall_us += decode_s * 1e6 * n_decode
+            steps = [r for r in records if r.positions.start >= len(prompt)]
+            parts["engine"] += sum(r.compute_us for r in steps)
+            parts["worker"] += sum(r.handler_us - r.compute_us for r in steps)
+            parts["transit"] += sum(r.wire_us - r.handler_us for r in steps)
     measured = sum(parts.values())
     parts["client"] = max(0.0, decode_wall_us - measured)
     total = sum(parts.values()) or 1.0
     shares = {k: v / total for k, v in parts.items()}
     decode_ratio = float(np.median(whole_decode) / np.median(route_decode))
     prefill_ratio = float(np.median(whole_prefill) / np.median(route_prefill))
+    route_tps = 1.0 / float(np.median(route_decode))
     scenario = f"{n_stages} stages"
     figures = (
         Figure("speed.decode_ratio", decode_ratio, "whole/route", scenario),
@@ -331,8 +457,13 @@ async def speed(
         Figure("speed.decode_ms.whole", 1e3 * float(np.median(whole_decode)), "ms/token", scenario),
         Figure("speed.prefill_ms.route", 1e3 * float(np.median(route_prefill)), "ms", scenario),
         Figure("speed.prefill_ms.whole", 1e3 * float(np.median(whole_prefill)), "ms", scenario),
+        Figure("speed.decode_tps.route", route_tps, "tok/s", scenario),
     )
-    return Speed(decode_ratio, prefill_ratio, figures, shares)
+    vs_rpc = None
+    if rpc is not None:
+        rpc_median = None if rpc_error or not rpc_tps else float(np.median(rpc_tps))
+        vs_rpc = RpcComparison(n_stages, route_tps, rpc_median, rpc_error)
+    return Speed(decode_ratio, prefill_ratio, figures, shares, vs_rpc)
 
 
 def compare(

@@ -1,7 +1,9 @@
-"""DGR-020's baseline: safetensors (transformers) against whole-model llama.cpp, one record.
+"""DGR-020's baseline: safetensors (transformers) against whole-model llama.cpp, one record;
+or, for a quantized GGUF (no safetensors), transformers on the same GGUF's weights dequantized.
 
   dgr baseline HF_DIR [--gguf FILE] [--kv-type f32 --flash-attn off]
   dgr baseline --fixture hf-llama-gqa
+  dgr baseline --model smollm2-135m-instruct | --model FILE.gguf [--no-record]
 
 Converts HF_DIR with llama.cpp's own convert_hf_to_gguf.py at the pinned commit (unless --gguf
 names the converted file), runs transformers on the CPU in float32 and the whole model in
@@ -11,6 +13,11 @@ with its RoPE base changed must fail parity), writes a baseline record when an e
 can be derived (a dgr fixture, or a real model the lock names), signed by --sign-key's
 certifier key (default: the fixture certifier, fixture evidence only), and prints DGR-020's
 verdict.
+--model NAME|PATH (a catalog name of dgr models, fetched and verified, or a GGUF file): the
+two sides are transformers in float32 on the GGUF's weights dequantized and whole-model
+llama.cpp on the GGUF as it is, teacher-forced on seeded text prompts; figures are the mean and
+99th percentile of the KL divergence of their next-token distributions and top-1 agreement,
+judged by the lock's thresholds.baseline_quantized.
 Exit 0: go; 1: optimize baseline or stop; 2: refused (bad input, lock, extras missing).
 """
 
@@ -29,6 +36,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     model = p.add_mutually_exclusive_group(required=True)
     model.add_argument("hf_dir", nargs="?", type=Path, help="a Hugging Face model directory")
     model.add_argument("--fixture", help="a converter-made fixture by name (built if missing)")
+    model.add_argument(
+        "--model",
+        metavar="NAME|PATH",
+        help="a quantized GGUF: a catalog name (dgr models list) or a file; against its own "
+        "weights dequantized in transformers",
+    )
     p.add_argument("--gguf", type=Path, help="the GGUF converted from HF_DIR (default: convert)")
     p.add_argument("--kv-type", choices=KV_TYPES, default=KV_TYPES[0], help="KV cache type")
     p.add_argument(
@@ -43,6 +56,118 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.model is not None:
+        if args.gguf is not None:
+            print("dgr baseline: --gguf goes with HF_DIR, not with --model", file=sys.stderr)
+            return 2
+        return _run_quantized(args)
+    return _run_hf(args)
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _model_path(spec: str) -> Path:
+    """The GGUF ``spec`` names: a catalog model (fetched and verified, with progress) or a
+    file. Raises ``UnknownModel`` for a name that is neither, ``ModelFetchFailed``,
+    ``StorageRefused``."""
+    from dgr_engine.cli._progress import progress_printer
+    from dgr_engine.models import CATALOG, fetch_model, lookup
+    from dgr_engine.models.fetch import models_root
+
+    if spec not in CATALOG and (Path(spec).exists() or "/" in spec or spec.endswith(".gguf")):
+        return Path(spec)  # a file (checked by the runner: there, and a GGUF)
+    model = lookup(spec)  # UnknownModel lists the catalog
+    root = models_root(None)
+    report, finish = progress_printer("verify")
+    try:
+        path, _report = fetch_model(
+            model,
+            root,
+            progress=report,
+            notice=lambda text: print(f"dgr baseline: {text}", file=sys.stderr),
+        )
+    finally:
+        finish()
+    return path
+
+
+def _run_quantized(args: argparse.Namespace) -> int:
+    from dgr_engine.artifacts.errors import ArtifactError
+    from dgr_engine.artifacts.storage import StorageRefused
+    from dgr_engine.baseline.errors import BaselineError
+    from dgr_engine.baseline.quantized import (
+        requirements_of,
+        run_quantized_baseline,
+        write_quantized_record,
+    )
+    from dgr_engine.certification.errors import EvidenceError
+    from dgr_engine.certification.gates import evaluate
+    from dgr_engine.certification.lock import load_lock
+    from dgr_engine.certification.record import default_evidence_dir, load_evidence
+    from dgr_engine.certification.signing import load_signing_key
+    from dgr_engine.models import ModelFetchFailed, UnknownModel
+
+    started = dt.datetime.now(dt.UTC)
+    try:
+        key = None if args.sign_key is None else load_signing_key(args.sign_key)
+        lock = load_lock(args.lock)
+        limits = lock.thresholds.quantized
+        gguf = _model_path(args.model)
+        result = run_quantized_baseline(
+            gguf,
+            min_tokens=limits.prompt_tokens_min,
+            numerics=Numerics(args.kv_type, args.flash_attn),
+            threads=args.threads,
+            progress=_say,
+        )
+    except (
+        BaselineError,
+        EvidenceError,
+        UnknownModel,
+        ModelFetchFailed,
+        StorageRefused,
+        ArtifactError,
+        ValueError,
+        OSError,
+    ) as exc:
+        print(f"dgr baseline: {exc}", file=sys.stderr)
+        return 2
+    work, d = result.work, result.divergence
+    _say(f"next-token distributions: {d.text()}")
+    _say(f"negative control (RoPE base changed): {result.negative.text()}")
+    _say(
+        f"speed (tok/s, llama.cpp / transformers): decode {result.llama.decode_rate(work):.1f} / "
+        f"{result.reference.decode_rate(work):.1f} = {result.decode_ratio:.2f}, prefill "
+        f"{result.llama.prefill_rate(work):.0f} / {result.reference.prefill_rate(work):.0f} = "
+        f"{result.prefill_ratio:.2f}; peak RSS {result.llama.peak_rss_bytes / 2**20:.0f} / "
+        f"{result.reference.peak_rss_bytes / 2**20:.0f} MiB; {result.seconds:.0f} s in all"
+    )
+    for req in requirements_of(result, limits):
+        _say(f"  {req.verdict.value:<12} {req.id}: {req.detail}")
+    if args.no_record:
+        _say("no record written (--no-record)")
+        return 0
+    evidence = args.evidence if args.evidence is not None else default_evidence_dir()
+    argv = ["dgr", "baseline", "--model", args.model, "--kv-type", args.kv_type]
+    argv += ["--flash-attn", args.flash_attn, "--threads", str(args.threads)]
+    try:
+        record, path = write_quantized_record(
+            result, lock=lock, evidence_dir=evidence, started=started, command=argv, key=key
+        )
+    except EvidenceError as exc:
+        print(f"dgr baseline: no record written: {exc}", file=sys.stderr)
+        return 2
+    _say(f"record {path} ({record.evidence_class.value} evidence)")
+    verdict = evaluate(
+        "DGR-020", load_evidence(evidence, lock).records, lock, record.evidence_class
+    )
+    _say(verdict.text())
+    return 0 if verdict.verdict == "go" else 1
+
+
+def _run_hf(args: argparse.Namespace) -> int:
     from dgr_engine.baseline.errors import BaselineError
     from dgr_engine.baseline.runner import (
         requirements_of,
@@ -56,9 +181,7 @@ def run(args: argparse.Namespace) -> int:
     from dgr_engine.certification.signing import load_signing_key
     from dgr_engine.fixtures.converted import ensure_converted
 
-    def say(text: str) -> None:
-        print(text, flush=True)
-
+    say = _say
     started = dt.datetime.now(dt.UTC)
     try:
         key = None if args.sign_key is None else load_signing_key(args.sign_key)

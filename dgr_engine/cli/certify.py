@@ -9,6 +9,14 @@ whose private half is public, so it signs fixture evidence only); the lock must 
 for the derived class, or nothing runs. With --reuse, a passing record of exactly this lane
 under this lock is reused instead of running again.
 
+--rpc says when llama.cpp RPC with the route's split (llama-bench and one ggml-rpc-server per
+further stage, built from the pinned, patched llama.cpp and cached in <cache>/peers) runs beside
+each speed layout, for speed.vs_rpc: 'auto' (default) when the peers are cached, or when the
+evidence is real-model or above (built first if missing, with progress: a cold build is about
+12 minutes on 2 cores), else speed.vs_rpc is not-measured with the reason and the command that
+builds them; 'build' always (built first if missing; exit 2 when they cannot be); 'off' never
+(quick demo certifications).
+
 Exit status: 0 when every correctness requirement passed (parity, per-stage execution,
 isolation, bounded failure, resources; speed is reported, and judged by 'dgr gate'), 1 when
 one failed, 2 when nothing could be certified (no lock, an unclassifiable model).
@@ -27,6 +35,7 @@ from dgr_engine.cli._evidence_args import add_evidence_arguments, add_sign_key_a
 from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.options import EngineOptions
+from dgr_engine.tooling.peer_build import PeerUse
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -45,7 +54,9 @@ lane certified by default)."""
 
 def configure(p: argparse.ArgumentParser) -> None:
     model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", type=Path, help="the GGUF file")
+    model.add_argument(
+        "--model", help="a catalog name (dgr models list; fetched when missing) or a GGUF file"
+    )
     model.add_argument("--fixture", help="a generated fixture by name (built if missing)")
     EngineOptions.add_arguments(p, **CERTIFY_OPTIONS)
     add_evidence_arguments(p)
@@ -55,23 +66,37 @@ def configure(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="reuse a passing record of exactly this lane under this lock if there is one",
     )
+    p.add_argument(
+        "--rpc",
+        choices=[use.value for use in PeerUse],
+        default=PeerUse.AUTO.value,
+        help="run llama.cpp RPC with the same split for speed.vs_rpc: auto (when its peers are "
+        "cached, or built for real-model evidence), build (always, built if missing), off",
+    )
     p.add_argument("--verbose", action="store_true", help="log to stderr")
 
 
 def run(args: argparse.Namespace) -> int:
-    from dgr_engine.certification.errors import EvidenceError
+    from dgr_engine.certification.errors import EvidenceError, UnclassifiableModel
     from dgr_engine.certification.lock import load_lock
     from dgr_engine.certification.record import default_evidence_dir
     from dgr_engine.certification.signing import load_signing_key
     from dgr_engine.fixtures import ensure_fixture
+    from dgr_engine.models import resolve_model
+    from dgr_engine.tooling.peer_build import PeersUnavailable
+    from dgr_session.errors import DgrError
 
     if args.verbose:
         log_to_stderr("INFO")
     try:
         key = None if args.sign_key is None else load_signing_key(args.sign_key)
         lock = load_lock(args.lock)
-        model = args.model if args.model is not None else ensure_fixture(args.fixture)
-    except (EvidenceError, ValueError, OSError) as exc:
+        model = (
+            resolve_model(args.model, notice=lambda text: print(text, flush=True))
+            if args.model is not None
+            else ensure_fixture(args.fixture)
+        )
+    except (EvidenceError, DgrError, LookupError, ValueError, OSError) as exc:
         print(f"dgr certify: {exc}", file=sys.stderr)
         return 2
     evidence = args.evidence if args.evidence is not None else default_evidence_dir()
@@ -79,12 +104,21 @@ def run(args: argparse.Namespace) -> int:
     try:
         with sigterm_as_interrupt():
             return asyncio.run(
-                certify_or_reuse(model, options, lock, evidence, args.reuse, key=key)
+                certify_or_reuse(
+                    model, options, lock, evidence, args.reuse, key=key, rpc=PeerUse(args.rpc)
+                )
             )
     except KeyboardInterrupt:
         print("interrupted: every worker stopped, no record written", file=sys.stderr)
         return 130
-    except (EvidenceError, ValueError) as exc:
+    except UnclassifiableModel as exc:
+        print(
+            f"dgr certify: {exc}; to certify it as a real model, declare it in a new lock: "
+            f"dgr lock declare-model {args.model or model} --lock {lock.path}",
+            file=sys.stderr,
+        )
+        return 2
+    except (EvidenceError, ValueError, PeersUnavailable) as exc:
         print(f"dgr certify: {exc}", file=sys.stderr)
         return 2
 
@@ -97,9 +131,11 @@ async def certify_or_reuse(
     reuse: bool,
     *,
     key: Ed25519PrivateKey | None = None,
+    rpc: PeerUse = PeerUse.AUTO,
 ) -> int:
     """Reuse a matching passing record (with ``reuse``) or certify, signing with ``key``
-    (default: the fixture certifier); print the outcome."""
+    (default: the fixture certifier) and running llama.cpp RPC as ``rpc`` says; print the
+    outcome."""
     from dgr_engine.certification.gates import CORRECTNESS
     from dgr_engine.certification.record import Verdict
     from dgr_engine.certify.runner import certify
@@ -114,7 +150,7 @@ async def certify_or_reuse(
         print(text, flush=True)
 
     began = time.perf_counter()
-    argv = ["dgr", "certify", "--model", str(model), *options.worker_argv()]
+    argv = ["dgr", "certify", "--model", str(model), "--rpc", rpc.value, *options.worker_argv()]
     if key is not None:
         argv += ["--sign-key", "KEY"]  # the command, not where the operator keeps the key
     result = await certify(
@@ -125,6 +161,7 @@ async def certify_or_reuse(
         command=argv,
         progress=say,
         key=key,
+        rpc=rpc,
     )
     record = result.record
     say(

@@ -35,18 +35,25 @@ def configure(p: argparse.ArgumentParser) -> None:
     new = sub.add_parser("new", help="a new lock file", description="Write a new lock file.")
     new.add_argument("file", type=Path, metavar="FILE", help="the new lock (must not exist)")
     new.add_argument(
-        "--from", dest="base", type=Path, default=None, help="the lock to start from (default: "
-        "$DGR_LOCK, else the checkout's)"
+        "--from",
+        dest="base",
+        type=Path,
+        default=None,
+        help="the lock to start from (default: $DGR_LOCK, else the checkout's)",
     )
     model = sub.add_parser(
         "declare-model", help="declare a real model", description="Declare a real model."
     )
     model.add_argument("model", metavar="NAME|GGUF", help="a catalog name or a GGUF file")
-    model.add_argument("--name", default=None, help="its name in the lock (default: the catalog "
-                       "name, else the file's stem)")
     model.add_argument(
-        "--sha256", default=None, help="declare this hash (a split manifest's) instead of the "
-        "file's"
+        "--name",
+        default=None,
+        help="its name in the lock (default: the catalog name, else the file's stem)",
+    )
+    model.add_argument(
+        "--sha256",
+        default=None,
+        help="declare this hash (a split manifest's) instead of the file's",
     )
     hardware = sub.add_parser(
         "declare-hardware",
@@ -64,8 +71,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         description="Trust a certifier key for some evidence classes.",
     )
     certifier.add_argument("--name", required=True, help="the certifier's name")
-    certifier.add_argument("--key", type=Path, required=True, metavar="KEYFILE",
-                           help="its private key (only the public half goes in the lock)")
+    certifier.add_argument(
+        "--key",
+        type=Path,
+        required=True,
+        metavar="KEYFILE",
+        help="its private key (only the public half goes in the lock)",
+    )
     certifier.add_argument(
         "--classes",
         default="real-model,real-hardware",
@@ -93,9 +105,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _lock_path(given: Path | None) -> Path:
-    from dgr_engine.certification.lock import default_lock_path
+    """The lock file named (``--lock``), else the default one, which must load (outside a
+    checkout with no ``$DGR_LOCK`` there is none: the refusal says how to name one)."""
+    from dgr_engine.certification.lock import load_lock
 
-    return given if given is not None else default_lock_path()
+    return given if given is not None else load_lock(None).path
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -173,8 +187,10 @@ def _keygen(args: argparse.Namespace) -> int:
     public = key.public_key()
     print(f"key {args.key} (0600): id {signing.key_id_of(public)}")
     print(f"public key {signing.public_key_text(public)}")
-    print("keep the file private; declare it with: dgr lock declare-certifier --name NAME --key "
-          f"{args.key}")
+    print(
+        "keep the file private; declare it with: dgr lock declare-certifier --name NAME --key "
+        f"{args.key}"
+    )
     return 0
 
 
@@ -187,15 +203,16 @@ def _declare_certifier(args: argparse.Namespace) -> int:
     known = {c.value for c in EvidenceClass}
     for cls in classes:
         if cls not in known:
-            raise ValueError(f"--classes: unknown evidence class {cls!r} (known: "
-                             f"{', '.join(sorted(known))})")
+            raise ValueError(
+                f"--classes: unknown evidence class {cls!r} (known: {', '.join(sorted(known))})"
+            )
     public = signing.load_signing_key(args.key).public_key()
-    write_lock(declare_certifier(_read(path), name=args.name, public_key=public,
-                                 classes=classes), path)
+    write_lock(
+        declare_certifier(_read(path), name=args.name, public_key=public, classes=classes), path
+    )
     return _written(
         path,
-        f"declared certifier {args.name}: key {signing.key_id_of(public)} for "
-        f"{', '.join(classes)}",
+        f"declared certifier {args.name}: key {signing.key_id_of(public)} for {', '.join(classes)}",
     )
 
 
@@ -203,21 +220,25 @@ def _show(args: argparse.Namespace) -> int:
     from dgr_engine.certification.lock import format_time, load_lock
 
     lock = load_lock(_lock_path(args.lock))
-    print(f"lock {lock.path}: sha256 {lock.sha256[:16]}, locked at {format_time(lock.locked_at)}"
-          f"{'' if lock.committed else ' (uncommitted)'}")
+    print(
+        f"lock {lock.path}: sha256 {lock.sha256[:16]}, locked at {format_time(lock.locked_at)}"
+        f"{'' if lock.committed else ' (uncommitted)'}"
+    )
     for model in lock.real_models:
         hashes = ", ".join(h[:16] for h in model.content_sha256) or "no hash declared"
         print(f"  real model {model.name} ({model.arch}): {hashes}")
     for hw in lock.hardware_lanes:
-        print(f"  hardware lane {hw.name}: {hw.hardware}; llama.cpp {hw.llama_cpp_commit[:12]}, "
-              f"patch stack {hw.patch_stack_sha256[:12]}, {hw.backend}")
+        print(
+            f"  hardware lane {hw.name}: {hw.hardware}; llama.cpp {hw.llama_cpp_commit[:12]}, "
+            f"patch stack {hw.patch_stack_sha256[:12]}, {hw.backend}"
+        )
     for lane in lock.lanes:
-        model = f", {lane.real_model}" if lane.real_model else ""
-        print(f"  lane {lane.name}: {lane.evidence_class.value}, {lane.backend}, "
-              f"{lane.family}{model}")
+        named = f", {lane.real_model}" if lane.real_model else ""
+        print(
+            f"  lane {lane.name}: {lane.evidence_class.value}, {lane.backend}, {lane.family}{named}"
+        )
     for c in lock.certifiers:
-        print(f"  certifier {c.name}: key {c.key_id} for "
-              f"{', '.join(x.value for x in c.classes)}")
+        print(f"  certifier {c.name}: key {c.key_id} for {', '.join(x.value for x in c.classes)}")
     return 0
 
 

@@ -6,7 +6,8 @@ or pip's cache), verifies every chunk against the manifest dgr ships for it (res
 that disagrees is quarantined) and prints its path; 'dgr models path NAME' prints the path of a
 fetched, verified model. The directory is --root, else $DGR_STORAGE_ROOT, else dgr's cache
 ($DGR_MODELS_DIR, else ~/.cache/dgr/models); never under /home, never inside the checkout.
-Exit 0: done; 1: the fetch failed (its reason in one line); 2: refused before any work.
+Exit 0: done; 2: refused or failed (no network, a source serving other bytes, a bad root),
+its reason in one line, nothing half-written under a final name.
 """
 
 from __future__ import annotations
@@ -83,11 +84,11 @@ def run(args: argparse.Namespace) -> int:
     except (ModelFetchFailed, ArtifactError) as exc:
         finish()
         print(f"{command}: {exc}", file=sys.stderr)
-        return 1
+        return 2
     except OSError as exc:
         finish()
         print(f"{command}: {root}: {exc.strerror or exc}", file=sys.stderr)
-        return 1
+        return 2
     finish()
     print(
         f"{command}: {model.name} verified ({report.hashed_chunks} chunks hashed, "

@@ -58,7 +58,10 @@ def port_problem(host: str, port: int) -> str | None:
 
 def configure(p: argparse.ArgumentParser) -> None:
     model = p.add_mutually_exclusive_group(required=True)
-    model.add_argument("--model", type=Path, help="the GGUF file to serve")
+    model.add_argument(
+        "--model",
+        help="the GGUF file to serve, or a catalog name (dgr models list; fetched when missing)",
+    )
     model.add_argument("--fixture", help="a generated fixture by name (built if missing)")
     model.add_argument(
         "--manifest",
@@ -284,6 +287,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from dgr_engine.certification.record import default_evidence_dir
     from dgr_engine.errors import EngineError
     from dgr_engine.fixtures import ensure_fixture
+    from dgr_engine.models import resolve_model
     from dgr_engine.worker import ShardWorker, WorkerConfig
     from dgr_engine.worker.identity import BuildIdentity
     from dgr_engine.worker.preflight import preflight
@@ -341,7 +345,11 @@ async def _serve(args: argparse.Namespace) -> int:
                     artifacts.verification,
                 )
             else:
-                model = args.model if args.model is not None else ensure_fixture(args.fixture)
+                model = (
+                    resolve_model(args.model, notice=lambda text: logger.info("{}", text))
+                    if args.model is not None
+                    else ensure_fixture(args.fixture)
+                )
             preflight(
                 model,
                 args.layers,

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from dgr_engine.models.catalog import CATALOG, UnknownModel, lookup
+from dgr_engine.models.catalog import CATALOG, lookup
 from dgr_engine.models.fetch import ModelNotFetched, fetch_model, model_path, models_root
 
 

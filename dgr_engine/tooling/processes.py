@@ -66,7 +66,9 @@ class WorkerProcess:
     ) -> WorkerProcess:
         """Starts ``dgr worker`` and waits for its LISTENING line (``TimeoutError`` after
         ``startup_timeout`` s, ``RuntimeError`` if it exits first; either way it is stopped).
-        ``options`` defaults to the worker's own defaults."""
+        ``options`` defaults to the worker's own defaults. The workers of one machine share
+        its cores: OpenMP's threads wait passively (``OMP_WAIT_POLICY=PASSIVE``, as the
+        llama.cpp peers they are measured against) unless the environment says otherwise."""
         args = [
             dgr_command(),
             "worker",
@@ -83,7 +85,8 @@ class WorkerProcess:
             log_level,
             *extra_args,
         ]
-        return cls.launch(args, startup_timeout)
+        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        return cls.launch(args, startup_timeout, env=env)
 
     @classmethod
     def launch(

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import concurrent_route, peer_build, peers, targets
+from benchmarks import concurrent_route, targets
 from dgr_engine.reference import split_points
+from dgr_engine.tooling import peer_build
+from dgr_engine.tooling import rpc_peer as peers
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -182,6 +184,9 @@ def test_peers_benchmark_end_to_end(
         "prefill 16 tok/s, whole model",
         "prefill 16 tok/s, 2 stages (ratio to whole)",
         "prefill 16 tok/s, 2 stages [ring] (ratio to whole)",
+        "time to first token, prompt 16 (s), whole model",
+        "time to first token, prompt 16 (s), 2 stages",
+        "time to first token, prompt 16 (s), 2 stages [ring]",
     ]
     for variant in variants:
         want += [
@@ -199,6 +204,15 @@ def test_peers_benchmark_end_to_end(
         if row["target"]:
             assert isinstance(row["met"], bool)
     assert result["all_finite"] is True
+    # peak RSS per shard: the whole model and the 2-stage route's shards, each judged
+    assert [(r["stages"], r["layers"]) for r in result["memory"]] == [
+        (1, [0, 4]),
+        (2, [0, 2]),
+        (2, [2, 4]),
+    ]
+    for r in result["memory"]:
+        assert r["met"] == (r["peak_rss_bytes"] <= r["weight_bytes"] + r["kv_bytes"] + (64 << 20))
+    assert "target: peak RSS <= weights + KV + 64 MiB on every shard:" in out
     assert "dgr >= 1.0 x RPC decode at 2 stages:" in out
     assert "fixture evidence" in out
 

@@ -100,6 +100,21 @@ def test_real_model_real_hardware_and_release_come_from_the_lock(kit: EvidenceKi
     )
 
 
+def test_a_record_says_why_it_is_real_model_and_not_real_hardware(kit: EvidenceKit) -> None:
+    from dgr_engine.certify.runner import evidence_class_reason
+
+    lock = real_model_lock(kit, hardware=True)
+    other_cpu = attrs.evolve(kit.lane(), hardware="x86_64 | Other | avx")
+    facts = derive_facts(other_cpu, fixture_mark=None, lock=lock, release_build=False)
+    reason = evidence_class_reason(facts, other_cpu)
+    assert reason.startswith("real-model: the lock's real model deepseek-v4, but no hardware")
+    assert "x86_64 | Other | avx" in reason and "dgr lock declare-hardware" in reason
+    here = derive_facts(kit.lane(), fixture_mark=None, lock=lock, release_build=False)
+    assert evidence_class_reason(here, kit.lane()).startswith("real-hardware: ")
+    marked = derive_facts(kit.lane(), fixture_mark="m", lock=lock, release_build=False)
+    assert evidence_class_reason(marked, kit.lane()).startswith("fixture: a generated fixture")
+
+
 @pytest.mark.parametrize(
     ("version", "release"),
     [("0.1.0", True), ("2.3", True), ("0.1.0+source", False), ("0.2.0.dev1", False)]

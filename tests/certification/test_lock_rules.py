@@ -12,6 +12,8 @@ import pytest
 
 from dgr_engine.certification.errors import EvidenceInvalid, LockMismatch, LockNotCommitted
 from dgr_engine.certification.lock import load_lock
+from dgr_engine.models import lookup
+from dgr_session.identity import EvidenceClass
 from tests.harness import EvidenceKit
 
 REPO_LOCK = Path(__file__).resolve().parents[2] / "certification" / "lock.json"
@@ -21,9 +23,17 @@ def test_the_repo_lock_parses() -> None:
     lock = load_lock(REPO_LOCK)
     assert lock.thresholds.speed.stage_counts == (2, 3, 4)
     assert 10 in lock.thresholds.layout_stage_counts
-    assert {m.official_target_sha for m in lock.real_models} == {
-        "60d8d70770c6776ff598c94bb586a859a38244f1"
+    assert "60d8d70770c6776ff598c94bb586a859a38244f1" in {
+        m.official_target_sha for m in lock.real_models
     }
+    smollm2 = lock.real_model_of(lookup("smollm2-135m-instruct").sha256)
+    assert smollm2 is not None and smollm2.arch == "llama"
+    assert lock.hardware_lanes and all(h.backend == "cpu" for h in lock.hardware_lanes)
+    real = [c for c in lock.certifiers if EvidenceClass.REAL_HARDWARE in c.classes]
+    assert real and all(EvidenceClass.FIXTURE not in c.classes for c in real)
+    quantized = lock.thresholds.quantized
+    assert (quantized.kld_mean_max, quantized.kld_p99_max) == (0.01, 0.1)
+    assert (quantized.top1_agreement_min, quantized.prompt_tokens_min) == (0.97, 256)
     assert {lane.name for lane in lock.lanes} >= {"fixture-dense-cpu", "fixture-v4-cpu"}
 
 

@@ -48,6 +48,13 @@ def test_every_subcommand_is_reachable() -> None:
         "dgr artifacts manifest",
         "dgr artifacts fetch",
         "dgr artifacts verify",
+        "dgr lock",
+        "dgr lock new",
+        "dgr lock declare-model",
+        "dgr lock declare-hardware",
+        "dgr lock keygen",
+        "dgr lock declare-certifier",
+        "dgr lock show",
         "dgr gate",
     }
 

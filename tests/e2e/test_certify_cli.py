@@ -7,6 +7,7 @@ tests read what it printed and wrote, and evaluate the gates on those records.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from dgr_engine.certify.runner import layouts_for
 from dgr_engine.cli import main
 from dgr_engine.fixtures import llama, lookup
 from dgr_engine.fixtures.catalog import FixtureSpec
+from dgr_engine.tooling.peer_build import cached_prefix
 from dgr_engine.tooling.processes import dgr_command
 from dgr_session.identity import EvidenceClass
 
@@ -51,8 +53,9 @@ def test_certify_shows_progress_and_writes_one_record_per_lane(fixture_evidence:
         for rid in CORRECTNESS:  # every correctness requirement measured and met
             req = record.requirement(rid)
             assert req is not None and req.verdict is Verdict.PASS, (rid, req)
-        rpc = record.requirement("speed.vs_rpc")
-        assert rpc is not None and rpc.verdict is Verdict.NOT_MEASURED
+        rpc = record.requirement("speed.vs_rpc")  # --rpc auto: measured iff the peers are built
+        measured = cached_prefix() is not None
+        assert rpc is not None and (rpc.verdict is not Verdict.NOT_MEASURED) == measured, rpc
         units = {f.name: f.unit for f in record.figures}
         assert units["speed.decode_ratio"] == "whole/route"
         assert units["failure.recovery_s"] == "s" and units["rss.peak.stage0"] == "MiB"
@@ -68,14 +71,16 @@ def test_gate_054_at_fixture_class_names_the_measured_bottleneck(
     capsys: pytest.CaptureFixture[str], fixture_evidence: Path
 ) -> None:
     code, out = gate(capsys, fixture_evidence, "DGR-054", "--class", "fixture")
-    # correctness holds for dense and V4; the useful-speed gate cannot pass (RPC not measured)
+    # correctness holds for dense and V4; the useful-speed gate cannot pass (the fixtures'
+    # routes decode far below the whole model)
     assert code == 1
     assert out.startswith("DGR-054: optimize measured bottleneck at fixture class\n"), out
     assert "(fixture evidence: generated models, not real-model or real-hardware)" in out
     for family in ("dense", "v4"):
         for rid in CORRECTNESS:
             assert f"+ {family} {rid}: pass" in out, out
-        assert f"- {family} speed.vs_rpc: not-measured" in out, out
+        rpc = "(pass|fail)" if cached_prefix() is not None else "not-measured"
+        assert re.search(rf"[-+] {family} speed.vs_rpc: {rpc} ", out), out
         assert f"- bottleneck ({family}): " in out, out
     assert "2 records admitted" in out and "0 refused" in out
 

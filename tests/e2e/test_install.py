@@ -141,3 +141,29 @@ def test_the_installed_dgr_certifies_and_generates_over_spawned_workers(
     assert report["state"] == "done" and len(report["tokens"]) == 6
     assert report["whole_model_equal"] is True
     assert len(report["stages"]) == 2
+
+
+def test_the_installed_dgr_makes_an_operators_lock_outside_a_checkout(
+    installed: Path, tmp_path: Path
+) -> None:
+    def dgr(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [str(installed / "dgr"), *argv],
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={k: v for k, v in clean_env().items() if k != "DGR_LOCK"},
+            timeout=120,
+        )
+
+    refused = dgr("lock", "new", "op.json")  # no checkout, no $DGR_LOCK: nothing to start from
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1, refused.stderr
+    assert "no lock" in refused.stderr and "--lock FILE or $DGR_LOCK" in refused.stderr
+    assert not (tmp_path / "op.json").exists()
+    made = dgr("lock", "new", "op.json", "--from", str(ROOT / "certification" / "lock.json"))
+    assert made.returncode == 0, made.stderr
+    assert dgr("lock", "keygen", "me.pem").returncode == 0
+    for step in (["declare-certifier", "--name", "me", "--key", "me.pem"], ["show"]):
+        done = dgr("lock", *step, "--lock", "op.json")
+        assert done.returncode == 0, done.stderr
+    assert "certifier me: key ed25519:" in done.stdout

@@ -5,6 +5,7 @@ stages bit for bit equal to the whole model, answering a question."""
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import zipfile
 from pathlib import Path
@@ -160,6 +161,25 @@ def test_command_line_mistakes_are_one_line_and_exit_2(tmp_path: Path) -> None:
     assert done.returncode == 0 and SMOLLM2 in done.stdout and "Apache-2.0" in done.stdout
 
 
+def test_no_network_is_one_line_exit_2_and_nothing_named(tmp_path: Path) -> None:
+    # pip pointed at a loopback port nothing listens on, without its cache or retries
+    env = {**os.environ, "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_NO_CACHE_DIR": "1"}
+    env.update(PIP_RETRIES="0", PIP_TIMEOUT="5", PIP_EXTRA_INDEX_URL="", PIP_FIND_LINKS="")
+    root = tmp_path / "models"
+    done = subprocess.run(
+        [dgr_command(), "models", "fetch", SMOLLM2, "--root", str(root), "--allow-temp-root"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode == 2, done.stderr
+    refusal = [line for line in done.stderr.splitlines() if "could not download" in line]
+    assert len(refusal) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert "huggingface.co" in refusal[0]  # where the same file is, elsewhere
+    assert not (root / SMOLLM2 / lookup(SMOLLM2).file_name).exists()
+
+
 # -- the real model ------------------------------------------------------------------------------
 
 
@@ -193,3 +213,33 @@ def test_smollm2_over_three_stages_is_the_whole_model_and_answers(
     assert tokens == ref_tokens
     assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True))
     assert "Paris" in tokenizer.decode(tokens), tokenizer.decode(tokens)
+
+
+@pytest.mark.slow  # the real model; every layout dgr certify runs on it
+def test_every_certify_layout_of_smollm2_is_the_whole_model(smollm2: Path, closing: list) -> None:
+    from dgr_engine.certification.lock import load_lock
+    from dgr_engine.certify.runner import layouts_for
+
+    layouts = layouts_for(30, load_lock().thresholds.layout_stage_counts)
+    assert [len(layout) for layout in layouts] == [2, 3, 4, 10]  # the lock's counts, 30 layers
+    kw = {"n_threads": 1, "n_ctx_per_session": 64, "n_batch": 32, "max_sessions": 1}
+    whole = ShardEngine(smollm2, **kw)
+    closing.append(whole)
+    prompt = [1, 504, 3458, 282, 4649, 314, 253, 2369, 30, 198, 2, 9690, 198]  # 13 positions
+    reference = LocalChain([whole])
+    reference.open(1, 0)
+    ref_tokens, ref_logits = reference.greedy(1, 0, prompt, 6, all_prefill_logits=True)
+    for layout in layouts:
+        stages = [ShardEngine(smollm2, layers=r, **kw) for r in layout]
+        try:
+            route = LocalChain(stages)
+            route.open(1, 0)
+            tokens, logits = route.greedy(1, 0, prompt, 6, all_prefill_logits=True)
+            assert tokens == ref_tokens, layout
+            assert len(logits) == len(ref_logits)
+            assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True)), (
+                layout
+            )
+        finally:
+            for stage in stages:
+                stage.close()

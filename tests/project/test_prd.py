@@ -66,9 +66,14 @@ def _check_evidence_path(sid: str, cls: str, status: str, path: Any, root: Path)
     errors = []
     if not (root / rel).is_file():
         errors.append(f"{sid}: evidence path {path!r} does not exist")
-    if cls != "fixture" and status == "done" and rel.parts[:2] != ("evidence", cls):
+    classes = {c.value for c in EvidenceClass if c.satisfies(EvidenceClass(cls))}
+    if (
+        cls != "fixture"
+        and status == "done"
+        and (rel.parts[:1] != ("evidence",) or len(rel.parts) < 2 or rel.parts[1] not in classes)
+    ):
         errors.append(
-            f"{sid}: {cls} evidence must live under evidence/{cls}/, got {path!r} "
+            f"{sid}: {cls} evidence must live under evidence/<{cls} or above>/, got {path!r} "
             "(fixture evidence never stands in for it)"
         )
     return errors
@@ -319,7 +324,7 @@ def test_fixture_evidence_never_stands_in_for_real_model(prd: dict[str, Any]) ->
     # tests/models/test_fixtures.py exists, but it is fixture evidence: a real-model story
     # can't use it.
     bad = broken(prd, "DGR-019", status="done", evidence=["tests/models/test_fixtures.py"])
-    assert_rejected(bad, "must live under evidence/real-model/")
+    assert_rejected(bad, "must live under evidence/<real-model or above>/")
 
 
 def test_evidence_of_the_right_class_is_accepted(prd: dict[str, Any], tmp_path: Path) -> None:
@@ -338,7 +343,13 @@ def test_evidence_of_the_right_class_is_accepted(prd: dict[str, Any], tmp_path: 
     # the path is accepted; being done still needs a real-model record, which no one has
     assert validate(good, root) == ["DGR-019: done without a record"]
     bad = broken(prd, "DGR-019", status="done", evidence=["evidence/fixture/lock.json"])
-    assert_rejected(bad, "must live under evidence/real-model/", root)
+    assert_rejected(bad, "must live under evidence/<real-model or above>/", root)
+    (root / "evidence" / "real-hardware").mkdir()
+    (root / "evidence" / "real-hardware" / "lock.json").write_text("{}")
+    higher = broken(prd, "DGR-019", status="done", evidence=["evidence/real-hardware/lock.json"])
+    assert validate(higher, root) == ["DGR-019: done without a record"]  # a higher class: fine
+    lower = broken(prd, "DGR-054", status="done", evidence=["evidence/real-model/lock.json"])
+    assert any("must live under" in e for e in validate(lower, root))
 
 
 def test_rejects_done_before_dependency(prd: dict[str, Any], tmp_path: Path) -> None:
