@@ -63,6 +63,7 @@ from dgr_engine.reference import split_points, whole_model_greedy
 from dgr_engine.security.grants import GrantIssuer
 from dgr_engine.tokenizer import Tokenizer
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
+from dgr_engine.tooling.peer_build import PeerUse
 from dgr_engine.tooling.throwaway_ca import local_pki
 from dgr_session import (
     EvidenceClass,
@@ -271,7 +272,11 @@ async def certify_lane(
             say(f"reusing record {found.certification.path} (same lane, the repo's lock)")
             return Certified(lock, evidence, found.certification.evidence_class)
         say(f"certify   the fixture lane on this machine (records in {evidence})")
-    code = await certify_or_reuse(model.path, OPTIONS, lock, evidence, reuse=True, key=key)
+    # the llama.cpp RPC comparison (speed.vs_rpc) is dgr certify's to make, not the demo's:
+    # off, so a first run certifies in minutes, not after a cold peer build
+    code = await certify_or_reuse(
+        model.path, OPTIONS, lock, evidence, reuse=True, key=key, rpc=PeerUse.OFF
+    )
     if code != 0:
         raise DemoFailed("the lane did not pass certification: not routing over it")
     found = await asyncio.to_thread(find_certification, lane, evidence, lock=lock)

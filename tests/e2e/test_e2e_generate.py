@@ -173,6 +173,7 @@ def smollm2_lane() -> tuple[Path, Path, Path]:
     from dgr_engine.cli.certify import CERTIFY_OPTIONS, certify_or_reuse
     from dgr_engine.models import lookup
     from dgr_engine.models.resolve import resolve_model
+    from dgr_engine.tooling.peer_build import PeerUse
     from tests.harness import run
 
     model = resolve_model(SMOLLM2)
@@ -187,7 +188,7 @@ def smollm2_lane() -> tuple[Path, Path, Path]:
     )
     options = EngineOptions(**CERTIFY_OPTIONS)
     certified = certify_or_reuse(
-        model, options, operator.lock, operator.evidence, True, key=operator.key
+        model, options, operator.lock, operator.evidence, True, key=operator.key, rpc=PeerUse.OFF
     )
     assert run(certified, limit=900) == 0
     return model, operator.lock.path, operator.evidence
