@@ -274,9 +274,12 @@ async def certify_lane(
         say(f"certify   the fixture lane on this machine (records in {evidence})")
     # the llama.cpp RPC comparison (speed.vs_rpc) is dgr certify's to make, not the demo's:
     # off, so a first run certifies in minutes, not after a cold peer build
-    code = await certify_or_reuse(
-        model.path, OPTIONS, lock, evidence, reuse=True, key=key, rpc=PeerUse.OFF
-    )
+    try:
+        code = await certify_or_reuse(
+            model.path, OPTIONS, lock, evidence, reuse=True, key=key, rpc=PeerUse.OFF
+        )
+    except (EvidenceError, ValueError) as exc:  # refused before any work: one line
+        raise DemoFailed(f"cannot certify the lane: {exc}") from None
     if code != 0:
         raise DemoFailed("the lane did not pass certification: not routing over it")
     found = await asyncio.to_thread(find_certification, lane, evidence, lock=lock)
