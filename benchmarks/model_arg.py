@@ -197,54 +197,27 @@ def _fixture(name: str) -> BenchModel:
 
 
 def _real(given: str, notice: Callable[[str], None] | None) -> BenchModel:
-    from dgr_engine.models import CATALOG, ModelFetchFailed
+    from dgr_engine.models import CATALOG, ModelFetchFailed, UnknownModel, resolve_model
 
-    label = given
     try:
-        if given in CATALOG:
-            path = _catalog_path(given, notice)
-        else:
-            path = Path(given)
-            if not path.is_file():
-                if path.suffix == ".gguf" or os.sep in given or path.exists():
-                    raise BenchModelError(f"--model {given}: no such GGUF file")
-                raise BenchModelError(
-                    f"--model {given}: neither a file nor a catalog name; the catalog has: "
-                    + ", ".join(sorted(CATALOG))
-                )
-            label = path.name
+        path = resolve_model(given, notice=notice)
         n_layer, n_embd, n_vocab = gguf_dims(path)
         marked = fixture_mark(path) is not None
-    except ModelFetchFailed as exc:
+    except (UnknownModel, ModelFetchFailed) as exc:
         raise BenchModelError(f"--model {given}: {exc}") from None
+    except FileNotFoundError as exc:
+        raise BenchModelError(f"--model {given}: {_message(exc)}") from None
     except (OSError, KeyError, ValueError) as exc:
-        if isinstance(exc, BenchModelError):
-            raise
         raise BenchModelError(f"--model {given}: not a readable GGUF: {_message(exc)}") from None
     return BenchModel(
         path=path,
-        label=label,
+        label=given if given in CATALOG else path.name,
         kind="fixture" if marked else "real model",  # derived from the file, as certify does
         n_layer=n_layer,
         n_embd=n_embd,
         n_vocab=n_vocab,
         certify_model=("--model", str(path)),
     )
-
-
-def _catalog_path(name: str, notice: Callable[[str], None] | None) -> Path:
-    from dgr_engine.models import ModelNotFetched, fetch_model, lookup, model_path
-    from dgr_engine.models.fetch import models_root
-
-    model = lookup(name)
-    root = models_root(None)
-    try:
-        return model_path(model, root)
-    except ModelNotFetched:
-        if notice is not None:
-            notice(f"fetching {model.name} ({model.size / 2**20:.0f} MiB) into {root}")
-        path, _ = fetch_model(model, root, notice=notice)
-        return path
 
 
 def gguf_dims(path: Path) -> tuple[int, int, int]:

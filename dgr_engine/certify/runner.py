@@ -51,6 +51,7 @@ from dgr_engine.options import EngineOptions
 from dgr_engine.reference import n_layer_of, split_points, whole_model_reference
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_engine.tooling.peer_build import PeerUse, find_peers
+from dgr_engine.tooling.processes import worker_omp_wait_policy
 from dgr_engine.worker.identity import BuildIdentity
 from dgr_session.identity import EvidenceClass
 
@@ -435,7 +436,7 @@ def _rpc_how(options: EngineOptions, limits: Thresholds) -> str:
     return (
         f"route over the client relay; {options.n_threads} thread(s) per computing process, kv "
         f"{options.kv_type}, flash attention {options.flash_attn}, OMP_WAIT_POLICY PASSIVE for "
-        f"RPC, {os.environ.get('OMP_WAIT_POLICY', 'unset')} for the route; "
+        f"RPC, {worker_omp_wait_policy()} for the route; "
         f"{s.decode_tokens} tokens at depth {s.prefill_tokens}; median of {s.rounds} "
         f"interleaved rounds; {os.cpu_count()} cores shared by every process"
     )

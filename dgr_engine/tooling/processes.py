@@ -38,6 +38,12 @@ def dgr_command() -> str:
     return found
 
 
+def worker_omp_wait_policy() -> str:
+    """``OMP_WAIT_POLICY`` of the workers the tooling starts: this environment's, else
+    ``PASSIVE`` (the workers of one machine share its cores)."""
+    return os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
+
+
 class WorkerProcess:
     """One worker subprocess. ``address`` is ``host:port`` once spawned."""
 
@@ -85,7 +91,7 @@ class WorkerProcess:
             log_level,
             *extra_args,
         ]
-        env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
+        env = {**os.environ, "OMP_WAIT_POLICY": worker_omp_wait_policy()}
         return cls.launch(args, startup_timeout, env=env)
 
     @classmethod
