@@ -2,7 +2,9 @@
 
 --endpoints: workers already running, in route order (each serving the next range).
 --spawn N: N workers started on 127.0.0.1 over even layer ranges of --model or --fixture
-(stopped at the end, also on Ctrl-C); a lost worker is replaced by a new one. Sampling is
+(stopped at the end, also on Ctrl-C); a lost worker is replaced by a new one. --model is a GGUF
+file or a real model of the catalog by name ('dgr models list'), fetched and verified first if
+it is not yet. Sampling is
 greedy. --transport chain or ring sends each stage's output straight to the next stage (the
 workers dial each other; docs/chain.md). --prompt TEXT is tokenized with the model's own
 tokenizer (llama.cpp's, from the GGUF; --vocab GGUF with --endpoints), --chat applies its chat
@@ -12,7 +14,10 @@ generated fixtures have no tokenizer; with no --prompt, 8 fixed ids). --check co
 whole model run in-process (same engine options) and exits 1 on a difference. Every stage's
 lane must be certified at --require (default real-hardware); dark lanes are never routed. For
 the fixtures: 'dgr certify --fixture NAME' first, then --require fixture (spawned workers read
---evidence, default the checkout's evidence/).
+--evidence, default the checkout's evidence/, and --lock, default the checkout's; the client
+checks every stage's record against --lock too). On a real model, e.g.:
+
+    dgr generate --model smollm2-135m-instruct --spawn 3 --chat --prompt "Who wrote Hamlet?"
 
 Prints the text (or the token ids) on stdout, then per-stage counters on stderr; --json prints
 one JSON object instead.
@@ -30,6 +35,7 @@ from typing import Any
 
 import attrs
 
+from dgr_engine.certification.verify import LockVerifier
 from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.cli.certify import CERTIFY_OPTIONS
 from dgr_engine.client.chained import ChainStageTransport
@@ -50,6 +56,8 @@ TRANSPORTS = ("relay", "chain", "ring")
 
 DEFAULT_PROMPT = (1, 17, 42, 99, 7, 64, 128, 3)
 """The prompt when none is given."""
+DEFAULT_NEW_TOKENS, DEFAULT_TEXT_TOKENS = 16, 64
+"""``-n``'s default for token ids, and for a text prompt (a chat answer needs room)."""
 
 OPTIONS = EngineOptions(**CERTIFY_OPTIONS)
 """The engine options of the workers ``--spawn`` starts (and of ``--check``'s whole model),
@@ -71,7 +79,12 @@ def configure(p: argparse.ArgumentParser) -> None:
     where.add_argument("--endpoints", help="H:P,H:P,... workers already running, in route order")
     where.add_argument("--spawn", type=int, metavar="N", help="start N workers on 127.0.0.1")
     model = p.add_mutually_exclusive_group()
-    model.add_argument("--model", type=Path, help="GGUF file (for --spawn and --check)")
+    model.add_argument(
+        "--model",
+        metavar="NAME|GGUF",
+        help="a real model of the catalog by name (fetched if needed) or a GGUF file (for "
+        "--spawn, --check and the tokenizer)",
+    )
     model.add_argument("--fixture", help="a generated fixture by name (built if missing)")
     p.add_argument(
         "--prompt",
@@ -95,7 +108,12 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="the GGUF whose tokenizer to use with --endpoints (default: --model's)",
     )
     p.add_argument(
-        "-n", "--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)"
+        "-n",
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help=f"tokens to generate at most (default {DEFAULT_NEW_TOKENS}; {DEFAULT_TEXT_TOKENS} "
+        "with a text prompt, which stops at the model's end-of-generation tokens first)",
     )
     EngineOptions.add_arguments(p, **attrs.asdict(OPTIONS))
     p.add_argument(
@@ -117,6 +135,13 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="evidence directory the --spawn workers read (default: the worker's default)",
     )
     p.add_argument(
+        "--lock",
+        type=Path,
+        default=None,
+        help="the lock the client checks every stage's record against, and --spawn workers "
+        "load theirs under (default: $DGR_LOCK, else certification/lock.json)",
+    )
+    p.add_argument(
         "--tls-ca",
         type=Path,
         default=None,
@@ -136,19 +161,28 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model: Path | None = args.model
-    if args.fixture is not None:
-        from dgr_engine.fixtures import ensure_fixture
-
-        model = ensure_fixture(args.fixture)
+    try:
+        model = _model(args)
+    except GenerateRefused as exc:
+        print(f"dgr generate: {exc}", file=sys.stderr)
+        return 2
     if (args.spawn is not None or args.check) and model is None:
         print("dgr generate: --spawn and --check need --model or --fixture", file=sys.stderr)
         return 2
     try:
         args.tls = _client_tls(args)
+        args.verifier = _verifier(args)
         args.text, args.tokenizer = _prompt(args, model)
     except (ValueError, EngineError) as exc:
         print(f"dgr generate: {exc}", file=sys.stderr)
+        return 2
+    if args.max_new_tokens is None:
+        has_text = args.tokenizer is not None
+        args.max_new_tokens = DEFAULT_TEXT_TOKENS if has_text else DEFAULT_NEW_TOKENS
+    if args.max_new_tokens < 1:
+        print("dgr generate: --max-new-tokens must be at least 1", file=sys.stderr)
+        if args.tokenizer is not None:
+            args.tokenizer.close()
         return 2
     providers: list[LoopbackRouteProvider] = []
     args.chain_frames_sent = None  # frames this client sent into a chain (set by _run)
@@ -248,14 +282,22 @@ async def _run(
         layout = split_points(n_layer_of(model), args.spawn)
         options = EngineOptions.from_args(args)
         evidence = [] if args.evidence is None else ["--evidence", str(args.evidence)]
+        lock = [] if args.lock is None else ["--lock", str(args.lock)]
         local = LoopbackRouteProvider(
-            model, layout, spawn_on_demand=True, options=options, worker_args=evidence
+            model,
+            layout,
+            spawn_on_demand=True,
+            options=options,
+            worker_args=[*evidence, *lock],
+            certification_verifier=args.verifier,
         )
         providers.append(local)
         provider = local
     else:
         endpoints = [e.strip() for e in args.endpoints.split(",") if e]
-        provider = EndpointRouteProvider(endpoints, tls=args.tls)
+        provider = EndpointRouteProvider(
+            endpoints, tls=args.tls, certification_verifier=args.verifier
+        )
     policy = FailurePolicy(step_deadline=args.step_deadline)
     required = EvidenceClass(args.require)
     try:
@@ -330,6 +372,55 @@ def _prompt(args: argparse.Namespace, model: Path | None) -> tuple[str | None, T
         tokenizer.close()
         raise
     return text, tokenizer
+
+
+class GenerateRefused(Exception):
+    """A model the command line names that cannot be had (one line, exit 2)."""
+
+
+def _model(args: argparse.Namespace) -> Path | None:
+    """The GGUF of --model (a catalog name is fetched and verified first if it is not yet) or
+    --fixture (built if missing); :class:`GenerateRefused` in one line when there is none."""
+    if args.fixture is not None:
+        from dgr_engine.fixtures import ensure_fixture
+        from dgr_engine.fixtures import lookup as lookup_fixture
+
+        try:
+            lookup_fixture(args.fixture)
+        except ValueError as exc:
+            raise GenerateRefused(str(exc)) from None
+        return ensure_fixture(args.fixture)
+    if args.model is None:
+        return None
+    from dgr_engine.artifacts.errors import ArtifactError
+    from dgr_engine.artifacts.storage import StorageRefused
+    from dgr_engine.models import ModelFetchFailed, UnknownModel
+    from dgr_engine.models.resolve import resolve_model
+
+    try:
+        return resolve_model(
+            args.model, notice=lambda text: print(f"dgr generate: {text}", file=sys.stderr)
+        )
+    except (UnknownModel, ModelFetchFailed, ArtifactError, StorageRefused) as exc:
+        raise GenerateRefused(str(exc)) from None
+    except OSError as exc:  # FileNotFoundError: neither a catalog name nor a file
+        raise GenerateRefused(
+            str(exc) if exc.strerror is None else f"{exc.filename}: {exc.strerror}"
+        ) from None
+
+
+def _verifier(args: argparse.Namespace) -> LockVerifier:
+    """The client's check of every stage's record: against --lock, else the default lock
+    (``ValueError`` in one line when --lock cannot be read)."""
+    if args.lock is None:
+        return LockVerifier()
+    from dgr_engine.certification.errors import EvidenceError
+    from dgr_engine.certification.lock import load_lock
+
+    try:
+        return LockVerifier(load_lock(args.lock))
+    except EvidenceError as exc:
+        raise ValueError(f"--lock: {exc}") from None
 
 
 def _client_tls(args: argparse.Namespace) -> ClientTls | None:

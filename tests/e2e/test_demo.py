@@ -1,5 +1,7 @@
 """README command 1: worker processes on loopback, a stage SIGKILLed mid-decode, a new route
-under a new epoch, output equal to the whole model; every process stopped, also on Ctrl-C."""
+under a new epoch, output equal to the whole model; every process stopped, also on Ctrl-C. By
+default on the real model SmolLM2-135M-Instruct (a chat answer, text equal to the whole
+model's), with --fixture on the generated fixtures."""
 
 from __future__ import annotations
 
@@ -59,10 +61,79 @@ def assert_gone(pids: list[int], out: str = "") -> None:
             print(f"pid {pid} is still there\n{out}")
 
 
+def untracked() -> set[str]:
+    done = subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=all"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    return {line[3:] for line in done.stdout.splitlines() if line.startswith("??")}
+
+
+def assert_chat_answer(out: str) -> None:
+    """The chat demo's answer: streamed, a stage lost mid-answer and recovered on the spare,
+    the text equal to the whole model's, every phase timed."""
+    assert "model     smollm2-135m-instruct: SmolLM2-135M-Instruct.Q4_1.gguf (30 layers" in out
+    assert (
+        "lanes     certified with REAL-HARDWARE evidence (a real model on a hardware lane the "
+        "lock declares: this machine and build); sessions require real-hardware evidence"
+    ) in out, out
+    assert "security  mutual TLS (a throwaway local CA) and route grants" in out
+    assert re.search(r"^question  What is the capital of France\?  \(the model's chat", out, re.M)
+    assert re.search(r"SIGKILL stage 1 \[10,20\) pid \d+ .* mid-decode", out), out
+    assert out.count("new route:") == 1 and "(spare)" in out, out
+    assert "epoch 2: re-prefill from position 0" in out, out
+    # the answer streams before and after the loss, and is the whole model's
+    answer = re.findall(r"^answer    (?:\.\.\. )?(.*)$", out, re.M)
+    assert len(answer) == 2, out
+    (whole,) = re.findall(r"^whole     (.*)$", out, re.M)
+    assert whole == "The capital of France is Paris.", out
+    assert " ".join(answer) == whole, out
+    assert "text equal to the route's: True" in out and "stopped at the end-of-turn token" in out
+    assert "epoch 1 -> 2  route changes 1" in out and "whole-model equal: True" in out, out
+    (timings,) = re.findall(r"^timings   (.*)$", out, re.M)
+    for phase in ("fetch", "certify", "workers", "first token", "recovery", "total"):
+        assert re.search(rf"{phase} \d+\.\d\d s", timings), timings
+    assert out.rstrip().endswith("PARITY OK"), out
+    assert_gone(pids_in(out), out)
+
+
+def test_the_default_demo_answers_a_chat_question_from_smollm2(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    before = untracked()
+    # first as an operator of their own machine whose lane no committed record covers: the
+    # demo declares the model and this machine in a lock of its own, certifies the lane under
+    # it (real-hardware: the lock's hardware lane is this machine) and routes over it
+    operator = tmp_path / "operator"
+    own = ["--operator-dir", str(operator), "--evidence", str(operator / "evidence")]
+    assert demo_main(own) == 0
+    out = capsys.readouterr().out
+    assert "you are the operator of your own machine" in out, out
+    assert "operator lock new (its time is now)" in out, out
+    assert re.search(r"^record .*/real-hardware/[0-9a-f]{64}/[0-9a-f]{64}\.json", out, re.M), out
+    assert (operator / "lock.json").is_file() and (operator / "certifier.pem").is_file()
+    assert_chat_answer(out)
+
+    # then as a user runs it (the checkout's evidence, not the suite's empty directory): the
+    # committed records of the repo's lock where they cover this machine, else the operator
+    # lock (kept) and the record just made under it
+    monkeypatch.delenv("DGR_EVIDENCE_DIR", raising=False)
+    assert demo_main(["--operator-dir", str(operator)]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^reusing record .*\.json \(same lane, (the repo's|your) lock\)$", out, re.M)
+    assert "certifying the lane" not in out, out
+    assert_chat_answer(out)
+    assert untracked() == before  # nothing left in the checkout
+
+
 def test_demo_loses_a_stage_and_recovers_with_parity(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    args = ["--stages", "4", "--sessions", "2", "--steps", "10", "--lose-at", "3"]
+    args = ["--fixture", "tiny-llama", "--stages", "4", "--sessions", "2", "--steps", "10"]
+    args += ["--lose-at", "3"]
     assert demo_main([*args, "--evidence", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     # no record of this lane yet: the demo certifies it first, and says what evidence that is
@@ -87,17 +158,18 @@ def test_demo_loses_a_stage_and_recovers_with_parity(
     assert_gone(pids_in(out), out)
 
     # the record of exactly this lane is reused by the next run
-    again = ["--stages", "2", "--sessions", "1", "--steps", "4", "--lose-at", "2"]
-    assert demo_main([*again, "--evidence", str(tmp_path)]) == 0
+    again = ["--fixture", "tiny-llama", "--stages", "2", "--sessions", "1", "--steps", "4"]
+    assert demo_main([*again, "--lose-at", "2", "--evidence", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^reusing record .*\.json \(same lane, same lock\)$", out, re.M), out
+    assert re.search(r"^reusing record .*\.json \(same lane, the repo's lock\)$", out, re.M), out
     assert out.rstrip().endswith("PARITY OK"), out
 
 
 def test_demo_on_tiny_v4_with_a_replacement_spawned_on_demand(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     args = ["--fixture", "tiny-v4", "--sessions", "2", "--steps", "12", "--no-spare"]
+    args += ["--operator-dir", str(tmp_path)]  # its record goes there, not to dgr's cache
     assert demo_main(args) == 0
     out = capsys.readouterr().out
     assert "+token ids" in out, out  # stage [2,4) owns hash-routed layer 2
@@ -108,7 +180,7 @@ def test_demo_on_tiny_v4_with_a_replacement_spawned_on_demand(
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
-def test_an_interrupted_demo_stops_every_worker(sig: signal.Signals) -> None:
+def test_an_interrupted_demo_stops_every_worker(sig: signal.Signals, tmp_path: Path) -> None:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE")
     # A suite started as a background job (`cmd &` in a shell without job control) inherits
     # SIGINT ignored, and so would the demo, which then never sees the signal. A handler set
@@ -117,7 +189,8 @@ def test_an_interrupted_demo_stops_every_worker(sig: signal.Signals) -> None:
     try:
         proc = subprocess.Popen(
             # long enough (8 x 240 tokens) that the signal lands mid-run even on a loaded box
-            [*dgr_sh_command("demo"), "--sessions", "8", "--steps", "240", "--lose-at", "239"],
+            [*dgr_sh_command("demo"), "--fixture", "tiny-llama", "--sessions", "8", "--steps"]
+            + ["240", "--lose-at", "239", "--operator-dir", str(tmp_path)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,

@@ -154,3 +154,103 @@ def test_generate_over_mutual_tls_endpoints(tiny_llama: Path, tmp_path: Path) ->
     finally:
         for worker in secure:
             worker.stop()
+
+
+# -- a real model: SmolLM2-135M-Instruct --------------------------------------------------------
+
+SMOLLM2 = "smollm2-135m-instruct"
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def smollm2_lane() -> tuple[Path, Path, Path]:
+    """SmolLM2 (fetched through ``dgr_engine.models``, cached) and its lane certified on this
+    machine under an operator lock of the suite's own: ``(model, lock, evidence)``. The lock,
+    key and record are kept in dgr's cache like the fixtures, so the lane is certified (about
+    2.5 min on 2 cores) once per machine, build and repo lock, and reused after."""
+    from dgr_engine.certification.lock import load_lock
+    from dgr_engine.cli._demo_operator import operator_lock
+    from dgr_engine.cli.certify import CERTIFY_OPTIONS, certify_or_reuse
+    from dgr_engine.models import lookup
+    from dgr_engine.models.resolve import resolve_model
+    from dgr_engine.tooling.peer_build import PeerUse
+    from tests.harness import run
+
+    model = resolve_model(SMOLLM2)
+    cache = Path(os.environ.get("DGR_CACHE_DIR") or Path.home() / ".cache" / "dgr")
+    entry = lookup(SMOLLM2)
+    operator = operator_lock(
+        load_lock(),
+        cache / "tests" / "smollm2-operator",
+        name=entry.name,
+        arch=entry.arch,
+        sha256=entry.sha256,
+    )
+    options = EngineOptions(**CERTIFY_OPTIONS)
+    certified = certify_or_reuse(
+        model, options, operator.lock, operator.evidence, True, key=operator.key, rpc=PeerUse.OFF
+    )
+    assert run(certified, limit=900) == 0
+    return model, operator.lock.path, operator.evidence
+
+
+def test_generate_a_chat_answer_from_smollm2_over_spawned_workers(
+    smollm2_lane: tuple[Path, Path, Path],
+) -> None:
+    _model, lock, evidence = smollm2_lane
+    done = dgr(
+        "generate",
+        "--model",
+        SMOLLM2,
+        "--spawn",
+        "3",
+        "--chat",
+        "--prompt",
+        QUESTION,
+        "--lock",
+        str(lock),
+        "--evidence",
+        str(evidence),
+        "--check",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["text"] == "The capital of France is Paris.", report
+    assert (report["state"], report["whole_model_equal"]) == ("done", True), report
+    # it stopped at the model's end-of-turn token, long before the token limit
+    assert report["tokens"][-1] == 2 and len(report["tokens"]) == 8, report
+    assert [s["layers"] for s in report["stages"]] == [[0, 10], [10, 20], [20, 30]]
+
+
+def test_generate_a_chat_answer_from_smollm2_over_given_workers(
+    smollm2_lane: tuple[Path, Path, Path],
+) -> None:
+    from dgr_engine.cli.certify import CERTIFY_OPTIONS
+
+    model, lock, evidence = smollm2_lane
+    served = ["--lock", str(lock), "--evidence", str(evidence)]
+    options = EngineOptions(**CERTIFY_OPTIONS)
+    started = [
+        WorkerProcess.spawn(model, r, options=options, extra_args=served)
+        for r in ((0, 15), (15, 30))
+    ]
+    try:
+        endpoints = ",".join(w.address for w in started)
+        done = dgr(
+            "generate", "--endpoints", endpoints, "--model", SMOLLM2, "--chat", "--prompt",
+            QUESTION, "--lock", str(lock), "--transport", "chain",
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "The capital of France is Paris.", done.stdout
+        assert "state done  epoch 1  route changes 0  8 tokens" in done.stderr, done.stderr
+        # the client checks every stage's record against its own lock: under the repo's lock
+        # (which does not trust this operator's key) the same workers are refused
+        refused = dgr(
+            "generate", "--endpoints", endpoints, "--model", SMOLLM2, "--chat", "--prompt",
+            QUESTION, "--step-deadline", "5",
+        )  # fmt: skip
+        assert refused.returncode == 1 and "failed:" in refused.stderr, refused.stderr
+    finally:
+        for worker in started:
+            worker.stop()
