@@ -23,7 +23,8 @@ TIMEOUT = 180  # seconds per example; each takes a few on 2 cores
 #: Example file name -> lines its output must contain (regular expressions, one per line).
 EXPECTED: dict[str, list[str]] = {
     "local_chain.py": [
-        r"^route \[\(0, 1\), \(1, 3\), \(3, 4\)\] == whole model: \[",
+        r"^The capital of France is Paris\.$",
+        r"^route \[\(0, 10\), \(10, 20\), \(20, 30\)\] == whole model: \[",
         r"^after the route change \(epoch 1\):",
         r"^local_chain: OK$",
     ],
