@@ -11,9 +11,6 @@ it would be the second token. llama-bench times inside one process, after loadin
 
 from __future__ import annotations
 
-import time
-from functools import partial
-
 import attrs
 
 from benchmarks.pipeline import RouteBench, RouteRun
@@ -29,40 +26,14 @@ class TimedRun:
 
 
 class FirstTokenRouteBench(RouteBench):
-    """A :class:`~benchmarks.pipeline.RouteBench` whose :meth:`timed_run` also times the first
-    token. It is ``RouteBench.run`` with the session's start and first token kept (that run
-    keeps them to itself); the route, transport, session and the prefill and decode figures
-    are the parent's."""
+    """A :class:`~benchmarks.pipeline.RouteBench` whose :meth:`timed_run` says when the first
+    token came (``RouteRun.ttft_s``); the route, transport, session and the prefill and decode
+    figures are the parent's."""
 
     async def timed_run(self, prompt: list[int], n_decode: int) -> TimedRun:
         """One greedy run, as ``RouteBench.run``, with its time to first token."""
-        self._records.clear()
-        times: list[float] = []
-        self._runs += 1
-        began = time.perf_counter()
-        handle = self.manager.start(
-            prompt,
-            max_new_tokens=n_decode + 1,
-            session_id=f"bench-{self.stages}-{self._runs}",
-            on_token=partial(_stamp, times),
-        )
-        result = await handle.wait()
-        if result.error is not None:
-            raise result.error
-        first_token_at = times[0]
-        ttft = first_token_at - began
-        prefill = [(t, r) for t, r in self._records if r.positions.start == 0]
-        tokens = list(result.tokens)
-        decode_s = times[-1] - times[0]
-        if not prefill:  # a chained route reports no per-stage forwards
-            return TimedRun(RouteRun(ttft, decode_s, tokens, []), ttft)
-        start = prefill[0][0] - prefill[0][1].rtt_us / 1e6
-        decode = [r for t, r in self._records if t > first_token_at and len(r.positions) == 1]
-        return TimedRun(RouteRun(prefill[-1][0] - start, decode_s, tokens, decode), ttft)
-
-
-def _stamp(times: list[float], _token: int) -> None:
-    times.append(time.perf_counter())
+        run = await self.run(prompt, n_decode)
+        return TimedRun(run, run.ttft_s)
 
 
 def peer_ttft_s(prompt: int, prefill_tps: float) -> float:

@@ -173,6 +173,9 @@ class RouteRun:
     tokens: list[int]
     decode_records: list[ForwardRecord]
     """The forwards of the decode steps after the first token (one row each)."""
+    ttft_s: float = 0.0
+    """From ``SessionManager.start`` to the first accepted token (the stages' opens, the
+    prompt's prefill through every stage and its greedy token: what a user waits for)."""
 
 
 class RouteBench(LoopbackRoute):
@@ -225,10 +228,17 @@ class RouteBench(LoopbackRoute):
         first_token_at = times[0]
         if not prefill:  # a chained route reports no per-stage forwards: from the session's
             # start to its first token (the stages' opens included, a few ms on loopback)
-            return RouteRun(first_token_at - began, times[-1] - times[0], list(result.tokens), [])
+            ttft = first_token_at - began
+            return RouteRun(ttft, times[-1] - times[0], list(result.tokens), [], ttft)
         start = prefill[0][0] - prefill[0][1].rtt_us / 1e6
         decode = [r for t, r in self._records if t > first_token_at and len(r.positions) == 1]
-        return RouteRun(prefill[-1][0] - start, times[-1] - times[0], list(result.tokens), decode)
+        return RouteRun(
+            prefill[-1][0] - start,
+            times[-1] - times[0],
+            list(result.tokens),
+            decode,
+            first_token_at - began,
+        )
 
 
 def _stamp(times: list[float], token: int) -> None:
