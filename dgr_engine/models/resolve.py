@@ -21,7 +21,8 @@ def resolve_model(
     directory (``root``, else the default: :func:`~dgr_engine.models.fetch.models_root`) or
     fetched there first, with ``notice`` told so; else an existing file.
     :class:`~dgr_engine.models.catalog.UnknownModel` (which lists the catalog) for a name
-    that is neither, ``FileNotFoundError`` for a path that is not a file."""
+    that is neither, ``FileNotFoundError`` for a path that does not exist (``IsADirectoryError``:
+    a directory)."""
     text = os.fspath(given)
     if text in CATALOG:
         model = lookup(text)
@@ -34,9 +35,11 @@ def resolve_model(
             path, _report = fetch_model(model, folder, notice=notice)
             return path
     path = Path(text)
-    if path.is_file():
+    if path.is_dir():
+        raise IsADirectoryError(f"{text}: a directory, not a GGUF file")
+    if path.exists():  # a file (or what storage offers as one: the loader reads it)
         return path
-    if path.suffix == ".gguf" or os.sep in text or path.exists():
+    if path.suffix == ".gguf" or os.sep in text:
         raise FileNotFoundError(f"{text}: no such GGUF file")
     lookup(text)  # not a catalog name either: UnknownModel, naming the catalog
     raise AssertionError("unreachable")

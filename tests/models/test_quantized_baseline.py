@@ -337,9 +337,12 @@ def test_smollm2_figures_are_finite_and_no_record_is_written_without_its_declara
     assert re.search(r"decode \S+ / \S+ = \d+\.\d+", done.stdout)
     for rid in ("baseline.parity", "baseline.speed", "baseline.negative_control"):
         assert re.search(rf"(pass|fail)\s+{rid}:", done.stdout), rid
-    if declared:  # once the lock names SmolLM2: a real-model record and DGR-020's verdict
-        assert done.returncode in (0, 1), done.stderr
-        assert "real-model evidence" in done.stdout or "real-hardware evidence" in done.stdout
+    if declared:  # the repo's lock names SmolLM2: real evidence, which needs the operator's
+        # key (not given here), so the figures are printed and nothing is written
+        assert done.returncode == 2, done.stderr
+        assert "no record written" in done.stderr and "--sign-key" in done.stderr, done.stderr
+        assert done.stderr.count("\n") == 1
+        assert not evidence.exists() or not any(evidence.rglob("*.json"))
     else:
         assert done.returncode == 2 and "no record written" in done.stderr, done.stderr
         assert done.stderr.count("\n") == 1
