@@ -26,10 +26,16 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dgr_engine.cli._evidence_args import add_evidence_arguments, add_sign_key_argument
 from dgr_engine.numerics import FLASH_ATTN_MODES, KV_TYPES, Numerics
+
+if TYPE_CHECKING:
+    from dgr_engine.certification.lock import Lock
+    from dgr_engine.certification.record import EvidenceRecord
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -103,9 +109,7 @@ def _run_quantized(args: argparse.Namespace) -> int:
         write_quantized_record,
     )
     from dgr_engine.certification.errors import EvidenceError
-    from dgr_engine.certification.gates import evaluate
     from dgr_engine.certification.lock import load_lock
-    from dgr_engine.certification.record import default_evidence_dir, load_evidence
     from dgr_engine.certification.signing import load_signing_key
     from dgr_engine.models import ModelFetchFailed, UnknownModel
 
@@ -149,22 +153,14 @@ def _run_quantized(args: argparse.Namespace) -> int:
     if args.no_record:
         _say("no record written (--no-record)")
         return 0
-    evidence = args.evidence if args.evidence is not None else default_evidence_dir()
-    argv = ["dgr", "baseline", "--model", args.model, "--kv-type", args.kv_type]
-    argv += ["--flash-attn", args.flash_attn, "--threads", str(args.threads)]
-    try:
-        record, path = write_quantized_record(
+    return _record_and_verdict(
+        args,
+        lock,
+        ["--model", args.model],
+        lambda evidence, argv: write_quantized_record(
             result, lock=lock, evidence_dir=evidence, started=started, command=argv, key=key
-        )
-    except EvidenceError as exc:
-        print(f"dgr baseline: no record written: {exc}", file=sys.stderr)
-        return 2
-    _say(f"record {path} ({record.evidence_class.value} evidence)")
-    verdict = evaluate(
-        "DGR-020", load_evidence(evidence, lock).records, lock, record.evidence_class
+        ),
     )
-    _say(verdict.text())
-    return 0 if verdict.verdict == "go" else 1
 
 
 def _run_hf(args: argparse.Namespace) -> int:
@@ -175,9 +171,7 @@ def _run_hf(args: argparse.Namespace) -> int:
         write_baseline_record,
     )
     from dgr_engine.certification.errors import EvidenceError
-    from dgr_engine.certification.gates import evaluate
     from dgr_engine.certification.lock import load_lock
-    from dgr_engine.certification.record import default_evidence_dir, load_evidence
     from dgr_engine.certification.signing import load_signing_key
     from dgr_engine.fixtures.converted import ensure_converted
 
@@ -215,19 +209,40 @@ def _run_hf(args: argparse.Namespace) -> int:
         say(f"  {req.verdict.value:<12} {req.id}: {req.detail}")
     if args.no_record:
         return 0
+    return _record_and_verdict(
+        args,
+        lock,
+        [str(hf_dir)],
+        lambda evidence, argv: write_baseline_record(
+            result, lock=lock, evidence_dir=evidence, started=started, command=argv, key=key
+        ),
+    )
+
+
+def _record_and_verdict(
+    args: argparse.Namespace,
+    lock: Lock,
+    model_argv: list[str],
+    write: Callable[[Path, list[str]], tuple[EvidenceRecord, Path]],
+) -> int:
+    """Writes the run's record with ``write(evidence_dir, command)`` and prints DGR-020's
+    verdict from the records there: 0 for go, 1 otherwise, 2 when no record could be
+    written (its reason in one line)."""
+    from dgr_engine.certification.errors import EvidenceError
+    from dgr_engine.certification.gates import evaluate
+    from dgr_engine.certification.record import default_evidence_dir, load_evidence
+
     evidence = args.evidence if args.evidence is not None else default_evidence_dir()
-    argv = ["dgr", "baseline", str(hf_dir), "--kv-type", args.kv_type]
+    argv = ["dgr", "baseline", *model_argv, "--kv-type", args.kv_type]
     argv += ["--flash-attn", args.flash_attn, "--threads", str(args.threads)]
     try:
-        record, path = write_baseline_record(
-            result, lock=lock, evidence_dir=evidence, started=started, command=argv, key=key
-        )
+        record, path = write(evidence, argv)
     except EvidenceError as exc:
-        print(f"dgr baseline: no record: {exc}", file=sys.stderr)
+        print(f"dgr baseline: no record written: {exc}", file=sys.stderr)
         return 2
-    say(f"record {path} ({record.evidence_class.value} evidence)")
+    _say(f"record {path} ({record.evidence_class.value} evidence)")
     verdict = evaluate(
         "DGR-020", load_evidence(evidence, lock).records, lock, record.evidence_class
     )
-    say(verdict.text())
+    _say(verdict.text())
     return 0 if verdict.verdict == "go" else 1
