@@ -3,8 +3,9 @@
 #   ./dgr.sh demo   the main job: a local route on a generated fixture model, a stage lost and
 #                   recovered, output equal to the whole model
 #   ./dgr.sh test   ruff, mypy and the whole test suite
-# The first run fetches llama.cpp at the pinned commit, patches and builds it (about 1.5 min on
-# 2 cores; cached in ~/.cache/dgr, keyed by manifest + patches), then builds the cffi binding.
+# The first run fetches llama.cpp at the pinned commit, patches and builds it (about 3 min on
+# 2 cores, its progress on stderr; cached in ~/.cache/dgr, keyed by manifest + patches + build
+# script), then builds the cffi binding.
 set -euo pipefail
 cd "$(dirname "$0")"
 
@@ -20,6 +21,26 @@ pick_python() {
     exit 2
 }
 
+# with_ticker WHAT COMMAND...: runs COMMAND, saying "dgr: still WHAT, N s" on stderr every
+# DGR_TICK_SECONDS (default 15) while it runs (pip -q is silent for minutes on a fresh
+# machine); the ticker ends with the command, or with this script. Returns the command's status.
+with_ticker() {
+    local what=$1
+    shift
+    local began ticker status=0
+    began=$(date +%s)
+    (
+        while sleep "${DGR_TICK_SECONDS:-15}" && kill -0 "$$" 2>/dev/null; do
+            echo "dgr: still $what, $(($(date +%s) - began)) s" >&2
+        done
+    ) &
+    ticker=$!
+    "$@" || status=$?
+    kill "$ticker" 2>/dev/null || true
+    wait "$ticker" 2>/dev/null || true
+    return "$status"
+}
+
 ensure_env() {
     if [ ! -x .venv/bin/python ]; then
         echo "dgr: creating .venv" >&2
@@ -31,11 +52,23 @@ ensure_env() {
         native/build_llama.py native/include/* native/src/* patches/* 2>/dev/null | sha256sum | cut -c1-16)
     if [ "$(cat .venv/.dgr-stamp 2>/dev/null)" != "$stamp" ] ||
         ! .venv/bin/python -c 'import dgr_engine._native' 2>/dev/null; then
-        echo "dgr: installing dependencies and building the binding" >&2
-        .venv/bin/python -m pip install -q --upgrade pip
-        .venv/bin/python -m pip install -q "setuptools>=77" wheel "cffi>=1.16" "cmake>=3.21" ninja scikit-build-core
-        .venv/bin/python -m pip install -q --no-build-isolation -e ".[test,baseline]"
+        local began=$SECONDS
+        echo "dgr: installing the build tools (pip, cmake, ninja, cffi)" >&2
+        with_ticker "installing the build tools" .venv/bin/python -m pip install -q --upgrade pip
+        with_ticker "installing the build tools" .venv/bin/python -m pip install -q \
+            "setuptools>=77" wheel "cffi>=1.16" "cmake>=3.21" ninja scikit-build-core
+        if [ -z "${DGR_LLAMA_PREFIX:-}" ]; then
+            # the pinned, patched llama.cpp, built here where its progress shows (each step and
+            # every 10 % of the compile, on stderr; cached in ~/.cache/dgr, where the binding's
+            # build below finds it)
+            echo "dgr: llama.cpp at the pinned commit (a cold build takes about 3 min on 2 cores;" \
+                "cached after)" >&2
+            .venv/bin/python native/build_llama.py --print-prefix ${DGR_SANITIZE:+--sanitize} >/dev/null
+        fi
+        echo "dgr: installing dgr and its dependencies, building the binding" >&2
+        with_ticker "installing dgr" .venv/bin/python -m pip install -q --no-build-isolation -e ".[test,baseline]"
         echo "$stamp" > .venv/.dgr-stamp
+        echo "dgr: ready in $((SECONDS - began)) s" >&2
     fi
 }
 

@@ -57,6 +57,14 @@ from dgr_session.identity import EvidenceClass
 
 _CHECKOUT = Path(__file__).resolve().parents[2]
 PROMPT_LEN = 12
+FIXTURE_SPEED_NOTE = (
+    " (a generated fixture: a few layers of random weights, where a forward costs less than "
+    "the hop to the next stage; its speed says nothing about a real model's)"
+)
+"""Ends the speed requirements of fixture evidence: the figures are measured and reported,
+but a route over a toy model is slower than its whole model by construction."""
+_FIXTURE_SPEED_TAG = " (meaningless on a generated fixture)"
+"""Ends the speed progress lines of fixture evidence."""
 
 
 @attrs.frozen
@@ -239,8 +247,11 @@ async def certify(
     rpc_side, rpc_reason = await _rpc_side(rpc, evidence, model, options, n_layer, progress)
 
     prompts = _prompts(limits.isolation_sessions, n_vocab)
-    ref = await _reference(model, prompts, limits.isolation_tokens, options)
-    progress(f"whole-model reference: {len(prompts)} prompts x {limits.isolation_tokens} tokens")
+    with _Step(progress, "whole-model reference", indent="") as step:
+        ref = await _reference(model, prompts, limits.isolation_tokens, options)
+        step.outcome = f"{len(prompts)} prompts x {limits.isolation_tokens} tokens"
+    fixture = evidence is EvidenceClass.FIXTURE
+    speed_note, speed_tag = (FIXTURE_SPEED_NOTE, _FIXTURE_SPEED_TAG) if fixture else ("", "")
 
     figures: list[Figure] = []
     parity_notes: list[str] = []
@@ -258,7 +269,7 @@ async def certify(
     with tempfile.TemporaryDirectory(prefix="dgr-certify-") as empty:
         for index, layout in enumerate(layouts):
             text = scenarios.layout_text(layout)
-            progress(f"[{index + 1}/{len(layouts)}] {len(layout)} stages {text}: starting workers")
+            progress(f"[{index + 1}/{len(layouts)}] {len(layout)} stages {text}")
             spares = [layout[lose_stage]] if layout == failure_layout else []
             provider = LoopbackRouteProvider(
                 model,
@@ -268,41 +279,49 @@ async def certify(
                 worker_args=["--evidence", empty],
             )
             try:
-                await provider.start()
-                results = await scenarios.run_sessions(
-                    provider,
-                    evidence,
-                    ref.prompts[:1],
-                    limits.isolation_tokens,
-                    deadline=limits.step_deadline_seconds,
-                )
-                if scenarios.compare(results, ref, [0]):
-                    parity_ok = False
-                    parity_notes.append(f"{len(layout)} stages: route tokens differ")
-                chain_ok, alone_ok, note, sizes = await scenarios.stage_checks(
-                    provider, model, layout, options, ref, f"certify-{index}"
-                )
-                parity_ok &= chain_ok
-                stage_ok &= alone_ok
-                if note:
-                    (parity_notes if not chain_ok else stage_notes).append(
-                        f"{len(layout)} stages: {note}"
-                    )
-                progress(
-                    f"      parity {'bit-exact' if chain_ok and not results[0].error else 'FAILED'}"
-                    f", each stage alone {'bit-exact' if alone_ok else 'FAILED'}"
-                )
-                if len(layout) in limits.speed.stage_counts:
-                    measured = await scenarios.speed(
+                with _Step(progress, "workers") as step:
+                    await provider.start()
+                    step.outcome = f"{len(provider.workers)} started"
+                with _Step(progress, "parity") as step:
+                    results = await scenarios.run_sessions(
                         provider,
                         evidence,
-                        model,
-                        options,
-                        speed_prompt,
-                        limits,
-                        len(layout),
-                        rpc=rpc_side,
+                        ref.prompts[:1],
+                        limits.isolation_tokens,
+                        deadline=limits.step_deadline_seconds,
                     )
+                    if scenarios.compare(results, ref, [0]):
+                        parity_ok = False
+                        parity_notes.append(f"{len(layout)} stages: route tokens differ")
+                    chain_ok, alone_ok, note, sizes = await scenarios.stage_checks(
+                        provider, model, layout, options, ref, f"certify-{index}"
+                    )
+                    parity_ok &= chain_ok
+                    stage_ok &= alone_ok
+                    if note:
+                        (parity_notes if not chain_ok else stage_notes).append(
+                            f"{len(layout)} stages: {note}"
+                        )
+                    chain_text = "bit-exact" if chain_ok and not results[0].error else "FAILED"
+                    step.outcome = (
+                        f"{chain_text}, each stage alone {'bit-exact' if alone_ok else 'FAILED'}"
+                    )
+                if len(layout) in limits.speed.stage_counts:
+                    with _Step(progress, "speed (whole/route)") as step:
+                        measured = await scenarios.speed(
+                            provider,
+                            evidence,
+                            model,
+                            options,
+                            speed_prompt,
+                            limits,
+                            len(layout),
+                            rpc=rpc_side,
+                        )
+                        step.outcome = (
+                            f"decode {measured.decode_ratio:.2f}, prefill "
+                            f"{measured.prefill_ratio:.2f}{speed_tag}"
+                        )
                     figures += measured.figures
                     if shares is None:
                         shares = measured.shares
@@ -310,28 +329,26 @@ async def certify(
                     prefill_ok &= measured.prefill_ratio >= limits.speed.prefill_ratio_min
                     decode_notes.append(f"{len(layout)} stages {measured.decode_ratio:.2f}")
                     prefill_notes.append(f"{len(layout)} stages {measured.prefill_ratio:.2f}")
-                    progress(
-                        f"      speed (whole/route): decode {measured.decode_ratio:.2f}, "
-                        f"prefill {measured.prefill_ratio:.2f}"
-                    )
                     if measured.vs_rpc is not None:
                         vs_rpc.append(measured.vs_rpc)
                         progress(f"      {_rpc_line(measured.vs_rpc)}")
                 if len(layout) == 2 or (isolation is None and index == len(layouts) - 1):
-                    isolation = await scenarios.isolation(provider, evidence, ref, limits)
+                    with _Step(progress, "isolation") as step:
+                        isolation = await scenarios.isolation(provider, evidence, ref, limits)
+                        step.outcome = isolation.requirement.verdict.value
                     figures += isolation.figures
-                    progress(f"      isolation: {isolation.requirement.verdict.value}")
                 rss_figures, ok, note = scenarios.resources(provider, layout, sizes, limits)
                 figures += rss_figures
                 rss_ok &= ok
                 if note:
                     rss_notes.append(f"{len(layout)} stages: {note}")
                 if layout == failure_layout:
-                    failure = await scenarios.bounded_failure(
-                        provider, evidence, ref, limits, lose_stage
-                    )
+                    with _Step(progress, "stage lost mid-decode") as step:
+                        failure = await scenarios.bounded_failure(
+                            provider, evidence, ref, limits, lose_stage
+                        )
+                        step.outcome = failure.requirement.detail
                     figures += failure.figures
-                    progress(f"      stage lost mid-decode: {failure.requirement.detail}")
             finally:
                 await provider.aclose()
     assert isolation is not None and failure is not None
@@ -374,12 +391,14 @@ async def certify(
         _req(
             "speed.decode",
             decode_ok,
-            f"whole/route >= {limits.speed.decode_ratio_min:g}: {', '.join(decode_notes)}",
+            f"whole/route >= {limits.speed.decode_ratio_min:g}: {', '.join(decode_notes)}"
+            f"{speed_note}",
         ),
         _req(
             "speed.prefill",
             prefill_ok,
-            f"whole/route >= {limits.speed.prefill_ratio_min:g}: {', '.join(prefill_notes)}",
+            f"whole/route >= {limits.speed.prefill_ratio_min:g}: {', '.join(prefill_notes)}"
+            f"{speed_note}",
         ),
         rpc_outcome.requirement,
         _req("mtp.off", True, "MTP off: no shard loads or runs MTP/nextn layers"),
@@ -440,6 +459,28 @@ def _rpc_how(options: EngineOptions, limits: Thresholds) -> str:
         f"{s.decode_tokens} tokens at depth {s.prefill_tokens}; median of {s.rounds} "
         f"interleaved rounds; {os.cpu_count()} cores shared by every process"
     )
+
+
+class _Step:
+    """One scenario's progress: ``NAME ...`` when it starts; ``NAME: OUTCOME (N.N s)`` when it
+    ends (``NAME: failed after N.N s`` when it raises). Set ``outcome`` inside the block."""
+
+    def __init__(self, progress: Callable[[str], None], name: str, indent: str = " " * 6):
+        self._progress, self._name, self._indent = progress, name, indent
+        self.outcome = "done"
+        self._began = 0.0
+
+    def __enter__(self) -> _Step:
+        self._began = time.perf_counter()
+        self._progress(f"{self._indent}{self._name} ...")
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        seconds = time.perf_counter() - self._began
+        if kind is None:
+            self._progress(f"{self._indent}{self._name}: {self.outcome} ({seconds:.1f} s)")
+        else:
+            self._progress(f"{self._indent}{self._name}: failed after {seconds:.1f} s")
 
 
 def _req(rid: str, ok: bool, detail: str) -> Requirement:

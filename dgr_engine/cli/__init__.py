@@ -50,23 +50,39 @@ _SUBCOMMANDS = {
 }
 
 
+QUIET_HELP = "no progress on stderr (results, warnings and errors still print)"
+
+
 def parser() -> argparse.ArgumentParser:
-    """The whole command line (every subcommand's options)."""
+    """The whole command line (every subcommand's options, and ``--quiet`` on each:
+    ``args.quiet``, False unless given)."""
     top = OneLineParser(prog="dgr", description="Distributed GGUF Runtime")
+    top.set_defaults(quiet=False)
     sub = top.add_subparsers(
         dest="command", required=True, metavar="COMMAND", parser_class=OneLineParser
     )
     for name, module in _SUBCOMMANDS.items():
         summary = (module.__doc__ or "").strip().splitlines()[0]
-        module.configure(
-            sub.add_parser(
-                name,
-                help=summary,
-                description=module.__doc__,
-                formatter_class=argparse.RawDescriptionHelpFormatter,
-            )
+        command = sub.add_parser(
+            name,
+            help=summary,
+            description=module.__doc__,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
         )
+        module.configure(command)
+        _add_quiet(command)
     return top
+
+
+def _add_quiet(p: argparse.ArgumentParser) -> None:
+    """``--quiet`` on ``p`` and on its own subcommands (``dgr models fetch NAME --quiet``).
+    Set only when given (``SUPPRESS``): a nested parser's default would otherwise overwrite
+    ``--quiet`` given before its subcommand."""
+    p.add_argument("--quiet", action="store_true", default=argparse.SUPPRESS, help=QUIET_HELP)
+    for action in p._actions:  # argparse has no public way to reach the nested parsers
+        if isinstance(action, argparse._SubParsersAction):
+            for nested in action.choices.values():
+                _add_quiet(nested)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

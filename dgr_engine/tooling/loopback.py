@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -39,6 +40,15 @@ from dgr_session.identifiers import log_field
 from dgr_session.route import CertificationVerifier, Route, StageSpec
 
 __all__ = ["LoopbackRouteProvider", "PooledWorker"]
+
+
+def _silent(_text: str) -> None:
+    """The default notice: nobody listens."""
+
+
+def _workers(n: int) -> str:
+    return f"{n} worker{'' if n == 1 else 's'}"
+
 
 _BLAMED = frozenset(
     {FaultKind.DEAD, FaultKind.DEADLINE, FaultKind.ENGINE_ERROR, FaultKind.PROTOCOL}
@@ -89,6 +99,9 @@ class LoopbackRouteProvider:
     to start with (a range may repeat). ``options``: the workers' engine options;
     ``worker_args``: further ``dgr worker`` arguments. ``observer(session_id, report, route)``
     is called with each request's answer (``route`` ``None``: no route); it must not raise.
+    ``notice(text)`` hears what a slow step is doing, in one line each: workers starting
+    (``starting 3 workers ...``) and ready (``3 workers ready in 2.1 s``), a replacement
+    spawned on demand; a command routes it to its progress (stderr), the default drops it.
     Call ``await start()`` first; ``await aclose()`` at the end, in a ``finally`` (or
     ``async with``).
     """
@@ -108,6 +121,7 @@ class LoopbackRouteProvider:
         grants: GrantIssuer | None = None,
         client_tls: ClientTls | None = None,
         certification_verifier: CertificationVerifier | None = None,
+        notice: Callable[[str], None] | None = None,
     ) -> None:
         if not layout:
             raise ValueError("a layout needs at least one range")
@@ -129,6 +143,8 @@ class LoopbackRouteProvider:
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.observer = observer
+        self.notice = notice if notice is not None else _silent
+        """Hears what a slow step is doing (one line each)."""
         #: Every worker started, in start order (also those that died or were excluded).
         self.workers: list[PooledWorker] = []
         #: Every report received, in order.
@@ -161,6 +177,12 @@ class LoopbackRouteProvider:
         """Spawns the layout's workers and the spares, concurrently; returns them. If any fails
         to start, every process started so far is stopped before the error is raised."""
         jobs = [(r, "primary") for r in self.layout] + [(r, "spare") for r in self.spares]
+        spares = f" and {len(self.spares)} spare" if self.spares else ""
+        self.notice(
+            f"starting {_workers(len(jobs))} ({len(self.layout)} stage"
+            f"{'' if len(self.layout) == 1 else 's'}{spares}) of {self.model.name} ..."
+        )
+        began = time.perf_counter()
         results = await asyncio.gather(
             *(self._start_one(r, role) for r, role in jobs), return_exceptions=True
         )
@@ -170,12 +192,17 @@ class LoopbackRouteProvider:
         if errors:
             await self.aclose()
             raise errors[0]
+        self.notice(f"{_workers(len(jobs))} ready in {time.perf_counter() - began:.1f} s")
         return started
 
     async def spawn(self, layers: tuple[int, int], role: str = "replacement") -> PooledWorker:
         """Starts one more worker for ``layers`` and reads its advert."""
+        a, b = layers
+        self.notice(f"starting a {role} worker for layers [{a},{b}) ...")
+        began = time.perf_counter()
         worker = await self._start_one(layers, role)
         self.workers.append(worker)
+        self.notice(f"{role} worker [{a},{b}) ready in {time.perf_counter() - began:.1f} s")
         return worker
 
     async def _start_one(self, layers: tuple[int, int], role: str) -> PooledWorker:
