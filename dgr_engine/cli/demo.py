@@ -22,9 +22,14 @@ of exactly this lane under the repo's lock (the committed evidence/), else certi
 here ('dgr certify'). A real model's records need a certifier key the lock trusts: the demo
 then acts for you as the operator of your own machine, with a lock of its own made from the
 repo's (declaring the model, this machine's hardware lane and your key) in --operator-dir
-(default ~/.cache/dgr/demo), where its records also go. The sessions require the class the
-record has (real-hardware on a declared hardware lane, real-model otherwise, fixture for a
-generated model), and the demo says which.
+(default ~/.cache/dgr/demo). The records it makes go to --evidence when given, else to
+--operator-dir/evidence, never into the checkout. The sessions require the class the record
+has (real-hardware on a declared hardware lane, real-model otherwise, fixture for a generated
+model), and the demo says which. On a fixture (a few layers of random weights) the speed
+figures mean nothing, and the demo says so beside them.
+
+The engine options are dgr's defaults (those of 'dgr worker', 'dgr certify', 'dgr generate').
+Progress (fetching, building a fixture, starting workers) goes to stderr; --quiet drops it.
 """
 
 from __future__ import annotations
@@ -47,11 +52,10 @@ from dgr_engine.certification.record import default_evidence_dir
 from dgr_engine.certification.registry import find_certification
 from dgr_engine.certification.verify import LockVerifier
 from dgr_engine.cli._demo_operator import demo_home, expected_class, operator_lock
-from dgr_engine.cli._evidence_args import EVIDENCE_HELP
 from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.cli._progress import progress_printer, quiet_progress, sayer, timed
 from dgr_engine.cli._signals import sigterm_as_interrupt
-from dgr_engine.cli.certify import CERTIFY_OPTIONS, certify_or_reuse
+from dgr_engine.cli.certify import certify_or_reuse
 from dgr_engine.client.relay import ForwardRecord, GrpcStageTransport, StageStats
 from dgr_engine.client.text import prompt_ids, start_text, until_stop
 from dgr_engine.errors import EngineError
@@ -80,9 +84,10 @@ from dgr_session import (
     SessionResult,
 )
 
-OPTIONS = EngineOptions(**CERTIFY_OPTIONS)
-"""The workers' and the whole-model reference's engine options: those ``dgr certify`` uses by
-default, so the lane certified is the lane routed."""
+OPTIONS = EngineOptions()
+"""The workers' and the whole-model reference's engine options: dgr's one set of defaults (as
+``dgr worker``, ``dgr certify`` and ``dgr generate`` have them), so the lane the demo certifies
+or reuses is the lane a user's own commands run."""
 PROMPT_LEN = 12
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_FIXTURE = "tiny-llama"
@@ -306,6 +311,16 @@ async def certify_lane(
     return Certified(lock, evidence, found.certification.evidence_class)
 
 
+def fixture_speed_line(n_layer: int) -> str:
+    """What the speed figures mean on a fixture: nothing (said before the figures come)."""
+    return (
+        f"speed     meaningless here: a generated fixture ({n_layer} layers of random weights) "
+        "costs less per forward than the hop to the next stage, so its speed figures (the "
+        "certification's speed.* lines, the stage table's ms, the timings) say nothing about "
+        "dgr's speed; on a fixture the demo shows parity and recovery"
+    )
+
+
 def _evidence_line(model: DemoModel, certified: Certified) -> str:
     cls = certified.evidence_class
     if model.real is None:
@@ -362,6 +377,8 @@ async def _run_demo(
     certified = await certify_lane(args, model, say)
     timings["certify"] = time.perf_counter() - began
     say(_evidence_line(model, certified))
+    if model.real is None:
+        say(fixture_speed_line(model.n_layer))
 
     pki = local_pki(keys)
     client_tls = pki.client_tls()
@@ -424,7 +441,8 @@ async def _run_demo(
         began = time.perf_counter()
         await provider.start()
         timings["workers"] = time.perf_counter() - began
-        say(f"workers   started in {timings['workers']:.2f} s (dgr worker, 1 thread each)")
+        threads = f"{OPTIONS.n_threads} thread{'' if OPTIONS.n_threads == 1 else 's'}"
+        say(f"workers   started in {timings['workers']:.2f} s (dgr worker, {threads} each)")
         for worker in provider.workers:
             span, seam = worker.advert.span, worker.advert.seam
             ids = "  +token ids" if (span.needs_token_ids and not span.is_first) else ""
@@ -736,7 +754,14 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--no-spare", action="store_true", help="no spare: spawn a replacement on demand"
     )
-    p.add_argument("--evidence", type=Path, default=None, help=EVIDENCE_HELP)
+    p.add_argument(
+        "--evidence",
+        type=Path,
+        default=None,
+        help="where the demo looks for its lane's record and writes the one it makes (default: "
+        "it looks in $DGR_EVIDENCE_DIR, else the checkout's evidence/, and then in "
+        "--operator-dir/evidence, where any record it makes goes: never into the checkout)",
+    )
     p.add_argument(
         "--operator-dir",
         type=Path,

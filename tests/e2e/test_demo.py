@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from dgr_engine import cli
+from dgr_engine.tooling.processes import dgr_command
 
 
 def demo_main(args: list[str]) -> int:
@@ -242,3 +243,75 @@ def test_an_interrupted_demo_stops_every_worker(sig: signal.Signals, tmp_path: P
     assert "PARITY" not in out
     assert len(pids_in(out)) == 4  # three stages and a spare
     assert_gone(pids_in(out))
+
+
+def test_a_fixture_demo_explains_its_speed_lines_and_leaves_the_checkout_as_it_was(
+    tmp_path: Path,
+) -> None:
+    # as a user runs it from the checkout, under a lock no committed record counts under (a
+    # new one made from the repo's), so the demo certifies its lane and writes a record
+    lock = tmp_path / "lock.json"
+    made = subprocess.run(
+        [dgr_command(), "lock", "new", str(lock)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
+    assert made.returncode == 0, made.stderr
+    env = {k: v for k, v in os.environ.items() if k != "DGR_EVIDENCE_DIR"}
+    env.update(DGR_LOCK=str(lock), DGR_CACHE_DIR=str(tmp_path / "cache"))
+    before = subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=all"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    args = ["--fixture", "tiny-llama", "--stages", "2", "--sessions", "1", "--steps", "6"]
+    done = subprocess.run(
+        [*dgr_sh_command("demo"), *args, "--lose-at", "2"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
+    )
+    out = done.stdout
+    assert done.returncode == 0 and out.rstrip().endswith("PARITY OK"), out + done.stderr
+    after = subprocess.run(
+        ["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=all"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert after == before  # no record (nor anything else) left in the checkout
+
+    # the record went to the demo's own folder ($DGR_CACHE_DIR/demo here, ~/.cache/dgr/demo)
+    records = tmp_path / "cache" / "demo" / "evidence"
+    assert f"certify   the fixture lane on this machine (records in {records})" in out, out
+    (record,) = records.glob("fixture/*/*.json")
+    assert f"record {record} (fixture evidence)" in out, out
+    # every speed figure says what it is worth here, next to PARITY OK
+    speed = [line for line in out.splitlines() if re.match(r"\s+\S+\s+speed\.(de|pre)", line)]
+    assert len(speed) == 2, out  # speed.decode and speed.prefill (a fail, on a fixture)
+    for line in speed:
+        assert "a generated fixture" in line and "says nothing" in line, line
+    assert re.search(r"^speed     meaningless here: a generated fixture \(4 layers", out, re.M)
+    # progress went to stderr: the workers starting, and how long that took
+    assert "starting 3 workers (2 stages and 1 spare) of tiny-llama-" in done.stderr
+    assert re.search(r"^3 workers ready in \d+\.\d s$", done.stderr, re.M), done.stderr
+
+    # --quiet: the same run without a word of progress (the record is reused now)
+    done = subprocess.run(
+        [*dgr_sh_command("demo"), *args, "--lose-at", "2", "--quiet"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=600,
+    )
+    assert done.returncode == 0 and done.stdout.rstrip().endswith("PARITY OK"), done.stdout
+    assert f"reusing record {record}" in done.stdout, done.stdout
+    assert done.stderr == ""
