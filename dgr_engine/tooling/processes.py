@@ -4,6 +4,10 @@
 interpreter, else the first on ``PATH``), from any directory, and waits, bounded in time, for
 its ``LISTENING HOST:PORT`` line; :meth:`~WorkerProcess.stop` sends SIGTERM and waits (bounded)
 for a clean exit, then SIGKILLs. Use as a context manager, or call ``stop`` in a ``finally``.
+
+A worker that exits (or hangs) before it listens is :class:`WorkerStartFailed`
+(:class:`WorkerStartTimedOut`): one line saying which worker and what happened, then the last
+lines of its log, which is otherwise in a temporary file nobody sees.
 """
 
 from __future__ import annotations
@@ -17,11 +21,71 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
 from dgr_engine.options import EngineOptions
+from dgr_session.errors import DgrError
+
+LOG_TAIL_LINES = 10
+"""Lines of a worker's log that :class:`WorkerStartFailed` carries."""
+_LOG_LINE_CHARS = 400
+
+
+class WorkerStartFailed(DgrError, RuntimeError):
+    """A worker process exited before it listened. ``str()`` is :attr:`summary` (which worker,
+    its exit status) and then the last :data:`LOG_TAIL_LINES` lines of its log, indented: what
+    a command prints as it is. Nothing of the process is left running."""
+
+    def __init__(
+        self, summary: str, *, command: Sequence[str], returncode: int | None, log: Sequence[str]
+    ) -> None:
+        self.summary = summary
+        """One line: which worker, what happened."""
+        self.command = tuple(command)
+        self.returncode = returncode
+        """Its exit status (negative: the signal that ended it; ``None``: it was stopped by
+        the caller, after a timeout)."""
+        self.log_tail = tuple(log)
+        """The last lines of its log (stderr), oldest first."""
+        if self.log_tail:
+            lines = "\n".join(f"  {line}" for line in self.log_tail)
+            super().__init__(f"{summary}; its last log lines:\n{lines}")
+        else:
+            super().__init__(f"{summary}; its log is empty")
+
+
+class WorkerStartTimedOut(WorkerStartFailed, TimeoutError):
+    """A worker process did not listen within its start-up time (it is stopped)."""
+
+
+_SHOWN_FLAGS: dict[str, Callable[[str], str]] = {
+    "--layers": lambda value: f"layers {value}",
+    "--model": lambda value: Path(value).name,
+}
+
+
+def describe_command(args: Sequence[str]) -> str:
+    """``dgr worker (layers 0:2, model.gguf)``: a worker's command in a few words."""
+    words = list(args)
+    name = Path(words[0]).name if words else "process"
+    if name == "dgr" and len(words) > 1:
+        name = f"dgr {words[1]}"
+    details = [
+        shown(words[words.index(flag) + 1])
+        for flag, shown in _SHOWN_FLAGS.items()
+        if flag in words[:-1]
+    ]
+    return f"{name} ({', '.join(details)})" if details else name
+
+
+def _log_tail(text: str) -> list[str]:
+    lines = [line.rstrip() for line in text.splitlines() if line.strip()]
+    return [
+        line if len(line) <= _LOG_LINE_CHARS else line[: _LOG_LINE_CHARS - 3] + "..."
+        for line in lines[-LOG_TAIL_LINES:]
+    ]
 
 
 def dgr_command() -> str:
@@ -70,8 +134,9 @@ class WorkerProcess:
         extra_args: Sequence[str] = (),
         startup_timeout: float = 60.0,
     ) -> WorkerProcess:
-        """Starts ``dgr worker`` and waits for its LISTENING line (``TimeoutError`` after
-        ``startup_timeout`` s, ``RuntimeError`` if it exits first; either way it is stopped).
+        """Starts ``dgr worker`` and waits for its LISTENING line (:class:`WorkerStartTimedOut`
+        after ``startup_timeout`` s, :class:`WorkerStartFailed` if it exits first, each with
+        the last lines of its log; either way it is stopped).
         ``options`` defaults to the worker's own defaults. The workers of one machine share
         its cores: OpenMP's threads wait passively (``OMP_WAIT_POLICY=PASSIVE``, as the
         llama.cpp peers they are measured against) unless the environment says otherwise."""
@@ -171,16 +236,24 @@ class WorkerProcess:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"worker {self.args} not listening after {timeout} s")
+                raise WorkerStartTimedOut(
+                    f"{describe_command(self.args)} not listening after {timeout:g} s",
+                    command=self.args,
+                    returncode=None,
+                    log=_log_tail(self.stderr_text()),
+                )
             try:
                 line = self._lines.get(timeout=remaining)
             except queue.Empty:
                 continue
             if line is None:
-                self.proc.wait(5.0)
-                raise RuntimeError(
-                    f"worker exited with {self.proc.returncode} before listening:\n"
-                    f"{self.stderr_text()[-4000:]}"
+                code = self.proc.wait(5.0)
+                how = f"exited with {code}" if code >= 0 else f"was killed by signal {-code}"
+                raise WorkerStartFailed(
+                    f"{describe_command(self.args)} {how} before listening",
+                    command=self.args,
+                    returncode=code,
+                    log=_log_tail(self.stderr_text()),
                 )
             if line.startswith("LISTENING "):
                 self.address = line.split(" ", 1)[1]
