@@ -46,8 +46,9 @@ def _silent(_text: str) -> None:
     """The default notice: nobody listens."""
 
 
-def _workers(n: int) -> str:
-    return f"{n} worker{'' if n == 1 else 's'}"
+def _counted(n: int, noun: str) -> str:
+    """``1 worker``, ``3 workers``."""
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 _BLAMED = frozenset(
@@ -177,10 +178,10 @@ class LoopbackRouteProvider:
         """Spawns the layout's workers and the spares, concurrently; returns them. If any fails
         to start, every process started so far is stopped before the error is raised."""
         jobs = [(r, "primary") for r in self.layout] + [(r, "spare") for r in self.spares]
-        spares = f" and {len(self.spares)} spare" if self.spares else ""
+        spares = f" and {_counted(len(self.spares), 'spare')}" if self.spares else ""
         self.notice(
-            f"starting {_workers(len(jobs))} ({len(self.layout)} stage"
-            f"{'' if len(self.layout) == 1 else 's'}{spares}) of {self.model.name} ..."
+            f"starting {_counted(len(jobs), 'worker')} ({_counted(len(self.layout), 'stage')}"
+            f"{spares}) of {self.model.name} ..."
         )
         began = time.perf_counter()
         results = await asyncio.gather(
@@ -192,7 +193,8 @@ class LoopbackRouteProvider:
         if errors:
             await self.aclose()
             raise errors[0]
-        self.notice(f"{_workers(len(jobs))} ready in {time.perf_counter() - began:.1f} s")
+        seconds = time.perf_counter() - began
+        self.notice(f"{_counted(len(jobs), 'worker')} ready in {seconds:.1f} s")
         return started
 
     async def spawn(self, layers: tuple[int, int], role: str = "replacement") -> PooledWorker:
