@@ -1,6 +1,11 @@
 """Engine options: one frozen value that renders both the ``ShardEngine`` keyword arguments and
 the ``dgr worker`` command line, so an in-process engine and a worker process built from the
-same options compute the same bits."""
+same options compute the same bits.
+
+Its field defaults are dgr's one set of engine defaults: ``dgr worker``, ``generate``,
+``serve``, ``chat``, ``certify`` and ``demo`` all use them, so a worker started by hand with
+defaults runs the lane ``dgr certify`` certifies with defaults (the context per session is part
+of the lane), which is the lane of the committed real-hardware records of SmolLM2."""
 
 from __future__ import annotations
 
@@ -55,15 +60,18 @@ def _option(default: int, flag: str, help: str, most: int) -> Any:
 
 @attrs.frozen
 class EngineOptions:
-    """How a shard engine is set up. Defaults are ``dgr worker``'s."""
+    """How a shard engine is set up. The defaults are the one set every ``dgr`` command uses
+    (the module's docstring says why)."""
 
-    n_threads: int = _option(2, "--threads", "engine threads", 1024)
+    n_threads: int = _option(1, "--threads", "engine threads", 1024)
     """Threads of the engine's compute."""
-    n_ctx_per_session: int = _option(512, "--ctx", "KV positions per session", 1 << 24)
-    """KV positions each session may hold."""
-    n_batch: int = _option(512, "--batch", "most rows per forward", 1 << 20)
+    n_ctx_per_session: int = _option(
+        256, "--ctx", "KV positions per session (part of the lane)", 1 << 24
+    )
+    """KV positions each session may hold (part of the lane: a record certifies one context)."""
+    n_batch: int = _option(64, "--batch", "most rows per forward", 1 << 20)
     """Most rows one forward may carry (also the micro-batch: rows are never split)."""
-    max_sessions: int = _option(4, "--max-sessions", "sessions held at once", 256)
+    max_sessions: int = _option(8, "--max-sessions", "sessions held at once", 256)
     """Session slots of the engine."""
     kv_type: str = _choice(KV_TYPES[0], "--kv-type", "KV cache element type", KV_TYPES)
     """KV cache element type (``docs/numerics.md``); every stage of a route runs the same."""
@@ -108,8 +116,9 @@ class EngineOptions:
 
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, **defaults: int | str) -> None:
-        """Adds one option per field to ``parser`` (``defaults`` overrides field defaults by
-        name, for programs with other defaults than the worker's)."""
+        """Adds one option per field to ``parser``, defaulting to the field defaults (dgr's one
+        set). ``defaults`` overrides them by name; no ``dgr`` command does (deprecated: a
+        program with other defaults runs another lane than ``dgr certify`` certifies)."""
         for field in attrs.fields(EngineOptions):
             default = defaults.get(field.name, field.default)
             if "choices" in field.metadata:

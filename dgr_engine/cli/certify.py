@@ -43,13 +43,11 @@ if TYPE_CHECKING:
     from dgr_engine.certification.lock import Lock
 
 CERTIFY_OPTIONS: dict[str, Any] = {
-    "n_threads": 1,
-    "n_ctx_per_session": 256,
-    "n_batch": 64,
-    "max_sessions": 8,
+    name: getattr(EngineOptions(), name)
+    for name in ("n_threads", "n_ctx_per_session", "n_batch", "max_sessions")
 }
-"""Engine options of ``dgr certify`` and ``dgr demo`` by default (so the demo's lane is the
-lane certified by default)."""
+"""Deprecated: equal to :class:`EngineOptions`' defaults, which every ``dgr`` command now uses
+(``dgr certify`` among them); use ``EngineOptions()``. Kept until its last importers drop it."""
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -58,7 +56,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--model", help="a catalog name (dgr models list; fetched when missing) or a GGUF file"
     )
     model.add_argument("--fixture", help="a generated fixture by name (built if missing)")
-    EngineOptions.add_arguments(p, **CERTIFY_OPTIONS)
+    EngineOptions.add_arguments(p)
     add_evidence_arguments(p)
     add_sign_key_argument(p)
     p.add_argument(

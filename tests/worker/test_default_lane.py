@@ -1,0 +1,97 @@
+"""One set of engine defaults: a worker started by hand with them runs the lane that the
+committed real-hardware record of SmolLM2 certifies, and ``dgr worker``, ``dgr certify`` and
+``EngineOptions`` agree on them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import attrs
+from loguru import logger
+
+from dgr_engine import cli
+from dgr_engine.certification.lock import load_lock
+from dgr_engine.certification.record import RecordKind, load_evidence
+from dgr_engine.engine import ShardEngine
+from dgr_engine.models.catalog import lookup
+from dgr_engine.options import EngineOptions
+from dgr_engine.worker.advertiser import Advertiser
+from dgr_engine.worker.config import WorkerConfig
+from dgr_engine.worker.identity import BuildIdentity
+from dgr_engine.worker.load import LoadSnapshot
+from dgr_engine.worker.sessions import TableSnapshot
+from dgr_session.identity import CertificationStatus, EvidenceClass
+
+REPO = Path(__file__).resolve().parents[2]
+COMMITTED = REPO / "evidence"
+"""The committed records (the tests' own evidence directory is another, empty one)."""
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def _unused_sessions() -> TableSnapshot:
+    raise AssertionError("the lane needs no live counts")
+
+
+def _unused_load() -> LoadSnapshot:
+    raise AssertionError("the lane needs no live counts")
+
+
+def test_dgr_worker_dgr_certify_and_engine_options_share_one_set_of_defaults() -> None:
+    from dgr_engine.cli.certify import CERTIFY_OPTIONS
+
+    defaults = EngineOptions()
+    assert (defaults.n_threads, defaults.n_ctx_per_session) == (1, 256)
+    assert (defaults.n_batch, defaults.max_sessions) == (64, 8)
+    worker = cli.parser().parse_args(["worker", "--model", "m.gguf", "--layers", "0:10"])
+    certify = cli.parser().parse_args(["certify", "--model", "m.gguf"])
+    assert EngineOptions.from_args(worker) == defaults
+    assert EngineOptions.from_args(certify) == defaults
+    assert EngineOptions(**CERTIFY_OPTIONS) == defaults  # the deprecated alias, until removed
+
+
+def test_a_worker_started_with_default_options_on_smollm2_is_certified_by_the_committed_record(
+    tiny_llama: Path,
+) -> None:
+    """The worker's lane, computed as its advertiser does (``ShardWorker``: the build with the
+    engine's numerics, ``lane_key`` of the engine's own info), without loading SmolLM2: its
+    content hash and tensor types are those of the catalog's manifest (what ``dgr models
+    fetch`` verifies the file against), its shape is the manifest's, and the context per
+    session is what an engine made with the default options really provides."""
+    options = EngineOptions()
+    smol = lookup(SMOLLM2).manifest()
+    (gguf,) = smol.files
+    build = attrs.evolve(
+        BuildIdentity.of_model(tiny_llama),  # this build, this machine (the binding's half)
+        model_sha256=bytes.fromhex(gguf.sha256),
+        quant_types=smol.quant_types,
+        fixture_mark=None,
+    ).with_numerics(options.numerics)
+    with ShardEngine(tiny_llama, layers=(0, 1), **options.engine_kwargs()) as probe:
+        engine_info = probe.info
+    info = attrs.evolve(engine_info, arch=smol.arch, n_layer=smol.n_layer, layer_end=10)
+    config = WorkerConfig(evidence_dir=COMMITTED)  # the repository's lock
+    advertiser = Advertiser(
+        build,
+        info,
+        config,
+        logger,
+        sessions=_unused_sessions,
+        load=_unused_load,
+        waiting=lambda: 0,
+    )
+
+    loaded = load_evidence(COMMITTED, load_lock())
+    records = [
+        r
+        for r in loaded.records
+        if r.kind is RecordKind.CERTIFICATION
+        and r.evidence_class is EvidenceClass.REAL_HARDWARE
+        and r.lane.model_sha256 == gguf.sha256
+    ]
+    assert records, f"no committed certification record of {SMOLLM2}: {loaded.refused}"
+    assert {r.lane for r in records} == {advertiser.lane_key}, [
+        advertiser.lane_key.differences(r.lane) for r in records
+    ]
+    lane = advertiser.lane()
+    assert lane.certification is CertificationStatus.CERTIFIED, advertiser.lane_lookup.reasons
+    assert lane.evidence is EvidenceClass.REAL_HARDWARE
