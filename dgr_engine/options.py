@@ -41,7 +41,7 @@ def _choice(
     return attrs.field(
         default=default,
         validator=validator,
-        metadata={"flag": flag, "help": help, "choices": choices, "doc": doc},
+        metadata={"flag": flag, "help": help, "choices": choices, "doc": doc, "lane": True},
     )
 
 
@@ -50,11 +50,11 @@ def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> 
         raise ValueError(f"{attribute.name} must be >= 1, got {value}")
 
 
-def _option(default: int, flag: str, help: str, most: int) -> Any:
+def _option(default: int, flag: str, help: str, most: int, *, lane: bool = False) -> Any:
     return attrs.field(
         default=default,
         validator=_positive,
-        metadata={"flag": flag, "help": help, "most": most},
+        metadata={"flag": flag, "help": help, "most": most, "lane": lane},
     )
 
 
@@ -66,7 +66,7 @@ class EngineOptions:
     n_threads: int = _option(1, "--threads", "engine threads", 1024)
     """Threads of the engine's compute."""
     n_ctx_per_session: int = _option(
-        256, "--ctx", "KV positions per session (part of the lane)", 1 << 24
+        256, "--ctx", "KV positions per session (part of the lane)", 1 << 24, lane=True
     )
     """KV positions each session may hold (part of the lane: a record certifies one context)."""
     n_batch: int = _option(64, "--batch", "most rows per forward", 1 << 20)
@@ -112,6 +112,17 @@ class EngineOptions:
         argv: list[str] = []
         for field in attrs.fields(EngineOptions):
             argv += [field.metadata["flag"], str(getattr(self, field.name))]
+        return argv
+
+    def lane_argv(self) -> list[str]:
+        """The arguments of the options that are part of the lane (context, KV type,
+        flash-attention, batching) where they differ from the defaults: what ``dgr certify``
+        needs to certify the lane these options run."""
+        argv: list[str] = []
+        for field in attrs.fields(EngineOptions):
+            value = getattr(self, field.name)
+            if field.metadata["lane"] and value != field.default:
+                argv += [field.metadata["flag"], str(value)]
         return argv
 
     @staticmethod

@@ -67,7 +67,9 @@ from dgr_session.identity import (
     CertificationStatus,
     EvidenceClass,
     Lane,
+    LaneDifference,
     ModelIdentity,
+    NearestRecord,
     Recipe,
 )
 from dgr_session.machine import (
@@ -125,8 +127,10 @@ __all__ = [
     "InvalidIdentifier",
     "InvalidTransition",
     "Lane",
+    "LaneDifference",
     "Logits",
     "ModelIdentity",
+    "NearestRecord",
     "NoRouteAvailable",
     "NonFiniteLogits",
     "OpenStage",

@@ -21,6 +21,7 @@ from dgr_session.faults import FaultKind, last_stage_fault
 
 if TYPE_CHECKING:
     from dgr_session.faults import FailureReport
+    from dgr_session.identity import NearestRecord
 
 
 class DgrError(Exception):
@@ -49,20 +50,32 @@ class InvalidTransition(DgrError):
 class RouteInvalid(DgrError, ValueError):
     """A route is malformed: not an exact contiguous cover of ``[0, n_layer)``, or empty.
 
-    Names the offending stage (``stage_index`` and ``endpoint``; ``None`` when the fault is the
-    route as a whole). A session handed such a route refuses it and asks for another within its
-    failure budget: it lives on.
+    Names the offending stage (``stage_index``, ``endpoint`` and ``layers``; ``None`` when the
+    fault is the route as a whole). A session handed such a route refuses it and asks for
+    another within its failure budget: it lives on.
     """
 
     def __init__(
-        self, message: str, *, stage_index: int | None = None, endpoint: str | None = None
+        self,
+        message: str,
+        *,
+        stage_index: int | None = None,
+        endpoint: str | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> None:
-        where = f"stage {stage_index} ({endpoint})" if stage_index is not None else "route"
+        if stage_index is None:
+            where = "route"
+        elif layers is None:
+            where = f"stage {stage_index} ({endpoint})"
+        else:
+            where = f"stage {stage_index} ({endpoint}) layers [{layers[0]},{layers[1]})"
         super().__init__(f"{where}: {message}")
         #: Index of the offending stage in the route, or ``None``.
         self.stage_index = stage_index
         #: Endpoint of the offending stage, or ``None``.
         self.endpoint = endpoint
+        #: Layer range ``[begin, end)`` of the offending stage, or ``None``.
+        self.layers = layers
 
 
 class RouteIncompatible(RouteInvalid):
@@ -77,7 +90,27 @@ class BoundaryMismatch(RouteInvalid):
 
 class DarkLane(RouteInvalid):
     """A stage runs on a lane that is not certified (compiled is not certified). Dark lanes are
-    unroutable; there is no opt-in. The session refuses the route and lives on."""
+    unroutable; there is no opt-in. A certification refusal: the message names the lane parts
+    that differ from the nearest record the worker has (:attr:`nearest`) and the command that
+    would certify the lane (:attr:`certify_command`), when the worker's advert says them. The
+    session refuses the route and asks for another, as for any :class:`RouteInvalid`."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage_index: int | None = None,
+        endpoint: str | None = None,
+        layers: tuple[int, int] | None = None,
+        nearest: NearestRecord | None = None,
+        certify_command: str = "",
+    ) -> None:
+        super().__init__(message, stage_index=stage_index, endpoint=endpoint, layers=layers)
+        #: The nearest record at the required class and how the lane differs from it, or
+        #: ``None`` (the worker found none, or did not say).
+        self.nearest = nearest
+        #: The command that would certify the lane on the worker's machine (``""``: not said).
+        self.certify_command = certify_command
 
 
 class InsufficientEvidence(DarkLane):

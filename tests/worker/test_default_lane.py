@@ -7,11 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import attrs
+import pytest
 from loguru import logger
 
 from dgr_engine import cli
 from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.record import RecordKind, load_evidence
+from dgr_engine.cli.worker import certify_command
 from dgr_engine.engine import ShardEngine
 from dgr_engine.models.catalog import lookup
 from dgr_engine.options import EngineOptions
@@ -20,7 +22,15 @@ from dgr_engine.worker.config import WorkerConfig
 from dgr_engine.worker.identity import BuildIdentity
 from dgr_engine.worker.load import LoadSnapshot
 from dgr_engine.worker.sessions import TableSnapshot
-from dgr_session.identity import CertificationStatus, EvidenceClass
+from dgr_session.errors import DarkLane
+from dgr_session.identity import (
+    CertificationStatus,
+    EvidenceClass,
+    LaneDifference,
+    ModelIdentity,
+    Recipe,
+)
+from dgr_session.route import Route, StageSpec, validate_route
 
 REPO = Path(__file__).resolve().parents[2]
 COMMITTED = REPO / "evidence"
@@ -49,15 +59,15 @@ def test_dgr_worker_dgr_certify_and_engine_options_share_one_set_of_defaults() -
     assert EngineOptions(**CERTIFY_OPTIONS) == defaults  # the deprecated alias, until removed
 
 
-def test_a_worker_started_with_default_options_on_smollm2_is_certified_by_the_committed_record(
-    tiny_llama: Path,
-) -> None:
-    """The worker's lane, computed as its advertiser does (``ShardWorker``: the build with the
-    engine's numerics, ``lane_key`` of the engine's own info), without loading SmolLM2: its
-    content hash and tensor types are those of the catalog's manifest (what ``dgr models
-    fetch`` verifies the file against), its shape is the manifest's, and the context per
-    session is what an engine made with the default options really provides."""
-    options = EngineOptions()
+def smollm2_worker(tiny_llama: Path, argv: list[str]) -> Advertiser:
+    """The advertiser of ``dgr worker --model smollm2-135m-instruct --layers 0:10 ARGV`` with
+    the committed records, made as ``ShardWorker`` makes it (the build with the engine's
+    numerics, ``lane_key`` of the engine's own info) without loading SmolLM2: its content hash
+    and tensor types are those of the catalog's manifest (what ``dgr models fetch`` verifies
+    the file against), its shape is the manifest's, and the context per session is what an
+    engine made with these options really provides."""
+    args = cli.parser().parse_args(["worker", "--model", SMOLLM2, "--layers", "0:10", *argv])
+    options = EngineOptions.from_args(args)
     smol = lookup(SMOLLM2).manifest()
     (gguf,) = smol.files
     build = attrs.evolve(
@@ -69,8 +79,9 @@ def test_a_worker_started_with_default_options_on_smollm2_is_certified_by_the_co
     with ShardEngine(tiny_llama, layers=(0, 1), **options.engine_kwargs()) as probe:
         engine_info = probe.info
     info = attrs.evolve(engine_info, arch=smol.arch, n_layer=smol.n_layer, layer_end=10)
-    config = WorkerConfig(evidence_dir=COMMITTED)  # the repository's lock
-    advertiser = Advertiser(
+    # the repository's lock, and the command dgr worker advertises
+    config = WorkerConfig(evidence_dir=COMMITTED, certify_command=certify_command(args))
+    return Advertiser(
         build,
         info,
         config,
@@ -80,6 +91,12 @@ def test_a_worker_started_with_default_options_on_smollm2_is_certified_by_the_co
         waiting=lambda: 0,
     )
 
+
+def test_a_worker_started_with_default_options_on_smollm2_is_certified_by_the_committed_record(
+    tiny_llama: Path,
+) -> None:
+    advertiser = smollm2_worker(tiny_llama, [])
+    (gguf,) = lookup(SMOLLM2).manifest().files
     loaded = load_evidence(COMMITTED, load_lock())
     records = [
         r
@@ -95,3 +112,32 @@ def test_a_worker_started_with_default_options_on_smollm2_is_certified_by_the_co
     lane = advertiser.lane()
     assert lane.certification is CertificationStatus.CERTIFIED, advertiser.lane_lookup.reasons
     assert lane.evidence is EvidenceClass.REAL_HARDWARE
+
+
+def test_a_worker_started_with_another_context_is_refused_naming_the_context_and_the_command(
+    tiny_llama: Path,
+) -> None:
+    """The lane is dark; its advert says the committed record differs in the context only and
+    how to certify the lane, and a client's refusal says both, naming the stage."""
+    advertiser = smollm2_worker(tiny_llama, ["--ctx", "512"])
+    lane = advertiser.lane()
+    assert lane.certification is CertificationStatus.DARK
+    near = lane.nearest_at(EvidenceClass.REAL_HARDWARE)
+    assert near is not None
+    assert near.differences == (LaneDifference("context_per_session", "512", "256"),)
+    assert lane.certify_command == f"dgr certify --model {SMOLLM2} --ctx 512"
+    smol = lookup(SMOLLM2).manifest()
+    stage = StageSpec(
+        "127.0.0.1:40123",
+        0,
+        smol.n_layer,
+        ModelIdentity(bytes.fromhex(smol.files[0].sha256), smol.arch, smol.n_layer),
+        Recipe(smol.quant_types, 512),
+        lane,
+    )
+    with pytest.raises(DarkLane) as caught:
+        validate_route(Route([stage]))
+    message = str(caught.value)
+    assert message.startswith("stage 0 (127.0.0.1:40123) layers [0,30): lane ")
+    assert f"record {near.record_id[:12]} differs in context_per_session 512 (nearest" in message
+    assert f"dgr certify --model {SMOLLM2} --ctx 512 (then restart the worker)" in message
