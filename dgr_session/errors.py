@@ -51,8 +51,10 @@ class RouteInvalid(DgrError, ValueError):
     """A route is malformed: not an exact contiguous cover of ``[0, n_layer)``, or empty.
 
     Names the offending stage (``stage_index``, ``endpoint`` and ``layers``; ``None`` when the
-    fault is the route as a whole). A session handed such a route refuses it and asks for
-    another within its failure budget: it lives on.
+    fault is the route as a whole). Every refusal of route validation is deterministic: the
+    same route is refused the same way again. A session handed such a route refuses it and
+    asks its provider for another, within its failure budget: it lives on, unless the
+    provider offers a route refused the same way again, which ends it (:class:`RouteRefused`).
     """
 
     def __init__(
@@ -70,6 +72,8 @@ class RouteInvalid(DgrError, ValueError):
         else:
             where = f"stage {stage_index} ({endpoint}) layers [{layers[0]},{layers[1]})"
         super().__init__(f"{where}: {message}")
+        #: What is wrong, without the stage (equal for equal refusals of different workers).
+        self.reason = message
         #: Index of the offending stage in the route, or ``None``.
         self.stage_index = stage_index
         #: Endpoint of the offending stage, or ``None``.
@@ -123,6 +127,35 @@ class UnverifiedCertification(DarkLane):
     against the client's own trust (its lock): no signed record, a record of another lane or
     class, a key the lock does not trust for that class, a record edited after it was signed.
     For this client the lane is dark. The session refuses the route and lives on."""
+
+
+# --------------------------------------------------------------------------------------------
+# Route providers
+
+
+class NoRoute(DgrError):
+    """A route provider has no route for the session now, and says why: a provider raises it
+    from ``assign`` (rather than return ``None``) so that the reason reaches the session's
+    failure report and its terminal error. ``stage_index`` and ``endpoint`` name the stage it
+    could not use, when one is to blame (``None`` otherwise). The session files it as a
+    ``no_route`` fault and asks again within its failure budget: it lives on (if the budget
+    runs out, its :class:`NoRouteAvailable` has this error as its ``__cause__``)."""
+
+    def __init__(
+        self, message: str, *, stage_index: int | None = None, endpoint: str | None = None
+    ) -> None:
+        super().__init__(message)
+        #: Index of the stage the provider could not use, or ``None``.
+        self.stage_index = stage_index
+        #: Its endpoint, or ``None``.
+        self.endpoint = endpoint
+
+
+class StageUnreachable(NoRoute, ConnectionError):
+    """A route provider could not reach a stage's worker: nothing listens at its endpoint,
+    it does not answer, or it answers that it is not serving. The message names the stage and
+    the endpoint. A worker may come back, so the session asks again within its failure budget:
+    it lives on."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -326,6 +359,30 @@ class ClientFailure(SessionFailed):
     is to blame: no report reaches the route provider, no worker is excluded, ``stage_index``
     and ``endpoint`` are ``None`` (the message says which call it was) and ``fault`` is
     ``client``. The session ends."""
+
+
+class RouteRefused(SessionFailed):
+    """Route validation refused a route (a dark lane, a context too small for the session,
+    another model or build, a bad cover: a :class:`RouteInvalid`), and the provider then
+    offered one refused the same way again (the same stage, the same reason). Validation is
+    deterministic, so asking again would spend the attempts for nothing: the session ends at
+    once. :attr:`refusal` (also the ``__cause__``) is the validation error, which names the
+    stage; a :class:`DarkLane` also says which lane parts differ from the nearest record and
+    how to certify the lane. The session ends."""
+
+    @property
+    def refusal(self) -> RouteInvalid | None:
+        """The validation error that refused the route."""
+        cause = self.__cause__
+        return cause if isinstance(cause, RouteInvalid) else None
+
+
+class RequestRefused(SessionFailed):
+    """A stage refused the session's request itself as invalid (fault kind ``bad_request``:
+    a token id outside the model's vocabulary). Any route of the model would refuse it the
+    same way, so the session ends at once instead of trying other routes; the stage is named
+    (``stage_index``, ``endpoint``) but not blamed, and no provider hears of it. The stage's
+    error is the ``__cause__``. The session ends."""
 
 
 class AdmissionTimeout(SessionFailed):

@@ -227,7 +227,8 @@ def _check_certified(
 ) -> None:
     lane = stage.lane
     if not lane.certified or lane.evidence is None:
-        raise _dark(DarkLane, index, stage, required, f"{_where(lane)} is dark")
+        message = f"{_where(lane)} is dark: no certification record matches it"
+        raise _dark(DarkLane, index, stage, required, message)
     if verify is not None:
         why = verify(stage)
         if why is not None:
@@ -257,8 +258,6 @@ def _dark(
         message += f"; {nearest.describe()}"
     elif lane.nearest or lane.certify_command:  # the worker looked, and found none
         message += f"; the worker has no {required.value} record of any lane"
-    elif not lane.certified:
-        message += ": no certification record matches it"
     if lane.certify_command and cls is not InsufficientEvidence:  # (it would certify it again)
         message += (
             f"; to certify this lane, run on the worker's machine: {lane.certify_command}"
@@ -275,4 +274,5 @@ def _dark(
 
 
 def _where(lane: Lane) -> str:
-    return f"lane {lane.lane_id[:12] or '?'} ({lane.backend}/{lane.hardware})"
+    hardware = lane.hardware if len(lane.hardware) <= 32 else f"{lane.hardware[:31]}…"
+    return f"lane {lane.lane_id[:12] or '?'} ({lane.backend}/{hardware})"
