@@ -19,7 +19,8 @@ builds them; 'build' always (built first if missing; exit 2 when they cannot be)
 
 Exit status: 0 when every correctness requirement passed (parity, per-stage execution,
 isolation, bounded failure, resources; speed is reported, and judged by 'dgr gate'), 1 when
-one failed, 2 when nothing could be certified (no lock, an unclassifiable model).
+one failed, 2 when nothing could be certified (a missing model or one that is no GGUF, no lock,
+an unclassifiable model), its reason in one line.
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from dgr_engine.certification.record import default_evidence_dir
     from dgr_engine.certification.signing import load_signing_key
     from dgr_engine.fixtures import ensure_fixture
+    from dgr_engine.gguf_check import check_gguf
     from dgr_engine.models import resolve_model
     from dgr_engine.tooling.peer_build import PeersUnavailable
     from dgr_session.errors import DgrError
@@ -94,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
             if args.model is not None
             else ensure_fixture(args.fixture)
         )
+        check_gguf(model)  # a file that is no GGUF, or a truncated one: one line, nothing run
     except (EvidenceError, DgrError, LookupError, ValueError, OSError) as exc:
         print(f"dgr certify: {exc}", file=sys.stderr)
         return 2
@@ -116,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    except (EvidenceError, ValueError, PeersUnavailable) as exc:
+    except (EvidenceError, DgrError, ValueError, OSError, PeersUnavailable) as exc:
         print(f"dgr certify: {exc}", file=sys.stderr)
         return 2
 
