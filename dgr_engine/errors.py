@@ -66,9 +66,12 @@ __all__ = [
 
 class InvalidArgument(EngineError, ValueError):
     """An argument is invalid (e.g. a token id outside the vocabulary). Nothing changed: the
-    session lives on."""
+    engine's session lives on. A route session files it as a bad request (fault kind
+    ``bad_request``): any route of the model would refuse it the same way, so the route
+    session ends at once (``RequestRefused``), blaming no stage."""
 
     code, status = 1, "DGR_E_INVALID_ARGUMENT"
+    fault_kind = FaultKind.BAD_REQUEST
 
 
 class ModelLoadError(EngineError, OSError):

@@ -1,6 +1,11 @@
 """Engine options: one frozen value that renders both the ``ShardEngine`` keyword arguments and
 the ``dgr worker`` command line, so an in-process engine and a worker process built from the
-same options compute the same bits."""
+same options compute the same bits.
+
+Its field defaults are dgr's one set of engine defaults: ``dgr worker``, ``generate``,
+``serve``, ``chat``, ``certify`` and ``demo`` all use them, so a worker started by hand with
+defaults runs the lane ``dgr certify`` certifies with defaults (the context per session is part
+of the lane), which is the lane of the committed real-hardware records of SmolLM2."""
 
 from __future__ import annotations
 
@@ -36,7 +41,7 @@ def _choice(
     return attrs.field(
         default=default,
         validator=validator,
-        metadata={"flag": flag, "help": help, "choices": choices, "doc": doc},
+        metadata={"flag": flag, "help": help, "choices": choices, "doc": doc, "lane": True},
     )
 
 
@@ -45,25 +50,28 @@ def _positive(instance: object, attribute: attrs.Attribute[int], value: int) -> 
         raise ValueError(f"{attribute.name} must be >= 1, got {value}")
 
 
-def _option(default: int, flag: str, help: str, most: int) -> Any:
+def _option(default: int, flag: str, help: str, most: int, *, lane: bool = False) -> Any:
     return attrs.field(
         default=default,
         validator=_positive,
-        metadata={"flag": flag, "help": help, "most": most},
+        metadata={"flag": flag, "help": help, "most": most, "lane": lane},
     )
 
 
 @attrs.frozen
 class EngineOptions:
-    """How a shard engine is set up. Defaults are ``dgr worker``'s."""
+    """How a shard engine is set up. The defaults are the one set every ``dgr`` command uses
+    (the module's docstring says why)."""
 
-    n_threads: int = _option(2, "--threads", "engine threads", 1024)
+    n_threads: int = _option(1, "--threads", "engine threads", 1024)
     """Threads of the engine's compute."""
-    n_ctx_per_session: int = _option(512, "--ctx", "KV positions per session", 1 << 24)
-    """KV positions each session may hold."""
-    n_batch: int = _option(512, "--batch", "most rows per forward", 1 << 20)
+    n_ctx_per_session: int = _option(
+        256, "--ctx", "KV positions per session (part of the lane)", 1 << 24, lane=True
+    )
+    """KV positions each session may hold (part of the lane: a record certifies one context)."""
+    n_batch: int = _option(64, "--batch", "most rows per forward", 1 << 20)
     """Most rows one forward may carry (also the micro-batch: rows are never split)."""
-    max_sessions: int = _option(4, "--max-sessions", "sessions held at once", 256)
+    max_sessions: int = _option(8, "--max-sessions", "sessions held at once", 256)
     """Session slots of the engine."""
     kv_type: str = _choice(KV_TYPES[0], "--kv-type", "KV cache element type", KV_TYPES)
     """KV cache element type (``docs/numerics.md``); every stage of a route runs the same."""
@@ -106,10 +114,22 @@ class EngineOptions:
             argv += [field.metadata["flag"], str(getattr(self, field.name))]
         return argv
 
+    def lane_argv(self) -> list[str]:
+        """The arguments of the options that are part of the lane (context, KV type,
+        flash-attention, batching) where they differ from the defaults: what ``dgr certify``
+        needs to certify the lane these options run."""
+        argv: list[str] = []
+        for field in attrs.fields(EngineOptions):
+            value = getattr(self, field.name)
+            if field.metadata["lane"] and value != field.default:
+                argv += [field.metadata["flag"], str(value)]
+        return argv
+
     @staticmethod
     def add_arguments(parser: argparse.ArgumentParser, **defaults: int | str) -> None:
-        """Adds one option per field to ``parser`` (``defaults`` overrides field defaults by
-        name, for programs with other defaults than the worker's)."""
+        """Adds one option per field to ``parser``, defaulting to the field defaults (dgr's one
+        set). ``defaults`` overrides them by name; no ``dgr`` command does (deprecated: a
+        program with other defaults runs another lane than ``dgr certify`` certifies)."""
         for field in attrs.fields(EngineOptions):
             default = defaults.get(field.name, field.default)
             if "choices" in field.metadata:

@@ -35,7 +35,9 @@ from dgr_session.errors import (
     FailureBudgetExhausted,
     InvalidTransition,
     NoRouteAvailable,
+    RequestRefused,
     RouteInvalid,
+    RouteRefused,
     SessionCancelled,
     SessionDeadlineExceeded,
     SessionFailed,
@@ -131,6 +133,7 @@ class RouteSession:
         "_awaiting_route",
         "_route_attempt",
         "_reports",
+        "_refused",
         "_stale",
         "_error",
         "_reason",
@@ -211,6 +214,9 @@ class RouteSession:
         # naming the newest is applied; one to a request that timed out is late, hence stale.
         self._route_attempt = 0
         self._reports: list[FailureReport] = []
+        # What validation refused of the last route offered, as (class, stage, layers, reason);
+        # None once a route passes. The same refusal again ends the session (RouteRefused).
+        self._refused: tuple[type[RouteInvalid], int | None, object, str] | None = None
         self._stale = 0
         self._error: DgrError | None = None
         self._reason: FinishReason | None = None
@@ -419,10 +425,21 @@ class RouteSession:
                 verify_certification=self.certification_verifier,
             )
         except RouteInvalid as err:
+            refusal = (type(err), err.stage_index, err.layers, err.reason)
+            if refusal == self._refused:  # deterministic: asking again would change nothing
+                self._route_refused(err, out)
+                return
+            self._refused = refusal
             self._fault(
-                err.stage_index, FaultKind.ROUTE_INVALID, str(err), out, endpoint=err.endpoint
+                err.stage_index,
+                FaultKind.ROUTE_INVALID,
+                str(err),
+                out,
+                endpoint=err.endpoint,
+                cause=err,
             )
             return
+        self._refused = None
         self._budget.route_assigned(first=self._route is None)
         if self._identity is None:
             self._identity = route.identity
@@ -446,7 +463,8 @@ class RouteSession:
         if not self._route_answer_applies(event.epoch, event.attempt):
             return
         self._awaiting_route = False
-        self._fault(None, FaultKind.NO_ROUTE, event.detail or "no route available", out)
+        detail = event.detail or "no route available"
+        self._fault(None, FaultKind.NO_ROUTE, detail, out, cause=event.error)
 
     def _on_opened(self, event: StageOpened, out: list[Command]) -> None:
         index = event.stage_index
@@ -510,9 +528,12 @@ class RouteSession:
             self._busy(event.stage_index, event.detail, event.retry_after, out)
             return
         if event.kind is FaultKind.CLIENT:
-            self._client_failed(event.stage_index, event.detail, out)
+            self._client_failed(event.stage_index, event.detail, out, event.error)
             return
-        self._fault(event.stage_index, event.kind, event.detail, out)
+        if event.kind is FaultKind.BAD_REQUEST:
+            self._request_refused(event.stage_index, event.detail, out, event.error)
+            return
+        self._fault(event.stage_index, event.kind, event.detail, out, cause=event.error)
 
     def _on_cancel(self, event: Cancel, out: list[Command]) -> None:
         if self._state in _TERMINAL:
@@ -745,7 +766,56 @@ class RouteSession:
         self._reports.append(report)
         return report
 
-    def _client_failed(self, stage_index: int, detail: str, out: list[Command]) -> None:
+    def _route_refused(self, refusal: RouteInvalid, out: list[Command]) -> None:
+        """The provider offered a route refused as the last one was: validation is
+        deterministic, so end the session rather than spend attempts asking again."""
+        attempt = self._budget.fault()
+        index, endpoint = refusal.stage_index, refusal.endpoint
+        self._report(index, endpoint, FaultKind.ROUTE_INVALID, str(refusal), attempt)
+        self._budget.end_wait()
+        error = self._failure(
+            RouteRefused,
+            f"session {self.session_id!r}: the route was refused, {refusal}; the provider"
+            " offered a route refused the same way again: not retried",
+            stage_index=index,
+            endpoint=endpoint,
+            fault=FaultKind.ROUTE_INVALID,
+        )
+        error.__cause__ = refusal
+        self._fire("exhausted", index)
+        self._end(FinishReason.FAILED, error, out)
+
+    def _request_refused(
+        self, stage_index: int, detail: str, out: list[Command], cause: BaseException | None
+    ) -> None:
+        """A stage refused the request itself as invalid: any route would refuse it the same
+        way. Close the epoch and end the session, naming the stage without blaming it."""
+        assert self._route is not None  # a live epoch
+        endpoint = self._route.stages[stage_index].endpoint
+        attempts = self._budget.attempts
+        self._report(stage_index, endpoint, FaultKind.BAD_REQUEST, detail, attempts)
+        self._close_epoch(out)
+        self._budget.end_wait()
+        error = self._failure(
+            RequestRefused,
+            f"session {self.session_id!r}: stage {stage_index} ({endpoint}) refused the request"
+            f" as invalid ({detail}); any route would refuse it the same way: not retried",
+            stage_index=stage_index,
+            endpoint=endpoint,
+            fault=FaultKind.BAD_REQUEST,
+            attempts=attempts,
+        )
+        error.__cause__ = cause
+        self._fire("exhausted", stage_index)
+        self._end(FinishReason.FAILED, error, out)
+
+    def _client_failed(
+        self,
+        stage_index: int,
+        detail: str,
+        out: list[Command],
+        cause: BaseException | None = None,
+    ) -> None:
         """A call for stage ``stage_index`` failed in the client itself: no stage is to blame
         and any route would fail the same way. Close the epoch and end the session, filing a
         report that names no stage (so no provider ever excludes a worker for it)."""
@@ -764,6 +834,7 @@ class RouteSession:
             fault=FaultKind.CLIENT,
             attempts=attempts,
         )
+        error.__cause__ = cause
         self._fire("exhausted", stage_index)
         self._end(FinishReason.FAILED, error, out)
 

@@ -21,6 +21,7 @@ from dgr_session.faults import FaultKind, last_stage_fault
 
 if TYPE_CHECKING:
     from dgr_session.faults import FailureReport
+    from dgr_session.identity import NearestRecord
 
 
 class DgrError(Exception):
@@ -49,20 +50,36 @@ class InvalidTransition(DgrError):
 class RouteInvalid(DgrError, ValueError):
     """A route is malformed: not an exact contiguous cover of ``[0, n_layer)``, or empty.
 
-    Names the offending stage (``stage_index`` and ``endpoint``; ``None`` when the fault is the
-    route as a whole). A session handed such a route refuses it and asks for another within its
-    failure budget: it lives on.
+    Names the offending stage (``stage_index``, ``endpoint`` and ``layers``; ``None`` when the
+    fault is the route as a whole). Every refusal of route validation is deterministic: the
+    same route is refused the same way again. A session handed such a route refuses it and
+    asks its provider for another, within its failure budget: it lives on, unless the
+    provider offers a route refused the same way again, which ends it (:class:`RouteRefused`).
     """
 
     def __init__(
-        self, message: str, *, stage_index: int | None = None, endpoint: str | None = None
+        self,
+        message: str,
+        *,
+        stage_index: int | None = None,
+        endpoint: str | None = None,
+        layers: tuple[int, int] | None = None,
     ) -> None:
-        where = f"stage {stage_index} ({endpoint})" if stage_index is not None else "route"
+        if stage_index is None:
+            where = "route"
+        elif layers is None:
+            where = f"stage {stage_index} ({endpoint})"
+        else:
+            where = f"stage {stage_index} ({endpoint}) layers [{layers[0]},{layers[1]})"
         super().__init__(f"{where}: {message}")
+        #: What is wrong, without the stage (equal for equal refusals of different workers).
+        self.reason = message
         #: Index of the offending stage in the route, or ``None``.
         self.stage_index = stage_index
         #: Endpoint of the offending stage, or ``None``.
         self.endpoint = endpoint
+        #: Layer range ``[begin, end)`` of the offending stage, or ``None``.
+        self.layers = layers
 
 
 class RouteIncompatible(RouteInvalid):
@@ -77,7 +94,27 @@ class BoundaryMismatch(RouteInvalid):
 
 class DarkLane(RouteInvalid):
     """A stage runs on a lane that is not certified (compiled is not certified). Dark lanes are
-    unroutable; there is no opt-in. The session refuses the route and lives on."""
+    unroutable; there is no opt-in. A certification refusal: the message names the lane parts
+    that differ from the nearest record the worker has (:attr:`nearest`) and the command that
+    would certify the lane (:attr:`certify_command`), when the worker's advert says them. The
+    session refuses the route and asks for another, as for any :class:`RouteInvalid`."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        stage_index: int | None = None,
+        endpoint: str | None = None,
+        layers: tuple[int, int] | None = None,
+        nearest: NearestRecord | None = None,
+        certify_command: str = "",
+    ) -> None:
+        super().__init__(message, stage_index=stage_index, endpoint=endpoint, layers=layers)
+        #: The nearest record at the required class and how the lane differs from it, or
+        #: ``None`` (the worker found none, or did not say).
+        self.nearest = nearest
+        #: The command that would certify the lane on the worker's machine (``""``: not said).
+        self.certify_command = certify_command
 
 
 class InsufficientEvidence(DarkLane):
@@ -90,6 +127,35 @@ class UnverifiedCertification(DarkLane):
     against the client's own trust (its lock): no signed record, a record of another lane or
     class, a key the lock does not trust for that class, a record edited after it was signed.
     For this client the lane is dark. The session refuses the route and lives on."""
+
+
+# --------------------------------------------------------------------------------------------
+# Route providers
+
+
+class NoRoute(DgrError):
+    """A route provider has no route for the session now, and says why: a provider raises it
+    from ``assign`` (rather than return ``None``) so that the reason reaches the session's
+    failure report and its terminal error. ``stage_index`` and ``endpoint`` name the stage it
+    could not use, when one is to blame (``None`` otherwise). The session files it as a
+    ``no_route`` fault and asks again within its failure budget: it lives on (if the budget
+    runs out, its :class:`NoRouteAvailable` has this error as its ``__cause__``)."""
+
+    def __init__(
+        self, message: str, *, stage_index: int | None = None, endpoint: str | None = None
+    ) -> None:
+        super().__init__(message)
+        #: Index of the stage the provider could not use, or ``None``.
+        self.stage_index = stage_index
+        #: Its endpoint, or ``None``.
+        self.endpoint = endpoint
+
+
+class StageUnreachable(NoRoute, ConnectionError):
+    """A route provider could not reach a stage's worker: nothing listens at its endpoint,
+    it does not answer, or it answers that it is not serving. The message names the stage and
+    the endpoint. A worker may come back, so the session asks again within its failure budget:
+    it lives on."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,6 +359,30 @@ class ClientFailure(SessionFailed):
     is to blame: no report reaches the route provider, no worker is excluded, ``stage_index``
     and ``endpoint`` are ``None`` (the message says which call it was) and ``fault`` is
     ``client``. The session ends."""
+
+
+class RouteRefused(SessionFailed):
+    """Route validation refused a route (a dark lane, a context too small for the session,
+    another model or build, a bad cover: a :class:`RouteInvalid`), and the provider then
+    offered one refused the same way again (the same stage, the same reason). Validation is
+    deterministic, so asking again would spend the attempts for nothing: the session ends at
+    once. :attr:`refusal` (also the ``__cause__``) is the validation error, which names the
+    stage; a :class:`DarkLane` also says which lane parts differ from the nearest record and
+    how to certify the lane. The session ends."""
+
+    @property
+    def refusal(self) -> RouteInvalid | None:
+        """The validation error that refused the route."""
+        cause = self.__cause__
+        return cause if isinstance(cause, RouteInvalid) else None
+
+
+class RequestRefused(SessionFailed):
+    """A stage refused the session's request itself as invalid (fault kind ``bad_request``:
+    a token id outside the model's vocabulary). Any route of the model would refuse it the
+    same way, so the session ends at once instead of trying other routes; the stage is named
+    (``stage_index``, ``endpoint``) but not blamed, and no provider hears of it. The stage's
+    error is the ``__cause__``. The session ends."""
 
 
 class AdmissionTimeout(SessionFailed):

@@ -58,6 +58,9 @@ class RouteUnavailable:
     """Why, if known."""
     attempt: int = 1
     """The request's ``attempt`` (only the newest request's answer is applied)."""
+    error: BaseException | None = attrs.field(default=None, eq=False, repr=False)
+    """The provider's exception, if it raised one (a ``NoRoute`` says why it has none): the
+    cause of the session's terminal error if this is the fault that ends it."""
 
 
 @attrs.frozen
@@ -114,6 +117,9 @@ class StageFailed:
     """Step of the failed forward (``None`` for an open)."""
     retry_after: float | None = None
     """For a busy stage: when to ask again, seconds (the worker's hint; ``None``: none)."""
+    error: BaseException | None = attrs.field(default=None, eq=False, repr=False)
+    """The transport's exception, if any: the cause of the session's terminal error if this
+    is the fault that ends it."""
 
 
 @attrs.frozen

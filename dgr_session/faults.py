@@ -35,7 +35,12 @@ class FaultKind(enum.StrEnum):
     #: channel closed): the client's fault, never the stage's. The session ends at once
     #: (``ClientFailure``), no provider hears of it and no worker is excluded.
     CLIENT = "client"
-    #: The provider assigned a route that failed validation.
+    #: The stage refused the session's request itself as invalid (a token id outside the
+    #: model's vocabulary): any route of the model would refuse it the same way, and the stage
+    #: is not to blame. The session ends at once (``RequestRefused``); no provider hears of it.
+    BAD_REQUEST = "bad_request"
+    #: The provider assigned a route that failed validation (deterministic: the same route is
+    #: refused the same way again, so a second such refusal ends the session: ``RouteRefused``).
     ROUTE_INVALID = "route_invalid"
     #: The provider had no route.
     NO_ROUTE = "no_route"

@@ -88,6 +88,51 @@ class Recipe:
     """Flash-attention mode (``auto``, ``off``, ``on``)."""
 
 
+@attrs.frozen
+class LaneDifference:
+    """One part in which a lane differs from a certification record's lane."""
+
+    part: str
+    """The part's name (a lane field: ``context_per_session``, ``hardware``, ...)."""
+    value: str
+    """The lane's value, as text."""
+    recorded: str
+    """The record's value, as text."""
+
+    def __str__(self) -> str:
+        return f"{self.part} {_brief(self.value)} (nearest record: {_brief(self.recorded)})"
+
+
+def _brief(text: str, most: int = 40) -> str:
+    return text if len(text) <= most else f"{text[: most - 1]}…"
+
+
+def _difference_tuple(values: Iterable[LaneDifference]) -> tuple[LaneDifference, ...]:
+    return tuple(values)
+
+
+@attrs.frozen
+class NearestRecord:
+    """The certification record of another lane nearest to a lane that no record of one class
+    certifies: what a worker found among its records, for a client to say what differs."""
+
+    record_id: str
+    """The record's id."""
+    evidence: EvidenceClass
+    """Its evidence class."""
+    differences: tuple[LaneDifference, ...] = attrs.field(converter=_difference_tuple)
+    """The parts in which the lane differs from the record's, in the lane's field order."""
+
+    def describe(self) -> str:
+        """One line: the record and every difference."""
+        parts = ", ".join(map(str, self.differences)) or "nothing (another lane id)"
+        return f"the nearest {self.evidence.value} record {self.record_id[:12]} differs in {parts}"
+
+
+def _nearest_tuple(values: Iterable[NearestRecord]) -> tuple[NearestRecord, ...]:
+    return tuple(values)
+
+
 def _check_evidence(
     inst: Lane, _attribute: attrs.Attribute[EvidenceClass | None], value: EvidenceClass | None
 ) -> None:
@@ -124,8 +169,23 @@ class Lane:
     checks it against its own lock with a ``CertificationVerifier`` given to route validation
     (``dgr_session.route``) rather than taking the worker's word; ``""`` when dark or not
     sent."""
+    nearest: tuple[NearestRecord, ...] = attrs.field(
+        default=(), converter=_nearest_tuple, eq=False, repr=False
+    )
+    """For each evidence class above the lane's own (every class when dark), the nearest
+    record of that class under the worker's lock, if any: what a refusal names as differing
+    (``dgr_session.route``). Advice, not trust: it certifies nothing."""
+    certify_command: str = attrs.field(default="", eq=False, repr=False)
+    """The command that would certify the lane, run on the worker's machine (``dgr certify``
+    with the worker's model and lane options); ``""`` when not known."""
 
     @property
     def certified(self) -> bool:
         """True when the lane holds a certification."""
         return self.certification is CertificationStatus.CERTIFIED
+
+    def nearest_at(self, required: EvidenceClass) -> NearestRecord | None:
+        """The nearest record whose class meets ``required`` (fewest differences, then the
+        lowest such class), or ``None``."""
+        meeting = [n for n in self.nearest if n.evidence.satisfies(required)]
+        return min(meeting, key=lambda n: (len(n.differences), n.evidence.rank), default=None)

@@ -42,8 +42,10 @@ Loss and recovery::
 
 Terminal states (no trigger leaves them)::
 
-    any live state --exhausted--> failed        (budget spent, session deadline passed, or a
-                                                 call failed in the client: ClientFailure)
+    any live state --exhausted--> failed        (budget spent, session deadline passed, a
+                                                 call failed in the client: ClientFailure, or
+                                                 a refusal that would repeat: RouteRefused,
+                                                 RequestRefused)
     any live state --cancel-----> cancelled     (stages of the live epoch are closed)
     prefilling | decoding --finished--> done    (max_new_tokens reached or a stop token)
 

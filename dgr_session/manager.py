@@ -27,7 +27,7 @@ from dgr_session.commands import (
     RequestRoute,
 )
 from dgr_session.core import RouteSession
-from dgr_session.errors import DgrError
+from dgr_session.errors import DgrError, NoRoute
 from dgr_session.events import (
     Cancel,
     ClockTick,
@@ -76,6 +76,14 @@ def fault_kind(error: BaseException) -> FaultKind:
     if isinstance(error, OSError):
         return FaultKind.DEAD
     return FaultKind.ENGINE_ERROR
+
+
+def _provider_detail(error: BaseException) -> str:
+    """A provider's failure in words: a :class:`~dgr_session.errors.NoRoute` says why it has
+    no route in its own; anything else is named by its type."""
+    if isinstance(error, NoRoute):
+        return str(error)
+    return f"provider error: {error!r}"
 
 
 @attrs.frozen
@@ -458,6 +466,7 @@ class SessionManager:
                     kind=fault_kind(err),
                     detail=repr(err),
                     retry_after=getattr(err, "retry_after", None),
+                    error=err,
                 )
             )
             return
@@ -466,9 +475,15 @@ class SessionManager:
     async def _forward(self, handle: SessionHandle, cmd: Forward) -> None:
         sid, epoch, step, index = cmd.session_id, cmd.epoch, cmd.step, cmd.stage_index
 
-        def failed(kind: FaultKind, detail: str) -> StageFailed:
+        def failed(kind: FaultKind, detail: str, error: BaseException | None = None) -> StageFailed:
             return StageFailed(
-                session_id=sid, epoch=epoch, stage_index=index, kind=kind, detail=detail, step=step
+                session_id=sid,
+                epoch=epoch,
+                stage_index=index,
+                kind=kind,
+                detail=detail,
+                step=step,
+                error=error,
             )
 
         def output(*, payload: object = None, token: int | None = None) -> StageOutput:
@@ -484,7 +499,7 @@ class SessionManager:
         try:
             result = await self._transport.forward(cmd)
         except Exception as err:  # noqa: BLE001 - every failure becomes a typed fault
-            handle._post(failed(fault_kind(err), repr(err)))
+            handle._post(failed(fault_kind(err), repr(err), err))
             return
         handle.ledger().forwarded(
             epoch,
@@ -508,7 +523,7 @@ class SessionManager:
             except Exception as err:  # noqa: BLE001 - unusable logits are the stage's fault
                 detail = f"cannot sample from logits: {err!r}"
                 kind = getattr(err, "fault_kind", FaultKind.PROTOCOL)
-                handle._post(failed(kind, detail))
+                handle._post(failed(kind, detail, err))
                 return
             handle._post(output(token=token))
         elif isinstance(result, Boundary):
@@ -522,7 +537,7 @@ class SessionManager:
         try:
             route = await self._provider.assign(sid, cmd.report)
         except Exception as err:  # noqa: BLE001 - a provider failure means no route this time
-            handle._post(RouteUnavailable(sid, epoch, f"provider error: {err!r}", attempt))
+            handle._post(RouteUnavailable(sid, epoch, _provider_detail(err), attempt, err))
             return
         if route is None:
             handle._post(RouteUnavailable(sid, epoch, "provider has no route", attempt))
@@ -531,7 +546,7 @@ class SessionManager:
             try:
                 route = self._provider.grant_route(sid, epoch, route)
             except Exception as err:  # noqa: BLE001 - a route without grants opens nothing
-                handle._post(RouteUnavailable(sid, epoch, f"provider error: {err!r}", attempt))
+                handle._post(RouteUnavailable(sid, epoch, _provider_detail(err), attempt, err))
                 return
         handle._post(RouteAssigned(sid, epoch, route, attempt))
 

@@ -178,7 +178,11 @@ def validate_route(
             message = f"takes at most {stage.max_rows} rows per forward, {min_rows} needed"
             raise _at(RouteIncompatible, index, stage, message)
         if stage.recipe.context < min_context:
-            message = f"context {stage.recipe.context} < {min_context} positions needed"
+            message = (
+                f"context {stage.recipe.context} < {min_context} positions needed (the prompt"
+                " and the new tokens): start the workers with a bigger --ctx (a lane of its own,"
+                " to certify at that context) or use a shorter prompt or fewer new tokens"
+            )
             raise _at(RouteIncompatible, index, stage, message)
         if stage.layer_begin != expected_begin:
             kind = "gap" if stage.layer_begin > expected_begin else "overlap"
@@ -207,7 +211,12 @@ def validate_route(
 
 
 def _at(cls: type[RouteInvalid], index: int, stage: StageSpec, message: str) -> RouteInvalid:
-    return cls(message, stage_index=index, endpoint=stage.endpoint)
+    return cls(
+        message,
+        stage_index=index,
+        endpoint=stage.endpoint,
+        layers=(stage.layer_begin, stage.layer_end),
+    )
 
 
 def _check_certified(
@@ -219,7 +228,7 @@ def _check_certified(
     lane = stage.lane
     if not lane.certified or lane.evidence is None:
         message = f"{_where(lane)} is dark: no certification record matches it"
-        raise _at(DarkLane, index, stage, message)
+        raise _dark(DarkLane, index, stage, required, message)
     if verify is not None:
         why = verify(stage)
         if why is not None:
@@ -228,14 +237,42 @@ def _check_certified(
                 f"{lane.record_id[:12] or '?'}) that does not verify under the client's trust: "
                 f"{why}"
             )
-            raise _at(UnverifiedCertification, index, stage, message)
+            raise _dark(UnverifiedCertification, index, stage, required, message)
     if not lane.evidence.satisfies(required):
         message = (
             f"{_where(lane)} is certified with {lane.evidence.value} evidence (record "
             f"{lane.record_id[:12] or '?'}); this route requires {required.value}"
         )
-        raise _at(InsufficientEvidence, index, stage, message)
+        raise _dark(InsufficientEvidence, index, stage, required, message)
+
+
+def _dark(
+    cls: type[DarkLane], index: int, stage: StageSpec, required: EvidenceClass, message: str
+) -> DarkLane:
+    """A certification refusal: ``message``, then what the advert says of the nearest record
+    at ``required`` (the parts that differ) and of the command that would certify the lane
+    (not for a lane certified below ``required``: the command would make the same class)."""
+    lane = stage.lane
+    nearest = lane.nearest_at(required)
+    if nearest is not None:
+        message += f"; {nearest.describe()}"
+    elif lane.nearest or lane.certify_command:  # the worker looked, and found none
+        message += f"; the worker has no {required.value} record of any lane"
+    if lane.certify_command and cls is not InsufficientEvidence:  # (it would certify it again)
+        message += (
+            f"; to certify this lane, run on the worker's machine: {lane.certify_command}"
+            " (then restart the worker)"
+        )
+    return cls(
+        message,
+        stage_index=index,
+        endpoint=stage.endpoint,
+        layers=(stage.layer_begin, stage.layer_end),
+        nearest=nearest,
+        certify_command=lane.certify_command,
+    )
 
 
 def _where(lane: Lane) -> str:
-    return f"lane {lane.lane_id[:12] or '?'} ({lane.backend}/{lane.hardware})"
+    hardware = lane.hardware if len(lane.hardware) <= 32 else f"{lane.hardware[:31]}…"
+    return f"lane {lane.lane_id[:12] or '?'} ({lane.backend}/{hardware})"

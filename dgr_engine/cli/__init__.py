@@ -35,6 +35,8 @@ from dgr_engine.cli import (
     models,
     worker,
 )
+from dgr_engine.cli._progress import quiet_progress
+from dgr_session.errors import DgrError
 
 _SUBCOMMANDS = {
     "worker": worker,
@@ -85,12 +87,63 @@ def _add_quiet(p: argparse.ArgumentParser) -> None:
                 _add_quiet(nested)
 
 
+DEBUG_ENV = "DGR_DEBUG"
+"""Set (to anything but empty or ``0``) to let an error that escapes a subcommand raise with
+its traceback instead of the one line :func:`main` prints."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Runs one subcommand and returns its exit status. No traceback reaches the user: an
+    error that escapes the subcommand is one line on stderr, ``dgr COMMAND: message`` (a
+    ``DgrError``, ``OSError`` or ``ValueError``: a problem with what was given or found) or
+    ``dgr COMMAND: unexpected TYPE: message`` naming :data:`DEBUG_ENV`, and exit status 2;
+    Ctrl-C is one line and 130. A bad command line is argparse's one line and exit 2."""
     args = parser().parse_args(sys.argv[1:] if argv is None else argv)
+    command = args.command
     try:
-        code: int = _SUBCOMMANDS[args.command].run(args)
+        with quiet_progress(args.quiet):
+            code: int = _SUBCOMMANDS[command].run(args)
     except BrokenPipeError:  # the reader went away (``dgr gate ... | head``): not an error
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())  # the interpreter's final flush fails quietly
         return 0
+    except KeyboardInterrupt:
+        if _debugging():
+            raise
+        print(f"dgr {command}: interrupted", file=sys.stderr)
+        return 130
+    except (DgrError, OSError, ValueError) as exc:
+        if _debugging():
+            raise
+        print(f"dgr {command}: {one_line(exc)}", file=sys.stderr)
+        for line in getattr(exc, "log_tail", ()):  # a worker that died: what its log said
+            print(f"  {line}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - a bug: one line, and how to see the traceback
+        if _debugging():
+            raise
+        print(
+            f"dgr {command}: unexpected {type(exc).__name__}: {one_line(exc)} (run with "
+            f"{DEBUG_ENV}=1 for the traceback)",
+            file=sys.stderr,
+        )
+        return 2
     return code
+
+
+def one_line(error: BaseException) -> str:
+    """``error``'s message on one line: an ``OSError`` as ``FILE: reason``, line breaks
+    folded, the class name when there is no message."""
+    summary = getattr(error, "summary", None)  # errors whose text has more lines than one
+    if isinstance(summary, str):
+        text = summary
+    elif isinstance(error, OSError) and error.strerror and error.filename is not None:
+        text = f"{error.filename}: {error.strerror}"
+    else:
+        text = str(error)
+    text = " ".join(text.split())
+    return text or type(error).__name__
+
+
+def _debugging() -> bool:
+    return os.environ.get(DEBUG_ENV, "") not in ("", "0")

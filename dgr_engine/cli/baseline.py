@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dgr_engine.argtypes import int_in
 from dgr_engine.cli._evidence_args import add_evidence_arguments, add_sign_key_argument
 from dgr_engine.numerics import FLASH_ATTN_MODES, KV_TYPES, Numerics
 
@@ -53,7 +54,9 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--flash-attn", choices=FLASH_ATTN_MODES, default=FLASH_ATTN_MODES[0], help="mode"
     )
-    p.add_argument("--threads", type=int, default=2, help="threads of each side (default 2)")
+    p.add_argument(
+        "--threads", type=int_in(1, 1024), default=2, help="threads of each side (default 2)"
+    )
     p.add_argument(
         "--no-record", action="store_true", help="print the figures only; write no record"
     )

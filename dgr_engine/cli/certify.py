@@ -19,7 +19,8 @@ builds them; 'build' always (built first if missing; exit 2 when they cannot be)
 
 Exit status: 0 when every correctness requirement passed (parity, per-stage execution,
 isolation, bounded failure, resources; speed is reported, and judged by 'dgr gate'), 1 when
-one failed, 2 when nothing could be certified (no lock, an unclassifiable model).
+one failed, 2 when nothing could be certified (a missing model or one that is no GGUF, no lock,
+an unclassifiable model), its reason in one line.
 """
 
 from __future__ import annotations
@@ -43,13 +44,11 @@ if TYPE_CHECKING:
     from dgr_engine.certification.lock import Lock
 
 CERTIFY_OPTIONS: dict[str, Any] = {
-    "n_threads": 1,
-    "n_ctx_per_session": 256,
-    "n_batch": 64,
-    "max_sessions": 8,
+    name: getattr(EngineOptions(), name)
+    for name in ("n_threads", "n_ctx_per_session", "n_batch", "max_sessions")
 }
-"""Engine options of ``dgr certify`` and ``dgr demo`` by default (so the demo's lane is the
-lane certified by default)."""
+"""Deprecated: equal to :class:`EngineOptions`' defaults, which every ``dgr`` command now uses
+(``dgr certify`` among them); use ``EngineOptions()``. Kept until its last importers drop it."""
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -58,7 +57,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--model", help="a catalog name (dgr models list; fetched when missing) or a GGUF file"
     )
     model.add_argument("--fixture", help="a generated fixture by name (built if missing)")
-    EngineOptions.add_arguments(p, **CERTIFY_OPTIONS)
+    EngineOptions.add_arguments(p)
     add_evidence_arguments(p)
     add_sign_key_argument(p)
     p.add_argument(
@@ -82,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
     from dgr_engine.certification.record import default_evidence_dir
     from dgr_engine.certification.signing import load_signing_key
     from dgr_engine.fixtures import ensure_fixture
+    from dgr_engine.gguf_check import check_gguf
     from dgr_engine.models import resolve_model
     from dgr_engine.tooling.peer_build import PeersUnavailable
     from dgr_session.errors import DgrError
@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
             if args.model is not None
             else ensure_fixture(args.fixture)
         )
+        check_gguf(model)  # a file that is no GGUF, or a truncated one: one line, nothing run
     except (EvidenceError, DgrError, LookupError, ValueError, OSError) as exc:
         print(f"dgr certify: {exc}", file=sys.stderr)
         return 2
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
-    except (EvidenceError, ValueError, PeersUnavailable) as exc:
+    except (EvidenceError, DgrError, ValueError, OSError, PeersUnavailable) as exc:
         print(f"dgr certify: {exc}", file=sys.stderr)
         return 2
 

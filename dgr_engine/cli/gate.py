@@ -8,7 +8,8 @@
 only records of that class or above are read, and the verdict line names the class. Records
 that are refused (malformed, tampered, made under another lock or before it, unsigned, or
 signed by a key the lock does not trust for their class) are listed.
-Exit status: 0 for the gate's first (passing) verdict, 1 for any other, 2 on a bad lock.
+Exit status: 0 for the gate's first (passing) verdict, 1 for any other, 2 on a bad lock or an
+--evidence directory that does not exist.
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
         lock = load_lock(args.lock)
     except EvidenceError as exc:
         print(f"dgr gate: {exc}", file=sys.stderr)
+        return 2
+    if args.evidence is not None and not args.evidence.is_dir():
+        print(f"dgr gate: --evidence {args.evidence}: no such directory", file=sys.stderr)
         return 2
     evidence = args.evidence if args.evidence is not None else default_evidence_dir()
     loaded = load_evidence(evidence, lock)

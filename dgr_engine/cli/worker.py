@@ -22,6 +22,7 @@ import argparse
 import asyncio
 import errno
 import os
+import shlex
 import signal
 import socket
 import sys
@@ -327,6 +328,7 @@ async def _serve(args: argparse.Namespace) -> int:
         metrics_host=args.metrics_host if args.metrics_host is not None else "127.0.0.1",
         metrics_tls=args.metrics_tls,
         frames_per_second=args.frames_per_second,
+        certify_command=certify_command(args),
     )
     try:
         options = EngineOptions.from_args(args)
@@ -392,6 +394,28 @@ async def _serve(args: argparse.Namespace) -> int:
         closed = await worker.stop()
     print(f"STOPPED sessions_closed={closed}", flush=True)
     return 0
+
+
+def certify_command(args: argparse.Namespace) -> str:
+    """The ``dgr certify`` command that certifies the lane this command line serves, on this
+    machine with this build: its model (a catalog name as given, a file by its absolute path),
+    the engine options that are part of the lane and differ from the defaults, and the
+    evidence directory and lock it reads when given. ``""`` for a split model (``dgr certify``
+    takes one file)."""
+    from dgr_engine.models.catalog import CATALOG
+
+    if args.fixture is not None:
+        argv = ["dgr", "certify", "--fixture", args.fixture]
+    elif args.model is not None:
+        model = args.model if args.model in CATALOG else os.path.abspath(args.model)
+        argv = ["dgr", "certify", "--model", model]
+    else:
+        return ""
+    argv += EngineOptions.from_args(args).lane_argv()
+    for flag, path in (("--evidence", args.evidence), ("--lock", args.lock)):
+        if path is not None:
+            argv += [flag, os.path.abspath(path)]
+    return shlex.join(argv)
 
 
 def _split_artifacts(args: argparse.Namespace) -> ShardArtifacts:

@@ -2,7 +2,9 @@
 
 * :func:`describe` reads one worker's advert;
 * :class:`EndpointRouteProvider` routes over fixed endpoints given in order: the route of their
-  adverts while every one of them is serving, else none.
+  adverts while every one of them is serving, else it raises
+  :class:`~dgr_session.errors.StageUnreachable` naming the first stage it could not reach and
+  why (which the session's failure keeps as its cause).
 
 It checks every worker's certification against the client's own lock, not the worker's word:
 its ``certification_verifier`` (default :class:`~dgr_engine.certification.verify.LockVerifier`
@@ -17,8 +19,10 @@ from collections.abc import Sequence
 
 from dgr_engine.certification.verify import LockVerifier
 from dgr_engine.client.shard_client import ShardClient
+from dgr_engine.errors import ShardTransportError
 from dgr_engine.security.tls import ClientTls
 from dgr_engine.wire.advert import Advert
+from dgr_session.errors import StageUnreachable
 from dgr_session.faults import FailureReport
 from dgr_session.route import CertificationVerifier, Route
 
@@ -35,7 +39,8 @@ class EndpointRouteProvider:
     """Routes over fixed endpoints, in the order given (each serving the next range).
 
     Every request checks that all endpoints are serving (health, ``probe_timeout``) and
-    re-reads their adverts; if one is not, there is no route (no alternative exists).
+    re-reads their adverts; if one is not, there is no route (no alternative exists):
+    :class:`~dgr_session.errors.StageUnreachable` names the stage, its endpoint and why.
     """
 
     def __init__(
@@ -63,11 +68,28 @@ class EndpointRouteProvider:
         if report is not None:
             self.reports.append(report)
         stages = []
-        for endpoint in self.endpoints:
-            async with ShardClient(endpoint, timeout=self.probe_timeout, tls=self.tls) as client:
-                if not await client.serving():
-                    return None
-                advert = await client.describe()
+        for index, endpoint in enumerate(self.endpoints):
+            try:
+                async with ShardClient(
+                    endpoint, timeout=self.probe_timeout, tls=self.tls
+                ) as client:
+                    await client.require_serving()
+                    advert = await client.describe()
+            except ShardTransportError as exc:
+                raise StageUnreachable(
+                    f"stage {index} ({endpoint}) is unreachable: {_why(exc)}",
+                    stage_index=index,
+                    endpoint=endpoint,
+                ) from exc
             self.adverts[endpoint] = advert
             stages.append(advert.stage_spec(endpoint))
         return Route(stages)
+
+
+def _why(error: ShardTransportError) -> str:
+    """Why a worker could not be reached, in short: gRPC's "failed to connect to all
+    addresses; last error: ...: Connection refused" becomes its last clause."""
+    text = str(error)
+    if text.startswith("failed to connect to all addresses"):
+        return text.rsplit(": ", 1)[-1]
+    return text

@@ -38,6 +38,7 @@ from dgr_engine.errors import (
     ShardDeadlineExceeded,
     ShardError,
     ShardRpcError,
+    ShardTransportError,
     ShardUnavailable,
 )
 from dgr_engine.security.tls import ClientTls
@@ -183,13 +184,29 @@ class ShardClient:
     async def serving(self, *, timeout: float | None = None) -> bool:
         """True if the worker's health service says SERVING (False if not, or unreachable)."""
         try:
+            await self.require_serving(timeout=timeout)
+        except ShardTransportError:
+            return False
+        return True
+
+    async def require_serving(self, *, timeout: float | None = None) -> None:
+        """Returns once the worker's health service says SERVING; else raises why not: the
+        typed error of a call that got no answer (``ShardUnavailable``: nothing listens, the
+        connection failed; ``ShardDeadlineExceeded``), or ``ShardUnavailable`` naming the
+        status it answered (shutting down)."""
+        try:
             reply = await self._health.Check(
                 health_pb2.HealthCheckRequest(service="dgr.shard.v1.Shard"),
                 timeout=timeout if timeout is not None else self.timeout,
             )
-        except grpc.aio.AioRpcError:
-            return False
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        except grpc.aio.AioRpcError as exc:
+            error = _error_of(exc)
+            if isinstance(error, ShardTransportError):
+                raise error from exc
+            raise ShardRpcError(f"health check: {error}", status=error.status) from exc
+        if reply.status != health_pb2.HealthCheckResponse.SERVING:
+            name = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+            raise ShardUnavailable(f"the worker answers {name}, not SERVING")
 
     async def describe(self, *, timeout: float | None = None) -> Advert:
         """The worker's capability advert."""

@@ -11,7 +11,11 @@ Certification: a worker is ``certified`` only when an evidence record of its exa
 loaded (``dgr_engine.certification.registry``); the advert then names the record's evidence
 class and id, and carries the signed record itself, so a client checks the certification
 against its own lock (``dgr_engine.certification.verify``) instead of taking the worker's word.
-Otherwise it is ``dark``, and dark lanes are unroutable.
+Otherwise it is ``dark``, and dark lanes are unroutable. Either way it may add advice for a
+client that refuses the lane: the nearest records of the classes above its own, with the lane
+parts that differ, and the command that would certify it. Advice is text a client prints, so
+what is read off the wire is bounded in count and length, with unprintable characters
+replaced; it never makes a lane routable.
 """
 
 from __future__ import annotations
@@ -23,7 +27,9 @@ from dgr_session.identity import (
     CertificationStatus,
     EvidenceClass,
     Lane,
+    LaneDifference,
     ModelIdentity,
+    NearestRecord,
     Recipe,
 )
 from dgr_session.route import StageSpec
@@ -222,9 +228,44 @@ def advert_to_proto(advert: Advert) -> pb.Advert:
             lane_id=lane.lane_id,
             record_id=lane.record_id,
             record=lane.record,
+            nearest=[
+                pb.NearestRecord(
+                    record_id=near.record_id,
+                    evidence=_EVIDENCE_TO_PB[near.evidence],
+                    differences=[pb.LaneDifference(**attrs.asdict(d)) for d in near.differences],
+                )
+                for near in lane.nearest
+            ],
+            certify_command=lane.certify_command,
         ),
         security=pb.Security(**attrs.asdict(advert.security)),
     )
+
+
+_MOST_NEAREST, _MOST_DIFFERENCES, _MOST_TEXT, _MOST_COMMAND = 8, 32, 512, 2048
+"""Bounds on the advice read off the wire (a lane has 16 parts and 4 classes)."""
+
+
+def _advice(text: str, most: int = _MOST_TEXT) -> str:
+    """Worker-given text fit for one line of a client's error: unprintable characters (line
+    breaks, terminal escapes) replaced, cut at ``most`` characters."""
+    clean = "".join(c if c.isprintable() else "?" for c in text[: most + 1])
+    return clean if len(clean) <= most else f"{clean[: most - 1]}…"
+
+
+def _nearest_from_proto(certification: pb.Certification) -> tuple[NearestRecord, ...]:
+    """The advice's nearest records; an entry without a known class is dropped (advice only)."""
+    found = []
+    for near in certification.nearest[:_MOST_NEAREST]:
+        evidence = _EVIDENCE_FROM_PB.get(near.evidence)
+        if evidence is None:
+            continue
+        differences = [
+            LaneDifference(_advice(d.part, 64), _advice(d.value), _advice(d.recorded))
+            for d in near.differences[:_MOST_DIFFERENCES]
+        ]
+        found.append(NearestRecord(_advice(near.record_id, 64), evidence, differences))
+    return tuple(found)
 
 
 def advert_from_proto(msg: pb.Advert) -> Advert:
@@ -258,6 +299,8 @@ def advert_from_proto(msg: pb.Advert) -> Advert:
             lane_id=msg.certification.lane_id,
             record_id=msg.certification.record_id if certified else "",
             record=msg.certification.record if certified else "",
+            nearest=_nearest_from_proto(msg.certification),
+            certify_command=_advice(msg.certification.certify_command, _MOST_COMMAND),
         ),
         schema_version=c.schema_version,
         artifacts=c.artifacts,

@@ -85,7 +85,8 @@ class Advertiser:
         return found
 
     def lane(self) -> Lane:
-        """The lane with its certification (dark unless a record of exactly it was loaded)."""
+        """The lane with its certification (dark unless a record of exactly it was loaded),
+        the nearest records of the classes above it and the command that would certify it."""
         build, cert = self.build, self.lane_lookup.certification
         return Lane(
             backend=build.backend,
@@ -100,6 +101,8 @@ class Advertiser:
             lane_id=self.lane_key.lane_id,
             record_id="" if cert is None else cert.record_id,
             record="" if cert is None else cert.record_text,
+            nearest=self.lane_lookup.nearest,
+            certify_command=self.config.certify_command,
         )
 
     def advert(self) -> Advert:

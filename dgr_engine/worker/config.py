@@ -82,6 +82,11 @@ class WorkerConfig:
     metrics_tls: bool = False
     """Serve the metrics over HTTPS with the worker's own certificate (``tls``, which this
     needs), requiring client certificates of its client CA when it has one."""
+    certify_command: str = ""
+    """The command that would certify this worker's lane, run on its machine (``dgr certify``
+    with its model and lane options; ``dgr worker`` sets it from its own command line): a dark
+    worker's advert carries it, so that a client refusing the lane can say how to certify it.
+    ``""``: not said."""
     chain_tls: ClientTls | None = None
     """How this worker dials the next stage of a chained route that serves TLS (the CA it
     trusts, and its client certificate for a next stage that asks for one); ``None``: it

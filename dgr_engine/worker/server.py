@@ -26,6 +26,7 @@ from dgr_engine.certification.lane import BATCHING_CO_BATCH, LaneKey
 from dgr_engine.certification.registry import LaneLookup
 from dgr_engine.engine import ShardEngine
 from dgr_engine.numerics import Numerics
+from dgr_engine.options import EngineOptions
 from dgr_engine.security.grants import Grant, GrantVerifier
 from dgr_engine.security.tls import check_plaintext_bind, is_loopback
 from dgr_engine.wire import frames as frames
@@ -56,6 +57,10 @@ _FRAME_OVERHEAD = 64 * 1024
 """Bytes allowed per message beyond its rows (ids, expectations, framing)."""
 _SIDEBAND_PER_ROW = 16
 """Bytes per row of positions, token ids and logit-row indices (packed varints, worst case)."""
+
+
+_DEFAULTS = EngineOptions()
+"""The engine options :meth:`ShardWorker.load` defaults to."""
 
 
 class ShardWorker:
@@ -154,18 +159,19 @@ class ShardWorker:
         model: str | os.PathLike[str],
         layers: tuple[int, int],
         *,
-        max_sessions: int = 4,
-        n_ctx_per_session: int = 512,
-        n_threads: int = 2,
-        n_batch: int = 512,
-        n_ubatch: int = 512,
+        max_sessions: int = _DEFAULTS.max_sessions,
+        n_ctx_per_session: int = _DEFAULTS.n_ctx_per_session,
+        n_threads: int = _DEFAULTS.n_threads,
+        n_batch: int = _DEFAULTS.n_batch,
+        n_ubatch: int = _DEFAULTS.n_batch,
         numerics: Numerics | None = None,
         config: WorkerConfig | None = None,
         build: BuildIdentity | None = None,
     ) -> ShardWorker:
-        """Hashes the GGUF (streaming), loads the engine over ``layers``. Blocking. ``build``:
-        the identity already established (a split model's, :meth:`BuildIdentity.of_artifacts`;
-        ``model`` is then its first file)."""
+        """Hashes the GGUF (streaming), loads the engine over ``layers``. Blocking. The engine
+        options default to :class:`~dgr_engine.options.EngineOptions`' (``dgr worker``'s).
+        ``build``: the identity already established (a split model's,
+        :meth:`BuildIdentity.of_artifacts`; ``model`` is then its first file)."""
         build = build if build is not None else BuildIdentity.of_model(model)
         engine = ShardEngine(
             Path(model),

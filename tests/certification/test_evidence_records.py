@@ -23,8 +23,8 @@ from dgr_engine.certification.errors import (
 )
 from dgr_engine.certification.lane import canonical_sha256
 from dgr_engine.certification.record import load_evidence, load_record, record_json
-from dgr_engine.certification.registry import find_certification
-from dgr_session.identity import EvidenceClass
+from dgr_engine.certification.registry import find_certification, lane_differences
+from dgr_session.identity import EvidenceClass, LaneDifference
 from tests.harness import EvidenceKit
 
 MODEL = "cd" * 32
@@ -313,3 +313,38 @@ def test_the_highest_class_wins_over_a_later_lower_one(kit: EvidenceKit) -> None
 def test_evidence_errors_name_their_file(kit: EvidenceKit) -> None:
     err = EvidenceInvalid("x: broken", path=Path("/a/b.json"), field="x")
     assert isinstance(err, EvidenceError) and str(err) == "/a/b.json: x: broken"
+
+
+def test_a_dark_lane_learns_the_nearest_passing_record_and_every_part_that_differs(
+    kit: EvidenceKit,
+) -> None:
+    lane = kit.lane()
+    wide = attrs.evolve(lane, context_per_session=2 * lane.context_per_session)
+    one_off = kit.record()  # differs from ``wide`` in the context only
+    two_off = kit.record(lane=attrs.evolve(lane, kv_type="f32"))  # context and KV type
+    failed = kit.record(  # nearer, but failed: it certifies nothing, so it is not named
+        lane=attrs.evolve(wide, flash_attn="off"), failing=("isolation.sessions",)
+    )
+    for record in (one_off, two_off, failed):
+        kit.write(record)
+    lookup = find_certification(wide, kit.root / "evidence", lock=kit.lock)
+    assert lookup.certification is None
+    (near,) = lookup.nearest
+    assert (near.record_id, near.evidence) == (one_off.record_id, EvidenceClass.FIXTURE)
+    assert near.differences == (
+        LaneDifference(
+            "context_per_session", str(wide.context_per_session), str(lane.context_per_session)
+        ),
+    )
+    assert lane_differences(wide, two_off.lane) == (
+        LaneDifference("kv_type", wide.kv_type, "f32"),
+        near.differences[0],
+    )
+
+
+def test_a_certified_lane_learns_only_of_records_of_higher_classes(kit: EvidenceKit) -> None:
+    lane = kit.lane()
+    kit.write(kit.record())
+    kit.write(kit.record(lane=attrs.evolve(lane, kv_type="f32")))  # fixture too: not above
+    lookup = find_certification(lane, kit.root / "evidence", lock=kit.lock)
+    assert lookup.certification is not None and lookup.nearest == ()

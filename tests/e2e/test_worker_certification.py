@@ -292,7 +292,6 @@ def test_a_session_never_routes_a_worker_whose_record_its_lock_does_not_vouch_fo
     repo's) does not vouch for it, so the session refuses the route before sending the worker
     anything, while a session over an honest worker beside it stays exact."""
     from dgr_engine.certification.signing import public_key_text
-    from dgr_engine.cli.certify import CERTIFY_OPTIONS
     from dgr_engine.client.relay import GrpcStageTransport
     from dgr_engine.options import EngineOptions
     from dgr_engine.reference import whole_model_greedy
@@ -311,7 +310,7 @@ def test_a_session_never_routes_a_worker_whose_record_its_lock_does_not_vouch_fo
     theirs = attrs.evolve(honest, lock_sha256=load_lock(their_lock).sha256)
     evidence = tmp_path / "evidence"
     write_record(theirs, evidence, key=rogue)
-    options = EngineOptions(**CERTIFY_OPTIONS)
+    options = EngineOptions()  # dgr certify's defaults, the one set
     layout = [(0, honest.lane.n_layer)]
     prompt = [1, 5, 9, 2, 7, 3]
     (want,) = whole_model_greedy(tiny_llama, [prompt], 6, options)

@@ -288,6 +288,7 @@ NOT_ENGINE_ERROR = {
     E.GrantUnauthenticated: FaultKind.PROTOCOL,  # the route's grants are wrong, not the stage
     E.GrantDenied: FaultKind.PROTOCOL,
     E.ClientCallError: FaultKind.CLIENT,  # the client's own failure: no stage to blame
+    E.InvalidArgument: FaultKind.BAD_REQUEST,  # any route would refuse the request the same way
 }
 
 REFUSALS = 21  # EngineError, 14 C statuses, NonFiniteOutput, EngineClosed, 4 of the worker

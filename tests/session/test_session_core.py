@@ -17,6 +17,7 @@ from dgr_session import (
     ClockTick,
     CloseStage,
     Command,
+    DarkLane,
     EmitToken,
     EvidenceClass,
     FailureBudgetExhausted,
@@ -30,9 +31,11 @@ from dgr_session import (
     NoRouteAvailable,
     OpenStage,
     ReplayMode,
+    RequestRefused,
     RequestRoute,
     Route,
     RouteAssigned,
+    RouteRefused,
     RouteSession,
     RouteUnavailable,
     SessionCancelled,
@@ -41,6 +44,7 @@ from dgr_session import (
     StageFailed,
     StageOpened,
     StageOutput,
+    StageUnreachable,
     Start,
     StepDeadlineExceeded,
 )
@@ -860,3 +864,110 @@ def test_event_dispatch_is_type_checked_without_ignores() -> None:
         with pytest.raises(TypeError, match="not a session event"):
             d.feed(wrong)
     assert d.core.state is SessionState.NEW and d.core.route_attempt == 1 and d.log == [impostor]
+
+
+# ------------------------------------------------------------------------------------------
+# Deterministic refusals end the session; every terminal error keeps its cause
+
+
+def dark(*endpoints: str) -> Route:
+    n = len(endpoints)
+    cuts = [IDENTITY.n_layer * k // n for k in range(1, n)]
+    return make_route(list(endpoints), cuts, identity=IDENTITY, lane=fixture_lane(certified=False))
+
+
+def test_a_route_refused_the_same_way_again_ends_the_session_without_spending_attempts() -> None:
+    d = Driver()  # three attempts per step
+    d.start()
+    (again,) = of(d.assign(dark("x", "y")), RequestRoute)
+    assert again.report.fault is FaultKind.ROUTE_INVALID
+    out = d.assign(dark("x2", "y2"))  # other workers, the same dark lane at the same stage
+    assert of(out, RequestRoute) == [] and d.core.state is SessionState.FAILED
+    error = d.core.error
+    assert isinstance(error, RouteRefused)
+    assert isinstance(error.refusal, DarkLane) and error.__cause__ is error.refusal
+    assert (error.stage_index, error.endpoint, error.fault) == (0, "x2", FaultKind.ROUTE_INVALID)
+    assert error.attempts == 2 and len(error.reports) == 2
+    message = str(error)
+    assert "stage 0 (x2) layers [0,3)" in message and "is dark" in message
+    assert "not retried" in message and "attempt" not in message
+    assert out[-1].reason is FinishReason.FAILED
+
+
+def test_a_different_refusal_or_a_good_route_in_between_keeps_the_session_asking() -> None:
+    d = Driver(max_new_tokens=2)
+    d.start()
+    d.assign(dark("x", "y"))  # stage 0 dark
+    half = make_route(["a", "b"], [3], identity=IDENTITY)
+    half = Route([half.stages[0], attrs.evolve(half.stages[1], lane=fixture_lane(False))])
+    (request,) = of(d.assign(half), RequestRoute)  # stage 1 dark: another refusal
+    assert request.report.stage_index == 1 and d.core.state is SessionState.REROUTING
+    d.assign(route("a"))
+    d.open_all()
+    d.step(5)
+    d.feed(StageFailed(session_id=SID, epoch=1, stage_index=0, kind=FaultKind.DEAD))
+    (request,) = of(d.assign(half), RequestRoute)  # the first since a route was accepted
+    assert request.report.fault is FaultKind.ROUTE_INVALID
+    assert d.core.state is SessionState.REROUTING
+
+
+def test_a_bad_request_ends_the_session_at_once_naming_the_stage_and_keeping_the_cause() -> None:
+    d = Driver().running(route("a", "b"))
+    cause = ValueError("DGR_E_INVALID_ARGUMENT: token id 99999 is outside the vocabulary")
+    out = d.feed(
+        StageFailed(
+            session_id=SID,
+            epoch=1,
+            stage_index=0,
+            kind=FaultKind.BAD_REQUEST,
+            detail=repr(cause),
+            step=0,
+            error=cause,
+        )
+    )
+    assert of(out, RequestRoute) == []  # no other route is tried: it would refuse the same
+    assert len(of(out, CloseStage)) == 2 and d.core.state is SessionState.FAILED
+    error = d.core.error
+    assert isinstance(error, RequestRefused) and error.__cause__ is cause
+    assert (error.stage_index, error.endpoint, error.fault) == (0, "a", FaultKind.BAD_REQUEST)
+    assert error.attempts == 1 and "outside the vocabulary" in str(error)
+    assert "not retried" in str(error)
+
+
+def dead_stage(epoch: int, error: BaseException) -> StageFailed:
+    return StageFailed(session_id=SID, epoch=epoch, stage_index=0, kind=FaultKind.DEAD, error=error)
+
+
+def test_the_fault_that_spends_the_budget_is_the_terminal_errors_cause() -> None:
+    d = Driver()
+    d.start()
+    errors = [ConnectionRefusedError(f"stage 0 (127.0.0.1:9) is unreachable {i}") for i in (1, 2)]
+    d.feed(RouteUnavailable(SID, 1, str(errors[0]), 1, errors[0]))
+    d.feed(RouteUnavailable(SID, 1, str(errors[1]), 2, errors[1]))
+    d.feed(RouteUnavailable(SID, 1, "provider has no route", 3))
+    error = d.core.error
+    assert isinstance(error, NoRouteAvailable) and error.__cause__ is None  # the last had none
+    d = Driver().running(route("a"))
+    dead = ConnectionResetError("gone")
+    for _attempt in (1, 2):  # two faults, each followed by a new route
+        d.feed(dead_stage(d.core.epoch, ConnectionError("x")))
+        assert d.core.state is SessionState.REROUTING
+        d.assign(route("a"))
+        d.open_all()
+    d.feed(dead_stage(d.core.epoch, dead))  # the third: spent
+    error = d.core.error
+    assert isinstance(error, FailureBudgetExhausted) and error.__cause__ is dead
+
+
+def test_no_route_names_the_unreachable_stage_the_provider_named() -> None:
+    d = Driver(policy=attrs.evolve(POLICY, max_attempts_per_step=1))
+    d.start()
+    unreachable = StageUnreachable(
+        "stage 1 (127.0.0.1:9) is unreachable: Connection refused",
+        stage_index=1,
+        endpoint="127.0.0.1:9",
+    )
+    d.feed(RouteUnavailable(SID, 1, str(unreachable), 1, unreachable))
+    error = d.core.error
+    assert isinstance(error, NoRouteAvailable) and error.__cause__ is unreachable
+    assert "stage 1 (127.0.0.1:9) is unreachable: Connection refused" in str(error)

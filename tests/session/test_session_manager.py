@@ -11,6 +11,8 @@ import pytest
 
 from dgr_session import (
     Boundary,
+    DarkLane,
+    DgrError,
     EvidenceClass,
     FailureBudgetExhausted,
     FailurePolicy,
@@ -20,8 +22,10 @@ from dgr_session import (
     InvalidIdentifier,
     Logits,
     NoRouteAvailable,
+    RequestRefused,
     Route,
     RouteProvider,
+    RouteRefused,
     SeededSampler,
     SessionCancelled,
     SessionDeadlineExceeded,
@@ -29,6 +33,7 @@ from dgr_session import (
     SessionState,
     StageDead,
     StageResult,
+    StageUnreachable,
     StaleEpoch,
     StepDeadlineExceeded,
     fault_kind,
@@ -42,6 +47,7 @@ from dgr_session.testing import (
     ScriptedRouteProvider,
     VirtualClockLoop,
     fixture_identity,
+    fixture_lane,
     make_route,
     run_virtual,
     settle,
@@ -519,3 +525,85 @@ def test_virtual_clock_jumps_and_detects_deadlock() -> None:
             loop.run_until_complete(loop.create_future())
     finally:
         loop.close()
+
+
+# --- refusals that would repeat are not retried; errors keep their cause ----------------------
+
+
+class UnreachableProvider:
+    """A provider that cannot reach stage 1's worker, and says so."""
+
+    def __init__(self) -> None:
+        self.raised: list[StageUnreachable] = []
+
+    async def assign(self, session_id: str, report: object) -> Route | None:
+        error = StageUnreachable(
+            "stage 1 (127.0.0.1:9) is unreachable: Connection refused",
+            stage_index=1,
+            endpoint="127.0.0.1:9",
+        )
+        self.raised.append(error)
+        raise error
+
+
+def test_a_provider_that_cannot_reach_a_stage_is_named_in_the_sessions_error() -> None:
+    provider = UnreachableProvider()
+
+    async def main() -> None:
+        manager = fixture_manager(FakeTransport(MODEL), provider, policy=POLICY)
+        result = await manager.start(PROMPT, max_new_tokens=2).wait()
+        error = result.error
+        assert isinstance(error, NoRouteAvailable)
+        assert error.__cause__ is provider.raised[-1]  # the typed error, not its repr
+        assert "stage 1 (127.0.0.1:9) is unreachable: Connection refused" in str(error)
+        assert "provider error" not in str(error)
+        assert [r.detail for r in result.reports] == [str(provider.raised[0])] * 3
+
+    run_virtual(main)
+
+
+class BadRequest(DgrError, ValueError):
+    """What a stage raises for a request no route would take (a token id off the vocabulary)."""
+
+    fault_kind = FaultKind.BAD_REQUEST
+
+
+class RefusingTransport(FakeTransport):
+    """Refuses every forward to stage 0 as a bad request."""
+
+    async def forward(self, call: Forward) -> StageResult:
+        if call.stage_index == 0:
+            raise BadRequest("token id 99 is outside the vocabulary [0, 32)")
+        return await super().forward(call)
+
+
+def test_a_bad_request_is_not_retried_on_another_route() -> None:
+    transport = RefusingTransport(MODEL)
+    provider = ScriptedRouteProvider([route(["a", "b"], [3]), route(["c", "d"], [3])])
+
+    async def main() -> None:
+        manager = fixture_manager(transport, provider, policy=POLICY)
+        result = await manager.start((99,), max_new_tokens=2).wait()
+        assert len(provider.requests) == 1  # no second route asked for
+        error = result.error
+        assert isinstance(error, RequestRefused) and isinstance(error.__cause__, BadRequest)
+        assert (error.stage_index, error.endpoint) == (0, "a")
+        assert "outside the vocabulary" in str(error) and result.route_changes == 0
+        assert [r.fault for r in result.reports] == [FaultKind.BAD_REQUEST]
+
+    run_virtual(main)
+
+
+def test_a_route_refused_twice_the_same_way_fails_after_two_requests_not_three() -> None:
+    dark = make_route(["a", "b"], [3], identity=IDENTITY, lane=fixture_lane(certified=False))
+    provider = ScriptedRouteProvider([dark])
+
+    async def main() -> None:
+        manager = fixture_manager(FakeTransport(MODEL), provider, policy=POLICY)
+        result = await manager.start(PROMPT, max_new_tokens=2).wait()
+        error = result.error
+        assert isinstance(error, RouteRefused) and isinstance(error.refusal, DarkLane)
+        assert len(provider.requests) == 2 and len(result.reports) == 2
+        assert "stage 0 (a) layers [0,3)" in str(error) and "not retried" in str(error)
+
+    run_virtual(main)

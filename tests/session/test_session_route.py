@@ -14,7 +14,9 @@ from dgr_session import (
     EvidenceClass,
     InsufficientEvidence,
     Lane,
+    LaneDifference,
     ModelIdentity,
+    NearestRecord,
     Recipe,
     Route,
     RouteIncompatible,
@@ -197,7 +199,7 @@ def test_fixture_lane_is_refused_when_more_is_required(required: EvidenceClass) 
     error = caught.value
     assert (error.stage_index, error.endpoint) == (1, "b")
     message = str(error)
-    assert message.startswith("stage 1 (b): ")
+    assert message.startswith("stage 1 (b) layers [2,4): ")
     assert "fixture" in message and required.value in message
     assert "1a2b3c4d5e6f" in message and "9f8e7d6c5b4a" in message  # names lane and record
     assert validate_route(route, required_evidence=EvidenceClass.FIXTURE) is route
@@ -246,3 +248,80 @@ def test_stage_spec_keeps_what_it_was_given() -> None:
         3,
         3,
     )
+
+
+# --- a refusal says why: the parts that differ, the command that certifies -------------------
+
+CTX_512 = LaneDifference("context_per_session", "512", "256")
+COMMAND = "dgr certify --model smollm2-135m-instruct --ctx 512"
+HARDWARE = on_lanes(*[EvidenceClass.REAL_HARDWARE] * 3)
+
+
+def advised(evidence: EvidenceClass | None, *nearest: NearestRecord, command: str = "") -> Lane:
+    """:func:`lane` with the advice a worker's advert adds."""
+    return attrs.evolve(lane(evidence), nearest=nearest, certify_command=command)
+
+
+def test_a_dark_lanes_refusal_names_the_stage_the_differing_parts_and_the_certify_command() -> None:
+    near = NearestRecord("7108a3893fb8" + "0" * 52, EvidenceClass.REAL_HARDWARE, [CTX_512])
+    route = with_stage(HARDWARE, 1, lane=advised(None, near, command=COMMAND))
+    with pytest.raises(DarkLane) as caught:
+        validate_route(route)
+    error = caught.value
+    assert type(error) is DarkLane
+    assert (error.stage_index, error.endpoint, error.layers) == (1, "b", (2, 4))
+    assert error.nearest == near and error.certify_command == COMMAND
+    message = str(error)
+    assert message.startswith("stage 1 (b) layers [2,4): lane 1a2b3c4d5e6f")
+    assert "nearest real-hardware record 7108a3893fb8 differs in" in message
+    assert "context_per_session 512 (nearest record: 256)" in message
+    assert f"run on the worker's machine: {COMMAND} (then restart the worker)" in message
+    assert "\n" not in message
+
+
+def test_the_nearest_record_named_is_one_of_the_required_class() -> None:
+    fixture = NearestRecord("f" * 64, EvidenceClass.FIXTURE, [])
+    hardware = NearestRecord("e" * 64, EvidenceClass.REAL_HARDWARE, [CTX_512, CTX_512])
+    route = with_stage(good_route(), 0, lane=advised(None, fixture, hardware, command=COMMAND))
+    with pytest.raises(DarkLane) as caught:
+        validate_route(route, required_evidence=EvidenceClass.REAL_MODEL)
+    assert caught.value.nearest == hardware  # the fixture record would not route this session
+    with pytest.raises(DarkLane) as caught:
+        validate_route(route, required_evidence=EvidenceClass.FIXTURE)
+    assert caught.value.nearest == fixture  # the nearest that would
+    with pytest.raises(DarkLane) as caught:
+        validate_route(route, required_evidence=EvidenceClass.RELEASE)
+    assert caught.value.nearest is None
+    assert "the worker has no release record of any lane" in str(caught.value)
+    assert COMMAND in str(caught.value)
+
+
+def test_a_lane_certified_below_the_requirement_is_not_told_to_certify_again() -> None:
+    near = NearestRecord("e" * 64, EvidenceClass.REAL_HARDWARE, [CTX_512])
+    route = with_stage(HARDWARE, 2, lane=advised(EvidenceClass.FIXTURE, near, command=COMMAND))
+    with pytest.raises(InsufficientEvidence) as caught:
+        validate_route(route, required_evidence=EvidenceClass.REAL_HARDWARE)
+    message = str(caught.value)
+    assert "context_per_session 512 (nearest record: 256)" in message
+    assert "dgr certify" not in message  # it would make fixture evidence again
+
+
+def test_a_worker_that_gives_no_advice_is_refused_as_before() -> None:
+    route = with_stage(good_route(), 1, lane=fixture_lane(certified=False))
+    with pytest.raises(DarkLane, match="is dark: no certification record matches it$") as caught:
+        check(route)
+    assert caught.value.nearest is None and caught.value.certify_command == ""
+
+
+def test_advice_is_not_part_of_a_lanes_equality() -> None:
+    near = NearestRecord("e" * 64, EvidenceClass.REAL_HARDWARE, [CTX_512])
+    assert advised(None, near, command=COMMAND) == lane(None)
+
+
+def test_a_context_too_small_says_what_to_change_and_not_to_certify() -> None:
+    with pytest.raises(RouteIncompatible) as caught:
+        check(good_route(), min_context=4097)
+    message = str(caught.value)
+    assert "context 4096 < 4097 positions needed" in message
+    assert "bigger --ctx" in message and "shorter prompt" in message
+    assert "dgr certify" not in message and not isinstance(caught.value, DarkLane)

@@ -24,7 +24,15 @@ from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.worker import identity as ident
 from dgr_engine.worker.load import LoadMeter
 from dgr_session.errors import DarkLane, InsufficientEvidence
-from dgr_session.identity import CertificationStatus, EvidenceClass, Lane, ModelIdentity, Recipe
+from dgr_session.identity import (
+    CertificationStatus,
+    EvidenceClass,
+    Lane,
+    LaneDifference,
+    ModelIdentity,
+    NearestRecord,
+    Recipe,
+)
 from dgr_session.route import Route, validate_route
 
 HASH = hashlib.sha256(b"model").digest()
@@ -197,3 +205,45 @@ def test_free_slots_count_the_admission_line() -> None:
     assert Capacity(4, 1, 900, 256, 64).sessions_free == 3
     assert Capacity(4, 4, 0, 256, 64, sessions_waiting=2).sessions_free == 0
     assert Capacity(4, 3, 0, 256, 64, sessions_waiting=1).sessions_free == 0
+
+
+# --- advice: why a lane is dark -----------------------------------------------------------------
+
+
+def test_a_dark_lanes_advice_round_trips() -> None:
+    near = NearestRecord(
+        "71" * 32,
+        EvidenceClass.REAL_HARDWARE,
+        [
+            LaneDifference("context_per_session", "512", "256"),
+            LaneDifference("kv_type", "f32", "f16"),
+        ],
+    )
+    a = advert(0, 4, nearest=(near,), certify_command="dgr certify --model m.gguf --ctx 512")
+    back = advert_from_proto(pb.Advert.FromString(advert_to_proto(a).SerializeToString()))
+    assert back.lane.nearest == (near,)
+    assert back.lane.certify_command == "dgr certify --model m.gguf --ctx 512"
+
+
+def test_an_advert_without_advice_reads_as_none() -> None:
+    """What a worker older than the fields sends."""
+    back = advert_from_proto(advert_to_proto(advert(0, 4)))
+    assert back.lane.nearest == () and back.lane.certify_command == ""
+
+
+def test_advice_off_the_wire_is_bounded_and_printable() -> None:
+    msg = advert_to_proto(advert(0, 4))
+    msg.certification.certify_command = "dgr certify\n\x1b[2Jrm -rf" + "x" * 5000
+    for evidence in (pb.EVIDENCE_CLASS_UNSPECIFIED, 77, *[pb.EVIDENCE_CLASS_FIXTURE] * 20):
+        near = msg.certification.nearest.add(record_id="r\r\n", evidence=evidence)
+        for _ in range(100):
+            near.differences.add(part="ctx\x07", value="5" * 5000, recorded="256")
+    lane = advert_from_proto(msg).lane
+    assert lane.certify_command.startswith("dgr certify??[2Jrm -rf")
+    assert len(lane.certify_command) == 2048
+    assert len(lane.nearest) == 6  # the first 8 entries, less the 2 of no known class
+    assert all(n.evidence is EvidenceClass.FIXTURE for n in lane.nearest)
+    first = lane.nearest[0]
+    assert first.record_id == "r??" and len(first.differences) == 32
+    assert first.differences[0].part == "ctx?" and len(first.differences[0].value) == 512
+    assert "\n" not in str(first.differences[0])

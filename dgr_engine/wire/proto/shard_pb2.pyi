@@ -241,18 +241,42 @@ class Health(_message.Message):
     def __init__(self, uptime_seconds: _Optional[float] = ..., recent_errors: _Optional[int] = ..., total_errors: _Optional[int] = ..., window_seconds: _Optional[float] = ...) -> None: ...
 
 class Certification(_message.Message):
-    __slots__ = ("status", "evidence", "lane_id", "record_id", "record")
+    __slots__ = ("status", "evidence", "lane_id", "record_id", "record", "nearest", "certify_command")
     STATUS_FIELD_NUMBER: _ClassVar[int]
     EVIDENCE_FIELD_NUMBER: _ClassVar[int]
     LANE_ID_FIELD_NUMBER: _ClassVar[int]
     RECORD_ID_FIELD_NUMBER: _ClassVar[int]
     RECORD_FIELD_NUMBER: _ClassVar[int]
+    NEAREST_FIELD_NUMBER: _ClassVar[int]
+    CERTIFY_COMMAND_FIELD_NUMBER: _ClassVar[int]
     status: LaneStatus
     evidence: EvidenceClass
     lane_id: str
     record_id: str
     record: str
-    def __init__(self, status: _Optional[_Union[LaneStatus, str]] = ..., evidence: _Optional[_Union[EvidenceClass, str]] = ..., lane_id: _Optional[str] = ..., record_id: _Optional[str] = ..., record: _Optional[str] = ...) -> None: ...
+    nearest: _containers.RepeatedCompositeFieldContainer[NearestRecord]
+    certify_command: str
+    def __init__(self, status: _Optional[_Union[LaneStatus, str]] = ..., evidence: _Optional[_Union[EvidenceClass, str]] = ..., lane_id: _Optional[str] = ..., record_id: _Optional[str] = ..., record: _Optional[str] = ..., nearest: _Optional[_Iterable[_Union[NearestRecord, _Mapping]]] = ..., certify_command: _Optional[str] = ...) -> None: ...
+
+class NearestRecord(_message.Message):
+    __slots__ = ("record_id", "evidence", "differences")
+    RECORD_ID_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_FIELD_NUMBER: _ClassVar[int]
+    DIFFERENCES_FIELD_NUMBER: _ClassVar[int]
+    record_id: str
+    evidence: EvidenceClass
+    differences: _containers.RepeatedCompositeFieldContainer[LaneDifference]
+    def __init__(self, record_id: _Optional[str] = ..., evidence: _Optional[_Union[EvidenceClass, str]] = ..., differences: _Optional[_Iterable[_Union[LaneDifference, _Mapping]]] = ...) -> None: ...
+
+class LaneDifference(_message.Message):
+    __slots__ = ("part", "value", "recorded")
+    PART_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    RECORDED_FIELD_NUMBER: _ClassVar[int]
+    part: str
+    value: str
+    recorded: str
+    def __init__(self, part: _Optional[str] = ..., value: _Optional[str] = ..., recorded: _Optional[str] = ...) -> None: ...
 
 class Advert(_message.Message):
     __slots__ = ("compatibility", "range", "capacity", "load", "seam", "health", "certification", "security")
