@@ -30,38 +30,29 @@ import asyncio
 import json
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
-import attrs
-
-from dgr_engine.certification.verify import LockVerifier
+from dgr_engine.cli._route import (
+    RoutePlan,
+    RouteRefused,
+    RouteStartFailed,
+    add_route_arguments,
+    open_route,
+    plan_route,
+)
 from dgr_engine.cli._signals import sigterm_as_interrupt
-from dgr_engine.cli.certify import CERTIFY_OPTIONS
 from dgr_engine.client.chained import ChainStageTransport
-from dgr_engine.client.relay import GrpcStageTransport, StageStats
-from dgr_engine.client.routes import EndpointRouteProvider
+from dgr_engine.client.relay import StageStats
 from dgr_engine.client.text import prompt_ids, start_text
 from dgr_engine.errors import EngineError
-from dgr_engine.options import EngineOptions
-from dgr_engine.reference import n_layer_of, split_points, whole_model_greedy
-from dgr_engine.security.tls import ClientTls
+from dgr_engine.reference import whole_model_greedy
 from dgr_engine.tokenizer import Tokenizer
-from dgr_engine.tooling.loopback import LoopbackRouteProvider
-from dgr_session import EvidenceClass, FailurePolicy, FaultKind, SessionManager, SessionResult
-from dgr_session.transport import RouteProvider
-
-TRANSPORTS = ("relay", "chain", "ring")
-"""``--transport`` values: how a token's frames travel along the route."""
+from dgr_session import FaultKind, SessionResult
 
 DEFAULT_PROMPT = (1, 17, 42, 99, 7, 64, 128, 3)
 """The prompt when none is given."""
 DEFAULT_NEW_TOKENS, DEFAULT_TEXT_TOKENS = 16, 64
 """``-n``'s default for token ids, and for a text prompt (a chat answer needs room)."""
-
-OPTIONS = EngineOptions(**CERTIFY_OPTIONS)
-"""The engine options of the workers ``--spawn`` starts (and of ``--check``'s whole model),
-unless given: ``dgr certify``'s, so a lane certified with its defaults is the lane spawned."""
 
 
 def _parse_ids(text: str) -> list[int]:
@@ -75,17 +66,7 @@ def _parse_ids(text: str) -> list[int]:
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--endpoints", help="H:P,H:P,... workers already running, in route order")
-    where.add_argument("--spawn", type=int, metavar="N", help="start N workers on 127.0.0.1")
-    model = p.add_mutually_exclusive_group()
-    model.add_argument(
-        "--model",
-        metavar="NAME|GGUF",
-        help="a real model of the catalog by name (fetched if needed) or a GGUF file (for "
-        "--spawn, --check and the tokenizer)",
-    )
-    model.add_argument("--fixture", help="a generated fixture by name (built if missing)")
+    add_route_arguments(p)
     p.add_argument(
         "--prompt",
         default=None,
@@ -102,12 +83,6 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="do not stop at the model's end-of-generation tokens",
     )
     p.add_argument(
-        "--vocab",
-        type=Path,
-        default=None,
-        help="the GGUF whose tokenizer to use with --endpoints (default: --model's)",
-    )
-    p.add_argument(
         "-n",
         "--max-new-tokens",
         type=int,
@@ -115,99 +90,52 @@ def configure(p: argparse.ArgumentParser) -> None:
         help=f"tokens to generate at most (default {DEFAULT_NEW_TOKENS}; {DEFAULT_TEXT_TOKENS} "
         "with a text prompt, which stops at the model's end-of-generation tokens first)",
     )
-    EngineOptions.add_arguments(p, **attrs.asdict(OPTIONS))
-    p.add_argument(
-        "--step-deadline", type=float, default=10.0, help="seconds per step (default 10)"
-    )
     p.add_argument(
         "--check", action="store_true", help="compare with the whole model; exit 1 if unequal"
-    )
-    p.add_argument(
-        "--require",
-        choices=[c.value for c in EvidenceClass],
-        default=EvidenceClass.REAL_HARDWARE.value,
-        help="evidence class every stage's lane must be certified at (default real-hardware)",
-    )
-    p.add_argument(
-        "--evidence",
-        type=Path,
-        default=None,
-        help="evidence directory the --spawn workers read (default: the worker's default)",
-    )
-    p.add_argument(
-        "--lock",
-        type=Path,
-        default=None,
-        help="the lock the client checks every stage's record against, and --spawn workers "
-        "load theirs under (default: $DGR_LOCK, else certification/lock.json)",
-    )
-    p.add_argument(
-        "--tls-ca",
-        type=Path,
-        default=None,
-        help="with --endpoints: dial over TLS, trusting this CA",
-    )
-    p.add_argument("--tls-cert", type=Path, default=None, help="...showing this client certificate")
-    p.add_argument("--tls-key", type=Path, default=None, help="...and its key (mutual TLS)")
-    p.add_argument(
-        "--transport",
-        choices=TRANSPORTS,
-        default="relay",
-        help="relay: this client sends every stage its frame (default); chain: each stage sends"
-        " its output straight to the next, the last answers here; ring: a chain whose last"
-        " stage also sends each next greedy token back to the first (docs/chain.md)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def run(args: argparse.Namespace) -> int:
     try:
-        model = _model(args)
-    except GenerateRefused as exc:
+        plan = plan_route(args, notice=_notice)
+    except RouteRefused as exc:
         print(f"dgr generate: {exc}", file=sys.stderr)
-        return 2
-    if (args.spawn is not None or args.check) and model is None:
-        print("dgr generate: --spawn and --check need --model or --fixture", file=sys.stderr)
         return 2
     try:
-        args.tls = _client_tls(args)
-        args.verifier = _verifier(args)
-        args.text, args.tokenizer = _prompt(args, model)
+        if args.check and plan.model is None:
+            raise ValueError("--check needs --model or --fixture")
+        args.text = _prompt(args, plan.tokenizer)
+        if args.max_new_tokens is None:
+            has_text = args.text is not None
+            args.max_new_tokens = DEFAULT_TEXT_TOKENS if has_text else DEFAULT_NEW_TOKENS
+        if args.max_new_tokens < 1:
+            raise ValueError("--max-new-tokens must be at least 1")
     except (ValueError, EngineError) as exc:
+        plan.close()
         print(f"dgr generate: {exc}", file=sys.stderr)
         return 2
-    if args.max_new_tokens is None:
-        has_text = args.tokenizer is not None
-        args.max_new_tokens = DEFAULT_TEXT_TOKENS if has_text else DEFAULT_NEW_TOKENS
-    if args.max_new_tokens < 1:
-        print("dgr generate: --max-new-tokens must be at least 1", file=sys.stderr)
-        if args.tokenizer is not None:
-            args.tokenizer.close()
-        return 2
-    providers: list[LoopbackRouteProvider] = []
     args.chain_frames_sent = None  # frames this client sent into a chain (set by _run)
+    has_text = args.text is not None
     try:
         with sigterm_as_interrupt():
-            outcome = asyncio.run(_run(args, model, providers))
+            outcome = asyncio.run(_run(args, plan))
     except KeyboardInterrupt:
         print("dgr generate: interrupted", file=sys.stderr)
         return 130
-    finally:
-        for provider in providers:
-            provider.kill_all()  # idempotent: a no-op once aclose stopped them
-    result, stats, seconds = outcome
+    except RouteStartFailed as exc:
+        print(f"dgr generate: {exc}", file=sys.stderr)
+        return 2
+    result, stats, seconds, tail = outcome
     expected = None
     if args.check:
-        assert model is not None
-        options = EngineOptions.from_args(args)
-        expected = whole_model_greedy(model, [args.prompt], args.max_new_tokens, options)[0]
+        assert plan.model is not None
+        expected = whole_model_greedy(plan.model, [args.prompt], args.max_new_tokens, plan.options)[
+            0
+        ]
         expected = expected[: len(result.tokens)]  # a stop token may have ended the session
     tokens = list(result.tokens)
-    text = tail = None
-    if args.tokenizer is not None:
-        tail = args.stream.flush()  # bytes of a character the last piece left incomplete
-        text = args.generated + tail
-        args.tokenizer.close()
+    text = args.generated + tail if has_text else None
     if args.json:
         print(
             json.dumps(
@@ -273,68 +201,36 @@ def _stats_dict(s: StageStats) -> dict[str, Any]:
 
 
 async def _run(
-    args: argparse.Namespace, model: Path | None, providers: list[LoopbackRouteProvider]
-) -> tuple[SessionResult, dict[str, StageStats], float]:
-    provider: RouteProvider
-    local: LoopbackRouteProvider | None = None
-    if args.spawn is not None:
-        assert model is not None
-        layout = split_points(n_layer_of(model), args.spawn)
-        options = EngineOptions.from_args(args)
-        evidence = [] if args.evidence is None else ["--evidence", str(args.evidence)]
-        lock = [] if args.lock is None else ["--lock", str(args.lock)]
-        local = LoopbackRouteProvider(
-            model,
-            layout,
-            spawn_on_demand=True,
-            options=options,
-            worker_args=[*evidence, *lock],
-            certification_verifier=args.verifier,
-        )
-        providers.append(local)
-        provider = local
-    else:
-        endpoints = [e.strip() for e in args.endpoints.split(",") if e]
-        provider = EndpointRouteProvider(
-            endpoints, tls=args.tls, certification_verifier=args.verifier
-        )
-    policy = FailurePolicy(step_deadline=args.step_deadline)
-    required = EvidenceClass(args.require)
-    try:
-        if local is not None:
-            await local.start()
-        async with _transport(args) as transport:
-            manager = SessionManager(transport, provider, policy=policy, required_evidence=required)
-            began = time.perf_counter()
-            if args.tokenizer is None:
-                handle = manager.start(args.prompt, max_new_tokens=args.max_new_tokens)
-            else:
-                handle, args.stream = start_text(
-                    manager,
-                    args.tokenizer,
-                    args.text,
-                    max_new_tokens=args.max_new_tokens,
-                    on_text=lambda piece: _emit(args, piece),
-                    chat=args.chat,
-                    stop_at_eog=not args.no_stop,
-                )
+    args: argparse.Namespace, plan: RoutePlan
+) -> tuple[SessionResult, dict[str, StageStats], float, str]:
+    async with open_route(plan, notice=_notice) as route:
+        began = time.perf_counter()
+        tail = ""
+        if route.tokenizer is None or args.text is None:
+            handle = route.manager.start(args.prompt, max_new_tokens=args.max_new_tokens)
             result = await handle.wait()
-            seconds = time.perf_counter() - began
-            await manager.aclose()
-            if isinstance(transport, ChainStageTransport):
-                args.chain_frames_sent = transport.chain_stats.sent
-            return result, transport.stats(), seconds
-    finally:
-        if local is not None:
-            await local.aclose()
+        else:
+            handle, stream = start_text(
+                route.manager,
+                route.tokenizer,
+                args.text,
+                max_new_tokens=args.max_new_tokens,
+                on_text=lambda piece: _emit(args, piece),
+                chat=args.chat,
+                stop_at_eog=not args.no_stop,
+            )
+            result = await handle.wait()
+            tail = stream.flush()  # bytes of a character the last piece left incomplete
+        seconds = time.perf_counter() - began
+        await route.manager.aclose()
+        transport = route.stage_transport
+        if isinstance(transport, ChainStageTransport):
+            args.chain_frames_sent = transport.chain_stats.sent
+        return result, transport.stats(), seconds, tail
 
 
-def _transport(args: argparse.Namespace) -> GrpcStageTransport:
-    """The stage transport ``--transport`` names (greedy sampling suits a ring)."""
-    if args.transport == "relay":
-        return GrpcStageTransport(timeout=args.step_deadline, tls=args.tls)
-    ring = args.transport == "ring"
-    return ChainStageTransport(timeout=args.step_deadline, tls=args.tls, ring=ring)
+def _notice(text: str) -> None:
+    print(f"dgr generate: {text}", file=sys.stderr, flush=True)
 
 
 def _emit(args: argparse.Namespace, piece: str) -> None:
@@ -344,91 +240,24 @@ def _emit(args: argparse.Namespace, piece: str) -> None:
         print(piece, end="", flush=True)
 
 
-def _prompt(args: argparse.Namespace, model: Path | None) -> tuple[str | None, Tokenizer | None]:
-    """Sets ``args.prompt`` to token ids; returns the text and the tokenizer of a text prompt
-    (``None`` for token ids: --ids, or no --prompt)."""
+def _prompt(args: argparse.Namespace, tokenizer: Tokenizer | None) -> str | None:
+    """Sets ``args.prompt`` to token ids; returns the text of a text prompt (``None`` for
+    token ids: --ids, or no --prompt)."""
     args.generated = ""
     if args.prompt is None or args.ids:
         args.prompt = list(DEFAULT_PROMPT) if args.prompt is None else _parse_ids(args.prompt)
         if args.chat:
             raise ValueError("--chat needs a text prompt (not --ids)")
-        return None, None
-    vocab = args.vocab if args.vocab is not None else model
-    if vocab is None:
+        return None
+    if tokenizer is None:
+        if args.vocab is None and args.model is None and args.fixture is None:
+            raise ValueError(
+                "a text prompt needs a tokenizer: --model, --fixture or --vocab GGUF (or --ids)"
+            )
         raise ValueError(
-            "a text prompt needs a tokenizer: --model, --fixture or --vocab GGUF (or --ids)"
-        )
-    tokenizer = Tokenizer(vocab)
-    if not tokenizer.info.has_tokenizer:
-        tokenizer.close()
-        raise ValueError(
-            f"{vocab.name} has no tokenizer (token ids only, like the generated fixtures): give "
+            "the model has no tokenizer (token ids only, like the generated fixtures): give "
             "token ids with --ids"
         )
     text = str(args.prompt)
-    try:
-        args.prompt = prompt_ids(tokenizer, text, chat=args.chat)
-    except EngineError:
-        tokenizer.close()
-        raise
-    return text, tokenizer
-
-
-class GenerateRefused(Exception):
-    """A model the command line names that cannot be had (one line, exit 2)."""
-
-
-def _model(args: argparse.Namespace) -> Path | None:
-    """The GGUF of --model (a catalog name is fetched and verified first if it is not yet) or
-    --fixture (built if missing); :class:`GenerateRefused` in one line when there is none."""
-    if args.fixture is not None:
-        from dgr_engine.fixtures import ensure_fixture
-        from dgr_engine.fixtures import lookup as lookup_fixture
-
-        try:
-            lookup_fixture(args.fixture)
-        except ValueError as exc:
-            raise GenerateRefused(str(exc)) from None
-        return ensure_fixture(args.fixture)
-    if args.model is None:
-        return None
-    from dgr_engine.artifacts.errors import ArtifactError
-    from dgr_engine.artifacts.storage import StorageRefused
-    from dgr_engine.models import ModelFetchFailed, UnknownModel
-    from dgr_engine.models.resolve import resolve_model
-
-    try:
-        return resolve_model(
-            args.model, notice=lambda text: print(f"dgr generate: {text}", file=sys.stderr)
-        )
-    except (UnknownModel, ModelFetchFailed, ArtifactError, StorageRefused) as exc:
-        raise GenerateRefused(str(exc)) from None
-    except OSError as exc:  # FileNotFoundError: neither a catalog name nor a file
-        raise GenerateRefused(
-            str(exc) if exc.strerror is None else f"{exc.filename}: {exc.strerror}"
-        ) from None
-
-
-def _verifier(args: argparse.Namespace) -> LockVerifier:
-    """The client's check of every stage's record: against --lock, else the default lock
-    (``ValueError`` in one line when --lock cannot be read)."""
-    if args.lock is None:
-        return LockVerifier()
-    from dgr_engine.certification.errors import EvidenceError
-    from dgr_engine.certification.lock import load_lock
-
-    try:
-        return LockVerifier(load_lock(args.lock))
-    except EvidenceError as exc:
-        raise ValueError(f"--lock: {exc}") from None
-
-
-def _client_tls(args: argparse.Namespace) -> ClientTls | None:
-    """The TLS the flags ask for (``ValueError`` when given half or without --endpoints)."""
-    if args.tls_ca is None:
-        if args.tls_cert is not None or args.tls_key is not None:
-            raise ValueError("--tls-cert and --tls-key need --tls-ca")
-        return None
-    if args.endpoints is None:
-        raise ValueError("--tls-ca goes with --endpoints (spawned workers serve loopback)")
-    return ClientTls.from_files(args.tls_ca, args.tls_cert, args.tls_key)
+    args.prompt = prompt_ids(tokenizer, text, chat=args.chat)
+    return text

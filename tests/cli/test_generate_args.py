@@ -64,4 +64,4 @@ def test_a_token_limit_below_one_is_refused(capsys: pytest.CaptureFixture[str]) 
 
 def test_spawn_needs_a_model(capsys: pytest.CaptureFixture[str]) -> None:
     line = refused(capsys, "--spawn", "2")
-    assert "--spawn and --check need --model or --fixture" in line, line
+    assert "--spawn needs --model or --fixture" in line, line

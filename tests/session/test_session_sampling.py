@@ -37,7 +37,7 @@ def test_top_k_and_low_temperature_restrict_the_choice() -> None:
     assert cold == {1}
 
 
-@pytest.mark.parametrize("temperature", [0.0, -1.0, float("inf")])
+@pytest.mark.parametrize("temperature", [-1.0, float("inf"), float("nan")])
 def test_temperature_must_be_positive_and_finite(temperature: float) -> None:
     with pytest.raises(ValueError):
         SeededSampler(seed=0, temperature=temperature)
