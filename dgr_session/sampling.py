@@ -3,7 +3,8 @@
 A :class:`SeededSampler`'s randomness depends only on ``(seed, step)``: the same seed, step and
 logits give the same token whatever happened to the route in between (a re-prefill on a new
 route replays the same choices). Logits given as a numpy array are sampled with numpy, without
-sorting the whole vocabulary: a 49k-entry vocabulary costs well under a millisecond a token.
+sorting the whole vocabulary: a 49k-entry vocabulary costs about a millisecond a token (the
+list-based path it replaced, about 86 ms).
 """
 
 from __future__ import annotations
