@@ -5,6 +5,7 @@
 
     dgr worker    serve one layer range of a GGUF over gRPC
     dgr generate  generate tokens over a route of workers
+    dgr serve     an OpenAI-compatible HTTP server over a route, and a page to chat with it
     dgr demo      the main job: a local route, a stage lost and recovered, whole-model parity
     dgr fixtures  list or build the generated fixture models
     dgr models    list, fetch or locate the real models of the catalog
@@ -33,12 +34,14 @@ from dgr_engine.cli import (
     generate,
     lock,
     models,
+    serve,
     worker,
 )
 
 _SUBCOMMANDS = {
     "worker": worker,
     "generate": generate,
+    "serve": serve,
     "demo": demo,
     "fixtures": fixtures,
     "models": models,
