@@ -271,3 +271,13 @@ def test_a_route_with_no_free_slot_is_a_503_with_retry_after(impatient: Served) 
     assert "stage 0 (stage-a) still busy" in error["message"]
     answer = httpx.post(impatient.url + "/v1/completions", json={"prompt": QUESTION}, timeout=30)
     assert answer.status_code == 200  # slots free again: served
+
+
+def test_the_page_is_served_whole_from_the_package(served: Served) -> None:
+    page = httpx.get(served.url + "/", timeout=10)
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    html = page.text
+    assert "<title>dgr serve</title>" in html and 'id="stages"' in html
+    # self-contained: nothing is fetched from elsewhere (the machine may have no internet)
+    assert "src=" not in html and "<link" not in html and "@import" not in html
+    assert "/v1/route" in html and "/v1/chat/completions" in html
