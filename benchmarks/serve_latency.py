@@ -53,7 +53,7 @@ from dgr_engine.client.text import prompt_ids
 from dgr_engine.options import EngineOptions
 from dgr_engine.tokenizer import Tokenizer
 
-QUESTION = "What is the capital of France? Answer in one sentence."
+QUESTION = "Explain in three sentences why the sky is blue."
 """The default question (chat-templated)."""
 BENCH_OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=8)
 """The engine settings of both servers (dgr's one set of defaults; threads: ``--threads``)."""
