@@ -27,6 +27,7 @@ from dgr_engine.cli import (
     artifacts,
     baseline,
     certify,
+    chat,
     demo,
     fixtures,
     gate,
@@ -39,6 +40,7 @@ from dgr_engine.cli import (
 _SUBCOMMANDS = {
     "worker": worker,
     "generate": generate,
+    "chat": chat,
     "demo": demo,
     "fixtures": fixtures,
     "models": models,
