@@ -5,6 +5,7 @@
 
     dgr worker    serve one layer range of a GGUF over gRPC
     dgr generate  generate tokens over a route of workers
+    dgr chat      a terminal chat loop over a route
     dgr serve     an OpenAI-compatible HTTP server over a route, and a page to chat with it
     dgr demo      the main job: a local route, a stage lost and recovered, whole-model parity
     dgr fixtures  list or build the generated fixture models
@@ -28,6 +29,7 @@ from dgr_engine.cli import (
     artifacts,
     baseline,
     certify,
+    chat,
     demo,
     fixtures,
     gate,
@@ -41,6 +43,7 @@ from dgr_engine.cli import (
 _SUBCOMMANDS = {
     "worker": worker,
     "generate": generate,
+    "chat": chat,
     "serve": serve,
     "demo": demo,
     "fixtures": fixtures,

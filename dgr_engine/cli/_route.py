@@ -43,6 +43,8 @@ from dgr_session.transport import RouteProvider, Sampler
 
 __all__ = [
     "TRANSPORTS",
+    "ContextExceeded",
+    "Notice",
     "RouteHandle",
     "RoutePlan",
     "RouteRefused",
@@ -51,8 +53,10 @@ __all__ = [
     "SamplingSettings",
     "add_route_arguments",
     "add_sampling_arguments",
+    "failure_line",
     "open_route",
     "plan_route",
+    "token_budget",
 ]
 
 TRANSPORTS = ("relay", "chain", "ring")
@@ -74,6 +78,11 @@ class RouteRefused(DgrError, ValueError):
 class RouteStartFailed(DgrError, RuntimeError):
     """A spawned worker did not start (its text carries the worker's last log lines) or a
     given endpoint did not answer; whatever had been started is stopped again."""
+
+
+class ContextExceeded(DgrError, ValueError):
+    """A prompt leaves no room for a new token in the route's context (the smallest stage's
+    KV positions per session): nothing was sent."""
 
 
 # -- the command line ---------------------------------------------------------------------------
@@ -437,6 +446,31 @@ class RouteHandle:
     def context(self) -> int:
         """KV positions a session may use: the smallest stage's."""
         return min(stage.context for stage in self.stages)
+
+
+def token_budget(route: RouteHandle, prompt_tokens: int, wanted: int, *, hint: str) -> int:
+    """New tokens a session of ``prompt_tokens`` may generate: ``wanted``, cut to what the
+    route's context holds after the prompt; :class:`ContextExceeded` (saying ``hint`` or
+    workers with a bigger --ctx) when it holds none."""
+    room = route.context - prompt_tokens
+    if room < 1:
+        raise ContextExceeded(
+            f"the prompt holds {prompt_tokens} tokens and the route's context "
+            f"{route.context} positions: {hint}, or workers with a bigger --ctx"
+        )
+    return min(wanted, room)
+
+
+def failure_line(error: BaseException | None) -> str:
+    """A session's terminal error as a user reads it: its text, naming the stage (index and
+    endpoint) when the error has one and its text does not already."""
+    text = str(error)
+    endpoint = getattr(error, "endpoint", None)
+    index = getattr(error, "stage_index", None)
+    if endpoint is not None and endpoint not in text:
+        where = f"stage {index} at {endpoint}" if index is not None else endpoint
+        text = f"{text} ({where})"
+    return text
 
 
 @asynccontextmanager
