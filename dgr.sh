@@ -83,6 +83,19 @@ case "${1:-}" in
     test)
         shift
         ensure_env
+        # the page of `dgr serve` is tested in headless Chromium: Debian's, installed where it
+        # is missing and this machine allows it (root, apt); nothing else is downloaded
+        if ! command -v chromium >/dev/null 2>&1; then
+            if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+                echo "dgr: installing chromium (Debian's) for the page test" >&2
+                { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+                    apt-get install -y -q chromium >/dev/null; } ||
+                    echo "dgr: installing chromium failed - the page test will fail" >&2
+            else
+                echo "dgr: chromium is missing and cannot be installed here (root and apt)" \
+                    "- the page test will fail: install Debian's chromium" >&2
+            fi
+        fi
         echo "dgr: ruff" >&2
         .venv/bin/ruff check .
         .venv/bin/ruff format --check .

@@ -5,6 +5,8 @@
 
     dgr worker    serve one layer range of a GGUF over gRPC
     dgr generate  generate tokens over a route of workers
+    dgr chat      a terminal chat loop over a route
+    dgr serve     an OpenAI-compatible HTTP server over a route, and a page to chat with it
     dgr demo      the main job: a local route, a stage lost and recovered, whole-model parity
     dgr fixtures  list or build the generated fixture models
     dgr models    list, fetch or locate the real models of the catalog
@@ -27,12 +29,14 @@ from dgr_engine.cli import (
     artifacts,
     baseline,
     certify,
+    chat,
     demo,
     fixtures,
     gate,
     generate,
     lock,
     models,
+    serve,
     worker,
 )
 from dgr_engine.cli._progress import quiet_progress
@@ -41,6 +45,8 @@ from dgr_session.errors import DgrError
 _SUBCOMMANDS = {
     "worker": worker,
     "generate": generate,
+    "chat": chat,
+    "serve": serve,
     "demo": demo,
     "fixtures": fixtures,
     "models": models,

@@ -1,7 +1,8 @@
 """Builds llama.cpp's own peers from the pinned, patched source: ``llama-bench``,
 ``ggml-rpc-server`` (llama.cpp's RPC server; target ``ggml-rpc-server`` in ``tools/rpc`` at the
-pinned commit) and ``llama-batched-bench``: what the benchmarks and ``dgr certify``'s
-``speed.vs_rpc`` measure dgr against.
+pinned commit), ``llama-batched-bench`` and ``llama-server`` (its OpenAI-compatible HTTP server,
+without its web UI): what the benchmarks and ``dgr certify``'s ``speed.vs_rpc`` measure dgr
+against (``benchmarks.serve_latency``: ``dgr serve`` against ``llama-server``).
 
 The source, its sha256 check, the extraction and the patch stack are ``native/build_llama.py``'s
 own functions (imported, not copied), so the peers run exactly the llama.cpp that dgr's engines
@@ -48,14 +49,16 @@ Log = Callable[[str], None]
 PEER_BUILD_VERSION: Final = 1
 """Bump when this module changes how the peers are built without changing options or targets."""
 
-TARGETS: Final = ("llama-bench", "ggml-rpc-server", "llama-batched-bench")
+TARGETS: Final = ("llama-bench", "ggml-rpc-server", "llama-batched-bench", "llama-server")
 """The CMake targets built (and the names of the executables installed)."""
 
 PEER_OPTIONS: Final = {
     "GGML_RPC": "ON",
     "LLAMA_BUILD_TOOLS": "ON",  # tools/llama-bench, tools/batched-bench, tools/rpc
     "LLAMA_BUILD_COMMON": "ON",  # llama-bench-impl and batched-bench link llama-common
-    "LLAMA_BUILD_SERVER": "OFF",
+    "LLAMA_BUILD_SERVER": "ON",  # tools/server (llama-server)
+    "LLAMA_BUILD_UI": "OFF",  # the server's web UI is built with npm: none, an empty table
+    "LLAMA_USE_PREBUILT_UI": "OFF",  # ...and never downloaded
     "LLAMA_BUILD_EXAMPLES": "OFF",
     "LLAMA_BUILD_TESTS": "OFF",
 }

@@ -34,6 +34,8 @@ def test_every_subcommand_is_reachable() -> None:
         "dgr",
         "dgr worker",
         "dgr generate",
+        "dgr chat",
+        "dgr serve",
         "dgr demo",
         "dgr fixtures",
         "dgr fixtures list",

@@ -1,0 +1,555 @@
+"""The route a command runs over, shared by ``dgr generate``, ``dgr chat`` and ``dgr serve``.
+
+* :func:`add_route_arguments` / :func:`add_sampling_arguments`: the options every such command
+  takes (where the workers are, which model, the engine options, the lock and evidence, TLS,
+  the transport; temperature, top-p, top-k, seed, stop strings, the token limit).
+* :func:`plan_route`: the command line checked and resolved before any work (the model fetched
+  or built, numbers checked, the lock read, the tokenizer opened): :class:`RoutePlan`, or
+  :class:`RouteRefused` in one line.
+* :func:`open_route`: an async context manager that starts the spawned workers or dials the
+  given endpoints and yields a :class:`RouteHandle` (the ``SessionManager``, the tokenizer, the
+  stages); on exit, also on cancellation and Ctrl-C, every session is cancelled and closed,
+  every spawned worker stopped and the tokenizer closed. A worker that cannot be started or an
+  endpoint that does not answer is :class:`RouteStartFailed`, whose text says why (a failed
+  worker's last log lines included).
+
+Commands print either error as ``dgr COMMAND: <text>`` on stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import attrs
+
+from dgr_engine.argtypes import float_in, int_in
+from dgr_engine.certification.verify import LockVerifier
+from dgr_engine.client.chained import ChainStageTransport
+from dgr_engine.client.relay import GrpcStageTransport
+from dgr_engine.client.routes import EndpointRouteProvider, describe
+from dgr_engine.errors import EngineError, ShardError
+from dgr_engine.options import EngineOptions
+from dgr_engine.security.tls import ClientTls
+from dgr_engine.tokenizer import Tokenizer
+from dgr_engine.wire.advert import Advert
+from dgr_session import EvidenceClass, FailurePolicy, SessionManager
+from dgr_session.errors import DgrError
+from dgr_session.sampling import InvalidSamplingParameter, SeededSampler, greedy
+from dgr_session.transport import RouteProvider, Sampler
+
+__all__ = [
+    "TRANSPORTS",
+    "ContextExceeded",
+    "Notice",
+    "RouteHandle",
+    "RoutePlan",
+    "RouteRefused",
+    "RouteStage",
+    "RouteStartFailed",
+    "SamplingSettings",
+    "add_route_arguments",
+    "add_sampling_arguments",
+    "failure_line",
+    "open_route",
+    "plan_route",
+    "token_budget",
+]
+
+TRANSPORTS = ("relay", "chain", "ring")
+"""``--transport`` values: how a token's frames travel along the route."""
+
+Notice = Callable[[str], None]
+"""Where progress lines go (``"starting 3 workers"``); commands print them on stderr."""
+
+
+def _silent(_text: str) -> None:
+    pass
+
+
+class RouteRefused(DgrError, ValueError):
+    """The command line names a route that cannot be run (a bad number, a missing model, an
+    unreadable lock, TLS given by halves): nothing was started."""
+
+
+class RouteStartFailed(DgrError, RuntimeError):
+    """A spawned worker did not start (its text carries the worker's last log lines) or a
+    given endpoint did not answer; whatever had been started is stopped again."""
+
+
+class ContextExceeded(DgrError, ValueError):
+    """A prompt leaves no room for a new token in the route's context (the smallest stage's
+    KV positions per session): nothing was sent."""
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def add_route_arguments(p: argparse.ArgumentParser) -> None:
+    """Where the route runs and how: the workers, the model, the engine options, trust."""
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--endpoints", help="H:P,H:P,... workers already running, in route order")
+    where.add_argument(
+        "--spawn",
+        type=int_in(1, 4096),
+        metavar="N",
+        help="start N workers on 127.0.0.1 over even layer ranges (stopped at the end)",
+    )
+    model = p.add_mutually_exclusive_group()
+    model.add_argument(
+        "--model",
+        metavar="NAME|GGUF",
+        help="a real model of the catalog by name (fetched if needed) or a GGUF file (for "
+        "--spawn and the tokenizer)",
+    )
+    model.add_argument("--fixture", help="a generated fixture by name (built if missing)")
+    p.add_argument(
+        "--vocab",
+        type=Path,
+        default=None,
+        help="the GGUF whose tokenizer to use with --endpoints (default: --model's)",
+    )
+    EngineOptions.add_arguments(p)
+    p.add_argument(
+        "--step-deadline",
+        type=float_in(0.001, 86_400.0),
+        default=10.0,
+        metavar="SECONDS",
+        help="seconds per step (default 10)",
+    )
+    p.add_argument(
+        "--require",
+        choices=[c.value for c in EvidenceClass],
+        default=EvidenceClass.REAL_HARDWARE.value,
+        help="evidence class every stage's lane must be certified at (default real-hardware)",
+    )
+    p.add_argument(
+        "--evidence",
+        type=Path,
+        default=None,
+        help="evidence directory the --spawn workers read (default: the worker's default)",
+    )
+    p.add_argument(
+        "--lock",
+        type=Path,
+        default=None,
+        help="the lock the client checks every stage's record against, and --spawn workers "
+        "load theirs under (default: $DGR_LOCK, else certification/lock.json)",
+    )
+    p.add_argument(
+        "--tls-ca",
+        type=Path,
+        default=None,
+        help="with --endpoints: dial over TLS, trusting this CA",
+    )
+    p.add_argument("--tls-cert", type=Path, default=None, help="...showing this client certificate")
+    p.add_argument("--tls-key", type=Path, default=None, help="...and its key (mutual TLS)")
+    p.add_argument(
+        "--transport",
+        choices=TRANSPORTS,
+        default="relay",
+        help="relay: this client sends every stage its frame (default); chain: each stage sends"
+        " its output straight to the next, the last answers here; ring: a chain whose last"
+        " stage also sends each next greedy token back to the first (greedy only; docs/chain.md)",
+    )
+
+
+def add_sampling_arguments(p: argparse.ArgumentParser, *, max_tokens_help: str) -> None:
+    """How tokens are chosen and when generation stops (:class:`SamplingSettings`)."""
+    p.add_argument(
+        "--temperature",
+        type=float_in(0.0, 1000.0),
+        default=0.0,
+        help="softmax temperature; 0 (the default) is greedy: the largest logit, the whole "
+        "model's token",
+    )
+    p.add_argument(
+        "--top-p",
+        type=float_in(0.0, 1.0),
+        default=1.0,
+        help="nucleus sampling: keep the most likely tokens whose probability adds up to P "
+        "(0 < P <= 1; default 1: all)",
+    )
+    p.add_argument(
+        "--top-k",
+        type=int_in(0, 1 << 24),
+        default=0,
+        help="keep only the K most likely tokens (default 0: all)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int_in(0, (1 << 63) - 1),
+        default=None,
+        help="seed of the sampler: the same seed gives the same text on the same route "
+        "(default: a random one, reported with the result)",
+    )
+    p.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="stop when the output contains TEXT (cut before it; repeatable)",
+    )
+    p.add_argument(
+        "-n",
+        "--max-tokens",
+        "--max-new-tokens",
+        dest="max_tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help=max_tokens_help,
+    )
+
+
+@attrs.frozen
+class SamplingSettings:
+    """How tokens are chosen and when a generation stops; invalid values are refused with
+    :class:`~dgr_session.sampling.InvalidSamplingParameter` at construction."""
+
+    temperature: float = 0.0
+    """Softmax temperature; 0 is greedy."""
+    top_p: float = 1.0
+    """Nucleus: the smallest set of most likely tokens whose probability reaches ``top_p``."""
+    top_k: int = 0
+    """Keep the ``top_k`` most likely tokens (0: all)."""
+    seed: int = 0
+    """Seed of the per-step generator (the same seed, step and logits give the same token)."""
+    stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
+    """Text that ends the output (cut before it)."""
+    max_tokens: int | None = None
+    """Most tokens to generate (``None``: the command's default, within the context)."""
+
+    def __attrs_post_init__(self) -> None:
+        self.sampler()  # validates temperature, top_p and top_k
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidSamplingParameter(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if any(not text for text in self.stop):
+            raise InvalidSamplingParameter("a stop string cannot be empty")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SamplingSettings:
+        """The settings :func:`add_sampling_arguments` parsed (a random seed when none)."""
+        seed = args.seed if args.seed is not None else secrets.randbelow(1 << 31)
+        return cls(args.temperature, args.top_p, args.top_k, seed, args.stop, args.max_tokens)
+
+    @property
+    def greedy(self) -> bool:
+        """Whether every token is the largest logit's (the whole model's greedy token)."""
+        return self.temperature == 0
+
+    def sampler(self) -> Sampler:
+        """The ``dgr_session`` sampler of these settings (:func:`~dgr_session.greedy` when
+        :attr:`greedy`)."""
+        sampler = SeededSampler(self.seed, self.temperature, self.top_k, self.top_p)
+        return greedy if self.greedy else sampler
+
+    def check_transport(self, transport: str) -> None:
+        """:class:`RouteRefused` when ``transport`` cannot run these settings (a ring runs
+        greedy tokens ahead of the client)."""
+        if transport == "ring" and not self.greedy:
+            raise RouteRefused(
+                "--transport ring runs greedy tokens only: drop --temperature or use chain"
+            )
+
+
+# -- planning: every check before any work ------------------------------------------------------
+
+
+@attrs.frozen
+class RouteStage:
+    """One stage of a running route."""
+
+    endpoint: str
+    """``host:port``."""
+    layers: tuple[int, int]
+    """Its layer range ``[begin, end)``."""
+    context: int
+    """KV positions it holds per session."""
+
+
+@attrs.define(eq=False)
+class RoutePlan:
+    """A command line's route, checked and resolved; nothing started yet. Owns the tokenizer
+    until :func:`open_route` takes it over (:meth:`close` when the route is never opened)."""
+
+    model: Path | None
+    """The GGUF (``None``: given endpoints and no --model)."""
+    layout: tuple[tuple[int, int], ...] | None
+    """The spawned workers' ranges (``None``: given endpoints)."""
+    endpoints: tuple[str, ...]
+    """The given endpoints, in route order (empty when spawning)."""
+    options: EngineOptions
+    """The spawned workers' engine options (and a whole-model check's)."""
+    worker_args: tuple[str, ...]
+    """Further ``dgr worker`` arguments (--evidence, --lock)."""
+    tls: ClientTls | None
+    verifier: LockVerifier
+    """Checks every stage's record against the client's lock."""
+    required: EvidenceClass
+    step_deadline: float
+    transport: str
+    tokenizer: Tokenizer | None
+    """The model's tokenizer (``None``: a model without one, like the generated fixtures)."""
+
+    def close(self) -> None:
+        if self.tokenizer is not None:
+            self.tokenizer.close()
+
+
+def plan_route(args: argparse.Namespace, *, notice: Notice = _silent) -> RoutePlan:
+    """Checks and resolves :func:`add_route_arguments`' options; :class:`RouteRefused` in one
+    line. May fetch a catalog model or build a fixture (``notice`` says so)."""
+    from dgr_engine.reference import n_layer_of, split_points
+
+    model = _model(args, notice)
+    if args.spawn is not None and model is None:
+        raise RouteRefused("--spawn needs --model or --fixture")
+    layout = None
+    if args.spawn is not None:
+        assert model is not None
+        n_layer = n_layer_of(model)
+        if args.spawn > n_layer:
+            raise RouteRefused(
+                f"--spawn {args.spawn}: {model.name} has {n_layer} layers, at most one "
+                "worker per layer"
+            )
+        layout = tuple(split_points(n_layer, args.spawn))
+    endpoints = () if args.endpoints is None else _endpoints(args.endpoints)
+    tls = _client_tls(args)
+    verifier = _verifier(args)
+    evidence = [] if args.evidence is None else ["--evidence", str(args.evidence)]
+    lock = [] if args.lock is None else ["--lock", str(args.lock)]
+    try:
+        options = EngineOptions.from_args(args)
+    except ValueError as exc:
+        raise RouteRefused(str(exc)) from None
+    return RoutePlan(
+        model=model,
+        layout=layout,
+        endpoints=endpoints,
+        options=options,
+        worker_args=(*evidence, *lock),
+        tls=tls,
+        verifier=verifier,
+        required=EvidenceClass(args.require),
+        step_deadline=args.step_deadline,
+        transport=args.transport,
+        tokenizer=_tokenizer(args.vocab if args.vocab is not None else model),
+    )
+
+
+def _endpoints(text: str) -> tuple[str, ...]:
+    endpoints = tuple(e.strip() for e in text.split(",") if e.strip())
+    for endpoint in endpoints:
+        host, sep, port = endpoint.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise RouteRefused(f"--endpoints: expected HOST:PORT, got {endpoint!r}")
+    if not endpoints:
+        raise RouteRefused("--endpoints: at least one HOST:PORT is needed")
+    return endpoints
+
+
+def _tokenizer(vocab: Path | None) -> Tokenizer | None:
+    if vocab is None:
+        return None
+    if not vocab.is_file():
+        raise RouteRefused(f"--vocab: {vocab}: no such GGUF file")
+    try:
+        tokenizer = Tokenizer(vocab)
+    except EngineError as exc:
+        raise RouteRefused(f"{vocab}: {exc}") from None
+    if not tokenizer.info.has_tokenizer:
+        tokenizer.close()
+        return None
+    return tokenizer
+
+
+def _model(args: argparse.Namespace, notice: Notice) -> Path | None:
+    """The GGUF of --model (a catalog name is fetched and verified first if it is not yet) or
+    --fixture (built if missing)."""
+    if args.fixture is not None:
+        from dgr_engine.fixtures import ensure_fixture
+        from dgr_engine.fixtures import lookup as lookup_fixture
+
+        try:
+            lookup_fixture(args.fixture)
+        except ValueError as exc:
+            raise RouteRefused(str(exc)) from None
+        return ensure_fixture(args.fixture)
+    if args.model is None:
+        return None
+    from dgr_engine.artifacts.errors import ArtifactError
+    from dgr_engine.artifacts.storage import StorageRefused
+    from dgr_engine.models import ModelFetchFailed, UnknownModel
+    from dgr_engine.models.resolve import resolve_model
+
+    try:
+        return resolve_model(args.model, notice=notice)
+    except (UnknownModel, ModelFetchFailed, ArtifactError, StorageRefused) as exc:
+        raise RouteRefused(str(exc)) from None
+    except OSError as exc:  # FileNotFoundError: neither a catalog name nor a file
+        raise RouteRefused(
+            str(exc) if exc.strerror is None else f"{exc.filename}: {exc.strerror}"
+        ) from None
+
+
+def _verifier(args: argparse.Namespace) -> LockVerifier:
+    if args.lock is None:
+        return LockVerifier()
+    from dgr_engine.certification.errors import EvidenceError
+    from dgr_engine.certification.lock import load_lock
+
+    try:
+        return LockVerifier(load_lock(args.lock))
+    except EvidenceError as exc:
+        raise RouteRefused(f"--lock: {exc}") from None
+
+
+def _client_tls(args: argparse.Namespace) -> ClientTls | None:
+    if args.tls_ca is None:
+        if args.tls_cert is not None or args.tls_key is not None:
+            raise RouteRefused("--tls-cert and --tls-key need --tls-ca")
+        return None
+    if args.endpoints is None:
+        raise RouteRefused("--tls-ca goes with --endpoints (spawned workers serve loopback)")
+    try:
+        return ClientTls.from_files(args.tls_ca, args.tls_cert, args.tls_key)
+    except (OSError, ValueError) as exc:
+        raise RouteRefused(f"--tls-ca/--tls-cert/--tls-key: {exc}") from None
+
+
+# -- running ------------------------------------------------------------------------------------
+
+
+@attrs.define(eq=False)
+class RouteHandle:
+    """A running route: what a command drives and shows."""
+
+    manager: SessionManager
+    """Runs the sessions (greedy unless a session is given a sampler)."""
+    tokenizer: Tokenizer | None
+    """The model's tokenizer (``None``: token ids only)."""
+    model: Path | None
+    """The GGUF (``None``: given endpoints and no --model)."""
+    stages: tuple[RouteStage, ...]
+    """The stages at start, in route order."""
+    transport: str
+    """``relay``, ``chain`` or ``ring``."""
+    stage_transport: GrpcStageTransport
+    """The transport itself (its per-stage counters: ``stats()``)."""
+
+    @property
+    def context(self) -> int:
+        """KV positions a session may use: the smallest stage's."""
+        return min(stage.context for stage in self.stages)
+
+
+def token_budget(route: RouteHandle, prompt_tokens: int, wanted: int, *, hint: str) -> int:
+    """New tokens a session of ``prompt_tokens`` may generate: ``wanted``, cut to what the
+    route's context holds after the prompt; :class:`ContextExceeded` (saying ``hint`` or
+    workers with a bigger --ctx) when it holds none."""
+    room = route.context - prompt_tokens
+    if room < 1:
+        raise ContextExceeded(
+            f"the prompt holds {prompt_tokens} tokens and the route's context "
+            f"{route.context} positions: {hint}, or workers with a bigger --ctx"
+        )
+    return min(wanted, room)
+
+
+def failure_line(error: BaseException | None) -> str:
+    """A session's terminal error as a user reads it: its text, naming the stage (index and
+    endpoint) when the error has one and its text does not already."""
+    text = str(error)
+    endpoint = getattr(error, "endpoint", None)
+    index = getattr(error, "stage_index", None)
+    if endpoint is not None and endpoint not in text:
+        where = f"stage {index} at {endpoint}" if index is not None else endpoint
+        text = f"{text} ({where})"
+    return text
+
+
+@asynccontextmanager
+async def open_route(
+    route: argparse.Namespace | RoutePlan, *, notice: Notice = _silent
+) -> AsyncIterator[RouteHandle]:
+    """Starts the plan's workers (or dials its endpoints) and yields the running route; on
+    exit everything is closed and stopped, also on cancellation and Ctrl-C. Takes over the
+    plan's tokenizer (closed on exit). A namespace is planned first (:func:`plan_route`)."""
+    plan = route if isinstance(route, RoutePlan) else plan_route(route, notice=notice)
+    from dgr_engine.tooling.loopback import LoopbackRouteProvider
+
+    provider: RouteProvider
+    local: LoopbackRouteProvider | None = None
+    try:
+        if plan.layout is not None:
+            assert plan.model is not None
+            local = LoopbackRouteProvider(
+                plan.model,
+                plan.layout,
+                spawn_on_demand=True,
+                options=plan.options,
+                worker_args=plan.worker_args,
+                certification_verifier=plan.verifier,
+            )
+            provider = local
+            notice(f"starting {len(plan.layout)} workers")
+            try:
+                workers = await local.start()
+            except Exception as exc:  # noqa: BLE001 - any start failure is one line to a user
+                raise RouteStartFailed(str(exc)) from exc
+            stages = tuple(_stage(w.endpoint, w.advert) for w in workers)
+        else:
+            provider = EndpointRouteProvider(
+                plan.endpoints, tls=plan.tls, certification_verifier=plan.verifier
+            )
+            stages = tuple([await _dial(e, plan) for e in plan.endpoints])
+        async with _stage_transport(plan) as transport:
+            manager = SessionManager(
+                transport,
+                provider,
+                policy=FailurePolicy(step_deadline=plan.step_deadline),
+                required_evidence=plan.required,
+            )
+            try:
+                yield RouteHandle(
+                    manager, plan.tokenizer, plan.model, stages, plan.transport, transport
+                )
+            finally:
+                await manager.aclose()
+    finally:
+        try:
+            if local is not None:
+                await local.aclose()
+        finally:
+            if local is not None:
+                local.kill_all()  # idempotent; the last resort when aclose was cancelled
+            plan.close()
+
+
+async def _dial(endpoint: str, plan: RoutePlan) -> RouteStage:
+    try:
+        advert = await describe(endpoint, timeout=min(plan.step_deadline, 10.0), tls=plan.tls)
+    except ShardError as exc:
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise RouteStartFailed(f"{endpoint} did not answer: {detail}") from exc
+    return _stage(endpoint, advert)
+
+
+def _stage(endpoint: str, advert: Advert) -> RouteStage:
+    span = advert.span
+    return RouteStage(
+        endpoint, (span.layer_begin, span.layer_end), advert.capacity.context_per_session
+    )
+
+
+def _stage_transport(plan: RoutePlan) -> GrpcStageTransport:
+    """The stage transport ``--transport`` names."""
+    if plan.transport == "relay":
+        return GrpcStageTransport(timeout=plan.step_deadline, tls=plan.tls)
+    ring = plan.transport == "ring"
+    return ChainStageTransport(timeout=plan.step_deadline, tls=plan.tls, ring=ring)

@@ -1,0 +1,323 @@
+"""Chat with a model over a route of shard workers, in the terminal.
+
+The route is generate's (--spawn N with --model, or --endpoints; the same engine, trust and
+transport options; docs/generate-and-chat.md). Each line you type is the user's next turn; the
+model answers over the whole conversation so far, through its own chat template (--system TEXT
+opens it with a system prompt), and the answer is printed as it is generated, up to the model's
+end of turn, a --stop TEXT or -n tokens (default 256, within the context). Sampling is greedy
+unless --temperature is above 0 (--top-p, --top-k, --seed as for generate).
+
+    /reset   start a new conversation (the system prompt stays)
+    /exit    end (so do end of input, Ctrl-D, and Ctrl-C at the prompt)
+
+Ctrl-C while the model answers stops that answer (its session is cancelled and every stage's
+session closed; what was shown stays in the conversation) and not the program, nor the spawned
+workers (meanwhile the terminal's Ctrl-C is read as a key; other keys are dropped). A conversation
+the route's context cannot hold any more is told in one line: /reset, or workers with a bigger
+--ctx. Spawned workers are stopped when the chat ends. e.g.:
+
+    dgr chat --model smollm2-135m-instruct --spawn 3 --system "Answer in one sentence."
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from enum import StrEnum
+
+import attrs
+
+from dgr_engine.cli._route import (
+    Notice,
+    RouteHandle,
+    RoutePlan,
+    RouteRefused,
+    RouteStartFailed,
+    SamplingSettings,
+    add_route_arguments,
+    add_sampling_arguments,
+    failure_line,
+    open_route,
+    plan_route,
+)
+from dgr_engine.cli._signals import sigterm_as_interrupt
+from dgr_engine.client.text import chat_ids, start_text
+from dgr_engine.errors import EngineError
+from dgr_session.sampling import InvalidSamplingParameter
+
+DEFAULT_ANSWER_TOKENS = 256
+"""``-n``'s default: tokens per answer at most (the end of turn comes first, mostly)."""
+PROMPT = "> "
+"""What the chat shows when it waits for your next line."""
+COMMANDS = "/reset starts a new conversation, /exit or Ctrl-D ends"
+"""The chat's own commands, as its first line tells them."""
+
+Message = tuple[str, str]
+"""``(role, content)``: one turn of the conversation."""
+
+
+class Ending(StrEnum):
+    """How an answer ended."""
+
+    END_OF_TURN = "end of turn"
+    STOP_TEXT = "stop text"
+    TOKEN_LIMIT = "token limit"
+    INTERRUPTED = "interrupted"
+    FAILED = "failed"
+
+
+@attrs.frozen
+class Answer:
+    """One answer of the model."""
+
+    text: str
+    """What was shown (cut at a stop string)."""
+    ending: Ending
+    tokens: int
+    """Tokens generated."""
+    error: str | None = None
+    """Why it failed (:attr:`Ending.FAILED`)."""
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    add_route_arguments(p)
+    add_sampling_arguments(
+        p,
+        max_tokens_help=f"tokens per answer at most (default {DEFAULT_ANSWER_TOKENS}; never "
+        "more than the context holds after the conversation)",
+    )
+    p.add_argument("--system", default=None, help="the system prompt opening the conversation")
+    if not any("--quiet" in action.option_strings for action in p._actions):
+        p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def run(args: argparse.Namespace) -> int:
+    notice = _notice(args)
+    try:
+        settings = SamplingSettings.from_args(args)
+        settings.check_transport(args.transport)
+        plan = plan_route(args, notice=notice)
+    except (RouteRefused, InvalidSamplingParameter) as exc:
+        return _refused(exc)
+    tokenizer = plan.tokenizer
+    if tokenizer is None or not tokenizer.info.has_chat_template:
+        plan.close()
+        what = "a tokenizer" if tokenizer is None else "a chat template"
+        return _refused(f"dgr chat needs a model with {what} (--model, or --vocab GGUF)")
+    base: list[Message] = [] if args.system is None else [("system", args.system)]
+    try:
+        chat_ids(tokenizer, base or [("user", "")])  # the template takes these roles
+    except EngineError as exc:
+        plan.close()
+        return _refused(exc)
+    try:
+        with sigterm_as_interrupt(), asyncio.Runner() as runner:
+            return _chat(runner, plan, settings, base, notice)
+    except KeyboardInterrupt:  # while the workers start or stop
+        print("dgr chat: interrupted", file=sys.stderr)
+        return 130
+    except RouteStartFailed as exc:
+        return _refused(exc)
+
+
+def _refused(exc: BaseException | str) -> int:
+    print(f"dgr chat: {exc}", file=sys.stderr)
+    return 2
+
+
+def _notice(args: argparse.Namespace) -> Notice:
+    quiet = bool(getattr(args, "quiet", False))
+
+    def notice(text: str) -> None:
+        if not quiet:
+            print(f"dgr chat: {text}", file=sys.stderr, flush=True)
+
+    return notice
+
+
+def _chat(
+    runner: asyncio.Runner,
+    plan: RoutePlan,
+    settings: SamplingSettings,
+    base: list[Message],
+    notice: Notice,
+) -> int:
+    """Runs the route on ``runner``'s loop while this thread reads your lines."""
+    opened = open_route(plan, notice=notice)
+    route = runner.run(opened.__aenter__())
+    try:
+        stages = " -> ".join(f"{s.endpoint} [{s.layers[0]},{s.layers[1]})" for s in route.stages)
+        notice(f"{len(route.stages)} stages: {stages}; context {route.context} positions")
+        notice(COMMANDS)
+        _converse(runner, route, settings, base)
+    finally:
+        runner.run(opened.__aexit__(None, None, None))
+    return 0
+
+
+def _converse(
+    runner: asyncio.Runner, route: RouteHandle, settings: SamplingSettings, base: list[Message]
+) -> None:
+    """The loop: read a line, answer it, until /exit, end of input or Ctrl-C at the prompt."""
+    _line_editing()
+    assert route.tokenizer is not None
+    messages = list(base)
+    while True:
+        try:
+            line = input(PROMPT).strip()
+        except (EOFError, KeyboardInterrupt):
+            print(flush=True)
+            return
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return
+        if line == "/reset":
+            messages = list(base)
+            print("(a new conversation)", flush=True)
+            continue
+        if line.startswith("/"):
+            print(f"(unknown command {line}: {COMMANDS})", flush=True)
+            continue
+        turn = [*messages, ("user", line)]
+        prompt = chat_ids(route.tokenizer, turn)
+        room = route.context - len(prompt)
+        if room < 1:
+            print(
+                f"(the conversation holds {len(prompt)} tokens and the route's context "
+                f"{route.context} positions: /reset to start a new one, or start workers with "
+                "a bigger --ctx)",
+                flush=True,
+            )
+            continue
+        limit = min(settings.max_tokens or DEFAULT_ANSWER_TOKENS, room)
+        answer = runner.run(_answer(route, settings, prompt, limit, _show))
+        print(_ending_note(answer, limit, limit == room), flush=True)
+        if answer.ending is not Ending.FAILED:
+            messages = [*turn, ("assistant", answer.text)]
+
+
+def _show(piece: str) -> None:
+    sys.stdout.write(piece)
+    sys.stdout.flush()
+
+
+def _ending_note(answer: Answer, limit: int, context_full: bool) -> str:
+    """What ends the answer's line: nothing for an answer that ended by itself."""
+    match answer.ending:
+        case Ending.INTERRUPTED:
+            return " [stopped]"
+        case Ending.FAILED:
+            return f"\n(the answer failed: {answer.error})"
+        case Ending.TOKEN_LIMIT if context_full:
+            return f"\n(the context is full after {limit} tokens: /reset, or a bigger --ctx)"
+        case Ending.TOKEN_LIMIT:
+            return f"\n(cut at {limit} tokens: -n sets the limit)"
+    return ""
+
+
+async def _answer(
+    route: RouteHandle,
+    settings: SamplingSettings,
+    prompt: list[int],
+    limit: int,
+    show: Callable[[str], None],
+) -> Answer:
+    """One answer, shown as it comes; Ctrl-C meanwhile cancels its session (and only it)."""
+    assert route.tokenizer is not None
+    loop = asyncio.get_running_loop()
+    interrupted = asyncio.Event()
+    previous = signal.getsignal(signal.SIGINT)
+    loop.add_signal_handler(signal.SIGINT, interrupted.set)  # before the session: no gap
+    try:
+        with _ctrl_c_read_from_the_terminal(loop, interrupted.set):
+            handle, output = start_text(
+                route.manager,
+                route.tokenizer,
+                prompt,
+                max_new_tokens=limit,
+                on_text=show,
+                stop_texts=settings.stop,
+                sampler=settings.sampler(),
+            )
+            waiting = asyncio.ensure_future(handle.wait())
+            pressed = asyncio.ensure_future(interrupted.wait())
+            try:
+                await asyncio.wait({waiting, pressed}, return_when=asyncio.FIRST_COMPLETED)
+                if interrupted.is_set():
+                    handle.cancel("interrupted (Ctrl-C)")
+                result = await waiting
+            finally:
+                pressed.cancel()
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+        signal.signal(signal.SIGINT, previous)  # the runner's own, which it removes itself
+    show(output.flush())
+    # no session runs now: this waits for the answer's close calls to its stages, which would
+    # otherwise wait for the next answer (the loop does not run while you type)
+    await route.manager.aclose()
+    tokens = len(result.tokens)
+    if interrupted.is_set():
+        ending = Ending.INTERRUPTED
+    elif output.stopped_at is not None:
+        ending = Ending.STOP_TEXT
+    elif result.error is not None:
+        return Answer(output.text, Ending.FAILED, tokens, failure_line(result.error))
+    elif tokens and result.tokens[-1] in route.tokenizer.eog_tokens:
+        ending = Ending.END_OF_TURN
+    else:
+        ending = Ending.TOKEN_LIMIT
+    return Answer(output.text, ending, tokens)
+
+
+@contextmanager
+def _ctrl_c_read_from_the_terminal(
+    loop: asyncio.AbstractEventLoop, on_ctrl_c: Callable[[], None]
+) -> Iterator[None]:
+    """While the model answers, a terminal's Ctrl-C is read as a key, not sent as SIGINT.
+
+    A terminal sends SIGINT to its whole foreground process group, and the workers ``--spawn``
+    starts are in it: they would stop with the answer. So the terminal's signal keys and echo
+    are off meanwhile and this loop reads the keys: Ctrl-C calls ``on_ctrl_c``, other keys are
+    dropped (what you type while the model answers is not kept). Restored on the way out.
+    Without a terminal on standard input nothing changes (SIGINT is handled as a signal)."""
+    stdin = sys.stdin
+    if stdin is None or not stdin.isatty():
+        yield
+        return
+    import termios
+
+    fd = stdin.fileno()
+    saved = termios.tcgetattr(fd)
+    keys = termios.tcgetattr(fd)
+    keys[3] &= ~(termios.ISIG | termios.ICANON | termios.ECHO)  # local modes
+    keys[6][termios.VMIN], keys[6][termios.VTIME] = 1, 0
+    ctrl_c = saved[6][termios.VINTR]  # the terminal's own interrupt key (Ctrl-C by default)
+    ctrl_c = ctrl_c if isinstance(ctrl_c, bytes) else bytes([ctrl_c])
+
+    def read_keys() -> None:
+        if ctrl_c in os.read(fd, 1024):
+            on_ctrl_c()
+
+    termios.tcsetattr(fd, termios.TCSANOW, keys)
+    loop.add_reader(fd, read_keys)
+    try:
+        yield
+    finally:
+        loop.remove_reader(fd)
+        termios.tcsetattr(fd, termios.TCSAFLUSH, saved)  # keys typed meanwhile are dropped
+
+
+def _line_editing() -> None:
+    """Line editing and history at the prompt (the standard library's readline, where the
+    platform has it): plain ``input()`` gains them by importing it."""
+    if sys.stdin is not None and sys.stdin.isatty():
+        try:
+            import readline  # noqa: F401
+        except ImportError:
+            pass

@@ -1,0 +1,149 @@
+"""Serve a route over HTTP: an OpenAI-compatible API and a page to chat with the model.
+
+The route is generate's (--spawn N workers of --model or --fixture, or --endpoints already
+running; the same engine, trust and transport options). The server answers
+POST /v1/chat/completions and POST /v1/completions (streaming with server-sent events or not;
+temperature, top_p, top_k, seed, stop, max_tokens; n = 1), GET /v1/models, GET /v1/route (the
+stages as their workers describe themselves) and, at /, a page showing the route with a chat
+with the model. Each request is one session of the route: concurrent requests are concurrent
+sessions, a client that goes away cancels its session, temperature 0 is the whole model's
+greedy answer. Errors are OpenAI's shape: 400 for a bad request (context_length_exceeded for
+a prompt the context cannot hold), 503 with Retry-After when every slot stayed busy for
+--admission-wait seconds, 502 naming the stage when the route could not be recovered.
+
+    dgr serve --model smollm2-135m-instruct --spawn 3 --port 8000
+
+Prints one line with the URL once it listens (--port 0: any free port); SIGINT or SIGTERM
+stops it and its workers. See docs/serve.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import socket
+import sys
+
+from dgr_engine.argtypes import float_in, int_in
+from dgr_engine.cli._route import (
+    RouteHandle,
+    RoutePlan,
+    RouteRefused,
+    RouteStartFailed,
+    add_route_arguments,
+    open_route,
+    plan_route,
+)
+from dgr_engine.cli._signals import sigterm_as_interrupt
+from dgr_engine.serve import AdvertStages, ServedRoute, create_app, listen, serve, url_of
+from dgr_session import FailurePolicy
+
+DEFAULT_PORT = 8000
+"""``--port``'s default."""
+
+
+def configure(p: argparse.ArgumentParser) -> None:
+    add_route_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument(
+        "--port",
+        type=int_in(0, 65535),
+        default=DEFAULT_PORT,
+        help=f"port to listen on (default {DEFAULT_PORT}; 0: any free port)",
+    )
+    p.add_argument(
+        "--name",
+        default=None,
+        help="the model's name in answers and /v1/models (default: --model or --fixture as "
+        "given, a file's name without .gguf)",
+    )
+    p.add_argument(
+        "--admission-wait",
+        type=float_in(0.001, 3600.0),
+        default=30.0,
+        metavar="SECONDS",
+        help="how long a request may wait for a free session slot on every stage before it is "
+        "answered 503 with Retry-After (default 30)",
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        plan = plan_route(args, notice=_notice)
+    except RouteRefused as exc:
+        return _refused(str(exc))
+    if plan.tokenizer is None:
+        plan.close()
+        return _refused(
+            "the model has no tokenizer (like the generated fixtures): dgr serve answers text; "
+            "give a model with one (--model, or --vocab GGUF with --endpoints)"
+        )
+    if plan.transport == "ring":
+        plan.close()
+        return _refused(
+            "--transport ring runs greedy tokens only and requests may sample: use relay or chain"
+        )
+    try:
+        sock = listen(args.host, args.port)
+    except OSError as exc:
+        plan.close()
+        return _refused(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+    try:
+        with sigterm_as_interrupt():
+            asyncio.run(_serve(args, plan, sock))
+    except KeyboardInterrupt:  # before the server was up (starting the workers)
+        print("dgr serve: interrupted", file=sys.stderr)
+        return 130
+    except RouteStartFailed as exc:
+        return _refused(str(exc))
+    finally:
+        sock.close()
+    print("dgr serve: stopped", file=sys.stderr)
+    return 0
+
+
+async def _serve(args: argparse.Namespace, plan: RoutePlan, sock: socket.socket) -> None:
+    async with open_route(plan, notice=_notice) as handle:
+        assert handle.tokenizer is not None
+        served = ServedRoute(
+            handle.manager,
+            handle.tokenizer,
+            model=_name(args),
+            context=handle.context,
+            stages=AdvertStages([(s.endpoint, s.layers) for s in handle.stages], tls=plan.tls),
+            policy=FailurePolicy(
+                step_deadline=plan.step_deadline, admission_budget=args.admission_wait
+            ),
+        )
+        url = url_of(sock)
+        print(
+            f"dgr serve: {url}  (model {served.model}, {len(handle.stages)} stage(s), "
+            f"context {served.context}; the page at {url}/, the API at {url}/v1)",
+            flush=True,
+        )
+        await serve(create_app(served), sock, on_stop=lambda: _cancel_all(handle))
+
+
+def _cancel_all(handle: RouteHandle) -> None:
+    """The server is stopping: every running session ends (its stream says so)."""
+    for session in handle.manager.sessions:
+        session.cancel("the server is stopping")
+
+
+def _name(args: argparse.Namespace) -> str:
+    if args.name:
+        return str(args.name)
+    given = args.model if args.model is not None else args.fixture
+    if given is None:
+        return "dgr"
+    name = str(given).rsplit("/", 1)[-1]
+    return name[: -len(".gguf")] if name.endswith(".gguf") else name
+
+
+def _notice(text: str) -> None:
+    print(f"dgr serve: {text}", file=sys.stderr, flush=True)
+
+
+def _refused(text: str) -> int:
+    print(f"dgr serve: {text}", file=sys.stderr)
+    return 2

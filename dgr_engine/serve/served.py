@@ -1,0 +1,138 @@
+"""The route a server answers with: its ``SessionManager``, the model's tokenizer, a session's
+context, where its stages are read from, and how each request becomes a :class:`TextJob`
+(prompt checked against the context, the token limit, the sampler, the stop strings)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Sequence
+
+import attrs
+
+from dgr_engine.errors import EngineError
+from dgr_engine.serve.errors import BadRequest, ContextLengthExceeded
+from dgr_engine.serve.generation import Generation, TextJob
+from dgr_engine.serve.hints import BusyHints
+from dgr_engine.serve.route_view import StageSource
+from dgr_engine.tokenizer import Tokenizer
+from dgr_session import FailurePolicy, SessionManager
+from dgr_session.sampling import InvalidSamplingParameter, SeededSampler, greedy
+from dgr_session.transport import Sampler
+
+DEFAULT_TEMPERATURE = 1.0
+"""A request's temperature when it gives none (OpenAI's default); 0 is greedy."""
+
+
+@attrs.define(eq=False)
+class ServedRoute:
+    """What ``dgr serve`` serves. The manager, tokenizer and stages belong to the caller, who
+    opened the route and closes it."""
+
+    manager: SessionManager
+    tokenizer: Tokenizer
+    model: str
+    """The model's name in answers and ``/v1/models``."""
+    context: int
+    """KV positions a session may use on this route (its smallest stage's)."""
+    stages: StageSource
+    """Where ``/v1/route`` reads the stages from."""
+    policy: FailurePolicy | None = None
+    """Each request's session policy (``None``: the manager's)."""
+    hints: BusyHints | None = None
+    """The transport that keeps the workers' busy hints, when the manager runs over one."""
+    created: int = attrs.field(factory=lambda: int(time.time()))
+    """When the server started (unix seconds)."""
+    # Invariant: the tokenizer's end-of-generation tokens, read once (a pass over the vocab).
+    eog: frozenset[int] = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.eog = self.tokenizer.eog_tokens
+
+    # -- prompts ------------------------------------------------------------------------------
+
+    def chat_prompt(self, conversation: Sequence[tuple[str, str]]) -> list[int]:
+        """The conversation through the model's chat template, ready for the assistant."""
+        try:
+            text = self.tokenizer.chat(conversation)
+        except EngineError as exc:
+            raise BadRequest(f"cannot apply the chat template: {exc}", param="messages") from None
+        return self.tokenizer.encode(text, parse_special=True)
+
+    def text_prompt(self, prompt: str | Sequence[int]) -> list[int]:
+        """A completion's prompt: text (with the BOS the model wants) or token ids."""
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        n_vocab = self.tokenizer.info.n_vocab
+        bad = [t for t in prompt if not 0 <= t < n_vocab]
+        if bad:
+            raise BadRequest(
+                f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})", param="prompt"
+            )
+        return list(prompt)
+
+    # -- jobs ---------------------------------------------------------------------------------
+
+    def job(
+        self,
+        prompt: Sequence[int],
+        *,
+        limit: int | None,
+        limit_given: bool,
+        sampler: Sampler,
+        stop: Sequence[str],
+        param: str,
+    ) -> TextJob:
+        """The job of a request: ``limit`` tokens at most (``None``: as many as the context
+        holds; a default ``limit`` the caller did not give is cut to fit, a given one that does
+        not fit is :class:`ContextLengthExceeded`, as is a prompt that fills the context)."""
+        if not prompt:
+            raise BadRequest("the prompt is empty", param=param)
+        room = self.context - len(prompt)
+        if room < 1:
+            raise ContextLengthExceeded(
+                f"the prompt has {len(prompt)} tokens; a session on this route holds "
+                f"{self.context} (the model's maximum context length here), leaving no room "
+                "for an answer",
+                param=param,
+            )
+        if limit is None:
+            limit = room
+        elif limit > room:
+            if limit_given:
+                raise ContextLengthExceeded(
+                    f"the prompt has {len(prompt)} tokens and {limit} more were asked for; a "
+                    f"session on this route holds {self.context} (at most {room} more)",
+                    param="max_tokens",
+                )
+            limit = room
+        return TextJob(tuple(prompt), limit, sampler, tuple(stop))
+
+    def start(self, job: TextJob) -> Generation:
+        """Starts the job's session (needs the manager's running loop)."""
+        return Generation(
+            self.manager,
+            self.tokenizer,
+            job,
+            stop_tokens=self.eog,
+            policy=self.policy,
+            hints=self.hints,
+        )
+
+
+def sampler_for(
+    temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None
+) -> Sampler:
+    """The sampler of a request's fields (:class:`BadRequest` for a value out of range):
+    greedy at temperature 0, else seeded (a random seed when none is given)."""
+    temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
+    try:
+        sampler = SeededSampler(
+            secrets.randbelow(1 << 63) if seed is None else seed,
+            temperature,
+            0 if top_k is None else top_k,
+            1.0 if top_p is None else top_p,
+        )
+    except InvalidSamplingParameter as exc:
+        raise BadRequest(str(exc)) from None
+    return greedy if temperature == 0 else sampler
