@@ -12,6 +12,7 @@ starts empty by construction), and what the session spent of its
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Never, NoReturn
 
@@ -854,7 +855,7 @@ class RouteSession:
         budget.end_wait()
         if budget.admission_spent(waited):
             error = self._failure(
-                AdmissionTimeout,
+                functools.partial(AdmissionTimeout, retry_after=retry_after),
                 f"session {self.session_id!r}: stage {stage_index} ({endpoint}) still busy after"
                 f" {waited:.1f}s of waiting for a session slot"
                 f" (admission budget {budget.policy.admission_budget}s)",

@@ -15,7 +15,7 @@ docstring says whether the route session that met the error lives on:
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from dgr_session.faults import FaultKind, last_stage_fault
 
@@ -387,7 +387,15 @@ class RequestRefused(SessionFailed):
 
 class AdmissionTimeout(SessionFailed):
     """Every route offered stayed busy (no free session slot) for longer than the policy's
-    admission budget. No stage is blamed. The session ends."""
+    admission budget. No stage is blamed. The session ends.
+
+    ``retry_after`` is the busy stage's last hint (seconds to wait before asking again; ``None``
+    when it gave none): what a server in front of the route tells its own clients."""
+
+    def __init__(self, message: str, *, retry_after: float | None = None, **where: Any) -> None:
+        super().__init__(message, **where)
+        #: The busy stage's last hint (seconds), or ``None``.
+        self.retry_after = retry_after
 
 
 class SessionDeadlineExceeded(SessionFailed):

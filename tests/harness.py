@@ -52,7 +52,7 @@ def run(coro: Coroutine[Any, Any, T], limit: float = 60.0) -> T:
 
 # -- the fast set starts no worker process ------------------------------------------------------
 
-WORKER_SUBCOMMANDS = frozenset({"worker", "certify", "demo", "generate"})
+WORKER_SUBCOMMANDS = frozenset({"worker", "certify", "demo", "generate", "chat", "serve"})
 """``dgr`` subcommands that run (or spawn) a shard worker."""
 
 

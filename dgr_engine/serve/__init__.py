@@ -6,8 +6,7 @@
   ``/v1/completions``, ``/v1/models``, ``/v1/route`` and the page at ``/``;
 * :func:`serve` (``server``): uvicorn on a socket bound first (:func:`listen`), stopped by
   SIGINT or SIGTERM;
-* :class:`BusyHints` (``hints``): the stage transport that keeps the workers' busy hints for
-  ``Retry-After``; :class:`AdvertStages` (``route_view``): the stages from the workers' adverts;
+* :class:`AdvertStages` (``route_view``): the stages from the workers' adverts;
 * the errors (``errors``): one class per HTTP answer, OpenAI's error shape.
 
 ``docs/serve.md`` says how to run it and what each answer means.
@@ -23,7 +22,6 @@ from dgr_engine.serve.errors import (
     ServeError,
     SessionTimedOut,
 )
-from dgr_engine.serve.hints import BusyHints
 from dgr_engine.serve.route_view import AdvertStages, StageSource, StageStatus
 from dgr_engine.serve.served import ServedRoute
 from dgr_engine.serve.server import listen, serve, url_of
@@ -31,7 +29,6 @@ from dgr_engine.serve.server import listen, serve, url_of
 __all__ = [
     "AdvertStages",
     "BadRequest",
-    "BusyHints",
     "ContextLengthExceeded",
     "NotFound",
     "RouteFailed",

@@ -15,7 +15,6 @@ from collections.abc import Collection
 import attrs
 
 from dgr_engine.serve.errors import ServeError, error_for_failure
-from dgr_engine.serve.hints import BusyHints
 from dgr_engine.serve.stops import StopMatcher
 from dgr_engine.tokenizer import TextStream, Tokenizer
 from dgr_session import (
@@ -78,17 +77,12 @@ class Generation:
         *,
         stop_tokens: Collection[int],
         policy: FailurePolicy | None = None,
-        hints: BusyHints | None = None,
     ) -> None:
         self._stream = TextStream(tokenizer)
         self._stops = StopMatcher(job.stop)
         self._stop_tokens = frozenset(stop_tokens)
-        self._hints = hints
         self._busy_retry = (policy if policy is not None else FailurePolicy()).busy_retry
         self._queue: asyncio.Queue[Piece | Ended] = asyncio.Queue()
-        # Seconds an overloaded route's client should wait: the workers' newest busy hint for
-        # this session, else the policy's wait after a busy answer (set at the end).
-        self._hint = self._busy_retry
         self.handle: SessionHandle = manager.start(
             job.prompt,
             max_new_tokens=job.max_tokens,
@@ -136,13 +130,7 @@ class Generation:
             self.handle.cancel("a stop string was generated")
 
     async def _end(self) -> None:
-        try:
-            result = await self.handle.wait()
-        finally:
-            hint = None if self._hints is None else self._hints.retry_after(self.session_id)
-            self._hint = hint if hint is not None else self._busy_retry
-            if self._hints is not None:
-                self._hints.forget(self.session_id)
+        result = await self.handle.wait()
         if not self._stops.stopped:
             tail = self._stops.push(self._stream.flush())
             tail += self._stops.flush()
@@ -157,6 +145,9 @@ class Generation:
         if result.state is SessionState.DONE:
             return Ended("length" if result.reason is FinishReason.LENGTH else "stop", count)
         if isinstance(result.error, SessionFailed):
-            error = error_for_failure(result.error, retry_after=self._hint)
+            # an overloaded route's client waits the busy worker's hint, else the policy's
+            hint = getattr(result.error, "retry_after", None)
+            retry_after = hint if hint is not None else self._busy_retry
+            error = error_for_failure(result.error, retry_after=retry_after)
             return Ended(None, count, error)
         return Ended(None, count, cancelled=True)

@@ -13,7 +13,6 @@ import attrs
 from dgr_engine.errors import EngineError
 from dgr_engine.serve.errors import BadRequest, ContextLengthExceeded
 from dgr_engine.serve.generation import Generation, TextJob
-from dgr_engine.serve.hints import BusyHints
 from dgr_engine.serve.route_view import StageSource
 from dgr_engine.tokenizer import Tokenizer
 from dgr_session import FailurePolicy, SessionManager
@@ -39,8 +38,6 @@ class ServedRoute:
     """Where ``/v1/route`` reads the stages from."""
     policy: FailurePolicy | None = None
     """Each request's session policy (``None``: the manager's)."""
-    hints: BusyHints | None = None
-    """The transport that keeps the workers' busy hints, when the manager runs over one."""
     created: int = attrs.field(factory=lambda: int(time.time()))
     """When the server started (unix seconds)."""
     # Invariant: the tokenizer's end-of-generation tokens, read once (a pass over the vocab).
@@ -116,7 +113,6 @@ class ServedRoute:
             job,
             stop_tokens=self.eog,
             policy=self.policy,
-            hints=self.hints,
         )
 
 

@@ -112,6 +112,8 @@ ROOM_RULES = {
     "dgr_engine.client": ("dgr_engine.tooling", "dgr_engine.worker", "dgr_engine.certify"),
     "dgr_engine.security": ("dgr_engine.tooling", "dgr_engine.worker", "dgr_engine.client"),
     "dgr_engine.wire": ("dgr_engine.tooling", "dgr_engine.worker", "dgr_engine.client"),
+    # the server answers over a route the client side opened: never the worker's inside
+    "dgr_engine.serve": ("dgr_engine.tooling", "dgr_engine.worker", "dgr_engine.certify"),
     "dgr_engine.certification": (
         "dgr_engine.certify",
         "dgr_engine.tooling",

@@ -19,7 +19,6 @@ from dgr_engine import ShardEngine
 from dgr_engine.fixtures.converted import ensure_converted
 from dgr_engine.options import EngineOptions
 from dgr_engine.serve import ServedRoute, StageStatus, create_app, listen, serve, url_of
-from dgr_engine.serve.hints import BusyHints
 from dgr_engine.testing import EngineTransport
 from dgr_engine.tokenizer import Tokenizer
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager
@@ -118,9 +117,8 @@ def start_served(model: Path, policy: FailurePolicy | None = None) -> Iterator[S
             transport.start(endpoint, layers)
         identity = fixture_identity(3)
         route = make_route([e for e, _ in LAYOUT], [2], identity=identity, width=64)
-        hints = BusyHints(transport)
         manager = SessionManager(
-            hints, FixedRouteProvider(route), required_evidence=EvidenceClass.FIXTURE
+            transport, FixedRouteProvider(route), required_evidence=EvidenceClass.FIXTURE
         )
         tokenizer = Tokenizer(model)
         served = ServedRoute(
@@ -130,7 +128,6 @@ def start_served(model: Path, policy: FailurePolicy | None = None) -> Iterator[S
             context=OPTIONS.n_ctx_per_session,
             stages=EngineStages(transport),
             policy=policy,
-            hints=hints,
         )
         sock = listen("127.0.0.1", 0)
         server = asyncio.ensure_future(serve(create_app(served), sock))
