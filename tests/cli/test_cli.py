@@ -34,6 +34,7 @@ def test_every_subcommand_is_reachable() -> None:
         "dgr",
         "dgr worker",
         "dgr generate",
+        "dgr chat",
         "dgr demo",
         "dgr fixtures",
         "dgr fixtures list",
