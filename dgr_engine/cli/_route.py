@@ -44,6 +44,7 @@ from dgr_session.transport import RouteProvider, Sampler
 __all__ = [
     "TRANSPORTS",
     "ContextExceeded",
+    "PREFILL_NOTICE_SECONDS",
     "Notice",
     "RouteHandle",
     "RoutePlan",
@@ -64,6 +65,9 @@ TRANSPORTS = ("relay", "chain", "ring")
 
 Notice = Callable[[str], None]
 """Where progress lines go (``"starting 3 workers"``); commands print them on stderr."""
+
+PREFILL_NOTICE_SECONDS = 1.0
+"""A prompt whose first token takes longer than this is said to be prefilling."""
 
 
 def _silent(_text: str) -> None:

@@ -40,6 +40,7 @@ from typing import Any
 import attrs
 
 from dgr_engine.cli._route import (
+    PREFILL_NOTICE_SECONDS,
     ContextExceeded,
     Notice,
     RouteHandle,
@@ -69,8 +70,6 @@ DEFAULT_PROMPT = (1, 17, 42, 99, 7, 64, 128, 3)
 DEFAULT_NEW_TOKENS, DEFAULT_TEXT_TOKENS = 16, 256
 """``-n``'s default for token ids, and for a text prompt (which stops at end-of-turn first);
 either is cut to what the route's context holds after the prompt."""
-PREFILL_NOTICE_SECONDS = 1.0
-"""A prompt whose first token takes longer than this is said to be prefilling."""
 
 
 @attrs.frozen
