@@ -44,6 +44,7 @@ from dgr_session.transport import RouteProvider, Sampler
 __all__ = [
     "TRANSPORTS",
     "ContextExceeded",
+    "PREFILL_NOTICE_SECONDS",
     "Notice",
     "RouteHandle",
     "RoutePlan",
@@ -64,6 +65,9 @@ TRANSPORTS = ("relay", "chain", "ring")
 
 Notice = Callable[[str], None]
 """Where progress lines go (``"starting 3 workers"``); commands print them on stderr."""
+
+PREFILL_NOTICE_SECONDS = 1.0
+"""A prompt whose first token takes longer than this is said to be prefilling."""
 
 
 def _silent(_text: str) -> None:
@@ -163,6 +167,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_tokens_help: str) 
         "--temperature",
         type=float_in(0.0, 1000.0),
         default=0.0,
+        metavar="T",
         help="softmax temperature; 0 (the default) is greedy: the largest logit, the whole "
         "model's token",
     )
@@ -170,6 +175,7 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_tokens_help: str) 
         "--top-p",
         type=float_in(0.0, 1.0),
         default=1.0,
+        metavar="P",
         help="nucleus sampling: keep the most likely tokens whose probability adds up to P "
         "(0 < P <= 1; default 1: all)",
     )
@@ -177,12 +183,14 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_tokens_help: str) 
         "--top-k",
         type=int_in(0, 1 << 24),
         default=0,
+        metavar="K",
         help="keep only the K most likely tokens (default 0: all)",
     )
     p.add_argument(
         "--seed",
         type=int_in(0, (1 << 63) - 1),
         default=None,
+        metavar="N",
         help="seed of the sampler: the same seed gives the same text on the same route "
         "(default: a random one, reported with the result)",
     )

@@ -33,6 +33,7 @@ from enum import StrEnum
 import attrs
 
 from dgr_engine.cli._route import (
+    PREFILL_NOTICE_SECONDS,
     Notice,
     RouteHandle,
     RoutePlan,
@@ -154,14 +155,18 @@ def _chat(
         stages = " -> ".join(f"{s.endpoint} [{s.layers[0]},{s.layers[1]})" for s in route.stages)
         notice(f"{len(route.stages)} stages: {stages}; context {route.context} positions")
         notice(COMMANDS)
-        _converse(runner, route, settings, base)
+        _converse(runner, route, settings, base, notice)
     finally:
         runner.run(opened.__aexit__(None, None, None))
     return 0
 
 
 def _converse(
-    runner: asyncio.Runner, route: RouteHandle, settings: SamplingSettings, base: list[Message]
+    runner: asyncio.Runner,
+    route: RouteHandle,
+    settings: SamplingSettings,
+    base: list[Message],
+    notice: Notice,
 ) -> None:
     """The loop: read a line, answer it, until /exit, end of input or Ctrl-C at the prompt."""
     _line_editing()
@@ -196,7 +201,7 @@ def _converse(
             )
             continue
         limit = min(settings.max_tokens or DEFAULT_ANSWER_TOKENS, room)
-        answer = runner.run(_answer(route, settings, prompt, limit, _show))
+        answer = runner.run(_answer(route, settings, prompt, limit, _show, notice))
         print(_ending_note(answer, limit, limit == room), flush=True)
         if answer.ending is not Ending.FAILED:
             messages = [*turn, ("assistant", answer.text)]
@@ -227,10 +232,12 @@ async def _answer(
     prompt: list[int],
     limit: int,
     show: Callable[[str], None],
+    notice: Notice,
 ) -> Answer:
     """One answer, shown as it comes; Ctrl-C meanwhile cancels its session (and only it)."""
     assert route.tokenizer is not None
     loop = asyncio.get_running_loop()
+    prefilling = loop.call_later(PREFILL_NOTICE_SECONDS, notice, f"prefilling {len(prompt)} tokens")
     interrupted = asyncio.Event()
     previous = signal.getsignal(signal.SIGINT)
     loop.add_signal_handler(signal.SIGINT, interrupted.set)  # before the session: no gap
@@ -244,6 +251,7 @@ async def _answer(
                 on_text=show,
                 stop_texts=settings.stop,
                 sampler=settings.sampler(),
+                on_token=lambda _token: prefilling.cancel(),
             )
             waiting = asyncio.ensure_future(handle.wait())
             pressed = asyncio.ensure_future(interrupted.wait())
@@ -255,6 +263,7 @@ async def _answer(
             finally:
                 pressed.cancel()
     finally:
+        prefilling.cancel()
         loop.remove_signal_handler(signal.SIGINT)
         signal.signal(signal.SIGINT, previous)  # the runner's own, which it removes itself
     show(output.flush())

@@ -34,11 +34,13 @@ import asyncio
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from dgr_engine.cli._route import (
+    PREFILL_NOTICE_SECONDS,
     ContextExceeded,
     Notice,
     RouteHandle,
@@ -68,8 +70,6 @@ DEFAULT_PROMPT = (1, 17, 42, 99, 7, 64, 128, 3)
 DEFAULT_NEW_TOKENS, DEFAULT_TEXT_TOKENS = 16, 256
 """``-n``'s default for token ids, and for a text prompt (which stops at end-of-turn first);
 either is cut to what the route's context holds after the prompt."""
-PREFILL_NOTICE_SECONDS = 1.0
-"""A prompt whose first token takes longer than this is said to be prefilling."""
 
 
 @attrs.frozen
@@ -135,7 +135,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.check and plan.model is None:
             raise RouteRefused("--check needs --model or --fixture")
-        text, prompt = _prompt(args, plan.tokenizer)
+        vocab = args.vocab if args.vocab is not None else plan.model
+        text, prompt = _prompt(args, plan.tokenizer, vocab)
     except (ValueError, EngineError) as exc:
         plan.close()
         return _refused(exc)
@@ -165,21 +166,24 @@ def _notice(args: argparse.Namespace) -> Notice:
     return notice
 
 
-def _prompt(args: argparse.Namespace, tokenizer: Tokenizer | None) -> tuple[str | None, list[int]]:
-    """The prompt's text (``None`` for token ids) and its token ids."""
+def _prompt(
+    args: argparse.Namespace, tokenizer: Tokenizer | None, vocab: Path | None
+) -> tuple[str | None, list[int]]:
+    """The prompt's text (``None`` for token ids) and its token ids (``vocab``: the GGUF the
+    tokenizer would come from)."""
     if args.ids or (args.prompt is None and tokenizer is None):
         if args.chat:
             raise ValueError("--chat needs a text prompt (not --ids)")
         if args.stop:
             raise ValueError("--stop needs a text prompt (not --ids)")
         return None, list(DEFAULT_PROMPT) if args.prompt is None else _parse_ids(args.prompt)
-    if tokenizer is None:
-        if args.vocab is None and args.model is None and args.fixture is None:
-            raise ValueError(
-                "a text prompt needs a tokenizer: --model, --fixture or --vocab GGUF (or --ids)"
-            )
+    if vocab is None:
         raise ValueError(
-            "the model has no tokenizer (token ids only, like the generated fixtures): give "
+            "a text prompt needs a tokenizer: --model, --fixture or --vocab GGUF (or --ids)"
+        )
+    if tokenizer is None:
+        raise ValueError(
+            f"{vocab.name} has no tokenizer (token ids only, like the generated fixtures): give "
             "token ids with --ids"
         )
     text = args.prompt if args.prompt is not None else _stdin_prompt()

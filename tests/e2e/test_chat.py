@@ -150,6 +150,8 @@ def turns(screen: str) -> list[tuple[str, str]]:
     prompt now waiting (``("", "")`` once an answer is complete)."""
     found: list[tuple[str, list[str]]] = []
     for line in screen.rstrip().splitlines():
+        if line.startswith("dgr chat: "):  # progress on stderr ("prefilling 230 tokens")
+            continue
         if line == ">" or line.startswith("> "):
             found.append((line[2:], []))
         elif found:
