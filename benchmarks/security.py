@@ -24,7 +24,6 @@ from typing import Any
 import numpy as np
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dgr_engine.cli.certify import CERTIFY_OPTIONS
 from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.fixtures import ensure_fixture, lookup
 from dgr_engine.options import EngineOptions
@@ -108,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = time_checks()
     print(f"grant verification per open: {checks['grant_verify_us']:.1f} us (Ed25519)")
     print(f"session-secret check per frame: {checks['secret_check_us']:.2f} us")
-    options = EngineOptions(**{**CERTIFY_OPTIONS, "max_sessions": 4})
+    options = EngineOptions(max_sessions=4)
     subprocess.run(  # dark lanes are unroutable: certify the fixture lane (or reuse its record)
         [dgr_command(), "certify", "--fixture", args.fixture, "--reuse", *options.worker_argv()],
         check=True,

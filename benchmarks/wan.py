@@ -29,7 +29,6 @@ from pathlib import Path
 import attrs
 import numpy as np
 
-from dgr_engine.cli.certify import CERTIFY_OPTIONS
 from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.engine import ShardEngine
 from dgr_engine.fixtures import ensure_fixture, lookup
@@ -121,7 +120,7 @@ def main() -> int:
         parser.error("--kill-at must be in [3, --tokens)")
     path = ensure_fixture(args.fixture)
     spec = lookup(args.fixture)
-    options = EngineOptions(**{**CERTIFY_OPTIONS, "max_sessions": 4})
+    options = EngineOptions(max_sessions=4)
     subprocess.run(  # dark lanes are unroutable: certify the fixture lane (or reuse its record)
         [dgr_command(), "certify", "--fixture", args.fixture, "--reuse"],
         check=True,

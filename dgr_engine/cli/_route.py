@@ -503,9 +503,9 @@ async def open_route(
                 options=plan.options,
                 worker_args=plan.worker_args,
                 certification_verifier=plan.verifier,
+                notice=notice,  # "starting 3 workers ...", "3 workers ready in 2.1 s"
             )
             provider = local
-            notice(f"starting {len(plan.layout)} workers")
             try:
                 workers = await local.start()
             except Exception as exc:  # noqa: BLE001 - any start failure is one line to a user

@@ -30,7 +30,7 @@ import asyncio
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from dgr_engine.cli._evidence_args import add_evidence_arguments, add_sign_key_argument
 from dgr_engine.cli._logs import log_to_stderr
@@ -42,13 +42,6 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     from dgr_engine.certification.lock import Lock
-
-CERTIFY_OPTIONS: dict[str, Any] = {
-    name: getattr(EngineOptions(), name)
-    for name in ("n_threads", "n_ctx_per_session", "n_batch", "max_sessions")
-}
-"""Deprecated: equal to :class:`EngineOptions`' defaults, which every ``dgr`` command now uses
-(``dgr certify`` among them); use ``EngineOptions()``. Kept until its last importers drop it."""
 
 
 def configure(p: argparse.ArgumentParser) -> None:

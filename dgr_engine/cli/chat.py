@@ -32,6 +32,7 @@ from enum import StrEnum
 
 import attrs
 
+from dgr_engine.cli._progress import sayer
 from dgr_engine.cli._route import (
     PREFILL_NOTICE_SECONDS,
     Notice,
@@ -93,12 +94,10 @@ def configure(p: argparse.ArgumentParser) -> None:
         "more than the context holds after the conversation)",
     )
     p.add_argument("--system", default=None, help="the system prompt opening the conversation")
-    if not any("--quiet" in action.option_strings for action in p._actions):
-        p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
-    notice = _notice(args)
+    notice = sayer("dgr chat: ")  # silent under --quiet
     try:
         settings = SamplingSettings.from_args(args)
         settings.check_transport(args.transport)
@@ -129,16 +128,6 @@ def run(args: argparse.Namespace) -> int:
 def _refused(exc: BaseException | str) -> int:
     print(f"dgr chat: {exc}", file=sys.stderr)
     return 2
-
-
-def _notice(args: argparse.Namespace) -> Notice:
-    quiet = bool(getattr(args, "quiet", False))
-
-    def notice(text: str) -> None:
-        if not quiet:
-            print(f"dgr chat: {text}", file=sys.stderr, flush=True)
-
-    return notice
 
 
 def _chat(

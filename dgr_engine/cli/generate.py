@@ -39,6 +39,7 @@ from typing import Any
 
 import attrs
 
+from dgr_engine.cli._progress import sayer
 from dgr_engine.cli._route import (
     PREFILL_NOTICE_SECONDS,
     ContextExceeded,
@@ -118,12 +119,10 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="compare greedy tokens with the whole model; exit 1 if unequal",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    if not any("--quiet" in action.option_strings for action in p._actions):
-        p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
 
 
 def run(args: argparse.Namespace) -> int:
-    notice = _notice(args)
+    notice = sayer("dgr generate: ")  # silent under --quiet
     try:
         settings = SamplingSettings.from_args(args)
         settings.check_transport(args.transport)
@@ -154,16 +153,6 @@ def run(args: argparse.Namespace) -> int:
 def _refused(exc: BaseException) -> int:
     print(f"dgr generate: {exc}", file=sys.stderr)
     return 2
-
-
-def _notice(args: argparse.Namespace) -> Notice:
-    quiet = bool(getattr(args, "quiet", False))
-
-    def notice(text: str) -> None:
-        if not quiet:
-            print(f"dgr generate: {text}", file=sys.stderr, flush=True)
-
-    return notice
 
 
 def _prompt(

@@ -25,6 +25,7 @@ import socket
 import sys
 
 from dgr_engine.argtypes import float_in, int_in
+from dgr_engine.cli._progress import sayer
 from dgr_engine.cli._route import (
     RouteHandle,
     RoutePlan,
@@ -69,7 +70,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        plan = plan_route(args, notice=_notice)
+        plan = plan_route(args, notice=sayer("dgr serve: "))
     except RouteRefused as exc:
         return _refused(str(exc))
     if plan.tokenizer is None:
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(args: argparse.Namespace, plan: RoutePlan, sock: socket.socket) -> None:
-    async with open_route(plan, notice=_notice) as handle:
+    async with open_route(plan, notice=sayer("dgr serve: ")) as handle:
         assert handle.tokenizer is not None
         served = ServedRoute(
             handle.manager,
@@ -138,10 +139,6 @@ def _name(args: argparse.Namespace) -> str:
         return "dgr"
     name = str(given).rsplit("/", 1)[-1]
     return name[: -len(".gguf")] if name.endswith(".gguf") else name
-
-
-def _notice(text: str) -> None:
-    print(f"dgr serve: {text}", file=sys.stderr, flush=True)
 
 
 def _refused(text: str) -> int:

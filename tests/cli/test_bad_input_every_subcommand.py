@@ -23,7 +23,15 @@ Row = tuple[tuple[str, ...], str]
 """A command line (placeholders in braces) and a text its one line must hold."""
 
 ROWS: tuple[Row, ...] = (
-    (("generate", "--spawn", "0", "--fixture", "tiny-llama"), "into 0 stages"),
+    (("generate", "--spawn", "0", "--fixture", "tiny-llama"), "--spawn"),
+    (("generate", "--endpoints", "127.0.0.1:{port}", "--ids"), "127.0.0.1:{port}"),
+    (("generate", "--spawn", "2", "--fixture", "tiny-llama", "--temperature", "-1"), "temperature"),
+    (("chat", "--spawn", "2", "--model", "{missing}"), "{missing}"),
+    (("chat", "--endpoints", "127.0.0.1:{port}", "--vocab", "{missing}"), "{missing}"),
+    (("chat", "--spawn", "99", "--fixture", "tiny-llama"), "--spawn"),
+    (("serve", "--spawn", "2", "--model", "{missing}"), "{missing}"),
+    (("serve", "--endpoints", "127.0.0.1:{port}", "--vocab", "{not_gguf}"), "{not_gguf}"),
+    (("serve", "--spawn", "2", "--fixture", "tiny-llama", "--port", "-5"), "--port"),
     (("generate", "--spawn", "2", "--model", "{missing}"), "{missing}"),
     (("generate", "--endpoints", "127.0.0.1:{port}", "--ids", "-n", "many"), "many"),
     (("generate", "--endpoints", "127.0.0.1:{port}", "--ids", "--lock", "{missing}"), "{missing}"),

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import attrs
 
-from dgr_engine.cli.certify import CERTIFY_OPTIONS
 from dgr_engine.options import EngineOptions
 
 SMOLLM2 = "smollm2-135m-instruct"
-OPTIONS = EngineOptions(**CERTIFY_OPTIONS)
+OPTIONS = EngineOptions()
 """The lane's engine options: ``dgr certify``'s (the one set of defaults)."""
 
 

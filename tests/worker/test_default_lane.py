@@ -47,16 +47,18 @@ def _unused_load() -> LoadSnapshot:
 
 
 def test_dgr_worker_dgr_certify_and_engine_options_share_one_set_of_defaults() -> None:
-    from dgr_engine.cli.certify import CERTIFY_OPTIONS
-
     defaults = EngineOptions()
     assert (defaults.n_threads, defaults.n_ctx_per_session) == (1, 256)
     assert (defaults.n_batch, defaults.max_sessions) == (64, 8)
-    worker = cli.parser().parse_args(["worker", "--model", "m.gguf", "--layers", "0:10"])
-    certify = cli.parser().parse_args(["certify", "--model", "m.gguf"])
-    assert EngineOptions.from_args(worker) == defaults
-    assert EngineOptions.from_args(certify) == defaults
-    assert EngineOptions(**CERTIFY_OPTIONS) == defaults  # the deprecated alias, until removed
+    route = ["--spawn", "3", "--model", "m.gguf"]
+    for argv in (
+        ["worker", "--model", "m.gguf", "--layers", "0:10"],
+        ["certify", "--model", "m.gguf"],
+        ["generate", *route],
+        ["chat", *route],
+        ["serve", *route],
+    ):
+        assert EngineOptions.from_args(cli.parser().parse_args(argv)) == defaults, argv[0]
 
 
 def smollm2_worker(tiny_llama: Path, argv: list[str]) -> Advertiser:
