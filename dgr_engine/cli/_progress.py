@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 _QUIET: ContextVar[bool] = ContextVar("dgr_progress_quiet", default=False)
 
-LINE_EVERY_PERCENT = 10
+LINE_EVERY_PERCENT = 1
 """Off a terminal, a byte count prints a line each time it crosses this many percent."""
 
 
@@ -85,7 +85,7 @@ def progress_printer(
 ) -> tuple[Callable[[str, int, int], None], Callable[[], None]]:
     """``(report, finish)``: ``report(name, done, total)`` after each step of a byte count,
     ``finish()`` at the end. On a terminal a tqdm bar (``VERB NAME``, rate, time left);
-    elsewhere a line ``VERB NAME PCT% DONE/TOTAL MiB`` every :data:`LINE_EVERY_PERCENT` %
+    elsewhere a line ``VERB NAME PCT% DONE/TOTAL bytes`` (exact: logs and scripts read them) every :data:`LINE_EVERY_PERCENT` %
     and at the end. Nothing at all under ``--quiet``."""
     if is_quiet():
         return (lambda _name, _done, _total: None), (lambda: None)
@@ -134,9 +134,9 @@ def _lines(verb: str, out: TextIO) -> tuple[Callable[[str, int, int], None], Cal
             return
         printed[name] = step
         out.write(
-            f"{verb} {name} {percent}% {done / 2**20:.1f}/{total / 2**20:.1f} MiB\n"
+            f"{verb} {name} {percent}% {done}/{total} bytes\n"
             if total
-            else f"{verb} {name} {done / 2**20:.1f} MiB\n"
+            else f"{verb} {name} {done} bytes\n"
         )
         out.flush()
 
