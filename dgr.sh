@@ -41,6 +41,26 @@ with_ticker() {
     return "$status"
 }
 
+# ensure_debian_programs PROGRAM...: installs Debian's package of each program that is not on
+# PATH (the package is named like the program), where this machine allows it (root and apt);
+# elsewhere says which tests will fail without it.
+ensure_debian_programs() {
+    local missing=() program
+    for program in "$@"; do
+        command -v "$program" >/dev/null 2>&1 || missing+=("$program")
+    done
+    [ ${#missing[@]} -eq 0 ] && return 0
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "dgr: installing ${missing[*]} (Debian's) for the tests that drive them" >&2
+        { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+            apt-get install -y -q "${missing[@]}" >/dev/null; } ||
+            echo "dgr: installing ${missing[*]} failed - the tests that drive them will fail" >&2
+    else
+        echo "dgr: ${missing[*]} missing and not installable here (root and apt) - the tests" \
+            "that drive them will fail: install Debian's ${missing[*]}" >&2
+    fi
+}
+
 ensure_env() {
     if [ ! -x .venv/bin/python ]; then
         echo "dgr: creating .venv" >&2
@@ -83,19 +103,10 @@ case "${1:-}" in
     test)
         shift
         ensure_env
-        # the page of `dgr serve` is tested in headless Chromium: Debian's, installed where it
-        # is missing and this machine allows it (root, apt); nothing else is downloaded
-        if ! command -v chromium >/dev/null 2>&1; then
-            if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-                echo "dgr: installing chromium (Debian's) for the page test" >&2
-                { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
-                    apt-get install -y -q chromium >/dev/null; } ||
-                    echo "dgr: installing chromium failed - the page test will fail" >&2
-            else
-                echo "dgr: chromium is missing and cannot be installed here (root and apt)" \
-                    "- the page test will fail: install Debian's chromium" >&2
-            fi
-        fi
+        # programs some tests drive, from Debian, installed where missing and this machine
+        # allows it (root, apt); nothing else is downloaded: headless Chromium for the page of
+        # `dgr serve`, tmux for `dgr chat` in a terminal
+        ensure_debian_programs chromium tmux
         echo "dgr: ruff" >&2
         .venv/bin/ruff check .
         .venv/bin/ruff format --check .
