@@ -85,8 +85,8 @@ def progress_printer(
 ) -> tuple[Callable[[str, int, int], None], Callable[[], None]]:
     """``(report, finish)``: ``report(name, done, total)`` after each step of a byte count,
     ``finish()`` at the end. On a terminal a tqdm bar (``VERB NAME``, rate, time left);
-    elsewhere a line ``VERB NAME PCT% DONE/TOTAL bytes`` (exact: logs and scripts read them) every :data:`LINE_EVERY_PERCENT` %
-    and at the end. Nothing at all under ``--quiet``."""
+    elsewhere a line ``VERB NAME PCT% DONE/TOTAL bytes`` (exact: logs and scripts read them)
+    every :data:`LINE_EVERY_PERCENT` % and at the end. Nothing at all under ``--quiet``."""
     if is_quiet():
         return (lambda _name, _done, _total: None), (lambda: None)
     out = stream if stream is not None else sys.stderr

@@ -5,7 +5,7 @@
   the transport; temperature, top-p, top-k, seed, stop strings, the token limit).
 * :func:`plan_route`: the command line checked and resolved before any work (the model fetched
   or built, numbers checked, the lock read, the tokenizer opened): :class:`RoutePlan`, or
-  :class:`RouteRefused` in one line.
+  :class:`RouteOptionsRefused` in one line.
 * :func:`open_route`: an async context manager that starts the spawned workers or dials the
   given endpoints and yields a :class:`RouteHandle` (the ``SessionManager``, the tokenizer, the
   stages); on exit, also on cancellation and Ctrl-C, every session is cancelled and closed,
@@ -48,7 +48,7 @@ __all__ = [
     "Notice",
     "RouteHandle",
     "RoutePlan",
-    "RouteRefused",
+    "RouteOptionsRefused",
     "RouteStage",
     "RouteStartFailed",
     "SamplingSettings",
@@ -74,7 +74,7 @@ def _silent(_text: str) -> None:
     pass
 
 
-class RouteRefused(DgrError, ValueError):
+class RouteOptionsRefused(DgrError, ValueError):
     """The command line names a route that cannot be run (a bad number, a missing model, an
     unreadable lock, TLS given by halves): nothing was started."""
 
@@ -256,10 +256,10 @@ class SamplingSettings:
         return greedy if self.greedy else sampler
 
     def check_transport(self, transport: str) -> None:
-        """:class:`RouteRefused` when ``transport`` cannot run these settings (a ring runs
+        """:class:`RouteOptionsRefused` when ``transport`` cannot run these settings (a ring runs
         greedy tokens ahead of the client)."""
         if transport == "ring" and not self.greedy:
-            raise RouteRefused(
+            raise RouteOptionsRefused(
                 "--transport ring runs greedy tokens only: drop --temperature or use chain"
             )
 
@@ -309,19 +309,19 @@ class RoutePlan:
 
 
 def plan_route(args: argparse.Namespace, *, notice: Notice = _silent) -> RoutePlan:
-    """Checks and resolves :func:`add_route_arguments`' options; :class:`RouteRefused` in one
+    """Checks and resolves :func:`add_route_arguments`' options; :class:`RouteOptionsRefused` in one
     line. May fetch a catalog model or build a fixture (``notice`` says so)."""
     from dgr_engine.reference import n_layer_of, split_points
 
     model = _model(args, notice)
     if args.spawn is not None and model is None:
-        raise RouteRefused("--spawn needs --model or --fixture")
+        raise RouteOptionsRefused("--spawn needs --model or --fixture")
     layout = None
     if args.spawn is not None:
         assert model is not None
         n_layer = n_layer_of(model)
         if args.spawn > n_layer:
-            raise RouteRefused(
+            raise RouteOptionsRefused(
                 f"--spawn {args.spawn}: {model.name} has {n_layer} layers, at most one "
                 "worker per layer"
             )
@@ -334,7 +334,7 @@ def plan_route(args: argparse.Namespace, *, notice: Notice = _silent) -> RoutePl
     try:
         options = EngineOptions.from_args(args)
     except ValueError as exc:
-        raise RouteRefused(str(exc)) from None
+        raise RouteOptionsRefused(str(exc)) from None
     return RoutePlan(
         model=model,
         layout=layout,
@@ -355,9 +355,9 @@ def _endpoints(text: str) -> tuple[str, ...]:
     for endpoint in endpoints:
         host, sep, port = endpoint.rpartition(":")
         if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise RouteRefused(f"--endpoints: expected HOST:PORT, got {endpoint!r}")
+            raise RouteOptionsRefused(f"--endpoints: expected HOST:PORT, got {endpoint!r}")
     if not endpoints:
-        raise RouteRefused("--endpoints: at least one HOST:PORT is needed")
+        raise RouteOptionsRefused("--endpoints: at least one HOST:PORT is needed")
     return endpoints
 
 
@@ -365,11 +365,11 @@ def _tokenizer(vocab: Path | None) -> Tokenizer | None:
     if vocab is None:
         return None
     if not vocab.is_file():
-        raise RouteRefused(f"--vocab: {vocab}: no such GGUF file")
+        raise RouteOptionsRefused(f"--vocab: {vocab}: no such GGUF file")
     try:
         tokenizer = Tokenizer(vocab)
     except EngineError as exc:
-        raise RouteRefused(f"{vocab}: {exc}") from None
+        raise RouteOptionsRefused(f"{vocab}: {exc}") from None
     if not tokenizer.info.has_tokenizer:
         tokenizer.close()
         return None
@@ -386,7 +386,7 @@ def _model(args: argparse.Namespace, notice: Notice) -> Path | None:
         try:
             lookup_fixture(args.fixture)
         except ValueError as exc:
-            raise RouteRefused(str(exc)) from None
+            raise RouteOptionsRefused(str(exc)) from None
         return ensure_fixture(args.fixture)
     if args.model is None:
         return None
@@ -398,9 +398,9 @@ def _model(args: argparse.Namespace, notice: Notice) -> Path | None:
     try:
         return resolve_model(args.model, notice=notice)
     except (UnknownModel, ModelFetchFailed, ArtifactError, StorageRefused) as exc:
-        raise RouteRefused(str(exc)) from None
+        raise RouteOptionsRefused(str(exc)) from None
     except OSError as exc:  # FileNotFoundError: neither a catalog name nor a file
-        raise RouteRefused(
+        raise RouteOptionsRefused(
             str(exc) if exc.strerror is None else f"{exc.filename}: {exc.strerror}"
         ) from None
 
@@ -414,20 +414,20 @@ def _verifier(args: argparse.Namespace) -> LockVerifier:
     try:
         return LockVerifier(load_lock(args.lock))
     except EvidenceError as exc:
-        raise RouteRefused(f"--lock: {exc}") from None
+        raise RouteOptionsRefused(f"--lock: {exc}") from None
 
 
 def _client_tls(args: argparse.Namespace) -> ClientTls | None:
     if args.tls_ca is None:
         if args.tls_cert is not None or args.tls_key is not None:
-            raise RouteRefused("--tls-cert and --tls-key need --tls-ca")
+            raise RouteOptionsRefused("--tls-cert and --tls-key need --tls-ca")
         return None
     if args.endpoints is None:
-        raise RouteRefused("--tls-ca goes with --endpoints (spawned workers serve loopback)")
+        raise RouteOptionsRefused("--tls-ca goes with --endpoints (spawned workers serve loopback)")
     try:
         return ClientTls.from_files(args.tls_ca, args.tls_cert, args.tls_key)
     except (OSError, ValueError) as exc:
-        raise RouteRefused(f"--tls-ca/--tls-cert/--tls-key: {exc}") from None
+        raise RouteOptionsRefused(f"--tls-ca/--tls-cert/--tls-key: {exc}") from None
 
 
 # -- running ------------------------------------------------------------------------------------

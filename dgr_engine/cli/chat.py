@@ -37,8 +37,8 @@ from dgr_engine.cli._route import (
     PREFILL_NOTICE_SECONDS,
     Notice,
     RouteHandle,
+    RouteOptionsRefused,
     RoutePlan,
-    RouteRefused,
     RouteStartFailed,
     SamplingSettings,
     add_route_arguments,
@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
         settings = SamplingSettings.from_args(args)
         settings.check_transport(args.transport)
         plan = plan_route(args, notice=notice)
-    except (RouteRefused, InvalidSamplingParameter) as exc:
+    except (RouteOptionsRefused, InvalidSamplingParameter) as exc:
         return _refused(exc)
     tokenizer = plan.tokenizer
     if tokenizer is None or not tokenizer.info.has_chat_template:

@@ -45,8 +45,8 @@ from dgr_engine.cli._route import (
     ContextExceeded,
     Notice,
     RouteHandle,
+    RouteOptionsRefused,
     RoutePlan,
-    RouteRefused,
     RouteStartFailed,
     SamplingSettings,
     add_route_arguments,
@@ -127,13 +127,13 @@ def run(args: argparse.Namespace) -> int:
         settings = SamplingSettings.from_args(args)
         settings.check_transport(args.transport)
         if args.check and not settings.greedy:
-            raise RouteRefused("--check compares greedy tokens: drop --temperature")
+            raise RouteOptionsRefused("--check compares greedy tokens: drop --temperature")
         plan = plan_route(args, notice=notice)
-    except (RouteRefused, InvalidSamplingParameter) as exc:
+    except (RouteOptionsRefused, InvalidSamplingParameter) as exc:
         return _refused(exc)
     try:
         if args.check and plan.model is None:
-            raise RouteRefused("--check needs --model or --fixture")
+            raise RouteOptionsRefused("--check needs --model or --fixture")
         vocab = args.vocab if args.vocab is not None else plan.model
         text, prompt = _prompt(args, plan.tokenizer, vocab)
     except (ValueError, EngineError) as exc:

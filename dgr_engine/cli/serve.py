@@ -28,8 +28,8 @@ from dgr_engine.argtypes import float_in, int_in
 from dgr_engine.cli._progress import sayer
 from dgr_engine.cli._route import (
     RouteHandle,
+    RouteOptionsRefused,
     RoutePlan,
-    RouteRefused,
     RouteStartFailed,
     add_route_arguments,
     open_route,
@@ -71,7 +71,7 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         plan = plan_route(args, notice=sayer("dgr serve: "))
-    except RouteRefused as exc:
+    except RouteOptionsRefused as exc:
         return _refused(str(exc))
     if plan.tokenizer is None:
         plan.close()
