@@ -39,3 +39,14 @@ class ExtrasMissing(BaselineError, RuntimeError):
 
 class GgufInvalid(BaselineError, ValueError):
     """The model to compare is not there, or not a GGUF file (no ``GGUF`` magic)."""
+
+
+class V4SaveUnmappable(BaselineError, ValueError):
+    """A DeepSeek V4 saved by ``transformers`` holds something the pre-conversion step cannot
+    map to the release layout the converter reads (a config key missing, a value llama.cpp does
+    not take, a tensor of unknown name)."""
+
+
+class TokenizerUnknownToConverter(BaselineError, ValueError):
+    """The model's tokenizer is one the pinned converter would refuse (its pre-tokenizer hash is
+    not in the converter's table)."""

@@ -1,9 +1,10 @@
 """A GGUF copied with some metadata values set and everything else kept: every other key with
 its type, every tensor's name, type, shape and bytes.
 
-Two uses: a converter-made fixture gets the ``dgr.fixture`` mark (what makes evidence made on it
-fixture evidence), and the baseline's negative control gets a changed RoPE base (which must fail
-parity). The copy is written to a temporary file renamed into place.
+Three uses: a converter-made fixture gets the ``dgr.fixture`` mark (what makes evidence made on
+it fixture evidence), the baseline's negative control gets a changed RoPE base (which must fail
+parity), and a DeepSeek V4's MXFP4 experts are replaced by their float32 values (``tensors``).
+The copy is written to a temporary file renamed into place.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 
 from dgr_engine.atomic import replacing
 
@@ -32,14 +34,18 @@ def copy_with(
     values: Mapping[str, tuple[Any, GGUFValueType]],
     *,
     without: Collection[str] = (),
+    tensors: Mapping[str, np.ndarray] = {},  # noqa: B006 - read only
 ) -> Path:
     """Copies ``src`` to ``dst`` with each ``values[key] = (value, type)`` set (added when the
-    key is new, replaced when it exists) and the keys in ``without`` left out; returns
-    ``dst``."""
+    key is new, replaced when it exists) and the keys in ``without`` left out; each tensor named
+    in ``tensors`` is written as that float32 array (same name and place); returns ``dst``."""
     dst = Path(dst)
     if _ARCH_KEY in values or _ARCH_KEY in without:
         raise ValueError(f"{_ARCH_KEY} is not changed by a copy")
     reader = GGUFReader(src)
+    unknown = set(tensors) - {t.name for t in reader.tensors}
+    if unknown:
+        raise ValueError(f"no tensors {sorted(unknown)} to replace in {src}")
     arch = reader.fields[_ARCH_KEY].contents()
     with replacing(dst) as tmp:
         writer = GGUFWriter(tmp, arch, endianess=reader.endianess)
@@ -56,18 +62,21 @@ def copy_with(
         for name, (value, vtype) in values.items():
             if name not in reader.fields:
                 writer.add_key_value(name, value, vtype)
+        data = {t.name: _replaced(t.data, tensors.get(t.name)) for t in reader.tensors}
         for tensor in reader.tensors:
+            array = data[tensor.name]
+            raw = GGMLQuantizationType.F32 if tensor.name in tensors else tensor.tensor_type
             writer.add_tensor_info(
-                tensor.name,
-                tensor.data.shape,
-                tensor.data.dtype,
-                tensor.data.nbytes,
-                raw_dtype=tensor.tensor_type,
+                tensor.name, array.shape, array.dtype, array.nbytes, raw_dtype=raw
             )
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for tensor in reader.tensors:
-            writer.write_tensor_data(tensor.data)
+            writer.write_tensor_data(data[tensor.name])
         writer.close()
     return dst
+
+
+def _replaced(data: np.ndarray, new: np.ndarray | None) -> np.ndarray:
+    return data if new is None else np.ascontiguousarray(new, dtype=np.float32)

@@ -144,7 +144,7 @@ accept (hidden and expert widths multiples of 32 for MXFP4, hc 4, indexer head d
 fixture: ``transformers``' own save of it is refused by the converter (``docs/baseline.md``)."""
 
 
-def _require_extras() -> tuple[Any, Any]:
+def require_extras() -> tuple[Any, Any]:
     try:
         import torch
         import transformers
@@ -207,7 +207,7 @@ def _weights(model: Any, seed: int, hidden: int, tied: bool) -> dict[str, np.nda
 
 def build_model(spec: TinyHfSpec) -> Any:
     """The ``transformers`` model of ``spec`` with its seeded weights, float32, eval mode."""
-    torch, transformers = _require_extras()
+    torch, transformers = require_extras()
     config_class = getattr(transformers, spec.model_class.replace("ForCausalLM", "Config"))
     config = dict(spec.config)
     rope_theta = config.pop("rope_theta", None)
@@ -253,7 +253,7 @@ def write_hf_model(spec: TinyHfSpec, directory: str | os.PathLike[str]) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     model = build_model(spec)
-    _require_extras()[1].utils.logging.disable_progress_bar()
+    require_extras()[1].utils.logging.disable_progress_bar()
     model.save_pretrained(directory, safe_serialization=True)
     write_tokenizer(directory / "tokenizer.model")
     (directory / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=1))
