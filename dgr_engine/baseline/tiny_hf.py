@@ -104,45 +104,6 @@ SPECS: Final[Mapping[str, TinyHfSpec]] = {
 }
 """The converter-made fixture family's HF models by name."""
 
-V4_PROBE: Final = TinyHfSpec(
-    "hf-deepseek-v4-micro",
-    "DeepseekV4ForCausalLM",
-    {
-        "vocab_size": 258,
-        "hidden_size": 32,
-        "num_hidden_layers": 3,
-        "num_attention_heads": 1,
-        "num_key_value_heads": 1,
-        "head_dim": 32,
-        "qk_rope_head_dim": 16,
-        "q_lora_rank": 16,
-        "o_groups": 1,
-        "o_lora_rank": 16,
-        "n_routed_experts": 2,
-        "num_experts_per_tok": 1,
-        "moe_intermediate_size": 32,
-        "n_shared_experts": 1,
-        "compress_ratios": [0, 4, 128],
-        "num_hash_layers": 2,
-        "sliding_window": 16,
-        "index_n_heads": 8,
-        "index_head_dim": 64,
-        "index_topk": 8,
-        "hc_mult": 4,
-        "max_position_embeddings": 1024,
-        "rms_norm_eps": 1e-6,
-        "num_nextn_predict_layers": 0,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-    },
-    seed=1234,
-    description="3-layer DeepSeek V4: 2 hash-routed layers, compress ratios 0/4/128, hc 4",
-    scaled_init=False,
-)
-"""The smallest DeepSeek V4 that ``transformers``, the converter's shapes and llama.cpp all
-accept (hidden and expert widths multiples of 32 for MXFP4, hc 4, indexer head dim 64). Not a
-fixture: ``transformers``' own save of it is refused by the converter (``docs/baseline.md``)."""
-
 
 def require_extras() -> tuple[Any, Any]:
     try:

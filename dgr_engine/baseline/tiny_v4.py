@@ -29,7 +29,6 @@ Needs the ``dgr[baseline]`` extra (torch, transformers), imported when used.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -188,6 +187,15 @@ def write_hf_model(
     return directory
 
 
-def specs() -> Mapping[str, TinyHfSpec]:
-    """The tiny V4 HF models by name."""
-    return {V4_SPEC.name: V4_SPEC}
+PARITY_PROMPT_LENGTHS: Final = (260, 140)
+"""Prompt lengths for parity runs: 260 tokens pass the sliding window (16), 65 CSA blocks (ratio
+4, of which the indexer keeps 4) and two HCA blocks (ratio 128); 140 tokens one HCA block."""
+
+
+def parity_prompts(seed: int = 33) -> tuple[tuple[int, ...], ...]:
+    """Seeded token ids over GPT-2's vocabulary (never ``<|endoftext|>``), one prompt per
+    :data:`PARITY_PROMPT_LENGTHS`."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    return tuple(
+        tuple(int(t) for t in rng.integers(0, GPT2_ENDOFTEXT, n)) for n in PARITY_PROMPT_LENGTHS
+    )

@@ -44,7 +44,7 @@ from typing import Any, Final
 import attrs
 import numpy as np
 
-from dgr_engine.baseline import mxfp4
+from dgr_engine.baseline import converter, mxfp4
 from dgr_engine.baseline.errors import TokenizerUnknownToConverter, V4SaveUnmappable
 from dgr_engine.baseline.tiny_hf import require_extras
 
@@ -261,12 +261,14 @@ def prepare(
     saved_dir: str | os.PathLike[str],
     out: str | os.PathLike[str],
     *,
-    converter_tree: Path,
+    converter_tree: Path | None = None,
 ) -> V4Prepared:
     """Writes ``saved_dir`` (a V4 saved by ``transformers``) into the new directory ``out`` in
-    the release layout; ``converter_tree`` is the pinned llama.cpp tree (its converter's tokenizer
-    table). Everything is checked before anything is written."""
+    the release layout; ``converter_tree`` is the pinned llama.cpp tree (default: the one
+    :func:`~dgr_engine.baseline.converter.converter_tree` extracts), whose converter's tokenizer
+    table is checked. Everything is checked before anything is written."""
     torch, transformers = require_extras()
+    tree = converter_tree if converter_tree is not None else converter.converter_tree()
     from safetensors.torch import load_file, save_file
 
     saved_dir, out = Path(saved_dir), Path(out)
@@ -281,7 +283,7 @@ def prepare(
     names = {f: _tensor_names(f) for f in files}
     for saved in (n for group in names.values() for n in group):
         release_name(saved)  # refuses an unknown name before anything is written
-    pre = converter_pre_tokenizer(saved_dir, converter_tree / "conversion" / "base.py")
+    pre = converter_pre_tokenizer(saved_dir, tree / "conversion" / "base.py")
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))

@@ -29,14 +29,14 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.fixture(scope="module", params=converted.names())
+@pytest.fixture(scope="module", params=converted.names("llama"))
 def fixture(request: pytest.FixtureRequest) -> converted.ConvertedFixture:
     return converted.ensure_converted(request.param)
 
 
 def test_the_family_covers_gqa_mqa_tied_and_an_odd_head_dim() -> None:
     heads = {}
-    for name in converted.names():
+    for name in converted.names("llama"):
         fields = GGUFReader(converted.ensure_converted(name).gguf).fields
         tensors = {t.name for t in GGUFReader(converted.ensure_converted(name).gguf).tensors}
         heads[name] = (
