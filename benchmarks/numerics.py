@@ -3,7 +3,9 @@
 Two tables, measured side by side in one run:
 
 1. **Error** on the converter-made fixtures: whole-model llama.cpp at each setting against
-   ``transformers`` (CPU, float32) from the same safetensors, on the same prompts: max |d logit|,
+   ``transformers`` (CPU, float32) from the same safetensors, on the same prompts (2 x 24 seeded
+   ids; for the DeepSeek V4 ones the 260- and 140-token prompts of
+   ``tiny_v4.parity_prompts``, past the sliding window and the compression blocks): max |d logit|,
    max row-normwise relative error, top-1 agreement, greedy tokens equal, and llama.cpp's decode
    speed over transformers' (each side in its own process, the same threads).
 2. **Speed** on a larger fixture (``mid-llama`` by default): decode and prefill tokens/s of the
@@ -31,7 +33,7 @@ import numpy as np
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before the engine loads libgomp
 
-from dgr_engine.baseline import runs  # noqa: E402
+from dgr_engine.baseline import runs, tiny_v4  # noqa: E402
 from dgr_engine.baseline.compare import compare  # noqa: E402
 from dgr_engine.baseline.runner import prompts_for  # noqa: E402
 from dgr_engine.engine import ShardEngine  # noqa: E402
@@ -53,7 +55,8 @@ def error_table(models: list[str], threads: int) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for name in models:
         fixture = converted.ensure_converted(name)
-        work = runs.Work(prompts_for(320), 16, threads)
+        v4 = name in converted.V4_SPECS
+        work = runs.Work(tiny_v4.parity_prompts() if v4 else prompts_for(320), 16, threads)
         reference = runs.in_child(runs.run_transformers, str(fixture.hf_dir), work)
         for numerics in SETTINGS:
             row: dict[str, Any] = {"model": name, "kv": numerics.kv_type, "fa": numerics.flash_attn}

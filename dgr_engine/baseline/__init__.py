@@ -9,6 +9,11 @@ it (and the parity suite) run on.
   mark; the negative control's changed RoPE base).
 * :mod:`~dgr_engine.baseline.tiny_hf`: tiny models made with ``transformers`` from a config and a
   seed (the converter-made fixture family).
+* :mod:`~dgr_engine.baseline.tiny_v4`: the tiny DeepSeek V4 made with ``transformers`` (experts
+  on the MXFP4 grid, GPT-2's tokenizer from the pinned tree).
+* :mod:`~dgr_engine.baseline.v4_save`: the pre-conversion step that rewrites ``transformers``'
+  V4 save in the release layout the converter reads; :mod:`~dgr_engine.baseline.mxfp4`: MXFP4
+  in the release layout and in ggml's blocks.
 * :mod:`~dgr_engine.baseline.compare`: logits and tokens of two implementations, compared.
 * :mod:`~dgr_engine.baseline.runs`: one side each (transformers, whole-model llama.cpp) in its own
   process: teacher-forced logits, greedy tokens, speed, peak memory.

@@ -155,7 +155,7 @@ def test_mxfp4_experts_are_the_same_weights_and_their_error_is_the_kernels(
         c = against_transformers(reference, pool.whole())
     finally:
         pool.close()
-    # reported, not a parity bound: Q8_0 activations into every expert matmul (measured 1.08,
+    # reported, not a parity bound: Q8_0 activations into every expert matmul (measured 1.52,
     # top-1 agreement 0.99); far above the f32 experts' float32 noise, far below unrelated logits
     assert 0.05 < c.max_abs < 5.0, c
     assert c.top1_agreement > 0.9, c
