@@ -34,7 +34,7 @@ def copy_with(
     values: Mapping[str, tuple[Any, GGUFValueType]],
     *,
     without: Collection[str] = (),
-    tensors: Mapping[str, np.ndarray] = {},  # noqa: B006 - read only
+    tensors: Mapping[str, np.ndarray] | None = None,
 ) -> Path:
     """Copies ``src`` to ``dst`` with each ``values[key] = (value, type)`` set (added when the
     key is new, replaced when it exists) and the keys in ``without`` left out; each tensor named
@@ -42,6 +42,7 @@ def copy_with(
     dst = Path(dst)
     if _ARCH_KEY in values or _ARCH_KEY in without:
         raise ValueError(f"{_ARCH_KEY} is not changed by a copy")
+    tensors = tensors or {}
     reader = GGUFReader(src)
     unknown = set(tensors) - {t.name for t in reader.tensors}
     if unknown:
