@@ -241,8 +241,9 @@ def converter_pre_tokenizer(saved_dir: Path, converter_base: Path) -> str:
     try:
         tokenizer = transformers.AutoTokenizer.from_pretrained(saved_dir)
     except (OSError, ValueError) as exc:
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise TokenizerUnknownToConverter(
-            f"no tokenizer transformers can load: {exc}", path=saved_dir
+            f"no tokenizer transformers can load: {first}", path=saved_dir
         ) from None
     chkhsh = hashlib.sha256(str(tokenizer.encode(text)).encode()).hexdigest()
     if chkhsh not in known:
