@@ -117,7 +117,8 @@ def convert(
     hf_dir, out = Path(hf_dir), Path(out)
     if outtype not in OUTTYPES:
         raise ValueError(f"outtype must be one of {', '.join(OUTTYPES)}; got {outtype!r}")
-    covered_arch(read_config(hf_dir), path=hf_dir)
+    config = read_config(hf_dir)
+    covered_arch(config, path=hf_dir)
     script = converter_tree(log) / "convert_hf_to_gguf.py"
     env = {k: v for k, v in os.environ.items() if k != "NO_LOCAL_GGUF"}
     env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONHASHSEED="0")
@@ -134,12 +135,24 @@ def convert(
         if done.returncode != 0:
             raise ConversionFailed(
                 f"llama.cpp's converter failed (exit {done.returncode}): "
-                f"{_last_error(done.stderr or done.stdout)}",
+                f"{_last_error(done.stderr or done.stdout)}{_step_hint(config)}",
                 path=hf_dir,
             )
     seconds = time.perf_counter() - started
     logger.bind(model=str(hf_dir)).debug("converted to {} in {:.1f} s", out, seconds)
     return seconds
+
+
+def _step_hint(config: dict[str, Any]) -> str:
+    """What to do when the converter refused a DeepSeek V4 saved by ``transformers`` (its
+    config lacks keys the release config has): dgr's pre-conversion step."""
+    if config.get("model_type") == "deepseek_v4" and "num_hash_layers" not in config:
+        return (
+            "; a DeepSeek V4 saved by transformers converts after dgr's pre-conversion step: "
+            "dgr_engine.baseline.v4_save.prepare(SAVED, OUT), then convert OUT "
+            "(docs/v4-from-transformers.md)"
+        )
+    return ""
 
 
 def _last_error(text: str) -> str:

@@ -48,8 +48,9 @@ def one_line(exc: pytest.ExceptionInfo[Exception]) -> str:
 def test_the_bare_converter_refuses_the_save_and_converts_it_after_the_step(
     save: Path, tmp_path: Path
 ) -> None:
-    with pytest.raises(ConversionFailed, match="KeyError: 'num_hash_layers'"):
+    with pytest.raises(ConversionFailed, match="KeyError: 'num_hash_layers'") as refused:
         converter.convert(save, tmp_path / "out" / "raw.gguf")
+    assert "v4_save.prepare" in str(refused.value)  # the refusal says what to do
     assert list((tmp_path / "out").iterdir()) == []
 
     prepared = v4_save.prepare(save, tmp_path / "release")
