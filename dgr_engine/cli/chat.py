@@ -23,9 +23,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from enum import StrEnum
@@ -56,6 +58,8 @@ DEFAULT_ANSWER_TOKENS = 256
 """``-n``'s default: tokens per answer at most (the end of turn comes first, mostly)."""
 PROMPT = "> "
 """What the chat shows when it waits for your next line."""
+CLOSE_SECONDS = 30.0
+"""The most the route's close may take at the end (its workers' bounded stops fit in it)."""
 COMMANDS = "/reset starts a new conversation, /exit or Ctrl-D ends"
 """The chat's own commands, as its first line tells them."""
 
@@ -146,8 +150,25 @@ def _chat(
         notice(COMMANDS)
         _converse(runner, route, settings, base, notice)
     finally:
-        runner.run(opened.__aexit__(None, None, None))
+        _close_route(runner, opened, notice)
     return 0
+
+
+def _close_route(
+    runner: asyncio.Runner,
+    opened: contextlib.AbstractAsyncContextManager[RouteHandle],
+    notice: Notice,
+) -> None:
+    """Closes the route (its sessions, its channels, the workers it started), bounded: what
+    is still open after :data:`CLOSE_SECONDS` is cut off (spawned workers are killed)."""
+    began = time.monotonic()
+    notice("closing the route ...")
+    try:
+        runner.run(asyncio.wait_for(opened.__aexit__(None, None, None), CLOSE_SECONDS))
+    except TimeoutError:
+        notice(f"the route did not close within {CLOSE_SECONDS:g} s: its workers were stopped")
+        return
+    notice(f"route closed in {time.monotonic() - began:.1f} s")
 
 
 def _converse(

@@ -173,6 +173,9 @@ class WorkerProcess:
         stderr = tempfile.TemporaryFile()
         proc = subprocess.Popen(
             list(args),
+            # never the caller's terminal: a worker reads nothing, and one holding a terminal
+            # open keeps it (and a terminal multiplexer's pane) alive after its caller ends
+            stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=stderr,
             text=True,

@@ -36,14 +36,18 @@ LONG = "Write a long story about a dragon who learns to bake bread."
 class Pane:
     """One tmux session on a private server, running one command."""
 
-    def __init__(self, command: list[str], env: dict[str, str]) -> None:
+    def __init__(self, command: list[str], env: dict[str, str], status_file: Path) -> None:
         self.socket = f"dgr-chat-test-{uuid.uuid4().hex[:8]}"
+        # the command's exit status, written by the pane's shell when the command ends: tmux's
+        # own (#{pane_dead_status}) is sometimes never filled in, its child left a zombie
+        self._status_file = status_file
         #: Processes the test saw the command start (stopped at the end if still running).
         self.watched: set[int] = set()
         self._env = env  # the tmux server's, and so the pane's
         self._tmux(
             "new-session", "-d", "-s", "chat", "-x", "160", "-y", "60", "-c", str(ROOT),
-            shlex.join(command), ";", "set-option", "-t", "chat", "remain-on-exit", "on",
+            f"{shlex.join(command)}; echo $? > {shlex.quote(str(status_file))}",
+            ";", "set-option", "-t", "chat", "remain-on-exit", "on",
         )  # fmt: skip
 
     def _tmux(self, *args: str) -> str:
@@ -66,13 +70,11 @@ class Pane:
 
     def exit_status(self) -> int | None:
         """The command's exit status once it has ended (``None``: still running)."""
-        dead, status, signal = self._tmux(
-            "display-message", "-p", "-t", "chat",
-            "#{pane_dead}:#{pane_dead_status}:#{pane_dead_signal}",
-        ).strip().split(":")  # fmt: skip
-        if dead != "1" or not (status or signal):  # tmux may see the end before the status
+        try:
+            text = self._status_file.read_text()
+        except FileNotFoundError:
             return None
-        return int(status) if status else 128 + int(signal)  # a shell's way
+        return int(text) if text.endswith("\n") else None  # written whole, then a newline
 
     def pid(self) -> int:
         return int(self._tmux("display-message", "-p", "-t", "chat", "#{pane_pid}"))
@@ -169,7 +171,7 @@ async def sessions_open(endpoints: list[str]) -> list[int]:
 
 
 @pytest.fixture()
-def pane(smollm2_lane: tuple[Path, Path, Path]) -> Iterator[Pane]:  # noqa: F811
+def pane(smollm2_lane: tuple[Path, Path, Path], tmp_path: Path) -> Iterator[Pane]:  # noqa: F811
     if shutil.which("tmux") is None:
         pytest.fail("tmux is missing: apt-get install -y tmux")
     _model, lock, evidence = smollm2_lane
@@ -178,7 +180,7 @@ def pane(smollm2_lane: tuple[Path, Path, Path]) -> Iterator[Pane]:  # noqa: F811
         "--lock", str(lock), "--evidence", str(evidence), "--system", SYSTEM,
     ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_WAIT_POLICY="PASSIVE")
-    opened = Pane(command, env)
+    opened = Pane(command, env, tmp_path / "exit-status")
     try:
         yield opened
     finally:
@@ -248,5 +250,7 @@ def test_a_conversation_in_a_terminal(
     pane.type("/exit")
     screen = pane.wait_for(lambda s: pane.exit_status() is not None, "the end", limit=60)
     assert pane.exit_status() == 0, screen
-    assert "Traceback" not in pane.screen()
+    screen = pane.screen()
+    assert "Traceback" not in screen
+    assert re.search(r"dgr chat: route closed in \d+\.\d s", screen), screen  # said, bounded
     assert [pid for pid in workers if running(pid)] == []

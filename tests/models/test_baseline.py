@@ -45,7 +45,10 @@ EXACT_BOUND = 1e-4
 """float32 noise: the bound the exact setting meets against transformers (measured ~1e-5)."""
 
 
-@pytest.fixture(scope="module", params=converted.names("llama"))
+@pytest.fixture(
+    scope="module",
+    params=[name for arch in ("llama", "qwen2", "qwen3") for name in converted.names(arch)],
+)
 def fixture(request: pytest.FixtureRequest) -> converted.ConvertedFixture:
     return converted.ensure_converted(request.param)
 
@@ -215,10 +218,10 @@ def test_a_directory_without_config_or_weights_is_refused(hf_copy: Path, tmp_pat
 
 def test_an_uncovered_architecture_is_refused_before_converting(hf_copy: Path) -> None:
     config = json.loads((hf_copy / "config.json").read_text())
-    config["architectures"] = ["Qwen2ForCausalLM"]
+    config["architectures"] = ["RefactForCausalLM"]
     (hf_copy / "config.json").write_text(json.dumps(config))
     line = refused([str(hf_copy)])
-    assert "architecture Qwen2ForCausalLM is not covered: dgr runs LlamaForCausalLM" in line
+    assert "architecture RefactForCausalLM is not covered: dgr runs LlamaForCausalLM" in line
     with pytest.raises(ArchitectureNotCovered):
         converter.convert(hf_copy, hf_copy.parent / "x.gguf")
     assert not (hf_copy.parent / "x.gguf").exists()

@@ -14,6 +14,7 @@ from gguf import GGUFReader
 
 from dgr_engine import ShardEngine
 from dgr_engine.certification.classify import FIXTURE_MARK_KEY
+from dgr_engine.baseline import converter
 from dgr_engine.fixtures import converted
 from dgr_engine.numerics import EXACT, Numerics
 from dgr_engine.reference import LocalChain
@@ -29,7 +30,16 @@ def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-@pytest.fixture(scope="module", params=converted.names("llama"))
+DENSE = [name for arch in ("llama", "qwen2", "qwen3") for name in converted.names(arch)]
+"""The dense families' converter-made fixtures: Llama, and the family patches' qwen2 and qwen3."""
+
+
+def arch_of(name: str) -> str:
+    spec = converted.lookup(name)
+    return converter.COVERED[spec.model_class]
+
+
+@pytest.fixture(scope="module", params=DENSE)
 def fixture(request: pytest.FixtureRequest) -> converted.ConvertedFixture:
     return converted.ensure_converted(request.param)
 
@@ -51,11 +61,22 @@ def test_the_family_covers_gqa_mqa_tied_and_an_odd_head_dim() -> None:
     assert heads["hf-llama-headdim"] == (4, 2, 32, 64, True)  # 32 != 64 / 4
 
 
+def test_the_qwen_fixtures_carry_their_family_features() -> None:
+    qwen2 = {t.name for t in GGUFReader(converted.ensure_converted("hf-qwen2-bias-tied").gguf).tensors}
+    assert {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"} <= qwen2
+    assert "output.weight" not in qwen2  # tied head
+    qwen3 = GGUFReader(converted.ensure_converted("hf-qwen3-qknorm").gguf)
+    names = {t.name for t in qwen3.tensors}
+    assert {"blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight", "output.weight"} <= names
+    assert qwen3.fields["qwen3.attention.key_length"].contents() == 32  # != 64 / 4
+
+
 def test_a_fixture_is_the_converters_output_marked(fixture: converted.ConvertedFixture) -> None:
     fields = GGUFReader(fixture.gguf).fields
-    assert fields["general.architecture"].contents() == "llama"
+    arch = arch_of(fixture.name)
+    assert fields["general.architecture"].contents() == arch
     assert fields[FIXTURE_MARK_KEY].contents() == converted.fixture_mark(fixture.name)
-    assert fields["llama.block_count"].contents() == N_LAYER
+    assert fields[f"{arch}.block_count"].contents() == N_LAYER
     assert (fixture.hf_dir / "model.safetensors").is_file()
     assert (fixture.hf_dir / "tokenizer.model").is_file()
     assert sorted(p.name for p in fixture.gguf.parent.iterdir()) == ["hf", "model.gguf"]
