@@ -908,17 +908,6 @@ int dgr_session_truncate(dgr_engine * engine, uint64_t session_id, uint64_t epoc
                     "re-prefill under a new epoch instead",
                     (unsigned long long) session_id, n_keep, slot->next_pos);
     }
-    if (const int32_t n_swa = llama_model_n_swa(engine->model); n_swa > 0 && n_keep > 0) {
-        // a sliding-window cache reuses the cells of positions that left the window: the next
-        // position needs the n_swa - 1 before it
-        const llama_pos held_from = llama_memory_seq_pos_min(engine->mem(), slot->seq);
-        if (held_from > 0 && held_from > n_keep - n_swa) {
-            return fail(DGR_E_UNSUPPORTED,
-                        "session %llu: the sliding-window cache no longer holds positions %d..%d that "
-                        "position %d attends to; re-prefill under a new epoch instead",
-                        (unsigned long long) session_id, std::max(0, n_keep - n_swa), held_from - 1, n_keep);
-        }
-    }
     if (!llama_memory_seq_rm(engine->mem(), slot->seq, n_keep, -1)) {
         return fail(DGR_E_INTERNAL, "session %llu: llama.cpp refused to drop positions >= %d",
                     (unsigned long long) session_id, n_keep);
