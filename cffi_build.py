@@ -64,9 +64,15 @@ def make_ffibuilder() -> FFI:
     manifest = json.loads(MANIFEST.read_text())
     commit = manifest["upstream"]["commit"]
     flags = ";".join(f"{k}={v}" for k, v in sorted(manifest["cmake"]["options"].items()))
-    # the stack the library is built with (the build key covers the same files), stated by
-    # every worker's advert
-    stack = build_llama.patch_stack_sha256(build_llama.read_patches(ROOT / "patches")).hex()
+    # the stacks the library is built with (the build key covers every patch), stated by every
+    # worker's advert: the base stack's hash, and each family patch's by its architecture
+    patches = build_llama.read_patches(ROOT / "patches")
+    build_llama.check_family_patches(patches)
+    stack = build_llama.patch_stack_sha256(build_llama.base_patches(patches)).hex()
+    families = ";".join(
+        f"{arch}={digest.hex()}"
+        for arch, digest in build_llama.family_patch_sha256s(patches).items()
+    )
     # DGR_SANITIZE=1: dgr_shard.cpp with the sanitizers, linked against their libllama build
     # (scripts/sanitize.sh; never the installed module)
     sanitize = build_llama.SANITIZE_FLAGS.split() + ["-g"] if os.environ.get("DGR_SANITIZE") else []
@@ -85,6 +91,7 @@ def make_ffibuilder() -> FFI:
         define_macros=[
             ("DGR_LLAMA_COMMIT", f'"{commit}"'),
             ("DGR_PATCH_STACK_SHA256", f'"{stack}"'),
+            ("DGR_FAMILY_PATCHES", f'"{families}"'),
             ("DGR_BUILD_FLAGS", f'"{flags}"'),
         ],
     )

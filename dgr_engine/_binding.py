@@ -8,7 +8,7 @@ from typing import Any
 from dgr_engine.errors import AbiMismatch, error_for_status
 
 #: The C ABI version this Python package was written against (native/include/dgr_shard.h).
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 try:
     _native: Any = importlib.import_module("dgr_engine._native")
@@ -46,7 +46,18 @@ def check_status(code: int) -> None:
 LLAMA_COMMIT: str = ffi.string(lib.dgr_llama_commit()).decode()
 """The llama.cpp commit the binding was built from."""
 PATCH_STACK_SHA256: bytes = bytes.fromhex(ffi.string(lib.dgr_patch_stack_sha256()).decode())
-"""The patch stack the binding was built with (empty if unknown): what adverts state."""
+"""The base patch stack the binding was built with (the patches without a ``Family:`` line;
+empty if unknown): what adverts state."""
+SUPPORTED_ARCHS: tuple[str, ...] = tuple(ffi.string(lib.dgr_supported_archs()).decode().split(", "))
+"""The architectures the binding runs: the base stack's, then those of its family patches."""
+
+
+def family_patch_sha256(arch: str) -> bytes:
+    """The family patch of ``arch`` the binding was built with (SHA-256 over that family's
+    patches); empty for an architecture without one (the base stack's, an uncovered one)."""
+    return bytes.fromhex(ffi.string(lib.dgr_family_patch_sha256(arch.encode())).decode())
+
+
 BUILD_FLAGS: str = ffi.string(lib.dgr_build_flags()).decode()
 """The cmake options the patched libllama was built with (``KEY=VALUE;...``, sorted)."""
 SYSTEM_INFO: str = ffi.string(lib.dgr_system_info()).decode().strip()

@@ -149,7 +149,7 @@ class Lane:
     llama_cpp_commit: str
     """Exact llama.cpp commit the worker was built from."""
     patch_stack_hash: bytes = attrs.field(repr=short_hex)
-    """Hash of the applied patch stack (``patches/``)."""
+    """Hash of the applied base patch stack (``patches/`` without the family patches)."""
     dgr_version: str
     """dgr version of the worker."""
     hardware: str
@@ -178,6 +178,9 @@ class Lane:
     certify_command: str = attrs.field(default="", eq=False, repr=False)
     """The command that would certify the lane, run on the worker's machine (``dgr certify``
     with the worker's model and lane options); ``""`` when not known."""
+    family_patch_hash: bytes = attrs.field(default=b"", repr=short_hex)
+    """Hash of the family patches of the stage's architecture (``patches/`` whose header names
+    it); ``b""`` when the architecture runs on the base stack alone."""
 
     @property
     def certified(self) -> bool:

@@ -151,6 +151,7 @@ def validate_route(
     expected_begin = 0
     want_commit = route.stages[0].lane.llama_cpp_commit
     want_patches = route.stages[0].lane.patch_stack_hash
+    want_family = route.stages[0].lane.family_patch_hash
     for index, stage in enumerate(route.stages):
         # ``is``: the common case (one object for the whole route) skips attrs' field compare
         if stage.identity is not want_identity and stage.identity != want_identity:
@@ -172,6 +173,13 @@ def validate_route(
                 f"runs llama.cpp {lane.llama_cpp_commit[:12]} + patches "
                 f"{lane.patch_stack_hash.hex()[:12]}, stage 0 runs "
                 f"{want_commit[:12]} + {want_patches.hex()[:12]}"
+            )
+            raise _at(RouteIncompatible, index, stage, message)
+        if lane.family_patch_hash != want_family:
+            message = (
+                f"runs the {stage.identity.arch} family patch "
+                f"{lane.family_patch_hash.hex()[:12] or 'none'}, stage 0 runs "
+                f"{want_family.hex()[:12] or 'none'}"
             )
             raise _at(RouteIncompatible, index, stage, message)
         if 0 < stage.max_rows < min_rows:

@@ -56,6 +56,9 @@ SCRIPT_PATH = Path(__file__).resolve()
 REPO_ROOT = SCRIPT_PATH.parent.parent
 MANIFEST_NAME = "llama.cpp.manifest.json"
 PATCH_RE = re.compile(r"^(\d+)-.+\.patch$")
+FAMILY_RE = re.compile(r"^Family:(.*)$")
+"""A family patch's header line naming the one architecture it covers (``Family: gemma3``)."""
+ARCH_RE = re.compile(r"^[a-z][a-z0-9_-]*$")
 NINJA_PROGRESS_RE = re.compile(r"^\[(\d+)/(\d+)\]")
 MAKE_PROGRESS_RE = re.compile(r"^\[\s*(\d+)%\]")
 _CHUNK = 1 << 20
@@ -129,6 +132,43 @@ class PatchFile:
     def sha256(self) -> str:
         return hashlib.sha256(self.data).hexdigest()
 
+    @property
+    def header(self) -> list[str]:
+        """The patch's description: its lines before the first ``diff``/``---`` line."""
+        lines = []
+        for line in self.data.decode(errors="replace").splitlines():
+            if line.startswith(("diff ", "--- ")):
+                break
+            lines.append(line)
+        return lines
+
+    @property
+    def family(self) -> str | None:
+        """The architecture a family patch covers (its header's ``Family:`` line); ``None`` for a
+        patch of the base stack."""
+        for line in self.header:
+            match = FAMILY_RE.match(line)
+            if match:
+                return match.group(1).strip()
+        return None
+
+    @property
+    def touched_paths(self) -> list[str]:
+        """Every path the patch changes (its ``---``/``+++`` file headers, without the ``a/``,
+        ``b/`` prefixes and ``/dev/null``), in order, each once."""
+        paths: list[str] = []
+        lines = self.data.decode(errors="replace").splitlines()
+        for previous, line in zip(lines, lines[1:], strict=False):
+            if not (previous.startswith("--- ") and line.startswith("+++ ")):
+                continue
+            for header in (previous[4:], line[4:]):
+                path = header.split("\t", 1)[0].strip()
+                if path != "/dev/null":
+                    path = path.removeprefix("a/").removeprefix("b/")
+                    if path not in paths:
+                        paths.append(path)
+        return paths
+
 
 def parse_manifest(data: bytes) -> dict[str, Any]:
     """Parse and sanity-check the manifest."""
@@ -192,14 +232,58 @@ def read_patches(patches_dir: Path) -> list[PatchFile]:
 
 
 def patch_stack_sha256(patches: Sequence[PatchFile]) -> bytes:
-    """The patch stack's identity, as a worker's advert states it: SHA-256 over the patches in
-    order, each its name, NUL, and the SHA-256 of its bytes. Empty for no patches."""
+    """A patch stack's identity: SHA-256 over the patches in order, each its name, NUL, and the
+    SHA-256 of its bytes. Empty for no patches. A worker's advert states that of the base stack
+    (:func:`base_patches`), and of its architecture's family patches
+    (:func:`family_patch_sha256s`) apart."""
     if not patches:
         return b""
     digest = hashlib.sha256()
     for patch in patches:
         digest.update(patch.name.encode() + b"\0" + hashlib.sha256(patch.data).digest())
     return digest.digest()
+
+
+def family_builder_paths(arch: str) -> tuple[str, ...]:
+    """The files a family patch of ``arch`` may change: that architecture's own graph builder."""
+    return (f"src/models/{arch}.cpp",)
+
+
+def check_family_patches(patches: Sequence[PatchFile]) -> None:
+    """:class:`PatchError` naming the patch when a family patch names no valid architecture or
+    changes anything but its architecture's own builder (so it cannot change another
+    architecture's bits, nor the base stack's)."""
+    for patch in patches:
+        arch = patch.family
+        if arch is None:
+            continue
+        if not ARCH_RE.match(arch):
+            raise PatchError(f"patch {patch.name}: 'Family: {arch}' names no architecture")
+        allowed = family_builder_paths(arch)
+        touched = patch.touched_paths
+        if not touched:
+            raise PatchError(f"patch {patch.name} (family {arch}) changes no file")
+        for path in touched:
+            if path not in allowed:
+                raise PatchError(
+                    f"patch {patch.name} (family {arch}) changes {path}: a family patch may "
+                    f"change only {', '.join(allowed)}"
+                )
+
+
+def base_patches(patches: Sequence[PatchFile]) -> list[PatchFile]:
+    """The base stack: the patches without a ``Family:`` line, in order."""
+    return [p for p in patches if p.family is None]
+
+
+def family_patch_sha256s(patches: Sequence[PatchFile]) -> dict[str, bytes]:
+    """Each family's identity, by architecture (sorted): :func:`patch_stack_sha256` over that
+    family's patches in order."""
+    families: dict[str, list[PatchFile]] = {}
+    for patch in patches:
+        if patch.family is not None:
+            families.setdefault(patch.family, []).append(patch)
+    return {arch: patch_stack_sha256(families[arch]) for arch in sorted(families)}
 
 
 SANITIZE_FLAGS = (
@@ -766,6 +850,7 @@ def ensure_llama(
         raise BuildError(f"cannot read the manifest {paths.manifest}: {exc}") from exc
     manifest = parse_manifest(manifest_bytes)
     patches = read_patches(paths.patches_dir)
+    check_family_patches(patches)
     if sanitize:
         manifest = sanitized(manifest)
         manifest_bytes += f"\0sanitize:{SANITIZE_FLAGS}".encode()

@@ -92,6 +92,12 @@ def tiny_qwen2() -> Path:
     return ensure_fixture("tiny-qwen2")
 
 
+@pytest.fixture(scope="session")
+def tiny_smollm3() -> Path:
+    """An architecture no patch covers (refused at open)."""
+    return ensure_fixture("tiny-smollm3")
+
+
 @pytest.fixture()
 def closing() -> Iterator[list]:
     """Collects engines (or anything with ``close()``) and closes them after the test."""

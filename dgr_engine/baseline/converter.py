@@ -37,6 +37,10 @@ OUTTYPES: Final = ("f32", "f16", "bf16", "q8_0")
 COVERED: Final[Mapping[str, str]] = {
     "LlamaForCausalLM": "llama",
     "DeepseekV4ForCausalLM": "deepseek4",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 """HF architectures dgr runs (the range-ownership patches cover their GGUF architectures)."""
 

@@ -15,9 +15,14 @@ from gguf import GGUFReader
 
 from dgr_engine.baseline.errors import MetadataDisagrees
 
+DENSE_ARCHS = ("llama", "qwen2", "qwen3", "phi3", "gemma3")
+"""GGUF architectures whose attention and feed-forward keys the config determines here."""
+
 
 def _rope_theta(config: Mapping[str, Any]) -> float | None:
     params = config.get("rope_parameters")
+    if isinstance(params, Mapping):
+        params = params.get("full_attention", params)  # per layer type (Gemma 3): the global's
     if isinstance(params, Mapping) and "rope_theta" in params:
         return float(params["rope_theta"])
     value = config.get("rope_theta")
@@ -31,7 +36,7 @@ def expected(config: Mapping[str, Any], arch: str) -> dict[str, Any]:
         f"{arch}.embedding_length": config.get("hidden_size"),
         "tokenizer.ggml.tokens": config.get("vocab_size"),  # compared by length
     }
-    if arch == "llama":
+    if arch in DENSE_ARCHS:
         heads = config.get("num_attention_heads")
         out[f"{arch}.attention.head_count"] = heads
         out[f"{arch}.attention.head_count_kv"] = config.get("num_key_value_heads", heads)

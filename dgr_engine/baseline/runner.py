@@ -155,12 +155,26 @@ def run_baseline(
         )
 
 
+SWA_ROPE_BASE_DEFAULT: Final = 10000.0
+"""llama.cpp's RoPE base of sliding-window layers when the GGUF names none
+(``{arch}.rope.freq_base_swa``)."""
+
+
 def negative_control_copy(model: Path, arch: str, out: Path) -> Path:
-    """A copy of ``model`` with its RoPE base multiplied by :data:`NEGATIVE_ROPE_FACTOR`."""
+    """A copy of ``model`` with its RoPE base multiplied by :data:`NEGATIVE_ROPE_FACTOR`; for a
+    model with a sliding window, that of its sliding-window layers too (Gemma 3 keeps it apart,
+    and most of its layers use it)."""
+    changed: dict[str, tuple[float, GGUFValueType]] = {}
     key = f"{arch}.rope.freq_base"
     base = gguf_copy.read_value(model, key)
     value = float(base) * NEGATIVE_ROPE_FACTOR if base is not None else 10000.0 * 1.5
-    return gguf_copy.copy_with(model, out, {key: (value, GGUFValueType.FLOAT32)})
+    changed[key] = (value, GGUFValueType.FLOAT32)
+    if gguf_copy.read_value(model, f"{arch}.attention.sliding_window"):
+        key = f"{arch}.rope.freq_base_swa"
+        base = gguf_copy.read_value(model, key)
+        value = float(base if base is not None else SWA_ROPE_BASE_DEFAULT) * NEGATIVE_ROPE_FACTOR
+        changed[key] = (value, GGUFValueType.FLOAT32)
+    return gguf_copy.copy_with(model, out, dict(changed))
 
 
 def figures_of(result: BaselineResult) -> list[Figure]:

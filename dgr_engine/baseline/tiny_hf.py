@@ -9,7 +9,12 @@ of the default 0.02 initialisation:
 
 * a linear ``[out, in]``: N(0, 1/in), query and key projections x1.5 (sharper attention);
 * the embedding: N(0, 1) when untied; the output head (or a tied embedding): N(0, 2.5^2/hidden);
-* RMSNorm weights: 1 + N(0, 0.1^2), so the norms are exercised.
+* RMSNorm weights: 1 + N(0, 0.1^2), so the norms are exercised (N(0, 0.1^2) for Gemma, whose
+  norms scale by 1 + weight);
+* a bias (Qwen 2's q/k/v): N(0, 0.5^2), so it shows in the attention.
+
+The families beside Llama (Qwen 2 and 3, Phi-3, Gemma 3) are in
+:mod:`dgr_engine.baseline.tiny_families`.
 
 Needs the ``dgr[baseline]`` extra (torch, transformers, sentencepiece), imported when used.
 """
@@ -30,6 +35,7 @@ from dgr_engine.baseline.errors import ExtrasMissing
 LOGIT_STD: Final = 2.5
 QK_GAIN: Final = 1.5
 NORM_NOISE: Final = 0.1
+BIAS_STD: Final = 0.5
 
 _WORDS: Final = (
     "▁the", "▁a", "▁of", "▁and", "▁to", "▁in", "▁is", "▁it", "▁that", "▁on", "▁cat", "▁dog",
@@ -145,14 +151,26 @@ def write_tokenizer(path: Path) -> None:
     path.write_bytes(model.SerializeToString(deterministic=True))
 
 
-def _weights(model: Any, seed: int, hidden: int, tied: bool) -> dict[str, np.ndarray]:
+_CONFIG_CLASSES: Final = {"Gemma3ForCausalLM": "Gemma3TextConfig"}
+"""The config class of a model class whose name does not follow ``XForCausalLM``/``XConfig``."""
+_OFFSET_NORMS: Final = ("Gemma3ForCausalLM",)
+"""Model classes whose RMSNorm scales by ``1 + weight`` (their norm weights are drawn near 0)."""
+_TOKENIZER_CLASSES: Final = {"Phi3ForCausalLM": "LlamaTokenizer"}
+"""``tokenizer_class`` for the model classes whose conversion reads it."""
+
+
+def _weights(
+    model: Any, seed: int, hidden: int, tied: bool, *, norm_centre: float = 1.0
+) -> dict[str, np.ndarray]:
     rng = np.random.Generator(np.random.PCG64(seed))
     out: dict[str, np.ndarray] = {}
     for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
         shape = tuple(param.shape)
         z = rng.standard_normal(size=shape)
         if name.endswith("norm.weight"):
-            w = 1.0 + NORM_NOISE * z
+            w = norm_centre + NORM_NOISE * z
+        elif name.endswith(".bias"):
+            w = BIAS_STD * z
         elif name.endswith("embed_tokens.weight"):
             w = z * (LOGIT_STD / np.sqrt(hidden) if tied else 1.0)
         elif name.endswith("lm_head.weight"):
@@ -169,7 +187,10 @@ def _weights(model: Any, seed: int, hidden: int, tied: bool) -> dict[str, np.nda
 def build_model(spec: TinyHfSpec) -> Any:
     """The ``transformers`` model of ``spec`` with its seeded weights, float32, eval mode."""
     torch, transformers = require_extras()
-    config_class = getattr(transformers, spec.model_class.replace("ForCausalLM", "Config"))
+    config_name = _CONFIG_CLASSES.get(
+        spec.model_class, spec.model_class.replace("ForCausalLM", "Config")
+    )
+    config_class = getattr(transformers, config_name)
     config = dict(spec.config)
     rope_theta = config.pop("rope_theta", None)
     cfg = config_class(**config)
@@ -185,7 +206,8 @@ def build_model(spec: TinyHfSpec) -> Any:
     if not spec.scaled_init:
         return model
     tied = bool(spec.config.get("tie_word_embeddings", False))
-    weights = _weights(model, spec.seed, int(spec.config["hidden_size"]), tied)
+    centre = 0.0 if spec.model_class in _OFFSET_NORMS else 1.0
+    weights = _weights(model, spec.seed, int(spec.config["hidden_size"]), tied, norm_centre=centre)
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(torch.from_numpy(weights[name]))
@@ -217,5 +239,8 @@ def write_hf_model(spec: TinyHfSpec, directory: str | os.PathLike[str]) -> Path:
     require_extras()[1].utils.logging.disable_progress_bar()
     model.save_pretrained(directory, safe_serialization=True)
     write_tokenizer(directory / "tokenizer.model")
-    (directory / "tokenizer_config.json").write_text(json.dumps(TOKENIZER_CONFIG, indent=1))
+    tokenizer_config = dict(TOKENIZER_CONFIG)
+    if spec.model_class in _TOKENIZER_CLASSES:
+        tokenizer_config["tokenizer_class"] = _TOKENIZER_CLASSES[spec.model_class]
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=1))
     return directory

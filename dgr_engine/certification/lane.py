@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,6 +23,12 @@ from dgr_engine.certification.errors import EvidenceInvalid
 BATCHING_SESSION = "session"
 BATCHING_CO_BATCH = "co-batch"
 BATCHING_MODES = (BATCHING_SESSION, BATCHING_CO_BATCH)
+
+
+_OPTIONAL: dict[str, str] = {"batching": BATCHING_SESSION, "family_patch_sha256": ""}
+"""Parts left out of the canonical form when they have these values (lanes recorded before the
+part existed keep their ids)."""
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
 
 
 def _tuple(values: Any) -> tuple[str, ...]:
@@ -70,13 +77,20 @@ class LaneKey:
     llama.cpp repacks for the CPU take other kernels for one row than for several, so a record
     certifies only its own batching. Left out of the canonical form when ``"session"``, so the
     lanes recorded before this field existed keep their ids."""
+    family_patch_sha256: str = ""
+    """Hex SHA-256 of the family patches of ``arch`` (``patches/`` whose header says
+    ``Family: <arch>``), ``""`` when the architecture has none (llama and deepseek4 run on the
+    base stack alone). ``patch_stack_sha256`` covers the base stack only, so adding a family's
+    patch changes the lanes of that architecture and no other. Left out of the canonical form
+    when empty, so the lanes recorded before this field existed keep their ids."""
 
     def canonical(self) -> dict[str, Any]:
         """The lane as a JSON-ready mapping (lists for tuples)."""
         out = attrs.asdict(self)
         out["quant_types"] = list(self.quant_types)
-        if self.batching == BATCHING_SESSION:
-            del out["batching"]
+        for name, absent in _OPTIONAL.items():
+            if out[name] == absent:
+                del out[name]
         return out
 
     @property
@@ -101,7 +115,7 @@ class LaneKey:
         values: dict[str, Any] = {}
         for name in fields:
             if name not in data:
-                if name == "batching":  # optional: absent means per-session
+                if name in _OPTIONAL:  # absent: per-session batching, no family patch
                     continue
                 raise EvidenceInvalid(f"{where}.{name}: missing", field=f"{where}.{name}")
             value = data[name]
@@ -111,6 +125,8 @@ class LaneKey:
                 ok = isinstance(value, int) and not isinstance(value, bool) and value > 0
             elif name == "batching":  # written only when not per-session
                 ok = value == BATCHING_CO_BATCH
+            elif name == "family_patch_sha256":  # written only when the arch has a family patch
+                ok = isinstance(value, str) and _HEX64.match(value) is not None
             else:
                 ok = isinstance(value, str)
             if not ok:

@@ -52,6 +52,7 @@ def _mismatches(record: EvidenceRecord, stage: StageSpec) -> list[str]:
         "backend": (key.backend, lane.backend),
         "llama.cpp commit": (key.llama_cpp_commit, lane.llama_cpp_commit),
         "patch stack": (key.patch_stack_sha256, lane.patch_stack_hash.hex()),
+        "family patch": (key.family_patch_sha256, lane.family_patch_hash.hex()),
         "dgr version": (key.dgr_version, lane.dgr_version),
         "hardware": (key.hardware, lane.hardware),
     }
@@ -133,6 +134,7 @@ class LockVerifier:
             lane.backend,
             lane.llama_cpp_commit,
             lane.patch_stack_hash,
+            lane.family_patch_hash,
             lane.dgr_version,
             lane.hardware,
             stage.identity,

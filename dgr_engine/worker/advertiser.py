@@ -103,6 +103,7 @@ class Advertiser:
             record="" if cert is None else cert.record_text,
             nearest=self.lane_lookup.nearest,
             certify_command=self.config.certify_command,
+            family_patch_hash=bytes.fromhex(self.lane_key.family_patch_sha256),
         )
 
     def advert(self) -> Advert:

@@ -1,9 +1,9 @@
 """What a worker's advert states about the files and the build it runs: computed once at start.
 
 The GGUF's SHA-256 is streamed (the file may be far larger than memory); the tensor types come
-from the GGUF header (``gguf.GGUFReader``, memory-mapped); the llama.cpp commit and the
-patch-stack hash are the ones the binding was built with (``dgr_engine._binding``), never read
-from a source tree that may have changed since.
+from the GGUF header (``gguf.GGUFReader``, memory-mapped); the llama.cpp commit, the base
+patch-stack hash and the family patch hashes are the ones the binding was built with
+(``dgr_engine._binding``), never read from a source tree that may have changed since.
 """
 
 from __future__ import annotations
@@ -17,7 +17,13 @@ from typing import Any
 
 import attrs
 
-from dgr_engine._binding import BUILD_FLAGS, LLAMA_COMMIT, PATCH_STACK_SHA256, SYSTEM_INFO
+from dgr_engine._binding import (
+    BUILD_FLAGS,
+    LLAMA_COMMIT,
+    PATCH_STACK_SHA256,
+    SYSTEM_INFO,
+    family_patch_sha256,
+)
 from dgr_engine.artifacts.shard import ShardArtifacts
 from dgr_engine.certification.classify import FIXTURE_MARK_KEY
 from dgr_engine.certification.hardware import hardware_fingerprint
@@ -180,7 +186,9 @@ class BuildIdentity:
         return attrs.evolve(self, kv_type=numerics.kv_type, flash_attn=numerics.flash_attn)
 
     def lane_key(self, *, arch: str, n_layer: int, context_per_session: int) -> LaneKey:
-        """The exact lane this build serves the model on, with this context per session."""
+        """The exact lane this build serves the model on, with this context per session: the
+        base patch stack's hash and, for an architecture with a family patch, that patch's
+        (from the binding)."""
         return LaneKey(
             backend=self.backend,
             llama_cpp_commit=self.llama_cpp_commit,
@@ -198,4 +206,5 @@ class BuildIdentity:
             context_per_session=context_per_session,
             placement=self.placement,
             batching=self.batching,
+            family_patch_sha256=family_patch_sha256(arch).hex(),
         )

@@ -44,7 +44,7 @@
 extern "C" {
 #endif
 
-#define DGR_ABI_VERSION 7
+#define DGR_ABI_VERSION 8
 
 /* Magic and version at the head of a saved session state (see dgr_session_state_save). */
 #define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
@@ -110,9 +110,21 @@ uint32_t dgr_abi_version(void);
 /* The llama.cpp commit this library was built from (from the manifest), or "unknown". */
 const char * dgr_llama_commit(void);
 
-/* The patch stack this library was built with: lowercase hex SHA-256 over patches/ in order
- * (each name, NUL, SHA-256 of its bytes; native/build_llama.py), or "" if unknown. (ABI 2) */
+/* The base patch stack this library was built with: lowercase hex SHA-256 over the patches of
+ * patches/ without a "Family:" header line, in order (each name, NUL, SHA-256 of its bytes;
+ * native/build_llama.py), or "" if unknown. Family patches are hashed per architecture
+ * (dgr_family_patch_sha256), so adding one leaves this value alone. (ABI 2) */
 const char * dgr_patch_stack_sha256(void);
+
+/* The family patch of an architecture this library was built with: lowercase hex SHA-256 over
+ * that architecture's family patches in order (patches whose header says "Family: ARCH"; each
+ * name, NUL, SHA-256 of its bytes), or "" when it has none (the base stack's architectures, an
+ * uncovered one, NULL). Static text. (ABI 8) */
+const char * dgr_family_patch_sha256(const char * arch);
+
+/* The architectures this library runs, comma-separated: the base stack's (llama, deepseek4),
+ * then those of the family patches built in, sorted. Static text. (ABI 8) */
+const char * dgr_supported_archs(void);
 
 /* The build options that can change results: the manifest's cmake options this library was
  * built with, as sorted "KEY=VALUE" pairs joined by ';' (cffi_build.py), or "" if unknown. (ABI 4) */

@@ -30,6 +30,11 @@
 #ifndef DGR_PATCH_STACK_SHA256
 #define DGR_PATCH_STACK_SHA256 ""
 #endif
+// the family patches built in (cffi_build.py): "ARCH=HEX;..." sorted by architecture, HEX the
+// SHA-256 over that family's patches (native/build_llama.py family_patch_sha256)
+#ifndef DGR_FAMILY_PATCHES
+#define DGR_FAMILY_PATCHES ""
+#endif
 
 namespace {
 
@@ -93,12 +98,63 @@ void init_backend_once() {
     });
 }
 
-// architectures whose graph builders carry the range-ownership hooks (patches/)
-bool arch_supported(const std::string & arch) {
-    return arch == "llama" || arch == "deepseek4";
+// architectures whose graph builders the base stack covers (patches 0005, 0007)
+const char * const k_base_archs[] = {"llama", "deepseek4"};
+
+// the family patches built in, parsed once from DGR_FAMILY_PATCHES: architecture -> hex SHA-256
+const std::vector<std::pair<std::string, std::string>> & family_patches() {
+    static const std::vector<std::pair<std::string, std::string>> families = [] {
+        std::vector<std::pair<std::string, std::string>> out;
+        const std::string text = DGR_FAMILY_PATCHES;
+        size_t begin = 0;
+        while (begin < text.size()) {
+            size_t end = text.find(';', begin);
+            if (end == std::string::npos) {
+                end = text.size();
+            }
+            const std::string item = text.substr(begin, end - begin);
+            const size_t eq = item.find('=');
+            if (eq != std::string::npos && eq > 0) {
+                out.emplace_back(item.substr(0, eq), item.substr(eq + 1));
+            }
+            begin = end + 1;
+        }
+        return out;
+    }();
+    return families;
 }
 
-const char * const k_supported_archs = "llama, deepseek4";
+// architectures whose graph builders carry the range-ownership hooks: the base stack's and
+// those of the family patches built in
+bool arch_supported(const std::string & arch) {
+    for (const char * base : k_base_archs) {
+        if (arch == base) {
+            return true;
+        }
+    }
+    for (const auto & family : family_patches()) {
+        if (family.first == arch) {
+            return true;
+        }
+    }
+    return false;
+}
+
+// "llama, deepseek4, gemma3, ...": the base stack's architectures, then the families'
+const std::string & supported_archs() {
+    static const std::string text = [] {
+        std::string out;
+        for (const char * base : k_base_archs) {
+            out += out.empty() ? "" : ", ";
+            out += base;
+        }
+        for (const auto & family : family_patches()) {
+            out += ", " + family.first;
+        }
+        return out;
+    }();
+    return text;
+}
 
 uint64_t read_proc_status_kb(const char * key) {
     std::ifstream f("/proc/self/status");
@@ -265,6 +321,20 @@ const char * dgr_llama_commit(void) { return DGR_LLAMA_COMMIT; }
 
 const char * dgr_patch_stack_sha256(void) { return DGR_PATCH_STACK_SHA256; }
 
+const char * dgr_family_patch_sha256(const char * arch) {
+    if (arch == nullptr) {
+        return "";
+    }
+    for (const auto & family : family_patches()) {
+        if (family.first == arch) {
+            return family.second.c_str();
+        }
+    }
+    return "";
+}
+
+const char * dgr_supported_archs(void) { return supported_archs().c_str(); }
+
 #ifndef DGR_BUILD_FLAGS
 #define DGR_BUILD_FLAGS ""
 #endif
@@ -337,7 +407,7 @@ int dgr_engine_open(const dgr_engine_params * params, dgr_engine ** out) {
     }
     if (!arch_supported(meta.arch)) {
         return fail(DGR_E_UNSUPPORTED_ARCH, "architecture '%s' is not covered by the range-ownership patches (supported: %s)",
-                    meta.arch.c_str(), k_supported_archs);
+                    meta.arch.c_str(), supported_archs().c_str());
     }
     if (meta.n_layer <= 0) {
         return fail(DGR_E_MODEL_LOAD, "GGUF '%s' has no valid %s.block_count", params->model_path, meta.arch.c_str());

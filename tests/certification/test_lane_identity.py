@@ -20,6 +20,7 @@ OTHER_VALUE: dict[str, Any] = {
     "context_per_session": 512,
     "quant_types": ("F16",),
     "batching": "co-batch",
+    "family_patch_sha256": "ab" * 32,
 }
 
 
@@ -55,6 +56,33 @@ def test_per_session_batching_is_left_out_of_the_canonical_form() -> None:
     assert attrs.evolve(LANE, batching="co-batch").canonical()["batching"] == "co-batch"
 
 
+def test_an_architecture_without_a_family_patch_keeps_its_lane_id() -> None:
+    """Lanes recorded before family patches existed keep their ids: ``family_patch_sha256`` is
+    written only when the architecture has one; with one, it is part of the lane."""
+    assert LANE.family_patch_sha256 == "" and "family_patch_sha256" not in LANE.canonical()
+    gemma = attrs.evolve(LANE, arch="gemma3", family_patch_sha256="cd" * 32)
+    assert gemma.canonical()["family_patch_sha256"] == "cd" * 32
+    assert LaneKey.from_canonical(json.loads(json.dumps(gemma.canonical()))) == gemma
+    patched_again = attrs.evolve(gemma, family_patch_sha256="ef" * 32)
+    assert patched_again.lane_id != gemma.lane_id
+    assert gemma.differences(patched_again) == ["family_patch_sha256"]
+
+
+def test_a_worker_lane_names_its_architectures_family_patch() -> None:
+    """What a worker advertises: the base stack's hash for every architecture, and the family
+    patch's for one that has it (from the binding)."""
+    from dgr_engine._binding import PATCH_STACK_SHA256, family_patch_sha256
+    from dgr_engine.worker.identity import BuildIdentity
+
+    build = BuildIdentity._of_this_build(b"\x01" * 32, ("F32",), None)
+    llama = build.lane_key(arch="llama", n_layer=4, context_per_session=256)
+    gemma = build.lane_key(arch="gemma3", n_layer=4, context_per_session=256)
+    assert llama.patch_stack_sha256 == gemma.patch_stack_sha256 == PATCH_STACK_SHA256.hex()
+    assert llama.family_patch_sha256 == "" and "family_patch_sha256" not in llama.canonical()
+    assert gemma.family_patch_sha256 == family_patch_sha256("gemma3").hex() != ""
+    assert gemma.differences(attrs.evolve(llama, arch="gemma3")) == ["family_patch_sha256"]
+
+
 @pytest.mark.parametrize(
     ("change", "field"),
     [
@@ -67,6 +95,8 @@ def test_per_session_batching_is_left_out_of_the_canonical_form() -> None:
         (lambda d: d.update(kv_type=None), "lane.kv_type"),
         (lambda d: d.update(batching="session"), "lane.batching"),  # only ever left out
         (lambda d: d.update(batching="sometimes"), "lane.batching"),
+        (lambda d: d.update(family_patch_sha256=""), "lane.family_patch_sha256"),  # left out
+        (lambda d: d.update(family_patch_sha256="AB" * 32), "lane.family_patch_sha256"),
     ],
 )
 def test_a_bad_canonical_lane_is_refused_naming_the_field(change: Any, field: str) -> None:

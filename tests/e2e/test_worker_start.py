@@ -32,22 +32,22 @@ def test_the_provider_says_when_its_workers_start_and_are_ready(tiny_llama: Path
     assert len(said) == 4, said
 
 
-def test_a_worker_that_exits_before_listening_shows_its_last_log_lines(tiny_qwen2: Path) -> None:
+def test_a_worker_that_exits_before_listening_shows_its_last_log_lines(tiny_smollm3: Path) -> None:
     # an architecture dgr refuses: each worker logs why and exits 2 before it listens
     said: list[str] = []
-    provider = LoopbackRouteProvider(tiny_qwen2, [(0, 1), (1, 2)], notice=said.append)
+    provider = LoopbackRouteProvider(tiny_smollm3, [(0, 1), (1, 2)], notice=said.append)
     with pytest.raises(WorkerStartFailed) as caught:
         asyncio.run(provider.start())
     error = caught.value
     first, *log = str(error).splitlines()
     assert re.fullmatch(
-        rf"dgr worker \(layers [01]:[12], {re.escape(tiny_qwen2.name)}\) exited with 2 before "
+        rf"dgr worker \(layers [01]:[12], {re.escape(tiny_smollm3.name)}\) exited with 2 before "
         r"listening; its last log lines:",
         first,
     ), first
     assert 1 <= len(log) <= 10 and all(line.startswith("  ") for line in log), log
-    assert "DGR_E_UNSUPPORTED_ARCH: architecture 'qwen2'" in log[-1], log
+    assert "DGR_E_UNSUPPORTED_ARCH: architecture 'smollm3'" in log[-1], log
     assert "Traceback" not in str(error)
     assert error.returncode == 2 and error.command[1] == "worker"
-    assert said == [f"starting 2 workers (2 stages) of {tiny_qwen2.name} ..."]  # never "ready"
+    assert said == [f"starting 2 workers (2 stages) of {tiny_smollm3.name} ..."]  # never "ready"
     assert provider.workers == []

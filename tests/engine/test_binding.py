@@ -18,8 +18,18 @@ from dgr_engine.errors import AbiMismatch
 def test_abi_version_matches() -> None:
     assert int(_binding.lib.dgr_abi_version()) == _binding.ABI_VERSION
     assert len(_binding.LLAMA_COMMIT) == 40
-    assert _binding.ABI_VERSION == 7  # held epoch 3, build flags 4, numerics 5, vocab 6, batch 7
+    # held epoch 3, build flags 4, numerics 5, vocab 6, batch 7, family patches 8
+    assert _binding.ABI_VERSION == 8
     assert int(_binding.lib.DGR_ABI_VERSION) == _binding.ABI_VERSION
+
+
+def test_the_binding_names_its_architectures_and_their_family_patches() -> None:
+    assert _binding.SUPPORTED_ARCHS == ("llama", "deepseek4", "gemma3", "phi3", "qwen2", "qwen3")
+    for arch in ("gemma3", "phi3", "qwen2", "qwen3"):
+        assert len(_binding.family_patch_sha256(arch)) == 32, arch
+    for arch in ("llama", "deepseek4", "smollm3", ""):
+        assert _binding.family_patch_sha256(arch) == b"", arch
+    assert _binding.lib.dgr_family_patch_sha256(_binding.ffi.NULL) != _binding.ffi.NULL
 
 
 def test_abi_mismatch_raises_import_error(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -81,7 +81,7 @@ def greedy_co_batched(
     return [np.stack(rows) for rows in logits]
 
 
-@pytest.mark.parametrize("fixture", ["tiny-llama", "tiny-v4"])
+@pytest.mark.parametrize("fixture", ["tiny-llama", "tiny-qwen2", "tiny-v4"])
 def test_co_batched_rows_equal_sessions_run_alone(fixture: str) -> None:
     model = ensure_fixture(fixture)
     with ShardEngine(model, **OPTIONS) as whole:
@@ -91,7 +91,7 @@ def test_co_batched_rows_equal_sessions_run_alone(fixture: str) -> None:
         assert np.array_equal(a, b)
 
 
-@pytest.mark.parametrize("fixture", ["tiny-llama", "tiny-v4"])
+@pytest.mark.parametrize("fixture", ["tiny-llama", "tiny-qwen2", "tiny-v4"])
 def test_chain_co_batching_equals_whole_model_co_batching(fixture: str) -> None:
     model = ensure_fixture(fixture)
     with ShardEngine(model, **OPTIONS) as whole:

@@ -48,7 +48,7 @@ class EnginePool:
             engine.close()
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-llama-tied"])
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-llama-tied", "tiny-qwen2"])
 def pool(request: pytest.FixtureRequest) -> Iterator[EnginePool]:
     path = request.getfixturevalue(request.param.replace("-", "_"))
     p = EnginePool(path)

@@ -45,10 +45,11 @@ EXACT_BOUND = 1e-4
 """float32 noise: the bound the exact setting meets against transformers (measured ~1e-5)."""
 
 
-@pytest.fixture(
-    scope="module",
-    params=[name for arch in ("llama", "qwen2", "qwen3") for name in converted.names(arch)],
-)
+DENSE = tuple(name for name in converted.names() if name not in converted.V4_SPECS)
+"""Every dense family's converter-made fixtures: Llama, Qwen 2 and 3, Phi-3, Gemma 3."""
+
+
+@pytest.fixture(scope="module", params=DENSE)
 def fixture(request: pytest.FixtureRequest) -> converted.ConvertedFixture:
     return converted.ensure_converted(request.param)
 
@@ -71,7 +72,8 @@ def test_every_split_matches_transformers_too(
 ) -> None:
     prompt = list(exact.work.prompts[0])
     reference = exact.reference.logits[0]
-    for cut in [(0, 1, 3), (0, 2, 3), (0, 1, 2, 3)]:
+    n = exact.n_layer
+    for cut in {(0, 1, n), (0, n - 1, n), (0, n // 2, n), tuple(range(n + 1))}:
         engines = [
             ShardEngine(
                 fixture.gguf, layers=r, numerics=EXACT, max_sessions=1, n_ctx_per_session=64
@@ -218,10 +220,11 @@ def test_a_directory_without_config_or_weights_is_refused(hf_copy: Path, tmp_pat
 
 def test_an_uncovered_architecture_is_refused_before_converting(hf_copy: Path) -> None:
     config = json.loads((hf_copy / "config.json").read_text())
-    config["architectures"] = ["RefactForCausalLM"]
+    config["architectures"] = ["SmolLM3ForCausalLM"]
     (hf_copy / "config.json").write_text(json.dumps(config))
     line = refused([str(hf_copy)])
-    assert "architecture RefactForCausalLM is not covered: dgr runs LlamaForCausalLM" in line
+    assert "architecture SmolLM3ForCausalLM is not covered: dgr runs LlamaForCausalLM" in line
+    assert "(GGUF deepseek4, gemma3, llama, phi3, qwen2, qwen3)" in line
     with pytest.raises(ArchitectureNotCovered):
         converter.convert(hf_copy, hf_copy.parent / "x.gguf")
     assert not (hf_copy.parent / "x.gguf").exists()

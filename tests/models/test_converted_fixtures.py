@@ -1,6 +1,7 @@
 """Converter-made fixtures: tiny transformers models converted by llama.cpp's own converter at the
-pinned commit. They are bit-reproducible, marked as fixtures, and every split equals the whole
-model bit for bit (prefill and decode) at the default and at the exact numerics."""
+pinned commit, of every dense family dgr runs (Llama, Qwen 2 and 3, Phi-3, Gemma 3). They are
+bit-reproducible, marked as fixtures, have their family's features on, and every split equals
+the whole model bit for bit (prefill and decode) at the default and at the exact numerics."""
 
 from __future__ import annotations
 
@@ -13,35 +14,41 @@ import pytest
 from gguf import GGUFReader
 
 from dgr_engine import ShardEngine
+from dgr_engine.baseline import converter, tiny_families
 from dgr_engine.certification.classify import FIXTURE_MARK_KEY
-from dgr_engine.baseline import converter
 from dgr_engine.fixtures import converted
 from dgr_engine.numerics import EXACT, Numerics
 from dgr_engine.reference import LocalChain
 from tests.engine.test_engine_parity import all_cuts
 
-N_LAYER = 3
 PROMPT = [int(t) for t in (np.arange(14) * 37 + 11) % 317 + 3]
 N_DECODE = 12
 KW = {"max_sessions": 1, "n_ctx_per_session": 64, "n_threads": 2, "n_batch": 32}
+DENSE = tuple(name for name in converted.names() if name not in converted.V4_SPECS)
+"""The dense families' converter-made fixtures (DeepSeek V4's have their own suite)."""
 
 
 def sha256(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-DENSE = [name for arch in ("llama", "qwen2", "qwen3") for name in converted.names(arch)]
-"""The dense families' converter-made fixtures: Llama, and the family patches' qwen2 and qwen3."""
-
-
 def arch_of(name: str) -> str:
+    return converter.COVERED[converted.lookup(name).model_class]
+
+
+def n_layer_of(name: str) -> int:
     spec = converted.lookup(name)
-    return converter.COVERED[spec.model_class]
+    assert not isinstance(spec, converted.V4ConvertedSpec)
+    return int(spec.config["num_hidden_layers"])
 
 
 @pytest.fixture(scope="module", params=DENSE)
 def fixture(request: pytest.FixtureRequest) -> converted.ConvertedFixture:
     return converted.ensure_converted(request.param)
+
+
+def test_every_dense_family_has_a_fixture() -> None:
+    assert {arch_of(name) for name in DENSE} == {"llama", "qwen2", "qwen3", "phi3", "gemma3"}
 
 
 def test_the_family_covers_gqa_mqa_tied_and_an_odd_head_dim() -> None:
@@ -61,14 +68,31 @@ def test_the_family_covers_gqa_mqa_tied_and_an_odd_head_dim() -> None:
     assert heads["hf-llama-headdim"] == (4, 2, 32, 64, True)  # 32 != 64 / 4
 
 
-def test_the_qwen_fixtures_carry_their_family_features() -> None:
-    qwen2 = {t.name for t in GGUFReader(converted.ensure_converted("hf-qwen2-bias-tied").gguf).tensors}
-    assert {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"} <= qwen2
-    assert "output.weight" not in qwen2  # tied head
-    qwen3 = GGUFReader(converted.ensure_converted("hf-qwen3-qknorm").gguf)
-    names = {t.name for t in qwen3.tensors}
-    assert {"blk.0.attn_q_norm.weight", "blk.0.attn_k_norm.weight", "output.weight"} <= names
-    assert qwen3.fields["qwen3.attention.key_length"].contents() == 32  # != 64 / 4
+def test_each_family_has_what_sets_it_apart_switched_on() -> None:
+    def read(name: str) -> tuple[dict[str, object], dict[str, list[int]]]:
+        reader = GGUFReader(converted.ensure_converted(name).gguf)
+        fields = {k: f.contents() for k, f in reader.fields.items() if k.count(".") >= 1}
+        return fields, {t.name: t.shape.tolist() for t in reader.tensors}
+
+    fields, tensors = read("hf-qwen2-bias")
+    assert {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"} <= tensors.keys()
+    assert "output.weight" in tensors
+    fields, tensors = read("hf-qwen3-qknorm-tied")
+    assert tensors["blk.0.attn_q_norm.weight"] == tensors["blk.0.attn_k_norm.weight"] == [32]
+    assert fields["qwen3.attention.key_length"] == 32 and "output.weight" not in tensors
+    fields, tensors = read("hf-phi-longrope")
+    assert tensors["blk.0.attn_qkv.weight"] == [64, 64 + 2 * 2 * 16]  # fused q, k, v
+    assert tensors["blk.0.ffn_up.weight"] == [64, 2 * 128]  # fused gate and up
+    assert tensors["rope_factors_short.weight"] == tensors["rope_factors_long.weight"] == [8]
+    assert fields["phi3.rope.scaling.original_context_length"] == 4096
+    assert abs(float(fields["phi3.rope.scaling.attn_factor"]) - 1.0801) < 1e-4  # type: ignore[arg-type]
+    assert "output.weight" in tensors
+    fields, tensors = read("hf-gemma3-swa")
+    window = fields["gemma3.attention.sliding_window"]
+    assert window == tiny_families.GEMMA3_SLIDING_WINDOW and window < len(PROMPT)
+    assert fields["gemma3.final_logit_softcapping"] == 10.0
+    assert fields["gemma3.block_count"] == 7  # layer 5 global (llama.cpp's pattern of 6)
+    assert "output.weight" not in tensors and "blk.6.post_ffw_norm.weight" in tensors
 
 
 def test_a_fixture_is_the_converters_output_marked(fixture: converted.ConvertedFixture) -> None:
@@ -76,7 +100,7 @@ def test_a_fixture_is_the_converters_output_marked(fixture: converted.ConvertedF
     arch = arch_of(fixture.name)
     assert fields["general.architecture"].contents() == arch
     assert fields[FIXTURE_MARK_KEY].contents() == converted.fixture_mark(fixture.name)
-    assert fields[f"{arch}.block_count"].contents() == N_LAYER
+    assert fields[f"{arch}.block_count"].contents() == n_layer_of(fixture.name)
     assert (fixture.hf_dir / "model.safetensors").is_file()
     assert (fixture.hf_dir / "tokenizer.model").is_file()
     assert sorted(p.name for p in fixture.gguf.parent.iterdir()) == ["hf", "model.gguf"]
@@ -120,10 +144,13 @@ def pool(request: pytest.FixtureRequest, fixture: converted.ConvertedFixture) ->
     p.close()
 
 
-def test_every_split_equals_the_whole_model(pool: Pool) -> None:
-    tokens, logits = pool.run((0, N_LAYER))
+def test_every_split_equals_the_whole_model(
+    pool: Pool, fixture: converted.ConvertedFixture
+) -> None:
+    n_layer = n_layer_of(fixture.name)
+    tokens, logits = pool.run((0, n_layer))
     assert len(tokens) == N_DECODE and logits[0].shape == (len(PROMPT), 320)
-    for cut in all_cuts(N_LAYER)[1:]:
+    for cut in all_cuts(n_layer)[1:]:
         split_tokens, split_logits = pool.run(cut)
         assert split_tokens == tokens, cut
         for a, b in zip(logits, split_logits, strict=True):

@@ -52,6 +52,7 @@ def test_public_names() -> None:
         "tiny-llama-tied",
         "mid-llama",
         "tiny-qwen2",
+        "tiny-smollm3",
         "tiny-v4",
         "v4-12",
     }

@@ -126,6 +126,12 @@ def test_valid_route_passes_and_is_returned() -> None:
             RouteIncompatible,
             "unknown",
         ),
+        (
+            2,
+            {"lane": attrs.evolve(fixture_lane(), family_patch_hash=b"\x03" * 32)},
+            RouteIncompatible,
+            "family patch 030303030303, stage 0 runs none",
+        ),
     ],
 )
 def test_each_violation_names_its_stage(

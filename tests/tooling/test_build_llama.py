@@ -236,12 +236,87 @@ def test_patch_stack_hash_covers_names_contents_and_order(tmp_path: Path) -> Non
     assert stack() != first
 
 
-def test_the_binding_states_the_patch_stack_it_was_built_with() -> None:
+def test_the_binding_states_the_patch_stacks_it_was_built_with() -> None:
     from dgr_engine import _binding
 
-    # a fresh checkout builds its binding from its own patches/
-    assert _binding.PATCH_STACK_SHA256 == bl.patch_stack_sha256(bl.read_patches(REPO / "patches"))
+    # a fresh checkout builds its binding from its own patches/: the base stack's hash, and
+    # each family patch's by its architecture
+    patches = bl.read_patches(REPO / "patches")
+    assert _binding.PATCH_STACK_SHA256 == bl.patch_stack_sha256(bl.base_patches(patches))
     assert len(_binding.PATCH_STACK_SHA256) == 32
+    families = bl.family_patch_sha256s(patches)
+    assert sorted(families) == ["gemma3", "phi3", "qwen2", "qwen3"]
+    for arch, digest in families.items():
+        assert _binding.family_patch_sha256(arch) == digest, arch
+    assert _binding.SUPPORTED_ARCHS == ("llama", "deepseek4", *families)
+
+
+def test_the_base_stack_is_the_one_every_committed_record_and_the_lock_name() -> None:
+    """Family patches stay out of the base stack's hash: the value the lock's hardware lanes
+    and every committed record bind is still the one the base stack (0001-0010) hashes to."""
+    patches = bl.read_patches(REPO / "patches")
+    base = bl.patch_stack_sha256(bl.base_patches(patches)).hex()
+    assert [p.name[:4] for p in bl.base_patches(patches)] == [f"{i:04d}" for i in range(1, 11)]
+    lock = json.loads((REPO / "certification" / "lock.json").read_text())
+    assert {lane["patch_stack_sha256"] for lane in lock["hardware_lanes"]} == {base}
+    records = sorted((REPO / "evidence").rglob("*.json"))
+    assert records
+    assert {json.loads(r.read_text())["lane"]["patch_stack_sha256"] for r in records} == {base}
+    assert base == "81a6732a11b68a661916c26cbd883531e2fb667e225bb2475fc5f191da8738b6"
+    # every patch still builds: the build key covers the family patches too
+    key_all = bl.compute_key(b"m", patches, b"s")
+    assert key_all != bl.compute_key(b"m", bl.base_patches(patches), b"s")
+
+
+def test_every_family_patch_changes_only_its_architectures_builder() -> None:
+    families = [p for p in bl.read_patches(REPO / "patches") if p.family is not None]
+    assert sorted(p.family for p in families) == ["gemma3", "phi3", "qwen2", "qwen3"]
+    for patch in families:
+        head = patch.header
+        assert head[0].startswith(f"dgr patch {patch.name[:4]}: "), patch.name
+        assert f"Family: {patch.family}" in head, patch.name
+        assert patch.touched_paths == [f"src/models/{patch.family}.cpp"], patch.name
+    bl.check_family_patches(families)  # what the build and the binding check
+
+
+def _family_patch(path: str, family: str = "gemma3") -> bytes:
+    return (
+        f"dgr patch 0011: x\n\nFamily: {family}\nWhy: y\nTouches: {path}\n\n"
+        f"diff --git a/{path} b/{path}\n--- a/{path}\n+++ b/{path}\n@@ -1 +1 @@\n-a\n+b\n"
+    ).encode()
+
+
+def test_a_family_patch_reaching_past_its_builder_is_refused_by_name() -> None:
+    ok = bl.PatchFile("0011-gemma3.patch", _family_patch("src/models/gemma3.cpp"))
+    assert ok.family == "gemma3" and ok.touched_paths == ["src/models/gemma3.cpp"]
+    bl.check_family_patches([ok])
+    for path in ("src/models/llama.cpp", "src/llama-graph.cpp", "src/models/models.h"):
+        bad = bl.PatchFile("0012-bad.patch", _family_patch(path))
+        with pytest.raises(
+            bl.PatchError, match=f"0012-bad.patch \\(family gemma3\\) changes {path}"
+        ):
+            bl.check_family_patches([ok, bad])
+    nameless = bl.PatchFile("0013-x.patch", _family_patch("src/models/x.cpp", family="X Y"))
+    with pytest.raises(bl.PatchError, match="names no architecture"):
+        bl.check_family_patches([nameless])
+    base = bl.PatchFile("0001-base.patch", b"dgr patch 0001: x\nWhy: a Family: line below\n")
+    assert base.family is None
+
+
+def test_a_family_patch_leaves_the_base_hash_and_other_families_alone(tmp_path: Path) -> None:
+    (tmp_path / "0001-base.patch").write_bytes(b"dgr patch 0001: base\n")
+    before = bl.read_patches(tmp_path)
+    (tmp_path / "0002-qwen3.patch").write_bytes(_family_patch("src/models/qwen3.cpp", "qwen3"))
+    (tmp_path / "0003-gemma3.patch").write_bytes(_family_patch("src/models/gemma3.cpp"))
+    after = bl.read_patches(tmp_path)
+    base = bl.patch_stack_sha256(bl.base_patches(after))
+    assert base == bl.patch_stack_sha256(before)
+    families = bl.family_patch_sha256s(after)
+    assert list(families) == ["gemma3", "qwen3"]
+    assert families["qwen3"] == bl.patch_stack_sha256([after[1]])
+    (tmp_path / "0003-gemma3.patch").write_bytes(_family_patch("src/models/gemma3.cpp") + b"#")
+    again = bl.family_patch_sha256s(bl.read_patches(tmp_path))
+    assert again["qwen3"] == families["qwen3"] and again["gemma3"] != families["gemma3"]
 
 
 # --- manifest -----------------------------------------------------------------------------

@@ -74,6 +74,7 @@ def advert(begin: int, end: int, n_layer: int = 4, width: int = 64, **lane_kw: o
     sha=st.one_of(st.none(), st.text("0123456789abcdef", min_size=40, max_size=40)),
     evidence=st.sampled_from(list(EvidenceClass)),
     certified=st.booleans(),
+    family=st.sampled_from([b"", b"\x02" * 32]),
 )
 def test_advert_round_trips(
     begin: int,
@@ -83,6 +84,7 @@ def test_advert_round_trips(
     sha: str | None,
     evidence: EvidenceClass,
     certified: bool,
+    family: bytes,
 ) -> None:
     status = CertificationStatus.CERTIFIED if certified else CertificationStatus.DARK
     a = advert(
@@ -92,6 +94,7 @@ def test_advert_round_trips(
         certification=status,
         evidence=evidence if certified else None,  # a dark lane names no evidence
         record_id="ef" * 32 if certified else "",
+        family_patch_hash=family,  # a family patch's architecture, or none
     )
     a = attrs.evolve(
         a,

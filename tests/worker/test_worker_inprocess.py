@@ -390,6 +390,37 @@ def test_the_worker_expires_an_abandoned_session_by_itself(tiny_llama: Path) -> 
     run(scenario())
 
 
+def test_a_worker_advertises_its_architectures_family_patch(tiny_llama: Path) -> None:
+    """A gemma3 shard states the gemma3 family patch's hash beside the base stack's, in its
+    lane id and on the wire; a llama shard states none, and its lane id is the one it had
+    before family patches existed (``family_patch_sha256`` left out of the canonical form)."""
+    from dgr_engine._binding import PATCH_STACK_SHA256, family_patch_sha256
+    from dgr_engine.fixtures.converted import ensure_converted
+
+    gemma = ensure_converted("hf-gemma3-swa").gguf
+    seen = {}
+    for path, layers in ((gemma, (5, 7)), (tiny_llama, (0, 2))):
+        worker = ShardWorker.load(path, layers, **KW, config=WorkerConfig(port=0))
+
+        async def scenario(worker: ShardWorker = worker) -> None:
+            address = await worker.start()
+            try:
+                async with ShardClient(address, timeout=20.0) as client:
+                    advert = await client.describe()
+                    seen[advert.identity.arch] = (advert.lane, worker.lane_key)
+            finally:
+                await worker.stop()
+
+        run(scenario())
+    (gemma_lane, gemma_key), (llama_lane, llama_key) = seen["gemma3"], seen["llama"]
+    assert gemma_lane.family_patch_hash == family_patch_sha256("gemma3") != b""
+    assert gemma_key.family_patch_sha256 == gemma_lane.family_patch_hash.hex()
+    assert gemma_lane.lane_id == gemma_key.lane_id
+    assert gemma_lane.patch_stack_hash == llama_lane.patch_stack_hash == PATCH_STACK_SHA256
+    assert llama_lane.family_patch_hash == b"" and llama_key.family_patch_sha256 == ""
+    assert "family_patch_sha256" not in llama_key.canonical()
+
+
 @pytest.mark.slow  # starts worker processes
 def test_a_route_session_survives_a_lease_expiry_by_re_prefilling(
     tiny_llama: Path, fixture_evidence: Path

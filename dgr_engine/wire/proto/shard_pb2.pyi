@@ -135,7 +135,7 @@ class DescribeRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class Compatibility(_message.Message):
-    __slots__ = ("model_sha256", "arch", "n_layer", "official_target_sha", "quant_types", "context", "kv_type", "backend", "llama_cpp_commit", "patch_stack_sha256", "dgr_version", "hardware", "schema_version", "flash_attn", "artifacts")
+    __slots__ = ("model_sha256", "arch", "n_layer", "official_target_sha", "quant_types", "context", "kv_type", "backend", "llama_cpp_commit", "patch_stack_sha256", "dgr_version", "hardware", "schema_version", "flash_attn", "artifacts", "family_patch_sha256")
     MODEL_SHA256_FIELD_NUMBER: _ClassVar[int]
     ARCH_FIELD_NUMBER: _ClassVar[int]
     N_LAYER_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,7 @@ class Compatibility(_message.Message):
     SCHEMA_VERSION_FIELD_NUMBER: _ClassVar[int]
     FLASH_ATTN_FIELD_NUMBER: _ClassVar[int]
     ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_PATCH_SHA256_FIELD_NUMBER: _ClassVar[int]
     model_sha256: bytes
     arch: str
     n_layer: int
@@ -166,7 +167,8 @@ class Compatibility(_message.Message):
     schema_version: int
     flash_attn: str
     artifacts: str
-    def __init__(self, model_sha256: _Optional[bytes] = ..., arch: _Optional[str] = ..., n_layer: _Optional[int] = ..., official_target_sha: _Optional[str] = ..., quant_types: _Optional[_Iterable[str]] = ..., context: _Optional[int] = ..., kv_type: _Optional[str] = ..., backend: _Optional[str] = ..., llama_cpp_commit: _Optional[str] = ..., patch_stack_sha256: _Optional[bytes] = ..., dgr_version: _Optional[str] = ..., hardware: _Optional[str] = ..., schema_version: _Optional[int] = ..., flash_attn: _Optional[str] = ..., artifacts: _Optional[str] = ...) -> None: ...
+    family_patch_sha256: bytes
+    def __init__(self, model_sha256: _Optional[bytes] = ..., arch: _Optional[str] = ..., n_layer: _Optional[int] = ..., official_target_sha: _Optional[str] = ..., quant_types: _Optional[_Iterable[str]] = ..., context: _Optional[int] = ..., kv_type: _Optional[str] = ..., backend: _Optional[str] = ..., llama_cpp_commit: _Optional[str] = ..., patch_stack_sha256: _Optional[bytes] = ..., dgr_version: _Optional[str] = ..., hardware: _Optional[str] = ..., schema_version: _Optional[int] = ..., flash_attn: _Optional[str] = ..., artifacts: _Optional[str] = ..., family_patch_sha256: _Optional[bytes] = ...) -> None: ...
 
 class LayerRange(_message.Message):
     __slots__ = ("layer_begin", "layer_end", "is_first", "is_last", "needs_token_ids")
