@@ -44,6 +44,7 @@ from dgr_engine.errors import (
     ShardRpcError,
     ShardUnavailable,
 )
+from dgr_engine.wire.frame_link import FrameLinkTarget, split_endpoint
 from dgr_engine.wire.frames import encode_forward, expectations_to_proto, output_from_reply
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY, error_from_trailers
@@ -55,10 +56,20 @@ from dgr_session.route import StageSpec
 from dgr_session.transport import Boundary, Logits, StageResult
 from dgr_session.usage import StageCost
 
+DATA_PATHS = ("auto", "grpc", "frame-link")
+"""The data paths a :class:`ChainStageTransport` can be told to take (``docs/data-paths.md``)."""
+
 _LIMITS_KEPT = 65536
 """Sessions whose ring limits a transport keeps (the oldest are forgotten first)."""
 
-__all__ = ["ChainRecord", "ChainStageTransport", "ChainStats", "ChainTicket", "RingMismatch"]
+__all__ = [
+    "DATA_PATHS",
+    "ChainRecord",
+    "ChainStageTransport",
+    "ChainStats",
+    "ChainTicket",
+    "RingMismatch",
+]
 
 
 class RingMismatch(ShardRpcError):
@@ -129,11 +140,21 @@ class ChainStats:
     """Time the stages spent in their handlers (checks, engine, reply), summed over stages."""
     compute_us: int = 0
     """Engine time, summed over stages."""
+    frame_link_epochs: int = 0
+    """Epochs whose frames took the frame link (the rest took gRPC)."""
 
     @property
     def transit_us(self) -> int:
         """The rest: every hop's gRPC transit (network included) and the client's own code."""
         return self.rtt_us - self.handler_us
+
+
+class _AtStage(Exception):
+    """A chain's setup failed at the stage of this index, with this error."""
+
+    def __init__(self, index: int, error: Exception) -> None:
+        super().__init__(index, error)
+        self.index, self.error = index, error
 
 
 def _hop_of(trailers: Any, default: int) -> int:
@@ -209,6 +230,12 @@ class _Chain:
         sid, epoch, t = self.session_id, self.epoch, self.t
         secrets = [t.client(s.endpoint).session_secret(sid, epoch) for s in route]
         last = len(route) - 1
+        try:
+            targets = await t.frame_links(route)
+        except _AtStage as exc:
+            self.fail(exc.index, exc.error)
+            return
+        use_link = targets is not None
 
         async def link(k: int) -> None:
             nxt = route[k + 1]
@@ -220,6 +247,7 @@ class _Chain:
                 expect=expectations_to_proto(expectations_for(nxt)),
                 session_secret=secrets[k + 1],
                 tls=tls,
+                frame_link=use_link,
             )
             request = pb.LinkRequest(
                 session_id=sid, epoch=epoch, session_secret=secrets[k], next=hop
@@ -232,9 +260,8 @@ class _Chain:
             request = pb.ChainOutputRequest(
                 session_id=sid, epoch=epoch, session_secret=secrets[last]
             )
-            self.output = t.client(route[last].endpoint).chain.ChainOutput(
-                request, metadata=self.metadata()
-            )
+            dialer = targets[last] if targets is not None else t.client(route[last].endpoint).chain
+            self.output = dialer.ChainOutput(request, metadata=self.metadata())
             async with asyncio.timeout(t.timeout):
                 ready = await self.output.read()
             if ready is grpc.aio.EOF:
@@ -250,6 +277,7 @@ class _Chain:
                 expect=expectations_to_proto(expectations_for(head)),
                 session_secret=secrets[0],
                 tls=tls,
+                frame_link=use_link,
             )
             request = pb.LinkRequest(
                 session_id=sid, epoch=epoch, session_secret=secrets[last], next=hop, ring=True
@@ -282,7 +310,8 @@ class _Chain:
                 self.fail(k, error)
                 return
         try:
-            self.input = t.client(route[0].endpoint).chain.ChainStream(metadata=self.metadata())
+            dialer = targets[0] if targets is not None else t.client(route[0].endpoint).chain
+            self.input = dialer.ChainStream(metadata=self.metadata())
         except DgrError as exc:
             self.fail(0, exc)
             return
@@ -411,6 +440,7 @@ class ChainStageTransport(GrpcStageTransport):
         *,
         chain_observer: Callable[[ChainRecord], None] | None = None,
         ring: bool = False,
+        data_path: str = "auto",
         **options: Any,
     ) -> None:
         super().__init__(**options)
@@ -428,6 +458,45 @@ class ChainStageTransport(GrpcStageTransport):
         self._chains: dict[tuple[str, int], _Chain] = {}
         self.chain_stats = ChainStats()
         """What chained frames cost (for benchmarks: where a token's time goes)."""
+        if data_path not in DATA_PATHS:
+            raise ValueError(f"data_path must be one of {DATA_PATHS}, got {data_path!r}")
+        self.data_path = data_path
+        """Which path chained frames take: ``auto`` (the frame link when every stage of the
+        route offers it, else gRPC), ``grpc``, or ``frame-link`` (a route whose stages do not
+        all offer it fails at its first frame, naming the first stage that does not)."""
+        self._targets: dict[tuple[str, bool], FrameLinkTarget] = {}
+
+    async def frame_links(self, route: Sequence[StageSpec]) -> list[FrameLinkTarget] | None:
+        """Each stage's frame link, when the route's frames take it (``data_path``); ``None``:
+        gRPC. A stage whose advert cannot be had, or that offers no frame link when one is
+        required, raises :class:`_AtStage` with its index."""
+        if self.data_path == "grpc":
+            return None
+        targets: list[FrameLinkTarget] = []
+        for index, stage in enumerate(route):
+            try:
+                advert = await self.advert(stage.endpoint)
+            except DgrError as exc:
+                raise _AtStage(index, exc) from None
+            port = advert.data_paths.frame_link_port
+            if not port:
+                if self.data_path == "auto":
+                    return None
+                error = ShardRpcError(
+                    f"{stage.endpoint} offers no frame link (data_path='frame-link')",
+                    status="DGR_E_PROTOCOL",
+                )
+                raise _AtStage(index, error)
+            tls = self.tls is not None and advert.security.tls
+            key = (stage.endpoint, tls)
+            target = self._targets.get(key)
+            if target is None or target.port != port:
+                host, _ = split_endpoint(stage.endpoint)
+                target = FrameLinkTarget(host, port, self.tls if tls else None)
+                self._targets[key] = target
+            targets.append(target)
+        self.chain_stats.frame_link_epochs += 1
+        return targets
 
     def session_starting(
         self, session_id: str, max_new_tokens: int, stop_tokens: Sequence[int]

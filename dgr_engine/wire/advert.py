@@ -136,6 +136,15 @@ class Security:
 
 
 @attrs.frozen
+class DataPaths:
+    """The paths a worker's frames can travel besides gRPC (``docs/data-paths.md``)."""
+
+    frame_link_port: int = 0
+    """The frame link's port on the worker's host (``worker/frame_link_server.py``); 0: not
+    offered."""
+
+
+@attrs.frozen
 class Advert:
     """Everything one shard worker tells the tracker about itself."""
 
@@ -156,6 +165,7 @@ class Advert:
     """How a split model's files were checked before loading (``verified at start-up``,
     ``trusted state of <time>``); empty for a single GGUF (hashed whole at start-up)."""
     security: Security = Security()
+    data_paths: DataPaths = DataPaths()
 
     def stage_spec(self, endpoint: str) -> StageSpec:
         """This stage as a route element at ``endpoint``."""
@@ -240,6 +250,7 @@ def advert_to_proto(advert: Advert) -> pb.Advert:
             certify_command=lane.certify_command,
         ),
         security=pb.Security(**attrs.asdict(advert.security)),
+        data_paths=pb.DataPaths(**attrs.asdict(advert.data_paths)),
     )
 
 
@@ -309,6 +320,7 @@ def advert_from_proto(msg: pb.Advert) -> Advert:
         security=Security(
             tls=msg.security.tls, client_certificates=msg.security.client_certificates
         ),
+        data_paths=DataPaths(frame_link_port=msg.data_paths.frame_link_port),
         span=LayerSpan(
             layer_begin=msg.range.layer_begin,
             layer_end=msg.range.layer_end,

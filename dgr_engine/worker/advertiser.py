@@ -17,6 +17,7 @@ from dgr_engine.wire import frames
 from dgr_engine.wire.advert import (
     Advert,
     Capacity,
+    DataPaths,
     Health,
     LayerSpan,
     Load,
@@ -47,6 +48,7 @@ class Advertiser:
         sessions: Callable[[], TableSnapshot],
         load: Callable[[], LoadSnapshot],
         waiting: Callable[[], int],
+        data_paths: Callable[[], DataPaths] = DataPaths,
     ) -> None:
         self.build = build
         self.info = info
@@ -55,6 +57,7 @@ class Advertiser:
         self._sessions = sessions
         self._load = load
         self._waiting = waiting
+        self._data_paths = data_paths
         self.lane_key: LaneKey = build.lane_key(
             arch=info.arch, n_layer=info.n_layer, context_per_session=info.n_ctx_per_session
         )
@@ -162,6 +165,7 @@ class Advertiser:
                 tls=self.config.tls is not None,
                 client_certificates=self.config.tls is not None and self.config.tls.mutual,
             ),
+            data_paths=self._data_paths(),
             health=Health(
                 uptime_seconds=load.uptime_seconds,
                 recent_errors=load.recent_errors,

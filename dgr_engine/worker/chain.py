@@ -111,7 +111,16 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
                     request.next,
                     min(_CONFIRM_WAIT, remaining) if remaining is not None else _CONFIRM_WAIT,
                 )
-            self.hub.link(request.session_id, int(request.epoch), request.next, ring=request.ring)
+            port = 0
+            if request.next.frame_link:  # the port is the next stage's own word, not the linker's
+                port = await self.hub.frame_link_port(request.next, _CONFIRM_WAIT)
+            self.hub.link(
+                request.session_id,
+                int(request.epoch),
+                request.next,
+                ring=request.ring,
+                frame_link_port=port,
+            )
         except Exception as exc:
             await self.path.refuse(context, exc, request, "link")
         self.host.log.bind(session=request.session_id, epoch=request.epoch).debug(

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 import grpc
 
 from dgr_engine.wire.metadata import session_metadata
 from dgr_engine.wire.proto import shard_pb2 as pb
-from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY
 
 _FAILURE_WAIT = 5.0
@@ -45,6 +44,17 @@ class ChainLink:
     tls: bool
     ring: bool = False
     """The last stage's link to the first: a ring (``LinkRequest.ring``)."""
+    frame_link_port: int = 0
+    """The next stage's frame link port, when the frames go over it (``ChainHop.frame_link``);
+    0: over gRPC."""
+
+
+class ChainDialer(Protocol):
+    """What opens a stream to the next stage: its gRPC ``ChainStub``, or its frame link
+    (``wire/frame_link.py``'s ``FrameLinkTarget``), whose calls look alike."""
+
+    def ChainStream(self, *, metadata: Any = ...) -> Any:  # noqa: N802 - the RPC's name
+        ...
 
 
 def failure_of(
@@ -79,7 +89,7 @@ class Downstream:
 
     def __init__(
         self,
-        stub: shard_pb2_grpc.ChainStub,
+        stub: ChainDialer,
         first: pb.ForwardRequest,
         link: ChainLink,
         hop: int,
@@ -154,4 +164,4 @@ class Downstream:
         task.add_done_callback(self.watchers.discard)
 
 
-__all__ = ["ChainFailure", "ChainLink", "Downstream", "Trailers", "failure_of"]
+__all__ = ["ChainDialer", "ChainFailure", "ChainLink", "Downstream", "Trailers", "failure_of"]

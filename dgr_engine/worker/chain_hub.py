@@ -19,11 +19,12 @@ import grpc
 
 from dgr_engine.errors import FrameRejected, GrantDenied, ShardUnavailable
 from dgr_engine.security.tls import ClientTls
+from dgr_engine.wire.frame_link import FrameLinkTarget, split_endpoint
 from dgr_engine.wire.metadata import DEFAULT_MAX_MESSAGE_BYTES
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import STATUS_KEY
-from dgr_engine.worker.chain_downstream import ChainFailure, ChainLink, Downstream
+from dgr_engine.worker.chain_downstream import ChainDialer, ChainFailure, ChainLink, Downstream
 from dgr_engine.worker.closes import CloseCause, SessionClosed
 
 
@@ -51,10 +52,20 @@ class ChainHub:
         # the Shard service over the same channels (confirm_next asks a next stage's Usage)
         self._shard_stubs: dict[tuple[str, bool], shard_pb2_grpc.ShardStub] = {}
         self._channels: list[grpc.aio.Channel] = []
+        self._frame_link_ports: dict[tuple[str, bool], int] = {}
+        self._targets: dict[tuple[str, int, bool], FrameLinkTarget] = {}
         # downstream streams' watchers still running (kept referenced; cancelled at close)
         self.watchers: set[asyncio.Task[None]] = set()
 
-    def link(self, session_id: str, epoch: int, hop: pb.ChainHop, *, ring: bool = False) -> None:
+    def link(
+        self,
+        session_id: str,
+        epoch: int,
+        hop: pb.ChainHop,
+        *,
+        ring: bool = False,
+        frame_link_port: int = 0,
+    ) -> None:
         held = self._links.get(session_id)
         if held is not None and held.epoch > epoch:
             raise FrameRejected(
@@ -69,7 +80,13 @@ class ChainHub:
         expect = pb.Expectations()
         expect.CopyFrom(hop.expect)
         self._links[session_id] = ChainLink(
-            epoch, hop.endpoint, expect, bytes(hop.session_secret), bool(hop.tls), ring
+            epoch,
+            hop.endpoint,
+            expect,
+            bytes(hop.session_secret),
+            bool(hop.tls),
+            ring,
+            frame_link_port,
         )
         held_ring = self._rings.get(session_id)
         if held_ring is not None and held_ring[0].epoch < epoch:
@@ -117,6 +134,34 @@ class ChainHub:
         finally:
             if probe is not None:
                 await probe.close()
+
+    async def frame_link_port(self, hop: pb.ChainHop, timeout: float) -> int:
+        """The next stage's frame link port, read from its own advert (``Describe``, once per
+        endpoint): a link names the data path, never a port, so a linker cannot make this stage
+        dial a port of its choosing. ``FrameRejected`` when the next stage offers none,
+        ``ShardUnavailable`` when it does not answer."""
+        key = (hop.endpoint, bool(hop.tls))
+        port = self._frame_link_ports.get(key)
+        if port is None:
+            if hop.tls and self.tls is None:
+                return 0  # link() refuses it
+            self._ensure_channel(*key)
+            try:
+                advert = await self._shard_stubs[key].Describe(
+                    pb.DescribeRequest(), timeout=timeout
+                )
+            except grpc.aio.AioRpcError as exc:
+                raise ShardUnavailable(
+                    f"DGR_E_UNAVAILABLE: the next stage {hop.endpoint!r} did not describe itself "
+                    f"({exc.code().name}): not linked"
+                ) from None
+            port = self._frame_link_ports[key] = int(advert.data_paths.frame_link_port)
+        if port == 0:
+            raise FrameRejected(
+                f"DGR_E_FRAME: the next stage {hop.endpoint!r} offers no frame link: link it "
+                "over gRPC"
+            )
+        return port
 
     def next_hop(self, session_id: str, epoch: int) -> ChainLink:
         link = self._links.get(session_id)
@@ -224,8 +269,8 @@ class ChainHub:
             return grpc.aio.secure_channel(endpoint, self.tls.credentials(), options=options)
         return grpc.aio.insecure_channel(endpoint, options=options)
 
-    def stub(self, link: ChainLink) -> shard_pb2_grpc.ChainStub:
-        key = (link.endpoint, link.tls)
+    def _ensure_channel(self, endpoint: str, tls: bool) -> shard_pb2_grpc.ChainStub:
+        key = (endpoint, tls)
         stub = self._stubs.get(key)
         if stub is None:
             channel = self._open_channel(*key)
@@ -233,6 +278,19 @@ class ChainHub:
             stub = self._stubs[key] = shard_pb2_grpc.ChainStub(channel)
             self._shard_stubs[key] = shard_pb2_grpc.ShardStub(channel)
         return stub
+
+    def stub(self, link: ChainLink) -> ChainDialer:
+        """Where a link's frames go: the next stage's frame link, or its gRPC channel."""
+        stub = self._ensure_channel(link.endpoint, link.tls)
+        if not link.frame_link_port:
+            return stub
+        key = (link.endpoint, link.frame_link_port, link.tls)
+        target = self._targets.get(key)
+        if target is None:
+            host, _ = split_endpoint(link.endpoint)
+            tls = self.tls if link.tls else None
+            target = self._targets[key] = FrameLinkTarget(host, link.frame_link_port, tls)
+        return target
 
     async def aclose(self) -> None:
         for _link, down in self._rings.values():
@@ -246,6 +304,8 @@ class ChainHub:
         self._links.clear()
         self._stubs.clear()
         self._shard_stubs.clear()
+        self._targets.clear()
+        self._frame_link_ports.clear()
         channels, self._channels = self._channels, []
         for channel in channels:
             await channel.close()

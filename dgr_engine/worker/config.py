@@ -87,6 +87,10 @@ class WorkerConfig:
     with its model and lane options; ``dgr worker`` sets it from its own command line): a dark
     worker's advert carries it, so that a client refusing the lane can say how to certify it.
     ``""``: not said."""
+    frame_link_port: int | None = 0
+    """Serve the frame link, the fast data path for chained frames (``docs/data-paths.md``), on
+    this port of ``host`` (0: a free one; the advert says which); ``None``: not offered (chained
+    frames then travel over gRPC only)."""
     chain_tls: ClientTls | None = None
     """How this worker dials the next stage of a chained route that serves TLS (the CA it
     trusts, and its client certificate for a next stage that asks for one); ``None``: it

@@ -30,7 +30,7 @@ from dgr_engine.options import EngineOptions
 from dgr_engine.security.grants import Grant, GrantVerifier
 from dgr_engine.security.tls import check_plaintext_bind, is_loopback
 from dgr_engine.wire import frames as frames
-from dgr_engine.wire.advert import Advert
+from dgr_engine.wire.advert import Advert, DataPaths
 from dgr_engine.worker.admission import Admission
 from dgr_engine.worker.advertiser import Advertiser
 from dgr_engine.worker.chain import ChainServicer, add_chain_service
@@ -39,6 +39,7 @@ from dgr_engine.worker.closes import OnLoop
 from dgr_engine.worker.co_batch import CoBatchConfig, CoBatcher, FrameResult
 from dgr_engine.worker.config import WorkerConfig
 from dgr_engine.worker.engine_dispatch import EngineDispatch
+from dgr_engine.worker.frame_link_server import FrameLinkServer, connection_limit
 from dgr_engine.worker.frame_path import FramePath
 from dgr_engine.worker.grant_gate import GrantGate
 from dgr_engine.worker.housekeeping import Housekeeping
@@ -118,6 +119,7 @@ class ShardWorker:
             sessions=self.table.snapshot,
             load=self.meter.snapshot,
             waiting=lambda: self.admission.waiting,
+            data_paths=lambda: DataPaths(frame_link_port=self.frame_link_port),
         )
         self.metrics = WorkerMetrics(
             sessions_open=lambda: self.table.snapshot().sessions_open,
@@ -149,6 +151,9 @@ class ShardWorker:
         path = FramePath(self)
         self._shard_servicer = ShardServicer(self, path)
         self._chain_servicer = ChainServicer(self, path, self.chain)
+        self._frame_link: FrameLinkServer | None = None
+        self.frame_link_port = 0
+        """Where the frame link is served once started (0: not offered)."""
         self._health = health_aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._stopped: int | None = None  # sessions closed at stop; None until stopped
@@ -247,18 +252,29 @@ class ShardWorker:
             listener.bind(loop)
         await server.start()
         self._server = server
+        if self.config.frame_link_port is not None:
+            link = FrameLinkServer(
+                self._chain_servicer,
+                self.log,
+                tls=tls,
+                max_message_bytes=receive,
+                max_connections=connection_limit(self.info.max_sessions),
+            )
+            self.frame_link_port = await link.start(self.config.host, self.config.frame_link_port)
+            self._frame_link = link
         if self.config.metrics_port is not None:
             self._serve_metrics(self.config.metrics_port)
         self.housekeeping.start()
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.log.info(
-            "serving layers [{}, {}) of {} on {} ({})",
+            "serving layers [{}, {}) of {} on {} ({}{})",
             self.info.layer_begin,
             self.info.layer_end,
             self.build.model_sha256.hex()[:12],
             self.address,
             "plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS",
+            f"; frame link on port {self.frame_link_port}" if self.frame_link_port else "",
         )
         return self.address
 
@@ -286,6 +302,8 @@ class ShardWorker:
         await self.housekeeping.stop_watching()
         if self._server is not None:
             await self._server.stop(self.config.grace_seconds)
+        if self._frame_link is not None:
+            await self._frame_link.stop()
         await self.chain.aclose()
         await self.housekeeping.finish()
         closed = await self.dispatch.engine_thread.run(self._close)

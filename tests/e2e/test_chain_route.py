@@ -78,6 +78,7 @@ async def drive(
     fault: Callable[[LoopbackRouteProvider, SessionHandle], None] | None = None,
     policy: FailurePolicy | None = None,
     ring: bool = False,
+    data_path: str = "frame-link",
 ) -> tuple[list[SessionResult], list[Recorder], ChainStageTransport]:
     handles: list[SessionHandle] = []
     recorders = [Recorder() for _ in prompts]
@@ -90,7 +91,9 @@ async def drive(
 
     await provider.start()
     try:
-        transport = ChainStageTransport(timeout=10.0, close_timeout=2.0, ring=ring)
+        transport = ChainStageTransport(
+            timeout=10.0, close_timeout=2.0, ring=ring, data_path=data_path
+        )
         async with transport:
             manager = SessionManager(
                 transport,
@@ -114,6 +117,8 @@ async def drive(
         await provider.aclose()
     for worker in provider.workers:
         assert not worker.running, f"{worker} still running"
+    epochs = sum(r.epoch for r in results)  # every epoch linked once, over the path asked for
+    assert transport.chain_stats.frame_link_epochs == (epochs if data_path != "grpc" else 0)
     return results, recorders, transport
 
 
@@ -121,6 +126,10 @@ def prompts_for(n_vocab: int, size: int, seeds: Sequence[int]) -> list[list[int]
     return [[int(t) for t in np.random.default_rng(s).integers(0, n_vocab, size)] for s in seeds]
 
 
+DATA_PATHS = pytest.mark.parametrize("data_path", ["grpc", "frame-link"])
+
+
+@DATA_PATHS
 @pytest.mark.parametrize("ring", [False, True], ids=["chain", "ring"])
 @pytest.mark.parametrize(
     ("fixture", "layout"),
@@ -132,7 +141,7 @@ def prompts_for(n_vocab: int, size: int, seeds: Sequence[int]) -> list[list[int]
     ids=["llama-2-stages", "llama-4-stages", "v4-3-stages"],
 )
 def test_chained_route_equals_the_whole_model_bit_for_bit(
-    fixture: str, layout: tuple[tuple[int, int], ...], ring: bool
+    fixture: str, layout: tuple[tuple[int, int], ...], ring: bool, data_path: str
 ) -> None:
     """Tokens and every sampled logits row equal the whole model's; with ``ring`` the last
     stage sent every decode frame on to the first stage itself (the client sent the prompt
@@ -141,7 +150,7 @@ def test_chained_route_equals_the_whole_model_bit_for_bit(
     prompts = prompts_for(256, 20, (11, 12))
     reference = whole_model_reference(path, prompts, N_TOKENS, OPTIONS)
     provider = LoopbackRouteProvider(path, layout, options=OPTIONS)
-    results, recorders, transport = run(drive(provider, prompts, ring=ring))
+    results, recorders, transport = run(drive(provider, prompts, ring=ring, data_path=data_path))
     for result, recorder, (tokens, logits) in zip(results, recorders, reference, strict=True):
         assert result.state is SessionState.DONE, result.error
         assert list(result.tokens) == tokens
@@ -163,8 +172,11 @@ def test_chained_route_equals_the_whole_model_bit_for_bit(
         }
 
 
+@DATA_PATHS
 @pytest.mark.parametrize("ring", [False, True], ids=["chain", "ring"])
-def test_chained_route_survives_a_middle_stage_killed_mid_decode(ring: bool) -> None:
+def test_chained_route_survives_a_middle_stage_killed_mid_decode(
+    ring: bool, data_path: str
+) -> None:
     path = ensure_fixture("tiny-llama")
     layout = ((0, 1), (1, 2), (2, 3), (3, 4))
     prompts = prompts_for(256, 16, (21, 22))
@@ -178,7 +190,11 @@ def test_chained_route_survives_a_middle_stage_killed_mid_decode(ring: bool) -> 
         killed.append(p.kill(route.stages[1].endpoint).endpoint)
 
     policy = FailurePolicy(step_deadline=10.0, backoff=(0.0,))
-    results, _, _ = run(drive(provider, prompts, at_step=5, fault=kill, policy=policy, ring=ring))
+    results, _, _ = run(
+        drive(
+            provider, prompts, at_step=5, fault=kill, policy=policy, ring=ring, data_path=data_path
+        )
+    )
     assert len(killed) == 1
     for result, (tokens, _) in zip(results, reference, strict=True):
         assert result.state is SessionState.DONE, result.error
@@ -338,8 +354,9 @@ def test_a_stale_epoch_on_the_worker_to_worker_path_is_refused_naming_the_stage(
 # --- TLS between stages ------------------------------------------------------------------------
 
 
+@DATA_PATHS
 def test_a_chained_route_over_mutual_tls_and_a_stage_without_chain_credentials(
-    tmp_path: Path,
+    tmp_path: Path, data_path: str
 ) -> None:
     """Every worker serves mutual TLS; the first stage dials the second with its chain
     credentials (``WorkerConfig.chain_tls``): the chained tokens and logits equal the whole
@@ -362,7 +379,7 @@ def test_a_chained_route_over_mutual_tls_and_a_stage_without_chain_credentials(
 
     async def scenario() -> None:
         addresses = [await w.start() for w in (first, second, bare)]
-        transport = ChainStageTransport(timeout=10.0, tls=client_tls)
+        transport = ChainStageTransport(timeout=10.0, tls=client_tls, data_path=data_path)
         try:
             async with transport:
                 provider = EndpointRouteProvider(addresses[:2], tls=client_tls)
@@ -389,6 +406,7 @@ def test_a_chained_route_over_mutual_tls_and_a_stage_without_chain_credentials(
                     tokens.append(int(np.argmax(logits.values)))
                     pos, ids = pos + len(ids), [tokens[-1]]
                 assert tokens == want
+                assert transport.chain_stats.frame_link_epochs == (data_path == "frame-link")
                 for stage in route.stages:
                     await transport.close(stage, "t", 0)
                 # a first stage without chain credentials cannot link to a TLS successor

@@ -281,7 +281,7 @@ class LaneDifference(_message.Message):
     def __init__(self, part: _Optional[str] = ..., value: _Optional[str] = ..., recorded: _Optional[str] = ...) -> None: ...
 
 class Advert(_message.Message):
-    __slots__ = ("compatibility", "range", "capacity", "load", "seam", "health", "certification", "security")
+    __slots__ = ("compatibility", "range", "capacity", "load", "seam", "health", "certification", "security", "data_paths")
     COMPATIBILITY_FIELD_NUMBER: _ClassVar[int]
     RANGE_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
@@ -290,6 +290,7 @@ class Advert(_message.Message):
     HEALTH_FIELD_NUMBER: _ClassVar[int]
     CERTIFICATION_FIELD_NUMBER: _ClassVar[int]
     SECURITY_FIELD_NUMBER: _ClassVar[int]
+    DATA_PATHS_FIELD_NUMBER: _ClassVar[int]
     compatibility: Compatibility
     range: LayerRange
     capacity: Capacity
@@ -298,7 +299,14 @@ class Advert(_message.Message):
     health: Health
     certification: Certification
     security: Security
-    def __init__(self, compatibility: _Optional[_Union[Compatibility, _Mapping]] = ..., range: _Optional[_Union[LayerRange, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., seam: _Optional[_Union[SeamCost, _Mapping]] = ..., health: _Optional[_Union[Health, _Mapping]] = ..., certification: _Optional[_Union[Certification, _Mapping]] = ..., security: _Optional[_Union[Security, _Mapping]] = ...) -> None: ...
+    data_paths: DataPaths
+    def __init__(self, compatibility: _Optional[_Union[Compatibility, _Mapping]] = ..., range: _Optional[_Union[LayerRange, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., seam: _Optional[_Union[SeamCost, _Mapping]] = ..., health: _Optional[_Union[Health, _Mapping]] = ..., certification: _Optional[_Union[Certification, _Mapping]] = ..., security: _Optional[_Union[Security, _Mapping]] = ..., data_paths: _Optional[_Union[DataPaths, _Mapping]] = ...) -> None: ...
+
+class DataPaths(_message.Message):
+    __slots__ = ("frame_link_port",)
+    FRAME_LINK_PORT_FIELD_NUMBER: _ClassVar[int]
+    frame_link_port: int
+    def __init__(self, frame_link_port: _Optional[int] = ...) -> None: ...
 
 class Security(_message.Message):
     __slots__ = ("tls", "client_certificates")
@@ -417,16 +425,18 @@ class ForwardReply(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[OutputKind, str]] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., next_pos: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
 
 class ChainHop(_message.Message):
-    __slots__ = ("endpoint", "expect", "session_secret", "tls")
+    __slots__ = ("endpoint", "expect", "session_secret", "tls", "frame_link")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     EXPECT_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     TLS_FIELD_NUMBER: _ClassVar[int]
+    FRAME_LINK_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     expect: Expectations
     session_secret: bytes
     tls: bool
-    def __init__(self, endpoint: _Optional[str] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., session_secret: _Optional[bytes] = ..., tls: _Optional[bool] = ...) -> None: ...
+    frame_link: bool
+    def __init__(self, endpoint: _Optional[str] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., session_secret: _Optional[bytes] = ..., tls: _Optional[bool] = ..., frame_link: _Optional[bool] = ...) -> None: ...
 
 class LinkRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "session_secret", "next", "ring")

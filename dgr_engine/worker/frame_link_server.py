@@ -1,0 +1,273 @@
+"""A worker's frame link (``wire/frame_link.py``, ``docs/data-paths.md``): the ``Chain`` service's
+two streaming calls served over raw TCP (TLS exactly when the gRPC port serves it), by the same
+:class:`~dgr_engine.worker.chain.ChainServicer` methods as over gRPC.
+
+Each connection carries one call. It must say which within ``HELLO_SECONDS`` (a peer that
+connects and never sends is dropped); a header that is not the protocol's (a length over the
+worker's message limit, an unknown kind) ends the call with ``INVALID_ARGUMENT`` /
+``DGR_E_FRAME``, and a peer that goes away mid-call cancels its handler, exactly as a
+cancelled gRPC call does (the epoch is abandoned). At most ``max_connections`` calls are served
+at once; a connection beyond that is answered ``RESOURCE_EXHAUSTED`` and closed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ssl
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from dgr_engine.security.tls import ServerTls
+from dgr_engine.wire import frame_link as fl
+from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_engine.wire.status import STATUS_KEY
+from dgr_engine.worker.chain import ChainServicer
+from dgr_engine.worker.registration import lenient
+from dgr_session.identifiers import log_field
+
+if TYPE_CHECKING:
+    from loguru import Logger
+
+__all__ = ["HELLO_SECONDS", "FrameLinkServer", "LinkAborted", "LinkContext", "connection_limit"]
+
+HELLO_SECONDS = 10.0
+"""How long a connection may take for its TLS handshake and its ``OPEN``."""
+
+_FRAME_REFUSAL = ((STATUS_KEY, "DGR_E_FRAME"),)
+
+
+class LinkAborted(Exception):
+    """A handler ended the call with a status (``LinkContext.abort``)."""
+
+
+class LinkContext:
+    """What the ``ChainServicer`` methods use of a gRPC servicer context."""
+
+    def __init__(self, metadata: fl.Metadata) -> None:
+        self.metadata = metadata
+        self.status: tuple[grpc.StatusCode, str, fl.Metadata] | None = None
+
+    def fail(self, code: grpc.StatusCode, details: str, trailers: fl.Metadata = ()) -> None:
+        if self.status is None:
+            self.status = (code, details, tuple(trailers))
+
+    async def abort(
+        self, code: grpc.StatusCode, details: str = "", trailing_metadata: Any = ()
+    ) -> None:
+        self.fail(code, details, tuple((str(k), str(v)) for k, v in trailing_metadata or ()))
+        raise LinkAborted(details)
+
+    def time_remaining(self) -> float | None:
+        return None  # a frame link call has no deadline of its own: frames carry theirs
+
+    def invocation_metadata(self) -> fl.Metadata:
+        return self.metadata
+
+
+class FrameLinkServer:
+    """Serves one worker's ``ChainServicer`` on a frame link port."""
+
+    def __init__(
+        self,
+        servicer: ChainServicer,
+        log: Logger,
+        *,
+        tls: ServerTls | None,
+        max_message_bytes: int,
+        max_connections: int,
+    ) -> None:
+        self._servicer = servicer
+        self._log = log
+        self._tls = tls
+        self._max_bytes = max_message_bytes
+        self._max_connections = max_connections
+        self._server: asyncio.Server | None = None
+        self._calls: set[asyncio.Task[None]] = set()
+        self.port = 0
+        self.refused = 0
+        """Connections refused (over the limit, or not the protocol)."""
+
+    async def start(self, host: str, port: int) -> int:
+        """Binds and serves; returns the port."""
+        context = fl.server_ssl_context(self._tls) if self._tls is not None else None
+        self._server = await asyncio.start_server(
+            self._serve,
+            host,
+            port,
+            ssl=context,
+            ssl_handshake_timeout=HELLO_SECONDS if context is not None else None,
+            reuse_address=True,
+        )
+        self.port = int(self._server.sockets[0].getsockname()[1])
+        return self.port
+
+    async def stop(self) -> None:
+        """Stops accepting and cancels every call (their epochs are abandoned)."""
+        if self._server is not None:
+            self._server.close()
+        calls, self._calls = set(self._calls), set()
+        for call in calls:
+            call.cancel()
+        if calls:
+            await asyncio.gather(*calls, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        try:
+            if len(self._calls) >= self._max_connections:
+                self.refused += 1
+                why = f"DGR_E_CAPACITY: {self._max_connections} frame link calls are open"
+                status = ((STATUS_KEY, "DGR_E_CAPACITY"),)
+                writer.write(
+                    fl.pack(
+                        fl.Kind.STATUS,
+                        fl.encode_status(grpc.StatusCode.RESOURCE_EXHAUSTED, why, status),
+                    )
+                )
+                await writer.drain()
+                return
+            self._calls.add(task)
+            try:
+                async with asyncio.timeout(HELLO_SECONDS):
+                    kind, payload = await fl.read_message(reader, self._max_bytes)
+                if kind is not fl.Kind.OPEN:
+                    raise fl.LinkProtocolError(f"a {kind.name} before OPEN")
+                method, metadata = fl.decode_open(payload)
+                context = LinkContext(metadata)
+                if method == "ChainStream":
+                    await self._chain_stream(reader, writer, context)
+                else:
+                    async with asyncio.timeout(HELLO_SECONDS):
+                        kind, payload = await fl.read_message(reader, self._max_bytes)
+                    if kind is not fl.Kind.MESSAGE:
+                        raise fl.LinkProtocolError(f"a {kind.name} in place of the request")
+                    await self._chain_output(reader, writer, context, payload)
+            except fl.LinkProtocolError as exc:
+                self.refused += 1
+                self._log.warning("frame link refused: {}", log_field(str(exc), limit=200))
+                await _send_status(
+                    writer,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"DGR_E_FRAME: {exc}",
+                    _FRAME_REFUSAL,
+                )
+            except (TimeoutError, asyncio.IncompleteReadError, OSError, ssl.SSLError):
+                pass  # silent, too slow, or gone before a call began: dropped
+        finally:
+            self._calls.discard(task)
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    async def _chain_stream(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, context: LinkContext
+    ) -> None:
+        serving: asyncio.Task[None] | None = None
+
+        async def requests() -> AsyncIterator[Any]:
+            parse = lenient(pb.ForwardRequest)
+            while True:
+                try:
+                    kind, payload = await fl.read_message(reader, self._max_bytes)
+                except fl.LinkProtocolError as exc:
+                    context.fail(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"DGR_E_FRAME: {exc}", _FRAME_REFUSAL
+                    )
+                    kind = None
+                except (asyncio.IncompleteReadError, OSError):
+                    kind = None  # the caller went away mid-call: its call is cancelled
+                if kind is fl.Kind.HALF_CLOSE:
+                    return
+                if kind is fl.Kind.MESSAGE:
+                    yield parse(payload)
+                    continue
+                if kind is not None:
+                    context.fail(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        f"DGR_E_FRAME: a {kind.name} inside a ChainStream",
+                        _FRAME_REFUSAL,
+                    )
+                assert serving is not None
+                serving.cancel()
+                await asyncio.Event().wait()  # cancelled with the call
+
+        stream = self._servicer.ChainStream(requests(), context)
+        serving = asyncio.get_running_loop().create_task(self._drive(stream, writer, context))
+        await self._await_call(serving, writer, context)
+
+    async def _chain_output(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        context: LinkContext,
+        payload: bytes,
+    ) -> None:
+        request = lenient(pb.ChainOutputRequest)(payload)
+        stream = self._servicer.ChainOutput(request, context)  # type: ignore[arg-type]
+        loop = asyncio.get_running_loop()
+        serving = loop.create_task(self._drive(stream, writer, context))
+        # the caller sends nothing more: its connection's end (or any byte) cancels the call
+        watch = loop.create_task(reader.read(1))
+        watch.add_done_callback(lambda _: serving.cancel())
+        try:
+            await self._await_call(serving, writer, context)
+        finally:
+            watch.cancel()
+
+    async def _await_call(
+        self, serving: asyncio.Task[None], writer: asyncio.StreamWriter, context: LinkContext
+    ) -> None:
+        try:
+            await asyncio.shield(serving)
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():  # the server stops: so does the call
+                serving.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await serving
+                raise
+            # the caller went away, or broke the protocol: the call was cancelled
+            if context.status is not None:
+                await _send_status(writer, *context.status)
+
+    async def _drive(
+        self, stream: AsyncIterator[Any], writer: asyncio.StreamWriter, context: LinkContext
+    ) -> None:
+        """Runs one call's handler: its replies out, then its status."""
+        try:
+            async for reply in stream:
+                writer.write(fl.pack(fl.Kind.MESSAGE, reply.SerializeToString()))
+                await writer.drain()
+        except LinkAborted:
+            pass
+        except (OSError, RuntimeError):
+            return  # the connection is gone: nobody to tell
+        except Exception as exc:  # noqa: BLE001 - a handler's bug must not take the worker down
+            self._log.opt(exception=exc).error("frame link call failed: {!r}", exc)
+            context.fail(
+                grpc.StatusCode.INTERNAL,
+                f"DGR_E_INTERNAL: {exc!r}",
+                ((STATUS_KEY, "DGR_E_INTERNAL"),),
+            )
+        status = context.status or (grpc.StatusCode.OK, "", ())
+        await _send_status(writer, *status)
+
+
+async def _send_status(
+    writer: asyncio.StreamWriter, code: grpc.StatusCode, details: str, trailers: fl.Metadata
+) -> None:
+    with contextlib.suppress(OSError, RuntimeError):
+        writer.write(fl.pack(fl.Kind.STATUS, fl.encode_status(code, details, trailers)))
+        await writer.drain()
+
+
+def connection_limit(max_sessions: int) -> int:
+    """Calls a worker serves at once by default: per session an upstream stream, an output
+    stream and a ring stream, twice over (an epoch's streams and its successor's), plus slack."""
+    return 6 * max_sessions + 16
