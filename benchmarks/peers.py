@@ -701,9 +701,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--transports",
         nargs="+",
-        choices=("relay", "chain", "ring"),
-        default=["relay", "ring"],
-        help="how dgr's decode/prefill routes carry frames (default relay ring; docs/chain.md)",
+        choices=("relay", "chain", "ring", "chain-grpc", "ring-grpc"),
+        default=["relay", "ring-grpc", "ring"],
+        help="how dgr's decode/prefill routes carry frames: chain and ring over the frame link, "
+        "-grpc over gRPC (default relay ring-grpc ring; docs/chain.md, docs/data-paths.md)",
     )
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--accepted", default="16,128,400", help="recovery k values ('' none)")

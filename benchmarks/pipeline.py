@@ -191,15 +191,20 @@ class RouteBench(LoopbackRoute):
         transport: str = "relay",
     ) -> None:
         """``transport``: ``relay`` (``GrpcStageTransport``), ``chain`` or ``ring``
-        (``ChainStageTransport``, ``docs/chain.md``)."""
+        (``ChainStageTransport``, ``docs/chain.md``: over the frame link), ``chain-grpc`` or
+        ``ring-grpc`` (the same over gRPC; ``docs/data-paths.md``)."""
         self.stages = len(layout)
         self.provider = LoopbackRouteProvider(path, layout, options=options)
         self._records: list[tuple[float, ForwardRecord]] = []
         if transport == "relay":
             self.transport = GrpcStageTransport(timeout=60.0, observer=self._observe)
         else:
+            mode, _, path = transport.partition("-")
             self.transport = ChainStageTransport(
-                timeout=60.0, observer=self._observe, ring=transport == "ring"
+                timeout=60.0,
+                observer=self._observe,
+                ring=mode == "ring",
+                data_path="grpc" if path == "grpc" else "frame-link",
             )
         policy = FailurePolicy(step_deadline=60.0, session_deadline=600.0)
         self.manager = SessionManager(
