@@ -199,12 +199,12 @@ class RouteBench(LoopbackRoute):
         if transport == "relay":
             self.transport = GrpcStageTransport(timeout=60.0, observer=self._observe)
         else:
-            mode, _, path = transport.partition("-")
+            mode, _, via = transport.partition("-")
             self.transport = ChainStageTransport(
                 timeout=60.0,
                 observer=self._observe,
                 ring=mode == "ring",
-                data_path="grpc" if path == "grpc" else "frame-link",
+                data_path="grpc" if via == "grpc" else "frame-link",
             )
         policy = FailurePolicy(step_deadline=60.0, session_deadline=600.0)
         self.manager = SessionManager(

@@ -28,7 +28,7 @@ import attrs
 
 from dgr_engine.argtypes import float_in, int_in
 from dgr_engine.certification.verify import LockVerifier
-from dgr_engine.client.chained import ChainStageTransport
+from dgr_engine.client.chained import DATA_PATHS, ChainStageTransport
 from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.client.routes import EndpointRouteProvider, describe
 from dgr_engine.errors import EngineError, ShardError
@@ -158,6 +158,14 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
         help="relay: this client sends every stage its frame (default); chain: each stage sends"
         " its output straight to the next, the last answers here; ring: a chain whose last"
         " stage also sends each next greedy token back to the first (greedy only; docs/chain.md)",
+    )
+    p.add_argument(
+        "--data-path",
+        choices=DATA_PATHS,
+        default="auto",
+        help="with --transport chain or ring: how frames travel between stages; auto: the frame"
+        " link when every stage offers it, else gRPC (default); frame-link: required;"
+        " grpc (docs/data-paths.md)",
     )
 
 
@@ -300,6 +308,8 @@ class RoutePlan:
     required: EvidenceClass
     step_deadline: float
     transport: str
+    data_path: str
+    """``--data-path``: how a chain's or ring's frames travel (``DATA_PATHS``)."""
     tokenizer: Tokenizer | None
     """The model's tokenizer (``None``: a model without one, like the generated fixtures)."""
 
@@ -346,6 +356,7 @@ def plan_route(args: argparse.Namespace, *, notice: Notice = _silent) -> RoutePl
         required=EvidenceClass(args.require),
         step_deadline=args.step_deadline,
         transport=args.transport,
+        data_path=args.data_path,
         tokenizer=_tokenizer(args.vocab if args.vocab is not None else model),
     )
 
@@ -560,4 +571,6 @@ def _stage_transport(plan: RoutePlan) -> GrpcStageTransport:
     if plan.transport == "relay":
         return GrpcStageTransport(timeout=plan.step_deadline, tls=plan.tls)
     ring = plan.transport == "ring"
-    return ChainStageTransport(timeout=plan.step_deadline, tls=plan.tls, ring=ring)
+    return ChainStageTransport(
+        timeout=plan.step_deadline, tls=plan.tls, ring=ring, data_path=plan.data_path
+    )

@@ -114,6 +114,18 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--port", type=int_in(0, 65535), default=0, help="port; 0 picks a free one (default)"
     )
+    p.add_argument(
+        "--frame-link-port",
+        type=int_in(0, 65535),
+        default=0,
+        help="serve the frame link, the fast data path for chained frames, on this port (0: a "
+        "free one, the default; the advert says which; docs/data-paths.md)",
+    )
+    p.add_argument(
+        "--no-frame-link",
+        action="store_true",
+        help="offer no frame link: chained frames travel over gRPC only",
+    )
     EngineOptions.add_arguments(p)
     p.add_argument(
         "--max-message-bytes",
@@ -325,6 +337,7 @@ async def _serve(args: argparse.Namespace) -> int:
         grant_keys=args.grant_keys,
         grant_endpoint=args.grant_endpoint,
         metrics_port=args.metrics_port,
+        frame_link_port=None if args.no_frame_link else args.frame_link_port,
         metrics_host=args.metrics_host if args.metrics_host is not None else "127.0.0.1",
         metrics_tls=args.metrics_tls,
         frames_per_second=args.frames_per_second,
