@@ -25,6 +25,7 @@ import numpy.typing as npt
 
 from dgr_engine.certification.lock import Thresholds
 from dgr_engine.certification.record import Figure, Requirement, Verdict
+from dgr_engine.client.chained import ChainRecord, ChainStageTransport
 from dgr_engine.client.relay import ForwardRecord, GrpcStageTransport
 from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
@@ -113,12 +114,20 @@ async def run_sessions(
     on_token: Callable[[int, int], None] | None = None,
     act: Callable[[list[SessionHandle]], None] | None = None,
     seen: Callable[[GrpcStageTransport], None] | None = None,
+    ring: Callable[[ChainRecord], None] | None = None,
 ) -> list[SessionResult]:
     """Greedy route sessions over ``provider`` (one per prompt), concurrently; ``act`` is
     called with their handles once all have started, ``on_token`` with (index, token),
-    ``seen`` with the transport they run on."""
+    ``seen`` with the transport they run on. With ``ring``, the sessions run as a ring over
+    the fastest data path every stage offers (``docs/chain.md``, ``docs/data-paths.md``) and
+    ``ring`` is told of every chained frame; else over the client relay (``observer``)."""
     policy = FailurePolicy(step_deadline=deadline, session_deadline=20 * deadline)
-    async with GrpcStageTransport(timeout=deadline, observer=observer) as transport:
+    stage_transport = (
+        GrpcStageTransport(timeout=deadline, observer=observer)
+        if ring is None
+        else ChainStageTransport(timeout=deadline, ring=True, chain_observer=ring)
+    )
+    async with stage_transport as transport:
         if seen is not None:
             seen(transport)
         manager = SessionManager(
@@ -391,7 +400,9 @@ async def speed(
 ) -> Speed:
     """Route against whole model, interleaved rounds: decode and prefill ratios (whole-model
     time over route time: 1.0 is parity, lower is slower), and the per-token breakdown of
-    routed decode into engine, worker code, transit and client code. With ``rpc``, each round
+    routed decode into engine, worker code, transit and client code. The route runs as users'
+    greedy sessions run fastest: a ring over the fastest data path its stages offer (the frame
+    link), so its client code is off the critical path (``client`` is 0). With ``rpc``, each round
     also runs llama.cpp RPC with the same split decoding as many tokens at the same depth (the
     prompt's length); its servers are stopped before this returns, whatever happens."""
     n_decode = limits.speed.decode_tokens
@@ -422,7 +433,7 @@ async def speed(
                     if differs is not None:
                         rpc_error = f"llama-bench ran with other settings than the route: {differs}"
                     rpc_tps.append(tps)
-            records: list[ForwardRecord] = []
+            records: list[ChainRecord] = []
             stamps: list[float] = []
             began = time.perf_counter()
             await run_sessions(
@@ -431,19 +442,20 @@ async def speed(
                 [prompt],
                 n_decode + 1,
                 deadline=limits.step_deadline_seconds,
-                observer=records.append,
+                ring=records.append,
                 on_token=lambda _i, _t, s=stamps: s.append(time.perf_counter()),  # type: ignore[misc]
             )
             route_prefill.append(stamps[0] - began)
             decode_s = (stamps[-1] - stamps[0]) / n_decode
             route_decode.append(decode_s)
             decode_wall_us += decode_s * 1e6 * n_decode
-            steps = [r for r in records if r.positions.start >= len(prompt)]
-            parts["engine"] += sum(r.compute_us for r in steps)
-            parts["worker"] += sum(r.handler_us - r.compute_us for r in steps)
-            parts["transit"] += sum(r.wire_us - r.handler_us for r in steps)
-    measured = sum(parts.values())
-    parts["client"] = max(0.0, decode_wall_us - measured)
+            steps = [r for r in records if r.step > 0]
+            parts["engine"] += sum(sum(r.compute_us) for r in steps)
+            parts["worker"] += sum(sum(r.handler_us) - sum(r.compute_us) for r in steps)
+    # a ring's client is off the critical path (the last stage sends the next frame itself, the
+    # client reads the logits beside it): what the stages' handlers do not account for is the
+    # hops between them
+    parts["transit"] = max(0.0, decode_wall_us - parts["engine"] - parts["worker"])
     total = sum(parts.values()) or 1.0
     shares = {k: v / total for k, v in parts.items()}
     decode_ratio = float(np.median(whole_decode) / np.median(route_decode))

@@ -29,6 +29,7 @@ from pathlib import Path
 import attrs
 import numpy as np
 
+from dgr_engine.client.chained import ChainStageTransport
 from dgr_engine.client.relay import GrpcStageTransport, expectations_for
 from dgr_engine.client.routes import describe
 from dgr_engine.client.shard_client import ShardClient
@@ -98,6 +99,9 @@ class CampaignConfig:
     """Bound on waiting for every worker's sessions to reach zero after the sessions end."""
     limit_seconds: float = 240.0
     """Bound on the whole schedule."""
+    transport: str = "relay"
+    """How the sessions' frames travel: ``relay`` (the client relays every boundary) or
+    ``ring`` (the ring of ``docs/chain.md`` over the frame link, ``docs/data-paths.md``)."""
 
 
 @attrs.define
@@ -205,7 +209,11 @@ async def _drive(
             pending.remove(fault)
             inject(fault)
 
-    transport = GrpcStageTransport(timeout=5.0, close_timeout=0.5)
+    transport = (
+        GrpcStageTransport(timeout=5.0, close_timeout=0.5)
+        if config.transport == "relay"
+        else ChainStageTransport(timeout=5.0, close_timeout=0.5, ring=True, data_path="frame-link")
+    )
     manager = SessionManager(
         transport, provider, policy=config.policy, required_evidence=EvidenceClass.FIXTURE
     )

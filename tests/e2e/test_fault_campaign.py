@@ -30,6 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -145,6 +146,22 @@ def tally() -> Iterator[dict[str, Any]]:
 @example(faults=LEAKING)
 @given(faults=faults_strategy)
 def test_fault_campaign_keeps_every_invariant(
+    config: CampaignConfig, want: list[list[int]], tally: dict[str, Any], faults: list[Fault]
+) -> None:
+    check_invariants(config, want, tally, faults)
+
+
+@pytest.mark.parametrize("faults", [ONE_OF_EACH, LEAKING], ids=["one-of-each", "leaking"])
+def test_fault_campaign_over_a_ring_on_the_frame_link(
+    config: CampaignConfig, want: list[list[int]], tally: dict[str, Any], faults: list[Fault]
+) -> None:
+    """The same invariants with the sessions' frames going around a ring over the frame link
+    (``docs/data-paths.md``): kills, stalls, slow stages and cancellations end epochs there
+    as over the relay, and every session that finishes has the whole model's tokens."""
+    check_invariants(attrs.evolve(config, transport="ring"), want, tally, faults)
+
+
+def check_invariants(
     config: CampaignConfig, want: list[list[int]], tally: dict[str, Any], faults: list[Fault]
 ) -> None:
     outcome = asyncio.run(run_schedule(config, faults))
