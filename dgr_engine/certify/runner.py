@@ -453,9 +453,10 @@ def _rpc_line(c: scenarios.RpcComparison) -> str:
 def _rpc_how(options: EngineOptions, limits: Thresholds) -> str:
     s = limits.speed
     return (
-        f"route over the client relay; {options.n_threads} thread(s) per computing process, kv "
-        f"{options.kv_type}, flash attention {options.flash_attn}, OMP_WAIT_POLICY PASSIVE for "
-        f"RPC, {worker_omp_wait_policy()} for the route; "
+        "route: a ring over the fastest data path its stages offer; "
+        f"{options.n_threads} thread(s) per computing process, kv {options.kv_type}, "
+        f"flash attention {options.flash_attn}, OMP_WAIT_POLICY PASSIVE for RPC, "
+        f"{worker_omp_wait_policy()} for the route; "
         f"{s.decode_tokens} tokens at depth {s.prefill_tokens}; median of {s.rounds} "
         f"interleaved rounds; {os.cpu_count()} cores shared by every process"
     )
