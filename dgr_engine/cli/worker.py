@@ -310,11 +310,12 @@ async def _serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    if args.port:  # before loading anything: a busy port is one line, at once
-        problem = port_problem(args.host, args.port)
-        if problem is not None:
-            logger.error("cannot serve on {}:{}: {}", args.host, args.port, problem)
-            return 2
+    for port in (args.port, 0 if args.no_frame_link else args.frame_link_port):
+        if port:  # before loading anything: a busy port is one line, at once
+            problem = port_problem(args.host, port)
+            if problem is not None:
+                logger.error("cannot serve on {}:{}: {}", args.host, port, problem)
+                return 2
     config = WorkerConfig(
         host=args.host,
         port=args.port,

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from dgr_engine.wire.advert import (
     Advert,
     Capacity,
+    DataPaths,
     Health,
     LayerSpan,
     Load,
@@ -75,6 +76,7 @@ def advert(begin: int, end: int, n_layer: int = 4, width: int = 64, **lane_kw: o
     evidence=st.sampled_from(list(EvidenceClass)),
     certified=st.booleans(),
     family=st.sampled_from([b"", b"\x02" * 32]),
+    frame_link_port=st.integers(0, 65535),
 )
 def test_advert_round_trips(
     begin: int,
@@ -85,6 +87,7 @@ def test_advert_round_trips(
     evidence: EvidenceClass,
     certified: bool,
     family: bytes,
+    frame_link_port: int,
 ) -> None:
     status = CertificationStatus.CERTIFIED if certified else CertificationStatus.DARK
     a = advert(
@@ -101,6 +104,7 @@ def test_advert_round_trips(
         identity=attrs.evolve(a.identity, official_target_sha=sha),
         capacity=attrs.evolve(a.capacity, kv_tokens_free=free),
         load=attrs.evolve(a.load, rows_per_second=rps),
+        data_paths=DataPaths(frame_link_port=frame_link_port),  # 0: none offered
     )
     wire = pb.Advert.FromString(advert_to_proto(a).SerializeToString())
     assert advert_from_proto(wire) == a
