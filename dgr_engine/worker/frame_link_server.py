@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
 
 import grpc
@@ -78,12 +78,16 @@ class FrameLinkServer:
         tls: ServerTls | None,
         max_message_bytes: int,
         max_connections: int,
+        counted: Callable[[str], None] = lambda call: None,
     ) -> None:
+        """``counted`` is told what came of each connection: the call it opened
+        (``ChainStream``, ``ChainOutput``) or ``refused`` (metrics)."""
         self._servicer = servicer
         self._log = log
         self._tls = tls
         self._max_bytes = max_message_bytes
         self._max_connections = max_connections
+        self._counted = counted
         self._server: asyncio.Server | None = None
         self._calls: set[asyncio.Task[None]] = set()
         self.port = 0
@@ -121,7 +125,7 @@ class FrameLinkServer:
         assert task is not None
         try:
             if len(self._calls) >= self._max_connections:
-                self.refused += 1
+                self._refuse()
                 why = f"DGR_E_CAPACITY: {self._max_connections} frame link calls are open"
                 status = ((STATUS_KEY, "DGR_E_CAPACITY"),)
                 writer.write(
@@ -139,6 +143,7 @@ class FrameLinkServer:
                 if kind is not fl.Kind.OPEN:
                     raise fl.LinkProtocolError(f"a {kind.name} before OPEN")
                 method, metadata = fl.decode_open(payload)
+                self._counted(method)
                 context = LinkContext(metadata)
                 if method == "ChainStream":
                     await self._chain_stream(reader, writer, context)
@@ -149,7 +154,7 @@ class FrameLinkServer:
                         raise fl.LinkProtocolError(f"a {kind.name} in place of the request")
                     await self._chain_output(reader, writer, context, payload)
             except fl.LinkProtocolError as exc:
-                self.refused += 1
+                self._refuse()
                 self._log.warning("frame link refused: {}", log_field(str(exc), limit=200))
                 await _send_status(
                     writer,
@@ -158,12 +163,16 @@ class FrameLinkServer:
                     _FRAME_REFUSAL,
                 )
             except (TimeoutError, asyncio.IncompleteReadError, OSError, ssl.SSLError):
-                pass  # silent, too slow, or gone before a call began: dropped
+                self._refuse()  # silent, too slow, or gone before a call began: dropped
         finally:
             self._calls.discard(task)
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+    def _refuse(self) -> None:
+        self.refused += 1
+        self._counted("refused")
 
     async def _chain_stream(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, context: LinkContext

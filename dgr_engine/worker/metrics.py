@@ -57,6 +57,13 @@ class WorkerMetrics:
         self.refusals = Counter(
             "dgr_worker_refusals", "Calls refused, by dgr-status", ["status"], registry=r
         )
+        self.frame_link = Counter(
+            "dgr_worker_frame_link_calls",
+            "Frame link connections, by what came of them: the call they opened (ChainStream, "
+            "ChainOutput), or refused (over the limit, not the protocol, silent too long)",
+            ["call"],
+            registry=r,
+        )
         self.lease_expiries = Counter(
             "dgr_worker_lease_expiries", "Sessions closed because their lease ran out", registry=r
         )

@@ -259,6 +259,7 @@ class ShardWorker:
                 tls=tls,
                 max_message_bytes=receive,
                 max_connections=connection_limit(self.info.max_sessions),
+                counted=lambda call: self.metrics.frame_link.labels(call).inc(),
             )
             self.frame_link_port = await link.start(self.config.host, self.config.frame_link_port)
             self._frame_link = link
