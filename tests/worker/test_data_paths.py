@@ -57,13 +57,22 @@ def test_the_advert_names_the_frame_link_port_or_none(tiny_llama: Path) -> None:
     assert none == 0
 
 
-@pytest.mark.parametrize("data_path", ["auto", "frame-link"])
-def test_a_route_with_a_stage_without_the_frame_link(tiny_llama: Path, data_path: str) -> None:
-    """``auto`` falls back to gRPC (tokens and logits those of the whole model); ``frame-link``
-    fails the epoch's first frame, filed against the stage that does not offer it."""
+@pytest.mark.parametrize(
+    ("second_offers", "data_path"),
+    [(True, "auto"), (False, "auto"), (False, "frame-link")],
+    ids=["both-offer", "fallback-to-grpc", "required-but-missing"],
+)
+def test_a_chained_route_takes_the_path_every_stage_offers(
+    tiny_llama: Path, second_offers: bool, data_path: str
+) -> None:
+    """Both stages offer the frame link: the frames take it, tokens and logits those of the
+    whole model. One does not: ``auto`` falls back to gRPC (the same tokens and logits), and
+    ``frame-link`` fails the epoch's first frame, filed against the stage that does not offer
+    it. (In-process workers: ``scripts/sanitize.sh`` runs this under the sanitizers.)"""
     kw = OPTIONS.engine_kwargs()
     first = ShardWorker.load(tiny_llama, (0, 2), **kw)
-    second = ShardWorker.load(tiny_llama, (2, 4), **kw, config=WorkerConfig(frame_link_port=None))
+    port = 0 if second_offers else None
+    second = ShardWorker.load(tiny_llama, (2, 4), **kw, config=WorkerConfig(frame_link_port=port))
     ((want, want_logits),) = whole_model_reference(tiny_llama, [PROMPT], 4, OPTIONS)
 
     async def scenario() -> None:
@@ -84,7 +93,7 @@ def test_a_route_with_a_stage_without_the_frame_link(tiny_llama: Path, data_path
                     onward = forward_call(
                         route.stages[1], "d", 0, step, range(pos, pos + len(ids)), ids, out.rows
                     )
-                    if data_path == "frame-link":  # the second stage's forward raises it
+                    if not second_offers and data_path == "frame-link":  # raised at stage 1
                         with pytest.raises(ShardRpcError, match="offers no frame link"):
                             await transport.forward(onward)
                         break
@@ -95,7 +104,7 @@ def test_a_route_with_a_stage_without_the_frame_link(tiny_llama: Path, data_path
                     pos, ids = pos + len(ids), [tokens[-1]]
                 if data_path == "auto":
                     assert tokens == want
-                    assert transport.chain_stats.frame_link_epochs == 0  # over gRPC
+                    assert transport.chain_stats.frame_link_epochs == int(second_offers)
                     assert transport.chain_stats.frames == 4
                 for stage in route.stages:
                     await transport.close(stage, "d", 0)
