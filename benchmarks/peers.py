@@ -75,7 +75,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +84,7 @@ import numpy as np
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before the engine loads libgomp
 
-from benchmarks import recovery, shard_memory  # noqa: E402
+from benchmarks import hop_cost, recovery, shard_memory  # noqa: E402
 from benchmarks.concurrent_route import ConcurrentRoute  # noqa: E402
 from benchmarks.first_token import FirstTokenRouteBench, peer_ttft_s  # noqa: E402
 from benchmarks.model_arg import BenchModel, BenchModelError, add_model_arguments  # noqa: E402
@@ -194,6 +194,7 @@ async def speed_rounds(
         for t in s.transports
     }
     runs: dict[str, list[tuple[float, float, float]]] = {}  # prefill tok/s, decode tok/s, TTFT s
+    parts: dict[str, list[Mapping[str, float]]] = {}  # a dgr route's ms per decode token, by part
     tokens_equal: dict[str, bool] = {}
     peer_checks: list[dict[str, Any]] = []
     whole_tokens: list[int] = []
@@ -241,6 +242,8 @@ async def speed_rounds(
                         ok = whole_tokens == [] or run.tokens == whole_tokens
                         tokens_equal[name] = tokens_equal.get(name, True) and ok
                         figures = (s.prompt / run.prefill_s, s.decode / run.decode_s, timed.ttft_s)
+                        if round_:
+                            parts.setdefault(name, []).append(run.parts_ms)
                     else:
                         stages = 1 if which == "whole" else int(which)
                         results, log = await asyncio.to_thread(
@@ -268,6 +271,9 @@ async def speed_rounds(
             "decode_tps": _median([d for _, d, _ in got]),
             "ttft_s": _median([t for _, _, t in got]),
             "rounds": [{"prefill_tps": p, "decode_tps": d, "ttft_s": t} for p, d, t in got],
+            "parts_ms": {part: _median([r[part] for r in parts[name]]) for part in parts[name][0]}
+            if parts.get(name)
+            else {},
         }
         for name, got in runs.items()
     }
@@ -568,6 +574,20 @@ def table_rows(
     return rows
 
 
+def print_parts_table(speeds: Mapping[str, Mapping[str, Any]]) -> None:
+    """Every dgr route row's decode token, part by part (engines, the workers' own code, the
+    transit between them, the client's code), beside its wall time."""
+    print("| dgr route | ms/token | engines | worker code | transit | client |")
+    print("|---|---|---|---|---|---|")
+    for name, got in speeds.items():
+        p = got.get("parts_ms") or {}
+        if not p:
+            continue
+        wall = 1000 / got["decode_tps"]
+        cells = " | ".join(f"{p[k]:.2f}" for k in ("engine", "worker", "transit", "client"))
+        print(f"| {name} | {wall:.2f} | {cells} |")
+
+
 def print_table(rows: Sequence[dict[str, Any]]) -> None:
     print("| | dgr | nearest peer | dgr / peer | target | met |")
     print("|---|---|---|---|---|---|")
@@ -820,6 +840,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[{time.monotonic() - began:.0f} s] recovery done", flush=True)
     memory = memory_rows(path, model.n_layer, s.stages)
     print(f"[{time.monotonic() - began:.0f} s] peak RSS per shard done", flush=True)
+    hops = hop_cost.measure(model.n_embd, frames=300, rounds=s.repeats)
+    print(f"[{time.monotonic() - began:.0f} s] per-hop cost done", flush=True)
 
     rows = table_rows(s, speeds, agg, rec)
     print()
@@ -866,6 +888,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     print()
     print(
+        "where a decode token's time goes, ms per token (median of the rounds; "
+        "benchmarks/pipeline.py: token_parts):"
+    )
+    print()
+    print_parts_table(speeds["speeds"])
+    print()
+    hop_cost.print_rows(hops)
+    print()
+    print(
         "peak RSS per shard, each loaded alone (1 session, "
         f"{shard_memory.CHILD_KW['n_ctx_per_session']} positions), against its weights + KV + "
         "64 MiB:"
@@ -897,6 +928,7 @@ def main(argv: list[str] | None = None) -> int:
         "recovery": rec,
         "table": rows,
         "memory": memory,
+        "hop_cost": hops,
         "memory_target_met": all(r["met"] for r in memory),
         "all_finite": _all_finite(rows),
         "decode_target_met": verdict,

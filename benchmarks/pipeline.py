@@ -52,6 +52,7 @@ import struct
 import subprocess
 import time
 import zlib
+from collections.abc import Mapping, Sequence
 from functools import partial
 from pathlib import Path
 
@@ -62,7 +63,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before the engine loads l
 
 from benchmarks import grpc_floor, seam_overhead  # noqa: E402
 from benchmarks.concurrent_route import LoopbackRoute  # noqa: E402
-from dgr_engine.client.chained import ChainStageTransport  # noqa: E402
+from dgr_engine.client.chained import ChainRecord, ChainStageTransport  # noqa: E402
 from dgr_engine.client.relay import ForwardRecord, GrpcStageTransport  # noqa: E402
 from dgr_engine.engine import ShardEngine  # noqa: E402
 from dgr_engine.fixtures import ensure_fixture, lookup  # noqa: E402
@@ -176,6 +177,8 @@ class RouteRun:
     ttft_s: float = 0.0
     """From ``SessionManager.start`` to the first accepted token (the stages' opens, the
     prompt's prefill through every stage and its greedy token: what a user waits for)."""
+    parts_ms: Mapping[str, float] = attrs.field(factory=dict)
+    """Where a decode token's time went, ms per token (:func:`token_parts`)."""
 
 
 class RouteBench(LoopbackRoute):
@@ -196,13 +199,17 @@ class RouteBench(LoopbackRoute):
         self.stages = len(layout)
         self.provider = LoopbackRouteProvider(path, layout, options=options)
         self._records: list[tuple[float, ForwardRecord]] = []
+        self._chained: list[ChainRecord] = []
+        self.ring = False
         if transport == "relay":
             self.transport = GrpcStageTransport(timeout=60.0, observer=self._observe)
         else:
             mode, _, via = transport.partition("-")
+            self.ring = mode == "ring"
             self.transport = ChainStageTransport(
                 timeout=60.0,
                 observer=self._observe,
+                chain_observer=self._chained.append,
                 ring=mode == "ring",
                 data_path="grpc" if via == "grpc" else "frame-link",
             )
@@ -217,6 +224,7 @@ class RouteBench(LoopbackRoute):
 
     async def run(self, prompt: list[int], n_decode: int) -> RouteRun:
         self._records.clear()
+        self._chained.clear()
         times: list[float] = []
         self._runs += 1
         began = time.perf_counter()
@@ -231,19 +239,68 @@ class RouteBench(LoopbackRoute):
             raise result.error
         prefill = [(t, r) for t, r in self._records if r.positions.start == 0]
         first_token_at = times[0]
+        decode_s = times[-1] - times[0]
         if not prefill:  # a chained route reports no per-stage forwards: from the session's
             # start to its first token (the stages' opens included, a few ms on loopback)
             ttft = first_token_at - began
-            return RouteRun(ttft, times[-1] - times[0], list(result.tokens), [], ttft)
+            steps = [r for r in self._chained if r.step > 0]
+            parts = chained_token_parts(steps, decode_s, n_decode, ring=self.ring)
+            return RouteRun(ttft, decode_s, list(result.tokens), [], ttft, parts)
         start = prefill[0][0] - prefill[0][1].rtt_us / 1e6
         decode = [r for t, r in self._records if t > first_token_at and len(r.positions) == 1]
         return RouteRun(
             prefill[-1][0] - start,
-            times[-1] - times[0],
+            decode_s,
             list(result.tokens),
             decode,
             first_token_at - began,
+            relay_token_parts(decode, decode_s, n_decode),
         )
+
+
+def relay_token_parts(
+    records: Sequence[ForwardRecord], decode_s: float, n_decode: int
+) -> dict[str, float]:
+    """A relayed decode token's ms: the engines, the workers' own code (checks, encode), the
+    transit (each call's round trip beyond its handler: gRPC, the network), and the client's
+    code (the rest of the wall time: the session core, the relay's own code)."""
+    engine = sum(r.compute_us for r in records) / n_decode / 1000
+    handler = sum(r.handler_us for r in records) / n_decode / 1000
+    wire = sum(r.wire_us for r in records) / n_decode / 1000
+    wall = 1000 * decode_s / n_decode
+    return {
+        "engine": engine,
+        "worker": handler - engine,
+        "transit": wire - handler,
+        "client": wall - wire,
+    }
+
+
+def chained_token_parts(
+    records: Sequence[ChainRecord], decode_s: float, n_decode: int, *, ring: bool
+) -> dict[str, float]:
+    """A chained decode token's ms: the engines and the workers' own code (every hop's trace),
+    the transit (a chain: the client's round trip beyond the stages' handlers; a ring: the rest
+    of the wall time, since the last stage sends the next frame itself and the client, reading
+    the logits beside it, is off the critical path) and the client's code (a chain: the rest
+    of the wall time; a ring: 0)."""
+    engine = sum(sum(r.compute_us) for r in records) / n_decode / 1000
+    handler = sum(sum(r.handler_us) for r in records) / n_decode / 1000
+    wall = 1000 * decode_s / n_decode
+    if ring:
+        return {
+            "engine": engine,
+            "worker": handler - engine,
+            "transit": wall - handler,
+            "client": 0.0,
+        }
+    rtt = sum(r.rtt_us for r in records) / n_decode / 1000
+    return {
+        "engine": engine,
+        "worker": handler - engine,
+        "transit": rtt - handler,
+        "client": wall - rtt,
+    }
 
 
 def _stamp(times: list[float], token: int) -> None:

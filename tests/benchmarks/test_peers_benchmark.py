@@ -180,12 +180,15 @@ def test_peers_benchmark_end_to_end(
     want = [
         "decode tok/s, whole model",
         "decode tok/s, 2 stages (ratio to whole)",
+        "decode tok/s, 2 stages [ring-grpc] (ratio to whole)",
         "decode tok/s, 2 stages [ring] (ratio to whole)",
         "prefill 16 tok/s, whole model",
         "prefill 16 tok/s, 2 stages (ratio to whole)",
+        "prefill 16 tok/s, 2 stages [ring-grpc] (ratio to whole)",
         "prefill 16 tok/s, 2 stages [ring] (ratio to whole)",
         "time to first token, prompt 16 (s), whole model",
         "time to first token, prompt 16 (s), 2 stages",
+        "time to first token, prompt 16 (s), 2 stages [ring-grpc]",
         "time to first token, prompt 16 (s), 2 stages [ring]",
     ]
     for variant in variants:
@@ -213,6 +216,17 @@ def test_peers_benchmark_end_to_end(
     for r in result["memory"]:
         assert r["met"] == (r["peak_rss_bytes"] <= r["weight_bytes"] + r["kv_bytes"] + (64 << 20))
     assert "target: peak RSS <= weights + KV + 64 MiB on every shard:" in out
+    # every dgr route row's decode token, part by part, and one hop of each data path
+    for name in ("dgr 2", "dgr 2 ring-grpc", "dgr 2 ring"):
+        parts = result["speeds"]["speeds"][name]["parts_ms"]
+        assert set(parts) == {"engine", "worker", "transit", "client"}, name
+        assert parts["engine"] > 0 and all(math.isfinite(v) for v in parts.values()), parts
+        assert f"| {name} | " in out
+    assert result["speeds"]["speeds"]["dgr 2 ring"]["parts_ms"]["client"] == 0.0  # off the path
+    hops = result["hop_cost"]["rows"]
+    assert [row["path"] for row in hops] == ["tcp echo", "frame link", "grpc"]
+    assert all(math.isfinite(row["hop_ms"]) and row["hop_ms"] > 0 for row in hops)
+    assert "| frame link | " in out
     assert "dgr >= 1.0 x RPC decode at 2 stages:" in out
     assert "fixture evidence" in out
 
