@@ -145,11 +145,19 @@ def decode_open(payload: bytes) -> tuple[str, Metadata]:
 def encode_status(
     code: grpc.StatusCode, details: str, trailers: Sequence[tuple[str, str]]
 ) -> bytes:
+    """A ``STATUS`` payload: always one JSON object within ``CONTROL_MAX_BYTES`` (over it, the
+    details are cut, then the trailers dropped: a refusal's reason is bounded, but never trust
+    it; JSON escapes can make a character six bytes)."""
     body = {"code": code.value[0], "details": details, "trailers": [list(p) for p in trailers]}
     payload = json.dumps(body).encode()
-    if len(payload) > CONTROL_MAX_BYTES:  # a refusal's reason is bounded, but never trust it
-        body["details"] = details[: CONTROL_MAX_BYTES // 4]
-        payload = json.dumps(body).encode()[:CONTROL_MAX_BYTES]
+    keep = len(details)
+    while len(payload) > CONTROL_MAX_BYTES and keep > 0:
+        keep //= 2
+        body["details"] = details[:keep]
+        payload = json.dumps(body).encode()
+    if len(payload) > CONTROL_MAX_BYTES:
+        body["trailers"] = []
+        payload = json.dumps(body).encode()
     return payload
 
 

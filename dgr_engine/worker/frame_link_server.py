@@ -2,12 +2,13 @@
 two streaming calls served over raw TCP (TLS exactly when the gRPC port serves it), by the same
 :class:`~dgr_engine.worker.chain.ChainServicer` methods as over gRPC.
 
-Each connection carries one call. It must say which within ``HELLO_SECONDS`` (a peer that
-connects and never sends is dropped); a header that is not the protocol's (a length over the
-worker's message limit, an unknown kind) ends the call with ``INVALID_ARGUMENT`` /
-``DGR_E_FRAME``, and a peer that goes away mid-call cancels its handler, exactly as a
-cancelled gRPC call does (the epoch is abandoned). At most ``max_connections`` calls are served
-at once; a connection beyond that is answered ``RESOURCE_EXHAUSTED`` and closed.
+Each connection carries one call. It must say which within ``hello_seconds`` (default
+``HELLO_SECONDS``; a peer that connects and never sends is dropped); a header that is not the
+protocol's (a length over the worker's message limit, an unknown kind) ends the call with
+``INVALID_ARGUMENT`` / ``DGR_E_FRAME``, and a peer that goes away mid-call cancels its
+handler, exactly as a cancelled gRPC call does (the epoch is abandoned). At most
+``max_connections`` calls are served at once; a connection beyond that is answered
+``RESOURCE_EXHAUSTED`` and closed.
 """
 
 from __future__ import annotations
@@ -78,17 +79,26 @@ class FrameLinkServer:
         tls: ServerTls | None,
         max_message_bytes: int,
         max_connections: int,
+        hello_seconds: float = HELLO_SECONDS,
     ) -> None:
+        if not 0 < hello_seconds < float("inf"):
+            raise ValueError(f"hello_seconds must be finite and > 0, got {hello_seconds}")
         self._servicer = servicer
         self._log = log
         self._tls = tls
         self._max_bytes = max_message_bytes
         self._max_connections = max_connections
+        self._hello = hello_seconds
         self._server: asyncio.Server | None = None
         self._calls: set[asyncio.Task[None]] = set()
         self.port = 0
         self.refused = 0
         """Connections refused (over the limit, or not the protocol)."""
+
+    @property
+    def open_calls(self) -> int:
+        """Connections being served now (each one call, or one waiting for its ``OPEN``)."""
+        return len(self._calls)
 
     async def start(self, host: str, port: int) -> int:
         """Binds and serves; returns the port."""
@@ -98,7 +108,7 @@ class FrameLinkServer:
             host,
             port,
             ssl=context,
-            ssl_handshake_timeout=HELLO_SECONDS if context is not None else None,
+            ssl_handshake_timeout=self._hello if context is not None else None,
             reuse_address=True,
         )
         self.port = int(self._server.sockets[0].getsockname()[1])
@@ -134,7 +144,7 @@ class FrameLinkServer:
                 return
             self._calls.add(task)
             try:
-                async with asyncio.timeout(HELLO_SECONDS):
+                async with asyncio.timeout(self._hello):
                     kind, payload = await fl.read_message(reader, self._max_bytes)
                 if kind is not fl.Kind.OPEN:
                     raise fl.LinkProtocolError(f"a {kind.name} before OPEN")
@@ -143,7 +153,7 @@ class FrameLinkServer:
                 if method == "ChainStream":
                     await self._chain_stream(reader, writer, context)
                 else:
-                    async with asyncio.timeout(HELLO_SECONDS):
+                    async with asyncio.timeout(self._hello):
                         kind, payload = await fl.read_message(reader, self._max_bytes)
                     if kind is not fl.Kind.MESSAGE:
                         raise fl.LinkProtocolError(f"a {kind.name} in place of the request")
