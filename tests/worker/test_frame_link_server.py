@@ -33,20 +33,19 @@ from dgr_engine.engine import ShardEngine
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import whole_model_reference
 from dgr_engine.wire import frame_link as fl
-from dgr_engine.wire.frames import Expectations, encode_forward, output_from_reply
+from dgr_engine.wire.frames import encode_forward
 from dgr_engine.wire.proto import shard_pb2 as pb
-from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import STATUS_KEY
 from dgr_engine.worker import ShardWorker, WorkerConfig
 from dgr_engine.worker.frame_link_server import FrameLinkServer, connection_limit
 from tests import harness
+from tests.harness import LinkPeer, LinkSession, link_open
 
 T = TypeVar("T")
 OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=128, n_batch=16, max_sessions=4)
 PROMPT = [7, 1, 200, 33, 90]
-STEPS = 12
-READ_SECONDS = 10.0
-"""Bound on any one read from a link (a worker that answers nothing fails the test)."""
+STEPS = 20
+READ_SECONDS = harness.LINK_READ_SECONDS
 GARBAGE = b"\xff\xff\xff\xff"  # a field tag whose varint never ends: no message parses it
 
 
@@ -81,6 +80,11 @@ async def serving(
     assert not unhandled, unhandled
 
 
+def session(worker: ShardWorker, session_id: str, front: ShardEngine | None = None) -> LinkSession:
+    """An honest session over ``worker``'s frame link (``harness.LinkSession``)."""
+    return LinkSession(worker.address, worker.frame_link_port, session_id, PROMPT, front)
+
+
 def link_of(worker: ShardWorker) -> FrameLinkServer:
     assert worker.frame_link is not None and worker.frame_link_port
     return worker.frame_link
@@ -95,125 +99,6 @@ async def until(what: Callable[[], bool], why: str, deadline: float = READ_SECON
     assert what(), why
 
 
-class Peer:
-    """A raw frame link connection: bytes out, messages in, every read bounded."""
-
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.reader, self.writer = reader, writer
-
-    @classmethod
-    async def connect(cls, worker: ShardWorker) -> Peer:
-        return cls(*await asyncio.open_connection("127.0.0.1", worker.frame_link_port))
-
-    async def send(self, data: bytes) -> None:
-        self.writer.write(data)
-        await self.writer.drain()
-
-    async def status(self) -> tuple[grpc.StatusCode, str, dict[str, str]]:
-        """The call's ``STATUS`` (replies before it skipped); then the worker closes."""
-        async with asyncio.timeout(READ_SECONDS):
-            while True:
-                kind, payload = await fl.read_message(self.reader, 1 << 24)
-                if kind is fl.Kind.STATUS:
-                    code, details, trailers = fl.decode_status(payload)
-                    assert await self.reader.read() == b"", "bytes after the STATUS"
-                    return code, details, dict(trailers)
-                assert kind is fl.Kind.MESSAGE, kind
-
-    async def closed(self) -> bytes:
-        """Waits for the worker to close the connection; what it sent before."""
-        async with asyncio.timeout(READ_SECONDS):
-            return await self.reader.read()
-
-    def close(self) -> None:
-        self.writer.close()
-
-
-def open_message(method: str = "ChainStream") -> bytes:
-    return fl.pack(fl.Kind.OPEN, fl.encode_open(method, []))
-
-
-class LinkSession:
-    """An honest session over the frame link: opened over gRPC, its output stream
-    (``ChainOutput``) and its frames (``ChainStream``) on the link; one token per
-    :meth:`step`. ``front``: an engine running the layers before the worker's (the session
-    then sends it boundary rows, as the stage before would)."""
-
-    def __init__(
-        self, worker: ShardWorker, session_id: str, front: ShardEngine | None = None
-    ) -> None:
-        self.worker, self.session_id, self.front = worker, session_id, front
-        self.target = fl.FrameLinkTarget("127.0.0.1", worker.frame_link_port)
-        self.logits: list[np.ndarray] = []
-        self.secret = b""
-        self.expect: Expectations | None = None
-        self.output: fl.FrameLinkCall[Any] | None = None
-        self.stream: fl.FrameLinkCall[Any] | None = None
-
-    async def open(self) -> None:
-        async with ShardClient(self.worker.address, timeout=READ_SECONDS) as client:
-            self.expect = expectations_of(await client.describe())
-            await client.open(self.session_id, 1, self.expect)
-            self.secret = client.session_secret(self.session_id, 1)
-        if self.front is not None:
-            self.front.open_session(1, 1)
-        request = pb.ChainOutputRequest(
-            session_id=self.session_id, epoch=1, session_secret=self.secret
-        )
-        self.output = self.target.ChainOutput(request)
-        async with asyncio.timeout(READ_SECONDS):
-            assert await self.output.read() == pb.ChainOutputReply()  # registered
-        self.stream = self.target.ChainStream()
-
-    def frame(self) -> pb.ForwardRequest:
-        assert self.expect is not None
-        step = len(self.logits)
-        rows = PROMPT if step == 0 else [int(np.argmax(self.logits[-1]))]
-        at = 0 if step == 0 else len(PROMPT) + step - 1
-        positions = np.arange(at, at + len(rows), dtype=np.int32)
-        boundary = None
-        if self.front is not None:
-            boundary = self.front.forward(1, 1, positions, tokens=np.asarray(rows, np.int32))
-        return encode_forward(
-            self.session_id,
-            1,
-            step,
-            self.expect,
-            positions,
-            tokens=None if boundary is not None else rows,
-            boundary=boundary,
-            logit_rows=[len(rows) - 1],
-            session_secret=self.secret,
-        )
-
-    async def step(self) -> None:
-        assert self.stream is not None and self.output is not None
-        await self.stream.write(self.frame())
-        async with asyncio.timeout(READ_SECONDS):
-            reply = await self.output.read()
-        self.logits.append(output_from_reply(reply.reply)[-1].copy())
-
-    async def close(self) -> None:
-        assert self.stream is not None and self.output is not None
-        await self.stream.done_writing()
-        async with asyncio.timeout(READ_SECONDS):
-            assert await self.stream.read() is grpc.aio.EOF  # the stream ended OK
-        request = pb.CloseSessionRequest(
-            session_id=self.session_id, epoch=1, session_secret=self.secret
-        )
-        async with grpc.aio.insecure_channel(self.worker.address) as channel:
-            await shard_pb2_grpc.ShardStub(channel).CloseSession(request, timeout=READ_SECONDS)
-        if self.front is not None:
-            self.front.close_session(1, 1)
-        async with asyncio.timeout(READ_SECONDS):
-            assert await self.output.read() is grpc.aio.EOF  # its client closed the epoch
-
-    def exact(self, want: list[np.ndarray]) -> bool:
-        return len(self.logits) > 0 and all(
-            np.array_equal(got, row) for got, row in zip(self.logits, want, strict=False)
-        )
-
-
 # --- a peer that never sends --------------------------------------------------------------------
 
 HELLO = 0.3
@@ -226,7 +111,7 @@ HELLO = 0.3
         b"",
         fl.HEADER.pack(40, fl.Kind.OPEN)[:3],  # half a header
         fl.HEADER.pack(40, fl.Kind.OPEN) + b'{"method": ',  # an OPEN that never ends
-        open_message("ChainOutput"),  # a call with no request
+        link_open("ChainOutput"),  # a call with no request
     ],
     ids=["nothing", "half-a-header", "half-an-open", "open-without-request"],
 )
@@ -236,11 +121,11 @@ def test_a_peer_that_stays_silent_is_dropped_after_the_hello_timeout(
     async def scenario() -> None:
         async with serving(tiny_llama, frame_link_hello_seconds=HELLO) as worker:
             link = link_of(worker)
-            honest = LinkSession(worker, "honest")
+            honest = session(worker, "honest")
             await honest.open()
             await honest.step()
             loop = asyncio.get_running_loop()
-            peer = await Peer.connect(worker)
+            peer = await LinkPeer.connect(worker.frame_link_port)
             if sent:
                 await peer.send(sent)
             began = loop.time()
@@ -265,8 +150,8 @@ def test_the_hello_timeout_is_checked_and_defaults_to_ten_seconds() -> None:
 
 # --- bytes that are not the protocol ------------------------------------------------------------
 
-STREAM = open_message("ChainStream")
-OUTPUT = open_message("ChainOutput")
+STREAM = link_open("ChainStream")
+OUTPUT = link_open("ChainOutput")
 NOT_THE_PROTOCOL = {
     "unknown-kind": fl.HEADER.pack(0, 9),
     "status-before-open": fl.pack(fl.Kind.STATUS, fl.encode_status(grpc.StatusCode.OK, "", ())),
@@ -295,10 +180,10 @@ def test_bytes_that_are_not_the_protocol_end_the_call_typed(
     async def scenario() -> None:
         async with serving(tiny_llama) as worker:
             link = link_of(worker)
-            honest = LinkSession(worker, "honest")
+            honest = session(worker, "honest")
             await honest.open()
             for name, data in NOT_THE_PROTOCOL.items():
-                peer = await Peer.connect(worker)
+                peer = await LinkPeer.connect(worker.frame_link_port)
                 await peer.send(data)
                 code, details, trailers = await peer.status()
                 assert code is grpc.StatusCode.INVALID_ARGUMENT, (name, details)
@@ -332,10 +217,10 @@ def test_a_peer_gone_mid_message_leaves_nothing_behind(
     async def scenario() -> None:
         async with serving(tiny_llama) as worker:
             link = link_of(worker)
-            honest = LinkSession(worker, "honest")
+            honest = session(worker, "honest")
             await honest.open()
             await honest.step()
-            peer = await Peer.connect(worker)
+            peer = await LinkPeer.connect(worker.frame_link_port)
             await peer.send(STREAM + cut)
             await until(lambda: link.open_calls == 3, "the peer's call is open")
             await honest.step()  # a call stuck mid-message holds nobody else up
@@ -363,7 +248,7 @@ def test_nan_rows_stale_epochs_and_wrong_secrets_get_typed_refusals(
         try:
             async with serving(tiny_llama, (2, 4)) as worker:
                 link = link_of(worker)
-                honest = LinkSession(worker, "honest", front)
+                honest = session(worker, "honest", front)
                 await honest.open()
                 await honest.step()
                 async with ShardClient(worker.address, timeout=READ_SECONDS) as client:
@@ -408,14 +293,14 @@ def test_nan_rows_stale_epochs_and_wrong_secrets_get_typed_refusals(
                     (frame(epoch=7), "NOT_FOUND", "DGR_E_UNKNOWN_SESSION", "epoch 7 is not open"),
                 ]
                 for request, code, status, why in cases:
-                    peer = await Peer.connect(worker)
+                    peer = await LinkPeer.connect(worker.frame_link_port)
                     await peer.send(STREAM + fl.pack(fl.Kind.MESSAGE, request.SerializeToString()))
                     got = await peer.status()
                     assert (got[0].name, got[2].get(STATUS_KEY)) == (code, status), got
                     assert why in got[1] and got[2].get("dgr-chain-hop") == "0", got
                     await honest.step()
                 # an output stream asked with the wrong secret
-                peer = await Peer.connect(worker)
+                peer = await LinkPeer.connect(worker.frame_link_port)
                 wrong = pb.ChainOutputRequest(session_id="mallory", epoch=1, session_secret=b"x")
                 await peer.send(OUTPUT + fl.pack(fl.Kind.MESSAGE, wrong.SerializeToString()))
                 got = await peer.status()
@@ -426,7 +311,7 @@ def test_nan_rows_stale_epochs_and_wrong_secrets_get_typed_refusals(
                 # a newer epoch opened: the older one's frames are stale, the held epoch named
                 async with ShardClient(worker.address, timeout=READ_SECONDS) as client:
                     await client.open("mallory", 2, expect)
-                peer = await Peer.connect(worker)
+                peer = await LinkPeer.connect(worker.frame_link_port)
                 await peer.send(STREAM + fl.pack(fl.Kind.MESSAGE, frame().SerializeToString()))
                 got = await peer.status()
                 assert got[0] is grpc.StatusCode.FAILED_PRECONDITION, got
@@ -450,10 +335,10 @@ def test_a_worker_stops_with_calls_open_and_says_nothing_unhandled(tiny_llama: P
     async def scenario() -> None:
         async with serving(tiny_llama) as worker:
             link = link_of(worker)
-            honest = LinkSession(worker, "honest")
+            honest = session(worker, "honest")
             await honest.open()
             await honest.step()
-            peer = await Peer.connect(worker)
+            peer = await LinkPeer.connect(worker.frame_link_port)
             await until(lambda: link.open_calls == 3, "three calls open")
         assert await peer.closed() == b""
         assert honest.output is not None and honest.stream is not None
@@ -518,10 +403,10 @@ def test_a_peer_writing_faster_than_the_engine_runs_is_pushed_back(
     async def scenario() -> None:
         async with serving(tiny_llama) as worker:
             link = link_of(worker)
-            honest = LinkSession(worker, "honest")
+            honest = session(worker, "honest")
             await honest.open()
             await honest.step()
-            flood = LinkSession(worker, "flood")  # its own session: its first frame runs
+            flood = session(worker, "flood")  # its own session: its first frame runs
             await flood.open()
             assert flood.stream is not None and flood.output is not None
             flood.stream.cancel()
@@ -571,13 +456,13 @@ def test_connections_over_the_limit_get_resource_exhausted(
     async def scenario() -> None:
         async with serving(tiny_llama) as worker:
             link = link_of(worker)
-            honest = LinkSession(worker, "honest")
+            honest = session(worker, "honest")
             await honest.open()
             await honest.step()
-            silent = [await Peer.connect(worker) for _ in range(limit - 2)]
+            silent = [await LinkPeer.connect(worker.frame_link_port) for _ in range(limit - 2)]
             await until(lambda: link.open_calls == limit, "the link is full")
             for _ in range(3):
-                extra = await Peer.connect(worker)
+                extra = await LinkPeer.connect(worker.frame_link_port)
                 code, details, trailers = await extra.status()
                 assert code is grpc.StatusCode.RESOURCE_EXHAUSTED, details
                 assert trailers == {STATUS_KEY: "DGR_E_CAPACITY"}, trailers
@@ -589,7 +474,7 @@ def test_connections_over_the_limit_get_resource_exhausted(
             for peer in silent:
                 peer.close()
             await until(lambda: link.open_calls == 2, "the silent peers let go")
-            second = LinkSession(worker, "second")
+            second = session(worker, "second")
             await second.open()
             await second.step()
             await second.close()
