@@ -96,11 +96,17 @@ def pack(kind: Kind, payload: bytes = b"") -> bytes:
     return HEADER.pack(len(payload), kind) + payload
 
 
-async def read_message(reader: asyncio.StreamReader, max_bytes: int) -> tuple[Kind, bytes]:
+async def read_message(
+    reader: asyncio.StreamReader, max_bytes: int, *, header_seconds: float | None = None
+) -> tuple[Kind, bytes]:
     """The next message; ``LinkProtocolError`` for a header that is not one (its length over
-    ``max_bytes``, or over ``CONTROL_MAX_BYTES`` for a control message), and
-    ``asyncio.IncompleteReadError`` when the connection ends before a whole message."""
-    length, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
+    ``max_bytes``, or over ``CONTROL_MAX_BYTES`` for a control message),
+    ``asyncio.IncompleteReadError`` when the connection ends before a whole message, and
+    ``TimeoutError`` when its header takes over ``header_seconds`` to come (``None``: no
+    bound; a payload, once announced, may take as long as the connection carries it)."""
+    async with asyncio.timeout(header_seconds):
+        header = await reader.readexactly(HEADER.size)
+    length, kind = HEADER.unpack(header)
     try:
         what = Kind(kind)
     except ValueError:

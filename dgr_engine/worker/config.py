@@ -92,11 +92,12 @@ class WorkerConfig:
     this port of ``host`` (0: a free one; the advert says which); ``None``: not offered (chained
     frames then travel over gRPC only)."""
     frame_link_hello_seconds: float = 10.0
-    """How long a frame link connection may take for its TLS handshake and its first message
-    (the ``OPEN`` naming its call; for ``ChainOutput``, its request too): a peer that connects
+    """How long a frame link connection may take for its TLS handshake and its ``OPEN`` (the
+    call it carries), and then for its request (``ChainOutput``) or the start of its first
+    frame (``ChainStream``; a large frame, once begun, may take longer): a peer that connects
     and stays silent holds one of the link's connections (``frame_link_server.py``'s
-    ``max_connections``) this long at most, then is dropped. Longer than any honest caller's
-    connect (it sends both at once), short enough that silent peers cannot keep the link
+    ``max_connections``) this long at most, then is dropped. Longer than any honest caller
+    needs (it sends them at once), short enough that silent peers cannot keep the link
     full."""
     chain_tls: ClientTls | None = None
     """How this worker dials the next stage of a chained route that serves TLS (the CA it

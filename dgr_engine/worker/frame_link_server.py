@@ -3,10 +3,11 @@ two streaming calls served over raw TCP (TLS exactly when the gRPC port serves i
 :class:`~dgr_engine.worker.chain.ChainServicer` methods as over gRPC.
 
 Each connection carries one call. It must say which within ``hello_seconds`` (default
-``HELLO_SECONDS``; a peer that connects and never sends is dropped); a header that is not the
-protocol's (a length over the worker's message limit, an unknown kind) ends the call with
-``INVALID_ARGUMENT`` / ``DGR_E_FRAME``, and a peer that goes away mid-call cancels its
-handler, exactly as a cancelled gRPC call does (the epoch is abandoned). At most
+``HELLO_SECONDS``), and send its request (``ChainOutput``) or begin its first frame
+(``ChainStream``) within as long again: a peer that connects and never sends is dropped. A
+header that is not the protocol's (a length over the worker's message limit, an unknown kind)
+ends the call with ``INVALID_ARGUMENT`` / ``DGR_E_FRAME``, and a peer that goes away mid-call
+cancels its handler, exactly as a cancelled gRPC call does (the epoch is abandoned). At most
 ``max_connections`` calls are served at once; a connection beyond that is answered
 ``RESOURCE_EXHAUSTED`` and closed.
 """
@@ -187,16 +188,22 @@ class FrameLinkServer:
 
         async def requests() -> AsyncIterator[Any]:
             parse = lenient(pb.ForwardRequest)
+            # the first frame must begin within the hello timeout (every caller sends one with
+            # its OPEN); a stream may then idle as long as its session does
+            hello: float | None = self._hello
             while True:
                 try:
-                    kind, payload = await fl.read_message(reader, self._max_bytes)
+                    kind, payload = await fl.read_message(
+                        reader, self._max_bytes, header_seconds=hello
+                    )
+                    hello = None
                 except fl.LinkProtocolError as exc:
                     context.fail(
                         grpc.StatusCode.INVALID_ARGUMENT, f"DGR_E_FRAME: {exc}", _FRAME_REFUSAL
                     )
                     kind = None
-                except (asyncio.IncompleteReadError, OSError):
-                    kind = None  # the caller went away mid-call: its call is cancelled
+                except (asyncio.IncompleteReadError, OSError):  # TimeoutError is an OSError
+                    kind = None  # the caller went away mid-call (or never sent a frame)
                 if kind is fl.Kind.HALF_CLOSE:
                     return
                 if kind is fl.Kind.MESSAGE:

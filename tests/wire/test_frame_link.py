@@ -126,3 +126,19 @@ def test_a_status_with_huge_trailers_drops_them_rather_than_its_json() -> None:
     payload = fl.encode_status(grpc.StatusCode.INTERNAL, "why", [("k", "v" * fl.CONTROL_MAX_BYTES)])
     assert len(payload) <= fl.CONTROL_MAX_BYTES
     assert fl.decode_status(payload) == (grpc.StatusCode.INTERNAL, "", ())
+
+
+def test_header_seconds_bounds_the_header_and_not_the_payload() -> None:
+    async def scenario() -> None:
+        silent = asyncio.StreamReader()
+        with pytest.raises(TimeoutError):
+            await fl.read_message(silent, LIMIT, header_seconds=0.01)
+        slow = asyncio.StreamReader()
+        slow.feed_data(fl.HEADER.pack(3, fl.Kind.MESSAGE) + b"a")
+        reading = asyncio.ensure_future(fl.read_message(slow, LIMIT, header_seconds=0.01))
+        done, _ = await asyncio.wait([reading], timeout=0.05)  # well past the header's bound
+        assert not done  # waiting for the rest of an announced payload, not timed out
+        slow.feed_data(b"bc")
+        assert await reading == (fl.Kind.MESSAGE, b"abc")
+
+    run(scenario())

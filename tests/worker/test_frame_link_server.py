@@ -112,8 +112,15 @@ HELLO = 0.3
         fl.HEADER.pack(40, fl.Kind.OPEN)[:3],  # half a header
         fl.HEADER.pack(40, fl.Kind.OPEN) + b'{"method": ',  # an OPEN that never ends
         link_open("ChainOutput"),  # a call with no request
+        link_open("ChainStream"),  # a stream with no frame
     ],
-    ids=["nothing", "half-a-header", "half-an-open", "open-without-request"],
+    ids=[
+        "nothing",
+        "half-a-header",
+        "half-an-open",
+        "output-without-request",
+        "stream-without-frame",
+    ],
 )
 def test_a_peer_that_stays_silent_is_dropped_after_the_hello_timeout(
     tiny_llama: Path, want: list[np.ndarray], sent: bytes
