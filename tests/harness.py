@@ -1,7 +1,8 @@
 """The suite's shared helpers, in one place: bounded runs, the engine options and prompt most
 worker tests use, the evidence kit of the certification tests, one route session over a
-loopback provider, the evidence directories ``dgr certify`` fills for a run, and the rule that
-the fast set (``-m "not slow"``) starts no worker process.
+loopback provider, the evidence directories ``dgr certify`` fills for a run, the rule that the
+fast set (``-m "not slow"``) starts no worker process, and frame link peers (raw connections,
+and an honest session over a worker's link).
 
 ``conftest.py`` turns these into fixtures and hooks; test modules import what they need from
 here (``from tests.harness import run``)."""
@@ -18,12 +19,18 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import attrs
+import grpc
 import numpy as np
 
 from dgr_engine.client.relay import GrpcStageTransport
+from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.options import EngineOptions
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_engine.tooling.processes import dgr_command
+from dgr_engine.wire import frame_link as fl
+from dgr_engine.wire.frames import encode_forward, output_from_reply
+from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_session import (
     EvidenceClass,
     FailurePolicy,
@@ -384,3 +391,160 @@ def run_session(
             return result
 
     return asyncio.run(asyncio.wait_for(scenario(), limit))
+
+
+# -- frame link peers: raw connections, and an honest session over the link -----------------------
+
+LINK_READ_SECONDS = 10.0
+"""Bound on any one read from a frame link (a worker that answers nothing fails the test)."""
+
+LinkStatus = tuple["grpc.StatusCode", str, dict[str, str]]
+"""A frame link call's end: its code, details and trailers."""
+
+
+class LinkPeer:
+    """A raw frame link connection (``dgr_engine/wire/frame_link.py``): bytes out, messages
+    in, every read bounded by ``LINK_READ_SECONDS``."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+
+    @classmethod
+    async def connect(cls, port: int, host: str = "127.0.0.1") -> LinkPeer:
+        return cls(*await asyncio.open_connection(host, port))
+
+    async def send(self, data: bytes) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def answer(self) -> LinkStatus | None:
+        """Everything the worker sends until it closes the connection: its ``STATUS``, or
+        ``None`` when it closed without one (a call dropped: nobody to tell). Replies before
+        the ``STATUS`` are skipped; anything after it, or bytes that are not messages, fail."""
+        status: LinkStatus | None = None
+        async with asyncio.timeout(LINK_READ_SECONDS):
+            while True:
+                try:
+                    kind, payload = await fl.read_message(self.reader, 1 << 24)
+                except asyncio.IncompleteReadError as end:
+                    assert end.partial == b"", f"the worker sent half a message: {end.partial!r}"
+                    return status
+                except ConnectionResetError:
+                    return status  # it closed with our bytes unread: a reset, not a FIN
+                assert status is None, f"a {kind.name} after the STATUS"
+                if kind is fl.Kind.STATUS:
+                    code, details, trailers = fl.decode_status(payload)
+                    status = code, details, dict(trailers)
+                else:
+                    assert kind is fl.Kind.MESSAGE, kind
+
+    async def status(self) -> LinkStatus:
+        """The call's ``STATUS``; the worker must send one."""
+        status = await self.answer()
+        assert status is not None, "the worker closed the connection without a STATUS"
+        return status
+
+    async def closed(self) -> bytes:
+        """Waits for the worker to close the connection; what it sent before."""
+        async with asyncio.timeout(LINK_READ_SECONDS):
+            try:
+                return await self.reader.read()
+            except ConnectionResetError:
+                return b""
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def link_open(method: str = "ChainStream") -> bytes:
+    """A frame link ``OPEN`` of ``method`` with no metadata."""
+    return fl.pack(fl.Kind.OPEN, fl.encode_open(method, []))
+
+
+class LinkSession:
+    """An honest session over a worker's frame link: opened over gRPC (``address``), its
+    output stream (``ChainOutput``) and its frames (``ChainStream``) on the link
+    (``link_port``); one token per :meth:`step`, the last row's logits kept (``logits``).
+    ``front``: an engine running the layers before the worker's (the session then sends it
+    boundary rows, as the stage before would)."""
+
+    def __init__(
+        self,
+        address: str,
+        link_port: int,
+        session_id: str,
+        prompt: Sequence[int],
+        front: Any = None,
+    ) -> None:
+        self.address, self.session_id, self.prompt, self.front = address, session_id, prompt, front
+        self.target = fl.FrameLinkTarget("127.0.0.1", link_port)
+        self.logits: list[np.ndarray] = []
+        self.secret = b""
+        self.expect: Any = None
+        self.output: fl.FrameLinkCall[Any] | None = None
+        self.stream: fl.FrameLinkCall[Any] | None = None
+
+    async def open(self) -> None:
+        async with ShardClient(self.address, timeout=LINK_READ_SECONDS) as client:
+            self.expect = expectations_of(await client.describe())
+            await client.open(self.session_id, 1, self.expect)
+            self.secret = client.session_secret(self.session_id, 1)
+        if self.front is not None:
+            self.front.open_session(1, 1)
+        request = pb.ChainOutputRequest(
+            session_id=self.session_id, epoch=1, session_secret=self.secret
+        )
+        self.output = self.target.ChainOutput(request)
+        async with asyncio.timeout(LINK_READ_SECONDS):
+            assert await self.output.read() == pb.ChainOutputReply()  # registered
+        self.stream = self.target.ChainStream()
+
+    def frame(self) -> pb.ForwardRequest:
+        """The next step's frame (the prompt, then the last token chosen greedily)."""
+        step = len(self.logits)
+        rows = list(self.prompt) if step == 0 else [int(np.argmax(self.logits[-1]))]
+        at = 0 if step == 0 else len(self.prompt) + step - 1
+        positions = np.arange(at, at + len(rows), dtype=np.int32)
+        boundary = None
+        if self.front is not None:
+            boundary = self.front.forward(1, 1, positions, tokens=np.asarray(rows, np.int32))
+        return encode_forward(
+            self.session_id,
+            1,
+            step,
+            self.expect,
+            positions,
+            tokens=None if boundary is not None else rows,
+            boundary=boundary,
+            logit_rows=[len(rows) - 1],
+            session_secret=self.secret,
+        )
+
+    async def step(self) -> None:
+        assert self.stream is not None and self.output is not None
+        await self.stream.write(self.frame())
+        async with asyncio.timeout(LINK_READ_SECONDS):
+            reply = await self.output.read()
+        self.logits.append(output_from_reply(reply.reply)[-1].copy())
+
+    async def close(self) -> None:
+        """Ends the stream (OK), closes the session, and sees its output stream end."""
+        assert self.stream is not None and self.output is not None
+        await self.stream.done_writing()
+        async with asyncio.timeout(LINK_READ_SECONDS):
+            assert await self.stream.read() is grpc.aio.EOF  # the stream ended OK
+        request = pb.CloseSessionRequest(
+            session_id=self.session_id, epoch=1, session_secret=self.secret
+        )
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            await shard_pb2_grpc.ShardStub(channel).CloseSession(request, timeout=LINK_READ_SECONDS)
+        if self.front is not None:
+            self.front.close_session(1, 1)
+        async with asyncio.timeout(LINK_READ_SECONDS):
+            assert await self.output.read() is grpc.aio.EOF  # its client closed the epoch
+
+    def exact(self, want: Sequence[np.ndarray]) -> bool:
+        """Every step's logits so far equal ``want``'s, bit for bit (and there was one)."""
+        return 0 < len(self.logits) <= len(want) and all(
+            np.array_equal(got, row) for got, row in zip(self.logits, want, strict=False)
+        )

@@ -96,11 +96,17 @@ def pack(kind: Kind, payload: bytes = b"") -> bytes:
     return HEADER.pack(len(payload), kind) + payload
 
 
-async def read_message(reader: asyncio.StreamReader, max_bytes: int) -> tuple[Kind, bytes]:
+async def read_message(
+    reader: asyncio.StreamReader, max_bytes: int, *, header_seconds: float | None = None
+) -> tuple[Kind, bytes]:
     """The next message; ``LinkProtocolError`` for a header that is not one (its length over
-    ``max_bytes``, or over ``CONTROL_MAX_BYTES`` for a control message), and
-    ``asyncio.IncompleteReadError`` when the connection ends before a whole message."""
-    length, kind = HEADER.unpack(await reader.readexactly(HEADER.size))
+    ``max_bytes``, or over ``CONTROL_MAX_BYTES`` for a control message),
+    ``asyncio.IncompleteReadError`` when the connection ends before a whole message, and
+    ``TimeoutError`` when its header takes over ``header_seconds`` to come (``None``: no
+    bound; a payload, once announced, may take as long as the connection carries it)."""
+    async with asyncio.timeout(header_seconds):
+        header = await reader.readexactly(HEADER.size)
+    length, kind = HEADER.unpack(header)
     try:
         what = Kind(kind)
     except ValueError:
@@ -145,11 +151,19 @@ def decode_open(payload: bytes) -> tuple[str, Metadata]:
 def encode_status(
     code: grpc.StatusCode, details: str, trailers: Sequence[tuple[str, str]]
 ) -> bytes:
+    """A ``STATUS`` payload: always one JSON object within ``CONTROL_MAX_BYTES`` (over it, the
+    details are cut, then the trailers dropped: a refusal's reason is bounded, but never trust
+    it; JSON escapes can make a character six bytes)."""
     body = {"code": code.value[0], "details": details, "trailers": [list(p) for p in trailers]}
     payload = json.dumps(body).encode()
-    if len(payload) > CONTROL_MAX_BYTES:  # a refusal's reason is bounded, but never trust it
-        body["details"] = details[: CONTROL_MAX_BYTES // 4]
-        payload = json.dumps(body).encode()[:CONTROL_MAX_BYTES]
+    keep = len(details)
+    while len(payload) > CONTROL_MAX_BYTES and keep > 0:
+        keep //= 2
+        body["details"] = details[:keep]
+        payload = json.dumps(body).encode()
+    if len(payload) > CONTROL_MAX_BYTES:
+        body["trailers"] = []
+        payload = json.dumps(body).encode()
     return payload
 
 

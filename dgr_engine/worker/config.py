@@ -91,6 +91,14 @@ class WorkerConfig:
     """Serve the frame link, the fast data path for chained frames (``docs/data-paths.md``), on
     this port of ``host`` (0: a free one; the advert says which); ``None``: not offered (chained
     frames then travel over gRPC only)."""
+    frame_link_hello_seconds: float = 10.0
+    """How long a frame link connection may take for its TLS handshake and its ``OPEN`` (the
+    call it carries), and then for its request (``ChainOutput``) or the start of its first
+    frame (``ChainStream``; a large frame, once begun, may take longer): a peer that connects
+    and stays silent holds one of the link's connections (``frame_link_server.py``'s
+    ``max_connections``) this long at most, then is dropped. Longer than any honest caller
+    needs (it sends them at once), short enough that silent peers cannot keep the link
+    full."""
     chain_tls: ClientTls | None = None
     """How this worker dials the next stage of a chained route that serves TLS (the CA it
     trusts, and its client certificate for a next stage that asks for one); ``None``: it
@@ -100,6 +108,9 @@ class WorkerConfig:
         lease = self.session_lease_seconds
         if lease is not None and not lease > 0:
             raise ValueError(f"session_lease_seconds must be > 0 or None, got {lease}")
+        hello = self.frame_link_hello_seconds
+        if not 0 < hello < float("inf"):
+            raise ValueError(f"frame_link_hello_seconds must be finite and > 0, got {hello}")
         for name in ("admission_wait_seconds", "stall_seconds", "resume_grace_seconds"):
             value = getattr(self, name)
             if not (value >= 0 and value != float("inf")):

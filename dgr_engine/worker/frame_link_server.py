@@ -2,12 +2,14 @@
 two streaming calls served over raw TCP (TLS exactly when the gRPC port serves it), by the same
 :class:`~dgr_engine.worker.chain.ChainServicer` methods as over gRPC.
 
-Each connection carries one call. It must say which within ``HELLO_SECONDS`` (a peer that
-connects and never sends is dropped); a header that is not the protocol's (a length over the
-worker's message limit, an unknown kind) ends the call with ``INVALID_ARGUMENT`` /
-``DGR_E_FRAME``, and a peer that goes away mid-call cancels its handler, exactly as a
-cancelled gRPC call does (the epoch is abandoned). At most ``max_connections`` calls are served
-at once; a connection beyond that is answered ``RESOURCE_EXHAUSTED`` and closed.
+Each connection carries one call. It must say which within ``hello_seconds`` (default
+``HELLO_SECONDS``), and send its request (``ChainOutput``) or begin its first frame
+(``ChainStream``) within as long again: a peer that connects and never sends is dropped. A
+header that is not the protocol's (a length over the worker's message limit, an unknown kind)
+ends the call with ``INVALID_ARGUMENT`` / ``DGR_E_FRAME``, and a peer that goes away mid-call
+cancels its handler, exactly as a cancelled gRPC call does (the epoch is abandoned). At most
+``max_connections`` calls are served at once; a connection beyond that is answered
+``RESOURCE_EXHAUSTED`` and closed.
 """
 
 from __future__ import annotations
@@ -78,21 +80,30 @@ class FrameLinkServer:
         tls: ServerTls | None,
         max_message_bytes: int,
         max_connections: int,
+        hello_seconds: float = HELLO_SECONDS,
         counted: Callable[[str], None] = lambda call: None,
     ) -> None:
         """``counted`` is told what came of each connection: the call it opened
         (``ChainStream``, ``ChainOutput``) or ``refused`` (metrics)."""
+        if not 0 < hello_seconds < float("inf"):
+            raise ValueError(f"hello_seconds must be finite and > 0, got {hello_seconds}")
         self._servicer = servicer
         self._log = log
         self._tls = tls
         self._max_bytes = max_message_bytes
         self._max_connections = max_connections
         self._counted = counted
+        self._hello = hello_seconds
         self._server: asyncio.Server | None = None
         self._calls: set[asyncio.Task[None]] = set()
         self.port = 0
         self.refused = 0
         """Connections refused (over the limit, or not the protocol)."""
+
+    @property
+    def open_calls(self) -> int:
+        """Connections being served now (each one call, or one waiting for its ``OPEN``)."""
+        return len(self._calls)
 
     async def start(self, host: str, port: int) -> int:
         """Binds and serves; returns the port."""
@@ -102,7 +113,7 @@ class FrameLinkServer:
             host,
             port,
             ssl=context,
-            ssl_handshake_timeout=HELLO_SECONDS if context is not None else None,
+            ssl_handshake_timeout=self._hello if context is not None else None,
             reuse_address=True,
         )
         self.port = int(self._server.sockets[0].getsockname()[1])
@@ -138,7 +149,7 @@ class FrameLinkServer:
                 return
             self._calls.add(task)
             try:
-                async with asyncio.timeout(HELLO_SECONDS):
+                async with asyncio.timeout(self._hello):
                     kind, payload = await fl.read_message(reader, self._max_bytes)
                 if kind is not fl.Kind.OPEN:
                     raise fl.LinkProtocolError(f"a {kind.name} before OPEN")
@@ -148,7 +159,7 @@ class FrameLinkServer:
                 if method == "ChainStream":
                     await self._chain_stream(reader, writer, context)
                 else:
-                    async with asyncio.timeout(HELLO_SECONDS):
+                    async with asyncio.timeout(self._hello):
                         kind, payload = await fl.read_message(reader, self._max_bytes)
                     if kind is not fl.Kind.MESSAGE:
                         raise fl.LinkProtocolError(f"a {kind.name} in place of the request")
@@ -164,6 +175,11 @@ class FrameLinkServer:
                 )
             except (TimeoutError, asyncio.IncompleteReadError, OSError, ssl.SSLError):
                 self._refuse()  # silent, too slow, or gone before a call began: dropped
+        except asyncio.CancelledError:
+            # the server stops (``stop``), and this call with it. Not raised on: Python 3.11's
+            # start_server reads a handler's end with ``task.exception()``, which raises for a
+            # cancelled task, and the loop logs that as an unhandled error with its traceback
+            pass
         finally:
             self._calls.discard(task)
             writer.close()
@@ -181,16 +197,22 @@ class FrameLinkServer:
 
         async def requests() -> AsyncIterator[Any]:
             parse = lenient(pb.ForwardRequest)
+            # the first frame must begin within the hello timeout (every caller sends one with
+            # its OPEN); a stream may then idle as long as its session does
+            hello: float | None = self._hello
             while True:
                 try:
-                    kind, payload = await fl.read_message(reader, self._max_bytes)
+                    kind, payload = await fl.read_message(
+                        reader, self._max_bytes, header_seconds=hello
+                    )
+                    hello = None
                 except fl.LinkProtocolError as exc:
                     context.fail(
                         grpc.StatusCode.INVALID_ARGUMENT, f"DGR_E_FRAME: {exc}", _FRAME_REFUSAL
                     )
                     kind = None
-                except (asyncio.IncompleteReadError, OSError):
-                    kind = None  # the caller went away mid-call: its call is cancelled
+                except (asyncio.IncompleteReadError, OSError):  # TimeoutError is an OSError
+                    kind = None  # the caller went away mid-call (or never sent a frame)
                 if kind is fl.Kind.HALF_CLOSE:
                     return
                 if kind is fl.Kind.MESSAGE:

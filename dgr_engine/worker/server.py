@@ -206,6 +206,11 @@ class ShardWorker:
     # -- lifecycle ---------------------------------------------------------------------------
 
     @property
+    def frame_link(self) -> FrameLinkServer | None:
+        """The frame link's server once started (``None``: not offered, or not started)."""
+        return self._frame_link
+
+    @property
     def address(self) -> str:
         """``host:port`` the server is bound to (after ``start``)."""
         host = self.config.host
@@ -259,6 +264,7 @@ class ShardWorker:
                 tls=tls,
                 max_message_bytes=receive,
                 max_connections=connection_limit(self.info.max_sessions),
+                hello_seconds=self.config.frame_link_hello_seconds,
                 counted=lambda call: self.metrics.frame_link.labels(call).inc(),
             )
             self.frame_link_port = await link.start(self.config.host, self.config.frame_link_port)
