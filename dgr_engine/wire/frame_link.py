@@ -246,7 +246,10 @@ class FrameLinkTarget:
 
 
 class FrameLinkCall(Generic[M]):
-    """One call on its own connection, used like a ``grpc.aio`` streaming call."""
+    """One call on its own connection, used like a ``grpc.aio`` streaming call. One
+    difference: its status is read from the connection by :meth:`read`, so ``code``,
+    ``details`` and ``trailing_metadata`` resolve once a caller has read to the end (every
+    caller in dgr does), or once the call is cancelled or its connection lost."""
 
     def __init__(
         self,
