@@ -44,7 +44,7 @@ from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_session.faults import FailureReport
 from dgr_session.identity import CertificationStatus, EvidenceClass
 from dgr_session.manager import SessionHandle, SessionManager, SessionResult
-from dgr_session.policy import FailurePolicy
+from dgr_session.policy import FailurePolicy, ReplayMode
 from dgr_session.route import Route
 
 Layout = tuple[tuple[int, int], ...]
@@ -116,8 +116,17 @@ async def run_sessions(
 ) -> list[SessionResult]:
     """Greedy route sessions over ``provider`` (one per prompt), concurrently; ``act`` is
     called with their handles once all have started, ``on_token`` with (index, token),
-    ``seen`` with the transport they run on."""
-    policy = FailurePolicy(step_deadline=deadline, session_deadline=20 * deadline)
+    ``seen`` with the transport they run on.
+
+    A session that re-prefills after a fault replays ``exact`` (the first run's batching:
+    the prompt in its chunks, then one forward per accepted token): the scenarios require its
+    tokens to equal the whole model's, which only that replay promises. A ``batched`` replay
+    computes the accepted tokens as prefill rows, and llama.cpp's kernels round those
+    differently from one-row decodes: on Gemma 3 270M that moves logits by up to about 5 and flips a
+    greedy token of the certify prompts."""
+    policy = FailurePolicy(
+        step_deadline=deadline, session_deadline=20 * deadline, replay=ReplayMode.EXACT
+    )
     async with GrpcStageTransport(timeout=deadline, observer=observer) as transport:
         if seen is not None:
             seen(transport)
