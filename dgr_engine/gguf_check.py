@@ -53,6 +53,11 @@ class GgufHeader:
     n_tensors: int
     data_bytes: int
     """Bytes of tensor data the header describes."""
+    tensor_types: tuple[str, ...] = ()
+    """The tensor types present, sorted (``GGMLQuantizationType`` names, e.g. ``("F32",
+    "Q4_K")``)."""
+    strings: dict[str, str] = attrs.field(factory=dict, repr=False)
+    """Every string-valued key of the metadata (``general.name``, a fixture's mark, ...)."""
 
 
 class _Truncated(Exception):
@@ -137,9 +142,11 @@ def check_gguf(path: str | os.PathLike[str]) -> GgufHeader:
         raise ModelLoadError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
     end_of_data = start
+    types: set[str] = set()
     for name, dims, kind, offset in tensors:
         try:
             block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
+            types.add(GGMLQuantizationType(kind).name)
         except (ValueError, KeyError):
             raise ModelLoadError(f"{path}: corrupt GGUF: tensor {name!r} has type {kind}") from None
         elements = 1
@@ -167,4 +174,6 @@ def check_gguf(path: str | os.PathLike[str]) -> GgufHeader:
         n_head_kv=number("attention.head_count_kv"),
         n_tensors=len(tensors),
         data_bytes=end_of_data - start,
+        tensor_types=tuple(sorted(types)),
+        strings={k: v for k, v in kv.items() if isinstance(v, str)},
     )

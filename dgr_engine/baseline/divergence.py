@@ -41,6 +41,9 @@ class Divergence:
     """Index of the first greedy token that differs, prompts end to end (``None``: equal)."""
     positions: int
     """Teacher-forced positions compared."""
+    max_abs_logit: float = float("nan")
+    """The largest |tested - reference| raw logit over every position and token (reported; no
+    threshold: a quantized model's logits are judged by their distributions)."""
 
     def within(self, limits: QuantizedBaseline) -> bool:
         """Mean, 99th percentile and top-1 within the locked thresholds, over at least the
@@ -107,4 +110,5 @@ def divergence(
         tokens_equal=first is None,
         first_difference=first,
         positions=int(ref.shape[0]),
+        max_abs_logit=float(np.abs(got - ref).max()),
     )

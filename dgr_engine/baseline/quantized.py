@@ -195,6 +195,7 @@ def figures_of(result: QuantizedResult) -> list[Figure]:
         Figure("baseline.kld_p99", d.kld_p99, "nats"),
         Figure("baseline.kld_max", d.kld_max, "nats"),
         Figure("baseline.top1_agreement", d.top1_agreement, "share"),
+        Figure("baseline.max_abs_logit", d.max_abs_logit, "logit"),
         Figure("baseline.tokens_equal", float(d.tokens_equal), "bool"),
         Figure(
             "baseline.first_difference",

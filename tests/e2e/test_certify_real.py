@@ -7,11 +7,14 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.lock_edit import write_lock
 from dgr_engine.certification.record import RecordKind, load_evidence
 from dgr_engine.models import lookup, resolve_model
 from dgr_engine.tooling.processes import dgr_command
+from dgr_session.identity import EvidenceClass
 from tests.harness import REPO
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -40,13 +43,16 @@ def test_a_real_model_the_lock_does_not_declare_is_refused_with_how_to_declare_i
     assert not evidence.exists()  # nothing half-written
 
 
-def test_the_committed_real_records_say_why_they_are_real_hardware() -> None:
+@pytest.mark.parametrize("name", [SMOLLM2, "gemma3-270m"])
+def test_the_committed_real_records_say_why_they_are_real_hardware(name: str) -> None:
     lock = load_lock(REPO / "certification" / "lock.json")
     loaded = load_evidence(REPO / "evidence", lock)
-    real = [r for r in loaded.records if r.facts.real_model == SMOLLM2]
+    assert not loaded.refused, loaded.refused  # every committed record counts under this lock
+    real = [r for r in loaded.records if r.facts.real_model == name]
     assert {r.kind for r in real} == {RecordKind.CERTIFICATION, RecordKind.BASELINE}
+    assert all(r.evidence_class is EvidenceClass.REAL_HARDWARE for r in real)
     real = [r for r in real if r.kind is RecordKind.CERTIFICATION]
-    sha = lookup(SMOLLM2).sha256
+    sha = lookup(name).sha256
     for record in real:
         assert record.lane.model_sha256 == sha
         reason = record.machine.get("evidence_class", "")

