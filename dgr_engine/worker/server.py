@@ -275,13 +275,13 @@ class ShardWorker:
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.log.info(
-            "serving layers [{}, {}) of {} on {} ({}{})",
+            "serving layers [{}, {}) of {} on {} ({}){}",
             self.info.layer_begin,
             self.info.layer_end,
             self.build.model_sha256.hex()[:12],
             self.address,
             "plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS",
-            f"; frame link on port {self.frame_link_port}" if self.frame_link_port else "",
+            f", frame link on port {self.frame_link_port}" if self.frame_link_port else "",
         )
         return self.address
 
