@@ -8,6 +8,7 @@ import hashlib
 import os
 import subprocess
 import zipfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -274,8 +275,21 @@ def test_every_certify_layout_of_smollm2_is_the_whole_model(smollm2: Path, closi
     reference = LocalChain([whole])
     reference.open(1, 0)
     ref_tokens, ref_logits = reference.greedy(1, 0, prompt, 6, all_prefill_logits=True)
+    assert_layouts_are_the_whole_model(smollm2, layouts, kw, prompt, ref_tokens, ref_logits)
+
+
+def assert_layouts_are_the_whole_model(
+    model: Path,
+    layouts: Sequence[Sequence[tuple[int, int]]],
+    kw: dict[str, int],
+    prompt: list[int],
+    ref_tokens: list[int],
+    ref_logits: list[np.ndarray],
+) -> None:
+    """Every layout's route gives the whole model's greedy tokens and every logits row, bit for
+    bit (each layout's stages closed before the next is loaded)."""
     for layout in layouts:
-        stages = [ShardEngine(smollm2, layers=r, **kw) for r in layout]
+        stages = [ShardEngine(model, layers=r, **kw) for r in layout]
         try:
             route = LocalChain(stages)
             route.open(1, 0)
@@ -323,17 +337,4 @@ def test_every_certify_layout_of_gemma3_is_the_whole_model(gemma3: Path, closing
     reference.open(1, 0)
     ref_tokens, ref_logits = reference.greedy(1, 0, prompt, 6, all_prefill_logits=True)
     assert tokenizer.decode(ref_tokens).startswith(" France"), tokenizer.decode(ref_tokens)
-    for layout in layouts:
-        stages = [ShardEngine(gemma3, layers=r, **kw) for r in layout]
-        try:
-            route = LocalChain(stages)
-            route.open(1, 0)
-            tokens, logits = route.greedy(1, 0, prompt, 6, all_prefill_logits=True)
-            assert tokens == ref_tokens, layout
-            assert len(logits) == len(ref_logits)
-            assert all(np.array_equal(a, b) for a, b in zip(logits, ref_logits, strict=True)), (
-                layout
-            )
-        finally:
-            for stage in stages:
-                stage.close()
+    assert_layouts_are_the_whole_model(gemma3, layouts, kw, prompt, ref_tokens, ref_logits)
