@@ -6,7 +6,9 @@ against (``benchmarks.serve_latency``: ``dgr serve`` against ``llama-server``).
 
 The source, its sha256 check, the extraction and the patch stack are ``native/build_llama.py``'s
 own functions (imported, not copied), so the peers run exactly the llama.cpp that dgr's engines
-link. The CMake options are the main build's (Release, static, ``GGML_NATIVE=OFF``,
+link. On top of that stack, the peers' own source copy takes ``patches/peers/`` (numbered the
+same way): fixes to the peer tools themselves, never to the library (0001: llama-batched-bench
+drains its asynchronous log before exit, so its rows are never lost). The CMake options are the main build's (Release, static, ``GGML_NATIVE=OFF``,
 ``GGML_OPENMP=ON``) plus :data:`PEER_OPTIONS` (``GGML_RPC=ON``, the tools and their common
 library on), and only :data:`TARGETS` are built.
 
@@ -52,6 +54,9 @@ PEER_BUILD_VERSION: Final = 1
 TARGETS: Final = ("llama-bench", "ggml-rpc-server", "llama-batched-bench", "llama-server")
 """The CMake targets built (and the names of the executables installed)."""
 
+PEER_PATCHES_DIR: Final = "peers"
+"""``patches/<this>/``: the patches applied to the peers' source copy after the main stack."""
+
 PEER_OPTIONS: Final = {
     "GGML_RPC": "ON",
     "LLAMA_BUILD_TOOLS": "ON",  # tools/llama-bench, tools/batched-bench, tools/rpc
@@ -71,11 +76,13 @@ def peer_options(manifest: dict[str, Any]) -> dict[str, str]:
     return {**manifest["cmake"]["options"], **PEER_OPTIONS}
 
 
-def peer_key(main_key: str, options: dict[str, str]) -> str:
-    """sha256 over the main build's key, the peers' options (sorted), targets and version."""
+def peer_key(main_key: str, options: dict[str, str], peer_patches: list[Any]) -> str:
+    """sha256 over the main build's key, the peers' options (sorted), their own patches, the
+    targets and the version."""
     text = json.dumps(
         {
             "main_key": main_key,
+            "peer_patches": [[p.name, p.sha256] for p in peer_patches],
             "options": dict(sorted(options.items())),
             "targets": list(TARGETS),
             "version": PEER_BUILD_VERSION,
@@ -96,14 +103,17 @@ def _is_cached(prefix: Path, key: str) -> bool:
 
 
 def _inputs(build: ModuleType) -> tuple[Any, dict[str, Any], list[Any], str, dict[str, str], str]:
-    """(paths, manifest, patches, main key, peer options, peer key)."""
+    """(paths, manifest, patches, main key, peer options, peer key); ``patches`` are the main
+    stack followed by the peers' own (``patches/peers/``)."""
     paths = build.BuildPaths.default(repo_root=CHECKOUT)
     manifest_bytes = paths.manifest.read_bytes()
     manifest = build.parse_manifest(manifest_bytes)
     patches = build.read_patches(paths.patches_dir)
     main_key = build.compute_key(manifest_bytes, patches, paths.script.read_bytes())
     options = peer_options(manifest)
-    return paths, manifest, patches, main_key, options, peer_key(main_key, options)
+    peer_patches = build.read_patches(Path(paths.patches_dir) / PEER_PATCHES_DIR)
+    key = peer_key(main_key, options, peer_patches)
+    return paths, manifest, [*patches, *peer_patches], main_key, options, key
 
 
 def peers_prefix() -> Path:

@@ -418,36 +418,27 @@ def run_batched_bench(
     argv += [*config.common(), "-tb", str(config.threads), "-ngl", "0"]
     argv += ["-npp", str(prompt), "-ntg", str(n_gen), "-npl", ",".join(map(str, sequences))]
     argv += ["--output-format", "jsonl", *(["-v"] if verbose else [])]
-    # The tool prints its rows through llama.cpp's asynchronous log, whose singleton is leaked
-    # on purpose at this commit (common/log.cpp, common_log_main: "this design may cause logs
-    # to be lost if not flushed before the program exits"), and batched-bench returns from
-    # main without flushing it: now and then it exits 0 with the tail of its output, rows
-    # included, never written (measured: 1 run in 15 of a verbose probe on the loaded 2-core
-    # machine lost its last lines and its only row). The fix at the cause is a flush before
-    # exit in the peer's own source; a patch would change the patch stack and so every lane,
-    # so the peer stays as upstream ships it and a run whose output lost a row is run again
-    # once, then refused with what it printed.
-    runs = 2
-    for _ in range(runs):
-        proc = subprocess.run(
-            argv, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=peer_env(), check=False
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(
-                f"llama-batched-bench failed (exit {proc.returncode}): {' '.join(argv)}\n"
-                f"{proc.stderr[-1500:]}"
-            )
-        try:
-            rows = parse_batched_bench(proc.stdout + "\n" + proc.stderr)
-        except ValueError:  # not one row: the whole tail was lost
-            rows = {}
-        missing = sorted(set(sequences) - set(rows))
-        if not missing:
-            return rows, proc.stderr
-    raise RuntimeError(
-        f"llama-batched-bench gave no row for {missing} sequences in {runs} runs: "
-        f"{' '.join(argv)}\n{(proc.stdout + proc.stderr)[-1500:]}"
+    # Its rows come through llama.cpp's asynchronous log, which the peers' own patch
+    # (patches/peers/0001) drains before exit: a run that exits 0 has printed every row.
+    proc = subprocess.run(
+        argv, capture_output=True, text=True, timeout=RUN_TIMEOUT, env=peer_env(), check=False
     )
+    if proc.returncode != 0:
+        raise RuntimeError(
+            f"llama-batched-bench failed (exit {proc.returncode}): {' '.join(argv)}\n"
+            f"{proc.stderr[-1500:]}"
+        )
+    try:
+        rows = parse_batched_bench(proc.stdout + "\n" + proc.stderr)
+    except ValueError:  # not one row
+        rows = {}
+    missing = sorted(set(sequences) - set(rows))
+    if missing:
+        raise RuntimeError(
+            f"llama-batched-bench gave no row for {missing} sequences: {' '.join(argv)}\n"
+            f"{(proc.stdout + proc.stderr)[-1500:]}"
+        )
+    return rows, proc.stderr
 
 
 _KV_LOG_RE = re.compile(r"llama_kv_cache:.*K \((\w+)\)")

@@ -16,6 +16,7 @@ from benchmarks import concurrent_route, targets
 from dgr_engine.reference import split_points
 from dgr_engine.tooling import peer_build
 from dgr_engine.tooling import rpc_peer as peers
+from dgr_engine.tooling.llama_build import build_module
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -147,12 +148,30 @@ def test_aggregate_tps() -> None:
     assert concurrent_route.aggregate_tps([[0.0, 1.0], [1.0, 2.0]]) == pytest.approx(2 / 2)
 
 
-def test_peer_key_follows_the_options() -> None:
+def test_peer_key_follows_the_options_and_the_peer_patches() -> None:
     options = {"GGML_RPC": "ON"}
-    key = peer_build.peer_key("a" * 64, options)
-    assert key == peer_build.peer_key("a" * 64, dict(options))
-    assert key != peer_build.peer_key("b" * 64, options)
-    assert key != peer_build.peer_key("a" * 64, {"GGML_RPC": "OFF"})
+    PatchFile = build_module().PatchFile  # noqa: N806 (the build script's own class)
+    fix = PatchFile("0001-fix.patch", b"diff")
+    key = peer_build.peer_key("a" * 64, options, [fix])
+    assert key == peer_build.peer_key("a" * 64, dict(options), [PatchFile(fix.name, b"diff")])
+    assert key != peer_build.peer_key("b" * 64, options, [fix])
+    assert key != peer_build.peer_key("a" * 64, {"GGML_RPC": "OFF"}, [fix])
+    assert key != peer_build.peer_key("a" * 64, options, [])
+    assert key != peer_build.peer_key("a" * 64, options, [PatchFile(fix.name, b"diff 2")])
+
+
+def test_the_peer_patches_apply_after_the_main_stack_and_only_to_the_peers() -> None:
+    # patches/peers/ is not part of the engine's stack (so no lane changes with it), and every
+    # one of its patches is named, described and applied after the main stack in the peers' copy
+    build = build_module()
+    paths = build.BuildPaths.default(repo_root=REPO)
+    main = [p.name for p in build.read_patches(paths.patches_dir)]
+    peers = build.read_patches(paths.patches_dir / peer_build.PEER_PATCHES_DIR)
+    assert [p.name for p in peers] == ["0001-batched-bench-drain-log-at-exit.patch"]
+    assert not set(main) & {p.name for p in peers}
+    assert all(p.header and "Why:" in "\n".join(p.header) for p in peers)
+    *_, applied, _main_key, _options, _key = peer_build._inputs(build)
+    assert [p.name for p in applied] == main + [p.name for p in peers]
 
 
 @pytest.mark.slow
