@@ -277,4 +277,4 @@ def test_bad_draft_length_settings_are_typed_refusals() -> None:
         {"patience": 0},
     ):
         with pytest.raises(DraftConfigError):
-            DraftLength(**kwargs)  # type: ignore[arg-type]
+            DraftLength(**kwargs)
