@@ -1,0 +1,239 @@
+"""Draft sources of speculative decoding, and the adaptive draft length.
+
+A *drafter* guesses the tokens greedy decoding will produce next; one pass along the route then
+verifies the last accepted token plus the drafts and keeps the longest prefix greedy decoding
+would have produced (``docs/speculative.md``). A wrong draft costs rows, never tokens: exactness
+is the verifier's job, a drafter only has to be cheap and often right.
+
+* :class:`Drafter`: the one small interface every draft source implements (``propose``,
+  ``close``, a ``name``).
+* :class:`NgramDrafter`: prompt-lookup decoding from the session's own tokens, for every
+  architecture and with no model.
+* :class:`DraftLength`: how many tokens to draft on the next pass, adapted to what was accepted
+  so that speculation never makes a session slower than plain decoding.
+
+The draft model (a GGUF with the target's vocabulary) lives in the data plane,
+``dgr_engine.speculative``. Everything here is pure, deterministic and free of I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
+
+from dgr_session.errors import DgrError
+
+__all__ = [
+    "DraftConfigError",
+    "DraftContextFull",
+    "DraftLength",
+    "Drafter",
+    "NgramDrafter",
+    "check_draft_k",
+]
+
+
+class DraftConfigError(DgrError, ValueError):
+    """A drafter or a draft length was set up (or asked) with values that cannot work: a
+    negative draft length, n-gram bounds out of order, a draft model whose vocabulary is not the
+    target's. Nothing was drafted and nothing changed; the session lives on (without this
+    draft source, if its configuration is what is wrong)."""
+
+
+class DraftContextFull(DgrError):
+    """The history handed to a drafter is longer than the drafter's own context (a draft
+    model's KV). Nothing was drafted; the drafter's state is unchanged. The session lives on:
+    it decodes without this drafter's drafts."""
+
+
+def check_draft_k(k: int) -> None:
+    """Refuses a draft length below 0 (:class:`DraftConfigError`)."""
+    if k < 0:
+        raise DraftConfigError(f"draft length k must be >= 0, got {k}")
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """A draft source.
+
+    ``propose(history, k)`` returns at most ``k`` tokens that would follow ``history`` (the
+    prompt plus every accepted token so far), possibly fewer or none; ``k`` below 0 is a
+    :class:`DraftConfigError`. The history a session passes grows append-only between calls;
+    a drafter must still answer correctly (though it may be slower) when it shrinks or
+    diverges, as after a re-prefill or when one drafter serves another history. ``close()``
+    frees what the drafter holds; it is idempotent.
+    """
+
+    name: str
+    """What the source is: ``"ngram"``, ``"draft-model"``, ..."""
+
+    def propose(self, history: Sequence[int], k: int) -> tuple[int, ...]: ...
+
+    def close(self) -> None: ...
+
+
+class NgramDrafter:
+    """Prompt-lookup (n-gram) drafts: the tokens that followed the most recent earlier
+    occurrence of the history's last ``n`` tokens.
+
+    For ``n`` from ``max_ngram`` down to ``min_ngram``: if the last ``n`` tokens of the
+    history occurred earlier (an occurrence ending before the history's end, so never the
+    suffix itself), the proposal is the up to ``k`` tokens that followed the most recent such
+    occurrence; the first ``n`` that matches wins. No match: ``()``.
+
+    An index ``n-gram -> end of its most recent occurrence`` is kept across calls and extended
+    by the tokens the history gained, so a call costs the new tokens plus one comparison of the
+    history with what was indexed (in C, over the list), not a search of the history. When the
+    history shrank or diverged from what was indexed, the index is rebuilt from scratch.
+    Deterministic: the proposal depends on the history and ``k`` only.
+    """
+
+    name = "ngram"
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1) -> None:
+        if min_ngram < 1 or max_ngram < min_ngram:
+            raise DraftConfigError(
+                f"n-gram bounds need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, "
+                f"max_ngram={max_ngram}"
+            )
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+        # invariant: _last[g] is the largest e <= len(_tokens) - 1 with _tokens[e-len(g):e] == g,
+        # for every n-gram g of a length in [min_ngram, max_ngram] occurring in that range
+        self._tokens: list[int] = []
+        self._last: dict[tuple[int, ...], int] = {}
+
+    def propose(self, history: Sequence[int], k: int) -> tuple[int, ...]:
+        check_draft_k(k)
+        tokens = self._sync(history)
+        length = len(tokens)
+        if k == 0:
+            return ()
+        for n in range(min(self.max_ngram, length - 1), self.min_ngram - 1, -1):
+            end = self._last.get(tuple(tokens[length - n :]))
+            if end is not None:
+                return tuple(tokens[end : end + k])
+        return ()
+
+    def close(self) -> None:
+        self._tokens = []
+        self._last = {}
+
+    def _sync(self, history: Sequence[int]) -> list[int]:
+        """Brings the index up to ``history`` (n-grams ending before its last token) and
+        returns the history as the indexed list."""
+        held = len(self._tokens)
+        prefix = history[:held]
+        if not isinstance(prefix, list):
+            prefix = list(prefix)
+        if prefix != self._tokens:  # shorter, or diverged: rebuild
+            self.close()
+            held = 0
+        tokens = self._tokens
+        tokens.extend(int(t) for t in history[held:])
+        # the last call indexed the n-grams ending at 1 .. held - 1; this one adds those ending
+        # at held .. len - 1 (the one ending at len is the suffix itself, never a match)
+        last = self._last
+        for end in range(max(held, 1), len(tokens)):
+            for n in range(self.min_ngram, min(self.max_ngram, end) + 1):
+                last[tuple(tokens[end - n : end])] = end
+        return tokens
+
+    def __repr__(self) -> str:
+        return f"<NgramDrafter n={self.min_ngram}..{self.max_ngram} indexed={len(self._tokens)}>"
+
+
+class DraftLength:
+    """How many tokens to draft on the next pass: adaptive, so that speculation never makes
+    a session slower than plain decoding.
+
+    The policy, after each verification pass (:meth:`record` with the drafts proposed and the
+    drafts accepted):
+
+    * every draft accepted (``accepted == proposed > 0``): ``k`` grows by one, up to
+      ``k_max``;
+    * some but not all accepted: ``k`` stays (the pass gained tokens);
+    * none accepted (``proposed > 0``): ``k`` halves (rounded down, at least 1); at ``k == 1``,
+      after ``patience`` such passes in a row, drafting pauses (``k`` reads 0) for a back-off
+      number of passes: ``backoff_start`` the first time, doubling on each pause in a row up
+      to ``backoff_max``;
+    * nothing proposed (``proposed == 0``): during a pause the pass counts the pause down, and
+      when it ends ``k`` reads 1 again (a probe); outside a pause it changes nothing (the
+      drafter had nothing to offer, which says nothing about the drafts).
+
+    A probe that accepts nothing pauses again at once, for the doubled back-off; any pass that
+    accepts a draft resets the back-off to ``backoff_start``. So a session whose drafts are
+    never accepted spends at most one probe row per ``backoff_max`` passes on them. Pure and
+    deterministic: the same records give the same ``k``.
+    """
+
+    def __init__(
+        self,
+        k_max: int = 8,
+        k_start: int = 4,
+        *,
+        patience: int = 2,
+        backoff_start: int = 4,
+        backoff_max: int = 64,
+    ) -> None:
+        if k_max < 1 or not 1 <= k_start <= k_max:
+            raise DraftConfigError(
+                f"draft length needs 1 <= k_start <= k_max, got k_start={k_start}, k_max={k_max}"
+            )
+        if patience < 1 or backoff_start < 1 or backoff_max < backoff_start:
+            raise DraftConfigError(
+                f"draft back-off needs patience >= 1 and 1 <= backoff_start <= backoff_max, got "
+                f"patience={patience}, backoff_start={backoff_start}, backoff_max={backoff_max}"
+            )
+        self.k_max = k_max
+        self.patience = patience
+        self.backoff_start = backoff_start
+        self.backoff_max = backoff_max
+        self._k = k_start  # the length when not paused: 1..k_max
+        self._pause = 0  # passes left in the current pause; k reads 0 while > 0
+        self._zero_run = 0  # passes in a row with nothing accepted at k == 1
+        self._backoff = backoff_start  # length of the next pause
+
+    @property
+    def k(self) -> int:
+        """Tokens to draft on the next pass, in ``[0, k_max]``; 0: do not draft this pass."""
+        return 0 if self._pause > 0 else self._k
+
+    @property
+    def paused(self) -> bool:
+        """Drafting is paused (``k`` reads 0)."""
+        return self._pause > 0
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """Records one verification pass: ``proposed`` drafts sent (at most :attr:`k`), of
+        which ``accepted`` were accepted. Refuses ``accepted`` outside ``[0, proposed]`` and
+        ``proposed`` outside ``[0, k]`` (``ValueError``), changing nothing."""
+        if not 0 <= proposed <= self.k:
+            raise ValueError(f"proposed {proposed} drafts; the draft length allows 0..{self.k}")
+        if not 0 <= accepted <= proposed:
+            raise ValueError(f"accepted {accepted} of {proposed} drafts: must be 0..{proposed}")
+        if proposed == 0:
+            if self._pause > 0:
+                self._pause -= 1
+                if self._pause == 0:  # probe with one draft; one more miss pauses again
+                    self._k = 1
+                    self._zero_run = self.patience - 1
+            return
+        if accepted > 0:
+            self._zero_run = 0
+            self._backoff = self.backoff_start
+            if accepted == proposed:
+                self._k = min(self.k_max, self._k + 1)
+            return
+        if self._k > 1:
+            self._k = max(1, self._k // 2)
+            return
+        self._zero_run += 1
+        if self._zero_run >= self.patience:
+            self._pause = self._backoff
+            self._backoff = min(self.backoff_max, self._backoff * 2)
+            self._zero_run = 0
+
+    def __repr__(self) -> str:
+        state = f"paused {self._pause}" if self._pause else f"k={self._k}"
+        return f"<DraftLength {state} k_max={self.k_max}>"

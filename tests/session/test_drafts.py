@@ -1,0 +1,280 @@
+"""Draft sources and the adaptive draft length (``dgr_session.drafts``): the n-gram drafter
+against a from-scratch search, and the draft length's policy."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+)
+
+from dgr_session.drafts import (
+    DraftConfigError,
+    Drafter,
+    DraftLength,
+    NgramDrafter,
+    check_draft_k,
+)
+from dgr_session.errors import DgrError
+
+# -- the n-gram drafter --------------------------------------------------------------------
+
+# a small alphabet, so that n-grams repeat
+TOKENS = st.lists(st.integers(0, 4), max_size=60)
+KS = st.integers(0, 10)
+
+
+def scratch_proposal(history: list[int], k: int, max_ngram: int, min_ngram: int) -> tuple[int, ...]:
+    """The n-gram drafter's answer by brute force: for n from max_ngram down to min_ngram, the
+    k tokens that followed the most recent earlier occurrence of the last n tokens."""
+    length = len(history)
+    if k == 0:
+        return ()
+    for n in range(max_ngram, min_ngram - 1, -1):
+        if n > length - 1:
+            continue
+        suffix = history[length - n :]
+        for end in range(length - 1, n - 1, -1):
+            if history[end - n : end] == suffix:
+                return tuple(history[end : end + k])
+    return ()
+
+
+def is_continuation_of_an_earlier_occurrence(
+    history: list[int], proposal: tuple[int, ...], min_ngram: int, max_ngram: int
+) -> bool:
+    """Some suffix of ``history`` of a length in the bounds occurred earlier, followed by
+    ``proposal``."""
+    length = len(history)
+    for n in range(min_ngram, min(max_ngram, length - 1) + 1):
+        suffix = history[length - n :]
+        for end in range(n, length):
+            if (
+                history[end - n : end] == suffix
+                and tuple(history[end : end + len(proposal)]) == proposal
+            ):
+                return True
+    return False
+
+
+NGRAM_BOUNDS = st.tuples(st.integers(1, 4), st.integers(0, 3)).map(lambda t: (t[0] + t[1], t[0]))
+
+
+@given(history=TOKENS, k=KS, bounds=NGRAM_BOUNDS)
+def test_a_proposal_continues_an_earlier_occurrence_of_a_suffix_and_fits_k(
+    history: list[int], k: int, bounds: tuple[int, int]
+) -> None:
+    max_ngram, min_ngram = bounds
+    proposal = NgramDrafter(max_ngram, min_ngram).propose(history, k)
+    assert len(proposal) <= k
+    if proposal:
+        assert is_continuation_of_an_earlier_occurrence(history, proposal, min_ngram, max_ngram)
+    assert proposal == scratch_proposal(history, k, max_ngram, min_ngram)
+
+
+@given(history=st.lists(st.integers(0, 4), max_size=1), k=KS)
+def test_an_empty_or_one_token_history_has_no_draft(history: list[int], k: int) -> None:
+    assert NgramDrafter().propose(history, k) == ()
+
+
+def test_the_longest_matching_ngram_wins_and_the_most_recent_occurrence_of_it() -> None:
+    #           0  1  2  3  4  5  6  7  8  9 10
+    history = [7, 1, 2, 3, 9, 2, 3, 8, 1, 2, 3]
+    # [1, 2, 3] occurred at 1..3 (followed by 9); [2, 3] most recently at 5..6 (followed by 8)
+    assert NgramDrafter(3, 1).propose(history, 3) == (9, 2, 3)
+    assert NgramDrafter(2, 1).propose(history, 3) == (8, 1, 2)
+    assert NgramDrafter(3, 1).propose(history, 0) == ()
+    assert NgramDrafter(3, 3).propose([1, 2, 3, 4], 2) == ()
+
+
+class IncrementalIndex(RuleBasedStateMachine):
+    """One drafter follows a history that grows, shrinks and diverges; each answer equals a
+    from-scratch search of the history as it is."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drafter = NgramDrafter(3, 1)
+        self.history: list[int] = []
+
+    @rule(tokens=st.lists(st.integers(0, 3), min_size=1, max_size=8))
+    def append(self, tokens: list[int]) -> None:
+        self.history += tokens
+
+    @precondition(lambda self: len(self.history) > 0)
+    @rule(data=st.data())
+    def shrink(self, data: st.DataObject) -> None:
+        self.history = self.history[: data.draw(st.integers(0, len(self.history) - 1))]
+
+    @precondition(lambda self: len(self.history) > 0)
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 3), min_size=1, max_size=4))
+    def diverge(self, data: st.DataObject, tokens: list[int]) -> None:
+        """Rejected drafts: the history from some point on is replaced."""
+        cut = data.draw(st.integers(0, len(self.history) - 1))
+        self.history = self.history[:cut] + [(self.history[cut] + 1) % 4] + tokens
+
+    @rule(k=KS, as_tuple=st.booleans())
+    def propose(self, k: int, as_tuple: bool) -> None:
+        history = tuple(self.history) if as_tuple else list(self.history)
+        assert self.drafter.propose(history, k) == scratch_proposal(self.history, k, 3, 1)
+
+    @invariant()
+    def proposals_do_not_depend_on_the_calls_before(self) -> None:
+        fresh = NgramDrafter(3, 1).propose(self.history, 5)
+        assert self.drafter.propose(self.history, 5) == fresh
+
+
+TestIncrementalIndex = IncrementalIndex.TestCase
+TestIncrementalIndex.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
+
+
+def test_a_long_history_costs_the_new_tokens_not_a_search() -> None:
+    """200 000 tokens of a repeating text, then 2 000 passes of one accepted token each: well
+    under a second of drafting (a search per pass would be 2 000 x 200 000 comparisons)."""
+    period = [5, 3, 8, 1, 9, 2, 7, 4, 6, 0, 11, 12, 13]
+    history = (period * (200_000 // len(period) + 1))[:200_000]
+    drafter = NgramDrafter()
+    drafter.propose(history, 4)
+    started = time.perf_counter()
+    for _ in range(2_000):
+        proposal = drafter.propose(history, 4)
+        assert len(proposal) == 4
+        history.append(proposal[0])
+    assert time.perf_counter() - started < 5.0
+    assert drafter.propose(history, 4) == scratch_proposal(history[-50:], 4, 3, 1)
+
+
+def test_bad_ngram_bounds_and_a_negative_k_are_typed_refusals() -> None:
+    for max_ngram, min_ngram in ((3, 0), (1, 2), (0, 0)):
+        with pytest.raises(DraftConfigError, match="min_ngram"):
+            NgramDrafter(max_ngram, min_ngram)
+    with pytest.raises(DraftConfigError, match="k must be >= 0, got -1"):
+        NgramDrafter().propose([1, 2, 1], -1)
+    with pytest.raises(ValueError):
+        check_draft_k(-3)
+    assert issubclass(DraftConfigError, DgrError)
+
+
+def test_the_ngram_drafter_is_a_drafter_and_close_forgets_the_index() -> None:
+    drafter = NgramDrafter()
+    assert isinstance(drafter, Drafter) and drafter.name == "ngram"
+    assert drafter.propose([1, 2, 1], 2) == (2, 1)
+    drafter.close()
+    drafter.close()
+    assert "indexed=0" in repr(drafter)
+    assert drafter.propose([1, 2, 1], 2) == (2, 1)
+
+
+# -- the draft length ----------------------------------------------------------------------
+
+
+def test_full_acceptance_grows_k_up_to_k_max() -> None:
+    length = DraftLength(k_max=6, k_start=4)
+    seen = []
+    for _ in range(4):
+        length.record(length.k, length.k)
+        seen.append(length.k)
+    assert seen == [5, 6, 6, 6]
+
+
+def test_partial_acceptance_keeps_k_and_no_acceptance_halves_it() -> None:
+    length = DraftLength(k_max=8, k_start=8)
+    length.record(8, 3)
+    assert length.k == 8
+    length.record(8, 0)
+    assert length.k == 4
+    length.record(4, 0)
+    length.record(2, 0)
+    assert length.k == 1
+
+
+def test_repeated_misses_at_k_1_pause_with_a_growing_backoff_then_probe() -> None:
+    length = DraftLength(k_max=8, k_start=1, patience=2, backoff_start=4, backoff_max=16)
+    length.record(1, 0)
+    assert length.k == 1  # one miss is not yet a run
+    length.record(1, 0)
+    pauses = []
+    for _ in range(4):  # pause, probe, miss: the pause doubles up to backoff_max
+        assert length.paused and length.k == 0
+        passes = 0
+        while length.k == 0:
+            length.record(0, 0)
+            passes += 1
+        pauses.append(passes)
+        assert length.k == 1
+        length.record(1, 0)  # the probe fails: paused again at once
+    assert pauses == [4, 8, 16, 16]
+    # a probe that is accepted ends the back-off
+    while length.k == 0:
+        length.record(0, 0)
+    length.record(1, 1)
+    assert length.k == 2 and not length.paused
+    length.record(2, 0)
+    length.record(1, 0)
+    length.record(1, 0)
+    passes = 0
+    while length.k == 0:
+        length.record(0, 0)
+        passes += 1
+    assert passes == 4
+
+
+def test_a_pass_with_nothing_proposed_outside_a_pause_changes_nothing() -> None:
+    length = DraftLength(k_max=8, k_start=3)
+    for _ in range(10):
+        length.record(0, 0)
+    assert length.k == 3 and not length.paused
+
+
+@given(
+    k_max=st.integers(1, 12),
+    data=st.data(),
+    passes=st.lists(st.tuples(st.floats(0, 1), st.floats(0, 1)), max_size=200),
+)
+def test_k_stays_within_0_and_k_max_and_never_drafts_during_a_pause(
+    k_max: int, data: st.DataObject, passes: list[tuple[float, float]]
+) -> None:
+    length = DraftLength(k_max=k_max, k_start=data.draw(st.integers(1, k_max)))
+    for drafted, kept in passes:
+        proposed = round(drafted * length.k)
+        accepted = round(kept * proposed)
+        length.record(proposed, accepted)
+        assert 0 <= length.k <= k_max
+        assert length.paused == (length.k == 0)
+
+
+@given(passes=st.lists(st.tuples(st.integers(0, 4), st.integers(0, 4)), max_size=50))
+def test_the_same_records_give_the_same_k(passes: list[tuple[int, int]]) -> None:
+    one, two = DraftLength(), DraftLength()
+    for proposed, accepted in passes:
+        proposed = min(proposed, one.k)
+        accepted = min(accepted, proposed)
+        one.record(proposed, accepted)
+        two.record(proposed, accepted)
+        assert one.k == two.k
+
+
+def test_record_refuses_counts_out_of_range_and_changes_nothing() -> None:
+    length = DraftLength(k_max=8, k_start=4)
+    for proposed, accepted in ((4, 5), (2, -1), (-1, 0), (5, 0)):
+        with pytest.raises(ValueError):
+            length.record(proposed, accepted)
+    assert length.k == 4 and repr(length) == "<DraftLength k=4 k_max=8>"
+
+
+def test_bad_draft_length_settings_are_typed_refusals() -> None:
+    for kwargs in (
+        {"k_max": 0, "k_start": 0},
+        {"k_max": 4, "k_start": 5},
+        {"k_max": 4, "k_start": 0},
+        {"backoff_start": 8, "backoff_max": 4},
+        {"patience": 0},
+    ):
+        with pytest.raises(DraftConfigError):
+            DraftLength(**kwargs)
