@@ -8,9 +8,10 @@ The source, its sha256 check, the extraction and the patch stack are ``native/bu
 own functions (imported, not copied), so the peers run exactly the llama.cpp that dgr's engines
 link. On top of that stack, the peers' own source copy takes ``patches/peers/`` (numbered the
 same way): fixes to the peer tools themselves, never to the library (0001: llama-batched-bench
-drains its asynchronous log before exit, so its rows are never lost). The CMake options are the main build's (Release, static, ``GGML_NATIVE=OFF``,
-``GGML_OPENMP=ON``) plus :data:`PEER_OPTIONS` (``GGML_RPC=ON``, the tools and their common
-library on), and only :data:`TARGETS` are built.
+drains its asynchronous log before exit, so its rows are never lost). The CMake options are
+the main build's (Release, static, ``GGML_NATIVE=OFF``, ``GGML_OPENMP=ON``) plus
+:data:`PEER_OPTIONS` (``GGML_RPC=ON``, the tools and their common library on), and only
+:data:`TARGETS` are built.
 
 Cache: ``<cache>/peers/<key16>/bin/`` (``<cache>``: ``$DGR_CACHE_DIR`` or ``~/.cache/dgr``), the
 key a sha256 over the main build's key, these options, the targets and :data:`PEER_BUILD_VERSION`.
