@@ -99,6 +99,9 @@ def serve_echo(width: int) -> None:
         def forward_batch(self, items: Sequence[ForwardItem]) -> list[Any]:
             return [np.array(item.rows, dtype=np.float32) for item in items]
 
+        def truncate(self, session_id: int, epoch: int, n_keep: int) -> None:
+            raise AssertionError("the echo engine is never asked to drop drafts")
+
         def close(self) -> None:
             pass
 

@@ -131,10 +131,14 @@ class EngineTransport:
         tokens = np.asarray(call.token_ids, dtype=np.int32)
         # no logits wanted: no output row (the engine skips the output head)
         none = None if call.wants_logits else np.zeros(len(pos), dtype=np.uint8)
+        if call.drafts:  # a verification pass: every row's logits
+            none = np.ones(len(pos), dtype=np.uint8)
 
         def run(engine: ShardEngine) -> StageResult:
             info = engine.info
             rows = None if info.is_first else boundary
+            if call.kept_drafts is not None:  # drop the drafts of the last pass not kept
+                engine.truncate(sid, epoch, int(pos[0]))
             out = engine.forward(
                 sid,
                 epoch,

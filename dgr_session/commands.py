@@ -103,6 +103,14 @@ class Forward:
     """What the rows are, for metrics and usage (the stage computes them alike): ``prefill``
     (the prompt, first epoch), ``decode`` (the newest token) or ``replay`` (a re-prefill of
     prompt and accepted tokens after a route change); see :class:`ForwardKind`."""
+    drafts: int = 0
+    """A verification pass (speculative decoding, ``docs/speculative.md``): the last
+    ``drafts`` of ``token_ids`` are draft tokens, and the last stage answers the logits of every
+    row (the driver picks a token from each)."""
+    kept_drafts: int | None = None
+    """The forward after a verification pass: how many of its drafts the session kept; every
+    stage drops the positions of the others before it runs these rows (``None``: the previous
+    forward was no verification pass)."""
 
 
 @attrs.frozen

@@ -69,6 +69,7 @@ from dgr_session.machine import (
 from dgr_session.pipeline import Chunk, EpochPipeline
 from dgr_session.policy import FailurePolicy, ReplayMode
 from dgr_session.route import CertificationVerifier, Route, validate_route
+from dgr_session.speculation import Speculation
 
 _S = SessionState
 _TERMINAL = frozenset(state.value for state in TERMINAL_STATES)
@@ -138,6 +139,8 @@ class RouteSession:
         "_stale",
         "_error",
         "_reason",
+        "_spec",
+        "_kept",
         "__weakref__",
     )
 
@@ -155,6 +158,7 @@ class RouteSession:
         machine: SessionMachine | None = None,
         prefill_chunk: int | None = None,
         certification_verifier: CertificationVerifier | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         check_session_id(session_id)  # it names the session in every command and log line
         if not prompt:
@@ -221,6 +225,11 @@ class RouteSession:
         self._stale = 0
         self._error: DgrError | None = None
         self._reason: FinishReason | None = None
+        #: Speculative decoding (greedy sessions): where drafts come from, how many per pass.
+        self._spec = speculation
+        # After a verification pass: how many of its drafts the next forward tells the stages
+        # to keep (None: the last forward was no verification pass, or a new epoch began).
+        self._kept: int | None = None
         self._machine.add_model(self)
 
     def __repr__(self) -> str:
@@ -455,6 +464,7 @@ class RouteSession:
         self._pipe = EpochPipeline(  # a new epoch starts empty
             self.session_id, self._epoch, route.stages, self._budget.policy.pipelined
         )
+        self._kept = None  # its stages hold no verification pass
         self._fire("route_assigned")
         self._budget.begin_wait(self._now)
         for index, stage in enumerate(route.stages):
@@ -506,10 +516,14 @@ class RouteSession:
                 if chunk is not None:
                     pipe.send(0, chunk, None, step, self._now, out)
             return
+        high_water = self._high_water
         chunk = pipe.complete(self._now)
         stop = chunk.positions.stop
-        if stop > self._high_water:
+        if stop > high_water:
             self._high_water = stop
+        if chunk.drafts:
+            self._verified(chunk, event.tokens, high_water, out)
+            return
         if not chunk.wants_logits:  # a prefill chunk or replayed rows: no token to take
             self._budget.begin_wait(self._now)
             self._pump(index, out)
@@ -654,13 +668,25 @@ class RouteSession:
             tokens = self.prompt[pos : pos + self._chunk]
         else:  # one accepted token: no copy of the whole history per decoded token
             tokens = (self._accepted[pos - n_prompt],)
+        kept, self._kept = self._kept, None  # told to the stages with this chunk
         stop = pos + len(tokens)
         if pos < self._high_water:  # rows an earlier epoch computed: a re-prefill
             kind = _REPLAY
         else:
             kind = _PREFILL if pos < n_prompt else _DECODE
-        # Chunk(positions, token_ids, kind, wants_logits), without NamedTuple's slower __new__
-        return _new_tuple(Chunk, (range(pos, stop), tokens, kind, stop == end))
+        drafts = 0
+        if self._spec is not None and stop == end and pos >= n_prompt:
+            room = min(self.max_new_tokens - len(self._accepted) - 1, self._replay_rows - 1)
+            proposed = self._spec.propose(self.prompt, self._accepted, room)
+            if proposed:
+                drafts = len(proposed)
+                tokens = (*tokens, *proposed)
+                return _new_tuple(
+                    Chunk, (range(pos, stop + drafts), tokens, kind, True, drafts, kept)
+                )
+        # Chunk(positions, token_ids, kind, wants_logits, drafts, kept_drafts), without
+        # NamedTuple's slower __new__
+        return _new_tuple(Chunk, (range(pos, stop), tokens, kind, stop == end, 0, kept))
 
     def _pump(self, index: int, out: list[Command]) -> None:
         """Stage ``index`` may be free to go on: the pipeline feeds it, and the stages before
@@ -685,6 +711,46 @@ class RouteSession:
         else:
             self._fire("token_accepted")
             self._start_forward(out)
+
+    def _verified(self, chunk: Chunk, tokens: object, high_water: int, out: list[Command]) -> None:
+        """The last stage answered a verification pass (the newest token and ``chunk.drafts``
+        drafts) with ``tokens``, the greedy token of every row. The longest run of drafts equal
+        to the tokens greedy decoding would have picked is kept, with the token after it: the
+        same tokens, one pass instead of several. Every stage holds the pass's rows; the next
+        forward tells them how many drafts to keep (:attr:`Forward.kept_drafts`)."""
+        drafts = chunk.drafts
+        if (
+            not isinstance(tokens, tuple)
+            or len(tokens) != drafts + 1
+            or not all(type(t) is int and t >= 0 for t in tokens)
+        ):
+            detail = f"a verification pass of {drafts + 1} rows answered tokens {tokens!r}"
+            self._fault(self._pipe.n_stages - 1, FaultKind.PROTOCOL, detail, out)
+            return
+        proposed = chunk.token_ids[1:]
+        kept = 0
+        while kept < drafts and tokens[kept] == proposed[kept]:
+            kept += 1
+        resume = chunk.positions.start + 1 + kept  # the rows of the drafts not kept are dropped
+        pipe = self._pipe
+        pipe.kv_pos = pipe.sent = resume
+        self._high_water = max(high_water, resume)
+        self._kept = kept
+        assert self._spec is not None  # only a speculating session sends drafts
+        self._spec.verified(drafts, kept)
+        for token in tokens[: kept + 1]:
+            step = len(self._accepted)
+            self._accepted.append(token)
+            self._budget.token_accepted()
+            out.append(EmitToken(self.session_id, self._epoch, step, token))
+            if token in self.stop_tokens:
+                self._finish(FinishReason.STOP, out)
+                return
+            if len(self._accepted) >= self.max_new_tokens:
+                self._finish(FinishReason.LENGTH, out)
+                return
+        self._fire("token_accepted")
+        self._start_forward(out)
 
     def _finish(self, reason: FinishReason, out: list[Command]) -> None:
         self._fire("finished")

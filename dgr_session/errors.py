@@ -268,6 +268,12 @@ class NonFiniteLogits(DgrError, ValueError):
     fault_kind: ClassVar[FaultKind] = FaultKind.ENGINE_ERROR
 
 
+class SpeculationNeedsGreedy(DgrError, ValueError):
+    """A session was asked to decode speculatively with a sampler that is not greedy: a
+    verification pass keeps the tokens greedy decoding picks, so it would not be the sampler's
+    distribution. Refused before anything was asked of a route; nothing started."""
+
+
 class StepDeadlineExceeded(DgrError, TimeoutError):
     """A step (route request, stage opening, or one forward through the route) ran past the
     policy's per-step deadline. The waited-on stage is reported as faulty and the session moves

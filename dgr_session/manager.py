@@ -27,7 +27,7 @@ from dgr_session.commands import (
     RequestRoute,
 )
 from dgr_session.core import RouteSession
-from dgr_session.errors import DgrError, NoRoute
+from dgr_session.errors import DgrError, NoRoute, SpeculationNeedsGreedy
 from dgr_session.events import (
     Cancel,
     ClockTick,
@@ -46,6 +46,7 @@ from dgr_session.machine import SessionMachine, SessionState
 from dgr_session.policy import FailurePolicy
 from dgr_session.route import CertificationVerifier
 from dgr_session.sampling import greedy
+from dgr_session.speculation import Speculation
 from dgr_session.transport import (
     Boundary,
     GrantingRouteProvider,
@@ -271,6 +272,7 @@ class SessionManager:
         recipe: Recipe | None = None,
         on_token: Callable[[int], None] | None = None,
         prefill_chunk: int | None = None,
+        speculation: Speculation | None = None,
     ) -> SessionHandle:
         """Start a session (needs a running loop); returns at once.
 
@@ -286,16 +288,27 @@ class SessionManager:
         ``prefill_chunk`` is the most prompt tokens per forward (default: the smallest
         ``max_rows`` of the first route's stages, else the whole prompt).
 
+        ``speculation`` decodes speculatively (``docs/speculative.md``): greedy sessions only, so
+        a sampler other than :func:`~dgr_session.sampling.greedy` is refused with
+        :class:`~dgr_session.errors.SpeculationNeedsGreedy`.
+
         A transport with a ``session_starting(session_id, max_new_tokens, stop_tokens)``
-        method is told first (a ring, ``dgr_engine.client.chained``, runs ahead within them).
+        method is told first (a ring, ``dgr_engine.client.chained``, runs ahead within them;
+        a speculating session's passes are the session's own: the ring is told 0 steps).
         """
         sid = check_session_id(session_id) if session_id is not None else uuid.uuid4().hex
         if sid in self._live:
             raise ValueError(f"session {sid!r} is already running")
+        chosen = sampler if sampler is not None else self._sampler
+        if speculation is not None and chosen is not greedy:
+            raise SpeculationNeedsGreedy(
+                f"session {sid!r}: speculative decoding keeps greedy tokens only; the sampler "
+                f"{chosen!r} is not greedy (sample without speculation, or decode greedily)"
+            )
         stop_tokens = tuple(stop_tokens)
         starting = getattr(self._transport, "session_starting", None)
         if callable(starting):
-            starting(sid, max_new_tokens, stop_tokens)
+            starting(sid, max_new_tokens if speculation is None else 0, stop_tokens)
         core = RouteSession(
             sid,
             prompt,
@@ -308,8 +321,9 @@ class SessionManager:
             certification_verifier=self._verifier,
             machine=self._machine,
             prefill_chunk=prefill_chunk,
+            speculation=speculation,
         )
-        handle = SessionHandle(core, sampler if sampler is not None else self._sampler, on_token)
+        handle = SessionHandle(core, chosen, on_token)
         self._live[sid] = handle
         handle._task = asyncio.get_running_loop().create_task(
             self._drive(handle), name=f"dgr-session-{sid}"
@@ -486,7 +500,12 @@ class SessionManager:
                 error=error,
             )
 
-        def output(*, payload: object = None, token: int | None = None) -> StageOutput:
+        def output(
+            *,
+            payload: object = None,
+            token: int | None = None,
+            tokens: tuple[int, ...] | None = None,
+        ) -> StageOutput:
             return StageOutput(
                 session_id=sid,
                 epoch=epoch,
@@ -494,6 +513,7 @@ class SessionManager:
                 stage_index=index,
                 payload=payload,
                 token=token,
+                tokens=tokens,
             )
 
         try:
@@ -517,6 +537,19 @@ class SessionManager:
                 return
             if not cmd.wants_logits:  # a prefill chunk or a replayed token: nothing to sample
                 handle._post(output())
+                return
+            if cmd.drafts:  # a verification pass: the greedy token of every row
+                rows = result.rows if result.rows is not None else (result.values,)
+                try:
+                    if len(rows) != cmd.drafts + 1:
+                        raise ValueError(f"{len(rows)} logits rows for {cmd.drafts + 1} rows")
+                    tokens = tuple(greedy(row) for row in rows)
+                except Exception as err:  # noqa: BLE001 - unusable logits are the stage's fault
+                    detail = f"cannot verify drafts from logits: {err!r}"
+                    kind = getattr(err, "fault_kind", FaultKind.PROTOCOL)
+                    handle._post(failed(kind, detail, err))
+                    return
+                handle._post(output(tokens=tokens))
                 return
             try:
                 token = int(handle._sampler(result.values, step))

@@ -36,6 +36,10 @@ class Chunk(NamedTuple):
     wants_logits: bool
     """Whether the last stage's logits pick the next token (the chunk ends at the newest
     position); ``False`` for a prefill chunk before the prompt's last, or replayed rows."""
+    drafts: int = 0
+    """A verification pass: its last ``drafts`` tokens are drafts (speculative decoding)."""
+    kept_drafts: int | None = None
+    """The chunk after a verification pass: the pass's drafts the session kept."""
 
 
 class EpochPipeline:
@@ -165,7 +169,7 @@ class EpochPipeline:
         """Appends the forward of ``chunk`` through stage ``index`` (free) to ``out``. Into
         stage 0 (``payload`` ``None``), ``chunk`` starts at ``sent`` and joins the flight;
         :meth:`pump` sends the later stages theirs."""
-        positions, token_ids, kind, wants_logits = chunk  # (faster than four attribute reads)
+        positions, token_ids, kind, wants_logits, drafts, kept = chunk  # (one unpacking)
         if index == 0:
             self.flight.append(chunk)
             self.sent = positions.stop
@@ -184,6 +188,8 @@ class EpochPipeline:
                 final=index == self.n_stages - 1,
                 wants_logits=wants_logits,
                 kind=kind,
+                drafts=drafts,
+                kept_drafts=kept,
             )
         )
 

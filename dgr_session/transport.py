@@ -43,12 +43,15 @@ class Logits:
     """Scores per token id: a sequence of floats or an array with ``argmax``."""
     cost: StageCost | None = None
     """What the transport measured of this forward (usage records); ``None``: nothing."""
+    rows: Any = attrs.field(default=None, repr=False)
+    """Every logits row the stage returned (a verification pass wants one per row);
+    ``None``: only ``values``."""
 
     @classmethod
     def last_row(cls, rows: Any, cost: StageCost | None = None) -> Logits:
         """The logits of the last of ``rows`` (the logit rows a stage returned), empty when it
-        returned none (the forward wanted no logits)."""
-        return cls(rows[-1] if len(rows) else (), cost)
+        returned none (the forward wanted no logits); ``rows`` are kept as they are."""
+        return cls(rows[-1] if len(rows) else (), cost, rows)
 
 
 #: What a stage answers to a forward.
@@ -74,7 +77,10 @@ class StageTransport(Protocol):
         nobody reads the last stage's logits this time, a prefill chunk or a replayed token; a
         transport may skip computing and shipping them, and its :class:`Logits` may then be
         empty) and ``kind`` (a :class:`~dgr_session.commands.ForwardKind`: ``prefill``,
-        ``decode`` or ``replay``, for the stage's metrics and usage records; rows compute alike).
+        ``decode`` or ``replay``, for the stage's metrics and usage records; rows compute alike),
+        ``drafts`` (a verification pass: ask the last stage for the logits of every row, return
+        them all in :attr:`Logits.rows`, and tell every stage of the drafts) and
+        ``kept_drafts`` (tell every stage how many of the last pass's drafts were kept).
         ``stage_index`` and ``final`` are the driver's.
 
         Return :class:`Boundary` from a middle stage, :class:`Logits` from the last. A field the

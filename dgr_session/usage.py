@@ -64,6 +64,20 @@ class RowCounts:
     bytes_in: int = 0
     bytes_out: int = 0
     engine_seconds: float = 0.0
+    draft: int = 0
+    """Draft rows verified (speculative decoding); counted in ``decode`` too."""
+    rejected: int = 0
+    """Of the draft rows, those the session did not keep: compute someone pays for."""
+    pending_drafts: int = 0
+    """Drafts of the last verification pass, until the next frame says how many were kept."""
+
+    def verified(self, drafts: int, kept: int | None) -> None:
+        """A forward's speculative part: the ``drafts`` rows it verified, and ``kept`` (not
+        ``None``: it followed a verification pass) of the previous pass's drafts kept."""
+        if kept is not None:
+            self.rejected += max(self.pending_drafts - kept, 0)
+        self.pending_drafts = drafts
+        self.draft += drafts
 
     def add(self, kind: str, rows: int, cost: StageCost | None) -> None:
         """One successful forward of ``rows`` rows of ``kind`` (else counted as decode)."""

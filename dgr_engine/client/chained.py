@@ -567,6 +567,9 @@ class ChainStageTransport(GrpcStageTransport):
                 timeout=self.timeout,
                 session_secret=self.client(stage.endpoint).session_secret(session_id, epoch),
                 kind=call.kind,
+                logit_rows=range(len(positions)) if call.drafts else None,
+                drafts=call.drafts,
+                kept_drafts=call.kept_drafts,
             )
             if until > step:
                 request.ring_until_step = until

@@ -299,8 +299,11 @@ class GrpcStageTransport:
                 tokens=tokens,
                 boundary=rows,
                 logits=call.wants_logits,
+                logit_rows=range(n) if call.drafts else None,
                 timeout=self.timeout,
                 kind=call.kind,
+                drafts=call.drafts,
+                kept_drafts=call.kept_drafts,
             )
         except Exception as exc:
             self._raise(stage, session_id, epoch, f"forward step {step}", exc)

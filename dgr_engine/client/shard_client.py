@@ -303,13 +303,16 @@ class ShardClient:
         logits: bool = True,
         timeout: float | None = None,
         kind: str = "",
+        drafts: int = 0,
+        kept_drafts: int | None = None,
     ) -> ForwardResult:
         """Runs rows at ``positions`` (contiguous, continuing the session's KV): ``tokens`` on
         the first stage (and where the range needs them), ``boundary`` rows elsewhere. The last
         stage returns the logits of ``logit_rows`` (default: the last row); ``logits=False``:
         none (``[0, n_vocab]``; it skips the output head; other stages ignore it). ``kind``
         (``prefill``, ``decode``, ``replay``) labels the rows in the worker's metrics and
-        usage."""
+        usage. ``drafts``/``kept_drafts``: a verification pass and the frame after one
+        (``docs/speculative.md``)."""
         began = time.perf_counter_ns()
         check_session_id(session_id)
         timeout = timeout if timeout is not None else self.timeout
@@ -326,6 +329,8 @@ class ShardClient:
             timeout=timeout,
             session_secret=self._secret(session_id, epoch),
             kind=kind,
+            drafts=drafts,
+            kept_drafts=kept_drafts,
         )
         if self.streaming:
             reply, wire_ns = await self._stream_call(session_id, request, timeout)

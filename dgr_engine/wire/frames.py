@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from dgr_engine.errors import ExpectationMismatch, FrameRejected
+from dgr_engine.errors import ExpectationMismatch, FrameRejected, UnsupportedFeature
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_session import identifiers
 
@@ -36,6 +36,11 @@ F32 = np.dtype("<f4")
 """The boundary and logits element type of schema 1."""
 
 _MAX_POSITION = np.iinfo(np.int32).max
+
+MAX_DRAFT_ROWS = 16
+"""Most drafts one verification pass may carry: with the newest token, 17 rows, under the 32
+from which patch 0010 lets llamafile's sgemm take a matmul, so every row of a verification pass
+keeps the bits it has when decoded alone (``docs/speculative.md``)."""
 
 FloatRows = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.int32]
@@ -81,6 +86,11 @@ class ForwardFrame:
     """Boundary rows ``[n, in_width]`` (read-only view of the request), ``None`` on stage 0."""
     want: npt.NDArray[np.uint8] | None = attrs.field(repr=False)
     """Last stage: 0/1 per row, whose logits to return; ``None``: the last row only."""
+    drafts: int = 0
+    """A verification pass: its last ``drafts`` rows are draft tokens (speculative decoding)."""
+    kept_drafts: int | None = None
+    """The frame after a verification pass: how many of its drafts the session kept
+    (``None``: the previous frame was no verification pass)."""
 
     @property
     def n_rows(self) -> int:
@@ -217,10 +227,13 @@ def encode_forward(
     timeout: float | None = None,
     session_secret: bytes = b"",
     kind: str = "",
+    drafts: int = 0,
+    kept_drafts: int | None = None,
 ) -> pb.ForwardRequest:
     """A forward request; ``expected_next_pos`` is ``positions[0]``; ``timeout`` (seconds)
     becomes the frame's own deadline (``timeout_ms``); ``no_logits`` asks a last stage for
-    none."""
+    none; ``drafts`` and ``kept_drafts``: a verification pass and the frame after one
+    (``docs/speculative.md``)."""
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
     request = pb.ForwardRequest(
         session_id=session_id,
@@ -241,6 +254,10 @@ def encode_forward(
         request.logit_rows.extend(int(i) for i in logit_rows)
     if no_logits:
         request.no_logits = True
+    if drafts:
+        request.draft_rows = drafts
+    if kept_drafts is not None:
+        request.kept_drafts = kept_drafts
     return request
 
 
@@ -306,6 +323,23 @@ def decode_forward(request: pb.ForwardRequest, mine: Expectations, info: ShardIn
             raise FrameRejected(f"logit_rows must be strictly increasing row indices < {n}")
         want = np.zeros(n, dtype=np.uint8)
         want[idx] = 1
+    drafts = int(request.draft_rows)
+    if drafts:
+        if drafts >= n or drafts > MAX_DRAFT_ROWS:
+            raise FrameRejected(
+                f"draft_rows {drafts}: a verification pass holds the newest token and at most "
+                f"{min(n - 1, MAX_DRAFT_ROWS)} drafts in its {n} rows"
+            )
+        if request.no_logits or (info.is_last and (want is None or not want.all())):
+            raise FrameRejected("a verification pass wants the logits of every row")
+        if info.arch == "deepseek4":
+            raise UnsupportedFeature(
+                "DGR_E_UNSUPPORTED: speculative decoding on DeepSeek V4: its compressed and "
+                "indexer state cannot drop rejected drafts (see docs/speculative.md)"
+            )
+    kept = int(request.kept_drafts) if request.HasField("kept_drafts") else None
+    if kept is not None and kept > MAX_DRAFT_ROWS:
+        raise FrameRejected(f"kept_drafts {kept} is over {MAX_DRAFT_ROWS}")
     return ForwardFrame(
         session_id=request.session_id,
         epoch=int(request.epoch),
@@ -314,6 +348,8 @@ def decode_forward(request: pb.ForwardRequest, mine: Expectations, info: ShardIn
         tokens=tokens,
         rows=rows,
         want=want,
+        drafts=drafts,
+        kept_drafts=kept,
     )
 
 

@@ -33,7 +33,10 @@ def next_frame(
         chain_hop=request.chain_hop + 1,
         ring_until_step=request.ring_until_step,
         ring_stop=request.ring_stop,
+        draft_rows=request.draft_rows,
     )
+    if request.HasField("kept_drafts"):
+        out.kept_drafts = request.kept_drafts
     out.chain_trace.extend(request.chain_trace)
     out.chain_trace.append(trace)
     return out
@@ -47,6 +50,8 @@ def ring_frame(
     step limit, a stop token)."""
     n = len(request.positions)
     if request.ring_until_step <= request.step or request.no_logits or n == 0:
+        return None
+    if request.draft_rows:  # a verification pass: the session decides what comes next
         return None
     if request.logit_rows and request.logit_rows[-1] != n - 1:
         return None

@@ -168,7 +168,15 @@ class FramePath:
         bytes_in, bytes_out = request.ByteSize(), reply.ByteSize()
         host.metrics.forwarded(kind, rows, compute_ns / 1e9, total_ns / 1e9, bytes_in, bytes_out)
         host.usage.forwarded(
-            frame.session_id, frame.epoch, kind, rows, bytes_in, bytes_out, compute_ns / 1e9
+            frame.session_id,
+            frame.epoch,
+            kind,
+            rows,
+            bytes_in,
+            bytes_out,
+            compute_ns / 1e9,
+            frame.drafts,
+            frame.kept_drafts,
         )
         return reply
 

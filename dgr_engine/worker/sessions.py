@@ -25,7 +25,13 @@ import numpy as np
 from loguru import logger
 
 from dgr_engine.engine import FloatArray, ForwardItem, ShardInfo
-from dgr_engine.errors import EngineError, NonFiniteOutput, StaleEpoch, UnknownSession
+from dgr_engine.errors import (
+    EngineError,
+    FrameRejected,
+    NonFiniteOutput,
+    StaleEpoch,
+    UnknownSession,
+)
 from dgr_engine.numerics import Numerics
 from dgr_engine.wire.frames import FloatRows, ForwardFrame
 from dgr_engine.worker.closes import CloseCause, CloseListener, SessionClosed, notify
@@ -54,6 +60,7 @@ class EngineLike(Protocol):
         want: np.ndarray | None = None,
     ) -> FloatArray: ...
     def forward_batch(self, items: Sequence[ForwardItem]) -> list[FloatArray | EngineError]: ...
+    def truncate(self, session_id: int, epoch: int, n_keep: int) -> None: ...
     def close(self) -> None: ...
 
 
@@ -63,6 +70,8 @@ class _Entry:
     epoch: int
     last_used: float
     next_pos: int = 0
+    verify: tuple[int, int] | None = None
+    """The last frame was a verification pass: (its first draft's position, its drafts)."""
 
 
 @attrs.define
@@ -136,6 +145,7 @@ class SessionTable:
         entry = self._live(frame.session_id, frame.epoch)
         try:
             with _naming(frame.session_id, entry.key):
+                self._keep_drafts(frame, entry)
                 out = self.engine.forward(
                     entry.key,
                     frame.epoch,
@@ -157,7 +167,10 @@ class SessionTable:
         live: list[tuple[int, _Entry]] = []
         for index, frame in enumerate(frames):
             try:
-                live.append((index, self._live(frame.session_id, frame.epoch)))
+                entry = self._live(frame.session_id, frame.epoch)
+                with _naming(frame.session_id, entry.key):
+                    self._keep_drafts(frame, entry)
+                live.append((index, entry))
             except EngineError as exc:
                 results[index] = exc
         items = [
@@ -194,7 +207,44 @@ class SessionTable:
                 f"{frame.session_id!r} epoch {frame.epoch}; the session was closed"
             )
         entry.next_pos = int(frame.positions[-1]) + 1
+        if frame.drafts:
+            entry.verify = (entry.next_pos - frame.drafts, frame.drafts)
         return out, entry.next_pos
+
+    def _keep_drafts(self, frame: ForwardFrame, entry: _Entry) -> None:
+        """Before a frame runs: after a verification pass, drops the positions of the drafts
+        the session did not keep (``frame.kept_drafts``). A frame that does not match what
+        this stage holds (no pass to keep drafts of, more kept than drafted, a pass left
+        unanswered, rows that do not start right after the kept drafts) is refused before
+        anything changes."""
+        verify, kept = entry.verify, frame.kept_drafts
+        if verify is None:
+            if kept is not None:
+                raise FrameRejected(
+                    f"DGR_E_FRAME: kept_drafts {kept}, but the session's last frame here was "
+                    "no verification pass"
+                )
+            return
+        first, drafts = verify
+        if kept is None:
+            raise FrameRejected(
+                f"DGR_E_FRAME: the session's last frame here verified {drafts} drafts: this "
+                "frame must say how many it kept (kept_drafts)"
+            )
+        if kept > drafts:
+            raise FrameRejected(
+                f"DGR_E_FRAME: kept_drafts {kept}, but the verification pass held {drafts}"
+            )
+        start = int(frame.positions[0])
+        if start != first + kept:
+            raise FrameRejected(
+                f"DGR_E_FRAME: after keeping {kept} of {drafts} drafts the session continues "
+                f"at position {first + kept}, not {start}"
+            )
+        if kept < drafts:
+            self.engine.truncate(entry.key, frame.epoch, first + kept)
+        entry.next_pos = first + kept
+        entry.verify = None
 
     def close(self, session_id: str, epoch: int, cause: CloseCause = CloseCause.CLIENT) -> int:
         """Closes the session if it is open at ``epoch`` or older (a newer epoch was opened

@@ -76,12 +76,16 @@ class UsageBook:
         bytes_in: int,
         bytes_out: int,
         engine_seconds: float,
+        drafts: int = 0,
+        kept_drafts: int | None = None,
     ) -> None:
         epochs = self._entry(session_id).epochs
         counts = epochs.get(epoch)
         if counts is None:
             counts = epochs[epoch] = RowCounts()
         counts.add(kind, rows, StageCost(bytes_in, bytes_out, engine_seconds))
+        if drafts or kept_drafts is not None:
+            counts.verified(drafts, kept_drafts)
 
     def reply(self, session_id: str) -> pb.UsageReply:
         """The records of ``session_id`` (none when unknown or forgotten); authorised by
@@ -103,6 +107,8 @@ class UsageBook:
                     bytes_in=c.bytes_in,
                     bytes_out=c.bytes_out,
                     engine_seconds=c.engine_seconds,
+                    rows_draft=c.draft,
+                    rows_rejected=c.rejected,
                 )
             )
         return out

@@ -75,7 +75,7 @@ class UsageRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., grant: _Optional[bytes] = ..., held: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class UsageRecord(_message.Message):
-    __slots__ = ("session_id", "epoch", "layer_begin", "layer_end", "forwards", "rows_prefill", "rows_decode", "rows_replay", "bytes_in", "bytes_out", "engine_seconds")
+    __slots__ = ("session_id", "epoch", "layer_begin", "layer_end", "forwards", "rows_prefill", "rows_decode", "rows_replay", "bytes_in", "bytes_out", "engine_seconds", "rows_draft", "rows_rejected")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,8 @@ class UsageRecord(_message.Message):
     BYTES_IN_FIELD_NUMBER: _ClassVar[int]
     BYTES_OUT_FIELD_NUMBER: _ClassVar[int]
     ENGINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ROWS_DRAFT_FIELD_NUMBER: _ClassVar[int]
+    ROWS_REJECTED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     layer_begin: int
@@ -98,7 +100,9 @@ class UsageRecord(_message.Message):
     bytes_in: int
     bytes_out: int
     engine_seconds: float
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., forwards: _Optional[int] = ..., rows_prefill: _Optional[int] = ..., rows_decode: _Optional[int] = ..., rows_replay: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., engine_seconds: _Optional[float] = ...) -> None: ...
+    rows_draft: int
+    rows_rejected: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., forwards: _Optional[int] = ..., rows_prefill: _Optional[int] = ..., rows_decode: _Optional[int] = ..., rows_replay: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., engine_seconds: _Optional[float] = ..., rows_draft: _Optional[int] = ..., rows_rejected: _Optional[int] = ...) -> None: ...
 
 class UsageReply(_message.Message):
     __slots__ = ("records",)
@@ -359,7 +363,7 @@ class CloseSessionReply(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms", "no_logits", "session_secret", "kind", "chain_hop", "chain_trace", "ring_until_step", "ring_stop")
+    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms", "no_logits", "session_secret", "kind", "chain_hop", "chain_trace", "ring_until_step", "ring_stop", "draft_rows", "kept_drafts")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +381,8 @@ class ForwardRequest(_message.Message):
     CHAIN_TRACE_FIELD_NUMBER: _ClassVar[int]
     RING_UNTIL_STEP_FIELD_NUMBER: _ClassVar[int]
     RING_STOP_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_ROWS_FIELD_NUMBER: _ClassVar[int]
+    KEPT_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     step: int
@@ -394,7 +400,9 @@ class ForwardRequest(_message.Message):
     chain_trace: _containers.RepeatedCompositeFieldContainer[HopTrace]
     ring_until_step: int
     ring_stop: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., no_logits: _Optional[bool] = ..., session_secret: _Optional[bytes] = ..., kind: _Optional[_Union[RowKind, str]] = ..., chain_hop: _Optional[int] = ..., chain_trace: _Optional[_Iterable[_Union[HopTrace, _Mapping]]] = ..., ring_until_step: _Optional[int] = ..., ring_stop: _Optional[_Iterable[int]] = ...) -> None: ...
+    draft_rows: int
+    kept_drafts: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., no_logits: _Optional[bool] = ..., session_secret: _Optional[bytes] = ..., kind: _Optional[_Union[RowKind, str]] = ..., chain_hop: _Optional[int] = ..., chain_trace: _Optional[_Iterable[_Union[HopTrace, _Mapping]]] = ..., ring_until_step: _Optional[int] = ..., ring_stop: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[int] = ..., kept_drafts: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_us", "compute_us", "total_us")

@@ -1,0 +1,74 @@
+"""Speculative decoding for greedy sessions: what a :class:`~dgr_session.core.RouteSession`
+asks for drafts, and what it tells back after each verification pass (``docs/speculative.md``).
+
+A pass sends the newest token and up to :data:`MAX_DRAFTS` draft tokens through the route in
+one forward; the last stage answers the logits of every row; the session keeps the longest run
+of drafts equal to what greedy decoding picks, and the token after it. The tokens are those of
+plain greedy decoding, whatever the drafts were: a wrong draft costs compute, never a token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+
+if TYPE_CHECKING:
+    from dgr_session.drafts import Drafter, DraftLength
+
+MAX_DRAFTS = 16
+"""Most drafts of one pass: with the newest token 17 rows, under the 32 rows from which the
+pinned llama.cpp's sgemm (patch 0010) takes a matmul, so every row keeps the bits it has when
+decoded alone (the wire's own limit, ``dgr_engine.wire.frames.MAX_DRAFT_ROWS``, is the same)."""
+
+
+@attrs.define(eq=False)
+class Speculation:
+    """One session's speculation: its draft source, its adaptive draft length and what it
+    achieved. Mutable; owned by one session."""
+
+    drafter: Drafter
+    """Proposes the drafts (``dgr_session.drafts``)."""
+    length: DraftLength
+    """How many drafts the next pass may carry; told how many each pass kept."""
+    max_drafts: int = attrs.field(default=MAX_DRAFTS)
+    """An upper bound over the length's own (at most :data:`MAX_DRAFTS`)."""
+    passes: int = 0
+    """Verification passes answered."""
+    drafted: int = 0
+    """Draft tokens verified."""
+    accepted: int = 0
+    """Of those, the drafts kept."""
+
+    @max_drafts.validator
+    def _check_max(self, _attribute: object, value: int) -> None:
+        if not 0 <= value <= MAX_DRAFTS:
+            raise ValueError(f"max_drafts must be in [0, {MAX_DRAFTS}], got {value}")
+
+    def propose(self, prompt: Sequence[int], accepted: Sequence[int], room: int) -> tuple[int, ...]:
+        """Drafts to follow ``prompt + accepted`` (at most ``room``: tokens the session may
+        still produce after the next one, and rows the route takes); none while the length
+        says to pause."""
+        k = min(self.length.k, self.max_drafts, room)
+        if k <= 0:
+            if self.length.k == 0:
+                self.length.record(0, 0)  # a pass without drafts counts a pause down
+            return ()
+        drafts = tuple(int(t) for t in self.drafter.propose((*prompt, *accepted), k))
+        return drafts[:k]
+
+    def verified(self, drafts: int, kept: int) -> None:
+        """A pass of ``drafts`` drafts kept ``kept`` of them."""
+        self.passes += 1
+        self.drafted += drafts
+        self.accepted += kept
+        self.length.record(drafts, kept)
+
+    @property
+    def acceptance(self) -> float:
+        """Drafts kept per draft verified (0 before any pass)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+
+__all__ = ["MAX_DRAFTS", "Speculation"]
