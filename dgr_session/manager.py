@@ -293,8 +293,10 @@ class SessionManager:
         :class:`~dgr_session.errors.SpeculationNeedsGreedy`.
 
         A transport with a ``session_starting(session_id, max_new_tokens, stop_tokens)``
-        method is told first (a ring, ``dgr_engine.client.chained``, runs ahead within them;
-        a speculating session's passes are the session's own: the ring is told 0 steps).
+        method is told first (a ring, ``dgr_engine.client.chained``, runs ahead within them),
+        and a speculating session's ``speculation`` goes through the transport's
+        ``speculation_for(session_id, speculation)`` when it has one (a ring drafts on its last
+        stage and hands the session its drafts).
         """
         sid = check_session_id(session_id) if session_id is not None else uuid.uuid4().hex
         if sid in self._live:
@@ -308,7 +310,10 @@ class SessionManager:
         stop_tokens = tuple(stop_tokens)
         starting = getattr(self._transport, "session_starting", None)
         if callable(starting):
-            starting(sid, max_new_tokens if speculation is None else 0, stop_tokens)
+            starting(sid, max_new_tokens, stop_tokens)
+        adapting = getattr(self._transport, "speculation_for", None)
+        if speculation is not None and callable(adapting):
+            speculation = adapting(sid, speculation)
         core = RouteSession(
             sid,
             prompt,
@@ -529,6 +534,8 @@ class SessionManager:
             cmd.kind,
             len(cmd.positions),
             result.cost,
+            cmd.drafts,
+            cmd.kept_drafts,
         )
         if cmd.final:
             if not isinstance(result, Logits):

@@ -30,7 +30,7 @@ class Speculation:
 
     drafter: Drafter
     """Proposes the drafts (``dgr_session.drafts``)."""
-    length: DraftLength
+    length: DraftLength | AnyLength
     """How many drafts the next pass may carry; told how many each pass kept."""
     max_drafts: int = attrs.field(default=MAX_DRAFTS)
     """An upper bound over the length's own (at most :data:`MAX_DRAFTS`)."""
@@ -71,4 +71,14 @@ class Speculation:
         return self.accepted / self.drafted if self.drafted else 0.0
 
 
-__all__ = ["MAX_DRAFTS", "Speculation"]
+class AnyLength:
+    """A draft length that never limits (``k`` is :data:`MAX_DRAFTS`) and learns nothing: for
+    a drafter that already decided its drafts, such as a ring's last stage."""
+
+    k = MAX_DRAFTS
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """Nothing to learn."""
+
+
+__all__ = ["MAX_DRAFTS", "AnyLength", "Speculation"]

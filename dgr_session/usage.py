@@ -46,6 +46,10 @@ class UsageRecord:
     engine_seconds: float
     replay_cause: FaultKind | None
     """The fault that ended the previous epoch, when this one replayed (else ``None``)."""
+    rows_draft: int = 0
+    """Draft rows verified (speculative decoding; counted in ``rows_decode`` too)."""
+    rows_rejected: int = 0
+    """Of those, the rows the session did not keep: compute it pays for, no token."""
 
     @property
     def rows(self) -> int:
@@ -117,12 +121,16 @@ class UsageLedger:
         kind: str,
         rows: int,
         cost: StageCost | None,
+        drafts: int = 0,
+        kept_drafts: int | None = None,
     ) -> None:
         key = (epoch, stage_index)
         tally = self._tallies.get(key)
         if tally is None:
             tally = self._tallies[key] = _Tally(endpoint=endpoint, layers=layers)
         tally.add(kind, rows, cost)
+        if drafts or kept_drafts is not None:
+            tally.verified(drafts, kept_drafts)
 
     def epoch_ended(self, epoch: int, fault: FaultKind) -> None:
         """``epoch`` ended with ``fault``: the next epoch's replay is its cost."""
@@ -153,6 +161,8 @@ class UsageLedger:
             bytes_out=tally.bytes_out,
             engine_seconds=tally.engine_seconds,
             replay_cause=cause,
+            rows_draft=tally.draft,
+            rows_rejected=tally.rejected,
         )
 
 

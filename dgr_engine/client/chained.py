@@ -53,6 +53,7 @@ from dgr_session.errors import DgrError
 from dgr_session.faults import FaultKind
 from dgr_session.identifiers import check_session_id
 from dgr_session.route import StageSpec
+from dgr_session.speculation import MAX_DRAFTS, AnyLength, Speculation
 from dgr_session.transport import Boundary, Logits, StageResult
 from dgr_session.usage import StageCost
 
@@ -70,6 +71,22 @@ __all__ = [
     "ChainTicket",
     "RingMismatch",
 ]
+
+
+@attrs.define(eq=False)
+class _RingDrafts:
+    """A drafting ring's session's draft source: the drafts of the pass the ring's last stage
+    already sent (none when it sent none: the session then sends the newest token alone)."""
+
+    transport: ChainStageTransport
+    session_id: str
+    name = "ring"
+
+    def propose(self, history: Sequence[int], k: int) -> tuple[int, ...]:
+        return self.transport.ring_drafts(self.session_id, len(history) - 1)[:k]
+
+    def close(self) -> None:
+        pass
 
 
 class RingMismatch(ShardRpcError):
@@ -184,10 +201,12 @@ class _Chain:
         self.output: Any = None
         self.tasks: list[asyncio.Task[None]] = []
         self._setup: asyncio.Task[None] | None = None
-        # a ring: the token the last stage sent on by itself for each step ahead, and outputs
-        # of such frames that came back before the session asked for them
-        self.predicted: dict[int, int] = {}
+        # a ring: the tokens (and kept drafts) of the frame the last stage sent on by itself for
+        # each step ahead, and outputs of such frames that came back before the session asked
+        # for them; a drafting ring: the drafts of the pass it sent, by its first position
+        self.predicted: dict[int, tuple[tuple[int, ...], int | None]] = {}
         self.early: dict[int, pb.ChainOutputReply] = {}
+        self.ring_drafts: dict[int, tuple[int, ...]] = {}
 
     def index(self, stage: StageSpec) -> int:
         for i, s in enumerate(self.route):
@@ -465,6 +484,8 @@ class ChainStageTransport(GrpcStageTransport):
         route offers it, else gRPC), ``grpc``, or ``frame-link`` (a route whose stages do not
         all offer it fails at its first frame, naming the first stage that does not)."""
         self._targets: dict[tuple[str, bool], FrameLinkTarget] = {}
+        # session -> most drafts its ring may draft a pass (a drafting ring's sessions)
+        self._ring_drafting: dict[str, int] = {}
 
     async def frame_links(self, route: Sequence[StageSpec]) -> list[FrameLinkTarget] | None:
         """Each stage's frame link, when the route's frames take it (``data_path``); ``None``:
@@ -507,6 +528,36 @@ class ChainStageTransport(GrpcStageTransport):
         while len(self._limits) > _LIMITS_KEPT:
             self._limits.popitem(last=False)
 
+    def speculation_for(self, session_id: str, speculation: Speculation) -> Speculation:
+        """Called by the ``SessionManager`` as a speculating session starts: on a ring, prompt
+        lookup drafts are made by the ring's last stage itself (its own ``NgramDrafter`` and
+        ``DraftLength`` over the session's tokens), so a pass never waits for the client; the
+        session then takes the drafts of the pass the ring sent. Any other draft source is the
+        client's, and the ring runs nothing on its own for the session."""
+        if not self.ring:
+            return speculation
+        held = self._limits.get(session_id)
+        stops = held[1] if held is not None else ()
+        if getattr(speculation.drafter, "name", "") != "ngram":
+            self._limits[session_id] = (-1, stops)  # every frame is the session's own
+            return speculation
+        k_max = min(speculation.max_drafts, getattr(speculation.length, "k_max", MAX_DRAFTS))
+        self._ring_drafting[session_id] = k_max
+        while len(self._ring_drafting) > _LIMITS_KEPT:
+            self._ring_drafting.pop(next(iter(self._ring_drafting)))
+        speculation.drafter = _RingDrafts(self, session_id)  # the same object: its counts
+        speculation.length = AnyLength()  # are the session's, wherever the drafts come from
+        speculation.max_drafts = k_max
+        return speculation
+
+    def ring_drafts(self, session_id: str, position: int) -> tuple[int, ...]:
+        """The drafts of the pass the ring sent for ``session_id`` at ``position`` (its newest
+        epoch), if it sent one."""
+        epochs = [e for (sid, e) in self._chains if sid == session_id]
+        if not epochs:
+            return ()
+        return self._chains[(session_id, max(epochs))].ring_drafts.pop(position, ())
+
     async def aclose(self) -> None:
         chains, self._chains = self._chains, {}
         for chain in chains.values():
@@ -541,16 +592,18 @@ class ChainStageTransport(GrpcStageTransport):
         await chain.ensure_linked()
         limits = self._limits.get(session_id) if self.ring else None
         until, stops = limits if limits is not None else (0, ())
+        draft_max = self._ring_drafting.get(session_id, 0) if until > step else 0
         predicted = chain.predicted.pop(step, None)
         if chain.broken is not None:
             ticket.fail(*chain.broken)
         elif predicted is not None:
-            if len(positions) == 1 and list(token_ids) == [predicted]:
+            if predicted == (tuple(token_ids), call.kept_drafts):
                 chain.expect(ticket)  # the ring sent this frame already
             else:
                 error = RingMismatch(
-                    f"the ring ran step {step} with token {predicted}, the session asked for "
-                    f"{list(token_ids)}: a ring needs greedy sampling",
+                    f"the ring ran step {step} with tokens {list(predicted[0])} (kept drafts "
+                    f"{predicted[1]}), the session asked for {list(token_ids)} (kept drafts "
+                    f"{call.kept_drafts}): a ring needs greedy sampling",
                     status="DGR_E_RING_MISMATCH",
                 )
                 chain.fail(0, error)
@@ -574,6 +627,9 @@ class ChainStageTransport(GrpcStageTransport):
             if until > step:
                 request.ring_until_step = until
                 request.ring_stop.extend(stops)
+                if draft_max:  # rows the route's every stage takes, the newest token's too
+                    rows = [s.max_rows for s in chain.route if s.max_rows > 0]
+                    request.ring_draft_max = max(min([draft_max + 1, *rows]) - 1, 0)
             self.chain_stats.sent += 1
             await chain.submit(ticket, request)
         if not ticket.done.done():
@@ -583,11 +639,7 @@ class ChainStageTransport(GrpcStageTransport):
             except TimeoutError:
                 chain.fail(0, ShardDeadlineExceeded(f"no chained output within {self.timeout} s"))
         if ticket.reply is not None and until > step and call.wants_logits:
-            rows = ticket.reply.reply.output.shape
-            if len(rows) == 2 and rows[0] > 0:  # the ring sends the next step on by itself
-                token = int(np.argmax(output_from_reply(ticket.reply.reply)[-1]))
-                if token not in stops:
-                    chain.predicted[step + 1] = token
+            self._predict(chain, call, ticket.reply, stops, draft_max > 0)
         if ticket.reply is not None:
             s = self.chain_stats
             rtt_us = round((loop.time() - began) * 1e6)
@@ -610,6 +662,44 @@ class ChainStageTransport(GrpcStageTransport):
                     )
                 )
         return self._answer(chain, stage, ticket)
+
+    @staticmethod
+    def _predict(
+        chain: _Chain,
+        call: Forward,
+        reply: pb.ChainOutputReply,
+        stops: tuple[int, ...],
+        drafting: bool,
+    ) -> None:
+        """What the ring sent on by itself after ``call``'s frame: the next step's tokens, and
+        on a drafting ring the pass's kept drafts (the greedy tokens of its rows, as the ring's
+        last stage took them) and the next pass's drafts."""
+        rows = reply.reply.output.shape
+        if len(rows) != 2 or rows[0] == 0:
+            return
+        logits = output_from_reply(reply.reply)
+        start = call.positions.start
+        if not call.drafts:
+            greedy, kept = [int(np.argmax(logits[-1]))], None
+            position = call.positions.stop
+        else:
+            if logits.shape[0] != len(call.positions):
+                return
+            greedy = [int(np.argmax(row)) for row in logits]
+            kept = 0
+            while kept < call.drafts and greedy[kept] == call.token_ids[1 + kept]:
+                kept += 1
+            greedy, position = greedy[: kept + 1], start + 1 + kept
+        if any(token in stops for token in greedy):
+            return
+        step = call.step + len(greedy)
+        sent = tuple(int(t) for t in reply.ring_next)
+        if drafting:  # the frame it sent (none when it sent none), drafts and all
+            if sent and sent[0] == greedy[-1]:
+                chain.predicted[step] = (sent, kept)
+                chain.ring_drafts[position] = sent[1:]
+        elif not call.drafts:
+            chain.predicted[step] = ((greedy[-1],), None)
 
     def _answer(self, chain: _Chain, stage: StageSpec, ticket: ChainTicket) -> StageResult:
         """Stage ``stage``'s part of the ticket's outcome: its output, or its error."""

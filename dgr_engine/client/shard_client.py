@@ -242,6 +242,8 @@ class ShardClient:
                 bytes_out=int(r.bytes_out),
                 engine_seconds=float(r.engine_seconds),
                 replay_cause=None,
+                rows_draft=int(r.rows_draft),
+                rows_rejected=int(r.rows_rejected),
             )
             for r in reply.records
         ]

@@ -230,14 +230,18 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
             out = pb.ChainOutputReply(reply=reply)
             out.hops.extend(request.chain_trace)
             out.hops.append(trace)
+            frame = None
+            if ring is not None:
+                drafting = self.hub.ring_drafting(sid, epoch, request)
+                frame = ring_frame(request, reply, ring, drafting)
+                if frame is not None and drafting is not None:
+                    out.ring_next.extend(frame.token_ids)
             try:
                 self.hub.deliver(sid, epoch, out)
             except Exception as exc:
                 await self.path.refuse(context, exc, request, _CHAINED, hop=hop)
-            if ring is not None:
-                frame = ring_frame(request, reply, ring)
-                if frame is not None:
-                    await self.hub.ring_send(sid, ring, frame)
+            if ring is not None and frame is not None:
+                await self.hub.ring_send(sid, ring, frame)
             return down
         if down is None or down.link != link:
             if down is not None:

@@ -1,6 +1,7 @@
 """The frames a stage of a chained route sends on (``docs/chain.md``): the next stage's frame
 for a frame it ran, and, on a ring's last stage, the next step's frame for the first stage
-(the greedy token of the last logits row)."""
+(the greedy token of the last logits row; on a drafting ring, the token after the kept drafts
+of a pass, with the next pass's drafts)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import numpy as np
 from dgr_engine.wire import frames
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.worker.chain_downstream import ChainLink
+from dgr_engine.worker.ring_drafts import RingDrafting
 
 
 def next_frame(
@@ -34,6 +36,7 @@ def next_frame(
         ring_until_step=request.ring_until_step,
         ring_stop=request.ring_stop,
         draft_rows=request.draft_rows,
+        ring_draft_max=request.ring_draft_max,
     )
     if request.HasField("kept_drafts"):
         out.kept_drafts = request.kept_drafts
@@ -43,39 +46,63 @@ def next_frame(
 
 
 def ring_frame(
-    request: pb.ForwardRequest, reply: pb.ForwardReply, link: ChainLink
+    request: pb.ForwardRequest,
+    reply: pb.ForwardReply,
+    link: ChainLink,
+    drafting: RingDrafting | None = None,
 ) -> pb.ForwardRequest | None:
     """A ring's next frame after ``request``: the greedy token of its last logits row at the
-    next position, for the next step; ``None`` when the ring stops there (no logits, the
-    step limit, a stop token)."""
+    next position, for the next step; on a drafting ring (``drafting``), after a pass it sent,
+    the tokens the pass kept decide the next token and its position, and the next frame
+    carries the drafts of the next pass. ``None`` when the ring stops there (no logits, the
+    step limit, a stop token, a pass of the session's own making)."""
     n = len(request.positions)
     if request.ring_until_step <= request.step or request.no_logits or n == 0:
         return None
-    if request.draft_rows:  # a verification pass: the session decides what comes next
+    if request.draft_rows and drafting is None:  # the session's own pass: it decides
         return None
-    if request.logit_rows and request.logit_rows[-1] != n - 1:
+    if not request.draft_rows and request.logit_rows and request.logit_rows[-1] != n - 1:
         return None
     rows = frames.output_from_reply(reply)
     if rows.shape[0] == 0:
         return None
-    token = int(np.argmax(rows[-1]))  # dgr_session.sampling.greedy's choice
-    if token in request.ring_stop:
+    if drafting is None:
+        accepted, kept = [int(np.argmax(rows[-1]))], None  # dgr_session.sampling.greedy's
+    else:
+        verdict = drafting.next_tokens(request, rows)
+        if verdict is None:
+            return None
+        accepted, kept = verdict
+    if any(token in request.ring_stop for token in accepted):
         return None
-    position = int(request.positions[-1]) + 1
+    step = int(request.step) + len(accepted)
+    if step > request.ring_until_step:
+        return None
+    position = int(request.positions[0]) + (n if kept is None else 1 + kept)
+    token = accepted[-1]
+    drafts: tuple[int, ...] = ()
+    if drafting is not None:
+        drafts = drafting.draft(position, token, int(request.ring_until_step) - step)
     out = pb.ForwardRequest(
         session_id=request.session_id,
         epoch=request.epoch,
-        step=request.step + 1,
+        step=step,
         expect=link.expect,
         expected_next_pos=position,
-        positions=[position],
-        token_ids=[token],
+        positions=range(position, position + 1 + len(drafts)),
+        token_ids=[token, *drafts],
         timeout_ms=request.timeout_ms,
         session_secret=link.secret,
         kind=pb.ROW_KIND_DECODE,
         chain_hop=0,
         ring_until_step=request.ring_until_step,
+        ring_draft_max=request.ring_draft_max,
+        draft_rows=len(drafts),
     )
+    if drafts:
+        out.logit_rows.extend(range(1 + len(drafts)))
+    if kept is not None:
+        out.kept_drafts = kept
     out.ring_stop.extend(request.ring_stop)
     return out
 

@@ -26,6 +26,7 @@ from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import STATUS_KEY
 from dgr_engine.worker.chain_downstream import ChainDialer, ChainFailure, ChainLink, Downstream
 from dgr_engine.worker.closes import CloseCause, SessionClosed
+from dgr_engine.worker.ring_drafts import RingDrafting
 
 
 @attrs.define(eq=False)
@@ -48,6 +49,8 @@ class ChainHub:
         self._outputs: dict[str, OutputStream] = {}
         # a ring's stream from this (last) stage to the first, per session (with its link)
         self._rings: dict[str, tuple[ChainLink, Downstream]] = {}
+        # a drafting ring's last stage: each session's tokens and drafts (ring_drafts.py)
+        self._drafting: dict[str, RingDrafting] = {}
         self._stubs: dict[tuple[str, bool], shard_pb2_grpc.ChainStub] = {}
         # the Shard service over the same channels (confirm_next asks a next stage's Usage)
         self._shard_stubs: dict[tuple[str, bool], shard_pb2_grpc.ShardStub] = {}
@@ -172,6 +175,23 @@ class ChainHub:
             )
         return link
 
+    def ring_drafting(
+        self, session_id: str, epoch: int, request: pb.ForwardRequest
+    ) -> RingDrafting | None:
+        """On a ring's last stage, after it ran ``request``: the session's drafting (made at
+        its epoch's first frame asking for it, ``ring_draft_max``), told of the frame's
+        tokens; ``None`` when the ring does not draft, or the stage missed tokens before."""
+        held = self._drafting.get(session_id)
+        if not request.ring_draft_max:
+            return None
+        if held is None or held.epoch != epoch:
+            if held is not None and held.epoch > epoch:
+                return None
+            held = self._drafting[session_id] = RingDrafting(epoch, int(request.ring_draft_max))
+        if not held.ran(int(request.expected_next_pos), request.token_ids):
+            return None
+        return held
+
     def ring_link(self, session_id: str, epoch: int) -> ChainLink | None:
         """The last stage's ring link of ``(session_id, epoch)``, if the route is a ring."""
         link = self._links.get(session_id)
@@ -252,6 +272,9 @@ class ChainHub:
         ring = self._rings.get(session_id)
         if ring is not None and ring[0].epoch <= epoch:
             self._rings.pop(session_id)[1].finish_soon()
+        drafting = self._drafting.get(session_id)
+        if drafting is not None and drafting.epoch <= epoch:
+            del self._drafting[session_id]
 
     def dialled(self) -> frozenset[str]:
         """The endpoints this stage keeps a channel to: next stages it was linked to (an

@@ -363,7 +363,7 @@ class CloseSessionReply(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms", "no_logits", "session_secret", "kind", "chain_hop", "chain_trace", "ring_until_step", "ring_stop", "draft_rows", "kept_drafts")
+    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms", "no_logits", "session_secret", "kind", "chain_hop", "chain_trace", "ring_until_step", "ring_stop", "draft_rows", "kept_drafts", "ring_draft_max")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -383,6 +383,7 @@ class ForwardRequest(_message.Message):
     RING_STOP_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ROWS_FIELD_NUMBER: _ClassVar[int]
     KEPT_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    RING_DRAFT_MAX_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     step: int
@@ -402,7 +403,8 @@ class ForwardRequest(_message.Message):
     ring_stop: _containers.RepeatedScalarFieldContainer[int]
     draft_rows: int
     kept_drafts: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., no_logits: _Optional[bool] = ..., session_secret: _Optional[bytes] = ..., kind: _Optional[_Union[RowKind, str]] = ..., chain_hop: _Optional[int] = ..., chain_trace: _Optional[_Iterable[_Union[HopTrace, _Mapping]]] = ..., ring_until_step: _Optional[int] = ..., ring_stop: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[int] = ..., kept_drafts: _Optional[int] = ...) -> None: ...
+    ring_draft_max: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., no_logits: _Optional[bool] = ..., session_secret: _Optional[bytes] = ..., kind: _Optional[_Union[RowKind, str]] = ..., chain_hop: _Optional[int] = ..., chain_trace: _Optional[_Iterable[_Union[HopTrace, _Mapping]]] = ..., ring_until_step: _Optional[int] = ..., ring_stop: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[int] = ..., kept_drafts: _Optional[int] = ..., ring_draft_max: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_us", "compute_us", "total_us")
@@ -495,9 +497,11 @@ class HopTrace(_message.Message):
     def __init__(self, hop: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ...) -> None: ...
 
 class ChainOutputReply(_message.Message):
-    __slots__ = ("reply", "hops")
+    __slots__ = ("reply", "hops", "ring_next")
     REPLY_FIELD_NUMBER: _ClassVar[int]
     HOPS_FIELD_NUMBER: _ClassVar[int]
+    RING_NEXT_FIELD_NUMBER: _ClassVar[int]
     reply: ForwardReply
     hops: _containers.RepeatedCompositeFieldContainer[HopTrace]
-    def __init__(self, reply: _Optional[_Union[ForwardReply, _Mapping]] = ..., hops: _Optional[_Iterable[_Union[HopTrace, _Mapping]]] = ...) -> None: ...
+    ring_next: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, reply: _Optional[_Union[ForwardReply, _Mapping]] = ..., hops: _Optional[_Iterable[_Union[HopTrace, _Mapping]]] = ..., ring_next: _Optional[_Iterable[int]] = ...) -> None: ...

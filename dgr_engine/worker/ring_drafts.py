@@ -1,0 +1,73 @@
+"""A drafting ring's last stage (``docs/speculative.md``): it keeps the session's tokens as the
+frames bring them, verifies each pass it sent (the longest run of drafts equal to the greedy
+tokens, and the token after it), and drafts the next pass by prompt lookup over those tokens,
+so a pass costs one trip around the ring and never a trip to the client.
+
+What it keeps is per (session, epoch), forgotten with the epoch (``ChainHub``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_session.drafts import DraftLength, NgramDrafter
+from dgr_session.speculation import MAX_DRAFTS, Speculation
+
+
+@attrs.define(eq=False)
+class RingDrafting:
+    """One session's drafting on a ring's last stage."""
+
+    epoch: int
+    """The epoch it drafts for."""
+    k_max: int
+    """Most drafts a pass may carry (the frame's ``ring_draft_max``, at most ``MAX_DRAFTS``)."""
+    tokens: list[int] = attrs.Factory(list)
+    """The token of every position the stage ran, in order."""
+    speculation: Speculation = attrs.field(init=False)
+
+    def __attrs_post_init__(self) -> None:
+        self.k_max = min(self.k_max, MAX_DRAFTS)
+        length = DraftLength(k_max=self.k_max, k_start=min(4, self.k_max))
+        self.speculation = Speculation(NgramDrafter(), length, max_drafts=self.k_max)
+
+    def ran(self, start: int, token_ids: Sequence[int]) -> bool:
+        """The stage ran rows with ``token_ids`` from position ``start``: what it held from
+        ``start`` on (rejected drafts) is replaced. False when ``start`` leaves a gap: the
+        tokens before it never came here, so nothing can be drafted from them."""
+        if start > len(self.tokens):
+            return False
+        del self.tokens[start:]
+        self.tokens.extend(int(t) for t in token_ids)
+        return True
+
+    def next_tokens(
+        self, request: pb.ForwardRequest, rows: np.ndarray
+    ) -> tuple[list[int], int | None] | None:
+        """The tokens the frame ``request`` gives (its greedy tokens: the kept drafts' and the
+        one after them on a pass) and how many drafts it kept (``None``: no pass); ``None``
+        when its logits do not cover the rows it needs."""
+        n = len(request.positions)
+        drafts = int(request.draft_rows)
+        if not drafts:
+            return [int(np.argmax(rows[-1]))], None
+        if rows.shape[0] != n:
+            return None
+        greedy = [int(np.argmax(row)) for row in rows]
+        kept = 0
+        while kept < drafts and greedy[kept] == int(request.token_ids[n - drafts + kept]):
+            kept += 1
+        self.speculation.verified(drafts, kept)
+        return greedy[: kept + 1], kept
+
+    def draft(self, position: int, token: int, room: int) -> tuple[int, ...]:
+        """Drafts to follow ``token`` at ``position`` (the tokens before it are those the stage
+        ran), at most ``room``."""
+        history = [*self.tokens[:position], token]
+        return self.speculation.propose(history, (), min(room, self.k_max))
+
+
+__all__ = ["RingDrafting"]
