@@ -69,7 +69,7 @@ from dgr_session.machine import (
 from dgr_session.pipeline import Chunk, EpochPipeline
 from dgr_session.policy import FailurePolicy, ReplayMode
 from dgr_session.route import CertificationVerifier, Route, validate_route
-from dgr_session.speculation import Speculation
+from dgr_session.speculation import Speculation, verify_rows
 
 _S = SessionState
 _TERMINAL = frozenset(state.value for state in TERMINAL_STATES)
@@ -141,6 +141,7 @@ class RouteSession:
         "_reason",
         "_spec",
         "_kept",
+        "_pass_rows",
         "__weakref__",
     )
 
@@ -230,6 +231,7 @@ class RouteSession:
         # After a verification pass: how many of its drafts the next forward tells the stages
         # to keep (None: the last forward was no verification pass, or a new epoch began).
         self._kept: int | None = None
+        self._pass_rows = 1  # set by each route: the rows of a pass that keep their bits
         self._machine.add_model(self)
 
     def __repr__(self) -> str:
@@ -457,6 +459,10 @@ class RouteSession:
             self._recipe = route.recipe
         self._chunk = chunk
         self._replay_rows = min(limits, default=len(self.prompt) + self.max_new_tokens)
+        hardware = {stage.lane.hardware for stage in route.stages}
+        self._pass_rows = min(  # the most rows a verification pass keeps every row's bits in
+            verify_rows(route.recipe.quant_types, hw) for hw in hardware or {""}
+        )
         self._epoch = event.epoch
         self._route_attempt = 0
         self._route = route
@@ -676,7 +682,8 @@ class RouteSession:
             kind = _PREFILL if pos < n_prompt else _DECODE
         drafts = 0
         if self._spec is not None and stop == end and pos >= n_prompt:
-            room = min(self.max_new_tokens - len(self._accepted) - 1, self._replay_rows - 1)
+            rows = min(self._replay_rows, self._pass_rows)
+            room = min(self.max_new_tokens - len(self._accepted) - 1, rows - 1)
             proposed = self._spec.propose(self.prompt, self._accepted, room)
             if proposed:
                 drafts = len(proposed)

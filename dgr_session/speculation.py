@@ -23,6 +23,39 @@ pinned llama.cpp's sgemm (patch 0010) takes a matmul, so every row keeps the bit
 decoded alone (the wire's own limit, ``dgr_engine.wire.frames.MAX_DRAFT_ROWS``, is the same)."""
 
 
+REPACKED_TYPES = {
+    "x86": frozenset({"Q4_0", "Q4_K", "Q2_K", "IQ4_NL", "MXFP4"}),
+    "arm": frozenset({"Q4_0", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "MXFP4", "Q8_0", "Q1_0"}),
+}
+"""Weight types the pinned llama.cpp's CPU backend repacks for its own matmul kernels
+(``ggml/src/ggml-cpu/repack.cpp``, ``ggml_repack_get_optimal_repack_type``), by CPU family (the
+union of what each family's extensions select; ``Q2_K`` needs AVX-512 on x86). Those kernels
+take a matmul's rows four at a time (``gemm``) and the rest one by one (``gemv``), which sum in
+other orders: a row of a pass of 4 rows or more does not keep the bits it has when decoded
+alone."""
+
+REPACKED_PASS_ROWS = 3
+"""Most rows of a verification pass where weights are repacked: all of them in ``gemv``."""
+
+
+def verify_rows(quant_types: Sequence[str], hardware: str = "") -> int:
+    """The most rows a verification pass may carry, the newest token's included, so that every
+    row keeps the bits plain one-row decoding gives on stages of ``hardware`` (a lane's
+    hardware class, e.g. ``x86_64``) serving weights of ``quant_types``: 3 where a type is one
+    the CPU backend repacks (:data:`REPACKED_TYPES`; an unknown family counts as any), else
+    ``MAX_DRAFTS + 1`` (under the 32 rows from which sgemm takes a matmul, patch 0010)."""
+    hw = hardware.lower()
+    if hw.startswith(("x86", "amd64", "i686")):
+        repacked = REPACKED_TYPES["x86"]
+    elif hw.startswith(("arm", "aarch64")):
+        repacked = REPACKED_TYPES["arm"]
+    else:
+        repacked = REPACKED_TYPES["x86"] | REPACKED_TYPES["arm"]
+    if any(t.upper() in repacked for t in quant_types):
+        return REPACKED_PASS_ROWS
+    return MAX_DRAFTS + 1
+
+
 @attrs.define(eq=False)
 class Speculation:
     """One session's speculation: its draft source, its adaptive draft length and what it
@@ -81,4 +114,11 @@ class AnyLength:
         """Nothing to learn."""
 
 
-__all__ = ["MAX_DRAFTS", "AnyLength", "Speculation"]
+__all__ = [
+    "MAX_DRAFTS",
+    "REPACKED_PASS_ROWS",
+    "REPACKED_TYPES",
+    "AnyLength",
+    "Speculation",
+    "verify_rows",
+]

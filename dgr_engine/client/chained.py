@@ -53,7 +53,7 @@ from dgr_session.errors import DgrError
 from dgr_session.faults import FaultKind
 from dgr_session.identifiers import check_session_id
 from dgr_session.route import StageSpec
-from dgr_session.speculation import MAX_DRAFTS, AnyLength, Speculation
+from dgr_session.speculation import MAX_DRAFTS, AnyLength, Speculation, verify_rows
 from dgr_session.transport import Boundary, Logits, StageResult
 from dgr_session.usage import StageCost
 
@@ -627,8 +627,11 @@ class ChainStageTransport(GrpcStageTransport):
             if until > step:
                 request.ring_until_step = until
                 request.ring_stop.extend(stops)
-                if draft_max:  # rows the route's every stage takes, the newest token's too
+                if draft_max:  # rows the route's every stage takes, the newest token's too,
                     rows = [s.max_rows for s in chain.route if s.max_rows > 0]
+                    rows += [  # and that keep the bits plain decoding gives on each stage
+                        verify_rows(s.recipe.quant_types, s.lane.hardware) for s in chain.route
+                    ]
                     request.ring_draft_max = max(min([draft_max + 1, *rows]) - 1, 0)
             self.chain_stats.sent += 1
             await chain.submit(ticket, request)
