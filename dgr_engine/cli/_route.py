@@ -285,6 +285,8 @@ class RouteStage:
     """Its layer range ``[begin, end)``."""
     context: int
     """KV positions it holds per session."""
+    width_out: int
+    """Floats per output row: the vocabulary size on the last stage."""
 
 
 @attrs.define(eq=False)
@@ -466,6 +468,11 @@ class RouteHandle:
         """KV positions a session may use: the smallest stage's."""
         return min(stage.context for stage in self.stages)
 
+    @property
+    def n_vocab(self) -> int:
+        """The model's vocabulary size: the last stage's output width."""
+        return self.stages[-1].width_out
+
 
 def token_budget(route: RouteHandle, prompt_tokens: int, wanted: int, *, hint: str) -> int:
     """New tokens a session of ``prompt_tokens`` may generate: ``wanted``, cut to what the
@@ -562,7 +569,10 @@ async def _dial(endpoint: str, plan: RoutePlan) -> RouteStage:
 def _stage(endpoint: str, advert: Advert) -> RouteStage:
     span = advert.span
     return RouteStage(
-        endpoint, (span.layer_begin, span.layer_end), advert.capacity.context_per_session
+        endpoint,
+        (span.layer_begin, span.layer_end),
+        advert.capacity.context_per_session,
+        advert.seam.width_out,
     )
 
 

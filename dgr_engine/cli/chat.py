@@ -5,7 +5,8 @@ transport options; docs/generate-and-chat.md). Each line you type is the user's 
 model answers over the whole conversation so far, through its own chat template (--system TEXT
 opens it with a system prompt), and the answer is printed as it is generated, up to the model's
 end of turn, a --stop TEXT or -n tokens (default 256, within the context). Sampling is greedy
-unless --temperature is above 0 (--top-p, --top-k, --seed as for generate).
+unless --temperature is above 0 (--top-p, --top-k, --seed as for generate); --speculate
+ngram|draft:PATH (greedy only) decodes each answer speculatively, the same text.
 
     /reset   start a new conversation (the system prompt stays)
     /exit    end (so do end of input, Ctrl-D, and Ctrl-C at the prompt)
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import signal
 import sys
@@ -50,9 +52,12 @@ from dgr_engine.cli._route import (
     plan_route,
 )
 from dgr_engine.cli._signals import sigterm_as_interrupt
+from dgr_engine.cli._speculate import SpeculationPlan, add_speculation_arguments, plan_speculation
 from dgr_engine.client.text import chat_ids, start_text
 from dgr_engine.errors import EngineError
+from dgr_session.drafts import Drafter
 from dgr_session.sampling import InvalidSamplingParameter
+from dgr_session.speculation import Speculation
 
 DEFAULT_ANSWER_TOKENS = 256
 """``-n``'s default: tokens per answer at most (the end of turn comes first, mostly)."""
@@ -97,6 +102,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         max_tokens_help=f"tokens per answer at most (default {DEFAULT_ANSWER_TOKENS}; never "
         "more than the context holds after the conversation)",
     )
+    add_speculation_arguments(p)
     p.add_argument("--system", default=None, help="the system prompt opening the conversation")
 
 
@@ -105,8 +111,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = SamplingSettings.from_args(args)
         settings.check_transport(args.transport)
+        speculate = plan_speculation(args, settings, notice=notice)
         plan = plan_route(args, notice=notice)
     except (RouteOptionsRefused, InvalidSamplingParameter) as exc:
+        return _refused(exc)
+    try:
+        if speculate is not None:
+            speculate.check_vocab(args.vocab if args.vocab is not None else plan.model)
+    except RouteOptionsRefused as exc:
+        plan.close()
         return _refused(exc)
     tokenizer = plan.tokenizer
     if tokenizer is None or not tokenizer.info.has_chat_template:
@@ -121,11 +134,11 @@ def run(args: argparse.Namespace) -> int:
         return _refused(exc)
     try:
         with sigterm_as_interrupt(), asyncio.Runner() as runner:
-            return _chat(runner, plan, settings, base, notice)
+            return _chat(runner, plan, settings, speculate, base, notice)
     except KeyboardInterrupt:  # while the workers start or stop
         print("dgr chat: interrupted", file=sys.stderr)
         return 130
-    except RouteStartFailed as exc:
+    except (RouteStartFailed, RouteOptionsRefused) as exc:  # or a draft model the route refuses
         return _refused(exc)
 
 
@@ -138,19 +151,32 @@ def _chat(
     runner: asyncio.Runner,
     plan: RoutePlan,
     settings: SamplingSettings,
+    speculate: SpeculationPlan | None,
     base: list[Message],
     notice: Notice,
 ) -> int:
-    """Runs the route on ``runner``'s loop while this thread reads your lines."""
+    """Runs the route on ``runner``'s loop while this thread reads your lines. With
+    ``speculate``, one drafter serves every answer (each its own speculation), closed at the
+    end."""
     opened = open_route(plan, notice=notice)
     route = runner.run(opened.__aenter__())
+    drafter: Drafter | None = None
     try:
+        if speculate is not None:
+            drafter = speculate.open(route, plan.options)
         stages = " -> ".join(f"{s.endpoint} [{s.layers[0]},{s.layers[1]})" for s in route.stages)
         notice(f"{len(route.stages)} stages: {stages}; context {route.context} positions")
         notice(COMMANDS)
-        _converse(runner, route, settings, base, notice)
+        speculations = None
+        if speculate is not None and drafter is not None:
+            speculations = functools.partial(speculate.session, drafter)
+        _converse(runner, route, settings, speculations, base, notice)
     finally:
-        _close_route(runner, opened, notice)
+        try:
+            _close_route(runner, opened, notice)
+        finally:
+            if drafter is not None:
+                drafter.close()
     return 0
 
 
@@ -175,10 +201,12 @@ def _converse(
     runner: asyncio.Runner,
     route: RouteHandle,
     settings: SamplingSettings,
+    speculations: Callable[[], Speculation] | None,
     base: list[Message],
     notice: Notice,
 ) -> None:
-    """The loop: read a line, answer it, until /exit, end of input or Ctrl-C at the prompt."""
+    """The loop: read a line, answer it, until /exit, end of input or Ctrl-C at the prompt.
+    ``speculations``: a new speculation for each answer (``None``: plain decoding)."""
     _line_editing()
     assert route.tokenizer is not None
     messages = list(base)
@@ -211,7 +239,8 @@ def _converse(
             )
             continue
         limit = min(settings.max_tokens or DEFAULT_ANSWER_TOKENS, room)
-        answer = runner.run(_answer(route, settings, prompt, limit, _show, notice))
+        speculation = None if speculations is None else speculations()
+        answer = runner.run(_answer(route, settings, prompt, limit, _show, notice, speculation))
         print(_ending_note(answer, limit, limit == room), flush=True)
         if answer.ending is not Ending.FAILED:
             messages = [*turn, ("assistant", answer.text)]
@@ -243,6 +272,7 @@ async def _answer(
     limit: int,
     show: Callable[[str], None],
     notice: Notice,
+    speculation: Speculation | None = None,
 ) -> Answer:
     """One answer, shown as it comes; Ctrl-C meanwhile cancels its session (and only it)."""
     assert route.tokenizer is not None
@@ -262,6 +292,7 @@ async def _answer(
                 stop_texts=settings.stop,
                 sampler=settings.sampler(),
                 on_token=lambda _token: prefilling.cancel(),
+                speculation=speculation,
             )
             waiting = asyncio.ensure_future(handle.wait())
             pressed = asyncio.ensure_future(interrupted.wait())

@@ -13,7 +13,9 @@ applies its chat template. The text is printed as it is generated and stops at t
 end-of-generation tokens (--no-stop: it does not), at a --stop TEXT (cut before it), or after
 -n tokens (default 256, and never more than the route's context holds). Sampling is greedy
 (the whole model's tokens) unless --temperature is above 0 (with --top-p, --top-k; --seed makes
-it repeatable). --ids takes and prints token ids instead (the generated fixtures have no
+it repeatable). --speculate ngram|draft:PATH decodes greedily in passes that verify up to
+--draft-max drafts each: the same text, and one line on stderr of what the drafts achieved.
+--ids takes and prints token ids instead (the generated fixtures have no
 tokenizer; with no --prompt, 8 fixed ids). --check compares greedy tokens with the whole model
 run in-process (same engine options) and exits 1 on a difference. Every stage's lane must be
 certified at --require (default real-hardware); dark lanes are never routed. For the fixtures:
@@ -57,6 +59,12 @@ from dgr_engine.cli._route import (
     token_budget,
 )
 from dgr_engine.cli._signals import sigterm_as_interrupt
+from dgr_engine.cli._speculate import (
+    SpeculationPlan,
+    add_speculation_arguments,
+    plan_speculation,
+    speculation_line,
+)
 from dgr_engine.client.chained import ChainStageTransport
 from dgr_engine.client.relay import StageStats
 from dgr_engine.client.text import TextOutput, prompt_ids, start_text
@@ -65,6 +73,7 @@ from dgr_engine.reference import whole_model_greedy
 from dgr_engine.tokenizer import Tokenizer
 from dgr_session import SessionResult
 from dgr_session.sampling import InvalidSamplingParameter
+from dgr_session.speculation import Speculation
 
 DEFAULT_PROMPT = (1, 17, 42, 99, 7, 64, 128, 3)
 """The prompt of a model without a tokenizer when none is given."""
@@ -88,6 +97,8 @@ class Generation:
     seconds: float
     chain_frames_sent: int | None
     """Frames this client sent into a chain or ring (``None``: relay)."""
+    speculation: Speculation | None = None
+    """The session's speculation and what it achieved (``None``: without --speculate)."""
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -97,6 +108,7 @@ def configure(p: argparse.ArgumentParser) -> None:
         max_tokens_help=f"tokens to generate at most (default {DEFAULT_TEXT_TOKENS} with a text "
         f"prompt, {DEFAULT_NEW_TOKENS} with token ids; never more than the context holds)",
     )
+    add_speculation_arguments(p)
     p.add_argument(
         "--prompt",
         default=None,
@@ -128,6 +140,7 @@ def run(args: argparse.Namespace) -> int:
         settings.check_transport(args.transport)
         if args.check and not settings.greedy:
             raise RouteOptionsRefused("--check compares greedy tokens: drop --temperature")
+        speculate = plan_speculation(args, settings, notice=notice)
         plan = plan_route(args, notice=notice)
     except (RouteOptionsRefused, InvalidSamplingParameter) as exc:
         return _refused(exc)
@@ -135,18 +148,20 @@ def run(args: argparse.Namespace) -> int:
         if args.check and plan.model is None:
             raise RouteOptionsRefused("--check needs --model or --fixture")
         vocab = args.vocab if args.vocab is not None else plan.model
+        if speculate is not None:
+            speculate.check_vocab(vocab)
         text, prompt = _prompt(args, plan.tokenizer, vocab)
     except (ValueError, EngineError) as exc:
         plan.close()
         return _refused(exc)
     try:
         with sigterm_as_interrupt():
-            run = asyncio.run(_generate(args, plan, settings, text, prompt, notice))
+            run = asyncio.run(_generate(args, plan, settings, speculate, text, prompt, notice))
     except KeyboardInterrupt:
         print("dgr generate: interrupted", file=sys.stderr)
         return 130
-    except (RouteStartFailed, ContextExceeded) as exc:
-        return _refused(exc)
+    except (RouteStartFailed, ContextExceeded, RouteOptionsRefused) as exc:
+        return _refused(exc)  # RouteOptionsRefused: a draft model the route refuses
     return _report(args, plan, settings, prompt, run)
 
 
@@ -202,63 +217,85 @@ async def _generate(
     args: argparse.Namespace,
     plan: RoutePlan,
     settings: SamplingSettings,
+    speculate: SpeculationPlan | None,
     text: str | None,
     prompt: list[int],
     notice: Notice,
 ) -> Generation:
     async with open_route(plan, notice=notice) as route:
-        wanted = settings.max_tokens
-        if wanted is None:
-            wanted = DEFAULT_TEXT_TOKENS if text is not None else DEFAULT_NEW_TOKENS
-        limit = token_budget(route, len(prompt), wanted, hint="a shorter prompt")
-        if settings.max_tokens is not None and limit < settings.max_tokens:
-            notice(f"{limit} new tokens fit the context ({route.context} positions)")
-        loop = asyncio.get_running_loop()
-        prefilling = loop.call_later(
-            PREFILL_NOTICE_SECONDS, notice, f"prefilling {len(prompt)} tokens"
-        )
-        began = time.perf_counter()
-        output: TextOutput | None = None
-        sampler = settings.sampler()
-        if text is None:
-            handle = route.manager.start(
-                prompt,
-                max_new_tokens=limit,
-                sampler=sampler,
-                on_token=lambda _token: prefilling.cancel(),
-            )
-        else:
-            assert route.tokenizer is not None
-            handle, output = start_text(
-                route.manager,
-                route.tokenizer,
-                prompt,
-                max_new_tokens=limit,
-                on_text=lambda piece: _emit(args, piece),
-                stop_at_eog=not args.no_stop,
-                stop_texts=settings.stop,
-                on_token=lambda _token: prefilling.cancel(),
-                sampler=sampler,
-            )
+        if speculate is None:
+            return await _run_session(args, route, settings, None, text, prompt, notice)
+        drafter = speculate.open(route, plan.options)
         try:
-            result = await handle.wait()
+            speculation = speculate.session(drafter)
+            return await _run_session(args, route, settings, speculation, text, prompt, notice)
         finally:
-            prefilling.cancel()
-        seconds = time.perf_counter() - began
-        generated = None
-        if output is not None:
-            _emit(args, output.flush())  # a character the last piece left incomplete, held text
-            generated = output.text
-        await route.manager.aclose()
-        return Generation(
-            result,
-            generated,
-            None if output is None else output.stopped_at,
-            limit,
-            route.stage_transport.stats(),
-            seconds,
-            _chain_frames(route),
+            drafter.close()
+
+
+async def _run_session(
+    args: argparse.Namespace,
+    route: RouteHandle,
+    settings: SamplingSettings,
+    speculation: Speculation | None,
+    text: str | None,
+    prompt: list[int],
+    notice: Notice,
+) -> Generation:
+    """One session over the running route, its text printed as it comes."""
+    wanted = settings.max_tokens
+    if wanted is None:
+        wanted = DEFAULT_TEXT_TOKENS if text is not None else DEFAULT_NEW_TOKENS
+    limit = token_budget(route, len(prompt), wanted, hint="a shorter prompt")
+    if settings.max_tokens is not None and limit < settings.max_tokens:
+        notice(f"{limit} new tokens fit the context ({route.context} positions)")
+    loop = asyncio.get_running_loop()
+    prefilling = loop.call_later(PREFILL_NOTICE_SECONDS, notice, f"prefilling {len(prompt)} tokens")
+    began = time.perf_counter()
+    output: TextOutput | None = None
+    sampler = settings.sampler()
+    if text is None:
+        handle = route.manager.start(
+            prompt,
+            max_new_tokens=limit,
+            sampler=sampler,
+            on_token=lambda _token: prefilling.cancel(),
+            speculation=speculation,
         )
+    else:
+        assert route.tokenizer is not None
+        handle, output = start_text(
+            route.manager,
+            route.tokenizer,
+            prompt,
+            max_new_tokens=limit,
+            on_text=lambda piece: _emit(args, piece),
+            stop_at_eog=not args.no_stop,
+            stop_texts=settings.stop,
+            on_token=lambda _token: prefilling.cancel(),
+            sampler=sampler,
+            speculation=speculation,
+        )
+    try:
+        result = await handle.wait()
+    finally:
+        prefilling.cancel()
+    seconds = time.perf_counter() - began
+    generated = None
+    if output is not None:
+        _emit(args, output.flush())  # a character the last piece left incomplete, held text
+        generated = output.text
+    await route.manager.aclose()
+    return Generation(
+        result,
+        generated,
+        None if output is None else output.stopped_at,
+        limit,
+        route.stage_transport.stats(),
+        seconds,
+        _chain_frames(route),
+        speculation,
+    )
 
 
 def _chain_frames(route: RouteHandle) -> int | None:
@@ -306,8 +343,11 @@ def _report(
             "stages": [_stats_dict(s) for s in run.stats.values()],
             "transport": args.transport,
             "chain_frames_sent": run.chain_frames_sent,
+            "speculation": _speculation_dict(run.speculation),
         }
         print(json.dumps(report))
+        if run.speculation is not None:
+            print(speculation_line(run.speculation), file=sys.stderr)
     else:
         print(" ".join(map(str, tokens)) if run.text is None else "", flush=True)
         seed = "" if settings.greedy else f"  seed {settings.seed}"
@@ -323,6 +363,8 @@ def _report(
                 f"bytes in {s.bytes_sent}  out {s.bytes_received}",
                 file=sys.stderr,
             )
+        if run.speculation is not None:
+            print(speculation_line(run.speculation), file=sys.stderr)
         if failed:
             print(f"failed: {failure_line(result.error)}", file=sys.stderr)
         if expected is not None:
@@ -342,4 +384,16 @@ def _stats_dict(s: StageStats) -> dict[str, Any]:
         "bytes_received": s.bytes_received,
         "rtt_us": s.rtt_us,
         "compute_us": s.compute_us,
+    }
+
+
+def _speculation_dict(speculation: Speculation | None) -> dict[str, Any] | None:
+    if speculation is None:
+        return None
+    return {
+        "source": speculation.drafter.name,
+        "passes": speculation.passes,
+        "drafted": speculation.drafted,
+        "accepted": speculation.accepted,
+        "acceptance": speculation.acceptance,
     }

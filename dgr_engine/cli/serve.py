@@ -10,6 +10,8 @@ sessions, a client that goes away cancels its session, temperature 0 is the whol
 greedy answer. Errors are OpenAI's shape: 400 for a bad request (context_length_exceeded for
 a prompt the context cannot hold), 503 with Retry-After when every slot stayed busy for
 --admission-wait seconds, 502 naming the stage when the route could not be recovered.
+Speculative decoding (generate's and chat's --speculate) is not offered here yet: every request
+decodes one token per pass.
 
     dgr serve --model smollm2-135m-instruct --spawn 3 --port 8000
 

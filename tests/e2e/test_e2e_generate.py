@@ -405,3 +405,33 @@ def test_generate_a_completion_from_gemma3_over_spawned_workers(
     assert "16 tokens" in done.stderr, done.stderr
     spans = [line.split()[1] for line in done.stderr.splitlines() if line.startswith("  ")]
     assert spans == ["[0,6)", "[6,12)", "[12,18)"], done.stderr  # 18 layers over 3 stages
+
+
+# -- speculative decoding: the same text in fewer passes ----------------------------------------
+
+
+def test_speculative_generate_prints_exactly_the_plain_text(tiny_llama: Path) -> None:
+    base = ["generate", "--spawn", "2", "--fixture", "tiny-llama", "-n", "24"]
+    base += ["--require", "fixture", "--quiet"]
+    plain = dgr(*base)
+    assert plain.returncode == 0, plain.stderr
+    assert len(plain.stdout.split()) == 24, plain.stdout
+    assert "speculation" not in plain.stderr
+    for source, name in (("ngram", "ngram"), (f"draft:{tiny_llama}", "draft-model")):
+        fast = dgr(*base, "--speculate", source, "--draft-max", "6")
+        assert fast.returncode == 0, fast.stderr
+        assert fast.stdout == plain.stdout, (source, fast.stdout, plain.stdout)
+        line = next(s for s in fast.stderr.splitlines() if s.startswith("speculation "))
+        words = line.split()
+        drafted = int(words[words.index("drafted") - 1])
+        accepted = int(words[words.index("accepted") - 1])
+        assert words[1] == f"{name}:" and drafted > 0 and 0 <= accepted <= drafted, line
+    # the model is its own draft: every draft is accepted, several tokens per pass
+    assert accepted == drafted, line
+    passes = int(words[words.index("passes") - 1])
+    assert passes < 23, line
+    # and --json carries the same figures
+    report = json.loads(dgr(*base, "--speculate", f"draft:{tiny_llama}", "--json").stdout)
+    assert report["tokens"] == [int(t) for t in plain.stdout.split()]
+    assert report["speculation"]["source"] == "draft-model"
+    assert report["speculation"]["acceptance"] == 1.0

@@ -1,0 +1,237 @@
+"""``--speculate SOURCE`` and ``--draft-max K``: speculative decoding for ``dgr generate`` and
+``dgr chat`` (``docs/speculative.md``, ``docs/generate-and-chat.md``).
+
+A speculating session sends its newest token with up to K drafts through the route in one
+pass and keeps the longest run greedy decoding would have picked: the same text as plain greedy
+decoding, in fewer passes when the drafts are good. So it is greedy only.
+
+* :func:`add_speculation_arguments`: the two options.
+* :func:`plan_speculation`: checked before any work (the source, greedy sampling, the draft
+  model's file); :class:`SpeculationPlan`, or ``None`` without ``--speculate``.
+* :meth:`SpeculationPlan.check_vocab`: the draft model's vocabulary against the target's GGUF,
+  once the route is planned and before any worker starts.
+* :meth:`SpeculationPlan.open`: the command's one drafter, on the running route (closed by the
+  command at the end); :meth:`SpeculationPlan.session`: each session's own
+  :class:`~dgr_session.speculation.Speculation` over it.
+
+Every refusal is :class:`SpeculationRefused` (a :class:`RouteOptionsRefused`: one line, exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from pathlib import Path
+
+import attrs
+
+from dgr_engine.argtypes import int_in
+from dgr_engine.cli._route import (
+    Notice,
+    RouteHandle,
+    RouteOptionsRefused,
+    SamplingSettings,
+)
+from dgr_engine.errors import EngineError
+from dgr_engine.options import EngineOptions
+from dgr_session.drafts import DraftConfigError, Drafter, DraftLength, NgramDrafter
+from dgr_session.speculation import MAX_DRAFTS, Speculation
+
+__all__ = [
+    "DEFAULT_DRAFT_MAX",
+    "SOURCES",
+    "SpeculateSource",
+    "SpeculationPlan",
+    "SpeculationRefused",
+    "add_speculation_arguments",
+    "plan_speculation",
+    "speculation_line",
+]
+
+SOURCES = ("ngram", "draft:PATH", "mtp")
+"""``--speculate`` values, as ``--help`` names them."""
+DEFAULT_DRAFT_MAX = 8
+"""``--draft-max``'s default: the adaptive draft length's ceiling."""
+_START_DRAFTS = 4
+"""Drafts of a session's first pass (at most ``--draft-max``); it adapts from there."""
+
+
+class SpeculationRefused(RouteOptionsRefused):
+    """``--speculate`` cannot run as given (an unavailable source, sampling, a draft model that
+    is missing, unreadable or of another vocabulary): nothing was started, or what was is
+    stopped again."""
+
+
+@attrs.frozen
+class SpeculateSource:
+    """Where drafts come from."""
+
+    kind: str
+    """``ngram``, ``draft`` or ``mtp``."""
+    model: str | None = None
+    """``draft``: the draft model as given (a GGUF path or a catalog name)."""
+
+    @classmethod
+    def parse(cls, text: str) -> SpeculateSource:
+        """The argparse type of ``--speculate`` (an unknown source: one line, exit 2)."""
+        kind, sep, model = text.partition(":")
+        if kind == "draft" and sep:
+            if not model:
+                raise argparse.ArgumentTypeError("draft: needs a GGUF or a model name: draft:PATH")
+            return cls("draft", model)
+        if not sep and kind in _AVAILABILITY:
+            return cls(kind)
+        raise argparse.ArgumentTypeError(f"unknown source {text!r}: expected {', '.join(SOURCES)}")
+
+    def __str__(self) -> str:
+        return self.kind if self.model is None else f"{self.kind}:{self.model}"
+
+
+def _always(_plan: SpeculateSource) -> str | None:
+    return None
+
+
+def _mtp_unavailable(_plan: SpeculateSource) -> str | None:
+    # To turn MTP on: return None here once the route's last stage can own the model's MTP
+    # (nextn) block and answer its drafts, and give _OPENERS an "mtp" entry.
+    return (
+        "--speculate mtp: DeepSeek V4's multi-token-prediction drafts need the route's last "
+        "stage to own the model's MTP block, which dgr does not build yet: use ngram or "
+        "draft:PATH"
+    )
+
+
+_AVAILABILITY: dict[str, Callable[[SpeculateSource], str | None]] = {
+    "ngram": _always,
+    "draft": _always,
+    "mtp": _mtp_unavailable,
+}
+"""Per source kind: why it cannot run now (``None``: it can)."""
+
+
+def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
+    """``--speculate SOURCE`` and ``--draft-max K``."""
+    p.add_argument(
+        "--speculate",
+        type=SpeculateSource.parse,
+        default=None,
+        metavar="SOURCE",
+        help="speculative decoding, greedy only, the same text in fewer passes: ngram (drafts "
+        "from the session's own tokens), draft:PATH (a draft GGUF, or a catalog model name, "
+        "with the model's vocabulary, run in this process) or mtp (DeepSeek V4; not yet)",
+    )
+    p.add_argument(
+        "--draft-max",
+        type=int_in(1, MAX_DRAFTS),
+        default=DEFAULT_DRAFT_MAX,
+        metavar="K",
+        help=f"with --speculate: drafts per pass at most (1..{MAX_DRAFTS}, default "
+        f"{DEFAULT_DRAFT_MAX}; the length adapts to what is accepted)",
+    )
+
+
+@attrs.define(eq=False)
+class SpeculationPlan:
+    """``--speculate`` checked and resolved; nothing opened yet."""
+
+    source: SpeculateSource
+    draft_max: int
+    """Drafts per pass at most."""
+    draft_model: Path | None
+    """``draft``: the draft GGUF."""
+
+    def check_vocab(self, target: Path | None) -> None:
+        """Refuses a draft model whose vocabulary size is not ``target``'s (the route's GGUF;
+        ``None``: not known here, checked by :meth:`open` against the route)."""
+        if self.draft_model is None or target is None:
+            return
+        from dgr_engine.speculative import DraftVocabMismatch
+
+        draft, wanted = _n_vocab(self.draft_model), _n_vocab(target)
+        if draft != wanted:
+            mismatch = DraftVocabMismatch(draft, wanted, self.draft_model.name)
+            raise SpeculationRefused(f"--speculate {self.source}: {mismatch}")
+
+    def open(self, route: RouteHandle, options: EngineOptions) -> Drafter:
+        """The command's drafter on the running route (its vocabulary: the last stage's output
+        width; its context: the route's; a draft model's threads and batch: ``options``'s).
+        The caller closes it."""
+        if self.draft_model is None:
+            return NgramDrafter()
+        from dgr_engine.speculative import ModelDrafter
+
+        try:
+            return ModelDrafter(
+                self.draft_model,
+                target_n_vocab=route.n_vocab,
+                n_threads=options.n_threads,
+                n_ctx=route.context,
+                n_batch=options.n_batch,
+            )
+        except (DraftConfigError, EngineError) as exc:
+            raise SpeculationRefused(f"--speculate {self.source}: {exc}") from None
+
+    def session(self, drafter: Drafter) -> Speculation:
+        """One session's speculation over ``drafter`` (its own length and counters)."""
+        k_max = self.draft_max
+        return Speculation(drafter, DraftLength(k_max, min(_START_DRAFTS, k_max)), k_max)
+
+
+def plan_speculation(
+    args: argparse.Namespace,
+    settings: SamplingSettings,
+    *,
+    notice: Notice,
+) -> SpeculationPlan | None:
+    """Checks ``--speculate`` and ``--draft-max`` before any work; ``None`` without
+    ``--speculate``. A catalog draft model is fetched if needed (``notice`` says so)."""
+    source: SpeculateSource | None = args.speculate
+    if source is None:
+        return None
+    unavailable = _AVAILABILITY[source.kind](source)
+    if unavailable is not None:
+        raise SpeculationRefused(unavailable)
+    if not settings.greedy:
+        raise SpeculationRefused(
+            "--speculate: speculative decoding is greedy only: drop --temperature"
+        )
+    draft = None if source.model is None else _draft_model(source, notice)
+    return SpeculationPlan(source, args.draft_max, draft)
+
+
+def speculation_line(speculation: Speculation) -> str:
+    """What a speculating session achieved, in one line."""
+    passes = speculation.passes
+    per_pass = (passes + speculation.accepted) / passes if passes else 0.0
+    return (
+        f"speculation {speculation.drafter.name}: {passes} passes  {speculation.drafted} "
+        f"drafted  {speculation.accepted} accepted  acceptance {speculation.acceptance:.2f}  "
+        f"{per_pass:.2f} tokens per pass"
+    )
+
+
+def _draft_model(source: SpeculateSource, notice: Notice) -> Path:
+    from dgr_engine.artifacts.errors import ArtifactError
+    from dgr_engine.artifacts.storage import StorageRefused
+    from dgr_engine.models import ModelFetchFailed, UnknownModel
+    from dgr_engine.models.resolve import resolve_model
+
+    assert source.model is not None
+    try:
+        return resolve_model(source.model, notice=notice)
+    except (UnknownModel, ModelFetchFailed, ArtifactError, StorageRefused) as exc:
+        raise SpeculationRefused(f"--speculate {source}: {exc}") from None
+    except OSError as exc:  # FileNotFoundError: neither a catalog name nor a file
+        text = str(exc) if exc.strerror is None else f"{exc.filename}: {exc.strerror}"
+        raise SpeculationRefused(f"--speculate {source}: {text}") from None
+
+
+def _n_vocab(model: Path) -> int:
+    """A GGUF's vocabulary size (its vocabulary only is read)."""
+    from dgr_engine.tokenizer import Tokenizer
+
+    try:
+        with Tokenizer(model) as vocab:
+            return vocab.info.n_vocab
+    except EngineError as exc:
+        raise SpeculationRefused(f"--speculate: {model}: {exc}") from None
