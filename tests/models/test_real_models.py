@@ -10,6 +10,7 @@ import subprocess
 import zipfile
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import numpy as np
@@ -25,10 +26,16 @@ from dgr_engine.models import CATALOG, ModelNotFetched, UnknownModel, lookup
 from dgr_engine.models import fetch as model_fetch
 from dgr_engine.models.catalog import RealModel, WheelPart
 from dgr_engine.reference import LocalChain
+from dgr_engine.speculative import ModelDrafter
+from dgr_engine.testing import EngineTransport
 from dgr_engine.tokenizer import Tokenizer
 from dgr_engine.tooling.processes import dgr_command
 from dgr_engine.worker.identity import gguf_facts
-from dgr_session.speculation import verify_rows
+from dgr_session import EvidenceClass, SessionManager
+from dgr_session.drafts import DraftLength, NgramDrafter
+from dgr_session.identity import ModelIdentity, Recipe
+from dgr_session.speculation import Speculation, verify_rows
+from dgr_session.testing import ScriptedRouteProvider, make_route, run_virtual
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -388,3 +395,44 @@ def test_every_row_of_a_verification_pass_has_plain_decodings_logits(
         at = len(prompt) + 1 + kept
         row = engine.forward(2, drafts, [at], tokens=np.array([tokens[1 + kept]], np.int32))
         assert np.array_equal(row[-1], plain[2 + kept]), (model, drafts, "after the drop")
+
+
+@pytest.mark.slow  # the real model, fetched once
+def test_smollm2_speculative_sessions_give_plain_greedy_tokens(smollm2: Path) -> None:
+    """SmolLM2 over two in-process stages: a session drafting by prompt lookup and one drafting
+    with the model itself give the tokens plain greedy decoding gives."""
+    kw = {"n_threads": 1, "n_ctx_per_session": 256, "n_batch": 64, "max_sessions": 2}
+    tokenizer = Tokenizer(smollm2)
+    text = "Repeat exactly: the cat sat on the mat. the cat sat on the mat. the cat sat on"
+    prompt = prompt_ids(tokenizer, text, chat=True)
+    tokenizer.close()
+    with ShardEngine(smollm2, **kw) as whole:
+        reference = LocalChain([whole])
+        reference.open(1, 0)
+        plain, _ = reference.greedy(1, 0, prompt, 24, all_prefill_logits=False)
+    transport = EngineTransport(lambda a, b: ShardEngine(smollm2, layers=(a, b), **kw))
+    transport.start("a", (0, 15))
+    transport.start("b", (15, 30))
+    identity = ModelIdentity(b"s" * 32, "llama", 30)
+    recipe = Recipe(quant_types=gguf_facts(smollm2).quant_types, context=256)
+    route = make_route(("a", "b"), [15], identity=identity, recipe=recipe, width=576)
+    try:
+        with ModelDrafter(smollm2, target_n_vocab=49152) as itself:
+            for drafter in (NgramDrafter(), itself):
+                spec = Speculation(drafter, DraftLength(k_max=8, k_start=8))
+
+                async def main(spec: Speculation = spec) -> Any:
+                    manager = SessionManager(
+                        transport,
+                        ScriptedRouteProvider([route]),
+                        required_evidence=EvidenceClass.FIXTURE,
+                    )
+                    result = await manager.start(prompt, max_new_tokens=24, speculation=spec).wait()
+                    await manager.aclose()
+                    return result
+
+                result = run_virtual(main)
+                assert list(result.tokens) == plain, drafter.name
+                assert spec.drafted > 0, drafter.name
+    finally:
+        transport.shutdown()
