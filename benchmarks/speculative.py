@@ -10,7 +10,7 @@ warms the workers and proxies up first). A link with RTT > 0 is the userspace WA
 plain loopback.
 
 Workloads: **repeat**, a prompt whose answer repeats its context (a real model is asked to
-rewrite a given code block with one variable renamed, through its chat template; a fixture gets
+rewrite a given paragraph with one word changed, through its chat template; a fixture gets
 a token sequence that repeats), and **chat** (a free question; a fixture gets random tokens).
 Draft sources (``docs/speculative.md``): **plain** (no speculation), **ngram**
 (``NgramDrafter``, prompt lookup) and **self** (``ModelDrafter`` of the model itself, run whole
@@ -77,19 +77,16 @@ DATA_PATH = "grpc"
 """The frame link is reached at the port its stage advertises, past the WAN proxy, which
 fronts gRPC only: gRPC keeps every hop behind its link."""
 
-CODE = """def mean_and_spread(values):
-    total = 0.0
-    for value in values:
-        total += value
-    mean = total / len(values)
-    spread = 0.0
-    for value in values:
-        spread += (value - mean) ** 2
-    return mean, (spread / len(values)) ** 0.5"""
-REPEAT_TEXT = (
-    "Rewrite this Python function with the variable `total` renamed to `acc`. Reply with the "
-    f"whole function only.\n\n```python\n{CODE}\n```"
+PARAGRAPH = (
+    "The old house stood at the end of the lane, its blue door facing the sea. Every morning the "
+    "fisherman walked past it on his way to the harbour, and every evening he walked back, tired "
+    "and quiet, as the sun went down behind the hills."
 )
+REPEAT_TEXT = (
+    f"Rewrite the following paragraph, changing only the word 'blue' to 'green':\n\n{PARAGRAPH}"
+)
+"""The repeating workload of a real model (SmolLM2-135M copies this paragraph; asked to rewrite a
+code block it summarizes it instead)."""
 CHAT_TEXT = "Tell me about the history of tea, and how it is grown and prepared today."
 
 # the issue's targets: (stages, RTT ms, transport, workload, drafter, at least x plain)
