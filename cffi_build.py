@@ -31,7 +31,7 @@ def cdef_from_header(text: str) -> str:
     keep = []
     for line in text.splitlines():
         if line.lstrip().startswith("#"):
-            match = re.match(r"\s*#define\s+(DGR_[A-Z_]+)\s+(\d+)\s*$", line)
+            match = re.match(r"\s*#define\s+(DGR_[A-Z0-9_]+)\s+(\d+)\s*$", line)
             if match:
                 keep.append(f"#define {match.group(1)} {match.group(2)}")
             continue

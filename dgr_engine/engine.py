@@ -229,7 +229,10 @@ class ShardEngine:
         return int(out[0])
 
     def truncate(self, session_id: int, epoch: int, n_keep: int) -> None:
-        """Keeps the first ``n_keep`` positions of the session."""
+        """Keeps the first ``n_keep`` positions of the session. DeepSeek V4 drops at most
+        ``DGR_V4_ROLLBACK_ROWS`` rows of the session's last forward call, once (the rejected
+        drafts of a verification pass); deeper is ``UnsupportedFeature``, nothing changed
+        (``docs/speculative.md``)."""
         with self._lock:
             self._check(lib.dgr_session_truncate(self._live(), session_id, epoch, n_keep))
 

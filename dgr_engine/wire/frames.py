@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from dgr_engine.errors import ExpectationMismatch, FrameRejected, UnsupportedFeature
+from dgr_engine.errors import ExpectationMismatch, FrameRejected
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_session import identifiers
 
@@ -40,7 +40,8 @@ _MAX_POSITION = np.iinfo(np.int32).max
 MAX_DRAFT_ROWS = 16
 """Most drafts one verification pass may carry: with the newest token, 17 rows, under the 32
 from which patch 0010 lets llamafile's sgemm take a matmul, so every row of a verification pass
-keeps the bits it has when decoded alone (``docs/speculative.md``)."""
+keeps the bits it has when decoded alone, and no more than a DeepSeek V4 stage can drop again
+(``DGR_V4_ROLLBACK_ROWS``, ``docs/speculative.md``)."""
 
 FloatRows = npt.NDArray[np.float32]
 IntArray = npt.NDArray[np.int32]
@@ -332,11 +333,6 @@ def decode_forward(request: pb.ForwardRequest, mine: Expectations, info: ShardIn
             )
         if request.no_logits or (info.is_last and (want is None or not want.all())):
             raise FrameRejected("a verification pass wants the logits of every row")
-        if info.arch == "deepseek4":
-            raise UnsupportedFeature(
-                "DGR_E_UNSUPPORTED: speculative decoding on DeepSeek V4: its compressed and "
-                "indexer state cannot drop rejected drafts (see docs/speculative.md)"
-            )
     kept = int(request.kept_drafts) if request.HasField("kept_drafts") else None
     if kept is not None and kept > MAX_DRAFT_ROWS:
         raise FrameRejected(f"kept_drafts {kept} is over {MAX_DRAFT_ROWS}")

@@ -50,6 +50,11 @@ extern "C" {
 #define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
 #define DGR_STATE_VERSION 1
 
+/* deepseek4: how many of the newest positions dgr_session_truncate can drop (the rejected
+ * drafts of a verification pass): llama.cpp's n_rs_seq, the snapshots per session of the
+ * compressor (CSA/HCA) and indexer state that let it roll that state back. */
+#define DGR_V4_ROLLBACK_ROWS 16
+
 typedef enum dgr_status {
     /* Success. */
     DGR_OK = 0,
@@ -276,8 +281,11 @@ typedef struct dgr_forward_item {
 int dgr_forward_batch(dgr_engine * engine, dgr_forward_item * items, uint32_t n_items);
 
 /* Keeps the first n_keep positions of the session and drops the rest (n_keep <= next_pos).
- * On success the next position is n_keep. deepseek4 state cannot drop a tail: n_keep must be 0 or
- * next_pos, anything else gives DGR_E_UNSUPPORTED (nothing changed). */
+ * On success the next position is n_keep. deepseek4 state (compressed CSA/HCA, indexer) can drop
+ * a tail only within the session's last forward call, at most DGR_V4_ROLLBACK_ROWS positions,
+ * once (llama.cpp's n_rs_seq snapshots: the next forward restores them): the rejected drafts of
+ * a verification pass. Any other n_keep but 0 or next_pos gives DGR_E_UNSUPPORTED (nothing
+ * changed). */
 int dgr_session_truncate(dgr_engine * engine, uint64_t session_id, uint64_t epoch, int32_t n_keep);
 
 /* The session's next position (the number of positions its KV holds). */

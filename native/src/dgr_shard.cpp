@@ -172,6 +172,9 @@ struct session_slot {
     uint64_t epoch = 0;
     llama_seq_id seq = -1;
     int32_t next_pos = 0;
+    // rows of the session's last forward call, while its deepseek4 snapshots can still roll them
+    // back (dgr_session_truncate); 0 once anything else touched the session
+    int32_t rollback_rows = 0;
 };
 
 struct gguf_meta {
@@ -249,7 +252,12 @@ struct dgr_engine {
     // Undoes the rows a failed forward added past slot.next_pos. State that cannot drop a tail
     // (DeepSeek V4 compressed/indexer state) is emptied instead. Says which happened.
     const char * roll_back(session_slot & slot) {
-        if (llama_memory_seq_rm(mem(), slot.seq, slot.next_pos, -1)) {
+        slot.rollback_rows = 0;
+        // deepseek4 with rows past next_pos: a bounded rollback would restore snapshots the
+        // failed call may have half written; empty the session instead
+        const bool v4_rows = std::strcmp(info.arch, "deepseek4") == 0 &&
+                             llama_memory_seq_pos_max(mem(), slot.seq) >= slot.next_pos;
+        if (!v4_rows && llama_memory_seq_rm(mem(), slot.seq, slot.next_pos, -1)) {
             return "the call's rows were rolled back";
         }
         llama_memory_seq_rm(mem(), slot.seq, -1, -1);
@@ -462,6 +470,11 @@ int dgr_engine_open(const dgr_engine_params * params, dgr_engine ** out) {
     cp.type_k = kv_type;
     cp.type_v = kv_type;
     cp.flash_attn_type = flash_attn;
+    if (meta.arch == "deepseek4") {
+        // snapshots of the compressor and indexer state for the newest positions, so that the
+        // rejected drafts of a verification pass can be dropped (dgr_session_truncate)
+        cp.n_rs_seq = DGR_V4_ROLLBACK_ROWS;
+    }
     engine->ctx = llama_init_from_model(engine->model, cp);
     if (engine->ctx == nullptr) {
         return fail(DGR_E_MODEL_LOAD, "llama.cpp could not create a context for '%s': %s", params->model_path,
@@ -547,6 +560,7 @@ int dgr_session_open(dgr_engine * engine, uint64_t session_id, uint64_t epoch) {
             llama_memory_seq_rm(engine->mem(), slot.seq, -1, -1);
             slot.epoch = epoch;
             slot.next_pos = 0;
+            slot.rollback_rows = 0;
         }
         return ok();
     }
@@ -766,6 +780,8 @@ int run_plans(dgr_engine * engine, std::vector<forward_plan *> & plans) {
     }
     for (forward_plan * plan : plans) {
         plan->slot->next_pos += (int32_t) plan->item->n_rows;
+        // one micro-batch: its snapshots are those of the newest rows
+        plan->slot->rollback_rows = plan->item->n_rows <= llama_n_ubatch(engine->ctx) ? (int32_t) plan->item->n_rows : 0;
         plan->item->n_out = (uint32_t) plan->out_rows.size();
     }
     engine->rows_forwarded += (uint64_t) n_total;
@@ -902,17 +918,28 @@ int dgr_session_truncate(dgr_engine * engine, uint64_t session_id, uint64_t epoc
         return ok();  // nothing to drop
     }
     if (n_keep > 0 && std::strcmp(engine->info.arch, "deepseek4") == 0) {
-        // the compressed (CSA/HCA), indexer and sliding-window state cannot drop a tail
-        return fail(DGR_E_UNSUPPORTED,
-                    "session %llu: DeepSeek V4 state cannot be truncated to %d of %d positions (only to 0); "
-                    "re-prefill under a new epoch instead",
-                    (unsigned long long) session_id, n_keep, slot->next_pos);
+        // the compressed (CSA/HCA) and indexer state drops a tail only from its snapshots of the
+        // last call's rows (llama.cpp n_rs_seq), once
+        const int32_t drop = slot->next_pos - n_keep;
+        if (drop > slot->rollback_rows || drop > DGR_V4_ROLLBACK_ROWS ||
+            !llama_memory_seq_rm(engine->mem(), slot->seq, n_keep, -1)) {
+            return fail(DGR_E_UNSUPPORTED,
+                        "session %llu: DeepSeek V4 state cannot be truncated to %d of %d positions: only the "
+                        "rows of the last forward call (%d, at most %d) can be dropped, once; re-prefill under "
+                        "a new epoch instead",
+                        (unsigned long long) session_id, n_keep, slot->next_pos, slot->rollback_rows,
+                        DGR_V4_ROLLBACK_ROWS);
+        }
+        slot->next_pos = n_keep;
+        slot->rollback_rows = 0;
+        return ok();
     }
     if (!llama_memory_seq_rm(engine->mem(), slot->seq, n_keep, -1)) {
         return fail(DGR_E_INTERNAL, "session %llu: llama.cpp refused to drop positions >= %d",
                     (unsigned long long) session_id, n_keep);
     }
     slot->next_pos = n_keep;
+    slot->rollback_rows = 0;
     return ok();
     DGR_GUARD_END
 }
@@ -1024,10 +1051,12 @@ int dgr_session_state_load(dgr_engine * engine, uint64_t session_id, uint64_t ep
     if (n == 0) {
         llama_memory_seq_rm(engine->mem(), slot->seq, -1, -1);
         slot->next_pos = 0;
+        slot->rollback_rows = 0;
         return fail(DGR_E_STATE, "llama.cpp refused the saved state; session %llu is now empty",
                     (unsigned long long) session_id);
     }
     slot->next_pos = h.next_pos;
+    slot->rollback_rows = 0;
     return ok();
     DGR_GUARD_END
 }

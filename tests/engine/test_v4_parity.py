@@ -248,20 +248,31 @@ def test_shard_state_and_weights_add_up_to_the_whole_model(
     assert all(p.kv_bytes > 0 for p in parts)
 
 
-def test_truncating_v4_state_is_refused_but_a_full_reset_works(
+def test_v4_state_drops_only_the_newest_rows_of_the_last_call_once(
     pool: EnginePool, reference: Run
 ) -> None:
+    """DeepSeek V4 state drops a tail only from its snapshots (llama.cpp n_rs_seq): at most
+    DGR_V4_ROLLBACK_ROWS rows of the last forward call, once; anything deeper is refused with
+    nothing changed. What it keeps is bit for bit the state plain decoding has there, and a full
+    reset still works."""
     chain = pool.chain((0, 2, 6))
     chain.open(13, 0)
     try:
         chain.forward(13, 0, PROMPT, 0)
         for engine in chain.engines:
             with pytest.raises(E.UnsupportedFeature, match="cannot be truncated"):
-                engine.truncate(13, 0, len(PROMPT) - 1)
+                engine.truncate(13, 0, len(PROMPT) - 17)  # deeper than the snapshots
             assert engine.next_pos(13, 0) == len(PROMPT)
             engine.truncate(13, 0, len(PROMPT))  # keeping everything is a no-op
-        got = chain.forward(13, 0, [reference[0][0]], len(PROMPT))
-        assert np.array_equal(got, reference[1][1])
+        got = chain.forward(13, 0, [reference[0][0], 7, 9], len(PROMPT), all_logits=True)
+        assert np.array_equal(got[0], reference[1][1][-1])
+        for engine in chain.engines:
+            engine.truncate(13, 0, len(PROMPT) + 1)  # the two rows after the first: dropped
+            with pytest.raises(E.UnsupportedFeature, match="cannot be truncated"):
+                engine.truncate(13, 0, len(PROMPT))  # once: the snapshots are spent
+            assert engine.next_pos(13, 0) == len(PROMPT) + 1
+        got = chain.forward(13, 0, [reference[0][1]], len(PROMPT) + 1)
+        assert np.array_equal(got, reference[1][2])
         for engine in chain.engines:
             engine.truncate(13, 0, 0)
         tokens, logits = chain.greedy(13, 0, PROMPT, 2)
