@@ -106,18 +106,29 @@ class Cell:
 
 
 async def one_session(
-    provider: RouteProvider, mode: str, prompt: list[int], tokens: int, tag: str
+    provider: RouteProvider,
+    mode: str,
+    prompt: list[int],
+    tokens: int,
+    tag: str,
+    data_path: str = "auto",
 ) -> tuple[list[int], list[float], list[tuple[int, int, int]]]:
     """Runs one session; returns its tokens, the times they were accepted (the first entry:
     the time the session was started) and, per decode step after the first token, (client
-    wait, handlers, engines) in µs."""
+    wait, handlers, engines) in µs. ``data_path``: the chained frames' (``grpc`` behind the
+    WAN proxy, which fronts gRPC only: the frame link is dialled at the port a stage
+    advertises, past the proxy, and would skip the delay)."""
     stamps: list[float] = []
     relay: list[ForwardRecord] = []
     chained: list[ChainRecord] = []
     transport: GrpcStageTransport
     if mode in ("chain", "ring"):
         transport = ChainStageTransport(
-            timeout=30.0, close_timeout=1.0, chain_observer=chained.append, ring=mode == "ring"
+            timeout=30.0,
+            close_timeout=1.0,
+            chain_observer=chained.append,
+            ring=mode == "ring",
+            data_path=data_path,
         )
     else:
         transport = GrpcStageTransport(timeout=30.0, close_timeout=1.0, observer=relay.append)
@@ -217,7 +228,12 @@ async def measure(
                         order = MODES if r % 2 == 0 else MODES[::-1]
                         for mode in order:
                             got, stamps, parts = await one_session(
-                                provider, mode, prompt, tokens, f"s{n}-r{rtt:g}-{r}"
+                                provider,
+                                mode,
+                                prompt,
+                                tokens,
+                                f"s{n}-r{rtt:g}-{r}",
+                                "grpc" if rtt > 0 else "auto",
                             )
                             if r:
                                 seen[mode].append((stamps, parts, got == want))

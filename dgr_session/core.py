@@ -530,6 +530,8 @@ class RouteSession:
         if chunk.drafts:
             self._verified(chunk, event.tokens, high_water, out)
             return
+        if self._spec is not None and chunk.kind is _DECODE and chunk.wants_logits:
+            self._spec.verified(0, 0, self._now - pipe.hop_started[0])  # a plain pass, timed
         if not chunk.wants_logits:  # a prefill chunk or replayed rows: no token to take
             self._budget.begin_wait(self._now)
             self._pump(index, out)
@@ -744,7 +746,7 @@ class RouteSession:
         self._high_water = max(high_water, resume)
         self._kept = kept
         assert self._spec is not None  # only a speculating session sends drafts
-        self._spec.verified(drafts, kept)
+        self._spec.verified(drafts, kept, self._now - pipe.hop_started[0])
         for token in tokens[: kept + 1]:
             step = len(self._accepted)
             self._accepted.append(token)

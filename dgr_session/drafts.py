@@ -143,6 +143,24 @@ class NgramDrafter:
         return f"<NgramDrafter n={self.min_ngram}..{self.max_ngram} indexed={len(self._tokens)}>"
 
 
+REPLAIN = 64
+"""A timed :class:`DraftLength` times a plain pass again after this many passes with drafts."""
+
+REPROBE = 16
+"""While no draft length pays, a timed :class:`DraftLength` drafts one token after this many
+plain passes, to see whether drafts are kept more often now."""
+
+_DECAY = 0.9
+"""Weight of the past in the kept-draft counts (recent passes count most)."""
+
+_WEIGHT = 0.2
+"""Weight of a new timing in the averages."""
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else old + _WEIGHT * (new - old)
+
+
 class DraftLength:
     """How many tokens to draft on the next pass: adaptive, so that speculation never makes
     a session slower than plain decoding.
@@ -163,8 +181,21 @@ class DraftLength:
 
     A probe that accepts nothing pauses again at once, for the doubled back-off; any pass that
     accepts a draft resets the back-off to ``backoff_start``. So a session whose drafts are
-    never accepted spends at most one probe row per ``backoff_max`` passes on them. Pure and
-    deterministic: the same records give the same ``k``.
+    never accepted spends at most one probe row per ``backoff_max`` passes on them.
+
+    **Timed** (``record`` given the pass's ``seconds``, more than 0): what a draft row costs
+    decides, since on a CPU every row of a pass is computed on its own (patch 0010) and a
+    draft that is not kept costs as much as one that is. The length keeps an average of a
+    pass without drafts (``plain``), of the extra time per draft row (``row``), and of the
+    chance that a draft is kept given the ones before it were (``alpha``, from every pass's
+    kept drafts: a run of ``a`` kept and, if ``a < k``, one miss), and drafts the ``k`` that
+    gives the most tokens a second, ``(1 + alpha + ... + alpha**k) / (plain + k * row)``, or
+    none when no ``k`` beats a plain pass. It times a plain pass first (``k`` reads 0 until
+    one was recorded), a pass with drafts next (the acceptance policy's ``k``), refreshes
+    ``plain`` every :data:`REPLAIN` passes, and, while no ``k`` pays, probes one draft every
+    :data:`REPROBE` passes to see whether ``alpha`` rose. Without timings (0 or ``None``, as
+    under a virtual clock) the acceptance policy above decides alone. Pure and deterministic:
+    the same records give the same ``k``.
     """
 
     def __init__(
@@ -193,10 +224,30 @@ class DraftLength:
         self._pause = 0  # passes left in the current pause; k reads 0 while > 0
         self._zero_run = 0  # passes in a row with nothing accepted at k == 1
         self._backoff = backoff_start  # length of the next pause
+        # timed: averages of a plain pass, of a draft row's extra time, and of drafts kept
+        self._timed = False
+        self._plain: float | None = None
+        self._row: float | None = None
+        self._first: tuple[int, float] | None = None  # a timed pass with drafts before plain
+        self._hits = 0.0
+        self._trials = 0.0
+        self._best = 0  # the k that pays most (timed, once plain and row are known)
+        self._since_plain = 0  # timed passes with drafts since the last plain one
+        self._since_probe = 0  # passes without drafts while none pays
 
     @property
     def k(self) -> int:
         """Tokens to draft on the next pass, in ``[0, k_max]``; 0: do not draft this pass."""
+        if self._timed:
+            if self._plain is None:
+                return 0  # time a plain pass first
+            if self._row is None:
+                return self._k  # then a pass with drafts
+            if self._since_plain >= REPLAIN:
+                return 0
+            if self._best == 0:
+                return 1 if self._since_probe >= REPROBE else 0
+            return self._best
         return 0 if self._pause > 0 else self._k
 
     @property
@@ -204,14 +255,54 @@ class DraftLength:
         """Drafting is paused (``k`` reads 0)."""
         return self._pause > 0
 
-    def record(self, proposed: int, accepted: int) -> None:
-        """Records one verification pass: ``proposed`` drafts sent (at most :attr:`k`), of
-        which ``accepted`` were accepted. Refuses ``accepted`` outside ``[0, proposed]`` and
-        ``proposed`` outside ``[0, k]`` (``ValueError``), changing nothing."""
+    def record(self, proposed: int, accepted: int, seconds: float | None = None) -> None:
+        """Records one decode pass: ``proposed`` drafts sent (at most :attr:`k`; 0: a plain
+        pass), of which ``accepted`` were accepted, and the pass's ``seconds`` if timed.
+        Refuses ``accepted`` outside ``[0, proposed]`` and ``proposed`` outside ``[0, k]``
+        (``ValueError``), changing nothing."""
         if not 0 <= proposed <= self.k:
             raise ValueError(f"proposed {proposed} drafts; the draft length allows 0..{self.k}")
         if not 0 <= accepted <= proposed:
             raise ValueError(f"accepted {accepted} of {proposed} drafts: must be 0..{proposed}")
+        if proposed:
+            self._hits = self._hits * _DECAY + accepted
+            self._trials = self._trials * _DECAY + accepted + (accepted < proposed)
+        if seconds is not None and seconds > 0:
+            self._timed = True
+            self._time(proposed, seconds)
+        self._heuristic(proposed, accepted)
+
+    def _time(self, proposed: int, seconds: float) -> None:
+        if proposed == 0:
+            self._plain = _average(self._plain, seconds)
+            self._since_plain = 0
+            self._since_probe += 1
+            if self._first is not None:  # the pass with drafts timed before plain was
+                drafts, took = self._first
+                self._first = None
+                self._row = _average(self._row, max(took - self._plain, 0.0) / drafts)
+        elif self._plain is None:
+            self._first = (proposed, seconds)
+        else:
+            self._row = _average(self._row, max(seconds - self._plain, 0.0) / proposed)
+            self._since_plain += 1
+            self._since_probe = 0
+        if self._plain is not None and self._row is not None:
+            self._best = self._paying_k(self._plain, self._row)
+
+    def _paying_k(self, plain: float, row: float) -> int:
+        """The draft length that gives the most tokens a second (0: none beats plain)."""
+        alpha = (self._hits + 0.5) / (self._trials + 1.0)  # a prior of 1/2 before any pass
+        best, best_rate = 0, 1.0 / plain
+        expected = 1.0
+        for k in range(1, self.k_max + 1):
+            expected += alpha**k
+            rate = expected / (plain + k * row)
+            if rate > best_rate:
+                best, best_rate = k, rate
+        return best
+
+    def _heuristic(self, proposed: int, accepted: int) -> None:
         if proposed == 0:
             if self._pause > 0:
                 self._pause -= 1
@@ -235,5 +326,5 @@ class DraftLength:
             self._zero_run = 0
 
     def __repr__(self) -> str:
-        state = f"paused {self._pause}" if self._pause else f"k={self._k}"
+        state = f"paused {self._pause}" if self._pause else f"k={self.k}"
         return f"<DraftLength {state} k_max={self.k_max}>"

@@ -85,18 +85,19 @@ class Speculation:
         says to pause."""
         k = min(self.length.k, self.max_drafts, room)
         if k <= 0:
-            if self.length.k == 0:
-                self.length.record(0, 0)  # a pass without drafts counts a pause down
             return ()
         drafts = tuple(int(t) for t in self.drafter.propose((*prompt, *accepted), k))
         return drafts[:k]
 
-    def verified(self, drafts: int, kept: int) -> None:
-        """A pass of ``drafts`` drafts kept ``kept`` of them."""
-        self.passes += 1
-        self.drafted += drafts
-        self.accepted += kept
-        self.length.record(drafts, kept)
+    def verified(self, drafts: int, kept: int, seconds: float | None = None) -> None:
+        """A decode pass of ``drafts`` drafts (0: a plain one) kept ``kept`` of them, in
+        ``seconds`` from the first stage's forward to the last stage's answer (``None`` or 0:
+        not timed); the length learns from both."""
+        if drafts:
+            self.passes += 1
+            self.drafted += drafts
+            self.accepted += kept
+        self.length.record(drafts, kept, seconds)
 
     @property
     def acceptance(self) -> float:
@@ -110,7 +111,7 @@ class AnyLength:
 
     k = MAX_DRAFTS
 
-    def record(self, proposed: int, accepted: int) -> None:
+    def record(self, proposed: int, accepted: int, seconds: float | None = None) -> None:
         """Nothing to learn."""
 
 

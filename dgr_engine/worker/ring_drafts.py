@@ -7,6 +7,7 @@ What it keeps is per (session, epoch), forgotten with the epoch (``ChainHub``)."
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import attrs
@@ -28,6 +29,9 @@ class RingDrafting:
     tokens: list[int] = attrs.Factory(list)
     """The token of every position the stage ran, in order."""
     speculation: Speculation = attrs.field(init=False)
+    sent: tuple[int, float] | None = None
+    """The position of the last frame this stage sent on, and when (``time.monotonic``): the
+    time it takes to come back is the pass's, which the draft length learns from."""
 
     def __attrs_post_init__(self) -> None:
         self.k_max = min(self.k_max, MAX_DRAFTS)
@@ -52,7 +56,13 @@ class RingDrafting:
         when its logits do not cover the rows it needs."""
         n = len(request.positions)
         drafts = int(request.draft_rows)
+        seconds = None  # a frame this stage sent: the time of its pass around the ring
+        if self.sent is not None and self.sent[0] == int(request.positions[0]):
+            seconds = time.monotonic() - self.sent[1]
+        self.sent = None
         if not drafts:
+            if seconds is not None:  # a plain pass of the ring's own
+                self.speculation.verified(0, 0, seconds)
             return [int(np.argmax(rows[-1]))], None
         if rows.shape[0] != n:
             return None
@@ -60,14 +70,16 @@ class RingDrafting:
         kept = 0
         while kept < drafts and greedy[kept] == int(request.token_ids[n - drafts + kept]):
             kept += 1
-        self.speculation.verified(drafts, kept)
+        self.speculation.verified(drafts, kept, seconds)
         return greedy[: kept + 1], kept
 
     def draft(self, position: int, token: int, room: int) -> tuple[int, ...]:
         """Drafts to follow ``token`` at ``position`` (the tokens before it are those the stage
         ran), at most ``room``."""
         history = [*self.tokens[:position], token]
-        return self.speculation.propose(history, (), min(room, self.k_max))
+        drafts = self.speculation.propose(history, (), min(room, self.k_max))
+        self.sent = (position, time.monotonic())
+        return drafts
 
 
 __all__ = ["RingDrafting"]

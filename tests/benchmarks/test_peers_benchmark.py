@@ -272,6 +272,11 @@ def test_peers_benchmark_end_to_end(
     )
     chain_result = json.loads((tmp_path / "out" / "chain.json").read_text())
     assert all(cell["exact"] for cell in chain_result["cells"])
+    # behind the 30 ms links, every mode's token crosses at least one link each way: the
+    # delay applies to the chained frames too (they take gRPC behind the proxy)
+    delayed = [run for run in chain_result["runs"] if run["rtt_ms"] == 30]
+    assert {run["mode"] for run in delayed} == {"relay", "chain", "ring"}
+    assert all(run["ms_per_token"] >= 30 for run in delayed), delayed
     assert [row["name"] for row in table if row["part"].startswith("3")] == [
         "decode tok/s, at 30 ms, 4 stages: chain / relay",
         "decode tok/s, at 30 ms, 4 stages: ring / relay",

@@ -3,6 +3,7 @@ against a from-scratch search, and the draft length's policy."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import pytest
@@ -16,6 +17,7 @@ from hypothesis.stateful import (
 )
 
 from dgr_session.drafts import (
+    REPROBE,
     DraftConfigError,
     Drafter,
     DraftLength,
@@ -278,3 +280,69 @@ def test_bad_draft_length_settings_are_typed_refusals() -> None:
     ):
         with pytest.raises(DraftConfigError):
             DraftLength(**kwargs)
+
+
+# -- timed: what a draft row costs decides ----------------------------------------------------
+
+
+def _simulate(length: DraftLength, alpha: float, plain: float, row: float, passes: int) -> float:
+    """Tokens a second over ``passes`` passes of a session whose drafts are each kept with
+    chance ``alpha`` (given the ones before were), a plain pass taking ``plain`` seconds and
+    each draft row ``row`` more (seeded: the same figures each run)."""
+    rng = random.Random(7)
+    tokens, seconds = 0, 0.0
+    for _ in range(passes):
+        k = length.k
+        kept = 0
+        while kept < k and rng.random() < alpha:
+            kept += 1
+        took = plain + k * row
+        length.record(k, kept, took)
+        tokens += kept + 1
+        seconds += took
+    return tokens / seconds
+
+
+def test_a_timed_length_times_a_plain_pass_first_then_drafts_what_pays() -> None:
+    length = DraftLength(k_max=8, k_start=4)
+    assert length.k == 4
+    length.record(4, 4, 0.050)  # a pass with drafts, timed before any plain one
+    assert length.k == 0  # a plain pass next, to know what drafts cost
+    length.record(0, 0, 0.040)
+    # cheap rows (2.5 ms a draft against 40 ms a pass) and every draft kept: draft a lot
+    assert length.k >= 6
+    for _ in range(20):
+        length.record(length.k, length.k, 0.040 + 0.0025 * length.k)
+    assert length.k == 8
+
+
+def test_a_timed_length_stops_drafting_where_no_draft_pays_and_probes_again() -> None:
+    length = DraftLength(k_max=8, k_start=4)
+    length.record(0, 0, 0.030)
+    for _ in range(10):  # rows as dear as a pass, and drafts never kept
+        k = length.k
+        length.record(k, 0, 0.030 * (1 + k))
+    assert length.k == 0
+    ks = []
+    for _ in range(REPROBE + 1):
+        ks.append(length.k)
+        length.record(length.k, 0, 0.030 * (1 + length.k))
+    assert ks.count(1) == 1 and set(ks) == {0, 1}  # one probe row in REPROBE + 1 passes
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    alpha=st.floats(0.0, 0.98),
+    row_share=st.floats(0.01, 1.5),  # a draft row's cost, as a share of a plain pass
+)
+def test_a_timed_length_is_never_much_slower_than_plain_decoding(
+    alpha: float, row_share: float
+) -> None:
+    """Whatever the drafts' acceptance and a row's cost, a session drafting with a timed length
+    decodes at least 0.9 x as fast as plain decoding over 400 passes (the first passes, and a
+    probe now and then, are what it pays to learn)."""
+    plain = 0.040
+    rate = _simulate(DraftLength(k_max=8, k_start=4), alpha, plain, plain * row_share, 400)
+    assert rate >= 0.9 / plain
+    if alpha >= 0.8 and row_share <= 0.1:  # where drafts pay well, it takes the gain
+        assert rate >= 2.0 / plain
