@@ -152,6 +152,7 @@ def test_drafts_are_deterministic_and_change_nothing(v4_mtp: Path, split: Chain)
     assert len(first) == 6 and all(0 <= t < 256 for t in first)
     assert split.last.mtp_draft(1, 0, token, 6) == first
     assert split.last.mtp_draft(1, 0, token, 3) == first[:3]  # each draft feeds the next
+    assert split.last.mtp_draft(1, 0, (token + 1) % 256, 6) != first  # it reads the token
     assert split.last.next_pos(1, 0) == len(PROMPT)
     # a fresh route gives the same drafts, and the logits after drafting are plain decoding's
     other = chain(v4_mtp, split=True, mtp=True)
