@@ -56,6 +56,7 @@ def test_specs() -> None:
         ({"o_groups": 3}, "divisible"),
         ({"hash_layer_count": 7}, "hash_layer_count"),
         ({"n_mtp": 2}, "one MTP block"),
+        ({"byte_vocab": True, "n_vocab": 300}, "byte vocabulary"),
     ],
 )
 def test_bad_specs_are_refused(change: dict[str, Any], match: str) -> None:
@@ -144,6 +145,9 @@ def test_mtp_fixture_has_one_nextn_block_after_the_main_layers(tmp_path: Path) -
     assert field(reader, f"{a}.nextn_predict_layers") == 1
     assert list(field(reader, f"{a}.attention.compress_ratios")) == [*spec.compress_ratios, 0]
     assert len(field(reader, f"{a}.swiglu_clamp_exp")) == spec.n_layer + 1
+    # a byte vocabulary, so that llama-server can run it (tests/e2e/test_mtp_vs_llama_server.py)
+    assert field(reader, "tokenizer.ggml.model") == "llama"
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == spec.n_vocab
     tensors = {t.name: t for t in reader.tensors}
     n = spec.n_layer
     nextn = sorted(name for name in tensors if ".nextn." in name)
