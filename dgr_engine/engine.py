@@ -50,7 +50,7 @@ class ShardInfo:
     needs_token_ids: bool
     """Rows must carry token ids."""
     mtp_owner: bool
-    """Would own MTP/nextn layers (the last shard); MTP is off."""
+    """Owns the MTP/nextn layers (the last shard); they are loaded with ``load_mtp`` only."""
     max_sessions: int
     """Concurrent sessions."""
     n_ctx_per_session: int
@@ -166,6 +166,8 @@ class ShardEngine:
         self._check(lib.dgr_engine_open(ffi.addressof(params), out))
         self._handle: Any = ffi.gc(out[0], lib.dgr_engine_free)
         self.info = self._read_info()
+        self.mtp_loaded = load_mtp
+        """The engine loaded the MTP block and drafts with it (:meth:`mtp_draft`)."""
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -235,6 +237,24 @@ class ShardEngine:
         (``docs/speculative.md``)."""
         with self._lock:
             self._check(lib.dgr_session_truncate(self._live(), session_id, epoch, n_keep))
+
+    def mtp_draft(self, session_id: int, epoch: int, last_token: int, k: int) -> list[int]:
+        """Greedy drafts of the MTP block (an engine opened with ``load_mtp``): the ``k`` tokens
+        after ``last_token``, the token at the session's next position (the one its last
+        forward's logits gave), fewer where the session's context ends. Changes nothing in the
+        session. ``UnsupportedFeature`` without an MTP block or when the session's MTP inputs
+        were lost (a state load, a truncation before its last forward)."""
+        if k < 0:
+            raise error_for_status(1, "DGR_E_INVALID_ARGUMENT", f"draft length {k} is negative")
+        out = ffi.new("int32_t[]", max(k, 1))
+        n_out = ffi.new("uint32_t *")
+        with self._lock:
+            self._check(
+                lib.dgr_session_mtp_draft(
+                    self._live(), session_id, epoch, last_token, k, out, n_out
+                )
+            )
+        return [int(out[i]) for i in range(int(n_out[0]))]
 
     def forward(
         self,

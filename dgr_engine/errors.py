@@ -167,8 +167,10 @@ class StateError(EngineError, ValueError):
 
 
 class UnsupportedFeature(EngineError):
-    """The feature is reserved and off (MTP). Nothing changed: the engine and its sessions live
-    on."""
+    """The feature is not there: MTP asked of a shard that does not own the MTP block, of a
+    model without one, or of an engine that did not load it (or of a session whose MTP inputs
+    were lost); or the architecture cannot do it (truncating DeepSeek V4 state to a non-zero
+    length). Nothing changed: the engine and its sessions live on."""
 
     code, status = 13, "DGR_E_UNSUPPORTED"
 

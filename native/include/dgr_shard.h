@@ -21,8 +21,10 @@
  * (info.needs_token_ids); its compressed (CSA/HCA), indexer, compressor and sliding-window state
  * covers its own layers only.
  *
- * MTP / nextn layers are never loaded; if a model had them they would belong to the last shard
- * (info.mtp_owner). n_layer counts main layers only (block_count less nextn_predict_layers).
+ * MTP / nextn layers belong to the last shard (info.mtp_owner), which loads them when opened with
+ * load_mtp (DeepSeek V4, one nextn block; ABI 9) and then drafts with them
+ * (dgr_session_mtp_draft; the ownership contract is in docs/speculative.md). n_layer counts main
+ * layers only (block_count less nextn_predict_layers).
  *
  * Conventions (llama.h / zstd style):
  *  - every function that can fail returns a dgr_status; DGR_OK is 0;
@@ -44,7 +46,7 @@
 extern "C" {
 #endif
 
-#define DGR_ABI_VERSION 8
+#define DGR_ABI_VERSION 9
 
 /* Magic and version at the head of a saved session state (see dgr_session_state_save). */
 #define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
@@ -90,8 +92,9 @@ typedef enum dgr_status {
     /* A saved state does not fit this engine (bad magic/version/range/width) - nothing changed -
      * or llama.cpp refused it, in which case the session is emptied (next position 0). */
     DGR_E_STATE = 12,
-    /* The requested feature is reserved and off (MTP), or the architecture cannot do it (truncating
-     * DeepSeek V4 state to a non-zero length). Nothing changed. */
+    /* The requested feature is not there: MTP asked of a shard that does not own the MTP block,
+     * of a model without one, or of an engine that did not load it; or the architecture cannot
+     * do it (truncating DeepSeek V4 state to a non-zero length). Nothing changed. */
     DGR_E_UNSUPPORTED = 13,
     /* An unexpected internal failure (exception). The engine's sessions are unchanged unless the
      * message says otherwise. */
@@ -150,7 +153,11 @@ typedef struct dgr_engine_params {
     int32_t n_threads;            /* compute threads */
     uint32_t n_batch;             /* most rows one forward call may carry */
     uint32_t n_ubatch;            /* physical micro-batch */
-    uint8_t load_mtp;             /* reserved: MTP is off; 1 gives DGR_E_UNSUPPORTED */
+    uint8_t load_mtp;             /* 1: load the MTP (nextn) block and its own context (ABI 9):
+                                     deepseek4 with one nextn block, on the last shard only, and
+                                     on a last shard that is not the first only if the block
+                                     carries nextn.embed_tokens; else DGR_E_UNSUPPORTED, no engine.
+                                     Forward calls then need token ids (info.needs_token_ids) */
     int32_t kv_type;              /* dgr_kv_type: KV cache element type (ABI 5) */
     int32_t flash_attn;           /* dgr_flash_attn: flash-attention mode (ABI 5) */
 } dgr_engine_params;
@@ -193,9 +200,11 @@ typedef struct dgr_shard_info {
     int32_t out_width;            /* floats per output row: boundary width, or n_vocab if last */
     uint8_t is_first;             /* takes token ids */
     uint8_t is_last;              /* produces logits */
-    uint8_t needs_token_ids;      /* rows must come with token ids: the first shard, or one that
-                                     owns a hash-routed layer (deepseek4: layer < hash_layer_count) */
-    uint8_t mtp_owner;            /* would own MTP/nextn layers (the last shard); MTP is off */
+    uint8_t needs_token_ids;      /* rows must come with token ids: the first shard, one that
+                                     owns a hash-routed layer (deepseek4: layer < hash_layer_count)
+                                     or one that loaded the MTP block */
+    uint8_t mtp_owner;            /* owns the MTP/nextn layers (the last shard); loaded with
+                                     load_mtp only */
     uint32_t max_sessions;
     uint32_t n_ctx_per_session;
     uint32_t n_batch;
@@ -281,12 +290,26 @@ typedef struct dgr_forward_item {
 int dgr_forward_batch(dgr_engine * engine, dgr_forward_item * items, uint32_t n_items);
 
 /* Keeps the first n_keep positions of the session and drops the rest (n_keep <= next_pos).
- * On success the next position is n_keep. deepseek4 state (compressed CSA/HCA, indexer) can drop
- * a tail only within the session's last forward call, at most DGR_V4_ROLLBACK_ROWS positions,
+ * On success the next position is n_keep; with the MTP block loaded its KV drops the same tail,
+ * and a truncation to before the last forward call's first row loses the session's MTP inputs
+ * (drafts refused until a new epoch). deepseek4 state (compressed CSA/HCA, indexer) can drop a
+ * tail only within the session's last forward call, at most DGR_V4_ROLLBACK_ROWS positions,
  * once (llama.cpp's n_rs_seq snapshots: the next forward restores them): the rejected drafts of
  * a verification pass. Any other n_keep but 0 or next_pos gives DGR_E_UNSUPPORTED (nothing
  * changed). */
 int dgr_session_truncate(dgr_engine * engine, uint64_t session_id, uint64_t epoch, int32_t n_keep);
+
+/* Greedy drafts of the MTP block (engines opened with load_mtp; ABI 9). last_token is the token
+ * at the session's next position (the one its last forward's logits gave); the block drafts
+ * the k tokens after it, each the argmax of its logits (the lowest id on a tie), feeding each
+ * draft back with its own output hidden state, as llama.cpp's draft-mtp does. out receives
+ * *n_out = min(k, n_ctx_per_session - next_pos) token ids. Nothing changes: the session's
+ * position, KV and MTP state are as before (the draft rows are dropped from the MTP KV again).
+ * No MTP block on this engine, or the session's MTP inputs lost (a state load, a truncation
+ * before its last forward): DGR_E_UNSUPPORTED. last_token outside the vocabulary:
+ * DGR_E_INVALID_ARGUMENT. */
+int dgr_session_mtp_draft(dgr_engine * engine, uint64_t session_id, uint64_t epoch, int32_t last_token,
+                          uint32_t k, int32_t * out, uint32_t * n_out);
 
 /* The session's next position (the number of positions its KV holds). */
 int dgr_session_next_pos(const dgr_engine * engine, uint64_t session_id, uint64_t epoch,
@@ -296,7 +319,8 @@ int dgr_session_next_pos(const dgr_engine * engine, uint64_t session_id, uint64_
 int dgr_session_state_size(dgr_engine * engine, uint64_t session_id, uint64_t epoch, size_t * out);
 
 /* Saves the session's state (DGR_STATE_MAGIC header, range, widths, position, llama.cpp
- * sequence state) into buf. Nothing changes. Too small a buffer: DGR_E_SHAPE. */
+ * sequence state) into buf; the MTP block's state is not in it. Nothing changes. Too small a
+ * buffer: DGR_E_SHAPE. */
 int dgr_session_state_save(dgr_engine * engine, uint64_t session_id, uint64_t epoch,
                            uint8_t * buf, size_t capacity, size_t * written);
 

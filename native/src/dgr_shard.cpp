@@ -168,6 +168,18 @@ uint64_t read_proc_status_kb(const char * key) {
     return 0;
 }
 
+// The MTP block's per-session inputs kept outside its KV (engines with load_mtp only; see the
+// ownership contract in docs/speculative.md). Invariant while `ok`: the MTP context's KV of the
+// session holds exactly positions [0, next_pos), and `pending_h` is the target's hidden state
+// (the hc streams) of position next_pos - 1 (zeros at next_pos 0).
+struct mtp_slot {
+    bool ok = true;                // false: the inputs are lost (state load, deep truncation)
+    std::vector<float> pending_h;  // h of the last forwarded position
+    int32_t rows_begin = 0;        // first position of the last forward call
+    std::vector<float> before_h;   // pending_h as it was before that call
+    std::vector<float> rows_h;     // h of that call's rows (at most k_mtp_kept_rows)
+};
+
 struct session_slot {
     uint64_t epoch = 0;
     llama_seq_id seq = -1;
@@ -175,6 +187,7 @@ struct session_slot {
     // rows of the session's last forward call, while its deepseek4 snapshots can still roll them
     // back (dgr_session_truncate); 0 once anything else touched the session
     int32_t rollback_rows = 0;
+    mtp_slot mtp;
 };
 
 struct gguf_meta {
@@ -182,6 +195,7 @@ struct gguf_meta {
     int64_t n_layer = -1;          // main layers: block_count less the nextn (MTP) layers
     int64_t n_layer_nextn = 0;     // {arch}.nextn_predict_layers (MTP; never loaded)
     int64_t hash_layer_count = 0;  // {arch}.hash_layer_count (V4: layers routed by token id)
+    bool has_nextn_embed = false;  // blk.{n_layer}.nextn.embed_tokens is in the (first) file
 };
 
 // an unsigned integer key of the GGUF, or `def` when absent or of another type
@@ -217,7 +231,9 @@ int read_gguf_meta(const char * path, gguf_meta & meta) {
     meta.n_layer_nextn = gguf_get_u32_or(g, meta.arch + ".nextn_predict_layers", 0);
     meta.hash_layer_count = gguf_get_u32_or(g, meta.arch + ".hash_layer_count", 0);
     if (meta.n_layer > 0 && meta.n_layer_nextn > 0) {
-        meta.n_layer -= meta.n_layer_nextn;  // MTP layers are not main layers (never loaded)
+        meta.n_layer -= meta.n_layer_nextn;  // MTP layers are not main layers
+        const std::string embed = "blk." + std::to_string(meta.n_layer) + ".nextn.embed_tokens.weight";
+        meta.has_nextn_embed = gguf_find_tensor(g, embed.c_str()) >= 0;
     }
     gguf_free(g);
     return DGR_OK;
@@ -230,7 +246,9 @@ struct dgr_engine {
     std::string model_path;
     llama_model * model = nullptr;
     llama_context * ctx = nullptr;
+    llama_context * mtp_ctx = nullptr;  // the MTP block's context (load_mtp), its own KV
     dgr_shard_info info{};
+    bool main_needs_tokens = false;     // the owned layers take token ids (first or hash-routed)
     std::unordered_map<uint64_t, session_slot> sessions;
     std::vector<llama_seq_id> free_seqs;
     int32_t hash_layer_count = 0;  // layers [0, hash_layer_count) route experts by token id
@@ -239,6 +257,9 @@ struct dgr_engine {
     uint64_t forward_ns = 0;
 
     ~dgr_engine() {
+        if (mtp_ctx) {
+            llama_free(mtp_ctx);
+        }
         if (ctx) {
             llama_free(ctx);
         }
@@ -249,20 +270,55 @@ struct dgr_engine {
 
     llama_memory_t mem() const { return llama_get_memory(ctx); }
 
+    // Empties a session's state in both contexts (a new epoch, a close, an open).
+    void clear_seq(session_slot & slot) {
+        llama_memory_seq_rm(mem(), slot.seq, -1, -1);
+        if (mtp_ctx) {
+            llama_memory_seq_rm(llama_get_memory(mtp_ctx), slot.seq, -1, -1);
+            slot.mtp = mtp_slot{};
+            slot.mtp.pending_h.assign((size_t) llama_model_n_embd_out(model), 0.0f);
+        }
+    }
+
     // Undoes the rows a failed forward added past slot.next_pos. State that cannot drop a tail
     // (DeepSeek V4 compressed/indexer state) is emptied instead. Says which happened.
+    // The MTP context (if any) drops the same rows; its pending_h changes only on success.
     const char * roll_back(session_slot & slot) {
         slot.rollback_rows = 0;
         // deepseek4 with rows past next_pos: a bounded rollback would restore snapshots the
         // failed call may have half written; empty the session instead
         const bool v4_rows = std::strcmp(info.arch, "deepseek4") == 0 &&
                              llama_memory_seq_pos_max(mem(), slot.seq) >= slot.next_pos;
-        if (!v4_rows && llama_memory_seq_rm(mem(), slot.seq, slot.next_pos, -1)) {
+        if (!v4_rows && llama_memory_seq_rm(mem(), slot.seq, slot.next_pos, -1) &&
+            (mtp_ctx == nullptr || llama_memory_seq_rm(llama_get_memory(mtp_ctx), slot.seq, slot.next_pos, -1))) {
             return "the call's rows were rolled back";
         }
-        llama_memory_seq_rm(mem(), slot.seq, -1, -1);
+        clear_seq(slot);
         slot.next_pos = 0;
         return "the session was emptied (next position 0): re-prefill it";
+    }
+
+    // The MTP side of a truncation to n_keep positions: its KV drops the same tail, and
+    // pending_h becomes the kept last row's hidden state if the last call's rows still hold it;
+    // otherwise the session's MTP inputs are lost (ok = false) until a new epoch.
+    void mtp_truncate(session_slot & slot, int32_t n_keep) {
+        mtp_slot & m = slot.mtp;
+        const size_t width = m.pending_h.size();
+        if (n_keep == 0) {
+            clear_seq(slot);
+            return;
+        }
+        const bool dropped = llama_memory_seq_rm(llama_get_memory(mtp_ctx), slot.seq, n_keep, -1);
+        const int32_t n_rows = (int32_t) (width == 0 ? 0 : m.rows_h.size() / width);
+        if (!dropped || !m.ok || n_keep < m.rows_begin || n_keep > m.rows_begin + n_rows) {
+            llama_memory_seq_rm(llama_get_memory(mtp_ctx), slot.seq, -1, -1);
+            m.ok = false;
+            return;
+        }
+        const float * h = n_keep == m.rows_begin ? m.before_h.data()
+                                                 : m.rows_h.data() + (size_t) (n_keep - m.rows_begin - 1) * width;
+        std::memmove(m.pending_h.data(), h, width * sizeof(float));
+        m.rows_h.resize((size_t) (n_keep - m.rows_begin) * width);
     }
 
     // Finds (session_id, epoch) for an operation on an open epoch.
@@ -375,9 +431,6 @@ int dgr_engine_open(const dgr_engine_params * params, dgr_engine ** out) {
     if (params == nullptr || params->model_path == nullptr) {
         return fail(DGR_E_INVALID_ARGUMENT, "params and params->model_path must not be NULL");
     }
-    if (params->load_mtp) {
-        return fail(DGR_E_UNSUPPORTED, "MTP is reserved and off: nextn layers are not loaded (they would belong to the last shard)");
-    }
     if (params->max_sessions < 1 || params->max_sessions > 256) {
         return fail(DGR_E_INVALID_ARGUMENT, "max_sessions must be in 1..256, got %u", params->max_sessions);
     }
@@ -426,6 +479,31 @@ int dgr_engine_open(const dgr_engine_params * params, dgr_engine ** out) {
         return fail(DGR_E_LAYER_RANGE, "layer range [%d, %d) is not a non-empty range inside [0, %lld)",
                     params->layer_begin, params->layer_end, (long long) meta.n_layer);
     }
+    if (params->load_mtp) {
+        // the MTP block reads the final hidden state: only the last shard has it (contract in
+        // docs/speculative.md); llama.cpp's covered MTP graph is DeepSeek V4's (graph_mtp)
+        if (meta.n_layer_nextn <= 0) {
+            return fail(DGR_E_UNSUPPORTED, "'%s' has no MTP block (%s.nextn_predict_layers is 0 or absent): "
+                        "nothing to load with load_mtp", params->model_path, meta.arch.c_str());
+        }
+        if (meta.arch != "deepseek4") {
+            return fail(DGR_E_UNSUPPORTED, "MTP drafting is covered for deepseek4 only, not '%s'", meta.arch.c_str());
+        }
+        if (meta.n_layer_nextn != 1) {
+            return fail(DGR_E_UNSUPPORTED, "llama.cpp's DeepSeek V4 MTP graph runs one nextn block, '%s' has %lld",
+                        params->model_path, (long long) meta.n_layer_nextn);
+        }
+        if (l_end != meta.n_layer) {
+            return fail(DGR_E_UNSUPPORTED, "the MTP block belongs to the last shard (the one ending at layer %lld, "
+                        "which holds the final hidden state); this shard owns [%d, %d)",
+                        (long long) meta.n_layer, l_begin, l_end);
+        }
+        if (l_begin != 0 && !meta.has_nextn_embed) {
+            return fail(DGR_E_UNSUPPORTED, "the MTP block of '%s' has no nextn.embed_tokens and a last shard "
+                        "that is not the first does not load token_embd: open the whole model, or use a file "
+                        "whose MTP block carries its embeddings", params->model_path);
+        }
+    }
 
     auto engine = std::make_unique<dgr_engine>();
     engine->params = *params;
@@ -436,7 +514,7 @@ int dgr_engine_open(const dgr_engine_params * params, dgr_engine ** out) {
     mp.n_gpu_layers = 0;
     mp.load_mode = LLAMA_LOAD_MODE_NONE;  // read owned tensors only: no mmap, no whole-file prefetch
     mp.lazy_mode = LLAMA_LAZY_MODE_OFF;
-    mp.load_mtp = false;
+    mp.load_mtp = params->load_mtp != 0;
     mp.layer_begin = l_begin;
     mp.layer_end = l_end;
     g_llama_last_log_error.clear();
@@ -480,6 +558,22 @@ int dgr_engine_open(const dgr_engine_params * params, dgr_engine ** out) {
         return fail(DGR_E_MODEL_LOAD, "llama.cpp could not create a context for '%s': %s", params->model_path,
                     g_llama_last_log_error.empty() ? "see DGR_LLAMA_LOG=1" : g_llama_last_log_error.c_str());
     }
+    if (params->load_mtp) {
+        // as llama.cpp's draft-mtp does: the target keeps every row's hidden state (unmasked),
+        // the MTP context (its own KV of the nextn layer) outputs its own for the rows asked
+        llama_context_params mcp = cp;
+        mcp.ctx_type = LLAMA_CONTEXT_TYPE_MTP;
+        mcp.embeddings = false;
+        mcp.n_rs_seq = 0;
+        mcp.ctx_other = engine->ctx;
+        engine->mtp_ctx = llama_init_from_model(engine->model, mcp);
+        if (engine->mtp_ctx == nullptr) {
+            return fail(DGR_E_MODEL_LOAD, "llama.cpp could not create the MTP context for '%s': %s", params->model_path,
+                        g_llama_last_log_error.empty() ? "see DGR_LLAMA_LOG=1" : g_llama_last_log_error.c_str());
+        }
+        llama_set_embeddings_nextn(engine->ctx, true, /*masked =*/ false);
+        llama_set_embeddings_nextn(engine->mtp_ctx, true, /*masked =*/ true);
+    }
 
     dgr_shard_info & info = engine->info;
     std::snprintf(info.arch, sizeof(info.arch), "%s", meta.arch.c_str());
@@ -494,9 +588,11 @@ int dgr_engine_open(const dgr_engine_params * params, dgr_engine ** out) {
     info.is_last = is_last;
     // the first shard embeds tokens; a later one owning a hash-routed layer (il < hash_layer_count,
     // DeepSeek V4) selects that layer's experts by token id, so the ids ride with its rows
-    info.needs_token_ids = is_first || l_begin < meta.hash_layer_count;
+    engine->main_needs_tokens = is_first || l_begin < meta.hash_layer_count;
+    // the MTP block embeds the token of every row it catches up on
+    info.needs_token_ids = engine->main_needs_tokens || params->load_mtp;
     engine->hash_layer_count = (int32_t) std::min<int64_t>(meta.hash_layer_count, meta.n_layer);
-    info.mtp_owner = is_last;
+    info.mtp_owner = is_last;  // the role; the block is loaded only with load_mtp
     info.max_sessions = params->max_sessions;
     info.n_ctx_per_session = llama_n_ctx_seq(engine->ctx);
     info.n_batch = llama_n_batch(engine->ctx);
@@ -557,7 +653,7 @@ int dgr_session_open(dgr_engine * engine, uint64_t session_id, uint64_t epoch) {
         }
         if (epoch > slot.epoch) {
             // cache miss: the older epoch's state is discarded, the new epoch starts empty
-            llama_memory_seq_rm(engine->mem(), slot.seq, -1, -1);
+            engine->clear_seq(slot);
             slot.epoch = epoch;
             slot.next_pos = 0;
             slot.rollback_rows = 0;
@@ -574,7 +670,7 @@ int dgr_session_open(dgr_engine * engine, uint64_t session_id, uint64_t epoch) {
     session_slot slot;
     slot.epoch = epoch;
     slot.seq = *lowest;
-    llama_memory_seq_rm(engine->mem(), slot.seq, -1, -1);
+    engine->clear_seq(slot);
     engine->sessions.emplace(session_id, slot);
     engine->free_seqs.erase(lowest);  // only once the session holds the slot
     return ok();
@@ -590,7 +686,7 @@ int dgr_session_close(dgr_engine * engine, uint64_t session_id, uint64_t epoch) 
     if (int rc = engine->find(session_id, epoch, &slot); rc != DGR_OK) {
         return rc;
     }
-    llama_memory_seq_rm(engine->mem(), slot->seq, -1, -1);
+    engine->clear_seq(*slot);
     engine->free_seqs.push_back(slot->seq);
     engine->sessions.erase(session_id);
     return ok();
@@ -605,6 +701,61 @@ namespace {
 // only larger ones (patch 0010). A co-batched llama_decode stays under it, so that a session's
 // rows have the same bits next to other sessions' rows as alone.
 constexpr uint32_t k_uniform_rows = 32;
+
+// Rows of the last forward call whose hidden states an MTP engine keeps per session, so that a
+// truncation into that call (rejected draft rows) can restore pending_h.
+constexpr size_t k_mtp_kept_rows = 64;
+
+// One llama_batch_ext row: token id at pos with the "state" row h (the MTP block's inputs).
+bool mtp_add_row(llama_batch_ext * b, llama_seq_id seq, llama_token token, llama_pos pos, const float * h,
+                 size_t width, bool output) {
+    const int32_t idx = llama_batch_ext_add_token(b, seq, token);
+    return idx >= 0 && llama_batch_ext_set_pos(b, idx, &pos) &&
+           llama_batch_ext_set_embd_token(b, idx, llama_embd{h, 1, width}) &&
+           llama_batch_ext_set_output_logits(b, idx, output);
+}
+
+// The MTP catch-up after a successful forward of `n` rows from batch row `first` (llama.cpp's
+// draft-mtp process()): the MTP context decodes the same tokens at the same positions, row i
+// paired with the target's hidden state of row i - 1 (row 0 with pending_h). Then pending_h is
+// the last row's. Returns false (message via fail()) when the MTP decode failed; the caller
+// rolls the call back.
+int mtp_catch_up(dgr_engine * engine, session_slot & slot, const int32_t * tokens, int32_t first, uint32_t n) {
+    const size_t width = (size_t) llama_model_n_embd_out(engine->model);
+    mtp_slot & m = slot.mtp;
+    if (!m.ok) {
+        return DGR_OK;  // inputs lost: the MTP context stays behind until a new epoch
+    }
+    std::vector<const float *> h(n);
+    for (uint32_t i = 0; i < n; ++i) {
+        h[i] = llama_get_embeddings_nextn_ith(engine->ctx, first + (int32_t) i);
+        if (h[i] == nullptr) {
+            return fail(DGR_E_DECODE, "session slot %d: no hidden state for row %u", slot.seq, i);
+        }
+    }
+    llama_batch_ext * b = llama_batch_ext_init(engine->mtp_ctx);
+    bool added = b != nullptr;
+    for (uint32_t i = 0; added && i < n; ++i) {
+        added = mtp_add_row(b, slot.seq, tokens[i], slot.next_pos + (llama_pos) i,
+                            i == 0 ? m.pending_h.data() : h[i - 1], width, false);
+    }
+    g_llama_last_log_error.clear();
+    const int32_t rc = added ? llama_process(engine->mtp_ctx, LLAMA_PROCESS_TYPE_DECODE, b) : -1;
+    llama_batch_ext_free(b);
+    if (rc != 0) {
+        return fail(DGR_E_DECODE, "the MTP block's catch-up decode returned %d: %s", rc,
+                    added ? g_llama_last_log_error.c_str() : "could not build its batch");
+    }
+    const size_t kept = std::min<size_t>(n, k_mtp_kept_rows);
+    m.rows_begin = slot.next_pos + (int32_t) (n - kept);
+    m.before_h = kept == n ? m.pending_h : std::vector<float>(h[n - kept - 1], h[n - kept - 1] + width);
+    m.rows_h.resize(kept * width);
+    for (size_t i = 0; i < kept; ++i) {
+        std::memcpy(m.rows_h.data() + i * width, h[n - kept + i], width * sizeof(float));
+    }
+    std::memcpy(m.pending_h.data(), h[n - 1], width * sizeof(float));
+    return DGR_OK;
+}
 
 // One session's rows in a forward call, checked and ready to run.
 struct forward_plan {
@@ -703,7 +854,7 @@ int run_plans(dgr_engine * engine, std::vector<forward_plan *> & plans) {
     const auto t0 = std::chrono::steady_clock::now();
     llama_batch batch = llama_batch_init(n_total, info.is_first ? 0 : info.in_width, 1);
     batch.n_tokens = n_total;
-    if (!info.is_first && info.needs_token_ids) {
+    if (!info.is_first && engine->main_needs_tokens) {
         // boundary rows and the token ids they carry, in one batch (llama_batch_free frees both)
         batch.token = (llama_token *) std::malloc(sizeof(llama_token) * (size_t) n_total);
         if (batch.token == nullptr) {
@@ -716,7 +867,7 @@ int run_plans(dgr_engine * engine, std::vector<forward_plan *> & plans) {
     for (size_t p = 0; p < plans.size(); ++p) {
         const dgr_forward_item & it = *plans[p]->item;
         first_row[p] = at;
-        if (info.is_first || info.needs_token_ids) {
+        if (info.is_first || engine->main_needs_tokens) {
             std::memcpy(batch.token + at, it.tokens, sizeof(int32_t) * it.n_rows);
         }
         if (!info.is_first) {
@@ -776,6 +927,20 @@ int run_plans(dgr_engine * engine, std::vector<forward_plan *> & plans) {
                             (unsigned long long) it.session_id, out_rows[k], what);
             }
             std::memcpy(it.out + k * (size_t) info.out_width, src, sizeof(float) * (size_t) info.out_width);
+        }
+    }
+    if (engine->mtp_ctx != nullptr) {
+        for (size_t p = 0; p < plans.size(); ++p) {
+            if (int rc = mtp_catch_up(engine, *plans[p]->slot, plans[p]->item->tokens, first_row[p],
+                                      plans[p]->item->n_rows);
+                rc != DGR_OK) {
+                const std::string why = g_last_error;
+                const char * what = "";
+                for (forward_plan * plan : plans) {
+                    what = engine->roll_back(*plan->slot);
+                }
+                return fail(DGR_E_DECODE, "%s; %s", why.c_str(), what);
+            }
         }
     }
     for (forward_plan * plan : plans) {
@@ -930,6 +1095,9 @@ int dgr_session_truncate(dgr_engine * engine, uint64_t session_id, uint64_t epoc
                         (unsigned long long) session_id, n_keep, slot->next_pos, slot->rollback_rows,
                         DGR_V4_ROLLBACK_ROWS);
         }
+        if (engine->mtp_ctx != nullptr) {
+            engine->mtp_truncate(*slot, n_keep);  // the MTP KV drops the same tail
+        }
         slot->next_pos = n_keep;
         slot->rollback_rows = 0;
         return ok();
@@ -940,6 +1108,9 @@ int dgr_session_truncate(dgr_engine * engine, uint64_t session_id, uint64_t epoc
     }
     slot->next_pos = n_keep;
     slot->rollback_rows = 0;
+    if (engine->mtp_ctx != nullptr) {
+        engine->mtp_truncate(*slot, n_keep);
+    }
     return ok();
     DGR_GUARD_END
 }
@@ -954,6 +1125,90 @@ int dgr_session_next_pos(const dgr_engine * engine, uint64_t session_id, uint64_
     }
     *out = slot->next_pos;
     return ok();
+}
+
+int dgr_session_mtp_draft(dgr_engine * engine, uint64_t session_id, uint64_t epoch, int32_t last_token,
+                          uint32_t k, int32_t * out, uint32_t * n_out) {
+    if (engine == nullptr || n_out == nullptr || (out == nullptr && k > 0)) {
+        return fail(DGR_E_INVALID_ARGUMENT, "engine, n_out and (for k > 0) out must not be NULL");
+    }
+    *n_out = 0;
+    DGR_GUARD_BEGIN
+    if (engine->mtp_ctx == nullptr) {
+        return fail(DGR_E_UNSUPPORTED, "this engine has no MTP block: it is opened with load_mtp on the last shard "
+                    "of a model that has one");
+    }
+    session_slot * slot = nullptr;
+    if (int rc = engine->find(session_id, epoch, &slot); rc != DGR_OK) {
+        return rc;
+    }
+    const dgr_shard_info & info = engine->info;
+    if (last_token < 0 || last_token >= info.n_vocab) {
+        return fail(DGR_E_INVALID_ARGUMENT, "token id %d is outside the vocabulary [0, %d)", last_token, info.n_vocab);
+    }
+    mtp_slot & m = slot->mtp;
+    if (!m.ok) {
+        return fail(DGR_E_UNSUPPORTED, "session %llu: its MTP inputs were lost (a saved state was loaded or it was "
+                    "truncated before its last forward): re-prefill under a new epoch to draft again",
+                    (unsigned long long) session_id);
+    }
+    // the drafts take positions next_pos.. of the MTP KV (dropped again below): stop where the
+    // session's context ends
+    const int32_t start = slot->next_pos;
+    const uint32_t room = (uint32_t) std::max<int64_t>(0, (int64_t) info.n_ctx_per_session - start);
+    const uint32_t n = std::min(k, room);
+    const size_t width = m.pending_h.size();
+    std::vector<float> h(m.pending_h);
+    llama_memory_t mem = llama_get_memory(engine->mtp_ctx);
+    llama_batch_ext * b = llama_batch_ext_init(engine->mtp_ctx);
+    if (b == nullptr) {
+        return fail(DGR_E_INTERNAL, "could not allocate the MTP batch");
+    }
+    llama_token token = last_token;
+    uint32_t made = 0;
+    int status = DGR_OK;
+    for (uint32_t i = 0; i < n; ++i) {
+        // (x_{P+i}, h_{P+i-1}) -> the argmax is the draft for P+i+1; the block's own output
+        // streams are the next step's h (llama.cpp's draft-mtp draft(), greedy)
+        llama_batch_ext_clear(b);
+        if (!mtp_add_row(b, slot->seq, token, start + (llama_pos) i, h.data(), width, true)) {
+            status = fail(DGR_E_INTERNAL, "could not build the MTP batch");
+            break;
+        }
+        g_llama_last_log_error.clear();
+        const int32_t rc = llama_process(engine->mtp_ctx, LLAMA_PROCESS_TYPE_DECODE, b);
+        const float * logits = rc == 0 ? llama_get_logits_ith(engine->mtp_ctx, 0) : nullptr;
+        const float * h_next = rc == 0 ? llama_get_embeddings_nextn_ith(engine->mtp_ctx, 0) : nullptr;
+        if (logits == nullptr || h_next == nullptr) {
+            status = fail(DGR_E_DECODE, "session %llu: the MTP draft decode returned %d: %s; the session is unchanged",
+                          (unsigned long long) session_id, rc, g_llama_last_log_error.c_str());
+            break;
+        }
+        int32_t best = 0;
+        for (int32_t v = 1; v < info.n_vocab; ++v) {
+            if (logits[v] > logits[best]) {
+                best = v;  // first maximum: the lowest id wins a tie, as numpy's argmax
+            }
+        }
+        out[made++] = best;
+        token = best;
+        std::memcpy(h.data(), h_next, width * sizeof(float));
+    }
+    llama_batch_ext_free(b);
+    // the MTP KV holds [0, next_pos) again: the draft rows are not the session's (llama.cpp's
+    // server drops them the same way right after drafting)
+    if (!llama_memory_seq_rm(mem, slot->seq, start, -1)) {
+        llama_memory_seq_rm(mem, slot->seq, -1, -1);
+        m.ok = false;
+        return fail(DGR_E_INTERNAL, "session %llu: llama.cpp refused to drop the MTP draft rows; its MTP inputs "
+                    "are lost until a new epoch", (unsigned long long) session_id);
+    }
+    if (status != DGR_OK) {
+        return status;
+    }
+    *n_out = made;
+    return ok();
+    DGR_GUARD_END
 }
 
 namespace {
@@ -1046,10 +1301,10 @@ int dgr_session_state_load(dgr_engine * engine, uint64_t session_id, uint64_t ep
     if (h.payload_size != size - sizeof(h) || h.next_pos < 0 || (uint32_t) h.next_pos > info.n_ctx_per_session) {
         return fail(DGR_E_STATE, "saved state is truncated or inconsistent");
     }
-    llama_memory_seq_rm(engine->mem(), slot->seq, -1, -1);
+    engine->clear_seq(*slot);
     const size_t n = llama_state_seq_set_data(engine->ctx, buf + sizeof(h), h.payload_size, slot->seq);
     if (n == 0) {
-        llama_memory_seq_rm(engine->mem(), slot->seq, -1, -1);
+        engine->clear_seq(*slot);
         slot->next_pos = 0;
         slot->rollback_rows = 0;
         return fail(DGR_E_STATE, "llama.cpp refused the saved state; session %llu is now empty",
@@ -1057,6 +1312,11 @@ int dgr_session_state_load(dgr_engine * engine, uint64_t session_id, uint64_t ep
     }
     slot->next_pos = h.next_pos;
     slot->rollback_rows = 0;
+    if (engine->mtp_ctx != nullptr) {
+        // the saved state is the owned layers' only: the MTP block's inputs are not in it
+        llama_memory_seq_rm(llama_get_memory(engine->mtp_ctx), slot->seq, -1, -1);
+        slot->mtp.ok = h.next_pos == 0;
+    }
     return ok();
     DGR_GUARD_END
 }

@@ -168,9 +168,9 @@ def test_rows_at_the_wrong_position(h: Harness) -> None:
     h.refused(bad, E.PositionMismatch, "continues at")
 
 
-def test_mtp_is_reserved_and_off(h: Harness, tiny_v4: Path) -> None:
+def test_mtp_of_a_model_without_an_mtp_block_is_refused(h: Harness, tiny_v4: Path) -> None:
     def bad(rows: np.ndarray, pos: int, token: int) -> object:
         return ShardEngine(tiny_v4, layers=(4, 6), load_mtp=True, **KW)
 
-    h.refused(bad, E.UnsupportedFeature, "MTP is reserved and off")
+    h.refused(bad, E.UnsupportedFeature, "has no MTP block")
     assert h.last.info.mtp_owner and not h.mid.info.mtp_owner and not h.first.info.mtp_owner

@@ -54,6 +54,7 @@ def test_public_names() -> None:
         "tiny-qwen2",
         "tiny-smollm3",
         "tiny-v4",
+        "tiny-v4-mtp",
         "v4-12",
     }
     for name, spec in FIXTURES.items():

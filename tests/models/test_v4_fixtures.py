@@ -55,6 +55,8 @@ def test_specs() -> None:
         ({"indexer_head_dim": 96}, "power of two"),
         ({"o_groups": 3}, "divisible"),
         ({"hash_layer_count": 7}, "hash_layer_count"),
+        ({"n_mtp": 2}, "one MTP block"),
+        ({"byte_vocab": True, "n_vocab": 300}, "byte vocabulary"),
     ],
 )
 def test_bad_specs_are_refused(change: dict[str, Any], match: str) -> None:
@@ -121,3 +123,44 @@ def test_whole_model_loads_and_decodes_finite_logits(built: dict[str, Path]) -> 
         logits = engine.forward(1, 0, np.arange(40), tokens=prompt, want=np.ones(40))
         assert logits.shape == (40, 256) and np.isfinite(logits).all()
         assert float(np.std(logits)) > 0.1
+
+
+# the committed evidence names tiny-v4 by these bytes: adding the MTP option must not move them
+TINY_V4_SHA256 = "c9284174e23e835aa59a3fa1092048b30589662727edd24305f573c86f04da7b"
+
+
+def test_mtp_option_leaves_the_existing_fixtures_as_they_were(built: dict[str, Path]) -> None:
+    assert hashlib.sha256(built["tiny-v4"].read_bytes()).hexdigest() == TINY_V4_SHA256
+    assert fixture_filename(FIXTURES["tiny-v4"]) == "tiny-v4-110cc6a5597a.gguf"
+    assert fixture_filename(FIXTURES["v4-12"]) == "v4-12-f0e95d2cfcdb.gguf"
+
+
+def test_mtp_fixture_has_one_nextn_block_after_the_main_layers(tmp_path: Path) -> None:
+    spec = FIXTURES["tiny-v4-mtp"]
+    assert isinstance(spec, Deepseek4Spec) and spec.n_mtp == 1
+    path = ensure_fixture("tiny-v4-mtp", tmp_path)
+    reader = GGUFReader(path)
+    a = "deepseek4"
+    assert field(reader, f"{a}.block_count") == spec.n_layer + 1
+    assert field(reader, f"{a}.nextn_predict_layers") == 1
+    assert list(field(reader, f"{a}.attention.compress_ratios")) == [*spec.compress_ratios, 0]
+    assert len(field(reader, f"{a}.swiglu_clamp_exp")) == spec.n_layer + 1
+    # a byte vocabulary, so that llama-server can run it (tests/e2e/test_mtp_vs_llama_server.py)
+    assert field(reader, "tokenizer.ggml.model") == "llama"
+    assert len(reader.fields["tokenizer.ggml.tokens"].data) == spec.n_vocab
+    tensors = {t.name: t for t in reader.tensors}
+    n = spec.n_layer
+    nextn = sorted(name for name in tensors if ".nextn." in name)
+    assert nextn == [
+        f"blk.{n}.nextn.{x}.weight"
+        for x in ("eh_proj", "embed_tokens", "enorm", "hnorm", "shared_head_norm")
+    ]
+    assert tensors[f"blk.{n}.nextn.eh_proj.weight"].shape.tolist() == [2 * spec.n_embd, spec.n_embd]
+    assert f"blk.{n}.exp_probs_b.bias" in tensors  # not hash-routed: graph_mtp requires it
+    assert f"blk.{n}.attn_compressor_kv.weight" not in tensors  # plain attention only
+    # the pinned loader takes it as a 6-layer model whose nextn block it skips unless asked
+    with ShardEngine(path, n_threads=1) as engine:
+        assert engine.info.n_layer == spec.n_layer
+        engine.open_session(1, 0)
+        logits = engine.forward(1, 0, np.arange(8), tokens=np.arange(8) * 5)
+        assert logits.shape == (1, spec.n_vocab) and np.isfinite(logits).all()
