@@ -183,10 +183,25 @@ def evaluate_070(records: Sequence[EvidenceRecord], lock: Lock, at: EvidenceClas
     alpha = evaluate_054(records, at)
     reasons = [Reason(alpha.verdict == "alpha", f"DGR-054 at {at.value} class: {alpha.verdict}")]
     mtp = _eligible(records, RecordKind.MTP, at)
+    lower = _eligible(records, RecordKind.MTP, EvidenceClass.FIXTURE)
     for rid in MTP_REQUIREMENTS:
         req = mtp[-1].requirement(rid) if mtp else None
         ok = req is not None and req.verdict is Verdict.PASS
-        reasons.append(Reason(ok, f"{rid}: {'pass' if ok else 'missing (no passing MTP record)'}"))
+        if ok:
+            assert req is not None
+            reasons.append(Reason(True, f"{rid}: pass ({_short(mtp[-1])}: {req.detail})"))
+            continue
+        below = [r for r in lower if (q := r.requirement(rid)) and q.verdict is Verdict.PASS]
+        what = "missing (no passing MTP record)"
+        if req is not None:
+            what = f"{req.verdict.value} ({_short(mtp[-1])}: {req.detail})"
+        elif below:
+            got = below[-1]
+            what = (
+                f"missing at {at.value} class; passes at {got.evidence_class.value} class only "
+                f"({_short(got)})"
+            )
+        reasons.append(Reason(False, f"{rid}: {what}"))
     matrix_ok = bool(lock.beta_matrix)
     if not lock.beta_matrix:
         reasons.append(

@@ -91,6 +91,17 @@ def test_dgr_070_lists_what_beta_lacks(kit: EvidenceKit) -> None:
     ]
     with_mtp = evaluate("DGR-070", [*both(kit), kit.record(kind="mtp")], kit.lock, F)
     assert with_mtp.verdict == "targeted optimization"  # the matrix is still missing
+    assert [r.ok for r in with_mtp.reasons if r.text.startswith("mtp.")] == [True] * 3
+    # a fixture MTP record is named for what it is at a class above it: passing only below
+    above = evaluate(
+        "DGR-070", [*both(kit), kit.record(kind="mtp")], kit.lock, EvidenceClass.REAL_HARDWARE
+    )
+    assert any(
+        r.text.startswith(
+            "mtp.contract: missing at real-hardware class; passes at fixture class only (record "
+        )
+        for r in above.reasons
+    ), above.text()
     not_alpha = evaluate("DGR-070", both(kit, failing=("parity.layouts",)), kit.lock, F)
     assert not_alpha.verdict == "stop/rollback"
 
