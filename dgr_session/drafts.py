@@ -150,6 +150,11 @@ REPROBE = 16
 """While no draft length pays, a timed :class:`DraftLength` drafts one token after this many
 plain passes, to see whether drafts are kept more often now."""
 
+PAYS = 1.05
+"""How much faster than plain decoding a timed :class:`DraftLength`'s model must expect drafts to
+be before it drafts: a margin for what the model gets wrong (timings are noisy, acceptance is
+an average)."""
+
 _DECAY = 0.9
 """Weight of the past in the kept-draft counts (recent passes count most)."""
 
@@ -190,12 +195,12 @@ class DraftLength:
     chance that a draft is kept given the ones before it were (``alpha``, from every pass's
     kept drafts: a run of ``a`` kept and, if ``a < k``, one miss), and drafts the ``k`` that
     gives the most tokens a second, ``(1 + alpha + ... + alpha**k) / (plain + k * row)``, or
-    none when no ``k`` beats a plain pass. It times a plain pass first (``k`` reads 0 until
-    one was recorded), a pass with drafts next (the acceptance policy's ``k``), refreshes
-    ``plain`` every :data:`REPLAIN` passes, and, while no ``k`` pays, probes one draft every
-    :data:`REPROBE` passes to see whether ``alpha`` rose. Without timings (0 or ``None``, as
-    under a virtual clock) the acceptance policy above decides alone. Pure and deterministic:
-    the same records give the same ``k``.
+    none when no ``k`` beats a plain pass by :data:`PAYS`. It times a plain pass first (``k``
+    reads 0 until one was recorded), a pass with drafts next (the acceptance policy's ``k``),
+    refreshes ``plain`` every :data:`REPLAIN` passes, and, while no ``k`` pays, probes one
+    draft every :data:`REPROBE` passes to see whether ``alpha`` rose. Without timings (0 or
+    ``None``, as under a virtual clock) the acceptance policy above decides alone. Pure and
+    deterministic: the same records give the same ``k``.
     """
 
     def __init__(
@@ -293,7 +298,7 @@ class DraftLength:
     def _paying_k(self, plain: float, row: float) -> int:
         """The draft length that gives the most tokens a second (0: none beats plain)."""
         alpha = (self._hits + 0.5) / (self._trials + 1.0)  # a prior of 1/2 before any pass
-        best, best_rate = 0, 1.0 / plain
+        best, best_rate = 0, PAYS / plain  # drafts must beat plain decoding by a margin
         expected = 1.0
         for k in range(1, self.k_max + 1):
             expected += alpha**k
