@@ -69,7 +69,7 @@ ensure_env() {
     # reinstall (and rebuild the binding) when anything it is built from changes
     local stamp
     stamp=$(cat pyproject.toml setup.py cffi_build.py native/llama.cpp.manifest.json \
-        native/build_llama.py native/include/* native/src/* patches/* 2>/dev/null | sha256sum | cut -c1-16)
+        native/build_llama.py native/include/* native/src/* patches/*.patch 2>/dev/null | sha256sum | cut -c1-16)
     if [ "$(cat .venv/.dgr-stamp 2>/dev/null)" != "$stamp" ] ||
         ! .venv/bin/python -c 'import dgr_engine._native' 2>/dev/null; then
         local began=$SECONDS
