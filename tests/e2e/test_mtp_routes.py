@@ -6,10 +6,14 @@ its drafts were verified (random weights: acceptance says nothing, the tokens ev
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+from dgr_engine.certification.record import EVIDENCE_DIR_ENV
 from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.speculative.mtp_figures import TRANSPORTS, layout_of, measure_mtp
 from tests import harness
@@ -46,3 +50,30 @@ def test_mtp_drafts_keep_plain_greedy_tokens_over_every_transport(mtp_evidence: 
             assert run["passes"] > 0 and run["drafted"] > 0, (stages, kind)
             assert run["mtp_drafts_made"] > 0
         assert f["draft_ms_per_token"] is not None and f["draft_ms_per_token"] > 0
+
+
+def test_dgr_generate_speculate_mtp_prints_exactly_the_plain_text(mtp_evidence: Path) -> None:
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", **{EVIDENCE_DIR_ENV: str(mtp_evidence)})
+
+    def dgr(*args: str) -> subprocess.CompletedProcess[str]:
+        base = ["generate", "--spawn", "3", "--fixture", "tiny-v4-mtp", "-n", "16"]
+        base += ["--require", "fixture", "--quiet", "--prompt", "one two three"]
+        return subprocess.run(
+            [sys.executable, "-m", "dgr_engine.cli", *base, *args],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=180,
+            stdin=subprocess.DEVNULL,
+        )
+
+    plain = dgr()
+    assert plain.returncode == 0, plain.stderr
+    for transport in ("relay", "ring"):
+        fast = dgr("--speculate", "mtp", "--draft-max", "3", "--transport", transport)
+        assert fast.returncode == 0, fast.stderr
+        assert fast.stdout == plain.stdout, (transport, fast.stdout, plain.stdout)
+        line = next(s for s in fast.stderr.splitlines() if s.startswith("speculation "))
+        words = line.split()
+        assert words[1] in ("mtp:", "ring:"), line
+        assert int(words[words.index("drafted") - 1]) > 0, line
