@@ -238,22 +238,35 @@ class ShardEngine:
         with self._lock:
             self._check(lib.dgr_session_truncate(self._live(), session_id, epoch, n_keep))
 
-    def mtp_draft(self, session_id: int, epoch: int, last_token: int, k: int) -> list[int]:
+    def mtp_draft(
+        self, session_id: int, epoch: int, last_token: int, k: int, *, n_keep: int | None = None
+    ) -> list[int]:
         """Greedy drafts of the MTP block (an engine opened with ``load_mtp``): the ``k`` tokens
         after ``last_token``, the token at the session's next position (the one its last
         forward's logits gave), fewer where the session's context ends. Changes nothing in the
         session. ``UnsupportedFeature`` without an MTP block or when the session's MTP inputs
-        were lost (a state load, a truncation before its last forward)."""
+        were lost (a state load, a truncation before its last forward).
+
+        With ``n_keep`` (``1 <= n_keep <= next_pos``) it drafts as from position ``n_keep``
+        (``last_token`` is the token there): the MTP block first drops its own rows from
+        ``n_keep`` (never the session's main KV), so a verification pass's last stage drafts
+        for the kept position before the next frame's :meth:`truncate` to the same ``n_keep``.
+        ``n_keep`` outside ``[1, next_pos]`` is ``PositionError``; before the rows of the last
+        forward call ``UnsupportedFeature``; both with nothing changed."""
         if k < 0:
             raise error_for_status(1, "DGR_E_INVALID_ARGUMENT", f"draft length {k} is negative")
         out = ffi.new("int32_t[]", max(k, 1))
         n_out = ffi.new("uint32_t *")
         with self._lock:
-            self._check(
-                lib.dgr_session_mtp_draft(
+            if n_keep is None:
+                code = lib.dgr_session_mtp_draft(
                     self._live(), session_id, epoch, last_token, k, out, n_out
                 )
-            )
+            else:
+                code = lib.dgr_session_mtp_draft_from(
+                    self._live(), session_id, epoch, n_keep, last_token, k, out, n_out
+                )
+            self._check(code)
         return [int(out[i]) for i in range(int(n_out[0]))]
 
     def forward(

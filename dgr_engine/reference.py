@@ -143,6 +143,22 @@ def n_layer_of(model: str | os.PathLike[str]) -> int:
     return int(reader.fields[f"{arch}.block_count"].parts[-1][0]) - n_nextn
 
 
+def owns_mtp_block(model: str | os.PathLike[str], layers: tuple[int, int]) -> bool:
+    """Whether a shard of ``model`` over ``layers`` (``-1`` as the end: to the last layer) is the
+    last stage of a deepseek4 model with an MTP block (``{arch}.nextn_predict_layers``), the one
+    that loads it (``docs/speculative.md``, the ownership contract). From the metadata only."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(model)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    nextn = reader.fields.get(f"{arch}.nextn_predict_layers")
+    n_nextn = int(nextn.parts[-1][0]) if nextn is not None else 0
+    if arch != "deepseek4" or n_nextn <= 0:
+        return False
+    n_layer = int(reader.fields[f"{arch}.block_count"].parts[-1][0]) - n_nextn
+    return layers[1] in (-1, n_layer)
+
+
 def whole_model_reference(
     model: str | os.PathLike[str],
     prompts: Sequence[Sequence[int]],

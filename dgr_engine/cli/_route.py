@@ -287,6 +287,8 @@ class RouteStage:
     """KV positions it holds per session."""
     width_out: int
     """Floats per output row: the vocabulary size on the last stage."""
+    mtp: bool = False
+    """The stage loaded the model's MTP block (a V4 last stage: ``--speculate mtp``)."""
 
 
 @attrs.define(eq=False)
@@ -573,6 +575,7 @@ def _stage(endpoint: str, advert: Advert) -> RouteStage:
         (span.layer_begin, span.layer_end),
         advert.capacity.context_per_session,
         advert.seam.width_out,
+        span.mtp,
     )
 
 

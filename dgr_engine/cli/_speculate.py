@@ -35,6 +35,7 @@ from dgr_engine.cli._route import (
 from dgr_engine.errors import EngineError
 from dgr_engine.options import EngineOptions
 from dgr_session.drafts import DraftConfigError, Drafter, DraftLength, NgramDrafter
+from dgr_session.mtp_drafts import MtpDraftRequest
 from dgr_session.speculation import MAX_DRAFTS, Speculation
 
 __all__ = [
@@ -91,20 +92,10 @@ def _always(_plan: SpeculateSource) -> str | None:
     return None
 
 
-def _mtp_unavailable(_plan: SpeculateSource) -> str | None:
-    # To turn MTP on: return None here once the route's last stage can own the model's MTP
-    # (nextn) block and answer its drafts, and give _OPENERS an "mtp" entry.
-    return (
-        "--speculate mtp: DeepSeek V4's multi-token-prediction drafts need the route's last "
-        "stage to own the model's MTP block, which dgr does not build yet: use ngram or "
-        "draft:PATH"
-    )
-
-
 _AVAILABILITY: dict[str, Callable[[SpeculateSource], str | None]] = {
     "ngram": _always,
     "draft": _always,
-    "mtp": _mtp_unavailable,
+    "mtp": _always,  # the route's last stage must own the block: checked on the route (open)
 }
 """Per source kind: why it cannot run now (``None``: it can)."""
 
@@ -118,7 +109,8 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
         metavar="SOURCE",
         help="speculative decoding, greedy only, the same text in fewer passes: ngram (drafts "
         "from the session's own tokens), draft:PATH (a draft GGUF, or a catalog model name, "
-        "with the model's vocabulary, run in this process) or mtp (DeepSeek V4; not yet)",
+        "with the model's vocabulary, run in this process) or mtp (DeepSeek V4: the route's last "
+        "stage drafts with the model's MTP block)",
     )
     p.add_argument(
         "--draft-max",
@@ -152,10 +144,33 @@ class SpeculationPlan:
             mismatch = DraftVocabMismatch(draft, wanted, self.draft_model.name)
             raise SpeculationRefused(f"--speculate {self.source}: {mismatch}")
 
+    def check_model(self, model: Path | None) -> None:
+        """Refuses ``mtp`` of a model without an MTP block (a deepseek4 GGUF with
+        ``nextn_predict_layers``; ``None``: not known here, checked by :meth:`open` against the
+        route's last stage)."""
+        if self.source.kind != "mtp" or model is None:
+            return
+        from dgr_engine.reference import owns_mtp_block
+
+        if not owns_mtp_block(model, (0, -1)):
+            raise SpeculationRefused(
+                f"--speculate mtp: {model.name} has no MTP block (only a DeepSeek V4 model with "
+                "one has it): use ngram or draft:PATH"
+            )
+
     def open(self, route: RouteHandle, options: EngineOptions) -> Drafter:
         """The command's drafter on the running route (its vocabulary: the last stage's output
         width; its context: the route's; a draft model's threads and batch: ``options``'s).
         The caller closes it."""
+        if self.source.kind == "mtp":
+            last = route.stages[-1]
+            if not last.mtp:
+                raise SpeculationRefused(
+                    f"--speculate mtp: the route's last stage ({last.endpoint}, layers "
+                    f"{last.layers[0]}:{last.layers[1]}) does not advertise the model's MTP "
+                    "block (only a DeepSeek V4 model with one has it): use ngram or draft:PATH"
+                )
+            return MtpDraftRequest(self.draft_max)
         if self.draft_model is None:
             return NgramDrafter()
         from dgr_engine.speculative import ModelDrafter

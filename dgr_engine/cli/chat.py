@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if speculate is not None:
             speculate.check_vocab(args.vocab if args.vocab is not None else plan.model)
+            speculate.check_model(plan.model)
     except RouteOptionsRefused as exc:
         plan.close()
         return _refused(exc)

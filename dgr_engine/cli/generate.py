@@ -150,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
         vocab = args.vocab if args.vocab is not None else plan.model
         if speculate is not None:
             speculate.check_vocab(vocab)
+            speculate.check_model(plan.model)
         text, prompt = _prompt(args, plan.tokenizer, vocab)
     except (ValueError, EngineError) as exc:
         plan.close()

@@ -36,7 +36,7 @@ import grpc
 import numpy as np
 
 from dgr_engine.client.relay import GrpcStageTransport, expectations_for
-from dgr_engine.client.shard_client import client_call_error, session_metadata
+from dgr_engine.client.shard_client import client_call_error, mtp_drafts_of, session_metadata
 from dgr_engine.errors import (
     FrameRejected,
     ShardDeadlineExceeded,
@@ -52,6 +52,7 @@ from dgr_session.commands import Forward
 from dgr_session.errors import DgrError
 from dgr_session.faults import FaultKind
 from dgr_session.identifiers import check_session_id
+from dgr_session.mtp_drafts import MtpDraftRequest
 from dgr_session.route import StageSpec
 from dgr_session.speculation import MAX_DRAFTS, AnyLength, Speculation, verify_rows
 from dgr_session.transport import Boundary, Logits, StageResult
@@ -486,6 +487,8 @@ class ChainStageTransport(GrpcStageTransport):
         self._targets: dict[tuple[str, bool], FrameLinkTarget] = {}
         # session -> most drafts its ring may draft a pass (a drafting ring's sessions)
         self._ring_drafting: dict[str, int] = {}
+        # drafting rings' sessions whose last stage drafts with its MTP block
+        self._ring_mtp: set[str] = set()
 
     async def frame_links(self, route: Sequence[StageSpec]) -> list[FrameLinkTarget] | None:
         """Each stage's frame link, when the route's frames take it (``data_path``); ``None``:
@@ -535,15 +538,20 @@ class ChainStageTransport(GrpcStageTransport):
         session then takes the drafts of the pass the ring sent. Any other draft source is the
         client's, and the ring runs nothing on its own for the session."""
         if not self.ring:
-            return speculation
+            return super().speculation_for(session_id, speculation)
         held = self._limits.get(session_id)
         stops = held[1] if held is not None else ()
-        if getattr(speculation.drafter, "name", "") != "ngram":
+        mtp = isinstance(speculation.drafter, MtpDraftRequest)
+        if getattr(speculation.drafter, "name", "") != "ngram" and not mtp:
             self._limits[session_id] = (-1, stops)  # every frame is the session's own
             return speculation
         k_max = min(speculation.max_drafts, getattr(speculation.length, "k_max", MAX_DRAFTS))
+        if isinstance(speculation.drafter, MtpDraftRequest):  # the last stage drafts with MTP
+            k_max = min(k_max, speculation.drafter.k_max)
+            self._ring_mtp.add(session_id)
         self._ring_drafting[session_id] = k_max
         while len(self._ring_drafting) > _LIMITS_KEPT:
+            self._ring_mtp.discard(next(iter(self._ring_drafting)))
             self._ring_drafting.pop(next(iter(self._ring_drafting)))
         speculation.drafter = _RingDrafts(self, session_id)  # the same object: its counts
         speculation.length = AnyLength()  # are the session's, wherever the drafts come from
@@ -609,6 +617,10 @@ class ChainStageTransport(GrpcStageTransport):
                 chain.fail(0, error)
                 ticket.fail(0, error)
         else:
+            mtp_max = 0  # a chain (not a drafting ring) asks its last stage for MTP drafts
+            if not draft_max and chain.route:
+                last = await self.advert(chain.route[-1].endpoint)
+                mtp_max = self.mtp_draft_max(session_id, last, call)
             request = encode_forward(
                 session_id,
                 epoch,
@@ -623,6 +635,7 @@ class ChainStageTransport(GrpcStageTransport):
                 logit_rows=range(len(positions)) if call.drafts else None,
                 drafts=call.drafts,
                 kept_drafts=call.kept_drafts,
+                mtp_draft_max=mtp_max,
             )
             if until > step:
                 request.ring_until_step = until
@@ -633,6 +646,8 @@ class ChainStageTransport(GrpcStageTransport):
                         verify_rows(s.recipe.quant_types, s.lane.hardware) for s in chain.route
                     ]
                     request.ring_draft_max = max(min([draft_max + 1, *rows]) - 1, 0)
+                    if session_id in self._ring_mtp:
+                        request.mtp_draft_max = request.ring_draft_max
             self.chain_stats.sent += 1
             await chain.submit(ticket, request)
         if not ticket.done.done():
@@ -643,6 +658,8 @@ class ChainStageTransport(GrpcStageTransport):
                 chain.fail(0, ShardDeadlineExceeded(f"no chained output within {self.timeout} s"))
         if ticket.reply is not None and until > step and call.wants_logits:
             self._predict(chain, call, ticket.reply, stops, draft_max > 0)
+        if ticket.reply is not None:
+            self.mtp_offer(session_id, mtp_drafts_of(ticket.reply.reply))
         if ticket.reply is not None:
             s = self.chain_stats
             rtt_us = round((loop.time() - began) * 1e6)

@@ -35,7 +35,9 @@ from dgr_session.commands import Forward
 from dgr_session.errors import StageDead
 from dgr_session.faults import FaultKind
 from dgr_session.identifiers import check_session_id, log_field
+from dgr_session.mtp_drafts import MtpDraftRequest, MtpDrafts
 from dgr_session.route import StageSpec
+from dgr_session.speculation import MAX_DRAFTS, Speculation
 from dgr_session.transport import Boundary, Logits, StageResult
 from dgr_session.usage import StageCost
 
@@ -183,6 +185,8 @@ class GrpcStageTransport:
         # Closes that failed (a hung or unreachable stage), retried in the background until the
         # worker answers, by (endpoint, session, epoch).
         self._close_retries: dict[tuple[str, str, int], asyncio.Task[None]] = {}
+        # session -> its MTP drafts (speculation_for): the last stage's replies feed them
+        self._mtp: dict[str, MtpDrafts] = {}
 
     async def __aenter__(self) -> GrpcStageTransport:
         return self
@@ -280,6 +284,37 @@ class GrpcStageTransport:
                 del self._opening[(*key, epoch)]
         log.debug("opened")
 
+    def speculation_for(self, session_id: str, speculation: Speculation) -> Speculation:
+        """Called by the ``SessionManager`` as a speculating session starts: a session drafting
+        with the MTP block (:class:`~dgr_session.mtp_drafts.MtpDraftRequest`) gets its
+        :class:`~dgr_session.mtp_drafts.MtpDrafts`, fed by the last stage's replies; its frames
+        to a last stage that loaded the block ask for drafts (``mtp_draft_max``). Any other
+        draft source is left as it is."""
+        request = speculation.drafter
+        if not isinstance(request, MtpDraftRequest):
+            return speculation
+        k_max = min(request.k_max, speculation.max_drafts, MAX_DRAFTS)
+        drafts = MtpDrafts(k_max)
+        self._mtp[session_id] = drafts
+        while len(self._mtp) > _MTP_KEPT:
+            self._mtp.pop(next(iter(self._mtp)))
+        speculation.drafter = drafts
+        return speculation
+
+    def mtp_draft_max(self, session_id: str, advert: Advert, call: Forward) -> int:
+        """The drafts to ask of ``advert``'s stage with ``call`` (0: none): its session drafts
+        with MTP, the stage is the last and loaded the block, and the call wants logits."""
+        drafts = self._mtp.get(session_id)
+        if drafts is None or not (advert.span.is_last and advert.span.mtp) or not call.wants_logits:
+            return 0
+        return drafts.k_max
+
+    def mtp_offer(self, session_id: str, held: tuple[int, tuple[int, ...]] | None) -> None:
+        """The last stage's MTP drafts for ``session_id`` (from a reply)."""
+        drafts = self._mtp.get(session_id)
+        if drafts is not None and held is not None:
+            drafts.offer(*held)
+
     async def forward(self, call: Forward) -> StageResult:
         stage, session_id, epoch, step = call.stage, call.session_id, call.epoch, call.step
         positions = call.positions
@@ -304,9 +339,11 @@ class GrpcStageTransport:
                 kind=call.kind,
                 drafts=call.drafts,
                 kept_drafts=call.kept_drafts,
+                mtp_draft_max=self.mtp_draft_max(session_id, advert, call),
             )
         except Exception as exc:
             self._raise(stage, session_id, epoch, f"forward step {step}", exc)
+        self.mtp_offer(session_id, result.mtp_drafts)
         sent = 4 * n + (4 * n if send_ids else 0) + (0 if rows is None else rows.nbytes)
         self._account(stage, positions, session_id, epoch, step, sent, result)
         cost = StageCost(sent, int(result.output.nbytes), result.timings.compute_us / 1e6)
@@ -474,6 +511,10 @@ class GrpcStageTransport:
             "{} failed: {}: {}", what, type(exc).__name__, log_field(str(exc))
         )
         raise exc
+
+
+_MTP_KEPT = 65536
+"""Sessions whose MTP drafts a transport keeps (the oldest are forgotten first)."""
 
 
 def _client_made(exc: BaseException) -> bool:

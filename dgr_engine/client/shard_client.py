@@ -114,10 +114,21 @@ class ForwardResult:
     timings: WorkerTimings
     rtt_us: int
     """Round trip seen by the client (encode, call, decode)."""
-    wire_us: int
+    mtp_drafts: tuple[int, tuple[int, ...]] | None = None
+    """A last stage's MTP drafts (``mtp_draft_max``): the position of the token they follow,
+    and the drafts; ``None``: none came."""
+    wire_us: int = 0
     """Part of ``rtt_us`` inside gRPC: from the request handed to it (serialised there) to the
     reply handed back (parsed there). ``wire_us - timings.total_us`` is the transit both ways;
     ``rtt_us - wire_us`` is this client's own code."""
+
+
+def mtp_drafts_of(reply: pb.ForwardReply) -> tuple[int, tuple[int, ...]] | None:
+    """A reply's MTP drafts: (the position of the token they follow, the drafts); ``None``
+    when it carries none."""
+    if not reply.mtp_drafts:
+        return None
+    return int(reply.mtp_draft_pos), tuple(int(t) for t in reply.mtp_drafts)
 
 
 class ShardClient:
@@ -307,6 +318,7 @@ class ShardClient:
         kind: str = "",
         drafts: int = 0,
         kept_drafts: int | None = None,
+        mtp_draft_max: int = 0,
     ) -> ForwardResult:
         """Runs rows at ``positions`` (contiguous, continuing the session's KV): ``tokens`` on
         the first stage (and where the range needs them), ``boundary`` rows elsewhere. The last
@@ -333,6 +345,7 @@ class ShardClient:
             kind=kind,
             drafts=drafts,
             kept_drafts=kept_drafts,
+            mtp_draft_max=mtp_draft_max,
         )
         if self.streaming:
             reply, wire_ns = await self._stream_call(session_id, request, timeout)
@@ -358,6 +371,7 @@ class ShardClient:
             timings=WorkerTimings(t.queue_us, t.compute_us, t.total_us),
             rtt_us=(time.perf_counter_ns() - began) // 1000,
             wire_us=wire_ns // 1000,
+            mtp_drafts=mtp_drafts_of(reply),
         )
 
     def session_secret(self, session_id: str, epoch: int) -> bytes:

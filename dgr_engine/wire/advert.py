@@ -49,6 +49,8 @@ class LayerSpan:
     """Produces logits."""
     needs_token_ids: bool
     """Frames must carry the token-id sideband (first stage, hash-routed layers)."""
+    mtp: bool = False
+    """The last stage loaded the model's MTP block: it answers ``mtp_draft_max``."""
 
 
 @attrs.frozen
@@ -327,6 +329,7 @@ def advert_from_proto(msg: pb.Advert) -> Advert:
             is_first=msg.range.is_first,
             is_last=msg.range.is_last,
             needs_token_ids=msg.range.needs_token_ids,
+            mtp=msg.range.mtp,
         ),
         capacity=Capacity(
             sessions_max=msg.capacity.sessions_max,

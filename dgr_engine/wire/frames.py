@@ -92,6 +92,9 @@ class ForwardFrame:
     kept_drafts: int | None = None
     """The frame after a verification pass: how many of its drafts the session kept
     (``None``: the previous frame was no verification pass)."""
+    mtp_draft_max: int = 0
+    """A last stage with the MTP block drafts at most this many tokens to follow the frame's
+    next token (``ForwardReply.mtp_drafts``); 0: none."""
 
     @property
     def n_rows(self) -> int:
@@ -230,10 +233,12 @@ def encode_forward(
     kind: str = "",
     drafts: int = 0,
     kept_drafts: int | None = None,
+    mtp_draft_max: int = 0,
 ) -> pb.ForwardRequest:
     """A forward request; ``expected_next_pos`` is ``positions[0]``; ``timeout`` (seconds)
     becomes the frame's own deadline (``timeout_ms``); ``no_logits`` asks a last stage for
-    none; ``drafts`` and ``kept_drafts``: a verification pass and the frame after one
+    none; ``drafts`` and ``kept_drafts``: a verification pass and the frame after one;
+    ``mtp_draft_max``: the MTP drafts a last stage with the block returns
     (``docs/speculative.md``)."""
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
     request = pb.ForwardRequest(
@@ -259,6 +264,8 @@ def encode_forward(
         request.draft_rows = drafts
     if kept_drafts is not None:
         request.kept_drafts = kept_drafts
+    if mtp_draft_max:
+        request.mtp_draft_max = mtp_draft_max
     return request
 
 
@@ -336,6 +343,9 @@ def decode_forward(request: pb.ForwardRequest, mine: Expectations, info: ShardIn
     kept = int(request.kept_drafts) if request.HasField("kept_drafts") else None
     if kept is not None and kept > MAX_DRAFT_ROWS:
         raise FrameRejected(f"kept_drafts {kept} is over {MAX_DRAFT_ROWS}")
+    mtp_draft_max = int(request.mtp_draft_max)
+    if mtp_draft_max > MAX_DRAFT_ROWS:
+        raise FrameRejected(f"mtp_draft_max {mtp_draft_max} is over {MAX_DRAFT_ROWS}")
     return ForwardFrame(
         session_id=request.session_id,
         epoch=int(request.epoch),
@@ -346,6 +356,7 @@ def decode_forward(request: pb.ForwardRequest, mine: Expectations, info: ShardIn
         want=want,
         drafts=drafts,
         kept_drafts=kept,
+        mtp_draft_max=mtp_draft_max,
     )
 
 

@@ -49,8 +49,11 @@ class Advertiser:
         load: Callable[[], LoadSnapshot],
         waiting: Callable[[], int],
         data_paths: Callable[[], DataPaths] = DataPaths,
+        mtp: bool = False,
     ) -> None:
         self.build = build
+        self.mtp = mtp
+        """The engine loaded the MTP block (the advert's ``span.mtp``)."""
         self.info = info
         self.config = config
         self.log = log
@@ -136,6 +139,7 @@ class Advertiser:
                 is_first=info.is_first,
                 is_last=info.is_last,
                 needs_token_ids=info.needs_token_ids,
+                mtp=self.mtp,
             ),
             capacity=Capacity(
                 sessions_max=info.max_sessions,

@@ -1,7 +1,8 @@
 """The frames a stage of a chained route sends on (``docs/chain.md``): the next stage's frame
 for a frame it ran, and, on a ring's last stage, the next step's frame for the first stage
 (the greedy token of the last logits row; on a drafting ring, the token after the kept drafts
-of a pass, with the next pass's drafts)."""
+of a pass, with the next pass's drafts: prompt lookup's, or the MTP block's when the frames ask
+the last stage for them, ``mtp_draft_max``)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,7 @@ def next_frame(
         ring_stop=request.ring_stop,
         draft_rows=request.draft_rows,
         ring_draft_max=request.ring_draft_max,
+        mtp_draft_max=request.mtp_draft_max,
     )
     if request.HasField("kept_drafts"):
         out.kept_drafts = request.kept_drafts
@@ -82,7 +84,12 @@ def ring_frame(
     token = accepted[-1]
     drafts: tuple[int, ...] = ()
     if drafting is not None:
-        drafts = drafting.draft(position, token, int(request.ring_until_step) - step)
+        room = int(request.ring_until_step) - step
+        mtp = None  # a ring drafting with the MTP block: the drafts its last stage just made
+        if request.mtp_draft_max:
+            same = reply.mtp_draft_pos == position and len(reply.mtp_drafts) > 0
+            mtp = tuple(int(t) for t in reply.mtp_drafts) if same else ()
+        drafts = drafting.draft(position, token, room, mtp)
     out = pb.ForwardRequest(
         session_id=request.session_id,
         epoch=request.epoch,
@@ -97,6 +104,7 @@ def ring_frame(
         chain_hop=0,
         ring_until_step=request.ring_until_step,
         ring_draft_max=request.ring_draft_max,
+        mtp_draft_max=request.mtp_draft_max,
         draft_rows=len(drafts),
     )
     if drafts:

@@ -43,6 +43,10 @@ class SessionLookup(Protocol):
         """``UnknownSession`` / ``StaleEpoch`` unless ``(session_id, epoch)`` is open."""
         ...
 
+    def take_mtp_drafts(self, session_id: str, epoch: int) -> tuple[int, tuple[int, ...]] | None:
+        """The MTP drafts of the session's last frame (position, drafts), once."""
+        ...
+
 
 class FrameHost(Protocol):
     """What the per-frame path needs of its worker."""
@@ -152,6 +156,11 @@ class FramePath:
             next_pos=next_pos,
         )
         frames.fill_tensor(reply.output, out)
+        if frame.mtp_draft_max:
+            held = host.table.take_mtp_drafts(frame.session_id, frame.epoch)
+            if held is not None:
+                reply.mtp_draft_pos, drafts = held
+                reply.mtp_drafts.extend(drafts)
         reply.timings.queue_us = queue_ns // 1000
         reply.timings.compute_us = compute_ns // 1000
         total_ns = time.perf_counter_ns() - began

@@ -73,9 +73,16 @@ class RingDrafting:
         self.speculation.verified(drafts, kept, seconds)
         return greedy[: kept + 1], kept
 
-    def draft(self, position: int, token: int, room: int) -> tuple[int, ...]:
+    def draft(
+        self, position: int, token: int, room: int, mtp: tuple[int, ...] | None = None
+    ) -> tuple[int, ...]:
         """Drafts to follow ``token`` at ``position`` (the tokens before it are those the stage
-        ran), at most ``room``."""
+        ran), at most ``room``: by prompt lookup, or the MTP block's ``mtp`` drafts when the
+        stage made them (a ring drafting with MTP); as many as the draft length allows."""
+        if mtp is not None:
+            drafts = mtp[: max(min(room, self.k_max, self.speculation.length.k), 0)]
+            self.sent = (position, time.monotonic())
+            return drafts
         history = [*self.tokens[:position], token]
         drafts = self.speculation.propose(history, (), min(room, self.k_max))
         self.sent = (position, time.monotonic())

@@ -27,6 +27,7 @@ from dgr_engine.certification.registry import LaneLookup
 from dgr_engine.engine import ShardEngine
 from dgr_engine.numerics import Numerics
 from dgr_engine.options import EngineOptions
+from dgr_engine.reference import owns_mtp_block
 from dgr_engine.security.grants import Grant, GrantVerifier
 from dgr_engine.security.tls import check_plaintext_bind, is_loopback
 from dgr_engine.wire import frames as frames
@@ -120,6 +121,7 @@ class ShardWorker:
             load=self.meter.snapshot,
             waiting=lambda: self.admission.waiting,
             data_paths=lambda: DataPaths(frame_link_port=self.frame_link_port),
+            mtp=bool(getattr(engine, "mtp_loaded", False)),
         )
         self.metrics = WorkerMetrics(
             sessions_open=lambda: self.table.snapshot().sessions_open,
@@ -172,12 +174,17 @@ class ShardWorker:
         numerics: Numerics | None = None,
         config: WorkerConfig | None = None,
         build: BuildIdentity | None = None,
+        load_mtp: bool | None = None,
     ) -> ShardWorker:
         """Hashes the GGUF (streaming), loads the engine over ``layers``. Blocking. The engine
         options default to :class:`~dgr_engine.options.EngineOptions`' (``dgr worker``'s).
         ``build``: the identity already established (a split model's,
-        :meth:`BuildIdentity.of_artifacts`; ``model`` is then its first file)."""
+        :meth:`BuildIdentity.of_artifacts`; ``model`` is then its first file).
+        ``load_mtp``: load the model's MTP block (``None``: when the shard is the last stage
+        of a deepseek4 model that has one, :func:`~dgr_engine.reference.owns_mtp_block`)."""
         build = build if build is not None else BuildIdentity.of_model(model)
+        if load_mtp is None:
+            load_mtp = owns_mtp_block(model, layers)
         engine = ShardEngine(
             Path(model),
             layers=layers,
@@ -187,6 +194,7 @@ class ShardWorker:
             n_batch=n_batch,
             n_ubatch=n_ubatch,
             numerics=numerics,
+            load_mtp=load_mtp,
         )
         return cls(engine, build, config)
 

@@ -31,6 +31,7 @@ from dgr_engine.errors import (
     NonFiniteOutput,
     StaleEpoch,
     UnknownSession,
+    UnsupportedFeature,
 )
 from dgr_engine.numerics import Numerics
 from dgr_engine.wire.frames import FloatRows, ForwardFrame
@@ -64,6 +65,14 @@ class EngineLike(Protocol):
     def close(self) -> None: ...
 
 
+class MtpEngine(Protocol):
+    """An engine that loaded the MTP block (``ShardEngine(load_mtp=True)``)."""
+
+    def mtp_draft(
+        self, session_id: int, epoch: int, last_token: int, k: int, *, n_keep: int | None = None
+    ) -> list[int]: ...
+
+
 @attrs.define
 class _Entry:
     key: int
@@ -72,6 +81,9 @@ class _Entry:
     next_pos: int = 0
     verify: tuple[int, int] | None = None
     """The last frame was a verification pass: (its first draft's position, its drafts)."""
+    mtp_drafts: tuple[int, tuple[int, ...]] | None = None
+    """The MTP drafts the last frame asked for (``mtp_draft_max``): (the position of the token
+    they follow, the drafts); taken by the frame's reply (:meth:`SessionTable.take_mtp_drafts`)."""
 
 
 @attrs.define
@@ -145,6 +157,7 @@ class SessionTable:
         entry = self._live(frame.session_id, frame.epoch)
         try:
             with _naming(frame.session_id, entry.key):
+                self._check_mtp(frame)
                 self._keep_drafts(frame, entry)
                 out = self.engine.forward(
                     entry.key,
@@ -169,6 +182,7 @@ class SessionTable:
             try:
                 entry = self._live(frame.session_id, frame.epoch)
                 with _naming(frame.session_id, entry.key):
+                    self._check_mtp(frame)
                     self._keep_drafts(frame, entry)
                 live.append((index, entry))
             except EngineError as exc:
@@ -209,7 +223,63 @@ class SessionTable:
         entry.next_pos = int(frame.positions[-1]) + 1
         if frame.drafts:
             entry.verify = (entry.next_pos - frame.drafts, frame.drafts)
+        entry.mtp_drafts = None
+        if frame.mtp_draft_max and self.engine.info.is_last and out.shape[0]:
+            with _naming(frame.session_id, entry.key):
+                entry.mtp_drafts = self._mtp_draft(frame, entry, out)
         return out, entry.next_pos
+
+    def _check_mtp(self, frame: ForwardFrame) -> None:
+        """A frame asking for MTP drafts of a last stage without the MTP block is refused
+        before anything changes (an earlier stage of a chain only passes the ask on)."""
+        mtp = getattr(self.engine, "mtp_loaded", False)
+        if frame.mtp_draft_max and self.engine.info.is_last and not mtp:
+            raise UnsupportedFeature(
+                f"DGR_E_UNSUPPORTED: mtp_draft_max {frame.mtp_draft_max}, but this last stage "
+                "did not load the model's MTP block (only a deepseek4 model's last stage with "
+                "one does): nothing ran"
+            )
+
+    def _mtp_draft(
+        self, frame: ForwardFrame, entry: _Entry, out: FloatRows
+    ) -> tuple[int, tuple[int, ...]] | None:
+        """After ``frame`` ran: the token and position the session goes on from (the greedy
+        token of the last row; after a pass, the token after the drafts it keeps, as
+        ``ring_drafts.RingDrafting.next_tokens``) and the MTP block's drafts to follow it, as
+        from that position (the main KV keeps the pass's rows until the next frame's
+        ``kept_drafts``). ``None`` when the frame's logits do not tell."""
+        n = frame.n_rows
+        if not frame.drafts:
+            if frame.want is not None and not frame.want[-1]:
+                return None
+            token, position = int(np.argmax(out[-1])), entry.next_pos
+        else:
+            if out.shape[0] != n or frame.tokens is None:
+                return None
+            greedy = [int(t) for t in np.argmax(out, axis=1)]
+            base, kept = n - frame.drafts - 1, 0  # the row of the newest token
+            while kept < frame.drafts and greedy[base + kept] == int(frame.tokens[base + 1 + kept]):
+                kept += 1
+            token, position = greedy[base + kept], int(frame.positions[base]) + 1 + kept
+        engine: MtpEngine = self.engine  # type: ignore[assignment]
+        try:
+            drafts = engine.mtp_draft(
+                entry.key, frame.epoch, token, frame.mtp_draft_max, n_keep=position
+            )
+        except UnsupportedFeature as exc:  # the frame ran: it only drafts nothing
+            self._log.warning("no MTP drafts for {}: {}", frame.session_id, exc)
+            return None
+        return position, tuple(drafts)
+
+    def take_mtp_drafts(self, session_id: str, epoch: int) -> tuple[int, tuple[int, ...]] | None:
+        """The MTP drafts of the session's last frame (position of the token they follow,
+        drafts), once; safe from any thread."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None or entry.epoch != epoch:
+                return None
+            held, entry.mtp_drafts = entry.mtp_drafts, None
+            return held
 
     def _keep_drafts(self, frame: ForwardFrame, entry: _Entry) -> None:
         """Before a frame runs: after a verification pass, drops the positions of the drafts

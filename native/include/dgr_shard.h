@@ -46,7 +46,7 @@
 extern "C" {
 #endif
 
-#define DGR_ABI_VERSION 9
+#define DGR_ABI_VERSION 10
 
 /* Magic and version at the head of a saved session state (see dgr_session_state_save). */
 #define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
@@ -306,10 +306,23 @@ int dgr_session_truncate(dgr_engine * engine, uint64_t session_id, uint64_t epoc
  * *n_out = min(k, n_ctx_per_session - next_pos) token ids. Nothing changes: the session's
  * position, KV and MTP state are as before (the draft rows are dropped from the MTP KV again).
  * No MTP block on this engine, or the session's MTP inputs lost (a state load, a truncation
- * before its last forward): DGR_E_UNSUPPORTED. last_token outside the vocabulary:
- * DGR_E_INVALID_ARGUMENT. */
+ * before its last forward, a draft as from an earlier position not yet truncated to):
+ * DGR_E_UNSUPPORTED. last_token outside the vocabulary: DGR_E_INVALID_ARGUMENT. */
 int dgr_session_mtp_draft(dgr_engine * engine, uint64_t session_id, uint64_t epoch, int32_t last_token,
                           uint32_t k, int32_t * out, uint32_t * n_out);
+
+/* dgr_session_mtp_draft as from position n_keep (1 <= n_keep <= next_pos; ABI 10): the MTP
+ * context first drops its rows from n_keep, as dgr_session_truncate would (pending_h becomes the
+ * hidden state of row n_keep - 1), but the main sequence keeps every row; then last_token is the
+ * token at n_keep and the k drafts follow it. So a last stage drafts for the position a
+ * verification pass kept before the next frame truncates the session; that later
+ * dgr_session_truncate to the same n_keep leaves the MTP state as it is. n_keep outside
+ * [1, next_pos]: DGR_E_POSITION; before the first row of the last forward call the MTP block
+ * holds: DGR_E_UNSUPPORTED; both with nothing changed. A forward before the session is
+ * truncated to n_keep loses its MTP inputs (drafts refused until a new epoch), and so does a
+ * truncation past n_keep; dgr_session_mtp_draft is refused until then. */
+int dgr_session_mtp_draft_from(dgr_engine * engine, uint64_t session_id, uint64_t epoch, int32_t n_keep,
+                               int32_t last_token, uint32_t k, int32_t * out, uint32_t * n_out);
 
 /* The session's next position (the number of positions its KV holds). */
 int dgr_session_next_pos(const dgr_engine * engine, uint64_t session_id, uint64_t epoch,

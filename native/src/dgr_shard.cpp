@@ -180,6 +180,13 @@ struct mtp_slot {
     std::vector<float> rows_h;     // h of that call's rows (at most k_mtp_kept_rows)
 };
 
+// The end of the MTP context's KV of the session while `ok`: next_pos, except after a draft as
+// from an earlier position (dgr_session_mtp_draft_from) until the session is truncated to it.
+inline int32_t mtp_end(const mtp_slot & m) {
+    const size_t width = m.pending_h.size();
+    return m.rows_begin + (int32_t) (width == 0 ? 0 : m.rows_h.size() / width);
+}
+
 struct session_slot {
     uint64_t epoch = 0;
     llama_seq_id seq = -1;
@@ -726,6 +733,12 @@ int mtp_catch_up(dgr_engine * engine, session_slot & slot, const int32_t * token
     if (!m.ok) {
         return DGR_OK;  // inputs lost: the MTP context stays behind until a new epoch
     }
+    if (mtp_end(m) != slot.next_pos) {
+        // drafted as from an earlier position and never truncated to it: its rows are gone
+        llama_memory_seq_rm(llama_get_memory(engine->mtp_ctx), slot.seq, -1, -1);
+        m.ok = false;
+        return DGR_OK;
+    }
     std::vector<const float *> h(n);
     for (uint32_t i = 0; i < n; ++i) {
         h[i] = llama_get_embeddings_nextn_ith(engine->ctx, first + (int32_t) i);
@@ -1127,13 +1140,17 @@ int dgr_session_next_pos(const dgr_engine * engine, uint64_t session_id, uint64_
     return ok();
 }
 
-int dgr_session_mtp_draft(dgr_engine * engine, uint64_t session_id, uint64_t epoch, int32_t last_token,
-                          uint32_t k, int32_t * out, uint32_t * n_out) {
+namespace {
+
+// The drafts of dgr_session_mtp_draft and dgr_session_mtp_draft_from: n_keep < 0 drafts from
+// the session's next position, else as from position n_keep (the MTP context first drops its
+// rows from n_keep; the main sequence is left alone).
+int mtp_draft_impl(dgr_engine * engine, uint64_t session_id, uint64_t epoch, int32_t n_keep, int32_t last_token,
+                   uint32_t k, int32_t * out, uint32_t * n_out) {
     if (engine == nullptr || n_out == nullptr || (out == nullptr && k > 0)) {
         return fail(DGR_E_INVALID_ARGUMENT, "engine, n_out and (for k > 0) out must not be NULL");
     }
     *n_out = 0;
-    DGR_GUARD_BEGIN
     if (engine->mtp_ctx == nullptr) {
         return fail(DGR_E_UNSUPPORTED, "this engine has no MTP block: it is opened with load_mtp on the last shard "
                     "of a model that has one");
@@ -1152,9 +1169,34 @@ int dgr_session_mtp_draft(dgr_engine * engine, uint64_t session_id, uint64_t epo
                     "truncated before its last forward): re-prefill under a new epoch to draft again",
                     (unsigned long long) session_id);
     }
-    // the drafts take positions next_pos.. of the MTP KV (dropped again below): stop where the
+    const int32_t end = mtp_end(m);
+    if (n_keep >= 0) {
+        // as from position n_keep: only the MTP context drops its rows from there (the main
+        // sequence keeps them until its own dgr_session_truncate to the same n_keep)
+        if (n_keep < 1 || n_keep > slot->next_pos) {
+            return fail(DGR_E_POSITION, "session %llu: cannot draft as from position %d: it must be in [1, %d]",
+                        (unsigned long long) session_id, n_keep, slot->next_pos);
+        }
+        if (n_keep < m.rows_begin || n_keep > end) {
+            return fail(DGR_E_UNSUPPORTED,
+                        "session %llu: the MTP block can draft as from positions %d..%d only (the rows of the last "
+                        "forward call it holds), not %d; nothing changed",
+                        (unsigned long long) session_id, m.rows_begin, end, n_keep);
+        }
+        if (n_keep < end) {
+            engine->mtp_truncate(*slot, n_keep);
+            if (!m.ok) {
+                return fail(DGR_E_INTERNAL, "session %llu: llama.cpp refused to drop the MTP rows from %d; its MTP "
+                            "inputs are lost until a new epoch", (unsigned long long) session_id, n_keep);
+            }
+        }
+    } else if (end != slot->next_pos) {
+        return fail(DGR_E_UNSUPPORTED, "session %llu: the MTP block drafted as from position %d: truncate the "
+                    "session to it (or draft as from it) first", (unsigned long long) session_id, end);
+    }
+    // the drafts take positions start.. of the MTP KV (dropped again below): stop where the
     // session's context ends
-    const int32_t start = slot->next_pos;
+    const int32_t start = n_keep >= 0 ? n_keep : slot->next_pos;
     const uint32_t room = (uint32_t) std::max<int64_t>(0, (int64_t) info.n_ctx_per_session - start);
     const uint32_t n = std::min(k, room);
     const size_t width = m.pending_h.size();
@@ -1208,6 +1250,25 @@ int dgr_session_mtp_draft(dgr_engine * engine, uint64_t session_id, uint64_t epo
     }
     *n_out = made;
     return ok();
+}
+
+}  // namespace
+
+int dgr_session_mtp_draft(dgr_engine * engine, uint64_t session_id, uint64_t epoch, int32_t last_token,
+                          uint32_t k, int32_t * out, uint32_t * n_out) {
+    DGR_GUARD_BEGIN
+    return mtp_draft_impl(engine, session_id, epoch, -1, last_token, k, out, n_out);
+    DGR_GUARD_END
+}
+
+int dgr_session_mtp_draft_from(dgr_engine * engine, uint64_t session_id, uint64_t epoch, int32_t n_keep,
+                               int32_t last_token, uint32_t k, int32_t * out, uint32_t * n_out) {
+    DGR_GUARD_BEGIN
+    if (n_keep < 1) {
+        return fail(DGR_E_POSITION, "session %llu: cannot draft as from position %d: it must be at least 1",
+                    (unsigned long long) session_id, n_keep);
+    }
+    return mtp_draft_impl(engine, session_id, epoch, n_keep, last_token, k, out, n_out);
     DGR_GUARD_END
 }
 
@@ -1315,6 +1376,9 @@ int dgr_session_state_load(dgr_engine * engine, uint64_t session_id, uint64_t ep
     if (engine->mtp_ctx != nullptr) {
         // the saved state is the owned layers' only: the MTP block's inputs are not in it
         llama_memory_seq_rm(llama_get_memory(engine->mtp_ctx), slot->seq, -1, -1);
+        const size_t width = slot->mtp.pending_h.size();
+        slot->mtp = mtp_slot{};
+        slot->mtp.pending_h.assign(width, 0.0f);
         slot->mtp.ok = h.next_pos == 0;
     }
     return ok();

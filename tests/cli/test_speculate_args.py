@@ -63,7 +63,7 @@ def vocab() -> str:
         (["--speculate", "draft:"], "draft: needs a GGUF or a model name"),
         (["--speculate", "ngram", "--draft-max", "0"], "argument --draft-max: must be in [1, 16]"),
         (["--speculate", "ngram", "--draft-max", "17"], "argument --draft-max: must be in [1, 16]"),
-        (["--speculate", "mtp"], "the route's last stage to own the model's MTP block"),
+        (["--speculate", "mtp"], "has no MTP block (only a DeepSeek V4 model with one has it)"),
         (
             ["--speculate", "ngram", "--temperature", "0.7"],
             "--speculate: speculative decoding is greedy only: drop --temperature",

@@ -266,3 +266,76 @@ def test_mtp_drafts_verified_by_the_route_keep_plain_greedy_tokens(
         assert split.last.next_pos(1, 0) == len(history)
     assert out[:n] == expected
     assert proposed >= k * 4  # random weights: acceptance says nothing, the tokens everything
+
+
+# -- drafting as from the kept position (the route's last stage, before the next frame) ----------
+
+
+def pass_with_rejects(c: Chain, token: int, drafts: list[int]) -> tuple[int, list[int]]:
+    """One verification pass of ``token`` and ``drafts``; returns (kept drafts, greedy)."""
+    logits = c.forward(1, 0, [token, *drafts], want=np.ones(1 + len(drafts)))
+    best = [int(t) for t in np.argmax(logits, axis=1)]
+    keep = 0
+    while keep < len(drafts) and drafts[keep] == best[keep]:
+        keep += 1
+    return keep, best
+
+
+def test_drafting_as_from_the_kept_position_equals_drafting_after_the_truncation(
+    v4_mtp: Path, split: Chain
+) -> None:
+    token = prefill(split)
+    base = len(PROMPT)
+    wrong = [(token + 7) % 256, 3, 9]  # the first draft is wrong: nothing kept
+    reference = chain(v4_mtp, split=True, mtp=True)
+    try:
+        assert prefill(reference) == token
+        for c in (split, reference):
+            keep, best = pass_with_rejects(c, token, wrong)
+        assert keep == 0
+        nxt = best[0]
+        # the reference truncates first, then drafts from the next position
+        reference.truncate(1, 0, base + 1)
+        expected = reference.last.mtp_draft(1, 0, nxt, 4)
+        # the stage drafts as from the kept position before anything is truncated
+        got = split.last.mtp_draft(1, 0, nxt, 4, n_keep=base + 1)
+        assert got == expected
+        assert split.last.next_pos(1, 0) == base + 4  # the main KV keeps every row until then
+        # drafting from the next position is refused until the session is truncated to it
+        with pytest.raises(E.UnsupportedFeature, match="drafted as from position"):
+            split.last.mtp_draft(1, 0, nxt, 2)
+        assert split.last.mtp_draft(1, 0, nxt, 4, n_keep=base + 1) == expected  # repeatable
+        split.truncate(1, 0, base + 1)  # the frame's truncation: the MTP state stays right
+        assert split.last.mtp_draft(1, 0, nxt, 4) == expected
+        # and the next pass goes on as plain decoding
+        for c in (split, reference):
+            keep, best = pass_with_rejects(c, nxt, expected[:2])
+        assert split.last.mtp_draft(1, 0, best[keep], 3, n_keep=base + 2 + keep) == (
+            reference.last.mtp_draft(1, 0, best[keep], 3, n_keep=base + 2 + keep)
+        )
+    finally:
+        reference.close()
+
+
+def test_bad_kept_positions_are_refused_and_change_nothing(split: Chain) -> None:
+    token = prefill(split)
+    base = len(PROMPT)
+    keep, best = pass_with_rejects(split, token, [(token + 7) % 256, 3])
+    drafts = split.last.mtp_draft(1, 0, best[keep], 3, n_keep=base + 1 + keep)
+    for n_keep in (0, -1, base + 4):
+        with pytest.raises(E.PositionMismatch):
+            split.last.mtp_draft(1, 0, best[keep], 3, n_keep=n_keep)
+    with pytest.raises(E.UnsupportedFeature, match="last forward call"):
+        split.last.mtp_draft(1, 0, best[keep], 3, n_keep=base - 1)  # before the pass's rows
+    assert split.last.mtp_draft(1, 0, best[keep], 3, n_keep=base + 1 + keep) == drafts
+    assert split.last.next_pos(1, 0) == base + 3
+
+
+def test_a_forward_without_the_truncation_loses_the_mtp_inputs(split: Chain) -> None:
+    token = prefill(split)
+    base = len(PROMPT)
+    keep, best = pass_with_rejects(split, token, [(token + 7) % 256, 3])
+    split.last.mtp_draft(1, 0, best[keep], 2, n_keep=base + 1)
+    split.forward(1, 0, [best[keep]])  # the session went on from base + 3, not from base + 1
+    with pytest.raises(E.UnsupportedFeature, match="MTP inputs were lost"):
+        split.last.mtp_draft(1, 0, 5, 2)

@@ -175,18 +175,20 @@ class Compatibility(_message.Message):
     def __init__(self, model_sha256: _Optional[bytes] = ..., arch: _Optional[str] = ..., n_layer: _Optional[int] = ..., official_target_sha: _Optional[str] = ..., quant_types: _Optional[_Iterable[str]] = ..., context: _Optional[int] = ..., kv_type: _Optional[str] = ..., backend: _Optional[str] = ..., llama_cpp_commit: _Optional[str] = ..., patch_stack_sha256: _Optional[bytes] = ..., dgr_version: _Optional[str] = ..., hardware: _Optional[str] = ..., schema_version: _Optional[int] = ..., flash_attn: _Optional[str] = ..., artifacts: _Optional[str] = ..., family_patch_sha256: _Optional[bytes] = ...) -> None: ...
 
 class LayerRange(_message.Message):
-    __slots__ = ("layer_begin", "layer_end", "is_first", "is_last", "needs_token_ids")
+    __slots__ = ("layer_begin", "layer_end", "is_first", "is_last", "needs_token_ids", "mtp")
     LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
     LAYER_END_FIELD_NUMBER: _ClassVar[int]
     IS_FIRST_FIELD_NUMBER: _ClassVar[int]
     IS_LAST_FIELD_NUMBER: _ClassVar[int]
     NEEDS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MTP_FIELD_NUMBER: _ClassVar[int]
     layer_begin: int
     layer_end: int
     is_first: bool
     is_last: bool
     needs_token_ids: bool
-    def __init__(self, layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., needs_token_ids: _Optional[bool] = ...) -> None: ...
+    mtp: bool
+    def __init__(self, layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., is_first: _Optional[bool] = ..., is_last: _Optional[bool] = ..., needs_token_ids: _Optional[bool] = ..., mtp: _Optional[bool] = ...) -> None: ...
 
 class Capacity(_message.Message):
     __slots__ = ("sessions_max", "sessions_open", "kv_tokens_free", "context_per_session", "max_rows_per_forward", "session_lease_seconds", "sessions_waiting", "admission_wait_seconds")
@@ -363,7 +365,7 @@ class CloseSessionReply(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms", "no_logits", "session_secret", "kind", "chain_hop", "chain_trace", "ring_until_step", "ring_stop", "draft_rows", "kept_drafts", "ring_draft_max")
+    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms", "no_logits", "session_secret", "kind", "chain_hop", "chain_trace", "ring_until_step", "ring_stop", "draft_rows", "kept_drafts", "ring_draft_max", "mtp_draft_max")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -384,6 +386,7 @@ class ForwardRequest(_message.Message):
     DRAFT_ROWS_FIELD_NUMBER: _ClassVar[int]
     KEPT_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     RING_DRAFT_MAX_FIELD_NUMBER: _ClassVar[int]
+    MTP_DRAFT_MAX_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     step: int
@@ -404,7 +407,8 @@ class ForwardRequest(_message.Message):
     draft_rows: int
     kept_drafts: int
     ring_draft_max: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., no_logits: _Optional[bool] = ..., session_secret: _Optional[bytes] = ..., kind: _Optional[_Union[RowKind, str]] = ..., chain_hop: _Optional[int] = ..., chain_trace: _Optional[_Iterable[_Union[HopTrace, _Mapping]]] = ..., ring_until_step: _Optional[int] = ..., ring_stop: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[int] = ..., kept_drafts: _Optional[int] = ..., ring_draft_max: _Optional[int] = ...) -> None: ...
+    mtp_draft_max: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., no_logits: _Optional[bool] = ..., session_secret: _Optional[bytes] = ..., kind: _Optional[_Union[RowKind, str]] = ..., chain_hop: _Optional[int] = ..., chain_trace: _Optional[_Iterable[_Union[HopTrace, _Mapping]]] = ..., ring_until_step: _Optional[int] = ..., ring_stop: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[int] = ..., kept_drafts: _Optional[int] = ..., ring_draft_max: _Optional[int] = ..., mtp_draft_max: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_us", "compute_us", "total_us")
@@ -417,7 +421,7 @@ class Timings(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., total_us: _Optional[int] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("session_id", "epoch", "step", "kind", "output", "next_pos", "timings")
+    __slots__ = ("session_id", "epoch", "step", "kind", "output", "next_pos", "timings", "mtp_drafts", "mtp_draft_pos")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -425,6 +429,8 @@ class ForwardReply(_message.Message):
     OUTPUT_FIELD_NUMBER: _ClassVar[int]
     NEXT_POS_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    MTP_DRAFTS_FIELD_NUMBER: _ClassVar[int]
+    MTP_DRAFT_POS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     step: int
@@ -432,7 +438,9 @@ class ForwardReply(_message.Message):
     output: Tensor
     next_pos: int
     timings: Timings
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[OutputKind, str]] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., next_pos: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ...) -> None: ...
+    mtp_drafts: _containers.RepeatedScalarFieldContainer[int]
+    mtp_draft_pos: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[OutputKind, str]] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., next_pos: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., mtp_drafts: _Optional[_Iterable[int]] = ..., mtp_draft_pos: _Optional[int] = ...) -> None: ...
 
 class ChainHop(_message.Message):
     __slots__ = ("endpoint", "expect", "session_secret", "tls", "frame_link")
