@@ -36,8 +36,10 @@ def baseline_record_for(
     lock: Lock,
     started: dt.datetime,
     command: Sequence[str],
+    kind: RecordKind = RecordKind.BASELINE,
 ) -> EvidenceRecord:
-    """A baseline record on ``build``'s lane (``context``: tokens per session the run used).
+    """A baseline record (or another ``kind`` made of one run on ``build``'s lane: DGR-070's
+    MTP record) on ``build``'s lane (``context``: tokens per session the run used).
     Raises :class:`~dgr_engine.certification.errors.UnclassifiableModel` for a GGUF that is
     neither a dgr fixture nor a real model the lock names, and ``LockMismatch`` when the lock
     declares no comparable lane for it."""
@@ -49,7 +51,7 @@ def baseline_record_for(
         facts.evidence_class, lane.backend, arch, facts.real_model
     )
     return EvidenceRecord(
-        kind=RecordKind.BASELINE,
+        kind=kind,
         lane=lane,
         lock_sha256=lock.sha256,
         facts=facts,

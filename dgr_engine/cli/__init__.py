@@ -12,6 +12,7 @@
     dgr models    list, fetch or locate the real models of the catalog
     dgr certify   certify a lane here: its scenarios over real workers, one evidence record
     dgr baseline  DGR-020: safetensors against whole-model llama.cpp, one baseline record
+    dgr mtp       DGR-070: DeepSeek V4's MTP block drafting through routes, one MTP record
     dgr artifacts the hashed manifest of a single or split GGUF
     dgr lock      make a lock: declare a real model, a hardware lane, a certifier key
     dgr gate      evaluate DGR-020, DGR-054 or DGR-070 from the records, against the lock
@@ -36,6 +37,7 @@ from dgr_engine.cli import (
     generate,
     lock,
     models,
+    mtp,
     serve,
     worker,
 )
@@ -52,6 +54,7 @@ _SUBCOMMANDS = {
     "models": models,
     "certify": certify,
     "baseline": baseline,
+    "mtp": mtp,
     "artifacts": artifacts,
     "lock": lock,
     "gate": gate,
