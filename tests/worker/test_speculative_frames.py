@@ -3,7 +3,8 @@ frame and the frame after it, checked before anything changes.
 
 A frame that does not match what the stage holds (kept drafts without a pass, a pass left
 unanswered, more kept than drafted, rows that do not start after the kept drafts, more drafts
-than rows or than the limit, a pass without every row's logits, a draft outside the vocabulary)
+than rows or than the limit, a pass without every row's logits, a draft outside the vocabulary,
+a pass of a stale epoch)
 is refused with a typed error and the session lives on: the right frame then gives the logits
 plain decoding gives, bit for bit. The usage record counts drafted and rejected rows."""
 
@@ -16,7 +17,7 @@ import numpy as np
 import pytest
 
 from dgr_engine.client.shard_client import ShardClient, expectations_of
-from dgr_engine.errors import EngineError, FrameRejected
+from dgr_engine.errors import EngineError, FrameRejected, StaleEpoch
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import whole_model_reference
 from dgr_engine.wire.frames import MAX_DRAFT_ROWS
@@ -85,7 +86,10 @@ def test_bad_verification_frames_are_refused_and_change_nothing(tiny_llama: Path
                 out = await forward(5, after + 1, [greedy[4]])  # a plain frame after it
                 assert np.array_equal(out.output[-1], logits[5])
                 records = await client.usage("s")
-                await client.close("s", 1)
+                await client.open("s", 2, expect)  # a newer epoch: a pass of the old is stale
+                with pytest.raises(StaleEpoch):
+                    await forward(6, after + 2, [greedy[5], 1], drafts=1)
+                await client.close("s", 2)
                 return records
         finally:
             await worker.stop()
