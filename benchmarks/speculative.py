@@ -21,7 +21,9 @@ Every drafter has ``DraftLength(k_max=--k-max)``; a self-draft starts at ``k_max
 Per cell: decode tok/s (tokens after the first over the time from the first to the last),
 acceptance (drafts kept / drafts verified), tokens per verification pass ((kept + passes) /
 passes, the issue's figure), time per route pass (decode time / every decode forward along the
-route, verification or not), speed-up over plain in the same cell, and tokens exact against the
+route, verification or not) and the engines' share of it (every stage's engine time, from the
+frames' own traces: the rest is the links, gRPC and the code at either end), speed-up over
+plain in the same cell, and tokens exact against the
 whole model's greedy tokens (the exit status is 1 when any cell is not exact).
 
     python -m benchmarks.speculative [--model smollm2-135m-instruct | --fixture NAME]
@@ -56,7 +58,7 @@ import attrs
 import numpy as np
 
 from benchmarks.model_arg import BenchModel, BenchModelError, add_model_arguments, resolve
-from dgr_engine.client.chained import ChainStageTransport
+from dgr_engine.client.chained import ChainRecord, ChainStageTransport
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import split_points, whole_model_reference
 from dgr_engine.speculative import ModelDrafter
@@ -104,6 +106,8 @@ class Session:
     passes: int
     drafted: int
     accepted: int
+    engine_s: float = 0.0
+    """Engine time of the decode frames, summed over the stages (their own traces)."""
 
 
 @attrs.frozen
@@ -125,6 +129,9 @@ class Cell:
     """Decode forwards along the route, verification or not: tokens after the first - kept."""
     ms_per_pass: float
     """Decode time per route pass."""
+    engine_ms_per_pass: float
+    """Of which the engines' (every stage's, summed); the rest is transit (the links' delay,
+    gRPC), the workers' and the client's code."""
     passes: int
     drafted: int
     accepted: int
@@ -158,12 +165,17 @@ async def one_session(
 ) -> Session:
     """Runs one greedy session (speculating when ``drafter``); the drafter is closed after."""
     stamps: list[float] = []
+    traces: list[ChainRecord] = []
     spec = None
     if drafter is not None:
         start = k_max if isinstance(drafter, ModelDrafter) else min(4, k_max)
         spec = Speculation(drafter, DraftLength(k_max=k_max, k_start=start))
     transport = ChainStageTransport(
-        timeout=30.0, close_timeout=1.0, ring=transport_name == "ring", data_path=DATA_PATH
+        timeout=30.0,
+        close_timeout=1.0,
+        ring=transport_name == "ring",
+        data_path=DATA_PATH,
+        chain_observer=traces.append,
     )
     policy = FailurePolicy(step_deadline=30.0, session_deadline=600.0)
     try:
@@ -191,6 +203,7 @@ async def one_session(
         passes=spec.passes if spec else 0,
         drafted=spec.drafted if spec else 0,
         accepted=spec.accepted if spec else 0,
+        engine_s=sum(sum(t.compute_us) for t in traces if t.step >= 1) / 1e6,
     )
 
 
@@ -213,6 +226,9 @@ def summarize(key: tuple[int, float, str, str, str], runs: list[Session], want: 
         tokens_per_pass=(accepted + passes) / passes if passes else 1.0,
         route_passes=route_passes,
         ms_per_pass=1000 * decode_s / route_passes if route_passes else 0.0,
+        engine_ms_per_pass=(
+            1000 * sum(r.engine_s for r in runs) / route_passes if route_passes else 0.0
+        ),
         passes=passes,
         drafted=drafted,
         accepted=accepted,
@@ -290,7 +306,7 @@ async def measure(
 
 HEAD = (
     f"{'stages':>6} {'RTT':>4} {'transport':<9} {'workload':<8} {'drafter':<7} {'tok/s':>7} "
-    f"{'accept':>6} {'tok/pass':>8} {'ms/pass':>8} {'x plain':>7} exact"
+    f"{'accept':>6} {'tok/pass':>8} {'ms/pass':>8} {'engines':>7} {'x plain':>7} exact"
 )
 
 
@@ -299,7 +315,7 @@ def row(c: Cell) -> str:
     return (
         f"{c.stages:>6} {c.rtt_ms:>4g} {c.transport:<9} {c.workload:<8} {c.drafter:<7} "
         f"{c.tps:>7.1f} {accept:>6} {c.tokens_per_pass:>8.2f} {c.ms_per_pass:>8.1f} "
-        f"{c.speedup:>7.2f} {c.exact}"
+        f"{c.engine_ms_per_pass:>7.1f} {c.speedup:>7.2f} {c.exact}"
     )
 
 

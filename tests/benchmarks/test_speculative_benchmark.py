@@ -50,6 +50,7 @@ def test_every_cell_is_measured_and_exact(tmp_path: Path) -> None:
     assert result["exact"] is True and all(c["exact"] for c in cells.values())
     for key, c in cells.items():
         assert c["tps"] > 0 and c["ms_per_pass"] > 0, key
+        assert 0 < c["engine_ms_per_pass"] < c["ms_per_pass"], key  # the engines' share
         if c["drafter"] == "plain":
             assert c["drafted"] == 0 and c["speedup"] == 1.0 and c["route_passes"] == 9
         if c["drafter"] == "self":  # the model as its own draft: every draft kept
