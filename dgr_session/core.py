@@ -709,17 +709,24 @@ class RouteSession:
                 pipe.send(0, chunk, None, step, self._now, out)
 
     def _accept(self, token: int, out: list[Command]) -> None:
+        if not self._take(token, out):
+            self._fire("token_accepted")
+            self._start_forward(out)
+
+    def _take(self, token: int, out: list[Command]) -> bool:
+        """Accepts ``token`` (emits it); True when that ended the session (a stop token, or
+        the last token it may produce)."""
         step = len(self._accepted)
         self._accepted.append(token)
         self._budget.token_accepted()
         out.append(EmitToken(self.session_id, self._epoch, step, token))
         if token in self.stop_tokens:
             self._finish(FinishReason.STOP, out)
-        elif len(self._accepted) >= self.max_new_tokens:
+            return True
+        if len(self._accepted) >= self.max_new_tokens:
             self._finish(FinishReason.LENGTH, out)
-        else:
-            self._fire("token_accepted")
-            self._start_forward(out)
+            return True
+        return False
 
     def _verified(self, chunk: Chunk, tokens: object, high_water: int, out: list[Command]) -> None:
         """The last stage answered a verification pass (the newest token and ``chunk.drafts``
@@ -748,15 +755,7 @@ class RouteSession:
         assert self._spec is not None  # only a speculating session sends drafts
         self._spec.verified(drafts, kept, self._now - pipe.hop_started[0])
         for token in tokens[: kept + 1]:
-            step = len(self._accepted)
-            self._accepted.append(token)
-            self._budget.token_accepted()
-            out.append(EmitToken(self.session_id, self._epoch, step, token))
-            if token in self.stop_tokens:
-                self._finish(FinishReason.STOP, out)
-                return
-            if len(self._accepted) >= self.max_new_tokens:
-                self._finish(FinishReason.LENGTH, out)
+            if self._take(token, out):
                 return
         self._fire("token_accepted")
         self._start_forward(out)
