@@ -150,7 +150,7 @@ REPROBE = 16
 """While no draft length pays, a timed :class:`DraftLength` drafts one token after this many
 plain passes, to see whether drafts are kept more often now."""
 
-PAYS = 1.05
+PAYS = 1.15
 """How much faster than plain decoding a timed :class:`DraftLength`'s model must expect drafts to
 be before it drafts: a margin for what the model gets wrong (timings are noisy, acceptance is
 an average)."""
