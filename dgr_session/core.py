@@ -683,7 +683,7 @@ class RouteSession:
         else:
             kind = _PREFILL if pos < n_prompt else _DECODE
         drafts = 0
-        if self._spec is not None and stop == end and pos >= n_prompt:
+        if self._spec is not None and stop == end and pos >= n_prompt and len(tokens) == 1:
             rows = min(self._replay_rows, self._pass_rows)
             room = min(self.max_new_tokens - len(self._accepted) - 1, rows - 1)
             proposed = self._spec.propose(self.prompt, self._accepted, room)

@@ -11,6 +11,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 
 from dgr_engine import ShardEngine
@@ -152,3 +153,30 @@ def test_a_sampling_session_is_refused_before_anything_starts(transport) -> None
 
     run_virtual(main)
     assert all(e.stats().open_sessions == 0 for e in transport.engines().values())
+
+
+def test_a_replay_in_chunks_carries_no_drafts(transport, expected) -> None:
+    """Stages that take 8 rows a forward: after a stage loss the re-prefill replays prompt and
+    accepted tokens in chunks of 8, the last of them past the prompt and ending at the newest
+    token. Drafts ride only on a one-token decode forward, never on a replay chunk."""
+    spec = Speculation(Oracle(expected, 0.3), DraftLength(k_max=4, k_start=4))
+    accepted: list[int] = []
+
+    def on_token(token: int) -> None:
+        accepted.append(token)
+        if len(accepted) == 12:
+            transport.kill("b")
+
+    def small(r: Any) -> Any:
+        return attrs.evolve(r, stages=tuple(attrs.evolve(s, max_rows=8) for s in r.stages))
+
+    result = run_session(
+        transport,
+        spec,
+        small(route("a", "b", "d")),
+        small(route("a", "c", "d")),
+        on_token=on_token,
+    )
+    assert result.state is SessionState.DONE, result.error
+    assert result.tokens == expected
+    assert [r.fault for r in result.reports] == [FaultKind.DEAD]
