@@ -1,6 +1,6 @@
 """DGR-070's MTP record: DeepSeek V4's MTP block drafting through routes of workers, one record.
 
-  dgr mtp [--fixture tiny-v4-mtp | --model FILE.gguf] [--stages 2 3 6] [--no-record]
+  dgr mtp [--fixture v4-12-mtp | --model FILE.gguf] [--stages 2 3 12] [--no-record]
 
 Serves the model (a DeepSeek V4 GGUF with an MTP block) as in-process workers at each stage
 count, runs one greedy session drafting with MTP over the relay, a chain and a ring on each,
@@ -24,7 +24,7 @@ from pathlib import Path
 from dgr_engine.argtypes import int_in
 from dgr_engine.cli._evidence_args import add_evidence_arguments, add_sign_key_argument
 
-FIXTURE = "tiny-v4-mtp"
+FIXTURE = "v4-12-mtp"
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -35,8 +35,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--stages",
         type=int_in(2, 64),
         nargs="+",
-        default=[2, 3, 6],
-        help="stage counts of the routes (default 2 3 6)",
+        default=[2, 3, 12],
+        help="stage counts of the routes (default 2 3 12)",
     )
     p.add_argument(
         "--tokens", type=int_in(2, 512), default=24, help="tokens per session (default 24)"

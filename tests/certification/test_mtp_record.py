@@ -61,14 +61,15 @@ def test_the_gate_reads_the_committed_mtp_record(capsys: pytest.CaptureFixture[s
     assert "mtp.contract: missing at release class; passes at fixture class only" in out, out
 
 
-@pytest.mark.slow  # serves the MTP fixture over routes of 2 stages, three transports
+@pytest.mark.slow  # serves the MTP fixture over routes of 2 and 12 stages, three transports
 def test_dgr_mtp_writes_a_record_the_gate_reads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     evidence = tmp_path / "evidence"
     shutil.copytree(REPO / "evidence", evidence)
     before = set(evidence.rglob("*.json"))
-    assert main(["mtp", "--stages", "2", "--tokens", "12", "--evidence", str(evidence)]) == 0
+    argv = ["mtp", "--stages", "2", "12", "--tokens", "12", "--evidence", str(evidence)]
+    assert main(argv) == 0  # v4-12-mtp over 2 and 12 stages
     (made,) = set(evidence.rglob("*.json")) - before
     assert made.parent.parent.name == "fixture"
     out = capsys.readouterr().out

@@ -56,6 +56,7 @@ def test_public_names() -> None:
         "tiny-v4",
         "tiny-v4-mtp",
         "v4-12",
+        "v4-12-mtp",
     }
     for name, spec in FIXTURES.items():
         assert spec.name == name
