@@ -70,7 +70,8 @@ class RingDrafting:
         kept = 0
         while kept < drafts and greedy[kept] == int(request.token_ids[n - drafts + kept]):
             kept += 1
-        self.speculation.verified(drafts, kept, seconds)
+        if seconds is not None:  # a pass this stage drafted (one of the session's own: no)
+            self.speculation.verified(drafts, kept, seconds)
         return greedy[: kept + 1], kept
 
     def draft(
