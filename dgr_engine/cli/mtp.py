@@ -4,7 +4,7 @@
 
 Serves the model (a DeepSeek V4 GGUF with an MTP block) as in-process workers at each stage
 count, runs one greedy session drafting with MTP over the relay, a chain and a ring on each,
-and judges the three MTP requirements of DGR-070 (``docs/speculative.md``): the ownership
+and judges the three MTP requirements of DGR-070 (docs/speculative.md): the ownership
 contract as served (only the last stage loads and advertises the block), the implementation
 (tokens equal the whole model's plain greedy tokens everywhere) and the benchmark (drafts per
 pass, the last stage's cost per draft, acceptance: on a random-weight fixture acceptance says

@@ -46,6 +46,7 @@ def test_every_subcommand_is_reachable() -> None:
         "dgr models path",
         "dgr certify",
         "dgr baseline",
+        "dgr mtp",
         "dgr artifacts",
         "dgr artifacts manifest",
         "dgr artifacts fetch",
