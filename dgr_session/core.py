@@ -69,7 +69,7 @@ from dgr_session.machine import (
 from dgr_session.pipeline import Chunk, EpochPipeline
 from dgr_session.policy import FailurePolicy, ReplayMode
 from dgr_session.route import CertificationVerifier, Route, validate_route
-from dgr_session.speculation import Speculation, verify_rows
+from dgr_session.speculation import Speculation, kept_drafts, verify_rows
 
 _S = SessionState
 _TERMINAL = frozenset(state.value for state in TERMINAL_STATES)
@@ -743,10 +743,7 @@ class RouteSession:
             detail = f"a verification pass of {drafts + 1} rows answered tokens {tokens!r}"
             self._fault(self._pipe.n_stages - 1, FaultKind.PROTOCOL, detail, out)
             return
-        proposed = chunk.token_ids[1:]
-        kept = 0
-        while kept < drafts and tokens[kept] == proposed[kept]:
-            kept += 1
+        kept = kept_drafts(tokens, chunk.token_ids[1:])
         resume = chunk.positions.start + 1 + kept  # the rows of the drafts not kept are dropped
         pipe = self._pipe
         pipe.kv_pos = pipe.sent = resume

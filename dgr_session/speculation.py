@@ -56,6 +56,17 @@ def verify_rows(quant_types: Sequence[str], hardware: str = "") -> int:
     return MAX_DRAFTS + 1
 
 
+def kept_drafts(greedy: Sequence[int], drafts: Sequence[int]) -> int:
+    """How many of a pass's ``drafts`` greedy decoding keeps: the longest run of them equal to
+    the greedy tokens of the rows before each (``greedy[i]`` is row ``i``'s, row 0 the newest
+    token's). The one rule every side of a pass applies: the session, a ring's last stage, an
+    MTP stage and a ring's client."""
+    kept = 0
+    while kept < len(drafts) and int(greedy[kept]) == int(drafts[kept]):
+        kept += 1
+    return kept
+
+
 @attrs.define(eq=False)
 class Speculation:
     """One session's speculation: its draft source, its adaptive draft length and what it
@@ -121,5 +132,6 @@ __all__ = [
     "REPACKED_TYPES",
     "AnyLength",
     "Speculation",
+    "kept_drafts",
     "verify_rows",
 ]

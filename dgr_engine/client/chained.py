@@ -54,7 +54,13 @@ from dgr_session.faults import FaultKind
 from dgr_session.identifiers import check_session_id
 from dgr_session.mtp_drafts import MtpDraftRequest
 from dgr_session.route import StageSpec
-from dgr_session.speculation import MAX_DRAFTS, AnyLength, Speculation, verify_rows
+from dgr_session.speculation import (
+    MAX_DRAFTS,
+    AnyLength,
+    Speculation,
+    kept_drafts,
+    verify_rows,
+)
 from dgr_session.transport import Boundary, Logits, StageResult
 from dgr_session.usage import StageCost
 
@@ -706,9 +712,7 @@ class ChainStageTransport(GrpcStageTransport):
             if logits.shape[0] != len(call.positions):
                 return
             greedy = [int(np.argmax(row)) for row in logits]
-            kept = 0
-            while kept < call.drafts and greedy[kept] == call.token_ids[1 + kept]:
-                kept += 1
+            kept = kept_drafts(greedy, call.token_ids[1:])
             greedy, position = greedy[: kept + 1], start + 1 + kept
         if any(token in stops for token in greedy):
             return

@@ -15,7 +15,7 @@ import numpy as np
 
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_session.drafts import DraftLength, NgramDrafter
-from dgr_session.speculation import MAX_DRAFTS, Speculation
+from dgr_session.speculation import MAX_DRAFTS, Speculation, kept_drafts
 
 
 @attrs.define(eq=False)
@@ -67,9 +67,7 @@ class RingDrafting:
         if rows.shape[0] != n:
             return None
         greedy = [int(np.argmax(row)) for row in rows]
-        kept = 0
-        while kept < drafts and greedy[kept] == int(request.token_ids[n - drafts + kept]):
-            kept += 1
+        kept = kept_drafts(greedy, request.token_ids[n - drafts :])
         if seconds is not None:  # a pass this stage drafted (one of the session's own: no)
             self.speculation.verified(drafts, kept, seconds)
         return greedy[: kept + 1], kept

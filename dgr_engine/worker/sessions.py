@@ -37,6 +37,7 @@ from dgr_engine.numerics import Numerics
 from dgr_engine.wire.frames import FloatRows, ForwardFrame
 from dgr_engine.worker.closes import CloseCause, CloseListener, SessionClosed, notify
 from dgr_engine.worker.tombstones import Tombstones
+from dgr_session.speculation import kept_drafts
 
 if TYPE_CHECKING:
     from loguru import Logger
@@ -257,9 +258,8 @@ class SessionTable:
             if out.shape[0] != n or frame.tokens is None:
                 return None
             greedy = [int(t) for t in np.argmax(out, axis=1)]
-            base, kept = n - frame.drafts - 1, 0  # the row of the newest token
-            while kept < frame.drafts and greedy[base + kept] == int(frame.tokens[base + 1 + kept]):
-                kept += 1
+            base = n - frame.drafts - 1  # the row of the newest token
+            kept = kept_drafts(greedy[base:], frame.tokens[base + 1 :].tolist())
             token, position = greedy[base + kept], int(frame.positions[base]) + 1 + kept
         engine: MtpEngine = self.engine  # type: ignore[assignment]
         try:
