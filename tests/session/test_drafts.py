@@ -17,6 +17,7 @@ from hypothesis.stateful import (
 )
 
 from dgr_session.drafts import (
+    MIN_NGRAM,
     REPROBE,
     DraftConfigError,
     Drafter,
@@ -166,11 +167,19 @@ def test_bad_ngram_bounds_and_a_negative_k_are_typed_refusals() -> None:
 def test_the_ngram_drafter_is_a_drafter_and_close_forgets_the_index() -> None:
     drafter = NgramDrafter()
     assert isinstance(drafter, Drafter) and drafter.name == "ngram"
-    assert drafter.propose([1, 2, 1], 2) == (2, 1)
+    assert drafter.propose([1, 2, 3, 1, 2], 2) == (3, 1)
     drafter.close()
     drafter.close()
     assert "indexed=0" in repr(drafter)
-    assert drafter.propose([1, 2, 1], 2) == (2, 1)
+    assert drafter.propose([1, 2, 3, 1, 2], 2) == (3, 1)
+
+
+def test_by_default_a_draft_needs_a_match_of_two_tokens() -> None:
+    # [1] occurred before (followed by 2), [2, 1] did not: one token is not enough by default
+    assert MIN_NGRAM == 2
+    assert NgramDrafter().propose([1, 2, 1], 2) == ()
+    assert NgramDrafter(3, 1).propose([1, 2, 1], 2) == (2, 1)
+    assert NgramDrafter().propose([1, 2, 1, 2], 2) == (1, 2)
 
 
 # -- the draft length ----------------------------------------------------------------------
