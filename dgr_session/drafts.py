@@ -27,6 +27,8 @@ __all__ = [
     "DraftConfigError",
     "DraftContextFull",
     "MIN_NGRAM",
+    "REPROBE",
+    "REPROBE_MAX",
     "DraftLength",
     "Drafter",
     "NgramDrafter",
@@ -159,7 +161,12 @@ REPLAIN = 64
 
 REPROBE = 16
 """While no draft length pays, a timed :class:`DraftLength` drafts one token after this many
-plain passes, to see whether drafts are kept more often now."""
+plain passes, to see whether drafts are kept more often now; after a probe that keeps nothing
+it waits twice as long for the next (up to :data:`REPROBE_MAX`), after one that keeps its draft
+:data:`REPROBE` again."""
+
+REPROBE_MAX = 128
+"""The longest wait of a timed :class:`DraftLength` between two probes."""
 
 PAYS = 1.15
 """How much faster than plain decoding a timed :class:`DraftLength`'s model must expect drafts to
@@ -209,7 +216,10 @@ class DraftLength:
     none when no ``k`` beats a plain pass by :data:`PAYS`. It times a plain pass first (``k``
     reads 0 until one was recorded), a pass with drafts next (the acceptance policy's ``k``),
     refreshes ``plain`` every :data:`REPLAIN` passes, and, while no ``k`` pays, probes one
-    draft every :data:`REPROBE` passes to see whether ``alpha`` rose. Without timings (0 or
+    draft after :data:`REPROBE` plain passes to see whether ``alpha`` rose, waiting twice as
+    long after each probe that kept nothing (up to :data:`REPROBE_MAX`). ``k_start`` is 1 by
+    default: a session's first drafts, before anything is known of them, cost one row.
+    Without timings (0 or
     ``None``, as under a virtual clock) the acceptance policy above decides alone. Pure and
     deterministic: the same records give the same ``k``.
     """
@@ -217,7 +227,7 @@ class DraftLength:
     def __init__(
         self,
         k_max: int = 8,
-        k_start: int = 4,
+        k_start: int = 1,
         *,
         patience: int = 2,
         backoff_start: int = 4,
@@ -250,6 +260,7 @@ class DraftLength:
         self._best = 0  # the k that pays most (timed, once plain and row are known)
         self._since_plain = 0  # timed passes with drafts since the last plain one
         self._since_probe = 0  # passes without drafts while none pays
+        self._probe_every = REPROBE  # plain passes between two probes while none pays
 
     @property
     def k(self) -> int:
@@ -262,7 +273,7 @@ class DraftLength:
             if self._since_plain >= REPLAIN:
                 return 0
             if self._best == 0:
-                return 1 if self._since_probe >= REPROBE else 0
+                return 1 if self._since_probe >= self._probe_every else 0
             return self._best
         return 0 if self._pause > 0 else self._k
 
@@ -285,10 +296,10 @@ class DraftLength:
             self._trials = self._trials * _DECAY + accepted + (accepted < proposed)
         if seconds is not None and seconds > 0:
             self._timed = True
-            self._time(proposed, seconds)
+            self._time(proposed, accepted, seconds)
         self._heuristic(proposed, accepted)
 
-    def _time(self, proposed: int, seconds: float) -> None:
+    def _time(self, proposed: int, accepted: int, seconds: float) -> None:
         if proposed == 0:
             self._plain = _average(self._plain, seconds)
             self._since_plain = 0
@@ -300,6 +311,9 @@ class DraftLength:
         elif self._plain is None:
             self._first = (proposed, seconds)
         else:
+            if self._best == 0 and self._row is not None:  # a probe: back off if it missed
+                missed = accepted == 0
+                self._probe_every = min(2 * self._probe_every, REPROBE_MAX) if missed else REPROBE
             self._row = _average(self._row, max(seconds - self._plain, 0.0) / proposed)
             self._since_plain += 1
             self._since_probe = 0

@@ -53,8 +53,6 @@ SOURCES = ("ngram", "draft:PATH", "mtp")
 """``--speculate`` values, as ``--help`` names them."""
 DEFAULT_DRAFT_MAX = 8
 """``--draft-max``'s default: the adaptive draft length's ceiling."""
-_START_DRAFTS = 4
-"""Drafts of a session's first pass (at most ``--draft-max``); it adapts from there."""
 
 
 class SpeculationRefused(RouteOptionsRefused):
@@ -189,7 +187,7 @@ class SpeculationPlan:
     def session(self, drafter: Drafter) -> Speculation:
         """One session's speculation over ``drafter`` (its own length and counters)."""
         k_max = self.draft_max
-        return Speculation(drafter, DraftLength(k_max, min(_START_DRAFTS, k_max)), k_max)
+        return Speculation(drafter, DraftLength(k_max), k_max)  # one draft first, then adapts
 
 
 def plan_speculation(

@@ -35,7 +35,7 @@ class RingDrafting:
 
     def __attrs_post_init__(self) -> None:
         self.k_max = min(self.k_max, MAX_DRAFTS)
-        length = DraftLength(k_max=self.k_max, k_start=min(4, self.k_max))
+        length = DraftLength(k_max=self.k_max)
         self.speculation = Speculation(NgramDrafter(), length, max_drafts=self.k_max)
 
     def ran(self, start: int, token_ids: Sequence[int]) -> bool:
