@@ -168,7 +168,7 @@ async def one_session(
     traces: list[ChainRecord] = []
     spec = None
     if drafter is not None:
-        start = k_max if isinstance(drafter, ModelDrafter) else 1
+        start = k_max if isinstance(drafter, ModelDrafter) else min(2, k_max)
         spec = Speculation(drafter, DraftLength(k_max=k_max, k_start=start))
     transport = ChainStageTransport(
         timeout=30.0,

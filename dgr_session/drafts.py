@@ -173,6 +173,10 @@ PAYS = 1.15
 be before it drafts: a margin for what the model gets wrong (timings are noisy, acceptance is
 an average)."""
 
+PLAIN_FIRST = 2
+"""Plain passes a timed :class:`DraftLength` times before it drafts by its model: their mean is
+what a draft row's time is measured against, so one noisy pass does not decide it."""
+
 _DECAY = 0.9
 """Weight of the past in the kept-draft counts (recent passes count most)."""
 
@@ -180,8 +184,8 @@ _WEIGHT = 0.2
 """Weight of a new timing in the averages."""
 
 
-def _average(old: float | None, new: float) -> float:
-    return new if old is None else old + _WEIGHT * (new - old)
+def _average(old: float | None, new: float, weight: float = _WEIGHT) -> float:
+    return new if old is None else old + weight * (new - old)
 
 
 class DraftLength:
@@ -217,8 +221,10 @@ class DraftLength:
     reads 0 until one was recorded), a pass with drafts next (the acceptance policy's ``k``),
     refreshes ``plain`` every :data:`REPLAIN` passes, and, while no ``k`` pays, probes one
     draft after :data:`REPROBE` plain passes to see whether ``alpha`` rose, waiting twice as
-    long after each probe that kept nothing (up to :data:`REPROBE_MAX`). ``k_start`` is 1 by
-    default: a session's first drafts, before anything is known of them, cost one row.
+    long after each probe that kept nothing (up to :data:`REPROBE_MAX`), and it times
+    :data:`PLAIN_FIRST` plain passes before its model decides. ``k_start`` is 2 by default: a
+    session's first drafts, sent before anything is known of them, cost few rows, and yet say
+    what a row costs better than one would.
     Without timings (0 or
     ``None``, as under a virtual clock) the acceptance policy above decides alone. Pure and
     deterministic: the same records give the same ``k``.
@@ -227,7 +233,7 @@ class DraftLength:
     def __init__(
         self,
         k_max: int = 8,
-        k_start: int = 1,
+        k_start: int = 2,
         *,
         patience: int = 2,
         backoff_start: int = 4,
@@ -253,7 +259,10 @@ class DraftLength:
         # timed: averages of a plain pass, of a draft row's extra time, and of drafts kept
         self._timed = False
         self._plain: float | None = None
+        self._plains = 0  # plain passes timed
         self._row: float | None = None
+        self._extra = 0.0  # decayed sums of the time drafts added and of the drafts: row's
+        self._drafts = 0.0
         self._first: tuple[int, float] | None = None  # a timed pass with drafts before plain
         self._hits = 0.0
         self._trials = 0.0
@@ -270,6 +279,8 @@ class DraftLength:
                 return 0  # time a plain pass first
             if self._row is None:
                 return self._k  # then a pass with drafts
+            if self._plains < PLAIN_FIRST:
+                return 0
             if self._since_plain >= REPLAIN:
                 return 0
             if self._best == 0:
@@ -301,24 +312,33 @@ class DraftLength:
 
     def _time(self, proposed: int, accepted: int, seconds: float) -> None:
         if proposed == 0:
-            self._plain = _average(self._plain, seconds)
+            self._plains += 1  # the first ones averaged alike, then the recent ones most
+            self._plain = _average(self._plain, seconds, max(_WEIGHT, 1 / self._plains))
             self._since_plain = 0
             self._since_probe += 1
             if self._first is not None:  # the pass with drafts timed before plain was
                 drafts, took = self._first
                 self._first = None
-                self._row = _average(self._row, max(took - self._plain, 0.0) / drafts)
+                self._row = self._row_cost(took - self._plain, drafts)
         elif self._plain is None:
             self._first = (proposed, seconds)
         else:
             if self._best == 0 and self._row is not None:  # a probe: back off if it missed
                 missed = accepted == 0
                 self._probe_every = min(2 * self._probe_every, REPROBE_MAX) if missed else REPROBE
-            self._row = _average(self._row, max(seconds - self._plain, 0.0) / proposed)
+            self._row = self._row_cost(seconds - self._plain, proposed)
             self._since_plain += 1
             self._since_probe = 0
         if self._plain is not None and self._row is not None:
             self._best = self._paying_k(self._plain, self._row)
+
+    def _row_cost(self, extra: float, drafts: int) -> float:
+        """The time a draft row adds, from a pass whose ``drafts`` rows added ``extra``
+        seconds over a plain pass: the ratio of decayed sums, so that a pass of many drafts
+        (whose timing says more of a row) weighs more than a pass of one."""
+        self._extra = self._extra * (1 - _WEIGHT) + max(extra, 0.0)
+        self._drafts = self._drafts * (1 - _WEIGHT) + drafts
+        return self._extra / self._drafts
 
     def _paying_k(self, plain: float, row: float) -> int:
         """The draft length that gives the most tokens a second (0: none beats plain)."""

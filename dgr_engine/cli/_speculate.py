@@ -187,7 +187,7 @@ class SpeculationPlan:
     def session(self, drafter: Drafter) -> Speculation:
         """One session's speculation over ``drafter`` (its own length and counters)."""
         k_max = self.draft_max
-        return Speculation(drafter, DraftLength(k_max), k_max)  # one draft first, then adapts
+        return Speculation(drafter, DraftLength(k_max), k_max)  # two drafts first, then adapts
 
 
 def plan_speculation(

@@ -152,10 +152,10 @@ def test_each_session_gets_its_own_speculation_over_the_one_drafter() -> None:
     one, two = plan.session(drafter), plan.session(drafter)
     assert one is not two and one.length is not two.length
     assert one.drafter is drafter and two.drafter is drafter
-    assert (one.max_drafts, one.length.k_max, one.length.k) == (3, 3, 1)  # one draft first
-    one.verified(1, 1)
-    one.verified(2, 1)
-    assert (one.passes, two.passes) == (2, 0) and one.length.k == 2
+    assert (one.max_drafts, one.length.k_max, one.length.k) == (3, 3, 2)  # two drafts first
+    one.verified(2, 2)
+    one.verified(1, 0)
+    assert (one.passes, two.passes) == (2, 0) and one.length.k == 1
     line = speculation_line(one)
     assert line == (
         "speculation ngram: 2 passes  3 drafted  2 accepted  acceptance 0.67  2.00 tokens per pass"

@@ -318,7 +318,9 @@ def test_a_timed_length_times_a_plain_pass_first_then_drafts_what_pays() -> None
     length = DraftLength(k_max=8, k_start=4)
     assert length.k == 4
     length.record(4, 4, 0.050)  # a pass with drafts, timed before any plain one
-    assert length.k == 0  # a plain pass next, to know what drafts cost
+    assert length.k == 0  # plain passes next, to know what drafts cost
+    length.record(0, 0, 0.040)
+    assert length.k == 0  # PLAIN_FIRST of them, before the model decides
     length.record(0, 0, 0.040)
     # cheap rows (2.5 ms a draft against 40 ms a pass) and every draft kept: draft a lot
     assert length.k >= 6
@@ -367,8 +369,8 @@ def test_a_timed_length_waits_twice_as_long_after_each_probe_that_missed() -> No
     assert waited == REPROBE
 
 
-def test_a_fresh_length_drafts_one_token_first() -> None:
-    assert DraftLength().k == 1
+def test_a_fresh_length_drafts_two_tokens_first() -> None:
+    assert DraftLength().k == 2
     assert DraftLength(k_max=8, k_start=4).k == 4
 
 
