@@ -290,7 +290,11 @@ class SessionManager:
 
         ``speculation`` decodes speculatively (``docs/speculative.md``): greedy sessions only, so
         a sampler other than :func:`~dgr_session.sampling.greedy` is refused with
-        :class:`~dgr_session.errors.SpeculationNeedsGreedy`.
+        :class:`~dgr_session.errors.SpeculationNeedsGreedy`. A session whose sampler is
+        :func:`~dgr_session.sampling.greedy` marks its forwards (``Forward.greedy``): a transport
+        may then answer the last stage's greedy tokens instead of its logits
+        (:attr:`~dgr_session.transport.Logits.greedy`, ``docs/wire.md``), which it takes as
+        they are.
 
         A transport with a ``session_starting(session_id, max_new_tokens, stop_tokens)``
         method is told first (a ring, ``dgr_engine.client.chained``, runs ahead within them),
