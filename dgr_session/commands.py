@@ -111,6 +111,11 @@ class Forward:
     """The forward after a verification pass: how many of its drafts the session kept; every
     stage drops the positions of the others before it runs these rows (``None``: the previous
     forward was no verification pass)."""
+    greedy: bool = False
+    """The session takes the greedy token of every logits row it reads (its sampler is greedy,
+    as every speculating session's is): a transport may ask the last stage for those tokens
+    instead of the logits (``ForwardRequest.greedy_tokens``) and answer them in
+    :attr:`~dgr_session.transport.Logits.greedy`. ``False``: the session needs the logits."""
 
 
 @attrs.frozen

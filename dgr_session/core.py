@@ -116,6 +116,7 @@ class RouteSession:
         "stop_tokens",
         "required_evidence",
         "certification_verifier",
+        "greedy",
         "_machine",
         "_state",
         "_identity",
@@ -160,6 +161,7 @@ class RouteSession:
         prefill_chunk: int | None = None,
         certification_verifier: CertificationVerifier | None = None,
         speculation: Speculation | None = None,
+        greedy: bool = False,
     ) -> None:
         check_session_id(session_id)  # it names the session in every command and log line
         if not prompt:
@@ -183,6 +185,10 @@ class RouteSession:
         #: Checks each stage's certification against the client's own trust (``None``: the
         #: worker's word is taken; ``dgr_engine.certification.verify.LockVerifier`` checks it).
         self.certification_verifier = certification_verifier
+        #: The session takes the greedy token of every logits row (its sampler is greedy): its
+        #: forwards say so (:attr:`~dgr_session.commands.Forward.greedy`), and a transport may
+        #: ask the last stage for those tokens instead of the logits.
+        self.greedy = greedy
         self._machine = machine if machine is not None else shared_machine()
         self._state: str = _S.NEW.value  # set by the machine (its model attribute)
         # Pinned by the first accepted route when not given: every later route must match.
@@ -207,7 +213,7 @@ class RouteSession:
         # the first route, one of no stages, never fed (made here, not shared: then the first
         # assignment frees what it replaces, and a burst of them starts no extra passes of the
         # cyclic garbage collector; the control-plane benchmark's route_assigned p99 shows it).
-        self._pipe = EpochPipeline(session_id, 0, (), self._budget.policy.pipelined)
+        self._pipe = EpochPipeline(session_id, 0, (), self._budget.policy.pipelined, greedy)
         # Tokens.
         self._accepted: list[int] = []
         # Time, all from events (the deadlines and the backoff are the budget's).
@@ -468,7 +474,7 @@ class RouteSession:
         self._route = route
         self._live = True
         self._pipe = EpochPipeline(  # a new epoch starts empty
-            self.session_id, self._epoch, route.stages, self._budget.policy.pipelined
+            self.session_id, self._epoch, route.stages, self._budget.policy.pipelined, self.greedy
         )
         self._kept = None  # its stages hold no verification pass
         self._fire("route_assigned")

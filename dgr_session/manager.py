@@ -290,7 +290,11 @@ class SessionManager:
 
         ``speculation`` decodes speculatively (``docs/speculative.md``): greedy sessions only, so
         a sampler other than :func:`~dgr_session.sampling.greedy` is refused with
-        :class:`~dgr_session.errors.SpeculationNeedsGreedy`.
+        :class:`~dgr_session.errors.SpeculationNeedsGreedy`. A session whose sampler is
+        :func:`~dgr_session.sampling.greedy` marks its forwards (``Forward.greedy``): a transport
+        may then answer the last stage's greedy tokens instead of its logits
+        (:attr:`~dgr_session.transport.Logits.greedy`, ``docs/wire.md``), which it takes as
+        they are.
 
         A transport with a ``session_starting(session_id, max_new_tokens, stop_tokens)``
         method is told first (a ring, ``dgr_engine.client.chained``, runs ahead within them),
@@ -327,6 +331,7 @@ class SessionManager:
             machine=self._machine,
             prefill_chunk=prefill_chunk,
             speculation=speculation,
+            greedy=chosen is greedy,
         )
         handle = SessionHandle(core, chosen, on_token)
         self._live[sid] = handle
@@ -545,18 +550,26 @@ class SessionManager:
             if not cmd.wants_logits:  # a prefill chunk or a replayed token: nothing to sample
                 handle._post(output())
                 return
+            chosen = result.greedy if cmd.greedy else None  # the stage took them for us
             if cmd.drafts:  # a verification pass: the greedy token of every row
                 rows = result.rows if result.rows is not None else (result.values,)
                 try:
-                    if len(rows) != cmd.drafts + 1:
-                        raise ValueError(f"{len(rows)} logits rows for {cmd.drafts + 1} rows")
-                    tokens = tuple(greedy(row) for row in rows)
+                    n = len(rows) if chosen is None else len(chosen)
+                    if n != cmd.drafts + 1:
+                        raise ValueError(f"{n} rows answered for {cmd.drafts + 1} rows")
+                    tokens = chosen if chosen is not None else tuple(greedy(r) for r in rows)
                 except Exception as err:  # noqa: BLE001 - unusable logits are the stage's fault
                     detail = f"cannot verify drafts from logits: {err!r}"
                     kind = getattr(err, "fault_kind", FaultKind.PROTOCOL)
                     handle._post(failed(kind, detail, err))
                     return
                 handle._post(output(tokens=tokens))
+                return
+            if chosen is not None:  # a greedy session: the last row's greedy token
+                if not chosen:
+                    handle._post(failed(FaultKind.PROTOCOL, "no greedy token answered"))
+                    return
+                handle._post(output(token=chosen[-1]))
                 return
             try:
                 token = int(handle._sampler(result.values, step))

@@ -45,7 +45,8 @@ class Chunk(NamedTuple):
 class EpochPipeline:
     """Opens and forwards in flight of one session's epoch over ``stages``.
 
-    ``pipelined`` False: one chunk in flight at a time (``FailurePolicy.pipelined``). Mutable;
+    ``pipelined`` False: one chunk in flight at a time (``FailurePolicy.pipelined``); ``greedy``:
+    the session takes greedy tokens (``Forward.greedy``). Mutable;
     owned by one session and touched by one task. Invariants: bit i of ``opened`` is
     set once stage i confirmed the open; every stage holds KV for positions ``[0, kv_pos)``;
     ``flight`` holds the chunks sent to stage 0 whose last stage has not answered, oldest
@@ -60,6 +61,7 @@ class EpochPipeline:
         "epoch",
         "stages",
         "pipelined",
+        "greedy",
         "n_stages",
         "opened",
         "kv_pos",
@@ -73,7 +75,12 @@ class EpochPipeline:
     )
 
     def __init__(
-        self, session_id: str, epoch: int, stages: Sequence[StageSpec], pipelined: bool
+        self,
+        session_id: str,
+        epoch: int,
+        stages: Sequence[StageSpec],
+        pipelined: bool,
+        greedy: bool = False,
     ) -> None:
         n_stages = len(stages)
         #: Session the forwards are for.
@@ -84,6 +91,8 @@ class EpochPipeline:
         self.stages = stages
         #: Whether chunks known ahead are pipelined across the stages.
         self.pipelined = pipelined
+        #: Whether the session takes greedy tokens (every forward says so: ``Forward.greedy``).
+        self.greedy = greedy
         #: Stages of the route.
         self.n_stages = n_stages
         #: Bit i set once stage i confirmed its open.
@@ -190,6 +199,7 @@ class EpochPipeline:
                 kind=kind,
                 drafts=drafts,
                 kept_drafts=kept,
+                greedy=self.greedy,
             )
         )
 

@@ -46,12 +46,22 @@ class Logits:
     rows: Any = attrs.field(default=None, repr=False)
     """Every logits row the stage returned (a verification pass wants one per row);
     ``None``: only ``values``."""
+    greedy: tuple[int, ...] | None = None
+    """For a greedy forward (:attr:`~dgr_session.commands.Forward.greedy`): the greedy token of
+    each row the stage answered, when it answered those instead of the logits (``values`` and
+    ``rows`` are then empty); ``None``: it answered logits (an older stage does), from which
+    the driver takes them."""
 
     @classmethod
     def last_row(cls, rows: Any, cost: StageCost | None = None) -> Logits:
         """The logits of the last of ``rows`` (the logit rows a stage returned), empty when it
         returned none (the forward wanted no logits); ``rows`` are kept as they are."""
         return cls(rows[-1] if len(rows) else (), cost, rows)
+
+    @classmethod
+    def greedy_tokens(cls, tokens: tuple[int, ...], cost: StageCost | None = None) -> Logits:
+        """A stage's greedy tokens, one per row it answered, in place of their logits."""
+        return cls((), cost, None, tokens)
 
 
 #: What a stage answers to a forward.
@@ -80,7 +90,10 @@ class StageTransport(Protocol):
         ``decode`` or ``replay``, for the stage's metrics and usage records; rows compute alike),
         ``drafts`` (a verification pass: ask the last stage for the logits of every row, return
         them all in :attr:`Logits.rows`, and tell every stage of the drafts) and
-        ``kept_drafts`` (tell every stage how many of the last pass's drafts were kept).
+        ``kept_drafts`` (tell every stage how many of the last pass's drafts were kept) and
+        ``greedy`` (the session takes greedy tokens: the transport may ask the last stage for
+        the greedy token of each row instead of its logits and answer them in
+        :attr:`Logits.greedy`).
         ``stage_index`` and ``final`` are the driver's.
 
         Return :class:`Boundary` from a middle stage, :class:`Logits` from the last. A field the

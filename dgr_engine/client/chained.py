@@ -45,7 +45,13 @@ from dgr_engine.errors import (
     ShardUnavailable,
 )
 from dgr_engine.wire.frame_link import FrameLinkTarget, split_endpoint
-from dgr_engine.wire.frames import encode_forward, expectations_to_proto, output_from_reply
+from dgr_engine.wire.frames import (
+    encode_forward,
+    expectations_to_proto,
+    greedy_from_reply,
+    greedy_of,
+    output_from_reply,
+)
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY, error_from_trailers
 from dgr_session.commands import Forward
@@ -642,6 +648,7 @@ class ChainStageTransport(GrpcStageTransport):
                 drafts=call.drafts,
                 kept_drafts=call.kept_drafts,
                 mtp_draft_max=mtp_max,
+                greedy_tokens=call.greedy and call.wants_logits,
             )
             if until > step:
                 request.ring_until_step = until
@@ -700,18 +707,23 @@ class ChainStageTransport(GrpcStageTransport):
         """What the ring sent on by itself after ``call``'s frame: the next step's tokens, and
         on a drafting ring the pass's kept drafts (the greedy tokens of its rows, as the ring's
         last stage took them) and the next pass's drafts."""
-        rows = reply.reply.output.shape
-        if len(rows) != 2 or rows[0] == 0:
-            return
-        logits = output_from_reply(reply.reply)
+        try:  # the greedy tokens it answered, or the logits to take them of
+            answered = greedy_from_reply(reply.reply)
+            if answered is None:
+                rows = reply.reply.output.shape
+                if len(rows) != 2 or rows[0] == 0:
+                    return
+                answered = tuple(greedy_of(output_from_reply(reply.reply)))
+        except FrameRejected:
+            return  # malformed: the session's answer (_answer) says so
         start = call.positions.start
         if not call.drafts:
-            greedy, kept = [int(np.argmax(logits[-1]))], None
+            greedy, kept = [answered[-1]], None
             position = call.positions.stop
         else:
-            if logits.shape[0] != len(call.positions):
+            if len(answered) != len(call.positions):
                 return
-            greedy = [int(np.argmax(row)) for row in logits]
+            greedy = list(answered)
             kept = kept_drafts(greedy, call.token_ids[1:])
             greedy, position = greedy[: kept + 1], start + 1 + kept
         if any(token in stops for token in greedy):
@@ -751,6 +763,9 @@ class ChainStageTransport(GrpcStageTransport):
         if index < len(chain.route) - 1:
             return Boundary(ticket, cost)
         try:
+            greedy = greedy_from_reply(ticket.reply.reply)
+            if greedy is not None:
+                return Logits.greedy_tokens(greedy, cost)
             logits = output_from_reply(ticket.reply.reply)
         except FrameRejected as exc:
             error = ShardRpcError(f"malformed chained output: {exc}", status="DGR_E_PROTOCOL")

@@ -340,15 +340,19 @@ class GrpcStageTransport:
                 drafts=call.drafts,
                 kept_drafts=call.kept_drafts,
                 mtp_draft_max=self.mtp_draft_max(session_id, advert, call),
+                greedy_tokens=call.greedy and call.wants_logits and advert.span.is_last,
             )
         except Exception as exc:
             self._raise(stage, session_id, epoch, f"forward step {step}", exc)
         self.mtp_offer(session_id, result.mtp_drafts)
         sent = 4 * n + (4 * n if send_ids else 0) + (0 if rows is None else rows.nbytes)
         self._account(stage, positions, session_id, epoch, step, sent, result)
-        cost = StageCost(sent, int(result.output.nbytes), result.timings.compute_us / 1e6)
+        received = int(result.output.nbytes) + 4 * len(result.greedy or ())
+        cost = StageCost(sent, received, result.timings.compute_us / 1e6)
         if not result.is_logits:
             return Boundary(result.output, cost)
+        if result.greedy is not None:
+            return Logits.greedy_tokens(result.greedy, cost)
         return Logits.last_row(result.output, cost)
 
     async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
@@ -458,7 +462,7 @@ class GrpcStageTransport:
         result: ForwardResult,
     ) -> None:
         c = self._counter(stage)
-        received = int(result.output.nbytes)
+        received = int(result.output.nbytes) + 4 * len(result.greedy or ())
         t = result.timings
         c.forwards += 1
         c.rows += len(positions)

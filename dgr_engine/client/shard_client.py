@@ -49,6 +49,7 @@ from dgr_engine.wire.frames import (
     FloatRows,
     encode_forward,
     expectations_to_proto,
+    greedy_from_reply,
     output_from_reply,
 )
 from dgr_engine.wire.metadata import DEFAULT_MAX_MESSAGE_BYTES, session_metadata
@@ -74,6 +75,9 @@ __all__ = [
 
 USAGE_SECRETS_KEPT = 4096
 """Sessions whose last secret a client keeps after their close, for ``usage``."""
+
+_NO_ROWS: FloatRows = np.zeros((0, 0), dtype=np.float32)
+"""The output of a reply that carries greedy tokens instead of logits rows."""
 
 
 def expectations_of(advert: Advert) -> Expectations:
@@ -121,6 +125,10 @@ class ForwardResult:
     """Part of ``rtt_us`` inside gRPC: from the request handed to it (serialised there) to the
     reply handed back (parsed there). ``wire_us - timings.total_us`` is the transit both ways;
     ``rtt_us - wire_us`` is this client's own code."""
+    greedy: tuple[int, ...] | None = None
+    """A last stage asked for greedy tokens (``greedy_tokens``): the greedy token of each
+    wanted row, and ``output`` is empty (``[0, 0]``); ``None``: it answered logits (so does a
+    worker older than the field)."""
 
 
 def mtp_drafts_of(reply: pb.ForwardReply) -> tuple[int, tuple[int, ...]] | None:
@@ -319,6 +327,7 @@ class ShardClient:
         drafts: int = 0,
         kept_drafts: int | None = None,
         mtp_draft_max: int = 0,
+        greedy_tokens: bool = False,
     ) -> ForwardResult:
         """Runs rows at ``positions`` (contiguous, continuing the session's KV): ``tokens`` on
         the first stage (and where the range needs them), ``boundary`` rows elsewhere. The last
@@ -326,7 +335,9 @@ class ShardClient:
         none (``[0, n_vocab]``; it skips the output head; other stages ignore it). ``kind``
         (``prefill``, ``decode``, ``replay``) labels the rows in the worker's metrics and
         usage. ``drafts``/``kept_drafts``: a verification pass and the frame after one
-        (``docs/speculative.md``)."""
+        (``docs/speculative.md``). ``greedy_tokens``: the last stage answers the greedy token of
+        each wanted row instead of its logits (:attr:`ForwardResult.greedy`; a worker older
+        than the field answers the logits)."""
         began = time.perf_counter_ns()
         check_session_id(session_id)
         timeout = timeout if timeout is not None else self.timeout
@@ -346,6 +357,7 @@ class ShardClient:
             drafts=drafts,
             kept_drafts=kept_drafts,
             mtp_draft_max=mtp_draft_max,
+            greedy_tokens=greedy_tokens,
         )
         if self.streaming:
             reply, wire_ns = await self._stream_call(session_id, request, timeout)
@@ -359,7 +371,8 @@ class ShardClient:
                 f"reply for step {reply.step}, asked {step}", status="DGR_E_PROTOCOL"
             )
         try:
-            output = output_from_reply(reply)
+            greedy = greedy_from_reply(reply)
+            output = _NO_ROWS if greedy is not None else output_from_reply(reply)
         except FrameRejected as exc:
             raise ShardRpcError(f"malformed reply: {exc}", status="DGR_E_PROTOCOL") from exc
         t = reply.timings
@@ -372,6 +385,7 @@ class ShardClient:
             rtt_us=(time.perf_counter_ns() - began) // 1000,
             wire_us=wire_ns // 1000,
             mtp_drafts=mtp_drafts_of(reply),
+            greedy=greedy,
         )
 
     def session_secret(self, session_id: str, epoch: int) -> bytes:

@@ -95,6 +95,9 @@ class ForwardFrame:
     mtp_draft_max: int = 0
     """A last stage with the MTP block drafts at most this many tokens to follow the frame's
     next token (``ForwardReply.mtp_drafts``); 0: none."""
+    greedy_tokens: bool = False
+    """A last stage answers the greedy token of each wanted row (``ForwardReply.greedy``)
+    instead of its logits."""
 
     @property
     def n_rows(self) -> int:
@@ -234,12 +237,14 @@ def encode_forward(
     drafts: int = 0,
     kept_drafts: int | None = None,
     mtp_draft_max: int = 0,
+    greedy_tokens: bool = False,
 ) -> pb.ForwardRequest:
     """A forward request; ``expected_next_pos`` is ``positions[0]``; ``timeout`` (seconds)
     becomes the frame's own deadline (``timeout_ms``); ``no_logits`` asks a last stage for
     none; ``drafts`` and ``kept_drafts``: a verification pass and the frame after one;
     ``mtp_draft_max``: the MTP drafts a last stage with the block returns
-    (``docs/speculative.md``)."""
+    (``docs/speculative.md``); ``greedy_tokens``: a last stage answers the greedy token of each
+    wanted row instead of its logits."""
     pos = np.asarray(positions, dtype=np.int64).reshape(-1)
     request = pb.ForwardRequest(
         session_id=session_id,
@@ -266,6 +271,8 @@ def encode_forward(
         request.kept_drafts = kept_drafts
     if mtp_draft_max:
         request.mtp_draft_max = mtp_draft_max
+    if greedy_tokens:
+        request.greedy_tokens = True
     return request
 
 
@@ -323,6 +330,8 @@ def decode_forward(request: pb.ForwardRequest, mine: Expectations, info: ShardIn
     want: npt.NDArray[np.uint8] | None = None
     if request.no_logits and request.logit_rows:
         raise FrameRejected("no_logits with logit_rows: ask for some logits or none")
+    if request.no_logits and request.greedy_tokens:
+        raise FrameRejected("no_logits with greedy_tokens: ask for greedy tokens or no logits")
     if info.is_last and request.no_logits:
         want = np.zeros(n, dtype=np.uint8)  # no output row: the output head is skipped
     elif info.is_last and request.logit_rows:
@@ -357,10 +366,34 @@ def decode_forward(request: pb.ForwardRequest, mine: Expectations, info: ShardIn
         drafts=drafts,
         kept_drafts=kept,
         mtp_draft_max=mtp_draft_max,
+        greedy_tokens=bool(request.greedy_tokens),
     )
 
 
 # --- forward reply -----------------------------------------------------------------------------
+
+
+def greedy_of(rows: FloatRows) -> list[int]:
+    """The greedy token of each logits row: its argmax, the lowest index on ties (what
+    ``dgr_session.sampling.greedy`` takes of the row; the rows are finite, the worker refuses
+    any other output)."""
+    if rows.shape[0] == 0:
+        return []
+    return [int(t) for t in np.argmax(rows, axis=1)]
+
+
+def greedy_from_reply(reply: pb.ForwardReply) -> tuple[int, ...] | None:
+    """The reply's greedy tokens (``ForwardRequest.greedy_tokens``), ``None`` when it carries
+    none (a reply of logits); :class:`FrameRejected` when it carries both, or a negative
+    token."""
+    if not reply.greedy:
+        return None
+    tokens = tuple(int(t) for t in reply.greedy)
+    if reply.output.data or reply.output.shape:
+        raise FrameRejected("a reply with greedy tokens carries no output rows")
+    if min(tokens) < 0:
+        raise FrameRejected(f"greedy token {min(tokens)} is not a token id")
+    return tokens
 
 
 def output_from_reply(reply: pb.ForwardReply) -> FloatRows:

@@ -224,7 +224,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
                 total_us=(time.perf_counter_ns() - began) // 1000,
             ),
             bytes_in=request.ByteSize(),
-            bytes_out=reply.output.ByteSize(),
+            bytes_out=reply.output.ByteSize() + 4 * len(reply.greedy),
         )
         if link is None:
             out = pb.ChainOutputReply(reply=reply)

@@ -1,12 +1,11 @@
 """The frames a stage of a chained route sends on (``docs/chain.md``): the next stage's frame
 for a frame it ran, and, on a ring's last stage, the next step's frame for the first stage
-(the greedy token of the last logits row; on a drafting ring, the token after the kept drafts
-of a pass, with the next pass's drafts: prompt lookup's, or the MTP block's when the frames ask
-the last stage for them, ``mtp_draft_max``)."""
+(the greedy token of the last row its reply answered, from the greedy tokens it carries or
+its logits; on a drafting ring, the token after the kept drafts of a pass, with the next
+pass's drafts: prompt lookup's, or the MTP block's when the frames ask the last stage for
+them, ``mtp_draft_max``)."""
 
 from __future__ import annotations
-
-import numpy as np
 
 from dgr_engine.wire import frames
 from dgr_engine.wire.proto import shard_pb2 as pb
@@ -39,6 +38,7 @@ def next_frame(
         draft_rows=request.draft_rows,
         ring_draft_max=request.ring_draft_max,
         mtp_draft_max=request.mtp_draft_max,
+        greedy_tokens=request.greedy_tokens,
     )
     if request.HasField("kept_drafts"):
         out.kept_drafts = request.kept_drafts
@@ -65,13 +65,13 @@ def ring_frame(
         return None
     if not request.draft_rows and request.logit_rows and request.logit_rows[-1] != n - 1:
         return None
-    rows = frames.output_from_reply(reply)
-    if rows.shape[0] == 0:
+    greedy = greedy_rows(reply)
+    if not greedy:
         return None
     if drafting is None:
-        accepted, kept = [int(np.argmax(rows[-1]))], None  # dgr_session.sampling.greedy's
+        accepted, kept = [greedy[-1]], None
     else:
-        verdict = drafting.next_tokens(request, rows)
+        verdict = drafting.next_tokens(request, greedy)
         if verdict is None:
             return None
         accepted, kept = verdict
@@ -106,6 +106,7 @@ def ring_frame(
         ring_draft_max=request.ring_draft_max,
         mtp_draft_max=request.mtp_draft_max,
         draft_rows=len(drafts),
+        greedy_tokens=request.greedy_tokens,
     )
     if drafts:
         out.logit_rows.extend(range(1 + len(drafts)))
@@ -115,4 +116,13 @@ def ring_frame(
     return out
 
 
-__all__ = ["next_frame", "ring_frame"]
+def greedy_rows(reply: pb.ForwardReply) -> list[int]:
+    """The greedy token of each row a last stage's reply answers: the tokens it carries
+    (``greedy_tokens``), else the argmax of each logits row (``dgr_session.sampling.greedy``'s
+    choice)."""
+    if reply.greedy:
+        return [int(t) for t in reply.greedy]
+    return frames.greedy_of(frames.output_from_reply(reply))
+
+
+__all__ = ["greedy_rows", "next_frame", "ring_frame"]

@@ -155,7 +155,10 @@ class FramePath:
             kind=pb.OUTPUT_KIND_LOGITS if host.info.is_last else pb.OUTPUT_KIND_BOUNDARY,
             next_pos=next_pos,
         )
-        frames.fill_tensor(reply.output, out)
+        if frame.greedy_tokens and host.info.is_last:  # the tokens, not the logits
+            reply.greedy.extend(frames.greedy_of(out))
+        else:
+            frames.fill_tensor(reply.output, out)
         if frame.mtp_draft_max:
             held = host.table.take_mtp_drafts(frame.session_id, frame.epoch)
             if held is not None:

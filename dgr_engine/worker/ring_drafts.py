@@ -11,7 +11,6 @@ import time
 from collections.abc import Sequence
 
 import attrs
-import numpy as np
 
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_session.drafts import DraftLength, NgramDrafter
@@ -49,11 +48,12 @@ class RingDrafting:
         return True
 
     def next_tokens(
-        self, request: pb.ForwardRequest, rows: np.ndarray
+        self, request: pb.ForwardRequest, greedy: Sequence[int]
     ) -> tuple[list[int], int | None] | None:
         """The tokens the frame ``request`` gives (its greedy tokens: the kept drafts' and the
-        one after them on a pass) and how many drafts it kept (``None``: no pass); ``None``
-        when its logits do not cover the rows it needs."""
+        one after them on a pass) and how many drafts it kept (``None``: no pass), given the
+        greedy token of each row its reply answered (``greedy``); ``None`` when those do not
+        cover the rows it needs."""
         n = len(request.positions)
         drafts = int(request.draft_rows)
         seconds = None  # a frame this stage sent: the time of its pass around the ring
@@ -63,14 +63,13 @@ class RingDrafting:
         if not drafts:
             if seconds is not None:  # a plain pass of the ring's own
                 self.speculation.verified(0, 0, seconds)
-            return [int(np.argmax(rows[-1]))], None
-        if rows.shape[0] != n:
+            return [int(greedy[-1])], None
+        if len(greedy) != n:
             return None
-        greedy = [int(np.argmax(row)) for row in rows]
-        kept = kept_drafts(greedy, request.token_ids[n - drafts :])
+        kept = kept_drafts(list(greedy), request.token_ids[n - drafts :])
         if seconds is not None:  # a pass this stage drafted (one of the session's own: no)
             self.speculation.verified(drafts, kept, seconds)
-        return greedy[: kept + 1], kept
+        return [int(t) for t in greedy[: kept + 1]], kept
 
     def draft(
         self, position: int, token: int, room: int, mtp: tuple[int, ...] | None = None

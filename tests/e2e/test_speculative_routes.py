@@ -130,12 +130,15 @@ def test_tokens_equal_plain_greedy_with_every_draft_source(kind: str) -> None:
     assert ngram.drafter.name == ("ring" if kind == "ring" else "ngram")
     assert own.accepted == own.drafted  # the model as its own draft: acceptance 1.0
     assert wrong.accepted == 0
-    # every stage counted the rows it verified, and those it dropped
+    # every stage counted the rows it verified, and those it dropped; the last stage answered
+    # greedy tokens (a few bytes a reply), never a logits row (1 KB)
     for i, spec in enumerate(specs):
-        for _i, _begin, records in [u for u in usage if u[0] == i]:
+        for _i, begin, records in [u for u in usage if u[0] == i]:
             (record,) = records
             assert record.rows_draft == spec.drafted, (kind, i)
             assert record.rows_rejected == spec.drafted - spec.accepted, (kind, i)
+            if begin == LAYOUT[-1][0]:
+                assert record.bytes_out < record.forwards * 200, (kind, i, record)
 
 
 @pytest.mark.parametrize("kind", ["relay", "ring"])

@@ -365,7 +365,7 @@ class CloseSessionReply(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms", "no_logits", "session_secret", "kind", "chain_hop", "chain_trace", "ring_until_step", "ring_stop", "draft_rows", "kept_drafts", "ring_draft_max", "mtp_draft_max")
+    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms", "no_logits", "session_secret", "kind", "chain_hop", "chain_trace", "ring_until_step", "ring_stop", "draft_rows", "kept_drafts", "ring_draft_max", "mtp_draft_max", "greedy_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -387,6 +387,7 @@ class ForwardRequest(_message.Message):
     KEPT_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     RING_DRAFT_MAX_FIELD_NUMBER: _ClassVar[int]
     MTP_DRAFT_MAX_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     step: int
@@ -408,7 +409,8 @@ class ForwardRequest(_message.Message):
     kept_drafts: int
     ring_draft_max: int
     mtp_draft_max: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., no_logits: _Optional[bool] = ..., session_secret: _Optional[bytes] = ..., kind: _Optional[_Union[RowKind, str]] = ..., chain_hop: _Optional[int] = ..., chain_trace: _Optional[_Iterable[_Union[HopTrace, _Mapping]]] = ..., ring_until_step: _Optional[int] = ..., ring_stop: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[int] = ..., kept_drafts: _Optional[int] = ..., ring_draft_max: _Optional[int] = ..., mtp_draft_max: _Optional[int] = ...) -> None: ...
+    greedy_tokens: bool
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., no_logits: _Optional[bool] = ..., session_secret: _Optional[bytes] = ..., kind: _Optional[_Union[RowKind, str]] = ..., chain_hop: _Optional[int] = ..., chain_trace: _Optional[_Iterable[_Union[HopTrace, _Mapping]]] = ..., ring_until_step: _Optional[int] = ..., ring_stop: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[int] = ..., kept_drafts: _Optional[int] = ..., ring_draft_max: _Optional[int] = ..., mtp_draft_max: _Optional[int] = ..., greedy_tokens: _Optional[bool] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_us", "compute_us", "total_us")
@@ -421,7 +423,7 @@ class Timings(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., total_us: _Optional[int] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("session_id", "epoch", "step", "kind", "output", "next_pos", "timings", "mtp_drafts", "mtp_draft_pos")
+    __slots__ = ("session_id", "epoch", "step", "kind", "output", "next_pos", "timings", "mtp_drafts", "mtp_draft_pos", "greedy")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -431,6 +433,7 @@ class ForwardReply(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     MTP_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     MTP_DRAFT_POS_FIELD_NUMBER: _ClassVar[int]
+    GREEDY_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     step: int
@@ -440,7 +443,8 @@ class ForwardReply(_message.Message):
     timings: Timings
     mtp_drafts: _containers.RepeatedScalarFieldContainer[int]
     mtp_draft_pos: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[OutputKind, str]] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., next_pos: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., mtp_drafts: _Optional[_Iterable[int]] = ..., mtp_draft_pos: _Optional[int] = ...) -> None: ...
+    greedy: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[OutputKind, str]] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., next_pos: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., mtp_drafts: _Optional[_Iterable[int]] = ..., mtp_draft_pos: _Optional[int] = ..., greedy: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChainHop(_message.Message):
     __slots__ = ("endpoint", "expect", "session_secret", "tls", "frame_link")
