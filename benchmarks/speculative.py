@@ -108,6 +108,8 @@ class Session:
     accepted: int
     engine_s: float = 0.0
     """Engine time of the decode frames, summed over the stages (their own traces)."""
+    client_frames: int = 0
+    """Frames the client sent to the first stage (on a ring, the others its last stage sent)."""
 
 
 @attrs.frozen
@@ -136,6 +138,9 @@ class Cell:
     drafted: int
     accepted: int
     exact: bool
+    client_frames: int = 0
+    """Frames the client sent to the first stage, over the cell's sessions (a ring's last
+    stage sent the others)."""
     speedup: float = 1.0
     """tok/s over plain's in the same stages, RTT, transport and workload."""
 
@@ -204,6 +209,7 @@ async def one_session(
         drafted=spec.drafted if spec else 0,
         accepted=spec.accepted if spec else 0,
         engine_s=sum(sum(t.compute_us) for t in traces if t.step >= 1) / 1e6,
+        client_frames=transport.chain_stats.sent,
     )
 
 
@@ -233,6 +239,7 @@ def summarize(key: tuple[int, float, str, str, str], runs: list[Session], want: 
         drafted=drafted,
         accepted=accepted,
         exact=all(r.tokens == want for r in runs),
+        client_frames=sum(r.client_frames for r in runs),
     )
 
 

@@ -168,10 +168,12 @@ it waits twice as long for the next (up to :data:`REPROBE_MAX`), after one that 
 REPROBE_MAX = 128
 """The longest wait of a timed :class:`DraftLength` between two probes."""
 
-PAYS = 1.15
+PAYS = 1.05
 """How much faster than plain decoding a timed :class:`DraftLength`'s model must expect drafts to
 be before it drafts: a margin for what the model gets wrong (timings are noisy, acceptance is
-an average)."""
+an average). 5 %, not more: a draft row costs about two thirds of a token on a CPU, and with a
+wider margin a session whose first two drafts were kept (``alpha`` 0.83 under the prior) waited
+a probe's 16 passes before drafting again (seen on a 2-stage ring at loopback)."""
 
 PLAIN_FIRST = 2
 """Plain passes a timed :class:`DraftLength` times before it drafts by its model: their mean is
