@@ -69,7 +69,7 @@ class ServerFailed(RuntimeError):
 
 @attrs.define(eq=False)
 class ServerProcess:
-    """A server process and its URL; :meth:`stop` it (SIGTERM, then SIGKILL)."""
+    """A server process and its URL; :meth:`stop` it (SIGTERM, then SIGKILL; its log removed)."""
 
     name: str
     proc: subprocess.Popen[str] = attrs.field(repr=False)
@@ -135,7 +135,7 @@ class ServerProcess:
         return cls("llama-server", proc, f"http://127.0.0.1:{port}", log)
 
     def stop(self, timeout: float = 30.0) -> int:
-        """SIGTERM, then SIGKILL after ``timeout`` s; the exit status."""
+        """SIGTERM, then SIGKILL after ``timeout`` s; the exit status. Its log is removed."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
@@ -143,6 +143,7 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10.0)
+        self.log.unlink(missing_ok=True)
         return int(self.proc.returncode)
 
     def log_tail(self, lines: int = 20) -> str:
@@ -188,13 +189,16 @@ def _await_line(
         if line is None:
             proc.wait(10.0)
             tail = log.read_text(errors="replace")[-3000:]
+            log.unlink(missing_ok=True)
             raise ServerFailed(f"exited with {proc.returncode} before listening:\n{tail}")
         seen_after = seen_after or (after is not None and after in line)
         if seen_after and marker in line:
             return line
     proc.kill()
     proc.wait(10.0)
-    raise ServerFailed(f"not listening after {timeout:.0f} s:\n{log.read_text()[-3000:]}")
+    tail = log.read_text(errors="replace")[-3000:]
+    log.unlink(missing_ok=True)
+    raise ServerFailed(f"not listening after {timeout:.0f} s:\n{tail}")
 
 
 # -- one request -----------------------------------------------------------------------------------

@@ -162,6 +162,8 @@ def test_stopping_the_server_leaves_no_worker(lane: Lane) -> None:
     assert server.proc.wait(60) == 0
     assert "dgr serve: stopped" in server.log.read_text()
     assert [pid for pid in pids if _alive(pid)] == []
+    server.stop()  # nothing left of it: its log removed too
+    assert not server.log.exists()
 
 
 def _listening_pids(ports: list[int]) -> list[int]:
