@@ -226,10 +226,9 @@ class DraftLength:
     long after each probe that kept nothing (up to :data:`REPROBE_MAX`), and it times
     :data:`PLAIN_FIRST` plain passes before its model decides. ``k_start`` is 2 by default: a
     session's first drafts, sent before anything is known of them, cost few rows, and yet say
-    what a row costs better than one would.
-    Without timings (0 or
-    ``None``, as under a virtual clock) the acceptance policy above decides alone. Pure and
-    deterministic: the same records give the same ``k``.
+    what a row costs better than one would. Without timings (0 or ``None``, as under a
+    virtual clock) the acceptance policy above decides alone. Pure and deterministic: the
+    same records give the same ``k``.
     """
 
     def __init__(
