@@ -73,16 +73,24 @@ int ok() {
     return DGR_OK;
 }
 
-// llama.cpp logs: errors are kept (they explain a failed load); everything is printed to stderr
+// llama.cpp logs: the error lines since the last clear are kept, joined by "; " (they explain a
+// failed call: a failed load logs why first, e.g. the metadata key the architecture needs, and
+// only then that it failed), up to k_llama_log_error_max bytes; everything is printed to stderr
 // only when DGR_LLAMA_LOG is set.
 thread_local std::string g_llama_last_log_error;
+constexpr size_t k_llama_log_error_max = 2048;
 
 void llama_log_sink(enum ggml_log_level level, const char * text, void * /*user*/) {
     static const bool verbose = std::getenv("DGR_LLAMA_LOG") != nullptr;
     if (level == GGML_LOG_LEVEL_ERROR) {
-        g_llama_last_log_error = text;
-        while (!g_llama_last_log_error.empty() && g_llama_last_log_error.back() == '\n') {
-            g_llama_last_log_error.pop_back();
+        std::string line = text;
+        while (!line.empty() && (line.back() == '\n' || line.back() == ' ')) {
+            line.pop_back();
+        }
+        std::string & kept = g_llama_last_log_error;
+        if (!line.empty() && kept.size() < k_llama_log_error_max) {
+            kept += kept.empty() ? "" : "; ";
+            kept += line.substr(0, k_llama_log_error_max - kept.size());
         }
     }
     if (verbose) {

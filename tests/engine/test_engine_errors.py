@@ -15,6 +15,8 @@ import pytest
 
 from dgr_engine import ShardEngine, _binding
 from dgr_engine import errors as E
+from dgr_engine.baseline.gguf_copy import copy_with
+from dgr_engine.fixtures import converted
 from dgr_engine.reference import LocalChain
 from dgr_engine.testing import write_corrupt_copy, write_truncated_copy
 from dgr_session import errors as session_errors
@@ -260,6 +262,26 @@ def test_architecture_not_covered(h: Harness, tiny_smollm3: Path) -> None:
     )
     # the covered list: the base stack's architectures, then the family patches'
     assert "(supported: llama, deepseek4, gemma3, phi3, qwen2, qwen3)" in str(err)
+
+
+def test_a_gguf_missing_a_key_its_family_needs_is_refused_naming_the_key(
+    h: Harness, tmp_path: Path
+) -> None:
+    """Gemma 3's builder needs its RMS-norm epsilon; without it llama.cpp logs why first and
+    that the load failed last: the refusal is one line and says both."""
+    whole = converted.ensure_converted("hf-gemma3-swa").gguf
+    broken = copy_with(
+        whole, tmp_path / "no-eps.gguf", {}, without=("gemma3.attention.layer_norm_rms_epsilon",)
+    )
+    err = refused(
+        h,
+        E.ModelLoadError,
+        lambda: ShardEngine(broken, layers=(0, 3), **KW),
+        "key not found in model: gemma3.attention.layer_norm_rms_epsilon",
+    )
+    assert "\n" not in str(err) and "failed to load model" in str(err)
+    with ShardEngine(whole, layers=(0, 3), **KW) as intact:  # nothing half-loaded stays behind
+        assert intact.info.layers == (0, 3)
 
 
 def test_mtp_of_a_model_without_an_mtp_block_is_refused(h: Harness, tiny_llama: Path) -> None:
