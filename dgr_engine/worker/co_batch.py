@@ -15,8 +15,12 @@ form only from frames that queued while the engine was busy.
 Numerics: ``dgr_forward_batch`` keeps each co-batched ``llama_decode`` under 32 rows, where
 llama.cpp computes each row's matmuls on their own (patch 0010), and runs larger frames alone;
 so a session's rows come out in the same bits as when it runs alone (tested bit for bit on the
-fixtures). Tensor types that llama.cpp repacks for the CPU (some quantized types) use other
-kernels for one row than for several, so co-batching stays part of the worker's lane
+fixtures). Weight types that llama.cpp repacks for the CPU (``Q4_K`` and ``Q4_0`` on x86, among
+others: ``dgr_session.speculation.REPACKED_TYPES``) are multiplied four rows at a time by other
+kernels than fewer rows: there a call carries at most ``REPACKED_PASS_ROWS`` (3) rows of one or
+more sessions (:func:`co_batch_rows`), the rule verification passes follow too; measured on
+Gemma 3 270M (``Q4_K_M``), four sessions co-batched one row each gave two of them logits up to
+2.8 away from alone, three gave each its own bits. Co-batching stays part of the worker's lane
 (``LaneKey.batching``): a certification record made without it does not certify a worker
 running with it, and each lane's exactness is checked on its own.
 """
@@ -33,6 +37,7 @@ import attrs
 
 from dgr_engine.wire.frames import FloatRows, ForwardFrame
 from dgr_engine.worker.engine_thread import EngineThread, expired_in_queue
+from dgr_session.speculation import REPACKED_PASS_ROWS, verify_rows
 
 
 class FrameResult(NamedTuple):
@@ -61,12 +66,24 @@ class _Waiting:
     future: asyncio.Future[FrameResult]
 
 
+def co_batch_rows(n_batch: int, quant_types: Sequence[str], hardware: str) -> int:
+    """Rows one co-batched engine call may carry on a worker of ``hardware`` (its lane's
+    hardware class) serving weights of ``quant_types``: the engine's ``n_batch``, or at most
+    ``REPACKED_PASS_ROWS`` where the CPU backend repacks one of those types, whose kernels take
+    four rows or more in another order than one (``dgr_session.speculation.verify_rows``). A
+    frame with more rows than that still runs, alone."""
+    if verify_rows(quant_types, hardware) <= REPACKED_PASS_ROWS:
+        return min(n_batch, REPACKED_PASS_ROWS)
+    return n_batch
+
+
 @attrs.frozen
 class CoBatchConfig:
     """How a worker co-batches."""
 
     max_rows: int
-    """Rows one engine call may carry (the engine's ``n_batch``)."""
+    """Rows one engine call may carry (:func:`co_batch_rows`: the engine's ``n_batch``, or 3
+    where weights are repacked)."""
     wait_seconds: float = 0.0
     """How long a call may wait for more frames to fill it (0: never)."""
 

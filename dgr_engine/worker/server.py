@@ -37,7 +37,7 @@ from dgr_engine.worker.advertiser import Advertiser
 from dgr_engine.worker.chain import ChainServicer, add_chain_service
 from dgr_engine.worker.chain_hub import ChainHub
 from dgr_engine.worker.closes import OnLoop
-from dgr_engine.worker.co_batch import CoBatchConfig, CoBatcher, FrameResult
+from dgr_engine.worker.co_batch import CoBatchConfig, CoBatcher, FrameResult, co_batch_rows
 from dgr_engine.worker.config import WorkerConfig
 from dgr_engine.worker.engine_dispatch import EngineDispatch
 from dgr_engine.worker.frame_link_server import FrameLinkServer, connection_limit
@@ -130,7 +130,8 @@ class ShardWorker:
         )
         self.metrics.describe(self._metric_labels())
         self.usage = UsageBook((self.info.layer_begin, self.info.layer_end))
-        co_batch = CoBatchConfig(self.info.n_batch, self.config.co_batch_wait_ms / 1000)
+        rows = co_batch_rows(self.info.n_batch, self.build.quant_types, self.build.hardware)
+        co_batch = CoBatchConfig(rows, self.config.co_batch_wait_ms / 1000)
         self.dispatch = EngineDispatch(
             self.table,
             self.meter,

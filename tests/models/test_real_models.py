@@ -22,6 +22,7 @@ from dgr_engine.artifacts.manifest import build_manifest
 from dgr_engine.artifacts.storage import StorageRefused
 from dgr_engine.certification.hardware import hardware_fingerprint
 from dgr_engine.client.text import prompt_ids
+from dgr_engine.engine import ForwardItem
 from dgr_engine.models import CATALOG, ModelNotFetched, UnknownModel, lookup
 from dgr_engine.models import fetch as model_fetch
 from dgr_engine.models.catalog import RealModel, WheelPart
@@ -30,6 +31,7 @@ from dgr_engine.speculative import ModelDrafter
 from dgr_engine.testing import EngineTransport
 from dgr_engine.tokenizer import Tokenizer
 from dgr_engine.tooling.processes import dgr_command
+from dgr_engine.worker.co_batch import co_batch_rows
 from dgr_engine.worker.identity import gguf_facts
 from dgr_session import EvidenceClass, SessionManager
 from dgr_session.drafts import DraftLength, NgramDrafter
@@ -348,6 +350,32 @@ def test_every_certify_layout_of_gemma3_is_the_whole_model(gemma3: Path, closing
     ref_tokens, ref_logits = reference.greedy(1, 0, prompt, 6, all_prefill_logits=True)
     assert tokenizer.decode(ref_tokens).startswith(" France"), tokenizer.decode(ref_tokens)
     assert_layouts_are_the_whole_model(gemma3, layouts, kw, prompt, ref_tokens, ref_logits)
+
+
+@pytest.mark.slow  # the real model, fetched once
+def test_a_co_batched_call_on_gemma3_keeps_each_sessions_bits(gemma3: Path, closing: list) -> None:
+    """Gemma's Q4_K weights are repacked by the CPU backend, so a co-batching worker caps its
+    calls at ``co_batch_rows`` rows (3 here): that many sessions decoding one row each in one
+    call get, each, the logits it gets alone, bit for bit."""
+    rows = co_batch_rows(64, gguf_facts(gemma3).quant_types, hardware_fingerprint())
+    assert rows == 3
+    engine = ShardEngine(gemma3, n_threads=1, n_ctx_per_session=64, n_batch=64, max_sessions=rows)
+    closing.append(engine)
+    prompts = [[2, 100 + i, 200 + i, 300 + i] for i in range(rows)]
+    alone = []
+    for sid, p in enumerate(prompts, 1):
+        engine.open_session(sid, 1)
+        engine.forward(sid, 1, np.arange(3), tokens=np.array(p[:3], np.int32))
+        alone.append(engine.forward(sid, 1, [3], tokens=np.array(p[3:], np.int32))[-1])
+        engine.open_session(sid, 2)  # a new epoch: the same session from the start
+        engine.forward(sid, 2, np.arange(3), tokens=np.array(p[:3], np.int32))
+    items = [
+        ForwardItem(sid, 2, np.array([3], np.int32), np.array(p[3:], np.int32), None, None)
+        for sid, p in enumerate(prompts, 1)
+    ]
+    together = engine.forward_batch(items)
+    for got, want in zip(together, alone, strict=True):
+        assert isinstance(got, np.ndarray) and np.array_equal(got[-1], want)
 
 
 # -- speculative decoding: a verification pass keeps every row's bits ---------------------------

@@ -15,7 +15,7 @@ import pytest
 
 from dgr_engine.errors import ShardDeadlineExceeded, UnknownSession
 from dgr_engine.wire.frames import ForwardFrame
-from dgr_engine.worker.co_batch import CoBatchConfig, CoBatcher
+from dgr_engine.worker.co_batch import CoBatchConfig, CoBatcher, co_batch_rows
 from dgr_engine.worker.engine_thread import EngineThread
 
 
@@ -56,12 +56,12 @@ class Recorder:
 
 
 async def run_all(
-    recorder: Recorder, frames: list[tuple[ForwardFrame, float | None]]
+    recorder: Recorder, frames: list[tuple[ForwardFrame, float | None]], max_rows: int = 8
 ) -> list[object]:
     """Submits the first frame and waits until its call runs (and blocks), submits the rest so
     that they queue behind it, then releases the call; every frame's result or error."""
     thread = EngineThread()
-    batcher = CoBatcher(CoBatchConfig(8), thread, recorder, sessions_open=lambda: 4)
+    batcher = CoBatcher(CoBatchConfig(max_rows), thread, recorder, sessions_open=lambda: 4)
     try:
         first = asyncio.ensure_future(batcher.submit(*frames[0]))
         assert await asyncio.to_thread(recorder.started.wait, 10.0)
@@ -86,6 +86,22 @@ def test_frames_that_queue_together_share_a_call_one_per_session_first_come_firs
     ]
     results = asyncio.run(asyncio.wait_for(run_all(recorder, frames), 30.0))
     assert recorder.calls == [["a:0"], ["b:0", "c:0", "e:0"], ["b:1", "d:0"]]
+    assert all(isinstance(r, tuple) for r in results)
+
+
+X86 = "x86_64 | AMD EPYC | avx avx2 f16c fma"
+
+
+def test_a_lane_with_repacked_weights_co_batches_three_rows_a_call() -> None:
+    # Gemma 3 270M's Q4_K_M: the CPU backend repacks Q4_K and multiplies four rows at a time
+    assert co_batch_rows(64, ("F32", "Q4_K", "Q6_K"), X86) == 3
+    assert co_batch_rows(2, ("Q4_K",), X86) == 2  # never above the engine's own batch
+    assert co_batch_rows(64, ("F32", "Q4_1", "Q8_0"), X86) == 64  # SmolLM2's: no repacking
+    assert co_batch_rows(64, ("Q8_0",), "aarch64 | neon") == 3  # ARM repacks Q8_0 too
+    recorder = Recorder()
+    frames = [(frame(s, 1), None) for s in "abcde"] + [(frame("f", 2), None)]
+    results = asyncio.run(asyncio.wait_for(run_all(recorder, frames, max_rows=3), 30.0))
+    assert recorder.calls == [["a:0"], ["b:0", "c:0", "d:0"], ["e:0", "f:0"]]
     assert all(isinstance(r, tuple) for r in results)
 
 
