@@ -48,8 +48,8 @@ from dgr_engine.wire.frame_link import FrameLinkTarget, split_endpoint
 from dgr_engine.wire.frames import (
     encode_forward,
     expectations_to_proto,
+    greedy_answered,
     greedy_from_reply,
-    greedy_of,
     output_from_reply,
 )
 from dgr_engine.wire.proto import shard_pb2 as pb
@@ -707,15 +707,12 @@ class ChainStageTransport(GrpcStageTransport):
         """What the ring sent on by itself after ``call``'s frame: the next step's tokens, and
         on a drafting ring the pass's kept drafts (the greedy tokens of its rows, as the ring's
         last stage took them) and the next pass's drafts."""
-        try:  # the greedy tokens it answered, or the logits to take them of
-            answered = greedy_from_reply(reply.reply)
-            if answered is None:
-                rows = reply.reply.output.shape
-                if len(rows) != 2 or rows[0] == 0:
-                    return
-                answered = tuple(greedy_of(output_from_reply(reply.reply)))
+        try:  # the greedy tokens it answered, or those of its logits
+            answered = greedy_answered(reply.reply)
         except FrameRejected:
             return  # malformed: the session's answer (_answer) says so
+        if not answered:
+            return
         start = call.positions.start
         if not call.drafts:
             greedy, kept = [answered[-1]], None

@@ -396,6 +396,16 @@ def greedy_from_reply(reply: pb.ForwardReply) -> tuple[int, ...] | None:
     return tokens
 
 
+def greedy_answered(reply: pb.ForwardReply) -> list[int]:
+    """The greedy token of each row a last stage's reply answers: the tokens it carries
+    (:func:`greedy_from_reply`), else the argmax of each of its logits rows (:func:`greedy_of`);
+    :class:`FrameRejected` when the reply is malformed."""
+    tokens = greedy_from_reply(reply)
+    if tokens is not None:
+        return list(tokens)
+    return greedy_of(output_from_reply(reply))
+
+
 def output_from_reply(reply: pb.ForwardReply) -> FloatRows:
     """The reply's output rows (checked like a request's boundary)."""
     shape = tuple(reply.output.shape)

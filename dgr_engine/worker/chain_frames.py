@@ -65,7 +65,7 @@ def ring_frame(
         return None
     if not request.draft_rows and request.logit_rows and request.logit_rows[-1] != n - 1:
         return None
-    greedy = greedy_rows(reply)
+    greedy = frames.greedy_answered(reply)
     if not greedy:
         return None
     if drafting is None:
@@ -116,13 +116,4 @@ def ring_frame(
     return out
 
 
-def greedy_rows(reply: pb.ForwardReply) -> list[int]:
-    """The greedy token of each row a last stage's reply answers: the tokens it carries
-    (``greedy_tokens``), else the argmax of each logits row (``dgr_session.sampling.greedy``'s
-    choice)."""
-    if reply.greedy:
-        return [int(t) for t in reply.greedy]
-    return frames.greedy_of(frames.output_from_reply(reply))
-
-
-__all__ = ["greedy_rows", "next_frame", "ring_frame"]
+__all__ = ["next_frame", "ring_frame"]

@@ -34,7 +34,7 @@ from dgr_engine.errors import (
     UnsupportedFeature,
 )
 from dgr_engine.numerics import Numerics
-from dgr_engine.wire.frames import FloatRows, ForwardFrame
+from dgr_engine.wire.frames import FloatRows, ForwardFrame, greedy_of
 from dgr_engine.worker.closes import CloseCause, CloseListener, SessionClosed, notify
 from dgr_engine.worker.tombstones import Tombstones
 from dgr_session.speculation import kept_drafts
@@ -257,7 +257,7 @@ class SessionTable:
         else:
             if out.shape[0] != n or frame.tokens is None:
                 return None
-            greedy = [int(t) for t in np.argmax(out, axis=1)]
+            greedy = greedy_of(out)
             base = n - frame.drafts - 1  # the row of the newest token
             kept = kept_drafts(greedy[base:], frame.tokens[base + 1 :].tolist())
             token, position = greedy[base + kept], int(frame.positions[base]) + 1 + kept
