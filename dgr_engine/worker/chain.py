@@ -159,24 +159,38 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
         requests: AsyncIterator[pb.ForwardRequest],
         context: grpc.aio.ServicerContext[Any, Any],
     ) -> AsyncIterator[pb.ChainAck]:
-        loop = asyncio.get_running_loop()
-        failed: asyncio.Future[ChainFailure] = loop.create_future()
+        # one task reads and runs the frames; a failure downstream wakes it while it waits for
+        # the next frame (a cancel it takes back), and is seen between frames otherwise: no
+        # task per frame
+        task = asyncio.current_task()
+        assert task is not None
+        failed: asyncio.Future[ChainFailure] = asyncio.get_running_loop().create_future()
+        waiting = False
+
+        def wake(_: object) -> None:
+            if waiting:
+                task.cancel()
+
+        failed.add_done_callback(wake)
         down: Downstream | None = None
         last: pb.ForwardRequest | None = None
         incoming = aiter(requests)
         finished = False
-        pending: asyncio.Future[pb.ForwardRequest] | None = None
         try:
             while True:
-                pending = asyncio.ensure_future(anext(incoming))
-                await asyncio.wait((pending, failed), return_when=asyncio.FIRST_COMPLETED)
                 if failed.done():
-                    pending.cancel()
                     await self._abort(context, failed.result(), last)
+                waiting = True
                 try:
-                    request = pending.result()
+                    request = await anext(incoming)
                 except StopAsyncIteration:
                     break
+                except asyncio.CancelledError:
+                    if failed.done() and task.uncancel() == 0:  # woken by the failure alone
+                        await self._abort(context, failed.result(), last)
+                    raise
+                finally:
+                    waiting = False
                 await self.path.refuse_undecodable(context, request, _CHAINED, hop=0)
                 last = request
                 down = await self._one(context, request, down, failed)
@@ -188,8 +202,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
                 self.host.abandon(last.session_id, int(last.epoch), "chain stream cancelled")
             raise
         finally:
-            if pending is not None and not pending.done():
-                pending.cancel()
+            failed.remove_done_callback(wake)
             if down is not None and not finished:
                 down.cancel()  # this stage refused, or the chain failed: the epoch is over
         if False:  # pragma: no cover - makes this an async generator (answers nothing)
@@ -202,9 +215,11 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
         down: Downstream | None,
         failed: asyncio.Future[ChainFailure],
     ) -> Downstream | None:
-        """Runs one chained frame and passes its output on; returns the downstream stream."""
+        """Runs one chained frame and passes its output on; returns the downstream stream.
+        The next frame leaves before this one is counted (``FramePath.account``): the
+        counting then overlaps the next stage's engine."""
         hop = int(request.chain_hop)
-        sid, epoch = request.session_id, int(request.epoch)
+        sid = request.session_id
         began = time.perf_counter_ns()
         try:
             if hop > MAX_CHAIN_HOP:
@@ -212,9 +227,32 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
             frames.check_session_id(sid)  # before it reaches the hub or a log line
             # where the output goes is checked before the rows touch the session's state
             link, ring = self._where_output_goes(request)
-            reply = await self.path.forward(request, None)
+            done = await self.path.run(request, None)
         except Exception as exc:
             await self.path.refuse(context, exc, request, _CHAINED, hop=hop)
+        try:
+            return await self._pass_on(
+                context, request, done.reply, began, (link, ring), down, failed
+            )
+        finally:
+            self.path.account(done)
+
+    async def _pass_on(
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        request: pb.ForwardRequest,
+        reply: pb.ForwardReply,
+        began: int,
+        where: tuple[ChainLink | None, ChainLink | None],
+        down: Downstream | None,
+        failed: asyncio.Future[ChainFailure],
+    ) -> Downstream | None:
+        """Sends a run frame's output on: to the next stage (``where``'s link), or on the last
+        stage to the client's output stream (and, on a ring, ``where``'s ring link, the next
+        frame to the first stage)."""
+        link, ring = where
+        hop = int(request.chain_hop)
+        sid, epoch = request.session_id, int(request.epoch)
         t = reply.timings
         trace = pb.HopTrace(
             hop=hop,
@@ -237,11 +275,15 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
                 if frame is not None and drafting is not None:
                     out.ring_next.extend(frame.token_ids)
             try:
-                self.hub.deliver(sid, epoch, out)
+                self.hub.check_output(sid, epoch)  # no output stream: the ring goes no further
             except Exception as exc:
                 await self.path.refuse(context, exc, request, _CHAINED, hop=hop)
             if ring is not None and frame is not None:
-                await self.hub.ring_send(sid, ring, frame)
+                await self.hub.ring_send(sid, ring, frame)  # the ring's next frame first
+            try:
+                self.hub.deliver(sid, epoch, out)
+            except Exception as exc:
+                await self.path.refuse(context, exc, request, _CHAINED, hop=hop)
             return down
         if down is None or down.link != link:
             if down is not None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
+import attrs
 import grpc
 
 from dgr_engine.engine import ShardInfo
@@ -122,6 +123,18 @@ def _details(exc: BaseException, status: str) -> str:
     return text if text.startswith(status) else f"{status}: {text}"
 
 
+@attrs.frozen
+class Forwarded:
+    """A frame :meth:`FramePath.run` ran, and what :meth:`FramePath.account` counts of it."""
+
+    request: pb.ForwardRequest
+    frame: frames.ForwardFrame
+    reply: pb.ForwardReply
+    rows: int
+    compute_ns: int
+    total_ns: int
+
+
 class FramePath:
     """Decode, check, forward, refuse: one worker's frames, whichever service they came by."""
 
@@ -131,6 +144,15 @@ class FramePath:
     async def forward(self, request: pb.ForwardRequest, deadline: float | None) -> pb.ForwardReply:
         """One frame: check, run on the engine (``FrameHost.run_forward``), encode, count;
         raises on refusal."""
+        done = await self.run(request, deadline)
+        self.account(done)
+        return done.reply
+
+    async def run(self, request: pb.ForwardRequest, deadline: float | None) -> Forwarded:
+        """One frame, up to its encoded reply: check, run on the engine, encode; raises on
+        refusal. The caller counts it with :meth:`account` once the reply is on its way (a
+        chained stage sends the next stage its frame first: the counting is off the route's
+        critical path)."""
         began = time.perf_counter_ns()
         host = self._host
         frames.check_session_id(request.session_id)  # before it reaches any table or log
@@ -168,29 +190,34 @@ class FramePath:
         reply.timings.compute_us = compute_ns // 1000
         total_ns = time.perf_counter_ns() - began
         reply.timings.total_us = total_ns // 1000
+        return Forwarded(request, frame, reply, rows, compute_ns, total_ns)
+
+    def account(self, done: Forwarded) -> None:
+        """Counts a frame :meth:`run` ran: its debug line, metrics and usage record."""
+        host, request, frame, reply = self._host, done.request, done.frame, done.reply
         kind = frames.ROW_KIND_NAMES.get(request.kind, "unspecified")
         host.log.bind(session=frame.session_id, epoch=frame.epoch, step=frame.step).debug(
             "forward {} rows ({}) at {}: engine {:.2f} ms, frame {:.2f} ms",
-            rows,
+            done.rows,
             kind,
             int(request.expected_next_pos),
-            compute_ns / 1e6,
-            total_ns / 1e6,
+            done.compute_ns / 1e6,
+            done.total_ns / 1e6,
         )
         bytes_in, bytes_out = request.ByteSize(), reply.ByteSize()
-        host.metrics.forwarded(kind, rows, compute_ns / 1e9, total_ns / 1e9, bytes_in, bytes_out)
+        compute_s = done.compute_ns / 1e9
+        host.metrics.forwarded(kind, done.rows, compute_s, done.total_ns / 1e9, bytes_in, bytes_out)
         host.usage.forwarded(
             frame.session_id,
             frame.epoch,
             kind,
-            rows,
+            done.rows,
             bytes_in,
             bytes_out,
-            compute_ns / 1e9,
+            compute_s,
             frame.drafts,
             frame.kept_drafts,
         )
-        return reply
 
     def check_open(self, session_id: str, epoch: int) -> None:
         """``UnknownSession`` / ``StaleEpoch`` unless ``(session_id, epoch)`` is open here."""
