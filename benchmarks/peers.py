@@ -575,17 +575,23 @@ def table_rows(
 
 
 def print_parts_table(speeds: Mapping[str, Mapping[str, Any]]) -> None:
-    """Every dgr route row's decode token, part by part (engines, the workers' own code, the
-    transit between them, the client's code), beside its wall time."""
-    print("| dgr route | ms/token | engines | worker code | transit | client |")
-    print("|---|---|---|---|---|---|")
+    """Every dgr route row's decode token, part by part (engines, and of them the part inside
+    llama.cpp; the workers' own code, the transit between them, the client's code), beside its
+    wall time and the Python on its critical path (everything but llama.cpp and the client)."""
+    print(
+        "| dgr route | ms/token | engines | of which llama.cpp | worker code | transit | client "
+        "| dgr's Python and the hops (ms/token - llama.cpp - client) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for name, got in speeds.items():
         p = got.get("parts_ms") or {}
         if not p:
             continue
         wall = 1000 / got["decode_tps"]
-        cells = " | ".join(f"{p[k]:.2f}" for k in ("engine", "worker", "transit", "client"))
-        print(f"| {name} | {wall:.2f} | {cells} |")
+        cells = " | ".join(
+            f"{p[k]:.2f}" for k in ("engine", "llama.cpp", "worker", "transit", "client")
+        )
+        print(f"| {name} | {wall:.2f} | {cells} | {wall - p['llama.cpp'] - p['client']:.2f} |")
 
 
 def print_table(rows: Sequence[dict[str, Any]]) -> None:

@@ -263,13 +263,17 @@ def relay_token_parts(
 ) -> dict[str, float]:
     """A relayed decode token's ms: the engines, the workers' own code (checks, encode), the
     transit (each call's round trip beyond its handler: gRPC, the network), and the client's
-    code (the rest of the wall time: the session core, the relay's own code)."""
+    code (the rest of the wall time: the session core, the relay's own code); ``llama.cpp``:
+    the part of the engines inside llama.cpp (the rest of ``engine`` is the Python around the
+    engine call: its arguments, result and output checks)."""
     engine = sum(r.compute_us for r in records) / n_decode / 1000
+    native = sum(r.native_us for r in records) / n_decode / 1000
     handler = sum(r.handler_us for r in records) / n_decode / 1000
     wire = sum(r.wire_us for r in records) / n_decode / 1000
     wall = 1000 * decode_s / n_decode
     return {
         "engine": engine,
+        "llama.cpp": native,
         "worker": handler - engine,
         "transit": wire - handler,
         "client": wall - wire,
@@ -283,13 +287,15 @@ def chained_token_parts(
     the transit (a chain: the client's round trip beyond the stages' handlers; a ring: the rest
     of the wall time, since the last stage sends the next frame itself and the client, reading
     the logits beside it, is off the critical path) and the client's code (a chain: the rest
-    of the wall time; a ring: 0)."""
+    of the wall time; a ring: 0); ``llama.cpp``: the part of the engines inside llama.cpp."""
     engine = sum(sum(r.compute_us) for r in records) / n_decode / 1000
+    native = sum(sum(r.native_us) for r in records) / n_decode / 1000
     handler = sum(sum(r.handler_us) for r in records) / n_decode / 1000
     wall = 1000 * decode_s / n_decode
     if ring:
         return {
             "engine": engine,
+            "llama.cpp": native,
             "worker": handler - engine,
             "transit": wall - handler,
             "client": 0.0,
@@ -297,6 +303,7 @@ def chained_token_parts(
     rtt = sum(r.rtt_us for r in records) / n_decode / 1000
     return {
         "engine": engine,
+        "llama.cpp": native,
         "worker": handler - engine,
         "transit": rtt - handler,
         "client": wall - rtt,

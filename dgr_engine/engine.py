@@ -10,6 +10,7 @@ frees a forgotten handle only as a safety net.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -146,6 +147,10 @@ class ShardEngine:
         numerics: Numerics | None = None,
     ) -> None:
         self._lock = threading.Lock()
+        self.native_ns = 0
+        """Nanoseconds spent inside llama.cpp by :meth:`forward` and :meth:`forward_batch`,
+        summed over the engine's life (what a caller's timing of a call has beyond it is
+        Python: the arguments, the result, the checks)."""
         self.model_path = Path(model_path)
         self.numerics = numerics if numerics is not None else Numerics()
         """KV cache type and flash-attention mode (default: llama.cpp's)."""
@@ -288,23 +293,24 @@ class ShardEngine:
         """
         item = self._prepare(ForwardItem(session_id, epoch, positions, tokens, rows, want), out)
         n_written = ffi.new("uint32_t *")
+        args = (
+            session_id,
+            epoch,
+            item.n,
+            ffi.NULL if item.tokens is None else ffi.from_buffer("int32_t[]", item.tokens),
+            ffi.NULL if item.rows is None else ffi.from_buffer("float[]", item.rows),
+            item.row_width,
+            ffi.from_buffer("int32_t[]", item.positions),
+            ffi.NULL if item.want is None else ffi.from_buffer("uint8_t[]", item.want),
+            ffi.from_buffer("float[]", item.out, require_writable=True),
+            item.out.size,
+            n_written,
+        )
         with self._lock:
-            self._check(
-                lib.dgr_session_forward(
-                    self._live(),
-                    session_id,
-                    epoch,
-                    item.n,
-                    ffi.NULL if item.tokens is None else ffi.from_buffer("int32_t[]", item.tokens),
-                    ffi.NULL if item.rows is None else ffi.from_buffer("float[]", item.rows),
-                    item.row_width,
-                    ffi.from_buffer("int32_t[]", item.positions),
-                    ffi.NULL if item.want is None else ffi.from_buffer("uint8_t[]", item.want),
-                    ffi.from_buffer("float[]", item.out, require_writable=True),
-                    item.out.size,
-                    n_written,
-                )
-            )
+            began = time.perf_counter_ns()
+            code = lib.dgr_session_forward(self._live(), *args)
+            self.native_ns += time.perf_counter_ns() - began
+            self._check(code)
         return item.result(int(n_written[0]), self.info.out_width)
 
     def forward_batch(self, items: Sequence[ForwardItem]) -> list[FloatArray | EngineError]:
@@ -345,7 +351,10 @@ class ShardEngine:
             c.out_capacity = p.out.size
         if ready:
             with self._lock:
-                self._check(lib.dgr_forward_batch(self._live(), c_items, len(ready)))
+                began = time.perf_counter_ns()
+                code = lib.dgr_forward_batch(self._live(), c_items, len(ready))
+                self.native_ns += time.perf_counter_ns() - began
+                self._check(code)
         results: list[FloatArray | EngineError] = []
         outcomes = iter(zip(c_items, ready, strict=True))
         width = self.info.out_width

@@ -154,6 +154,9 @@ class ChainRecord:
     """Each stage's handler time (checks, engine, the frame to the next stage built)."""
     compute_us: tuple[int, ...]
     """Each stage's engine time."""
+    native_us: tuple[int, ...] = ()
+    """Of each stage's engine time, the part inside llama.cpp (0 from a worker that does not
+    say: ``Timings.native_us``)."""
 
 
 @attrs.define
@@ -170,6 +173,8 @@ class ChainStats:
     """Time the stages spent in their handlers (checks, engine, reply), summed over stages."""
     compute_us: int = 0
     """Engine time, summed over stages."""
+    native_us: int = 0
+    """Of the engine time, the part inside llama.cpp, summed over stages."""
     frame_link_epochs: int = 0
     """Epochs whose frames took the frame link (the rest took gRPC)."""
 
@@ -681,6 +686,7 @@ class ChainStageTransport(GrpcStageTransport):
             for hop in ticket.reply.hops:
                 s.handler_us += hop.timings.total_us
                 s.compute_us += hop.timings.compute_us
+                s.native_us += hop.timings.native_us
             if self.chain_observer is not None:
                 hops = ticket.reply.hops
                 self.chain_observer(
@@ -692,6 +698,7 @@ class ChainStageTransport(GrpcStageTransport):
                         rtt_us,
                         tuple(int(h.timings.total_us) for h in hops),
                         tuple(int(h.timings.compute_us) for h in hops),
+                        tuple(int(h.timings.native_us) for h in hops),
                     )
                 )
         return self._answer(chain, stage, ticket)

@@ -92,6 +92,8 @@ class ForwardRecord:
     """Engine time reported by the worker."""
     queue_us: int
     """Time the frame waited for the worker's engine."""
+    native_us: int = 0
+    """Of ``compute_us``, the part inside llama.cpp (0: a worker that does not say)."""
 
 
 @attrs.frozen
@@ -487,6 +489,7 @@ class GrpcStageTransport:
                     handler_us=t.total_us,
                     compute_us=t.compute_us,
                     queue_us=t.queue_us,
+                    native_us=t.native_us,
                 )
             )
 

@@ -101,6 +101,8 @@ class WorkerTimings:
     """In the engine."""
     total_us: int
     """In the handler, decode and encode included."""
+    native_us: int = 0
+    """Of ``compute_us``, inside llama.cpp (0: a worker that does not say)."""
 
 
 @attrs.frozen
@@ -381,7 +383,7 @@ class ShardClient:
             is_logits=reply.kind == pb.OUTPUT_KIND_LOGITS,
             next_pos=reply.next_pos,
             step=reply.step,
-            timings=WorkerTimings(t.queue_us, t.compute_us, t.total_us),
+            timings=WorkerTimings(t.queue_us, t.compute_us, t.total_us, t.native_us),
             rtt_us=(time.perf_counter_ns() - began) // 1000,
             wire_us=wire_ns // 1000,
             mtp_drafts=mtp_drafts_of(reply),

@@ -260,6 +260,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
                 queue_us=t.queue_us,
                 compute_us=t.compute_us,
                 total_us=(time.perf_counter_ns() - began) // 1000,
+                native_us=t.native_us,
             ),
             bytes_in=request.ByteSize(),
             bytes_out=reply.output.ByteSize() + 4 * len(reply.greedy),

@@ -53,6 +53,8 @@ class FrameResult(NamedTuple):
     compute_ns: int
     """Nanoseconds of engine time that were its own (co-batched: the call's time times its
     share of the call's rows)."""
+    native_ns: int = 0
+    """Of ``compute_ns``, the nanoseconds inside llama.cpp (co-batched: its share, likewise)."""
 
 
 RunBatch = Callable[[Sequence[ForwardFrame]], list[tuple[FloatRows, int] | Exception]]
@@ -93,7 +95,8 @@ class CoBatcher:
 
     ``run_batch`` runs on the engine thread (``SessionTable.forward_batch``); ``sessions_open``
     says how many sessions could still send a frame; ``on_call(frames, rows)`` is told the size
-    of every engine call (metrics); ``started``/``stopped`` bracket each call (the load meter).
+    of every engine call (metrics); ``started``/``stopped`` bracket each call (the load meter);
+    ``native_ns`` reads the engine's time inside llama.cpp so far (``SessionTable.native_ns``).
     Used from one event loop only.
     """
 
@@ -107,8 +110,10 @@ class CoBatcher:
         on_call: Callable[[int, int], None] = lambda frames, rows: None,
         started: Callable[[], None] = lambda: None,
         stopped: Callable[[], None] = lambda: None,
+        native_ns: Callable[[], int] = lambda: 0,
     ) -> None:
         self.config = config
+        self._native_ns = native_ns
         self._engine_thread = engine_thread
         self._run_batch = run_batch
         self._sessions_open = sessions_open
@@ -213,11 +218,13 @@ class CoBatcher:
                 due.append(index)
         if due:
             self._started()
+            native = self._native_ns()
             try:
                 outs = self._run_batch([batch[index].frame for index in due])
             finally:
                 self._stopped()
             took = time.perf_counter_ns() - began
+            native = self._native_ns() - native
             total_rows = sum(batch[index].frame.n_rows for index in due)
             self.calls += 1
             self.frames += len(due)
@@ -231,7 +238,8 @@ class CoBatcher:
                 # rest of the call it spent waiting on other sessions' rows counts as queueing
                 share = took * batch[index].frame.n_rows // total_rows
                 queued = began - batch[index].enqueued_ns + took - share
-                results[index] = FrameResult(rows, next_pos, queued, share)
+                native_share = native * batch[index].frame.n_rows // total_rows
+                results[index] = FrameResult(rows, next_pos, queued, share, native_share)
         return [result for result in results if result is not None]
 
 

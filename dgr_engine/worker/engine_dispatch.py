@@ -54,6 +54,7 @@ class EngineDispatch:
                 on_call=on_call,
                 started=meter.started,
                 stopped=meter.stopped,
+                native_ns=lambda: table.native_ns,
             )
 
     async def run_forward(self, frame: ForwardFrame, deadline: float | None) -> FrameResult:
@@ -85,11 +86,18 @@ class EngineDispatch:
         if deadline is not None and time.monotonic() >= deadline:
             raise expired_in_queue()
         self._meter.started()
+        native = self._table.native_ns
         try:
             out, next_pos = self._table.forward(frame)
         finally:
             self._meter.stopped()
-        return FrameResult(out, next_pos, started - enqueued_ns, time.perf_counter_ns() - started)
+        return FrameResult(
+            out,
+            next_pos,
+            started - enqueued_ns,
+            time.perf_counter_ns() - started,
+            self._table.native_ns - native,
+        )
 
     async def run_on_engine(
         self, job: Callable[..., _T], *args: Any, inline_ok: bool = False

@@ -166,10 +166,11 @@ class FramePath:
         host.meter.admitted()
         rows = 0
         try:
-            out, next_pos, queue_ns, compute_ns = await host.run_forward(frame, deadline)
+            result = await host.run_forward(frame, deadline)
             rows = frame.n_rows
         finally:
             host.meter.finished(rows)
+        out, next_pos, compute_ns = result.rows, result.next_pos, result.compute_ns
         reply = pb.ForwardReply(
             session_id=frame.session_id,
             epoch=frame.epoch,
@@ -186,8 +187,9 @@ class FramePath:
             if held is not None:
                 reply.mtp_draft_pos, drafts = held
                 reply.mtp_drafts.extend(drafts)
-        reply.timings.queue_us = queue_ns // 1000
+        reply.timings.queue_us = result.queue_ns // 1000
         reply.timings.compute_us = compute_ns // 1000
+        reply.timings.native_us = result.native_ns // 1000
         total_ns = time.perf_counter_ns() - began
         reply.timings.total_us = total_ns // 1000
         return Forwarded(request, frame, reply, rows, compute_ns, total_ns)

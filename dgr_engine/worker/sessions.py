@@ -153,6 +153,12 @@ class SessionTable:
             self._publish(session_id, entry.epoch, CloseCause.SUPERSEDED)
         return discarded
 
+    @property
+    def native_ns(self) -> int:
+        """Nanoseconds the engine has spent inside llama.cpp (``ShardEngine.native_ns``; 0 for
+        an engine that does not say)."""
+        return int(getattr(self.engine, "native_ns", 0))
+
     def forward(self, frame: ForwardFrame) -> tuple[FloatRows, int]:
         """Runs the frame; returns the output rows and the session's next position."""
         entry = self._live(frame.session_id, frame.epoch)

@@ -238,8 +238,10 @@ def test_peers_benchmark_end_to_end(
     # every dgr route row's decode token, part by part, and one hop of each data path
     for name in ("dgr 2", "dgr 2 ring-grpc", "dgr 2 ring"):
         parts = result["speeds"]["speeds"][name]["parts_ms"]
-        assert set(parts) == {"engine", "worker", "transit", "client"}, name
+        assert set(parts) == {"engine", "llama.cpp", "worker", "transit", "client"}, name
         assert parts["engine"] > 0 and all(math.isfinite(v) for v in parts.values()), parts
+        # the workers say how much of each engine call was llama.cpp's own: most of it
+        assert 0 < parts["llama.cpp"] <= parts["engine"], parts
         assert f"| {name} | " in out
     assert result["speeds"]["speeds"]["dgr 2 ring"]["parts_ms"]["client"] == 0.0  # off the path
     hops = result["hop_cost"]["rows"]

@@ -161,6 +161,8 @@ def test_chained_route_equals_the_whole_model_bit_for_bit(
     # each frame went down the chain once: prompt + decode steps, no relay forwards
     frames = len(prompts) * (1 + N_TOKENS - 1)
     assert transport.chain_stats.frames == frames
+    # the hops' traces say how much of the engines' time was inside llama.cpp
+    assert 0 < transport.chain_stats.native_us <= transport.chain_stats.compute_us
     # a ring: the client sent each prompt, the last stage every decode frame
     assert transport.chain_stats.sent == (len(prompts) if ring else frames)
     # every stage's usage comes from the chain's traces: each saw every row once

@@ -38,6 +38,8 @@ class Recorder:
 
     def __init__(self) -> None:
         self.calls: list[list[str]] = []
+        self.native_ns = 0
+        """What the fake engine says it spent inside llama.cpp: 1000 ns a row."""
         self.started = threading.Event()
         self.release = threading.Event()
 
@@ -46,6 +48,7 @@ class Recorder:
             self.started.set()
             self.release.wait(10.0)
         self.calls.append([f"{f.session_id}:{f.step}" for f in frames])
+        self.native_ns += 1000 * sum(f.n_rows for f in frames)
         out: list[object] = []
         for f in frames:
             if f.session_id == "gone":
@@ -61,7 +64,13 @@ async def run_all(
     """Submits the first frame and waits until its call runs (and blocks), submits the rest so
     that they queue behind it, then releases the call; every frame's result or error."""
     thread = EngineThread()
-    batcher = CoBatcher(CoBatchConfig(max_rows), thread, recorder, sessions_open=lambda: 4)
+    batcher = CoBatcher(
+        CoBatchConfig(max_rows),
+        thread,
+        recorder,
+        sessions_open=lambda: 4,
+        native_ns=lambda: recorder.native_ns,
+    )
     try:
         first = asyncio.ensure_future(batcher.submit(*frames[0]))
         assert await asyncio.to_thread(recorder.started.wait, 10.0)
@@ -130,4 +139,6 @@ def test_a_calls_time_is_split_by_rows_and_the_rest_counts_as_waiting() -> None:
     # b and c shared one call of 4 rows: c's own share is three times b's (to the ns), and
     # what each spent waiting plus its own share is the same span for both
     assert abs(c[3] - 3 * b[3]) <= 3
+    # and so is the call's time inside llama.cpp: 4000 ns for 4 rows
+    assert (b[4], c[4]) == (1000, 3000)
     assert c[2] + c[3] == pytest.approx(b[2] + b[3], rel=0.05, abs=2e5)
