@@ -21,6 +21,12 @@ greedy token), the median over the measured sessions.
 GGUF file); its lane is certified (or its record reused) under ``--lock``, which must declare it
 (``benchmarks/model_arg.py``).
 
+Beside them, **llama.cpp RPC** with the same split (``llama-bench`` over ``ggml-rpc-server``
+processes, the peers built from the same workspace: ``benchmarks/peers.py``), its servers behind
+a proxy of the same link each, decoding as many steps after a prompt as long: what a user who
+spreads the model with RPC instead gets over the same WAN (``--no-rpc`` leaves it out). RPC asks
+each server for its result before the next one starts; a ring sends each frame one way.
+
 Targets (issue 15, part 3): at 30 ms and 4 stages chain >= 1.8 x relay; on loopback
 chain >= relay. Saves ``benchmarks/out/chain.json``. Where a target is missed it prints where a
 decode token's time goes (``docs/chain.md`` has the latency arithmetic).
@@ -38,6 +44,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +57,18 @@ from dgr_engine.client.chained import ChainRecord, ChainStageTransport
 from dgr_engine.client.relay import ForwardRecord, GrpcStageTransport
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import split_points, whole_model_reference
-from dgr_engine.tooling.delay_proxy import Link, ProxiedRoutes
+from dgr_engine.tooling import peer_build
+from dgr_engine.tooling.delay_proxy import Link, ProxiedRoutes, WanProxy
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
+from dgr_engine.tooling.rpc_peer import (
+    Endpoint,
+    PeerConfig,
+    RpcEndpoint,
+    RpcServer,
+    pick,
+    rpc_servers,
+    run_llama_bench_async,
+)
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager, SessionState
 from dgr_session.transport import RouteProvider
 
@@ -95,6 +113,12 @@ class Cell:
     relay_ttft_ms: float = 0.0
     chain_ttft_ms: float = 0.0
     ring_ttft_ms: float = 0.0
+    rpc_tps: float | None = None
+    """llama.cpp RPC with the same split behind the same links (``None``: not run)."""
+
+    @property
+    def ring_vs_rpc(self) -> float | None:
+        return None if self.rpc_tps is None else self.ring_tps / self.rpc_tps
 
     @property
     def ratio(self) -> float:
@@ -208,50 +232,111 @@ async def measure(
     rounds: int,
     want: list[int],
     options: EngineOptions,
-) -> list[Run]:
+    rpc: RpcPeer | None = None,
+) -> tuple[list[Run], dict[tuple[int, float], float]]:
+    """Every mode's runs, and with ``rpc`` llama.cpp RPC's decode tok/s by (stages, RTT)."""
     runs: list[Run] = []
+    rpc_tps: dict[tuple[int, float], float] = {}
     for n in stages:
         pool = LoopbackRouteProvider(path, split_points(n_layer, n), options=options)
         await pool.start()
+        servers: AbstractContextManager[list[RpcServer]] = (
+            rpc_servers(rpc.server, n - 1, options.n_threads) if rpc else nullcontext([])
+        )
         try:
-            for rtt in rtts:
-                provider: RouteProvider = pool
-                routes = None
-                if rtt > 0:
-                    routes = ProxiedRoutes(pool, Link(rtt=rtt / 1000, seed=1))
-                    provider = routes
-                seen: dict[str, list[tuple[list[float], list[tuple[int, int, int]], bool]]] = {
-                    m: [] for m in MODES
-                }
-                try:
-                    for r in range(rounds + 1):  # round 0 warms the workers and proxies up
-                        order = MODES if r % 2 == 0 else MODES[::-1]
-                        for mode in order:
-                            got, stamps, parts = await one_session(
-                                provider,
-                                mode,
-                                prompt,
-                                tokens,
-                                f"s{n}-r{rtt:g}-{r}",
-                                "grpc" if rtt > 0 else "auto",
-                            )
-                            if r:
-                                seen[mode].append((stamps, parts, got == want))
-                finally:
-                    if routes is not None:
-                        await routes.aclose()
-                for mode in MODES:
-                    run = summarize(mode, n, rtt, seen[mode])
-                    runs.append(run)
-                    print(
-                        f"  {n} stages, {rtt:>4g} ms: {mode:<5} {run.decode_tps:7.1f} tok/s "
-                        f"({run.ms_per_token:.1f} ms/token, first token {run.ttft_ms:.0f} ms, "
-                        f"exact {run.exact})",
-                        flush=True,
-                    )
+            with servers as started:
+                for rtt in rtts:
+                    got = await _cell(pool, n, rtt, prompt, tokens, rounds, want, started, rpc)
+                    runs.extend(got[0])
+                    if got[1] is not None:
+                        rpc_tps[(n, rtt)] = got[1]
         finally:
             await pool.aclose()
-    return runs
+    return runs, rpc_tps
+
+
+@attrs.frozen
+class RpcPeer:
+    """How to run llama.cpp RPC beside the routes: its ``llama-bench`` settings, the server."""
+
+    config: PeerConfig
+    server: Path
+    n_layer: int
+
+
+async def _rpc_decode(
+    rpc: RpcPeer, servers: Sequence[RpcEndpoint], prompt_len: int, tokens: int
+) -> float:
+    """RPC's decode tok/s over ``servers``: ``tokens - 1`` steps after a prompt of
+    ``prompt_len`` (what a session's decode after its first token is)."""
+    results = await run_llama_bench_async(
+        rpc.config, [prompt_len], tokens - 1, [prompt_len], servers=servers, n_layer=rpc.n_layer
+    )
+    return pick(results, 0, tokens - 1, prompt_len).avg_ts
+
+
+async def _cell(
+    pool: LoopbackRouteProvider,
+    n: int,
+    rtt: float,
+    prompt: list[int],
+    tokens: int,
+    rounds: int,
+    want: list[int],
+    servers: Sequence[RpcEndpoint],
+    rpc: RpcPeer | None,
+) -> tuple[list[Run], float | None]:
+    """One (stages, RTT) cell: every mode's run, and RPC's median decode tok/s behind a proxy
+    of the same link in front of each of its servers (``None`` without ``rpc``)."""
+    runs: list[Run] = []
+    proxies: list[WanProxy] = []
+    rpc_rounds: list[float] = []
+    if rtt > 0:
+        for server in servers:
+            proxies.append(await WanProxy.start(server.endpoint, Link(rtt=rtt / 1000, seed=1)))
+    targets: Sequence[RpcEndpoint] = [Endpoint(p.address) for p in proxies] or servers
+    provider: RouteProvider = pool
+    routes = None
+    if rtt > 0:
+        routes = ProxiedRoutes(pool, Link(rtt=rtt / 1000, seed=1))
+        provider = routes
+    seen: dict[str, list[tuple[list[float], list[tuple[int, int, int]], bool]]] = {
+        m: [] for m in MODES
+    }
+    try:
+        for r in range(rounds + 1):  # round 0 warms the workers and proxies up
+            order = MODES if r % 2 == 0 else MODES[::-1]
+            for mode in order:
+                got, stamps, parts = await one_session(
+                    provider,
+                    mode,
+                    prompt,
+                    tokens,
+                    f"s{n}-r{rtt:g}-{r}",
+                    "grpc" if rtt > 0 else "auto",
+                )
+                if r:
+                    seen[mode].append((stamps, parts, got == want))
+            if r and rpc is not None:  # llama-bench warms up inside each run
+                rpc_rounds.append(await _rpc_decode(rpc, targets, len(prompt), tokens))
+    finally:
+        if routes is not None:
+            await routes.aclose()
+        for proxy in proxies:
+            await proxy.aclose()
+    for mode in MODES:
+        run = summarize(mode, n, rtt, seen[mode])
+        runs.append(run)
+        print(
+            f"  {n} stages, {rtt:>4g} ms: {mode:<5} {run.decode_tps:7.1f} tok/s "
+            f"({run.ms_per_token:.1f} ms/token, first token {run.ttft_ms:.0f} ms, "
+            f"exact {run.exact})",
+            flush=True,
+        )
+    rpc_median = statistics.median(rpc_rounds) if rpc_rounds else None
+    if rpc_median is not None:
+        print(f"  {n} stages, {rtt:>4g} ms: rpc   {rpc_median:7.1f} tok/s", flush=True)
+    return runs, rpc_median
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,6 +348,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt", type=int, default=16, help="prompt tokens")
     parser.add_argument("--rounds", type=int, default=2, help="measured rounds per cell")
     parser.add_argument("--threads", type=int, default=1, help="engine threads per worker")
+    parser.add_argument(
+        "--no-rpc",
+        dest="rpc",
+        action="store_false",
+        help="leave out llama.cpp RPC with the same split behind the same links",
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out")
     args = parser.parse_args(argv)
     try:
@@ -293,9 +384,31 @@ def main(argv: list[str] | None = None) -> int:
         f"{model.evidence_note(os.cpu_count())}",
         flush=True,
     )
-    runs = asyncio.run(
+    rpc = None
+    if args.rpc:
+        prefix = peer_build.ensure_peers(log=lambda m: print(m, flush=True))
+        config = PeerConfig(
+            model=path,
+            bench=prefix / "bin" / "llama-bench",
+            batched=prefix / "bin" / "llama-batched-bench",
+            threads=options.n_threads,
+            kv_type=options.kv_type,
+            flash_attn=options.flash_attn,
+            n_batch=options.n_batch,
+        )
+        rpc = RpcPeer(config, prefix / "bin" / "ggml-rpc-server", model.n_layer)
+    runs, rpc_tps = asyncio.run(
         measure(
-            path, model.n_layer, args.stages, rtts, prompt, args.tokens, args.rounds, want, options
+            path,
+            model.n_layer,
+            args.stages,
+            rtts,
+            prompt,
+            args.tokens,
+            args.rounds,
+            want,
+            options,
+            rpc,
         )
     )
     by = {(r.mode, r.stages, r.rtt_ms): r for r in runs}
@@ -310,6 +423,7 @@ def main(argv: list[str] | None = None) -> int:
             by[("relay", n, rtt)].ttft_ms,
             by[("chain", n, rtt)].ttft_ms,
             by[("ring", n, rtt)].ttft_ms,
+            rpc_tps.get((n, rtt)),
         )
         for n in args.stages
         for rtt in rtts
@@ -318,13 +432,19 @@ def main(argv: list[str] | None = None) -> int:
     head = f"{'stages':>6} {'RTT ms':>6} {'relay tok/s':>11} {'chain tok/s':>11}"
     print(
         f"{head} {'chain/relay':>11} {'ring tok/s':>10} {'ring/relay':>10} "
-        f"{'TTFT ms relay/chain/ring':>24} exact"
+        f"{'TTFT ms relay/chain/ring':>24} exact {'rpc tok/s':>9} {'ring/rpc':>8}"
     )
     for c in cells:
         ttft = f"{c.relay_ttft_ms:.0f}/{c.chain_ttft_ms:.0f}/{c.ring_ttft_ms:.0f}"
+        rpc_cells = (
+            f"{c.rpc_tps:>9.1f} {c.ring_vs_rpc:>8.2f}"
+            if c.rpc_tps is not None and c.ring_vs_rpc is not None
+            else f"{'-':>9} {'-':>8}"
+        )
         print(
             f"{c.stages:>6} {c.rtt_ms:>6g} {c.relay_tps:>11.1f} {c.chain_tps:>11.1f} "
-            f"{c.ratio:>11.2f} {c.ring_tps:>10.1f} {c.ring_ratio:>10.2f} {ttft:>24} {c.exact}"
+            f"{c.ratio:>11.2f} {c.ring_tps:>10.1f} {c.ring_ratio:>10.2f} {ttft:>24} {c.exact!s:>5} "
+            f"{rpc_cells}"
         )
     targets: list[dict[str, Any]] = []
 
@@ -377,7 +497,15 @@ def main(argv: list[str] | None = None) -> int:
         "tokens": args.tokens,
         "rounds": args.rounds,
         "runs": [attrs.asdict(r) for r in runs],
-        "cells": [{**attrs.asdict(c), "ratio": c.ratio, "ring_ratio": c.ring_ratio} for c in cells],
+        "cells": [
+            {
+                **attrs.asdict(c),
+                "ratio": c.ratio,
+                "ring_ratio": c.ring_ratio,
+                "ring_vs_rpc": c.ring_vs_rpc,
+            }
+            for c in cells
+        ],
         "targets": targets,
     }
     (args.out / "chain.json").write_text(json.dumps(payload, indent=2) + "\n")

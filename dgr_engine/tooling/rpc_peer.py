@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 import attrs
 import numpy as np
@@ -196,6 +196,22 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+class RpcEndpoint(Protocol):
+    """Where ``llama-bench`` reaches an RPC server: the server itself, or a proxy before it."""
+
+    @property
+    def endpoint(self) -> str:
+        """``host:port``."""
+        ...
+
+
+@attrs.frozen
+class Endpoint:
+    """An :class:`RpcEndpoint` by its address (a WAN proxy's in front of a server)."""
+
+    endpoint: str
+
+
 class RpcServer:
     """One ``ggml-rpc-server`` on 127.0.0.1 (it serves one client at a time)."""
 
@@ -312,7 +328,7 @@ def llama_bench_argv(
     n_gen: int,
     depths: Sequence[int],
     *,
-    servers: Sequence[RpcServer] = (),
+    servers: Sequence[RpcEndpoint] = (),
     n_layer: int = 0,
     verbose: bool = False,
 ) -> list[str]:
@@ -340,7 +356,7 @@ def run_llama_bench(
     n_gen: int,
     depths: Sequence[int],
     *,
-    servers: Sequence[RpcServer] = (),
+    servers: Sequence[RpcEndpoint] = (),
     n_layer: int = 0,
     verbose: bool = False,
 ) -> tuple[list[BenchResult], str]:
@@ -365,7 +381,7 @@ async def run_llama_bench_async(
     n_gen: int,
     depths: Sequence[int],
     *,
-    servers: Sequence[RpcServer] = (),
+    servers: Sequence[RpcEndpoint] = (),
     n_layer: int = 0,
 ) -> list[BenchResult]:
     """:func:`run_llama_bench` for an event loop: the process is killed and reaped when the

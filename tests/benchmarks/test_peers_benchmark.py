@@ -279,6 +279,14 @@ def test_peers_benchmark_end_to_end(
     delayed = [run for run in chain_result["runs"] if run["rtt_ms"] == 30]
     assert {run["mode"] for run in delayed} == {"relay", "chain", "ring"}
     assert all(run["ms_per_token"] >= 30 for run in delayed), delayed
+    # llama.cpp RPC ran beside the routes in every cell, its 3 servers behind the same links:
+    # its main process awaits each server's answer in turn, 3 round trips a token at 30 ms
+    for cell in chain_result["cells"]:
+        assert math.isfinite(cell["rpc_tps"]) and cell["rpc_tps"] > 0, cell
+        assert cell["ring_vs_rpc"] == pytest.approx(cell["ring_tps"] / cell["rpc_tps"])
+        if cell["rtt_ms"] == 30:
+            assert 1000 / cell["rpc_tps"] >= 3 * 30, cell
+    assert "rpc tok/s" in out
     assert [row["name"] for row in table if row["part"].startswith("3")] == [
         "decode tok/s, at 30 ms, 4 stages: chain / relay",
         "decode tok/s, at 30 ms, 4 stages: ring / relay",
