@@ -53,6 +53,7 @@ import attrs
 import numpy as np
 
 from benchmarks.model_arg import BenchModelError, add_model_arguments, resolve
+from dgr_engine.certify.scenarios import RpcSide
 from dgr_engine.client.chained import ChainRecord, ChainStageTransport
 from dgr_engine.client.relay import ForwardRecord, GrpcStageTransport
 from dgr_engine.options import EngineOptions
@@ -60,15 +61,7 @@ from dgr_engine.reference import split_points, whole_model_reference
 from dgr_engine.tooling import peer_build
 from dgr_engine.tooling.delay_proxy import Link, ProxiedRoutes, WanProxy
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
-from dgr_engine.tooling.rpc_peer import (
-    Endpoint,
-    PeerConfig,
-    RpcEndpoint,
-    RpcServer,
-    pick,
-    rpc_servers,
-    run_llama_bench_async,
-)
+from dgr_engine.tooling.rpc_peer import Endpoint, RpcEndpoint, RpcServer, rpc_servers
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager, SessionState
 from dgr_session.transport import RouteProvider
 
@@ -232,7 +225,7 @@ async def measure(
     rounds: int,
     want: list[int],
     options: EngineOptions,
-    rpc: RpcPeer | None = None,
+    rpc: RpcSide | None = None,
 ) -> tuple[list[Run], dict[tuple[int, float], float]]:
     """Every mode's runs, and with ``rpc`` llama.cpp RPC's decode tok/s by (stages, RTT)."""
     runs: list[Run] = []
@@ -255,26 +248,6 @@ async def measure(
     return runs, rpc_tps
 
 
-@attrs.frozen
-class RpcPeer:
-    """How to run llama.cpp RPC beside the routes: its ``llama-bench`` settings, the server."""
-
-    config: PeerConfig
-    server: Path
-    n_layer: int
-
-
-async def _rpc_decode(
-    rpc: RpcPeer, servers: Sequence[RpcEndpoint], prompt_len: int, tokens: int
-) -> float:
-    """RPC's decode tok/s over ``servers``: ``tokens - 1`` steps after a prompt of
-    ``prompt_len`` (what a session's decode after its first token is)."""
-    results = await run_llama_bench_async(
-        rpc.config, [prompt_len], tokens - 1, [prompt_len], servers=servers, n_layer=rpc.n_layer
-    )
-    return pick(results, 0, tokens - 1, prompt_len).avg_ts
-
-
 async def _cell(
     pool: LoopbackRouteProvider,
     n: int,
@@ -284,7 +257,7 @@ async def _cell(
     rounds: int,
     want: list[int],
     servers: Sequence[RpcEndpoint],
-    rpc: RpcPeer | None,
+    rpc: RpcSide | None,
 ) -> tuple[list[Run], float | None]:
     """One (stages, RTT) cell: every mode's run, and RPC's median decode tok/s behind a proxy
     of the same link in front of each of its servers (``None`` without ``rpc``)."""
@@ -318,7 +291,7 @@ async def _cell(
                 if r:
                     seen[mode].append((stamps, parts, got == want))
             if r and rpc is not None:  # llama-bench warms up inside each run
-                rpc_rounds.append(await _rpc_decode(rpc, targets, len(prompt), tokens))
+                rpc_rounds.append((await rpc.decode_tps(targets, tokens - 1, len(prompt)))[0])
     finally:
         if routes is not None:
             await routes.aclose()
@@ -387,16 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     rpc = None
     if args.rpc:
         prefix = peer_build.ensure_peers(log=lambda m: print(m, flush=True))
-        config = PeerConfig(
-            model=path,
-            bench=prefix / "bin" / "llama-bench",
-            batched=prefix / "bin" / "llama-batched-bench",
-            threads=options.n_threads,
-            kv_type=options.kv_type,
-            flash_attn=options.flash_attn,
-            n_batch=options.n_batch,
-        )
-        rpc = RpcPeer(config, prefix / "bin" / "ggml-rpc-server", model.n_layer)
+        rpc = RpcSide.of(prefix, path, options, model.n_layer)
     runs, rpc_tps = asyncio.run(
         measure(
             path,

@@ -34,6 +34,7 @@ from dgr_engine.reference import LocalChain
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_engine.tooling.rpc_peer import (
     PeerConfig,
+    RpcEndpoint,
     RpcServer,
     pick,
     rpc_servers,
@@ -299,7 +300,7 @@ class RpcSide:
         return cls(config, prefix / "bin" / "ggml-rpc-server", n_layer)
 
     async def decode_tps(
-        self, servers: Sequence[RpcServer], n_decode: int, depth: int
+        self, servers: Sequence[RpcEndpoint], n_decode: int, depth: int
     ) -> tuple[float, str | None]:
         """One run: decode tok/s of ``n_decode`` tokens at ``depth``, and what in the peer's
         own report differs from the settings it was given (``None``: nothing)."""
