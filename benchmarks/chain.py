@@ -264,19 +264,19 @@ async def _cell(
     runs: list[Run] = []
     proxies: list[WanProxy] = []
     rpc_rounds: list[float] = []
-    if rtt > 0:
-        for server in servers:
-            proxies.append(await WanProxy.start(server.endpoint, Link(rtt=rtt / 1000, seed=1)))
-    targets: Sequence[RpcEndpoint] = [Endpoint(p.address) for p in proxies] or servers
     provider: RouteProvider = pool
     routes = None
-    if rtt > 0:
-        routes = ProxiedRoutes(pool, Link(rtt=rtt / 1000, seed=1))
-        provider = routes
     seen: dict[str, list[tuple[list[float], list[tuple[int, int, int]], bool]]] = {
         m: [] for m in MODES
     }
     try:
+        if rtt > 0:
+            routes = ProxiedRoutes(pool, Link(rtt=rtt / 1000, seed=1))
+            provider = routes
+            for server in servers:
+                link = Link(rtt=rtt / 1000, seed=1)
+                proxies.append(await WanProxy.start(server.endpoint, link))
+        targets: Sequence[RpcEndpoint] = [Endpoint(p.address) for p in proxies] or servers
         for r in range(rounds + 1):  # round 0 warms the workers and proxies up
             order = MODES if r % 2 == 0 else MODES[::-1]
             for mode in order:
@@ -291,7 +291,10 @@ async def _cell(
                 if r:
                     seen[mode].append((stamps, parts, got == want))
             if r and rpc is not None:  # llama-bench warms up inside each run
-                rpc_rounds.append((await rpc.decode_tps(targets, tokens - 1, len(prompt)))[0])
+                tps, differs = await rpc.decode_tps(targets, tokens - 1, len(prompt))
+                if differs is not None:  # not the same settings: no comparison
+                    raise RuntimeError(f"llama.cpp RPC ran with other settings: {differs}")
+                rpc_rounds.append(tps)
     finally:
         if routes is not None:
             await routes.aclose()
