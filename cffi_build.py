@@ -2,7 +2,7 @@
 
 The C ABI header ``native/include/dgr_shard.h`` is the single source of the declarations: its
 preprocessor lines and C++ guards are stripped and the rest is handed to ``ffi.cdef``. The module
-compiles ``native/src/dgr_shard.cpp`` and links the static, patched libllama that
+compiles ``native/src/dgr_shard.cpp`` and ``dgr_link.cpp`` and links the static, patched libllama that
 ``native/build_llama.py`` builds (or reuses from its cache) from the manifest and ``patches/``.
 Called by the package build (``setup.py``: ``cffi_modules``).
 """
@@ -20,7 +20,10 @@ from cffi import FFI
 
 ROOT = Path(__file__).resolve().parent
 HEADER = ROOT / "native" / "include" / "dgr_shard.h"
-SOURCE = Path("native") / "src" / "dgr_shard.cpp"  # relative: setuptools wants relative sources
+SOURCES = [  # relative: setuptools wants relative sources
+    str(Path("native") / "src" / "dgr_shard.cpp"),
+    str(Path("native") / "src" / "dgr_link.cpp"),
+]
 MANIFEST = ROOT / "native" / "llama.cpp.manifest.json"
 STATIC_LIBS = ("libllama.a", "libggml.a", "libggml-cpu.a", "libggml-base.a")
 
@@ -81,7 +84,7 @@ def make_ffibuilder() -> FFI:
     ffibuilder.set_source(
         "dgr_engine._native",
         '#include "dgr_shard.h"\n',
-        sources=[str(SOURCE)],
+        sources=SOURCES,
         source_extension=".cpp",
         include_dirs=[str(ROOT / "native" / "include"), str(prefix / "include")],
         extra_objects=[str(prefix / "lib" / name) for name in STATIC_LIBS],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ import numpy.typing as npt
 
 from dgr_engine._binding import check_status, ffi, lib
 from dgr_engine.errors import EngineClosed, EngineError, error_for_status
+from dgr_engine.native_link import DEFAULT_BODY_TIMEOUT, LinkSockets, NativeLink
 from dgr_engine.numerics import Numerics
 
 
@@ -147,6 +149,7 @@ class ShardEngine:
         numerics: Numerics | None = None,
     ) -> None:
         self._lock = threading.Lock()
+        self._links: weakref.WeakSet[NativeLink] = weakref.WeakSet()
         self.native_ns = 0
         """Nanoseconds spent inside llama.cpp by :meth:`forward` and :meth:`forward_batch`,
         summed over the engine's life (what a caller's timing of a call has beyond it is
@@ -177,7 +180,10 @@ class ShardEngine:
     # -- lifecycle -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Frees the engine and every session's state. Idempotent."""
+        """Ends the engine's native links, then frees the engine and every session's state.
+        Idempotent."""
+        for link in list(self._links):
+            link.close()
         with self._lock:
             if self._handle is not None:
                 ffi.release(self._handle)
@@ -227,6 +233,34 @@ class ShardEngine:
         """Closes the session and frees its state and slot."""
         with self._lock:
             self._check(lib.dgr_session_close(self._live(), session_id, epoch))
+
+    def start_link(
+        self,
+        session_id: int,
+        epoch: int,
+        *,
+        hop: int,
+        sockets: LinkSockets,
+        max_rows: int | None = None,
+        notify_fd: int = -1,
+        body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    ) -> NativeLink:
+        """Starts a native link of the open ``(session_id, epoch)`` (``native_link.py``): the
+        frames coming on ``sockets`` run on this engine's own thread and go on with no Python
+        per frame. The link owns the sockets once started; :meth:`close` ends it first."""
+        with self._lock:
+            link = NativeLink(
+                self._live(),
+                session_id,
+                epoch,
+                hop=hop,
+                sockets=sockets,
+                max_rows=self.info.n_batch if max_rows is None else max_rows,
+                notify_fd=notify_fd,
+                body_timeout=body_timeout,
+            )
+        self._links.add(link)
+        return link
 
     def next_pos(self, session_id: int, epoch: int) -> int:
         """The position the session's next row must carry."""

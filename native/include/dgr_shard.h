@@ -32,8 +32,9 @@
  *    DGR_E_STALE_EPOCH failure, the epoch the engine holds is dgr_last_held_epoch();
  *  - every status below says what happened to the session's state;
  *  - handles are opaque; dgr_engine_free(NULL) is a no-op;
- *  - one engine handle must not be used by two threads at once (the Python binding holds one lock
- *    per handle); distinct handles are independent;
+ *  - an engine's calls take the engine's own lock (ABI 11), so its native links (below) and the
+ *    Python binding (which also holds one lock per handle) can share it; distinct handles are
+ *    independent;
  *  - the ABI grows by adding names, never by changing a signature: check dgr_abi_version().
  */
 #ifndef DGR_SHARD_H
@@ -46,7 +47,7 @@
 extern "C" {
 #endif
 
-#define DGR_ABI_VERSION 10
+#define DGR_ABI_VERSION 11
 
 /* Magic and version at the head of a saved session state (see dgr_session_state_save). */
 #define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
@@ -393,6 +394,99 @@ int dgr_vocab_is_eog(const dgr_vocab * vocab, int32_t token, uint8_t * out);
  * a buffer: DGR_E_SHAPE and *n_bytes = the size needed. */
 int dgr_vocab_chat(const dgr_vocab * vocab, const dgr_chat_message * messages, size_t n,
                    uint8_t add_assistant, char * buf, int32_t capacity, int32_t * n_bytes);
+
+/* ---- Native frame links (ABI 11; docs/native-link.md) ----
+ *
+ * A link runs one session epoch's frames of a chained route or a ring on this engine without
+ * Python: a thread of its own reads each frame from a connected socket, checks it, runs it
+ * (dgr_session_forward, under the engine's lock) and writes the output to the next socket. The
+ * caller (the worker's Python) owns the control: it authenticates and connects the sockets,
+ * opens and closes the session, and hands the link the connected descriptors, which the link
+ * then owns (it closes them when it ends).
+ *
+ * Every message on a link is a 56-byte little-endian header and a payload:
+ *   u32 magic (DGR_LINK_MAGIC), u16 version (DGR_LINK_VERSION), u16 kind (dgr_link_kind),
+ *   u64 epoch, u32 step, i32 pos (the first row's position), u32 n_rows, u32 width (floats
+ *   per row: 0 on the first stage's input, in_width elsewhere), u32 until_step (a ring's last
+ *   step), u32 n_stop (ring stop tokens, <= DGR_LINK_MAX_STOP), u32 hop (the stage the message
+ *   comes from or, for DGR_LINK_FAILED, the stage that failed), i32 value (DGR_LINK_TOKEN: the
+ *   greedy token; DGR_LINK_FAILED: the status), u32 payload_bytes, u32 reserved (0).
+ * DGR_LINK_ROWS payload: n_stop i32 stop tokens, n_rows i32 token ids, n_rows * width f32 rows;
+ * payload_bytes must be exactly that. DGR_LINK_TOKEN (last stage to the client): no payload.
+ * DGR_LINK_FAILED: the failure's message (UTF-8, at most 255 bytes).
+ *
+ * A stage checks each DGR_LINK_ROWS frame before the engine sees it (magic, version, kind,
+ * epoch: older is DGR_E_STALE_EPOCH, any other DGR_E_UNKNOWN_SESSION; n_rows in 1..max_rows,
+ * width, n_stop, payload_bytes, every row finite: DGR_E_SHAPE / DGR_E_INVALID_ARGUMENT); the
+ * engine checks positions and token ids. The last stage answers each frame with the greedy
+ * token of its last row (DGR_LINK_TOKEN to the client, the first lowest index of the largest
+ * logit) and, on a ring, sends the first stage the next step's frame (that token at the next
+ * position) unless the step was until_step or the token is a stop token. A frame that fails its
+ * checks or its run ends the link: it sends DGR_LINK_FAILED (its hop, status and message) on to
+ * the next stage, which passes it on as it is and ends too, up to the client. The engine's
+ * calls are serialised by its own lock, so links and the Python binding share one engine. A peer that
+ * closes its socket ends the link (DGR_LINK_STATE_ENDED); so does dgr_link_free. */
+/* 0x4B4E4C44: "DLNK" in little-endian bytes */
+#define DGR_LINK_MAGIC 1263422532
+#define DGR_LINK_VERSION 1
+#define DGR_LINK_HEADER_BYTES 56
+#define DGR_LINK_MAX_STOP 16
+#define DGR_LINK_MESSAGE_BYTES 256
+
+typedef enum dgr_link_kind {
+    DGR_LINK_ROWS = 1,   /* rows to run (token ids and, past the first stage, boundary rows) */
+    DGR_LINK_TOKEN = 2,  /* the last stage's greedy token for a frame, to the client */
+    DGR_LINK_FAILED = 3, /* a stage failed: status and message, on to the client */
+} dgr_link_kind;
+
+typedef enum dgr_link_state {
+    DGR_LINK_STATE_RUNNING = 1,
+    DGR_LINK_STATE_ENDED = 2,  /* a peer closed its socket, or dgr_link_free */
+    DGR_LINK_STATE_FAILED = 3, /* a frame failed here or at a stage before it (status, error) */
+} dgr_link_state;
+
+typedef struct dgr_link dgr_link;
+
+typedef struct dgr_link_params {
+    uint64_t session_id;
+    uint64_t epoch;
+    uint32_t hop;          /* this stage's index in the route (0: the first) */
+    uint32_t max_rows;     /* the largest frame in rows (<= the engine's n_batch) */
+    int32_t in_fd;         /* frames from the stage before (from the client on the first) */
+    int32_t ring_in_fd;    /* a ring's first stage: frames from its last stage; -1: none */
+    int32_t out_fd;        /* the next stage; on the last stage, the client's token stream */
+    int32_t ring_out_fd;   /* a ring's last stage: the first stage; -1: none */
+    int32_t notify_fd;     /* written one byte when the link ends (-1: none); not owned */
+    uint32_t body_timeout_ms; /* longest wait for the rest of a frame once its header came */
+} dgr_link_params;
+
+typedef struct dgr_link_stats {
+    int32_t state;          /* dgr_link_state */
+    int32_t status;         /* DGR_OK, or the failure's status */
+    uint32_t failed_hop;    /* the stage that failed (DGR_LINK_STATE_FAILED) */
+    uint64_t frames;        /* frames run here */
+    uint64_t rows;          /* their rows */
+    uint64_t bytes_in;      /* bytes of the frames run here, headers included */
+    uint64_t bytes_out;     /* bytes sent on (frames, tokens, ring frames) */
+    uint64_t engine_ns;     /* wall time of their engine calls (lock wait included) */
+    uint64_t last_frame_ns; /* CLOCK_MONOTONIC of the last frame's end (0: none yet) */
+    uint64_t tokens;        /* greedy tokens answered (the last stage) */
+    uint64_t ring_frames;   /* frames sent back to the first stage (a ring's last stage) */
+    char error[DGR_LINK_MESSAGE_BYTES];
+} dgr_link_stats;
+
+/* Starts a link on the engine (which must outlive it): on success it owns the descriptors
+ * in_fd, ring_in_fd, out_fd and ring_out_fd. DGR_E_INVALID_ARGUMENT for a missing descriptor or
+ * NULL; DGR_E_UNKNOWN_SESSION / DGR_E_STALE_EPOCH unless (session_id, epoch) is open; then
+ * nothing is owned. */
+int dgr_link_start(dgr_engine * engine, const dgr_link_params * params, dgr_link ** out);
+
+/* The link's state and counters now. */
+int dgr_link_get_stats(dgr_link * link, dgr_link_stats * out);
+
+/* Ends the link (its sockets shut down, its thread joined), closes its descriptors and frees
+ * it. NULL is a no-op. */
+void dgr_link_free(dgr_link * link);
 
 #ifdef __cplusplus
 }

@@ -256,6 +256,13 @@ int read_gguf_meta(const char * path, gguf_meta & meta) {
 
 }  // namespace
 
+using engine_lock = std::lock_guard<std::recursive_mutex>;
+
+// The calling thread's last failure, for dgr_link.cpp's own refusals (dgr_last_error reads it).
+int dgr_fail_with(int status, const char * message) {
+    return fail(status, "%s", message);
+}
+
 struct dgr_engine {
     dgr_engine_params params{};
     std::string model_path;
@@ -270,6 +277,9 @@ struct dgr_engine {
     uint64_t rows_forwarded = 0;
     uint64_t forward_calls = 0;
     uint64_t forward_ns = 0;
+    // every call on the engine holds it: native links (dgr_link.cpp) run frames on their own
+    // threads beside the binding's calls (recursive: a call may make another)
+    mutable std::recursive_mutex call_mutex;
 
     ~dgr_engine() {
         if (mtp_ctx) {
@@ -626,6 +636,7 @@ int dgr_engine_info(const dgr_engine * engine, dgr_shard_info * out) {
     if (engine == nullptr || out == nullptr) {
         return fail(DGR_E_INVALID_ARGUMENT, "engine and out must not be NULL");
     }
+    const engine_lock hold(engine->call_mutex);  // links and the binding share the engine
     *out = engine->info;
     return ok();
 }
@@ -634,6 +645,7 @@ int dgr_engine_stats_get(const dgr_engine * engine, dgr_engine_stats * out) {
     if (engine == nullptr || out == nullptr) {
         return fail(DGR_E_INVALID_ARGUMENT, "engine and out must not be NULL");
     }
+    const engine_lock hold(engine->call_mutex);  // links and the binding share the engine
     DGR_GUARD_BEGIN
     dgr_engine_stats s{};
     for (const auto & [buft, mb] : llama_get_memory_breakdown(engine->ctx)) {
@@ -657,6 +669,7 @@ int dgr_session_open(dgr_engine * engine, uint64_t session_id, uint64_t epoch) {
     if (engine == nullptr) {
         return fail(DGR_E_INVALID_ARGUMENT, "engine must not be NULL");
     }
+    const engine_lock hold(engine->call_mutex);  // links and the binding share the engine
     DGR_GUARD_BEGIN
     auto it = engine->sessions.find(session_id);
     if (it != engine->sessions.end()) {
@@ -696,6 +709,7 @@ int dgr_session_close(dgr_engine * engine, uint64_t session_id, uint64_t epoch) 
     if (engine == nullptr) {
         return fail(DGR_E_INVALID_ARGUMENT, "engine must not be NULL");
     }
+    const engine_lock hold(engine->call_mutex);  // links and the binding share the engine
     DGR_GUARD_BEGIN
     session_slot * slot = nullptr;
     if (int rc = engine->find(session_id, epoch, &slot); rc != DGR_OK) {
@@ -995,6 +1009,7 @@ int dgr_session_forward(dgr_engine * engine, uint64_t session_id, uint64_t epoch
     if (engine == nullptr || n_out == nullptr || out == nullptr || positions == nullptr) {
         return fail(DGR_E_INVALID_ARGUMENT, "engine, positions, out and n_out must not be NULL");
     }
+    const engine_lock hold(engine->call_mutex);  // links and the binding share the engine
     *n_out = 0;
     DGR_GUARD_BEGIN
     dgr_forward_item it{};
@@ -1025,6 +1040,7 @@ int dgr_forward_batch(dgr_engine * engine, dgr_forward_item * items, uint32_t n_
     if (engine == nullptr || (items == nullptr && n_items > 0)) {
         return fail(DGR_E_INVALID_ARGUMENT, "engine and items must not be NULL");
     }
+    const engine_lock hold(engine->call_mutex);  // links and the binding share the engine
     DGR_GUARD_BEGIN
     std::vector<forward_plan> plans(n_items);
     std::vector<forward_plan *> ready;
@@ -1091,6 +1107,7 @@ int dgr_session_truncate(dgr_engine * engine, uint64_t session_id, uint64_t epoc
     if (engine == nullptr) {
         return fail(DGR_E_INVALID_ARGUMENT, "engine must not be NULL");
     }
+    const engine_lock hold(engine->call_mutex);  // links and the binding share the engine
     DGR_GUARD_BEGIN
     session_slot * slot = nullptr;
     if (int rc = engine->find(session_id, epoch, &slot); rc != DGR_OK) {
@@ -1140,6 +1157,7 @@ int dgr_session_next_pos(const dgr_engine * engine, uint64_t session_id, uint64_
     if (engine == nullptr || out == nullptr) {
         return fail(DGR_E_INVALID_ARGUMENT, "engine and out must not be NULL");
     }
+    const engine_lock hold(engine->call_mutex);  // links and the binding share the engine
     session_slot * slot = nullptr;
     if (int rc = const_cast<dgr_engine *>(engine)->find(session_id, epoch, &slot); rc != DGR_OK) {
         return rc;
@@ -1158,6 +1176,7 @@ int mtp_draft_impl(dgr_engine * engine, uint64_t session_id, uint64_t epoch, int
     if (engine == nullptr || n_out == nullptr || (out == nullptr && k > 0)) {
         return fail(DGR_E_INVALID_ARGUMENT, "engine, n_out and (for k > 0) out must not be NULL");
     }
+    const engine_lock hold(engine->call_mutex);  // links and the binding share the engine
     *n_out = 0;
     if (engine->mtp_ctx == nullptr) {
         return fail(DGR_E_UNSUPPORTED, "this engine has no MTP block: it is opened with load_mtp on the last shard "
@@ -1300,6 +1319,7 @@ int dgr_session_state_size(dgr_engine * engine, uint64_t session_id, uint64_t ep
     if (engine == nullptr || out == nullptr) {
         return fail(DGR_E_INVALID_ARGUMENT, "engine and out must not be NULL");
     }
+    const engine_lock hold(engine->call_mutex);  // links and the binding share the engine
     DGR_GUARD_BEGIN
     session_slot * slot = nullptr;
     if (int rc = engine->find(session_id, epoch, &slot); rc != DGR_OK) {
@@ -1315,6 +1335,7 @@ int dgr_session_state_save(dgr_engine * engine, uint64_t session_id, uint64_t ep
     if (engine == nullptr || buf == nullptr || written == nullptr) {
         return fail(DGR_E_INVALID_ARGUMENT, "engine, buf and written must not be NULL");
     }
+    const engine_lock hold(engine->call_mutex);  // links and the binding share the engine
     *written = 0;
     DGR_GUARD_BEGIN
     session_slot * slot = nullptr;
@@ -1348,6 +1369,7 @@ int dgr_session_state_load(dgr_engine * engine, uint64_t session_id, uint64_t ep
     if (engine == nullptr || buf == nullptr) {
         return fail(DGR_E_INVALID_ARGUMENT, "engine and buf must not be NULL");
     }
+    const engine_lock hold(engine->call_mutex);  // links and the binding share the engine
     DGR_GUARD_BEGIN
     session_slot * slot = nullptr;
     if (int rc = engine->find(session_id, epoch, &slot); rc != DGR_OK) {

@@ -1,0 +1,89 @@
+"""A client's side of a route over native links (``docs/native-link.md``): it writes a turn's
+rows to the first stage and reads the last stage's greedy tokens. On a ring the last stage
+sends each next step's frame to the first stage itself, and the client only reads; on a chain
+the client sends each token back.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections.abc import Sequence
+
+import attrs
+
+from dgr_engine._binding import lib
+from dgr_engine.errors import FrameRejected, error_for_status
+from dgr_engine.wire.link_messages import MAX_STOP, Kind, encode_rows, read_message
+
+__all__ = ["LinkRoute", "Turn"]
+
+
+@attrs.frozen
+class Turn:
+    """What one turn made: its greedy tokens, and the position the next turn starts at (its
+    last token is not in the route's KV yet: the next turn's rows start with it)."""
+
+    tokens: tuple[int, ...]
+    next_pos: int
+    seconds: float
+    first_token_seconds: float
+
+
+class LinkRoute:
+    """One session epoch's route over native links: ``first`` is connected to the first
+    stage's link, ``output`` to the last stage's token stream. ``ring``: the last stage sends
+    each next frame to the first stage itself."""
+
+    def __init__(
+        self, first: socket.socket, output: socket.socket, epoch: int, *, ring: bool
+    ) -> None:
+        self.first, self.output, self.epoch, self.ring = first, output, epoch, ring
+
+    def generate(
+        self,
+        rows: Sequence[int],
+        pos: int,
+        max_new: int,
+        *,
+        stop: Sequence[int] = (),
+        timeout: float = 60.0,
+    ) -> Turn:
+        """Runs ``rows`` (a prompt, or the last turn's last token and the next user text) at
+        ``pos`` and makes up to ``max_new`` greedy tokens, ending early at a token of
+        ``stop``; raises the failing stage's typed error, ``FrameRejected`` for an answer that
+        is not the route's, ``LinkClosed`` when the route ends or falls silent for
+        ``timeout`` seconds."""
+        if max_new < 1 or not rows or len(stop) > MAX_STOP:
+            raise ValueError(f"a turn needs rows, max_new >= 1 and at most {MAX_STOP} stop tokens")
+        began = time.monotonic()
+        first_at = 0.0
+        until = max_new - 1
+        self.first.sendall(encode_rows(self.epoch, 0, pos, rows, until_step=until, stop=stop))
+        pos += len(rows)
+        tokens: list[int] = []
+        while len(tokens) < max_new:
+            header, payload = read_message(self.output, timeout, max_payload=4096)
+            if header.kind is Kind.FAILED:
+                internal = int(lib.DGR_E_INTERNAL)
+                code = header.value if 0 < header.value <= internal else internal
+                text = payload.decode(errors="replace")
+                raise error_for_status(code, header.status, f"stage {header.hop}: {text}")
+            if header.kind is not Kind.TOKEN or header.step != len(tokens):
+                raise FrameRejected(
+                    f"DGR_E_FRAME: expected the token of step {len(tokens)}, got a "
+                    f"{header.kind.name} of step {header.step}"
+                )
+            if not tokens:
+                first_at = time.monotonic() - began
+            tokens.append(header.value)
+            if header.value in stop or header.step >= until:
+                break
+            if not self.ring:  # a chain: the client sends the token on itself
+                step = header.step + 1
+                frame = encode_rows(
+                    self.epoch, step, pos, [header.value], until_step=until, stop=stop
+                )
+                self.first.sendall(frame)
+            pos += 1  # the token goes into the route's KV with the next step
+        return Turn(tuple(tokens), pos, time.monotonic() - began, first_at)

@@ -1,0 +1,471 @@
+// dgr_link.cpp - native frame links: one session epoch's frames of a chained route or a ring,
+// read, checked, run and sent on by a thread of their own, with no Python on the way (the
+// message format and the checks are in dgr_shard.h, "Native frame links").
+
+#include "dgr_shard.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <new>
+#include <string>
+#include <thread>
+#include <vector>
+
+// dgr_shard.cpp: records the calling thread's failure (dgr_last_error) and returns status
+int dgr_fail_with(int status, const char * message);
+
+namespace {
+
+constexpr size_t kHeader = DGR_LINK_HEADER_BYTES;
+
+struct header {
+    uint32_t magic = DGR_LINK_MAGIC;
+    uint16_t version = DGR_LINK_VERSION;
+    uint16_t kind = 0;
+    uint64_t epoch = 0;
+    uint32_t step = 0;
+    int32_t pos = 0;
+    uint32_t n_rows = 0;
+    uint32_t width = 0;
+    uint32_t until_step = 0;
+    uint32_t n_stop = 0;
+    uint32_t hop = 0;
+    int32_t value = 0;
+    uint32_t payload_bytes = 0;
+    uint32_t reserved = 0;
+};
+static_assert(sizeof(header) == kHeader, "the header is 56 packed bytes");
+
+uint64_t monotonic_ns() {
+    timespec ts{};
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t) ts.tv_sec * 1000000000ull + (uint64_t) ts.tv_nsec;
+}
+
+// How a read ended.
+enum class got { all, closed, timed_out, error };
+
+// Reads exactly n bytes; waits at most timeout_ms in all (-1: no bound).
+got read_all(int fd, void * buf, size_t n, int timeout_ms) {
+    auto * p = static_cast<uint8_t *>(buf);
+    const uint64_t until = timeout_ms < 0 ? 0 : monotonic_ns() + (uint64_t) timeout_ms * 1000000ull;
+    while (n > 0) {
+        if (timeout_ms >= 0) {
+            const uint64_t now = monotonic_ns();
+            if (now >= until) {
+                return got::timed_out;
+            }
+            pollfd pfd{fd, POLLIN, 0};
+            const int rc = poll(&pfd, 1, (int) ((until - now + 999999) / 1000000));
+            if (rc == 0) {
+                return got::timed_out;
+            }
+            if (rc < 0 && errno != EINTR) {
+                return got::error;
+            }
+            if (rc <= 0) {
+                continue;
+            }
+        }
+        const ssize_t k = recv(fd, p, n, 0);
+        if (k == 0) {
+            return got::closed;
+        }
+        if (k < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            return errno == ECONNRESET ? got::closed : got::error;
+        }
+        p += k;
+        n -= (size_t) k;
+    }
+    return got::all;
+}
+
+bool write_all(int fd, const void * buf, size_t n) {
+    const auto * p = static_cast<const uint8_t *>(buf);
+    while (n > 0) {
+        const ssize_t k = send(fd, p, n, MSG_NOSIGNAL);
+        if (k < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            return false;
+        }
+        p += k;
+        n -= (size_t) k;
+    }
+    return true;
+}
+
+}  // namespace
+
+struct dgr_link {
+    dgr_engine * engine = nullptr;
+    dgr_link_params params{};
+    dgr_shard_info info{};
+    std::thread thread;
+    std::atomic<bool> stopping{false};
+
+    std::mutex stats_mutex;  // guards stats (the thread writes, dgr_link_get_stats reads)
+    dgr_link_stats stats{};
+
+    // the thread's own buffers
+    std::vector<uint8_t> in;
+    std::vector<uint8_t> out;
+    std::vector<float> result;
+    std::vector<int32_t> positions;
+
+    int fds[4] = {-1, -1, -1, -1};
+
+    void run();
+    // one frame from fd; false when the link ends
+    bool one_frame(int fd);
+    void end(int state, int status, uint32_t failed_hop, const char * fmt, ...);
+    void pass_failure(const header & h, const uint8_t * message, size_t n);
+    bool send_frame(int fd, const header & h, const void * payload, size_t n);
+    bool is_running() {
+        const std::lock_guard<std::mutex> hold(stats_mutex);
+        return stats.state == DGR_LINK_STATE_RUNNING;
+    }
+};
+
+void dgr_link::end(int state, int status, uint32_t failed_hop, const char * fmt, ...) {
+    {
+        const std::lock_guard<std::mutex> hold(stats_mutex);
+        if (stats.state != DGR_LINK_STATE_RUNNING) {
+            return;
+        }
+        stats.state = state;
+        stats.status = status;
+        stats.failed_hop = failed_hop;
+        va_list ap;
+        va_start(ap, fmt);
+        std::vsnprintf(stats.error, sizeof(stats.error), fmt, ap);
+        va_end(ap);
+    }
+    if (params.notify_fd >= 0) {
+        const uint8_t byte = 1;
+        (void) !write(params.notify_fd, &byte, 1);
+    }
+}
+
+bool dgr_link::send_frame(int fd, const header & h, const void * payload, size_t n) {
+    // one buffer, one send: the header and the payload leave together
+    out.resize(kHeader + n);
+    std::memcpy(out.data(), &h, kHeader);
+    if (n > 0) {
+        std::memcpy(out.data() + kHeader, payload, n);
+    }
+    if (!write_all(fd, out.data(), out.size())) {
+        return false;
+    }
+    const std::lock_guard<std::mutex> hold(stats_mutex);
+    stats.bytes_out += out.size();
+    return true;
+}
+
+// Sends a failure on toward the client (the next stage, or the client's stream on the last).
+void dgr_link::pass_failure(const header & h, const uint8_t * message, size_t n) {
+    header f{};
+    f.kind = DGR_LINK_FAILED;
+    f.epoch = params.epoch;
+    f.step = h.step;
+    f.hop = h.hop;
+    f.value = h.value;
+    f.payload_bytes = (uint32_t) n;
+    (void) send_frame(params.out_fd, f, message, n);
+}
+
+bool dgr_link::one_frame(int fd) {
+    header h{};
+    switch (read_all(fd, &h, kHeader, -1)) {
+        case got::all:
+            break;
+        case got::closed:
+            end(DGR_LINK_STATE_ENDED, DGR_OK, 0, stopping.load() ? "the link was stopped" : "a peer closed its link");
+            return false;
+        default:
+            end(DGR_LINK_STATE_ENDED, DGR_OK, 0, "the link was shut down");
+            return false;
+    }
+    const uint32_t hop = params.hop;
+    auto refuse = [&](int status, const char * what) {
+        end(DGR_LINK_STATE_FAILED, status, hop, "%s: %s", dgr_status_name(status), what);
+        std::string text;
+        {
+            const std::lock_guard<std::mutex> hold(stats_mutex);
+            text = stats.error;
+        }
+        header f = h;
+        f.hop = hop;
+        f.value = status;
+        pass_failure(f, reinterpret_cast<const uint8_t *>(text.data()), text.size());
+        return false;
+    };
+    char why[160];
+    if (h.magic != DGR_LINK_MAGIC || h.version != DGR_LINK_VERSION) {
+        std::snprintf(why, sizeof why, "not a link message (magic %08x, version %u)", h.magic, h.version);
+        return refuse(DGR_E_INVALID_ARGUMENT, why);
+    }
+    if (h.kind == DGR_LINK_FAILED) {
+        // a stage before this one failed: passed on as it is (its message, cut to the limit)
+        const uint32_t n = h.payload_bytes < DGR_LINK_MESSAGE_BYTES ? h.payload_bytes : DGR_LINK_MESSAGE_BYTES - 1;
+        std::vector<uint8_t> message(n);
+        if (n > 0 && read_all(fd, message.data(), n, (int) params.body_timeout_ms) != got::all) {
+            return refuse(DGR_E_INVALID_ARGUMENT, "a failure message that does not come whole");
+        }
+        const int status = h.value > 0 && h.value <= DGR_E_INTERNAL ? h.value : DGR_E_INTERNAL;
+        end(DGR_LINK_STATE_FAILED, status, h.hop, "%.*s", (int) n, reinterpret_cast<const char *>(message.data()));
+        pass_failure(h, message.data(), n);
+        return false;
+    }
+    if (h.kind != DGR_LINK_ROWS) {
+        std::snprintf(why, sizeof why, "a message of kind %u where rows were expected", h.kind);
+        return refuse(DGR_E_INVALID_ARGUMENT, why);
+    }
+    if (h.epoch != params.epoch) {
+        std::snprintf(why, sizeof why, "a frame of epoch %llu on a link of epoch %llu", (unsigned long long) h.epoch,
+                      (unsigned long long) params.epoch);
+        return refuse(h.epoch < params.epoch ? DGR_E_STALE_EPOCH : DGR_E_UNKNOWN_SESSION, why);
+    }
+    const uint32_t width = info.is_first ? 0u : (uint32_t) info.in_width;
+    if (h.n_rows < 1 || h.n_rows > params.max_rows) {
+        std::snprintf(why, sizeof why, "%u rows, outside 1..%u", h.n_rows, params.max_rows);
+        return refuse(DGR_E_SHAPE, why);
+    }
+    if (h.width != width) {
+        std::snprintf(why, sizeof why, "rows of %u floats where this stage takes %u", h.width, width);
+        return refuse(DGR_E_SHAPE, why);
+    }
+    if (h.n_stop > DGR_LINK_MAX_STOP) {
+        std::snprintf(why, sizeof why, "%u stop tokens, over %d", h.n_stop, DGR_LINK_MAX_STOP);
+        return refuse(DGR_E_SHAPE, why);
+    }
+    if (h.pos < 0) {
+        return refuse(DGR_E_POSITION, "a negative position");
+    }
+    const size_t expected = 4 * ((size_t) h.n_stop + h.n_rows + (size_t) h.n_rows * width);
+    if (h.payload_bytes != expected) {
+        std::snprintf(why, sizeof why, "a payload of %u bytes where the header says %zu", h.payload_bytes, expected);
+        return refuse(DGR_E_SHAPE, why);
+    }
+    in.resize(expected);
+    switch (read_all(fd, in.data(), expected, (int) params.body_timeout_ms)) {
+        case got::all:
+            break;
+        case got::timed_out:
+            return refuse(DGR_E_SHAPE, "the frame's payload did not come in time (truncated)");
+        default:
+            return refuse(DGR_E_SHAPE, "the link ended inside a frame (truncated)");
+    }
+    const auto * stop = reinterpret_cast<const int32_t *>(in.data());
+    const auto * tokens = stop + h.n_stop;
+    const auto * rows = width ? reinterpret_cast<const float *>(tokens + h.n_rows) : nullptr;
+    for (size_t i = 0; rows != nullptr && i < (size_t) h.n_rows * width; ++i) {
+        if (!std::isfinite(rows[i])) {
+            std::snprintf(why, sizeof why, "a non-finite value in row %zu of the boundary", i / width);
+            return refuse(DGR_E_INVALID_ARGUMENT, why);
+        }
+    }
+    positions.resize(h.n_rows);
+    for (uint32_t i = 0; i < h.n_rows; ++i) {
+        positions[i] = h.pos + (int32_t) i;
+    }
+    const size_t out_rows = info.is_last ? 1 : h.n_rows;
+    result.resize(out_rows * (size_t) info.out_width);
+    uint32_t n_out = 0;
+    const uint64_t engine_began = monotonic_ns();
+    const int rc = dgr_session_forward(engine, params.session_id, params.epoch, h.n_rows, tokens, rows, width,
+                                       positions.data(), nullptr, result.data(), result.size(), &n_out);
+    const uint64_t engine_ns = monotonic_ns() - engine_began;
+    if (rc != DGR_OK) {
+        return refuse(rc, dgr_last_error());
+    }
+    for (float v : result) {
+        if (!std::isfinite(v)) {
+            return refuse(DGR_E_DECODE, "the engine's output has a non-finite value");
+        }
+    }
+    bool sent = true;
+    uint64_t tokens_answered = 0;
+    uint64_t ring_frames = 0;
+    if (!info.is_last) {
+        header next = h;
+        next.hop = hop;
+        next.width = (uint32_t) info.out_width;
+        next.payload_bytes = (uint32_t) (4 * ((size_t) h.n_stop + h.n_rows + result.size()));
+        out.resize(kHeader + next.payload_bytes);
+        std::memcpy(out.data(), &next, kHeader);
+        std::memcpy(out.data() + kHeader, in.data(), 4 * ((size_t) h.n_stop + h.n_rows));
+        std::memcpy(out.data() + kHeader + 4 * ((size_t) h.n_stop + h.n_rows), result.data(), 4 * result.size());
+        sent = write_all(params.out_fd, out.data(), out.size());
+        if (sent) {
+            const std::lock_guard<std::mutex> hold(stats_mutex);
+            stats.bytes_out += out.size();
+        }
+    } else {
+        // the greedy token of the last row: the first index of the largest logit
+        int32_t best = 0;
+        for (int32_t v = 1; v < info.out_width; ++v) {
+            if (result[(size_t) v] > result[(size_t) best]) {
+                best = v;
+            }
+        }
+        bool stops = h.until_step <= h.step;
+        for (uint32_t i = 0; i < h.n_stop; ++i) {
+            stops = stops || stop[i] == best;
+        }
+        if (!stops && params.ring_out_fd >= 0) {
+            // the ring's next frame first: the first stage starts on it while the client reads
+            header next = h;
+            next.hop = hop;
+            next.step = h.step + 1;
+            next.pos = h.pos + (int32_t) h.n_rows;
+            next.n_rows = 1;
+            next.width = 0;
+            next.payload_bytes = 4 * (h.n_stop + 1);
+            out.resize(kHeader + next.payload_bytes);
+            std::memcpy(out.data(), &next, kHeader);
+            std::memcpy(out.data() + kHeader, stop, 4 * (size_t) h.n_stop);
+            std::memcpy(out.data() + kHeader + 4 * (size_t) h.n_stop, &best, 4);
+            sent = write_all(params.ring_out_fd, out.data(), out.size());
+            ring_frames = sent ? 1 : 0;
+            if (sent) {
+                const std::lock_guard<std::mutex> hold(stats_mutex);
+                stats.bytes_out += out.size();
+            }
+        }
+        header token = h;
+        token.kind = DGR_LINK_TOKEN;
+        token.hop = hop;
+        token.width = 0;
+        token.n_stop = 0;
+        token.value = best;
+        token.payload_bytes = 0;
+        sent = sent && send_frame(params.out_fd, token, nullptr, 0);
+        tokens_answered = 1;
+    }
+    {
+        const std::lock_guard<std::mutex> hold(stats_mutex);
+        stats.frames += 1;
+        stats.rows += h.n_rows;
+        stats.bytes_in += kHeader + expected;
+        stats.engine_ns += engine_ns;
+        stats.tokens += tokens_answered;
+        stats.ring_frames += ring_frames;
+        stats.last_frame_ns = monotonic_ns();
+    }
+    if (!sent) {
+        end(DGR_LINK_STATE_ENDED, DGR_OK, 0, "the next stage closed its link");
+        return false;
+    }
+    return true;
+}
+
+void dgr_link::run() {
+    pollfd watch[2] = {{params.in_fd, POLLIN, 0}, {params.ring_in_fd, POLLIN, 0}};
+    const nfds_t n = params.ring_in_fd >= 0 ? 2 : 1;
+    while (!stopping.load()) {
+        watch[0].revents = watch[1].revents = 0;
+        const int rc = poll(watch, n, -1);
+        if (rc < 0) {
+            if (errno == EINTR) {
+                continue;
+            }
+            end(DGR_LINK_STATE_ENDED, DGR_OK, 0, "poll failed: %s", std::strerror(errno));
+            return;
+        }
+        for (nfds_t i = 0; i < n; ++i) {
+            if (watch[i].revents != 0 && !one_frame(watch[i].fd)) {
+                return;
+            }
+        }
+    }
+    end(DGR_LINK_STATE_ENDED, DGR_OK, 0, "the link was stopped");
+}
+
+extern "C" {
+
+int dgr_link_start(dgr_engine * engine, const dgr_link_params * params, dgr_link ** out) {
+    if (engine == nullptr || params == nullptr || out == nullptr) {
+        return dgr_fail_with(DGR_E_INVALID_ARGUMENT, "engine, params and out must not be NULL");
+    }
+    *out = nullptr;
+    if (params->in_fd < 0 || params->out_fd < 0 || params->max_rows < 1) {
+        return dgr_fail_with(DGR_E_INVALID_ARGUMENT, "a link needs in_fd, out_fd and max_rows >= 1");
+    }
+    int32_t next_pos = 0;
+    if (int rc = dgr_session_next_pos(engine, params->session_id, params->epoch, &next_pos); rc != DGR_OK) {
+        return rc;
+    }
+    auto * link = new (std::nothrow) dgr_link();
+    if (link == nullptr) {
+        return dgr_fail_with(DGR_E_INTERNAL, "out of memory for a link");
+    }
+    link->engine = engine;
+    link->params = *params;
+    if (int rc = dgr_engine_info(engine, &link->info); rc != DGR_OK) {
+        delete link;
+        return rc;
+    }
+    if (link->params.max_rows > link->info.n_batch) {
+        link->params.max_rows = link->info.n_batch;
+    }
+    link->stats.state = DGR_LINK_STATE_RUNNING;
+    link->fds[0] = params->in_fd;
+    link->fds[1] = params->ring_in_fd;
+    link->fds[2] = params->out_fd;
+    link->fds[3] = params->ring_out_fd;
+    try {
+        link->thread = std::thread([link] { link->run(); });
+    } catch (...) {
+        delete link;
+        return dgr_fail_with(DGR_E_INTERNAL, "could not start the link's thread");
+    }
+    *out = link;
+    return DGR_OK;
+}
+
+int dgr_link_get_stats(dgr_link * link, dgr_link_stats * out) {
+    if (link == nullptr || out == nullptr) {
+        return DGR_E_INVALID_ARGUMENT;
+    }
+    const std::lock_guard<std::mutex> hold(link->stats_mutex);
+    *out = link->stats;
+    return DGR_OK;
+}
+
+void dgr_link_free(dgr_link * link) {
+    if (link == nullptr) {
+        return;
+    }
+    link->stopping.store(true);
+    for (int fd : link->fds) {
+        if (fd >= 0) {
+            shutdown(fd, SHUT_RDWR);  // wakes the thread in poll, recv or send
+        }
+    }
+    if (link->thread.joinable()) {
+        link->thread.join();
+    }
+    for (int fd : link->fds) {
+        if (fd >= 0) {
+            close(fd);
+        }
+    }
+    delete link;
+}
+
+}  // extern "C"

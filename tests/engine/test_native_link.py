@@ -1,0 +1,302 @@
+"""Native links (``native/src/dgr_link.cpp``): rings and chains of shard engines whose frames
+go from socket to socket on the engines' own threads give the whole model's greedy tokens, and
+bad input gets a typed failure at the stage that saw it, passed on to the client, with the
+session's state untouched and an honest session beside it exact."""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import struct
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from dgr_engine import ShardEngine
+from dgr_engine.client.link_route import LinkRoute
+from dgr_engine.errors import (
+    EngineError,
+    InvalidArgument,
+    PositionMismatch,
+    ShapeMismatch,
+    StaleEpoch,
+)
+from dgr_engine.native_link import LinkSockets, LinkState, NativeLink
+from dgr_engine.reference import split_points
+from dgr_engine.wire.link_messages import HEADER, Kind, LinkClosed, encode_rows, read_message
+
+PROMPT = [1, 5, 9, 14, 3, 7, 22, 11]
+EPOCH = 3
+
+
+def whole_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
+    """The whole model's greedy tokens, one engine call a token."""
+    with ShardEngine(path, max_sessions=1) as whole:
+        whole.open_session(1, 1)
+        out = whole.forward(1, 1, tokens=prompt, positions=list(range(len(prompt))))
+        tokens = [int(np.argmax(out[-1]))]
+        while len(tokens) < n:
+            pos = len(prompt) + len(tokens) - 1
+            out = whole.forward(1, 1, tokens=[tokens[-1]], positions=[pos])
+            tokens.append(int(np.argmax(out[-1])))
+    return tokens
+
+
+class Route:
+    """Stages of one model, each a native link of every session on it, connected by socket
+    pairs; the client holds the first stage's input and the last stage's output."""
+
+    def __init__(self, path: Path, n_stages: int, *, ring: bool) -> None:
+        with ShardEngine(path, max_sessions=1) as probe:
+            n_layer = probe.info.n_layer
+        self.engines = [
+            ShardEngine(path, layers=r, max_sessions=3) for r in split_points(n_layer, n_stages)
+        ]
+        self.ring = ring
+        self.links: list[NativeLink] = []
+        self.clients: list[socket.socket] = []
+
+    def open(self, session_id: int, epoch: int = EPOCH) -> LinkRoute:
+        n = len(self.engines)
+        hops = [socket.socketpair() for _ in range(n + 1)]  # client -> 0 -> ... -> n-1 -> client
+        ring = socket.socketpair() if self.ring else None
+        for i, engine in enumerate(self.engines):
+            engine.open_session(session_id, epoch)
+            sockets = LinkSockets(
+                inbound=hops[i][1],
+                outbound=hops[i + 1][0],
+                ring_in=ring[1] if ring is not None and i == 0 else None,
+                ring_out=ring[0] if ring is not None and i == n - 1 else None,
+            )
+            self.links.append(
+                engine.start_link(session_id, epoch, hop=i, sockets=sockets, body_timeout=1.0)
+            )
+        self.clients += [hops[0][0], hops[n][1]]
+        return LinkRoute(hops[0][0], hops[n][1], epoch, ring=self.ring)
+
+    def close(self) -> None:
+        for engine in self.engines:
+            engine.close()  # ends its links first
+        for sock in self.clients:
+            sock.close()
+
+
+@pytest.fixture()
+def routes() -> Iterator[list[Route]]:
+    made: list[Route] = []
+    yield made
+    for route in made:
+        route.close()
+
+
+@pytest.mark.parametrize(("n_stages", "ring"), [(2, True), (3, True), (2, False), (4, False)])
+def test_a_route_of_native_links_gives_the_whole_models_tokens(
+    tiny_llama: Path, routes: list[Route], n_stages: int, ring: bool
+) -> None:
+    expected = whole_greedy(tiny_llama, PROMPT, 12)
+    route = Route(tiny_llama, n_stages, ring=ring)
+    routes.append(route)
+    client = route.open(7)
+    turn = client.generate(PROMPT, 0, 12, timeout=30)
+    assert list(turn.tokens) == expected
+    assert turn.next_pos == len(PROMPT) + 11
+    # the next turn goes on from the KV the first left: its last token first
+    more = client.generate([turn.tokens[-1]], turn.next_pos, 4, timeout=30)
+    assert list(more.tokens) == whole_greedy(tiny_llama, PROMPT, 16)[12:]
+    stats = [link.stats() for link in route.links]
+    assert all(s.state is LinkState.RUNNING for s in stats)
+    assert stats[0].frames == 12 + 4  # each turn: its rows, then one frame a token but the last
+    assert stats[-1].tokens == 16
+    assert stats[-1].ring_frames == (11 + 3 if ring else 0)
+    assert all(s.engine_ns > 0 and s.bytes_in > 0 and s.bytes_out > 0 for s in stats)
+
+
+def test_a_ring_stops_at_a_stop_token(tiny_llama: Path, routes: list[Route]) -> None:
+    expected = whole_greedy(tiny_llama, PROMPT, 10)
+    route = Route(tiny_llama, 2, ring=True)
+    routes.append(route)
+    client = route.open(7)
+    stop = expected[4]
+    turn = client.generate(PROMPT, 0, 10, stop=[stop], timeout=30)
+    assert list(turn.tokens) == expected[: expected.index(stop) + 1]
+    # nothing more comes: the ring stopped at the stop token
+    with pytest.raises(LinkClosed):
+        read_message(client.output, 0.3)
+
+
+def _raw_header(**fields: int) -> bytes:
+    values = dict(
+        magic=0x4B4E4C44, version=1, kind=1, epoch=EPOCH, step=0, pos=0, n_rows=1, width=0,
+        until=0, n_stop=0, hop=0, value=0, payload=4, reserved=0,
+    )  # fmt: skip
+    values.update(fields)
+    return HEADER.pack(*values.values())
+
+
+def _failure(client: LinkRoute) -> tuple[str, int, str]:
+    header, payload = read_message(client.output, 10)
+    assert header.kind is Kind.FAILED
+    return header.status, header.hop, payload.decode()
+
+
+BAD_FIRST_STAGE_INPUT = [
+    pytest.param(_raw_header(magic=0xDEADBEEF) + b"\0" * 4, "DGR_E_INVALID_ARGUMENT", id="magic"),
+    pytest.param(_raw_header(kind=9) + b"\0" * 4, "DGR_E_INVALID_ARGUMENT", id="kind"),
+    pytest.param(_raw_header(payload=400) + b"\0" * 400, "DGR_E_SHAPE", id="lying-length"),
+    pytest.param(_raw_header(n_rows=0, payload=0), "DGR_E_SHAPE", id="no-rows"),
+    pytest.param(
+        _raw_header(n_rows=1 << 30, payload=4 << 30 & 0xFFFFFFFF), "DGR_E_SHAPE", id="huge"
+    ),
+    pytest.param(_raw_header(width=8, payload=36) + b"\0" * 36, "DGR_E_SHAPE", id="width"),
+    pytest.param(_raw_header(n_stop=99, payload=400) + b"\0" * 400, "DGR_E_SHAPE", id="stops"),
+    pytest.param(_raw_header(epoch=EPOCH - 1) + b"\0" * 4, "DGR_E_STALE_EPOCH", id="stale"),
+    pytest.param(_raw_header(epoch=EPOCH + 1) + b"\0" * 4, "DGR_E_UNKNOWN_SESSION", id="newer"),
+    pytest.param(_raw_header(pos=5) + b"\0" * 4, "DGR_E_POSITION", id="position"),
+    pytest.param(_raw_header() + struct.pack("<i", 1 << 30), "DGR_E_INVALID_ARGUMENT", id="token"),
+    pytest.param(_raw_header(payload=4) + b"\0\0", "DGR_E_SHAPE", id="truncated"),
+]
+
+
+@pytest.mark.parametrize(("frame", "status"), BAD_FIRST_STAGE_INPUT)
+def test_bad_input_fails_the_link_typed_and_spares_the_session_beside_it(
+    tiny_llama: Path, routes: list[Route], frame: bytes, status: str
+) -> None:
+    route = Route(tiny_llama, 2, ring=True)
+    routes.append(route)
+    honest = route.open(1)
+    hostile = route.open(2)
+    hostile.first.sendall(frame)  # "truncated": the rest never comes (the body deadline)
+    got, hop, message = _failure(hostile)
+    assert (got, hop) == (status, 0), message
+    assert message.startswith(status)
+    first = route.links[2].stats()  # the hostile session's first stage
+    assert first.state is LinkState.FAILED and first.status == status and first.frames == 0
+    assert route.links[3].stats().state is LinkState.FAILED  # passed on to the last stage
+    # nothing of the session's state moved, and the session beside it is exact
+    assert [engine.next_pos(2, EPOCH) for engine in route.engines] == [0, 0]
+    assert list(honest.generate(PROMPT, 0, 8, timeout=30).tokens) == whole_greedy(
+        tiny_llama, PROMPT, 8
+    )
+
+
+def test_the_client_reads_a_typed_error(tiny_llama: Path, routes: list[Route]) -> None:
+    route = Route(tiny_llama, 2, ring=True)
+    routes.append(route)
+    client = route.open(1)
+    client.generate(PROMPT, 0, 2, timeout=30)
+    with pytest.raises(PositionMismatch, match="stage 0"):
+        client.generate([5], 0, 2, timeout=30)  # position 0 again: the KV is at 9
+
+
+def test_non_finite_rows_are_refused_before_the_engine(tiny_llama: Path, closing: list) -> None:
+    engine = ShardEngine(tiny_llama, layers=(1, 4), max_sessions=1)
+    closing.append(engine)
+    engine.open_session(1, EPOCH)
+    inbound, outbound = socket.socketpair(), socket.socketpair()
+    link = engine.start_link(1, EPOCH, hop=1, sockets=LinkSockets(inbound[1], outbound[0]))
+    rows = np.zeros((2, engine.info.in_width), dtype=np.float32)
+    rows[1, 3] = np.nan
+    inbound[0].sendall(encode_rows(EPOCH, 0, 0, [1, 2], rows=rows, hop=0))
+    header, payload = read_message(outbound[1], 10)
+    assert (header.kind, header.status, header.hop) == (Kind.FAILED, "DGR_E_INVALID_ARGUMENT", 1)
+    assert "non-finite value in row 1" in payload.decode()
+    assert engine.next_pos(1, EPOCH) == 0
+    failure = link.stats().failure()
+    assert isinstance(failure, InvalidArgument) and "stage 1" in str(failure)
+    for pair in (inbound, outbound):
+        pair[0].close()
+        pair[1].close()
+
+
+def test_a_silent_peer_holds_nothing_and_closes_promptly(tiny_llama: Path, closing: list) -> None:
+    engine = ShardEngine(tiny_llama, layers=(0, 4), max_sessions=1)
+    closing.append(engine)
+    engine.open_session(1, EPOCH)
+    inbound, outbound = socket.socketpair(), socket.socketpair()
+    link = engine.start_link(1, EPOCH, hop=0, sockets=LinkSockets(inbound[1], outbound[0]))
+    assert link.stats().state is LinkState.RUNNING  # waits: an idle session is no fault
+    began = time.monotonic()
+    final = link.close()
+    assert time.monotonic() - began < 5
+    assert final.state is LinkState.ENDED and final.frames == 0
+    engine.close_session(1, EPOCH)  # the slot was never held by the link
+    engine.open_session(2, 1)
+    with pytest.raises(LinkClosed):
+        read_message(outbound[1], 5)  # the link closed its end
+    for pair in (inbound, outbound):
+        pair[0].close()
+        pair[1].close()
+
+
+def test_a_peer_that_hangs_up_ends_the_link_and_says_so(tiny_llama: Path, closing: list) -> None:
+    engine = ShardEngine(tiny_llama, max_sessions=1)
+    closing.append(engine)
+    engine.open_session(1, EPOCH)
+    inbound, outbound = socket.socketpair(), socket.socketpair()
+    notify_read, notify_write = os.pipe()
+    link = engine.start_link(
+        1, EPOCH, hop=0, sockets=LinkSockets(inbound[1], outbound[0]), notify_fd=notify_write
+    )
+    inbound[0].close()  # the peer hangs up
+    ready, _, _ = select.select([notify_read], [], [], 10)
+    assert ready and os.read(notify_read, 1) == b"\x01"
+    stats = link.stats()
+    assert stats.state is LinkState.ENDED and stats.error == "a peer closed its link"
+    link.close()
+    for fd in (notify_read, notify_write):
+        os.close(fd)
+    outbound[1].close()
+
+
+def test_frames_faster_than_the_engine_queue_in_order(
+    tiny_llama: Path, routes: list[Route]
+) -> None:
+    """A chain's client sends a whole teacher-forced sequence at once: each token's answer is
+    the whole model's argmax after that prefix."""
+    expected = whole_greedy(tiny_llama, PROMPT, 24)
+    route = Route(tiny_llama, 3, ring=False)
+    routes.append(route)
+    client = route.open(1)
+    fed = PROMPT + expected[:-1]
+    client.first.sendall(
+        b"".join(encode_rows(EPOCH, i, i, [t], until_step=0) for i, t in enumerate(fed))
+    )
+    answers = [read_message(client.output, 30)[0] for _ in fed]
+    assert [a.value for a in answers[len(PROMPT) - 1 :]] == expected
+    assert [a.step for a in answers] == list(range(len(fed)))
+
+
+def test_start_refuses_a_session_that_is_not_open(tiny_llama: Path, closing: list) -> None:
+    engine = ShardEngine(tiny_llama, max_sessions=1)
+    closing.append(engine)
+    a, b = socket.socketpair()
+    with pytest.raises(EngineError, match="DGR_E_UNKNOWN_SESSION"):
+        engine.start_link(1, 1, hop=0, sockets=LinkSockets(a, b))
+    engine.open_session(1, 2)
+    with pytest.raises(StaleEpoch):
+        engine.start_link(1, 1, hop=0, sockets=LinkSockets(a, b))
+    assert a.fileno() >= 0 and b.fileno() >= 0  # not taken: the caller still owns them
+    a.close()
+    b.close()
+
+
+def test_closing_the_engine_ends_its_running_links(tiny_llama: Path, routes: list[Route]) -> None:
+    route = Route(tiny_llama, 2, ring=True)
+    client = route.open(1)
+    client.generate(PROMPT, 0, 3, timeout=30)
+    links = list(route.links)
+    route.close()
+    assert all(link.closed and link.stats().state is LinkState.ENDED for link in links)
+
+
+def test_shape_errors_are_typed_for_the_client(tiny_llama: Path, routes: list[Route]) -> None:
+    route = Route(tiny_llama, 2, ring=False)
+    routes.append(route)
+    client = route.open(1)
+    client.first.sendall(_raw_header(n_rows=0, payload=0))
+    with pytest.raises(ShapeMismatch, match="stage 0"):
+        client.generate([1], 0, 1, timeout=30)
