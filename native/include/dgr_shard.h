@@ -469,6 +469,9 @@ typedef struct dgr_link_stats {
     uint64_t bytes_in;      /* bytes of the frames run here, headers included */
     uint64_t bytes_out;     /* bytes sent on (frames, tokens, ring frames) */
     uint64_t engine_ns;     /* wall time of their engine calls (lock wait included) */
+    uint64_t busy_ns;       /* wall time from each frame's header to its output's send to the
+                               route's next step (the next stage, or a ring's first): the
+                               checks, the engine, the copies; not the send itself */
     uint64_t last_frame_ns; /* CLOCK_MONOTONIC of the last frame's end (0: none yet) */
     uint64_t tokens;        /* greedy tokens answered (the last stage) */
     uint64_t ring_frames;   /* frames sent back to the first stage (a ring's last stage) */

@@ -200,6 +200,7 @@ bool dgr_link::one_frame(int fd) {
             end(DGR_LINK_STATE_ENDED, DGR_OK, 0, "the link was shut down");
             return false;
     }
+    const uint64_t began = monotonic_ns();
     const uint32_t hop = params.hop;
     auto refuse = [&](int status, const char * what) {
         end(DGR_LINK_STATE_FAILED, status, hop, "%s: %s", dgr_status_name(status), what);
@@ -293,12 +294,30 @@ bool dgr_link::one_frame(int fd) {
     if (rc != DGR_OK) {
         return refuse(rc, dgr_last_error());
     }
-    for (float v : result) {
-        if (!std::isfinite(v)) {
-            return refuse(DGR_E_DECODE, "the engine's output has a non-finite value");
+    // every output value finite (the Python path's output check), and on the last stage the
+    // greedy token: the first index of the largest logit, in the same pass over the row
+    int32_t best = 0;
+    bool finite = true;
+    if (info.is_last) {
+        float top = result[0];
+        for (size_t v = 0; v < result.size(); ++v) {
+            const float x = result[v];
+            finite = finite && std::isfinite(x);
+            if (x > top) {
+                top = x;
+                best = (int32_t) v;
+            }
+        }
+    } else {
+        for (float x : result) {
+            finite = finite && std::isfinite(x);
         }
     }
+    if (!finite) {
+        return refuse(DGR_E_DECODE, "the engine's output has a non-finite value");
+    }
     bool sent = true;
+    uint64_t onward_at = 0;  // when the frame's output was ready to leave for the route's next step
     uint64_t tokens_answered = 0;
     uint64_t ring_frames = 0;
     if (!info.is_last) {
@@ -310,19 +329,13 @@ bool dgr_link::one_frame(int fd) {
         std::memcpy(out.data(), &next, kHeader);
         std::memcpy(out.data() + kHeader, in.data(), 4 * ((size_t) h.n_stop + h.n_rows));
         std::memcpy(out.data() + kHeader + 4 * ((size_t) h.n_stop + h.n_rows), result.data(), 4 * result.size());
+        onward_at = monotonic_ns();
         sent = write_all(params.out_fd, out.data(), out.size());
         if (sent) {
             const std::lock_guard<std::mutex> hold(stats_mutex);
             stats.bytes_out += out.size();
         }
     } else {
-        // the greedy token of the last row: the first index of the largest logit
-        int32_t best = 0;
-        for (int32_t v = 1; v < info.out_width; ++v) {
-            if (result[(size_t) v] > result[(size_t) best]) {
-                best = v;
-            }
-        }
         bool stops = h.until_step <= h.step;
         for (uint32_t i = 0; i < h.n_stop; ++i) {
             stops = stops || stop[i] == best;
@@ -340,6 +353,7 @@ bool dgr_link::one_frame(int fd) {
             std::memcpy(out.data(), &next, kHeader);
             std::memcpy(out.data() + kHeader, stop, 4 * (size_t) h.n_stop);
             std::memcpy(out.data() + kHeader + 4 * (size_t) h.n_stop, &best, 4);
+            onward_at = monotonic_ns();
             sent = write_all(params.ring_out_fd, out.data(), out.size());
             ring_frames = sent ? 1 : 0;
             if (sent) {
@@ -354,6 +368,7 @@ bool dgr_link::one_frame(int fd) {
         token.n_stop = 0;
         token.value = best;
         token.payload_bytes = 0;
+        onward_at = onward_at ? onward_at : monotonic_ns();
         sent = sent && send_frame(params.out_fd, token, nullptr, 0);
         tokens_answered = 1;
     }
@@ -366,6 +381,7 @@ bool dgr_link::one_frame(int fd) {
         stats.tokens += tokens_answered;
         stats.ring_frames += ring_frames;
         stats.last_frame_ns = monotonic_ns();
+        stats.busy_ns += onward_at - began;
     }
     if (!sent) {
         end(DGR_LINK_STATE_ENDED, DGR_OK, 0, "the next stage closed its link");

@@ -18,6 +18,7 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine.client.link_route import LinkRoute
+from dgr_engine.engine import LinkSockets, LinkState, NativeLink
 from dgr_engine.errors import (
     EngineError,
     InvalidArgument,
@@ -25,7 +26,6 @@ from dgr_engine.errors import (
     ShapeMismatch,
     StaleEpoch,
 )
-from dgr_engine.native_link import LinkSockets, LinkState, NativeLink
 from dgr_engine.reference import split_points
 from dgr_engine.wire.link_messages import HEADER, Kind, LinkClosed, encode_rows, read_message
 
