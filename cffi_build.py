@@ -2,9 +2,9 @@
 
 The C ABI header ``native/include/dgr_shard.h`` is the single source of the declarations: its
 preprocessor lines and C++ guards are stripped and the rest is handed to ``ffi.cdef``. The module
-compiles ``native/src/dgr_shard.cpp`` and ``dgr_link.cpp`` and links the static, patched libllama that
-``native/build_llama.py`` builds (or reuses from its cache) from the manifest and ``patches/``.
-Called by the package build (``setup.py``: ``cffi_modules``).
+compiles ``native/src/dgr_shard.cpp`` and ``native/src/dgr_link.cpp`` and links the static,
+patched libllama that ``native/build_llama.py`` builds (or reuses from its cache) from the
+manifest and ``patches/``. Called by the package build (``setup.py``: ``cffi_modules``).
 """
 
 from __future__ import annotations
