@@ -126,6 +126,19 @@ def configure(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="offer no frame link: chained frames travel over gRPC only",
     )
+    p.add_argument(
+        "--native-link-port",
+        type=int_in(0, 65535),
+        default=0,
+        help="serve native links, a ring's frames run on the engine's own thread with no "
+        "Python per frame, on this port (0: a free one, the default; never with --tls; "
+        "docs/native-link.md)",
+    )
+    p.add_argument(
+        "--no-native-link",
+        action="store_true",
+        help="offer no native link: rings travel over the frame link or gRPC",
+    )
     EngineOptions.add_arguments(p)
     p.add_argument(
         "--max-message-bytes",
@@ -310,7 +323,8 @@ async def _serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    for port in (args.port, 0 if args.no_frame_link else args.frame_link_port):
+    native_port = 0 if args.no_native_link or args.tls is not None else args.native_link_port
+    for port in (args.port, 0 if args.no_frame_link else args.frame_link_port, native_port):
         if port:  # before loading anything: a busy port is one line, at once
             problem = port_problem(args.host, port)
             if problem is not None:
@@ -339,6 +353,7 @@ async def _serve(args: argparse.Namespace) -> int:
         grant_endpoint=args.grant_endpoint,
         metrics_port=args.metrics_port,
         frame_link_port=None if args.no_frame_link else args.frame_link_port,
+        native_link_port=None if args.no_native_link else args.native_link_port,
         metrics_host=args.metrics_host if args.metrics_host is not None else "127.0.0.1",
         metrics_tls=args.metrics_tls,
         frames_per_second=args.frames_per_second,

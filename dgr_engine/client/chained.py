@@ -35,6 +35,7 @@ import attrs
 import grpc
 import numpy as np
 
+from dgr_engine.client.native_target import NativeLinkTarget, native_route
 from dgr_engine.client.relay import GrpcStageTransport, expectations_for
 from dgr_engine.client.shard_client import client_call_error, mtp_drafts_of, session_metadata
 from dgr_engine.errors import (
@@ -70,7 +71,7 @@ from dgr_session.speculation import (
 from dgr_session.transport import Boundary, Logits, StageResult
 from dgr_session.usage import StageCost
 
-DATA_PATHS = ("auto", "grpc", "frame-link")
+DATA_PATHS = ("auto", "grpc", "frame-link", "native")
 """The data paths a :class:`ChainStageTransport` can be told to take (``docs/data-paths.md``)."""
 
 _LIMITS_KEPT = 65536
@@ -176,7 +177,9 @@ class ChainStats:
     native_us: int = 0
     """Of the engine time, the part inside llama.cpp, summed over stages."""
     frame_link_epochs: int = 0
-    """Epochs whose frames took the frame link (the rest took gRPC)."""
+    """Epochs whose frames took the frame link (the rest took gRPC or native links)."""
+    native_epochs: int = 0
+    """Epochs whose frames took native links (``docs/native-link.md``)."""
 
     @property
     def transit_us(self) -> int:
@@ -225,6 +228,11 @@ class _Chain:
         self.predicted: dict[int, tuple[tuple[int, ...], int | None]] = {}
         self.early: dict[int, pb.ChainOutputReply] = {}
         self.ring_drafts: dict[int, tuple[int, ...]] = {}
+        self.greedy = False
+        """The session's first frame asked for greedy tokens (a native link carries only
+        such rings)."""
+        self.native = False
+        """The epoch's frames take native links (``docs/native-link.md``)."""
 
     def index(self, stage: StageSpec) -> int:
         for i, s in enumerate(self.route):
@@ -267,12 +275,17 @@ class _Chain:
         sid, epoch, t = self.session_id, self.epoch, self.t
         secrets = [t.client(s.endpoint).session_secret(sid, epoch) for s in route]
         last = len(route) - 1
+        targets: Sequence[Any] | None = None
         try:
-            targets = await t.frame_links(route)
+            if t.data_path == "native":
+                targets = await t.native_links(route, sid, greedy=self.greedy)
+            self.native = targets is not None
+            if targets is None:
+                targets = await t.frame_links(route)
         except _AtStage as exc:
             self.fail(exc.index, exc.error)
             return
-        use_link = targets is not None
+        use_link = targets is not None and not self.native
 
         async def link(k: int) -> None:
             nxt = route[k + 1]
@@ -285,6 +298,8 @@ class _Chain:
                 session_secret=secrets[k + 1],
                 tls=tls,
                 frame_link=use_link,
+                native_link=self.native,
+                native_hop=k + 1,
             )
             request = pb.LinkRequest(
                 session_id=sid, epoch=epoch, session_secret=secrets[k], next=hop
@@ -315,6 +330,8 @@ class _Chain:
                 session_secret=secrets[0],
                 tls=tls,
                 frame_link=use_link,
+                native_link=self.native,
+                native_hop=0,
             )
             request = pb.LinkRequest(
                 session_id=sid, epoch=epoch, session_secret=secrets[last], next=hop, ring=True
@@ -539,6 +556,44 @@ class ChainStageTransport(GrpcStageTransport):
         self.chain_stats.frame_link_epochs += 1
         return targets
 
+    async def native_links(
+        self, route: Sequence[StageSpec], session_id: str, *, greedy: bool
+    ) -> list[NativeLinkTarget]:
+        """Each stage's native link, for a ring's greedy session that drafts nothing
+        (``data_path="native"``); a session or route it cannot carry raises :class:`_AtStage`
+        (the first stage that does not offer it, or the first stage for the session)."""
+        eligible = (
+            self.ring
+            and greedy
+            and self.tls is None
+            and session_id not in self._ring_drafting
+            and session_id not in self._mtp
+        )
+        if not eligible:
+            error = ShardRpcError(
+                "a native link carries greedy rings without TLS, drafts or MTP only "
+                "(data_path='native')",
+                status="DGR_E_PROTOCOL",
+            )
+            raise _AtStage(0, error)
+        hosts: list[tuple[str, int]] = []
+        for index, stage in enumerate(route):
+            try:
+                advert = await self.advert(stage.endpoint)
+            except DgrError as exc:
+                raise _AtStage(index, exc) from None
+            port = advert.data_paths.native_link_port
+            if not port:
+                error = ShardRpcError(
+                    f"{stage.endpoint} offers no native link (data_path='native')",
+                    status="DGR_E_PROTOCOL",
+                )
+                raise _AtStage(index, error)
+            host, _ = split_endpoint(stage.endpoint)
+            hosts.append((host, port))
+        self.chain_stats.native_epochs += 1
+        return native_route(hosts, ring=True)
+
     def session_starting(
         self, session_id: str, max_new_tokens: int, stop_tokens: Sequence[int]
     ) -> None:
@@ -614,6 +669,8 @@ class ChainStageTransport(GrpcStageTransport):
         loop = asyncio.get_running_loop()
         ticket = ChainTicket(step, len(positions), loop.create_future())
         began = loop.time()
+        if not chain.greedy and chain.route == []:
+            chain.greedy = call.greedy  # the epoch's first frame says how it samples
         await chain.ensure_linked()
         limits = self._limits.get(session_id) if self.ring else None
         until, stops = limits if limits is not None else (0, ())

@@ -144,6 +144,9 @@ class DataPaths:
     frame_link_port: int = 0
     """The frame link's port on the worker's host (``worker/frame_link_server.py``); 0: not
     offered."""
+    native_link_port: int = 0
+    """The native link's port on the worker's host (``worker/native_link_server.py``,
+    ``docs/native-link.md``); 0: not offered (always so with TLS)."""
 
 
 @attrs.frozen
@@ -322,7 +325,10 @@ def advert_from_proto(msg: pb.Advert) -> Advert:
         security=Security(
             tls=msg.security.tls, client_certificates=msg.security.client_certificates
         ),
-        data_paths=DataPaths(frame_link_port=msg.data_paths.frame_link_port),
+        data_paths=DataPaths(
+            frame_link_port=msg.data_paths.frame_link_port,
+            native_link_port=msg.data_paths.native_link_port,
+        ),
         span=LayerSpan(
             layer_begin=msg.range.layer_begin,
             layer_end=msg.range.layer_end,

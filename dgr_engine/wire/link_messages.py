@@ -10,6 +10,7 @@ status (``value``) and the stage (``hop``) of a failure, its message as the payl
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import socket
 import struct
@@ -24,6 +25,16 @@ from dgr_engine._binding import lib, status_name
 
 __all__ = [
     "HEADER",
+    "HELLO_MAX_BYTES",
+    "Hello",
+    "Role",
+    "decode_hello",
+    "encode_accept",
+    "encode_failed",
+    "encode_hello",
+    "parse_header",
+    "read_socket_message",
+    "read_stream_message",
     "MAGIC",
     "MAX_MESSAGE_BYTES",
     "MAX_STOP",
@@ -52,6 +63,9 @@ class Kind(enum.IntEnum):
     ROWS = int(lib.DGR_LINK_ROWS)
     TOKEN = int(lib.DGR_LINK_TOKEN)
     FAILED = int(lib.DGR_LINK_FAILED)
+    HELLO = int(lib.DGR_LINK_HELLO)
+    """A connection's introduction, and the stage's answer (``encode_accept``): read and
+    answered by the worker's control shell before the link owns the socket."""
 
 
 class LinkMessageError(ValueError):
@@ -137,8 +151,94 @@ def read_message(
     """The next message on ``sock`` within ``timeout`` seconds: ``LinkClosed`` when it ends or
     none comes whole in time, ``LinkMessageError`` for bytes that are not one."""
     deadline = time.monotonic() + timeout
-    fields = HEADER.unpack(_read_exactly(sock, HEADER.size, deadline))
-    magic, version, kind, *rest = fields
+    header = parse_header(_read_exactly(sock, HEADER.size, deadline), max_payload)
+    payload = _read_exactly(sock, header.payload_bytes, deadline) if header.payload_bytes else b""
+    return header, payload
+
+
+# -- the introduction of a connection (answered by the worker's control shell) ----------------
+
+HELLO_PAYLOAD = struct.Struct("<BBHH")
+"""A ``HELLO``'s payload head: role, flags, session id bytes, secret bytes (then those)."""
+HELLO_MAX_BYTES = 4096
+"""Largest ``HELLO`` or ``FAILED`` payload a reader takes."""
+RING_FLAG = 1
+"""``HELLO`` flag of an output connection (``Role.OUTPUT``): the route is a ring, so the last
+stage's link also waits for its link back to the first stage."""
+
+
+class Role(enum.Enum):
+    """What a connection is to the stage it introduces itself to."""
+
+    INPUT = b"i"
+    """The frames of the stage before (the client's, on the first stage)."""
+    RING = b"r"
+    """A ring's frames from its last stage (the first stage only)."""
+    OUTPUT = b"o"
+    """The client's token stream (the last stage only)."""
+
+
+@attrs.frozen
+class Hello:
+    """A connection's introduction: who it is for and what it carries."""
+
+    role: Role
+    session_id: str
+    epoch: int
+    secret: bytes
+    hop: int
+    """The index in the route of the stage it introduces itself to."""
+    ring: bool = False
+
+
+def encode_hello(hello: Hello) -> bytes:
+    sid = hello.session_id.encode()
+    flags = RING_FLAG if hello.ring else 0
+    body = (
+        HELLO_PAYLOAD.pack(hello.role.value[0], flags, len(sid), len(hello.secret))
+        + sid
+        + hello.secret
+    )
+    head = HEADER.pack(
+        MAGIC, VERSION, Kind.HELLO, hello.epoch, 0, 0, 0, 0, 0, 0, hello.hop, 0, len(body), 0
+    )
+    return head + body
+
+
+def decode_hello(header: Header, payload: bytes) -> Hello:
+    """The introduction a ``HELLO`` carries; ``LinkMessageError`` unless well-formed."""
+    if header.kind is not Kind.HELLO or len(payload) < HELLO_PAYLOAD.size:
+        raise LinkMessageError(f"a {header.kind.name} where a HELLO was expected")
+    role_byte, flags, n_sid, n_secret = HELLO_PAYLOAD.unpack_from(payload)
+    if len(payload) != HELLO_PAYLOAD.size + n_sid + n_secret:
+        raise LinkMessageError("a HELLO whose lengths do not add up")
+    try:
+        role = Role(bytes([role_byte]))
+        sid = payload[HELLO_PAYLOAD.size : HELLO_PAYLOAD.size + n_sid].decode()
+    except (ValueError, UnicodeDecodeError):
+        raise LinkMessageError("a HELLO with an unknown role or a session id not UTF-8") from None
+    secret = payload[HELLO_PAYLOAD.size + n_sid :]
+    return Hello(role, sid, header.epoch, secret, header.hop, bool(flags & RING_FLAG))
+
+
+def encode_accept(epoch: int, hop: int) -> bytes:
+    """The answer to a ``HELLO`` the stage took: a ``HELLO`` with no payload."""
+    return HEADER.pack(MAGIC, VERSION, Kind.HELLO, epoch, 0, 0, 0, 0, 0, 0, hop, 0, 0, 0)
+
+
+def encode_failed(status: int, hop: int, message: str, *, epoch: int = 0, step: int = 0) -> bytes:
+    """A ``FAILED``: the status (its number), the failing stage and its message (cut to the
+    protocol's limit)."""
+    body = message.encode()[: MAX_MESSAGE_BYTES - 1]
+    head = HEADER.pack(
+        MAGIC, VERSION, Kind.FAILED, epoch, step, 0, 0, 0, 0, 0, hop, status, len(body), 0
+    )
+    return head + body
+
+
+def parse_header(data: bytes, max_payload: int) -> Header:
+    """A header's fields; ``LinkMessageError`` unless it is one."""
+    magic, version, kind, *rest = HEADER.unpack(data)
     if magic != MAGIC or version != VERSION:
         raise LinkMessageError(f"not a link message (magic {magic:#x}, version {version})")
     try:
@@ -148,6 +248,32 @@ def read_message(
     epoch, step, pos, n_rows, width, until, n_stop, hop, value, payload_bytes, _ = rest
     if payload_bytes > max_payload:
         raise LinkMessageError(f"a payload of {payload_bytes} bytes, over {max_payload}")
-    header = Header(what, epoch, step, pos, n_rows, width, until, n_stop, hop, value, payload_bytes)
-    payload = _read_exactly(sock, payload_bytes, deadline) if payload_bytes else b""
+    return Header(what, epoch, step, pos, n_rows, width, until, n_stop, hop, value, payload_bytes)
+
+
+async def read_stream_message(
+    reader: asyncio.StreamReader, max_payload: int
+) -> tuple[Header, bytes]:
+    """The next message on an asyncio stream: ``LinkMessageError`` for bytes that are not
+    one, ``asyncio.IncompleteReadError`` when the stream ends first."""
+    header = parse_header(await reader.readexactly(HEADER.size), max_payload)
+    payload = await reader.readexactly(header.payload_bytes) if header.payload_bytes else b""
     return header, payload
+
+
+async def read_socket_message(sock: socket.socket, max_payload: int) -> tuple[Header, bytes]:
+    """The next message on a non-blocking socket, read on the running loop: as
+    :func:`read_stream_message` (``LinkClosed`` when the socket ends first)."""
+    loop = asyncio.get_running_loop()
+
+    async def exactly(n: int) -> bytes:
+        data = b""
+        while len(data) < n:
+            chunk = await loop.sock_recv(sock, n - len(data))
+            if not chunk:
+                raise LinkClosed(f"the connection ended after {len(data)} of {n} bytes")
+            data += chunk
+        return data
+
+    header = parse_header(await exactly(HEADER.size), max_payload)
+    return header, (await exactly(header.payload_bytes) if header.payload_bytes else b"")

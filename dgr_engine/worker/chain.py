@@ -25,8 +25,9 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 import grpc
 
 from dgr_engine.engine import ShardInfo
-from dgr_engine.errors import FrameRejected
+from dgr_engine.errors import FrameRejected, ShardUnavailable
 from dgr_engine.wire import frames
+from dgr_engine.wire.frame_link import split_endpoint
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.worker.chain_downstream import ChainFailure, ChainLink, Downstream
@@ -39,6 +40,8 @@ from dgr_session.identifiers import is_valid_session_id, log_field
 
 if TYPE_CHECKING:
     from loguru import Logger
+
+    from dgr_engine.worker.native_link_server import NativeLinkServer
 
 CHAIN_SERVICE_NAME = "dgr.shard.v1.Chain"
 """Full gRPC name of the chain service."""
@@ -76,6 +79,16 @@ class ChainHost(Protocol):
         """A call of the epoch was cancelled by its caller: the epoch is closed."""
         ...
 
+    @property
+    def native_link_port(self) -> int:
+        """Where this worker serves native links (0: it offers none)."""
+        ...
+
+    @property
+    def native_links(self) -> NativeLinkServer:
+        """Its native links (``worker/native_link_server.py``)."""
+        ...
+
 
 class ChainServicer(shard_pb2_grpc.ChainServicer):
     """The ``Chain`` service over one worker (``host``), its frame path and its chain hub."""
@@ -111,6 +124,9 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
                     request.next,
                     min(_CONFIRM_WAIT, remaining) if remaining is not None else _CONFIRM_WAIT,
                 )
+            if request.next.native_link:
+                await self._link_native(request)
+                return pb.LinkReply(session_id=request.session_id, epoch=request.epoch)
             port = 0
             if request.next.frame_link:  # the port is the next stage's own word, not the linker's
                 port = await self.hub.frame_link_port(request.next, _CONFIRM_WAIT)
@@ -127,6 +143,30 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
             "linked to {}", log_field(request.next.endpoint)
         )
         return pb.LinkReply(session_id=request.session_id, epoch=request.epoch)
+
+    async def _link_native(self, request: pb.LinkRequest) -> None:
+        """A link over native links: this stage dials the next stage's native link port (read
+        from that stage's own advert) and introduces itself with the next stage's secret; the
+        link starts when this stage has its input too (``worker/native_link_server.py``)."""
+        if not self.host.native_link_port:
+            raise FrameRejected("DGR_E_FRAME: this stage offers no native link")
+        port = await self.hub.native_link_port(request.next, _CONFIRM_WAIT)
+        host, _ = split_endpoint(request.next.endpoint)
+        try:
+            await self.host.native_links.link_next(
+                request.session_id,
+                int(request.epoch),
+                host,
+                port,
+                bytes(request.next.session_secret),
+                int(request.next.native_hop),
+                ring=request.ring,
+            )
+        except (OSError, TimeoutError) as exc:
+            raise ShardUnavailable(
+                f"DGR_E_UNAVAILABLE: the next stage {request.next.endpoint!r} did not take a "
+                f"native link ({exc!r}): not linked"
+            ) from None
 
     async def ChainOutput(
         self, request: pb.ChainOutputRequest, context: grpc.aio.ServicerContext[Any, Any]

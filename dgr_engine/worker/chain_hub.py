@@ -55,7 +55,7 @@ class ChainHub:
         # the Shard service over the same channels (confirm_next asks a next stage's Usage)
         self._shard_stubs: dict[tuple[str, bool], shard_pb2_grpc.ShardStub] = {}
         self._channels: list[grpc.aio.Channel] = []
-        self._frame_link_ports: dict[tuple[str, bool], int] = {}
+        self._data_paths_of: dict[tuple[str, bool], pb.DataPaths] = {}
         self._targets: dict[tuple[str, int, bool], FrameLinkTarget] = {}
         # downstream streams' watchers still running (kept referenced; cancelled at close)
         self.watchers: set[asyncio.Task[None]] = set()
@@ -143,11 +143,33 @@ class ChainHub:
         endpoint): a link names the data path, never a port, so a linker cannot make this stage
         dial a port of its choosing. ``FrameRejected`` when the next stage offers none,
         ``ShardUnavailable`` when it does not answer."""
+        if hop.tls and self.tls is None:
+            return 0  # link() refuses it
+        port = int((await self._data_paths(hop, timeout)).frame_link_port)
+        if port == 0:
+            raise FrameRejected(
+                f"DGR_E_FRAME: the next stage {hop.endpoint!r} offers no frame link: link it "
+                "over gRPC"
+            )
+        return port
+
+    async def native_link_port(self, hop: pb.ChainHop, timeout: float) -> int:
+        """The next stage's native link port, read from its own advert as the frame link's
+        (:meth:`frame_link_port`); ``FrameRejected`` when it offers none."""
+        port = int((await self._data_paths(hop, timeout)).native_link_port)
+        if port == 0:
+            raise FrameRejected(
+                f"DGR_E_FRAME: the next stage {hop.endpoint!r} offers no native link: link it "
+                "over the frame link or gRPC"
+            )
+        return port
+
+    async def _data_paths(self, hop: pb.ChainHop, timeout: float) -> pb.DataPaths:
+        """The next stage's data paths, from its advert (``Describe``, once per endpoint);
+        ``ShardUnavailable`` when it does not answer."""
         key = (hop.endpoint, bool(hop.tls))
-        port = self._frame_link_ports.get(key)
-        if port is None:
-            if hop.tls and self.tls is None:
-                return 0  # link() refuses it
+        paths = self._data_paths_of.get(key)
+        if paths is None:
             self._ensure_channel(*key)
             try:
                 advert = await self._shard_stubs[key].Describe(
@@ -158,13 +180,8 @@ class ChainHub:
                     f"DGR_E_UNAVAILABLE: the next stage {hop.endpoint!r} did not describe itself "
                     f"({exc.code().name}): not linked"
                 ) from None
-            port = self._frame_link_ports[key] = int(advert.data_paths.frame_link_port)
-        if port == 0:
-            raise FrameRejected(
-                f"DGR_E_FRAME: the next stage {hop.endpoint!r} offers no frame link: link it "
-                "over gRPC"
-            )
-        return port
+            paths = self._data_paths_of[key] = advert.data_paths
+        return paths
 
     def next_hop(self, session_id: str, epoch: int) -> ChainLink:
         link = self._links.get(session_id)
@@ -328,7 +345,7 @@ class ChainHub:
         self._stubs.clear()
         self._shard_stubs.clear()
         self._targets.clear()
-        self._frame_link_ports.clear()
+        self._data_paths_of.clear()
         channels, self._channels = self._channels, []
         for channel in channels:
             await channel.close()

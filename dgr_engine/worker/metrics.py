@@ -64,6 +64,13 @@ class WorkerMetrics:
             ["call"],
             registry=r,
         )
+        self.native_link = Counter(
+            "dgr_worker_native_link_connections",
+            "Native link connections, by what came of them: the role they took (input, ring, "
+            "output), dialled (to a next stage), or refused",
+            ["what"],
+            registry=r,
+        )
         self.lease_expiries = Counter(
             "dgr_worker_lease_expiries", "Sessions closed because their lease ran out", registry=r
         )

@@ -24,7 +24,8 @@ from loguru import logger
 
 from dgr_engine.certification.lane import BATCHING_CO_BATCH, LaneKey
 from dgr_engine.certification.registry import LaneLookup
-from dgr_engine.engine import ShardEngine
+from dgr_engine.engine import LinkSockets, NativeLink, ShardEngine
+from dgr_engine.errors import EngineError
 from dgr_engine.numerics import Numerics
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import owns_mtp_block
@@ -36,7 +37,7 @@ from dgr_engine.worker.admission import Admission
 from dgr_engine.worker.advertiser import Advertiser
 from dgr_engine.worker.chain import ChainServicer, add_chain_service
 from dgr_engine.worker.chain_hub import ChainHub
-from dgr_engine.worker.closes import OnLoop
+from dgr_engine.worker.closes import CloseCause, OnLoop
 from dgr_engine.worker.co_batch import CoBatchConfig, CoBatcher, FrameResult, co_batch_rows
 from dgr_engine.worker.config import WorkerConfig
 from dgr_engine.worker.engine_dispatch import EngineDispatch
@@ -47,6 +48,7 @@ from dgr_engine.worker.housekeeping import Housekeeping
 from dgr_engine.worker.identity import BuildIdentity
 from dgr_engine.worker.load import LoadMeter
 from dgr_engine.worker.metrics import WorkerMetrics
+from dgr_engine.worker.native_link_server import NativeLinkServer
 from dgr_engine.worker.peer_limits import PeerLimitConfig, PeerLimits
 from dgr_engine.worker.registration import SERVICE_NAME, add_shard_service
 from dgr_engine.worker.servicer import ShardServicer
@@ -99,8 +101,21 @@ class ShardWorker:
         )
         self.chain = ChainHub(self.config.chain_tls)
         """Chained routes' links and output streams (``worker/chain_hub.py``)."""
+        self.native_links = NativeLinkServer(
+            self,
+            max_connections=connection_limit(self.info.max_sessions),
+            hello_seconds=self.config.frame_link_hello_seconds,
+            counted=self._native_link_counted,
+        )
+        """Native links (``worker/native_link_server.py``): served from ``start`` when
+        offered (:attr:`native_link_port`)."""
+        self.native_link_port = 0
+        """Where native links are served once started (0: not offered)."""
+        self.frame_link_port = 0
+        """Where the frame link is served once started (0: not offered)."""
         self._close_listeners = tuple(
-            OnLoop(listener, self.log) for listener in (self.chain, self.grants, self.limits)
+            OnLoop(listener, self.log)
+            for listener in (self.chain, self.grants, self.limits, self.native_links)
         )
         # a tombstone is kept a lease long: an open older than that would have lost its slot
         self.table = SessionTable(
@@ -120,7 +135,9 @@ class ShardWorker:
             sessions=self.table.snapshot,
             load=self.meter.snapshot,
             waiting=lambda: self.admission.waiting,
-            data_paths=lambda: DataPaths(frame_link_port=self.frame_link_port),
+            data_paths=lambda: DataPaths(
+                frame_link_port=self.frame_link_port, native_link_port=self.native_link_port
+            ),
             mtp=bool(getattr(engine, "mtp_loaded", False)),
         )
         self.metrics = WorkerMetrics(
@@ -155,8 +172,6 @@ class ShardWorker:
         self._shard_servicer = ShardServicer(self, path)
         self._chain_servicer = ChainServicer(self, path, self.chain)
         self._frame_link: FrameLinkServer | None = None
-        self.frame_link_port = 0
-        """Where the frame link is served once started (0: not offered)."""
         self._health = health_aio.HealthServicer()
         self._server: grpc.aio.Server | None = None
         self._stopped: int | None = None  # sessions closed at stop; None until stopped
@@ -278,19 +293,23 @@ class ShardWorker:
             )
             self.frame_link_port = await link.start(self.config.host, self.config.frame_link_port)
             self._frame_link = link
+        native_port = self.config.native_link_port
+        if native_port is not None and tls is None and hasattr(self.engine, "start_link"):
+            self.native_link_port = await self.native_links.start(self.config.host, native_port)
         if self.config.metrics_port is not None:
             self._serve_metrics(self.config.metrics_port)
         self.housekeeping.start()
         for service in ("", SERVICE_NAME):
             await self._health.set(service, health_pb2.HealthCheckResponse.SERVING)
         self.log.info(
-            "serving layers [{}, {}) of {} on {} ({}){}",
+            "serving layers [{}, {}) of {} on {} ({}){}{}",
             self.info.layer_begin,
             self.info.layer_end,
             self.build.model_sha256.hex()[:12],
             self.address,
             "plaintext" if tls is None else "mutual TLS" if tls.mutual else "TLS",
             f", frame link on port {self.frame_link_port}" if self.frame_link_port else "",
+            f", native link on port {self.native_link_port}" if self.native_link_port else "",
         )
         return self.address
 
@@ -320,6 +339,7 @@ class ShardWorker:
             await self._server.stop(self.config.grace_seconds)
         if self._frame_link is not None:
             await self._frame_link.stop()
+        await self.native_links.stop()
         await self.chain.aclose()
         await self.housekeeping.finish()
         closed = await self.dispatch.engine_thread.run(self._close)
@@ -448,6 +468,23 @@ class ShardWorker:
     async def run_forward(self, frame: frames.ForwardFrame, deadline: float | None) -> FrameResult:
         """Runs one decoded frame on the engine (``EngineDispatch.run_forward``)."""
         return await self.dispatch.run_forward(frame, deadline)
+
+    def _native_link_counted(self, what: str) -> None:
+        self.metrics.native_link.labels(what).inc()
+
+    def start_link(
+        self, key: int, epoch: int, hop: int, sockets: LinkSockets, notify_fd: int
+    ) -> NativeLink:
+        """Starts the engine's native link of the session keyed ``key`` (``NativeLinkHost``)."""
+        start: Callable[..., NativeLink] = self.engine.start_link  # type: ignore[attr-defined]
+        return start(key, epoch, hop=hop, sockets=sockets, notify_fd=notify_fd)
+
+    async def close_for(self, session_id: str, epoch: int, cause: CloseCause) -> None:
+        """Closes ``(session_id, epoch)`` on the engine's thread, for ``cause``."""
+        try:
+            await self.run_on_engine(self.table.close, session_id, epoch, cause)
+        except EngineError as exc:  # closed meanwhile, or a newer epoch: nothing to close
+            self.log.bind(session=session_id, epoch=epoch).debug("not closed: {}", exc)
 
     async def run_on_engine(
         self, job: Callable[..., _T], *args: Any, inline_ok: bool = False

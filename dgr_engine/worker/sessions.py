@@ -346,6 +346,27 @@ class SessionTable:
         with self._lock:
             return session_id in self._entries
 
+    def engine_key(self, session_id: str, epoch: int) -> int:
+        """The engine's key of ``(session_id, epoch)`` (a native link runs it by that key);
+        ``UnknownSession`` / ``StaleEpoch`` unless it is open; safe from any thread."""
+        with self._lock:
+            return self._live(session_id, epoch).key
+
+    def native_ran(self, session_id: str, epoch: int) -> None:
+        """A native link ran frames of ``(session_id, epoch)`` (``docs/native-link.md``): the
+        session was used now (its lease and the stall watchdog see it) and its mirrored
+        position is the engine's. Nothing when the epoch is no longer open."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None or entry.epoch != epoch:
+                return
+            entry.last_used = self.clock()
+            key = entry.key
+        next_pos = getattr(self.engine, "next_pos", None)
+        if next_pos is not None:
+            with contextlib.suppress(EngineError):  # closed meanwhile: nothing to mirror
+                entry.next_pos = int(next_pos(key, epoch))
+
     def check_open(self, session_id: str, epoch: int) -> None:
         """``UnknownSession`` / ``StaleEpoch`` unless ``(session_id, epoch)`` is open here;
         safe from any thread."""

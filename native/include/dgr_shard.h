@@ -437,6 +437,9 @@ typedef enum dgr_link_kind {
     DGR_LINK_ROWS = 1,   /* rows to run (token ids and, past the first stage, boundary rows) */
     DGR_LINK_TOKEN = 2,  /* the last stage's greedy token for a frame, to the client */
     DGR_LINK_FAILED = 3, /* a stage failed: status and message, on to the client */
+    DGR_LINK_HELLO = 4,  /* a connection's introduction and its answer: the control shell's
+                            (the worker's Python), before a link owns the socket; a link
+                            refuses it like any other kind but rows */
 } dgr_link_kind;
 
 typedef enum dgr_link_state {

@@ -309,10 +309,12 @@ class Advert(_message.Message):
     def __init__(self, compatibility: _Optional[_Union[Compatibility, _Mapping]] = ..., range: _Optional[_Union[LayerRange, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., seam: _Optional[_Union[SeamCost, _Mapping]] = ..., health: _Optional[_Union[Health, _Mapping]] = ..., certification: _Optional[_Union[Certification, _Mapping]] = ..., security: _Optional[_Union[Security, _Mapping]] = ..., data_paths: _Optional[_Union[DataPaths, _Mapping]] = ...) -> None: ...
 
 class DataPaths(_message.Message):
-    __slots__ = ("frame_link_port",)
+    __slots__ = ("frame_link_port", "native_link_port")
     FRAME_LINK_PORT_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_LINK_PORT_FIELD_NUMBER: _ClassVar[int]
     frame_link_port: int
-    def __init__(self, frame_link_port: _Optional[int] = ...) -> None: ...
+    native_link_port: int
+    def __init__(self, frame_link_port: _Optional[int] = ..., native_link_port: _Optional[int] = ...) -> None: ...
 
 class Security(_message.Message):
     __slots__ = ("tls", "client_certificates")
@@ -449,18 +451,22 @@ class ForwardReply(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[OutputKind, str]] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., next_pos: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., mtp_drafts: _Optional[_Iterable[int]] = ..., mtp_draft_pos: _Optional[int] = ..., greedy: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChainHop(_message.Message):
-    __slots__ = ("endpoint", "expect", "session_secret", "tls", "frame_link")
+    __slots__ = ("endpoint", "expect", "session_secret", "tls", "frame_link", "native_link", "native_hop")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     EXPECT_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
     TLS_FIELD_NUMBER: _ClassVar[int]
     FRAME_LINK_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_LINK_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_HOP_FIELD_NUMBER: _ClassVar[int]
     endpoint: str
     expect: Expectations
     session_secret: bytes
     tls: bool
     frame_link: bool
-    def __init__(self, endpoint: _Optional[str] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., session_secret: _Optional[bytes] = ..., tls: _Optional[bool] = ..., frame_link: _Optional[bool] = ...) -> None: ...
+    native_link: bool
+    native_hop: int
+    def __init__(self, endpoint: _Optional[str] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., session_secret: _Optional[bytes] = ..., tls: _Optional[bool] = ..., frame_link: _Optional[bool] = ..., native_link: _Optional[bool] = ..., native_hop: _Optional[int] = ...) -> None: ...
 
 class LinkRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "session_secret", "next", "ring")

@@ -1,0 +1,292 @@
+"""A chained transport's side of a ring over native links (``docs/native-link.md``): the first
+stage's input and the last stage's token stream, looking to ``client/chained.py`` exactly like
+the ``ChainStream`` and ``ChainOutput`` calls they replace (as the frame link's
+``FrameLinkCall`` does): the session's ``ForwardRequest`` frames are written as link ``ROWS``
+messages, and each ``TOKEN`` the last stage answers is read as the ``ChainOutputReply`` of a
+greedy reply; a ``FAILED`` ends the output call with the failing stage's status and index in
+its trailers, so the chain raises the same typed error and blames the same stage as on the
+other paths.
+
+A native link carries greedy rings only: frames with logit rows, drafts or MTP requests, or
+that want logits rather than greedy tokens, are refused here (the transport takes the native
+link only for sessions that send none of them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import numpy as np
+
+from dgr_engine.errors import FrameRejected, error_for_status
+from dgr_engine.wire import link_messages as lm
+from dgr_engine.wire.frames import fill_tensor
+from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY, grpc_status_for
+
+__all__ = ["NativeLinkTarget", "native_route"]
+
+_CONNECT_SECONDS = 10.0
+_NO_ROWS = np.zeros((0, 1), dtype=np.float32)
+
+Status = tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]
+
+
+def _failed_status(code_number: int, status: str, hop: int, message: str) -> Status:
+    error = error_for_status(code_number, status, message)
+    code, name = grpc_status_for(error)
+    return code, str(error), ((STATUS_KEY, name), (CHAIN_HOP_KEY, str(hop)))
+
+
+class _Ledger:
+    """What the input tells the output of one epoch: the steps whose frames wanted no logits
+    (their answers carry none)."""
+
+    def __init__(self) -> None:
+        self.no_logits: set[int] = set()
+
+
+class NativeLinkTarget:
+    """One stage's native link port, for one epoch of a ring: the first stage's takes the
+    ``ChainStream`` frames, the last stage's gives the ``ChainOutput`` replies."""
+
+    def __init__(self, host: str, port: int, hop: int, ledger: _Ledger, *, ring: bool) -> None:
+        self.host, self.port, self.hop, self.ring = host, port, hop, ring
+        self.endpoint = f"{host}:{port}"
+        self._ledger = ledger
+
+    def ChainStream(self, metadata: Any = None) -> NativeInputCall:  # noqa: N802 - gRPC's name
+        return NativeInputCall(self, self._ledger)
+
+    def ChainOutput(  # noqa: N802 - gRPC's name
+        self, request: pb.ChainOutputRequest, metadata: Any = None
+    ) -> NativeOutputCall:
+        return NativeOutputCall(self, self._ledger, request)
+
+
+def native_route(hosts: list[tuple[str, int]], *, ring: bool) -> list[NativeLinkTarget]:
+    """The targets of one epoch's route (``hosts``: each stage's native link host and port);
+    its first and last share what their calls must tell each other."""
+    ledger = _Ledger()
+    return [NativeLinkTarget(h, p, i, ledger, ring=ring) for i, (h, p) in enumerate(hosts)]
+
+
+class _Call:
+    """What both calls share: the connection, its introduction and the call's status."""
+
+    def __init__(self, target: NativeLinkTarget) -> None:
+        self.target = target
+        loop = asyncio.get_running_loop()
+        self._status: asyncio.Future[Status] = loop.create_future()
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+
+    async def _introduce(self, hello: lm.Hello) -> bool:
+        """Connects and introduces the connection; False (and the status set) if refused or
+        unreachable."""
+        t = self.target
+        try:
+            async with asyncio.timeout(_CONNECT_SECONDS):
+                self._reader, self._writer = await asyncio.open_connection(t.host, t.port)
+                self._writer.write(lm.encode_hello(hello))
+                await self._writer.drain()
+                header, payload = await lm.read_stream_message(self._reader, lm.HELLO_MAX_BYTES)
+        except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
+            self._end(grpc.StatusCode.UNAVAILABLE, f"native link {t.endpoint}: {exc!r}")
+            return False
+        except lm.LinkMessageError as exc:
+            self._end(grpc.StatusCode.INTERNAL, f"native link {t.endpoint}: {exc}")
+            return False
+        if header.kind is lm.Kind.FAILED:
+            text = payload.decode(errors="replace")
+            self._end(*_failed_status(header.value, header.status, t.hop, text))
+            return False
+        if header.kind is not lm.Kind.HELLO:
+            self._end(grpc.StatusCode.INTERNAL, f"native link {t.endpoint}: no HELLO answer")
+            return False
+        return True
+
+    def _end(self, code: grpc.StatusCode, details: str, trailers: Any = ()) -> None:
+        if not self._status.done():
+            self._status.set_result((code, details, tuple(trailers)))
+        if self._writer is not None:
+            self._writer.close()
+
+    def _error(self) -> grpc.aio.AioRpcError:
+        code, details, trailers = self._status.result()
+        return grpc.aio.AioRpcError(
+            code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers), details=details
+        )
+
+    async def code(self) -> grpc.StatusCode:
+        return (await asyncio.shield(self._status))[0]
+
+    async def details(self) -> str:
+        return (await asyncio.shield(self._status))[1]
+
+    async def trailing_metadata(self) -> grpc.aio.Metadata:
+        return grpc.aio.Metadata(*(await asyncio.shield(self._status))[2])
+
+    def cancel(self) -> bool:
+        done = self._status.done()
+        self._end(grpc.StatusCode.CANCELLED, "cancelled by the caller")
+        return not done
+
+    def done(self) -> bool:
+        return self._status.done()
+
+
+class NativeInputCall(_Call):
+    """The first stage's input: ``write`` sends a frame (the first one introduces the
+    connection with its session, epoch and secret); ``read`` waits for the connection's end
+    (a native link answers nothing upstream: its failures go on to the output)."""
+
+    def __init__(self, target: NativeLinkTarget, ledger: _Ledger) -> None:
+        super().__init__(target)
+        self._ledger = ledger
+        self._connected: asyncio.Future[bool] | None = None
+
+    async def write(self, request: pb.ForwardRequest) -> None:
+        message = self._encode(request)
+        if self._connected is None:
+            self._connected = asyncio.ensure_future(
+                self._introduce(
+                    lm.Hello(
+                        lm.Role.INPUT,
+                        request.session_id,
+                        int(request.epoch),
+                        bytes(request.session_secret),
+                        0,
+                    )
+                )
+            )
+        if not await asyncio.shield(self._connected) or self._status.done():
+            raise asyncio.InvalidStateError("the call is over")
+        assert self._writer is not None
+        try:
+            self._writer.write(message)
+            await self._writer.drain()
+        except (OSError, RuntimeError) as exc:
+            self._end(grpc.StatusCode.UNAVAILABLE, f"native link {self.target.endpoint}: {exc!r}")
+            raise asyncio.InvalidStateError("the call is over") from exc
+
+    def _encode(self, request: pb.ForwardRequest) -> bytes:
+        n = len(request.positions)
+        unsupported = (
+            request.draft_rows
+            or request.mtp_draft_max
+            or request.ring_draft_max
+            or request.HasField("boundary")
+            or (request.logit_rows and list(request.logit_rows) != [n - 1])
+            or (not request.no_logits and not request.greedy_tokens)
+        )
+        if unsupported or n == 0:
+            raise FrameRejected(
+                "DGR_E_FRAME: a native link carries greedy ring frames only (no logits, "
+                "drafts or MTP requests)"
+            )
+        step = int(request.step)
+        if request.no_logits:
+            self._ledger.no_logits.add(step)
+        return lm.encode_rows(
+            int(request.epoch),
+            step,
+            int(request.positions[0]),
+            list(request.token_ids),
+            until_step=0 if request.no_logits else int(request.ring_until_step),
+            stop=list(request.ring_stop),
+        )
+
+    async def read(self) -> Any:
+        if self._connected is not None and await asyncio.shield(self._connected):
+            assert self._reader is not None
+            try:
+                while await self._reader.read(4096):
+                    pass  # nothing comes upstream while all goes well
+            except OSError:
+                pass
+            self._end(grpc.StatusCode.OK, "")
+        elif self._connected is None:
+            await asyncio.shield(self._status)
+        if self._status.result()[0] == grpc.StatusCode.OK:
+            return grpc.aio.EOF
+        raise self._error()
+
+    async def done_writing(self) -> None:
+        if self._writer is not None and not self._status.done():
+            try:
+                self._writer.write_eof()
+            except (OSError, RuntimeError):
+                pass
+
+
+class NativeOutputCall(_Call):
+    """The last stage's token stream: its first ``read`` answers the empty reply (the stream
+    is registered), then one greedy reply per ``TOKEN``; a ``FAILED`` ends the call with the
+    failing stage's typed status."""
+
+    def __init__(
+        self, target: NativeLinkTarget, ledger: _Ledger, request: pb.ChainOutputRequest
+    ) -> None:
+        super().__init__(target)
+        self._ledger = ledger
+        self._session_id = request.session_id
+        self._epoch = int(request.epoch)
+        hello = lm.Hello(
+            lm.Role.OUTPUT,
+            request.session_id,
+            int(request.epoch),
+            bytes(request.session_secret),
+            target.hop,
+            ring=target.ring,
+        )
+        self._connected = asyncio.ensure_future(self._introduce(hello))
+        self._announced = False
+
+    async def read(self) -> Any:
+        if not await asyncio.shield(self._connected) and not self._status.done():
+            self._end(grpc.StatusCode.UNAVAILABLE, "native link lost")
+        if not self._status.done():
+            if not self._announced:
+                self._announced = True
+                return pb.ChainOutputReply()
+            assert self._reader is not None
+            try:
+                header, payload = await lm.read_stream_message(self._reader, lm.HELLO_MAX_BYTES)
+                if header.kind is lm.Kind.TOKEN:
+                    return self._reply(header)
+                if header.kind is lm.Kind.FAILED:
+                    text = payload.decode(errors="replace")
+                    self._end(*_failed_status(header.value, header.status, header.hop, text))
+                else:
+                    raise lm.LinkMessageError(f"a {header.kind.name} from the last stage")
+            except (asyncio.IncompleteReadError, OSError) as exc:
+                self._end(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"native link {self.target.endpoint} lost: {type(exc).__name__}",
+                )
+            except lm.LinkMessageError as exc:
+                self._end(
+                    grpc.StatusCode.INTERNAL,
+                    f"native link {self.target.endpoint}: malformed answer: {exc}",
+                )
+        if self._status.result()[0] == grpc.StatusCode.OK:
+            return grpc.aio.EOF
+        raise self._error()
+
+    def _reply(self, header: lm.Header) -> pb.ChainOutputReply:
+        reply = pb.ForwardReply(
+            session_id=self._session_id,
+            epoch=self._epoch,
+            step=header.step,
+            kind=pb.OUTPUT_KIND_LOGITS,
+            next_pos=header.pos + header.n_rows,
+        )
+        if header.step in self._ledger.no_logits:
+            self._ledger.no_logits.discard(header.step)
+            fill_tensor(reply.output, _NO_ROWS)
+        else:
+            reply.greedy.append(header.value)
+        return pb.ChainOutputReply(reply=reply)
