@@ -14,9 +14,8 @@ mode (default f16 and auto: llama.cpp's defaults); the peers' own reports are ch
   ``-ts`` splits the rest evenly over the servers) against dgr routes of ``dgr worker``
   processes with the same even layer ranges (``SessionManager`` over ``GrpcStageTransport``,
   the client relay, and over ``ChainStageTransport(ring=True)``, the ring of ``docs/chain.md``:
-  ``--transports``); and ``native``: the ring over native links (``benchmarks/link_ring.py``,
-  ``docs/native-link.md``: the frames run from socket to socket on the engines' own threads,
-  stages driven by that harness, since workers do not offer the link yet).
+  ``--transports``); and ``ring-native``: the ring over native links (``docs/native-link.md``:
+  the frames run from socket to socket on the engines' own threads).
   llama-bench decodes at depth ``--prompt`` (``-d``), as dgr decodes after its prompt.
 * **Aggregate decode tok/s at 1, 4 and 8 concurrent sessions**: ``llama-batched-bench`` on the
   whole model (``-npl 1,4,8``: that many sequences decoded together in one batch) against a
@@ -89,7 +88,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before the engine loads l
 from benchmarks import hop_cost, recovery, shard_memory  # noqa: E402
 from benchmarks.concurrent_route import ConcurrentRoute  # noqa: E402
 from benchmarks.first_token import FirstTokenRouteBench, peer_ttft_s  # noqa: E402
-from benchmarks.link_ring import NativeRingBench  # noqa: E402
 from benchmarks.model_arg import BenchModel, BenchModelError, add_model_arguments  # noqa: E402
 from benchmarks.model_arg import resolve as resolve_model  # noqa: E402
 from benchmarks.pipeline import Speed, _plain_png, _prompt, whole_model  # noqa: E402
@@ -189,11 +187,9 @@ async def speed_rounds(
     prompt: list[int],
 ) -> dict[str, Any]:
     """Decode and prefill of every contender in interleaved rounds."""
-    benches: dict[str, FirstTokenRouteBench | NativeRingBench] = {
-        f"{n}{'' if t == 'relay' else ' ' + t}": (
-            NativeRingBench(path, split_points(n_layer, n), options)
-            if t == "native"
-            else FirstTokenRouteBench(path, split_points(n_layer, n), options, transport=t)
+    benches = {
+        f"{n}{'' if t == 'relay' else ' ' + t}": FirstTokenRouteBench(
+            path, split_points(n_layer, n), options, transport=t
         )
         for n in s.stages
         for t in s.transports
@@ -732,11 +728,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--transports",
         nargs="+",
-        choices=("relay", "chain", "ring", "chain-grpc", "ring-grpc", "native"),
-        default=["relay", "ring-grpc", "ring", "native"],
+        choices=("relay", "chain", "ring", "chain-grpc", "ring-grpc", "ring-native"),
+        default=["relay", "ring-grpc", "ring", "ring-native"],
         help="how dgr's decode/prefill routes carry frames: chain and ring over the frame link, "
-        "-grpc over gRPC, native: a ring over native links (default relay ring-grpc ring "
-        "native; docs/chain.md, docs/data-paths.md, docs/native-link.md)",
+        "-grpc over gRPC, -native over native links (default relay ring-grpc ring ring-native; "
+        "docs/chain.md, docs/data-paths.md, docs/native-link.md)",
     )
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--accepted", default="16,128,400", help="recovery k values ('' none)")

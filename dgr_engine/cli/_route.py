@@ -163,9 +163,10 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
         "--data-path",
         choices=DATA_PATHS,
         default="auto",
-        help="with --transport chain or ring: how frames travel between stages; auto: the frame"
-        " link when every stage offers it, else gRPC (default); frame-link: required;"
-        " grpc (docs/data-paths.md)",
+        help="with --transport chain or ring: how frames travel between stages; auto: the"
+        " fastest every stage offers (native links for a greedy ring without TLS, else the"
+        " frame link, else gRPC; default); frame-link, native: required; grpc"
+        " (docs/data-paths.md, docs/native-link.md)",
     )
 
 

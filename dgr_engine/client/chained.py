@@ -277,7 +277,7 @@ class _Chain:
         last = len(route) - 1
         targets: Sequence[Any] | None = None
         try:
-            if t.data_path == "native":
+            if t.data_path in ("native", "auto"):
                 targets = await t.native_links(route, sid, greedy=self.greedy)
             self.native = targets is not None
             if targets is None:
@@ -515,9 +515,11 @@ class ChainStageTransport(GrpcStageTransport):
         if data_path not in DATA_PATHS:
             raise ValueError(f"data_path must be one of {DATA_PATHS}, got {data_path!r}")
         self.data_path = data_path
-        """Which path chained frames take: ``auto`` (the frame link when every stage of the
-        route offers it, else gRPC), ``grpc``, or ``frame-link`` (a route whose stages do not
-        all offer it fails at its first frame, naming the first stage that does not)."""
+        """Which path chained frames take: ``auto`` (the fastest every stage of the route
+        offers: native links for a ring's greedy session without TLS or drafts, else the frame
+        link, else gRPC), ``grpc``, ``frame-link`` or ``native`` (required: a route or session
+        it cannot carry fails at its first frame, naming the first stage that does not offer
+        it)."""
         self._targets: dict[tuple[str, bool], FrameLinkTarget] = {}
         # session -> most drafts its ring may draft a pass (a drafting ring's sessions)
         self._ring_drafting: dict[str, int] = {}
@@ -558,10 +560,13 @@ class ChainStageTransport(GrpcStageTransport):
 
     async def native_links(
         self, route: Sequence[StageSpec], session_id: str, *, greedy: bool
-    ) -> list[NativeLinkTarget]:
-        """Each stage's native link, for a ring's greedy session that drafts nothing
-        (``data_path="native"``); a session or route it cannot carry raises :class:`_AtStage`
-        (the first stage that does not offer it, or the first stage for the session)."""
+    ) -> list[NativeLinkTarget] | None:
+        """Each stage's native link, for a ring's greedy session that drafts nothing, over a
+        route whose every stage offers one (``docs/native-link.md``); ``None`` when the epoch
+        takes another path (``auto``). With ``data_path="native"`` a session or route it
+        cannot carry raises :class:`_AtStage` instead (the first stage that does not offer it,
+        or the first stage for the session)."""
+        required = self.data_path == "native"
         eligible = (
             self.ring
             and greedy
@@ -570,6 +575,8 @@ class ChainStageTransport(GrpcStageTransport):
             and session_id not in self._mtp
         )
         if not eligible:
+            if not required:
+                return None
             error = ShardRpcError(
                 "a native link carries greedy rings without TLS, drafts or MTP only "
                 "(data_path='native')",
@@ -584,6 +591,8 @@ class ChainStageTransport(GrpcStageTransport):
                 raise _AtStage(index, exc) from None
             port = advert.data_paths.native_link_port
             if not port:
+                if not required:
+                    return None
                 error = ShardRpcError(
                     f"{stage.endpoint} offers no native link (data_path='native')",
                     status="DGR_E_PROTOCOL",

@@ -15,16 +15,19 @@ link only for sessions that send none of them).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import re
 from typing import Any
 
 import grpc
 import numpy as np
 
+from dgr_engine._binding import lib
 from dgr_engine.errors import FrameRejected, error_for_status
 from dgr_engine.wire import link_messages as lm
 from dgr_engine.wire.frames import fill_tensor
 from dgr_engine.wire.proto import shard_pb2 as pb
-from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY, grpc_status_for
+from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY, error_from_trailers, grpc_status_for
 
 __all__ = ["NativeLinkTarget", "native_route"]
 
@@ -34,18 +37,38 @@ _NO_ROWS = np.zeros((0, 1), dtype=np.float32)
 Status = tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]
 
 
+_STATUS_PREFIX = re.compile(r"^(DGR_E_[A-Z_]+):")
+
+
 def _failed_status(code_number: int, status: str, hop: int, message: str) -> Status:
-    error = error_for_status(code_number, status, message)
+    """A ``FAILED``'s call status: a lost stage reads as on gRPC (``UNAVAILABLE``, the stage
+    named, no dgr-status); a refusal by its dgr-status, which its message starts with (a
+    worker's own statuses, ``DGR_E_UNAUTHENTICATED``, ``DGR_E_FRAME``..., travel so), else
+    the C status it carries."""
+    if code_number == int(lib.DGR_E_LINK_LOST):
+        return grpc.StatusCode.UNAVAILABLE, message, ((CHAIN_HOP_KEY, str(hop)),)
+    said = _STATUS_PREFIX.match(message)
+    name = said.group(1) if said is not None else status
+    error = error_from_trailers(grpc.StatusCode.UNKNOWN, ((STATUS_KEY, name),), message)
+    if getattr(error, "status", None) != name:  # not a status the wire knows: the C one
+        error = error_for_status(code_number, status, message)
     code, name = grpc_status_for(error)
-    return code, str(error), ((STATUS_KEY, name), (CHAIN_HOP_KEY, str(hop)))
+    details = message if message.startswith(name) else f"{name}: {message}"
+    return code, details, ((STATUS_KEY, name), (CHAIN_HOP_KEY, str(hop)))
+
+
+_VERDICT_SECONDS = 2.0
+"""How long the input's end waits for the output's verdict (a stage lost after the first ends
+the first stage's link too: the output names which stage it was)."""
 
 
 class _Ledger:
-    """What the input tells the output of one epoch: the steps whose frames wanted no logits
-    (their answers carry none)."""
+    """What one epoch's input and output tell each other: the steps whose frames wanted no
+    logits (their answers carry none), and whether the output has ended."""
 
     def __init__(self) -> None:
         self.no_logits: set[int] = set()
+        self.output_ended = asyncio.Event()
 
 
 class NativeLinkTarget:
@@ -147,9 +170,11 @@ class NativeInputCall(_Call):
         super().__init__(target)
         self._ledger = ledger
         self._connected: asyncio.Future[bool] | None = None
+        self._epoch = 0
 
     async def write(self, request: pb.ForwardRequest) -> None:
         message = self._encode(request)
+        self._epoch = int(request.epoch)
         if self._connected is None:
             self._connected = asyncio.ensure_future(
                 self._introduce(
@@ -207,6 +232,11 @@ class NativeInputCall(_Call):
                     pass  # nothing comes upstream while all goes well
             except OSError:
                 pass
+            # the first stage's link ended: a failure after it reaches the output, which says
+            # where; only then does this end (so the chain blames that stage, not the first)
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_VERDICT_SECONDS):
+                    await self._ledger.output_ended.wait()
             self._end(grpc.StatusCode.OK, "")
         elif self._connected is None:
             await asyncio.shield(self._status)
@@ -215,8 +245,11 @@ class NativeInputCall(_Call):
         raise self._error()
 
     async def done_writing(self) -> None:
+        """Ends the route's links cleanly (an ``END``, passed on by every stage)."""
         if self._writer is not None and not self._status.done():
             try:
+                self._writer.write(lm.encode_end(self._epoch))
+                await self._writer.drain()
                 self._writer.write_eof()
             except (OSError, RuntimeError):
                 pass
@@ -232,6 +265,7 @@ class NativeOutputCall(_Call):
     ) -> None:
         super().__init__(target)
         self._ledger = ledger
+        self._status.add_done_callback(lambda _: ledger.output_ended.set())
         self._session_id = request.session_id
         self._epoch = int(request.epoch)
         hello = lm.Hello(
@@ -260,6 +294,8 @@ class NativeOutputCall(_Call):
                 if header.kind is lm.Kind.FAILED:
                     text = payload.decode(errors="replace")
                     self._end(*_failed_status(header.value, header.status, header.hop, text))
+                elif header.kind is lm.Kind.END:
+                    self._end(grpc.StatusCode.OK, "the route's links ended")
                 else:
                     raise lm.LinkMessageError(f"a {header.kind.name} from the last stage")
             except (asyncio.IncompleteReadError, OSError) as exc:
@@ -289,4 +325,11 @@ class NativeOutputCall(_Call):
             fill_tensor(reply.output, _NO_ROWS)
         else:
             reply.greedy.append(header.value)
-        return pb.ChainOutputReply(reply=reply)
+        out = pb.ChainOutputReply(reply=reply)
+        # the pass's engine time, summed over its stages: one trace of the whole route (an
+        # index past its stages, so no stage's own cost is taken from it)
+        engine = pb.Timings(
+            compute_us=header.engine_us, native_us=header.engine_us, total_us=header.engine_us
+        )
+        out.hops.append(pb.HopTrace(hop=self.target.hop + 1, timings=engine))
+        return out

@@ -30,6 +30,7 @@ __all__ = [
     "Role",
     "decode_hello",
     "encode_accept",
+    "encode_end",
     "encode_failed",
     "encode_hello",
     "parse_header",
@@ -49,7 +50,7 @@ __all__ = [
 
 HEADER = struct.Struct("<IHHQIiIIIIIiII")
 """magic, version, kind, epoch, step, pos, n_rows, width, until_step, n_stop, hop, value,
-payload_bytes, reserved."""
+payload_bytes, engine_us (the pass's engine time so far, summed over its stages)."""
 MAGIC = int(lib.DGR_LINK_MAGIC)
 VERSION = int(lib.DGR_LINK_VERSION)
 MAX_STOP = int(lib.DGR_LINK_MAX_STOP)
@@ -63,6 +64,9 @@ class Kind(enum.IntEnum):
     ROWS = int(lib.DGR_LINK_ROWS)
     TOKEN = int(lib.DGR_LINK_TOKEN)
     FAILED = int(lib.DGR_LINK_FAILED)
+    END = int(lib.DGR_LINK_END)
+    """The sender ends cleanly: each stage passes it on and ends (a link whose input ends
+    without it reports the stage before it lost: ``DGR_E_LINK_LOST``)."""
     HELLO = int(lib.DGR_LINK_HELLO)
     """A connection's introduction, and the stage's answer (``encode_accept``): read and
     answered by the worker's control shell before the link owns the socket."""
@@ -92,6 +96,9 @@ class Header:
     hop: int
     value: int
     payload_bytes: int
+    engine_us: int = 0
+    """The engine time of the frame's pass so far, summed over the stages it went through
+    (a ``TOKEN``: the whole pass's)."""
 
     @property
     def status(self) -> str:
@@ -226,6 +233,11 @@ def encode_accept(epoch: int, hop: int) -> bytes:
     return HEADER.pack(MAGIC, VERSION, Kind.HELLO, epoch, 0, 0, 0, 0, 0, 0, hop, 0, 0, 0)
 
 
+def encode_end(epoch: int) -> bytes:
+    """An ``END``: the route's links end cleanly, each passing it on."""
+    return HEADER.pack(MAGIC, VERSION, Kind.END, epoch, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+
 def encode_failed(status: int, hop: int, message: str, *, epoch: int = 0, step: int = 0) -> bytes:
     """A ``FAILED``: the status (its number), the failing stage and its message (cut to the
     protocol's limit)."""
@@ -245,10 +257,12 @@ def parse_header(data: bytes, max_payload: int) -> Header:
         what = Kind(kind)
     except ValueError:
         raise LinkMessageError(f"unknown link message kind {kind}") from None
-    epoch, step, pos, n_rows, width, until, n_stop, hop, value, payload_bytes, _ = rest
+    epoch, step, pos, n_rows, width, until, n_stop, hop, value, payload_bytes, engine_us = rest
     if payload_bytes > max_payload:
         raise LinkMessageError(f"a payload of {payload_bytes} bytes, over {max_payload}")
-    return Header(what, epoch, step, pos, n_rows, width, until, n_stop, hop, value, payload_bytes)
+    return Header(
+        what, epoch, step, pos, n_rows, width, until, n_stop, hop, value, payload_bytes, engine_us
+    )
 
 
 async def read_stream_message(

@@ -162,7 +162,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
                 int(request.next.native_hop),
                 ring=request.ring,
             )
-        except (OSError, TimeoutError) as exc:
+        except (ConnectionError, TimeoutError) as exc:
             raise ShardUnavailable(
                 f"DGR_E_UNAVAILABLE: the next stage {request.next.endpoint!r} did not take a "
                 f"native link ({exc!r}): not linked"

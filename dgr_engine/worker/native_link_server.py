@@ -35,6 +35,7 @@ from dgr_engine.worker.load import LoadMeter
 from dgr_engine.worker.metrics import WorkerMetrics
 from dgr_engine.worker.sessions import SessionTable
 from dgr_engine.worker.usage import UsageBook
+from dgr_session.errors import DgrError
 from dgr_session.identifiers import log_field
 
 if TYPE_CHECKING:
@@ -105,11 +106,24 @@ class _Assembly:
         return [s for s in held if s is not None]
 
 
-def _refusal(exc: BaseException) -> tuple[int, str]:
-    """The C status number and message of a refusal (a typed error's status, by name)."""
-    _code, status = grpc_status_for(exc if isinstance(exc, Exception) else Exception(str(exc)))
+def _connection_lost(exc: BaseException) -> bool:
+    """A connection that went away or fell silent (not a refusal: some refusals are
+    ``PermissionError``, an ``OSError`` too)."""
+    if isinstance(exc, DgrError):
+        return False
+    return isinstance(exc, (TimeoutError, OSError))
+
+
+def _refusal(exc: Exception) -> tuple[int, str]:
+    """A refusal's C status number (``DGR_E_INVALID_ARGUMENT`` for the statuses only the
+    Python side has) and its message, which starts with its dgr-status (the client reads the
+    typed error from it: ``client/native_target.py``)."""
+    if isinstance(exc, lm.LinkMessageError):
+        exc = FrameRejected(f"DGR_E_FRAME: {exc}")
+    _code, status = grpc_status_for(exc)
     number = int(getattr(lib, status, lib.DGR_E_INVALID_ARGUMENT))
-    return number, str(exc)
+    text = str(exc)
+    return number, text if text.startswith(status) else f"{status}: {text}"
 
 
 class NativeLinkServer:
@@ -184,19 +198,19 @@ class NativeLinkServer:
             assembly = self._assembly(hello.session_id, hello.epoch)
             self._place(assembly, hello, sock)
             await loop.sock_sendall(sock, lm.encode_accept(hello.epoch, hello.hop))
-        except (TimeoutError, lm.LinkClosed, OSError) as exc:
-            self.refused += 1
-            self._counted("refused")
-            self._host.log.debug("native link connection dropped: {!r}", exc)
-            self._drop(sock, hello)
-            return
         except Exception as exc:  # noqa: BLE001 - any refusal is answered, never raised
+            if _connection_lost(exc):
+                self.refused += 1
+                self._counted("refused")
+                self._host.log.debug("native link connection dropped: {!r}", exc)
+                self._drop(sock, hello)
+                return
             status, text = _refusal(exc)
             self._host.log.bind(
                 session=log_field(hello.session_id if hello else "-"),
                 epoch=hello.epoch if hello else "-",
             ).warning("native link connection refused: {}", log_field(text, limit=1000))
-            self._drop(sock, hello)
+            self._unplace(sock, hello)
             self._refuse_now(sock, lm.encode_failed(status, max(self._hop(hello), 0), text))
             return
         self._counted(hello.role.name.lower())
@@ -206,16 +220,17 @@ class NativeLinkServer:
         return hello.hop if hello is not None else 0
 
     def _drop(self, sock: socket.socket, hello: lm.Hello | None) -> None:
+        """Forgets and closes a socket whose introduction failed."""
+        self._unplace(sock, hello)
+        sock.close()
+
+    def _unplace(self, sock: socket.socket, hello: lm.Hello | None) -> None:
         """Forgets a socket an assembly took before its introduction failed."""
-        if hello is None:
-            sock.close()
-            return
-        assembly = self._links.get((hello.session_id, hello.epoch))
+        assembly = self._links.get((hello.session_id, hello.epoch)) if hello else None
         if assembly is not None and assembly.link is None:
             for name in ("inbound", "ring_in", "outbound"):
                 if getattr(assembly, name) is sock:
                     setattr(assembly, name, None)
-        sock.close()
 
     def _check(self, hello: lm.Hello) -> None:
         """Refuses an introduction this stage cannot take (the Python path's checks of a

@@ -100,6 +100,10 @@ typedef enum dgr_status {
     /* An unexpected internal failure (exception). The engine's sessions are unchanged unless the
      * message says otherwise. */
     DGR_E_INTERNAL = 14,
+    /* Native links (ABI 11): the stage before this one ended its link without DGR_LINK_END (its
+     * process died, or it closed the session): that stage is lost. This stage's session is
+     * untouched. */
+    DGR_E_LINK_LOST = 15,
 } dgr_status;
 
 /* Stable name of a status code ("DGR_E_STALE_EPOCH"); "DGR_E_UNKNOWN_STATUS" for others. */
@@ -410,7 +414,9 @@ int dgr_vocab_chat(const dgr_vocab * vocab, const dgr_chat_message * messages, s
  *   per row: 0 on the first stage's input, in_width elsewhere), u32 until_step (a ring's last
  *   step), u32 n_stop (ring stop tokens, <= DGR_LINK_MAX_STOP), u32 hop (the stage the message
  *   comes from or, for DGR_LINK_FAILED, the stage that failed), i32 value (DGR_LINK_TOKEN: the
- *   greedy token; DGR_LINK_FAILED: the status), u32 payload_bytes, u32 reserved (0).
+ *   greedy token; DGR_LINK_FAILED: the status), u32 payload_bytes, u32 engine_us (the engine
+ *   time of the frame's pass so far, summed over the stages it went through: each stage adds
+ *   its own; the TOKEN of a pass carries the whole pass's).
  * DGR_LINK_ROWS payload: n_stop i32 stop tokens, n_rows i32 token ids, n_rows * width f32 rows;
  * payload_bytes must be exactly that. DGR_LINK_TOKEN (last stage to the client): no payload.
  * DGR_LINK_FAILED: the failure's message (UTF-8, at most 255 bytes).
@@ -440,6 +446,9 @@ typedef enum dgr_link_kind {
     DGR_LINK_HELLO = 4,  /* a connection's introduction and its answer: the control shell's
                             (the worker's Python), before a link owns the socket; a link
                             refuses it like any other kind but rows */
+    DGR_LINK_END = 5,    /* the sender ends cleanly: each stage passes it on and ends; a link
+                            whose input ends without it reports the stage before it lost
+                            (DGR_E_LINK_LOST; on the first stage, the client left) */
 } dgr_link_kind;
 
 typedef enum dgr_link_state {

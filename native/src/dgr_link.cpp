@@ -42,7 +42,7 @@ struct header {
     uint32_t hop = 0;
     int32_t value = 0;
     uint32_t payload_bytes = 0;
-    uint32_t reserved = 0;
+    uint32_t engine_us = 0;  // the engine time of this pass so far, summed over its stages
 };
 static_assert(sizeof(header) == kHeader, "the header is 56 packed bytes");
 
@@ -132,28 +132,42 @@ struct dgr_link {
     void run();
     // one frame from fd; false when the link ends
     bool one_frame(int fd);
+    // how the link ends, set once by the thread (end) and published as it leaves (publish)
+    int outcome_state = DGR_LINK_STATE_RUNNING;
+    int outcome_status = DGR_OK;
+    uint32_t outcome_hop = 0;
+    std::string outcome_error;
+
     void end(int state, int status, uint32_t failed_hop, const char * fmt, ...);
+    void publish();
     void pass_failure(const header & h, const uint8_t * message, size_t n);
     bool send_frame(int fd, const header & h, const void * payload, size_t n);
-    bool is_running() {
-        const std::lock_guard<std::mutex> hold(stats_mutex);
-        return stats.state == DGR_LINK_STATE_RUNNING;
-    }
 };
 
 void dgr_link::end(int state, int status, uint32_t failed_hop, const char * fmt, ...) {
+    // the outcome is published (and the caller woken) only when the thread leaves run(): a
+    // failure is passed on before anyone may shut the link's sockets down
+    if (outcome_state != DGR_LINK_STATE_RUNNING) {
+        return;
+    }
+    outcome_state = state;
+    outcome_status = status;
+    outcome_hop = failed_hop;
+    char text[DGR_LINK_MESSAGE_BYTES];
+    va_list ap;
+    va_start(ap, fmt);
+    std::vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    outcome_error = text;
+}
+
+void dgr_link::publish() {
     {
         const std::lock_guard<std::mutex> hold(stats_mutex);
-        if (stats.state != DGR_LINK_STATE_RUNNING) {
-            return;
-        }
-        stats.state = state;
-        stats.status = status;
-        stats.failed_hop = failed_hop;
-        va_list ap;
-        va_start(ap, fmt);
-        std::vsnprintf(stats.error, sizeof(stats.error), fmt, ap);
-        va_end(ap);
+        stats.state = outcome_state == DGR_LINK_STATE_RUNNING ? DGR_LINK_STATE_ENDED : outcome_state;
+        stats.status = outcome_status;
+        stats.failed_hop = outcome_hop;
+        std::snprintf(stats.error, sizeof(stats.error), "%s", outcome_error.c_str());
     }
     if (params.notify_fd >= 0) {
         const uint8_t byte = 1;
@@ -194,6 +208,18 @@ bool dgr_link::one_frame(int fd) {
         case got::all:
             break;
         case got::closed:
+            if (!stopping.load() && fd == params.in_fd && params.hop > 0) {
+                // the stage before ended without DGR_LINK_END: it is lost (said downstream)
+                const std::string text = "DGR_E_LINK_LOST: the link from stage " + std::to_string(params.hop - 1) +
+                                         " ended without an end message";
+                end(DGR_LINK_STATE_FAILED, DGR_E_LINK_LOST, params.hop - 1, "%s", text.c_str());
+                header f{};
+                f.step = 0;
+                f.hop = params.hop - 1;
+                f.value = DGR_E_LINK_LOST;
+                pass_failure(f, reinterpret_cast<const uint8_t *>(text.data()), text.size());
+                return false;
+            }
             end(DGR_LINK_STATE_ENDED, DGR_OK, 0, stopping.load() ? "the link was stopped" : "a peer closed its link");
             return false;
         default:
@@ -204,11 +230,7 @@ bool dgr_link::one_frame(int fd) {
     const uint32_t hop = params.hop;
     auto refuse = [&](int status, const char * what) {
         end(DGR_LINK_STATE_FAILED, status, hop, "%s: %s", dgr_status_name(status), what);
-        std::string text;
-        {
-            const std::lock_guard<std::mutex> hold(stats_mutex);
-            text = stats.error;
-        }
+        const std::string text = outcome_error;
         header f = h;
         f.hop = hop;
         f.value = status;
@@ -230,6 +252,15 @@ bool dgr_link::one_frame(int fd) {
         const int status = h.value > 0 && h.value <= DGR_E_INTERNAL ? h.value : DGR_E_INTERNAL;
         end(DGR_LINK_STATE_FAILED, status, h.hop, "%.*s", (int) n, reinterpret_cast<const char *>(message.data()));
         pass_failure(h, message.data(), n);
+        return false;
+    }
+    if (h.kind == DGR_LINK_END && h.payload_bytes == 0) {
+        header e{};
+        e.kind = DGR_LINK_END;
+        e.epoch = params.epoch;
+        e.hop = hop;
+        (void) send_frame(params.out_fd, e, nullptr, 0);  // on toward the client
+        end(DGR_LINK_STATE_ENDED, DGR_OK, 0, "ended by an end message");
         return false;
     }
     if (h.kind != DGR_LINK_ROWS) {
@@ -323,6 +354,7 @@ bool dgr_link::one_frame(int fd) {
     if (!info.is_last) {
         header next = h;
         next.hop = hop;
+        next.engine_us = h.engine_us + (uint32_t) (engine_ns / 1000);
         next.width = (uint32_t) info.out_width;
         next.payload_bytes = (uint32_t) (4 * ((size_t) h.n_stop + h.n_rows + result.size()));
         out.resize(kHeader + next.payload_bytes);
@@ -348,6 +380,7 @@ bool dgr_link::one_frame(int fd) {
             next.pos = h.pos + (int32_t) h.n_rows;
             next.n_rows = 1;
             next.width = 0;
+            next.engine_us = 0;  // a new pass
             next.payload_bytes = 4 * (h.n_stop + 1);
             out.resize(kHeader + next.payload_bytes);
             std::memcpy(out.data(), &next, kHeader);
@@ -367,6 +400,7 @@ bool dgr_link::one_frame(int fd) {
         token.width = 0;
         token.n_stop = 0;
         token.value = best;
+        token.engine_us = h.engine_us + (uint32_t) (engine_ns / 1000);
         token.payload_bytes = 0;
         onward_at = onward_at ? onward_at : monotonic_ns();
         sent = sent && send_frame(params.out_fd, token, nullptr, 0);
@@ -393,7 +427,8 @@ bool dgr_link::one_frame(int fd) {
 void dgr_link::run() {
     pollfd watch[2] = {{params.in_fd, POLLIN, 0}, {params.ring_in_fd, POLLIN, 0}};
     const nfds_t n = params.ring_in_fd >= 0 ? 2 : 1;
-    while (!stopping.load()) {
+    bool running = true;
+    while (running && !stopping.load()) {
         watch[0].revents = watch[1].revents = 0;
         const int rc = poll(watch, n, -1);
         if (rc < 0) {
@@ -401,15 +436,14 @@ void dgr_link::run() {
                 continue;
             }
             end(DGR_LINK_STATE_ENDED, DGR_OK, 0, "poll failed: %s", std::strerror(errno));
-            return;
+            break;
         }
-        for (nfds_t i = 0; i < n; ++i) {
-            if (watch[i].revents != 0 && !one_frame(watch[i].fd)) {
-                return;
-            }
+        for (nfds_t i = 0; i < n && running; ++i) {
+            running = watch[i].revents == 0 || one_frame(watch[i].fd);
         }
     }
     end(DGR_LINK_STATE_ENDED, DGR_OK, 0, "the link was stopped");
+    publish();
 }
 
 extern "C" {

@@ -396,6 +396,7 @@ const char * dgr_status_name(int status) {
         case DGR_E_STATE: return "DGR_E_STATE";
         case DGR_E_UNSUPPORTED: return "DGR_E_UNSUPPORTED";
         case DGR_E_INTERNAL: return "DGR_E_INTERNAL";
+        case DGR_E_LINK_LOST: return "DGR_E_LINK_LOST";
         default: return "DGR_E_UNKNOWN_STATUS";
     }
 }

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from dgr_engine import ShardEngine
 from dgr_engine.client.link_route import LinkRoute
@@ -27,7 +29,14 @@ from dgr_engine.errors import (
     StaleEpoch,
 )
 from dgr_engine.reference import split_points
-from dgr_engine.wire.link_messages import HEADER, Kind, LinkClosed, encode_rows, read_message
+from dgr_engine.wire.link_messages import (
+    HEADER,
+    Kind,
+    LinkClosed,
+    encode_end,
+    encode_rows,
+    read_message,
+)
 
 PROMPT = [1, 5, 9, 14, 3, 7, 22, 11]
 EPOCH = 3
@@ -59,6 +68,7 @@ class Route:
         self.ring = ring
         self.links: list[NativeLink] = []
         self.clients: list[socket.socket] = []
+        self.fuzzed: list[int] = []
 
     def open(self, session_id: int, epoch: int = EPOCH) -> LinkRoute:
         n = len(self.engines)
@@ -290,7 +300,40 @@ def test_closing_the_engine_ends_its_running_links(tiny_llama: Path, routes: lis
     client.generate(PROMPT, 0, 3, timeout=30)
     links = list(route.links)
     route.close()
-    assert all(link.closed and link.stats().state is LinkState.ENDED for link in links)
+    assert all(link.closed for link in links)
+    assert links[0].stats().state is LinkState.ENDED  # stopped by its engine's close
+    # the next stage's input ended without an end message: it may have seen stage 0 lost first
+    last = links[1].stats()
+    assert last.state is LinkState.ENDED or (last.status, last.failed_hop) == ("DGR_E_LINK_LOST", 0)
+
+
+def test_an_end_message_ends_every_link_cleanly(tiny_llama: Path, routes: list[Route]) -> None:
+    route = Route(tiny_llama, 3, ring=True)
+    routes.append(route)
+    client = route.open(1)
+    client.generate(PROMPT, 0, 3, timeout=30)
+    client.first.sendall(encode_end(EPOCH))
+    header, _ = read_message(client.output, 10)  # passed on by every stage, to the client
+    assert header.kind is Kind.END
+    ends = [link.close() for link in route.links]
+    assert [(s.state, s.error) for s in ends] == [(LinkState.ENDED, "ended by an end message")] * 3
+
+
+def test_a_stage_gone_without_an_end_message_is_named_lost(
+    tiny_llama: Path, routes: list[Route]
+) -> None:
+    """A middle stage's link ends without an end message (its process died, or its worker
+    closed the session): the stage after it reports it lost, on to the client, which reads
+    the stage's index."""
+    route = Route(tiny_llama, 3, ring=True)
+    routes.append(route)
+    client = route.open(1)
+    client.generate(PROMPT, 0, 2, timeout=30)
+    route.links[1].close()  # stage 1 goes away
+    status, hop, message = _failure(client)
+    assert (status, hop) == ("DGR_E_LINK_LOST", 1), message
+    after = route.links[2].stats()
+    assert after.state is LinkState.FAILED and after.failed_hop == 1
 
 
 def test_shape_errors_are_typed_for_the_client(tiny_llama: Path, routes: list[Route]) -> None:
@@ -300,3 +343,113 @@ def test_shape_errors_are_typed_for_the_client(tiny_llama: Path, routes: list[Ro
     client.first.sendall(_raw_header(n_rows=0, payload=0))
     with pytest.raises(ShapeMismatch, match="stage 0"):
         client.generate([1], 0, 1, timeout=30)
+
+
+# --- the fuzzer: any bytes, any header, at any stage --------------------------------------
+
+FIELD_ORDER = (
+    "magic", "version", "kind", "epoch", "step", "pos", "n_rows", "width", "until", "n_stop",
+    "hop", "value", "payload", "reserved",
+)  # fmt: skip
+FIELDS = st.fixed_dictionaries(
+    {
+        "magic": st.sampled_from([0x4B4E4C44, 0x4B4E4C44, 0, 0xFFFFFFFF]),
+        "version": st.sampled_from([1, 1, 0, 2]),
+        "kind": st.integers(0, 8),
+        "epoch": st.sampled_from([EPOCH, EPOCH, EPOCH - 1, EPOCH + 1, 2**64 - 1]),
+        "step": st.integers(0, 2**32 - 1),
+        "pos": st.integers(-(2**31), 2**31 - 1),
+        "n_rows": st.sampled_from([0, 1, 2, 3, 64, 65, 2**32 - 1]),
+        "width": st.sampled_from([0, 1, 64, 2**32 - 1]),
+        "until": st.integers(0, 2**32 - 1),
+        "n_stop": st.sampled_from([0, 1, 16, 17, 2**32 - 1]),
+        "hop": st.integers(0, 2**32 - 1),
+        "value": st.integers(-(2**31), 2**31 - 1),
+        "payload": st.sampled_from([0, 4, 8, 12, 2**20, 2**32 - 1]),
+        "reserved": st.integers(0, 2**32 - 1),
+    }
+)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    stage=st.integers(0, 1),
+    fields=FIELDS,
+    body=st.binary(max_size=96),
+    nan_rows=st.booleans(),
+    cut=st.booleans(),
+)
+def test_fuzzed_input_fails_typed_and_the_honest_session_stays_exact(
+    fuzz_route: tuple[Route, list[int]],
+    stage: int,
+    fields: dict[str, int],
+    body: bytes,
+    nan_rows: bool,
+    cut: bool,
+) -> None:
+    """Hypothesis sends any header and any bytes (rows of NaN among them, or a frame cut
+    short) to a hostile session's link on either stage of a 2-stage ring: that link fails
+    with a typed status (never ``DGR_E_INTERNAL``) or ends, never crashes or hangs, its
+    session's state is untouched, and an honest session on the same engines keeps the whole
+    model's tokens."""
+    route, expected = fuzz_route
+    engine = route.engines[stage]
+    sid = 100 + len(route.fuzzed)
+    route.fuzzed.append(sid)
+    engine.open_session(sid, EPOCH)
+    inbound, outbound = socket.socketpair(), socket.socketpair()
+    ended, notify = os.pipe()
+    link = engine.start_link(
+        sid,
+        EPOCH,
+        hop=stage,
+        sockets=LinkSockets(inbound[1], outbound[0]),
+        body_timeout=0.2,
+        notify_fd=notify,
+    )
+    data = HEADER.pack(*(fields[name] for name in FIELD_ORDER)) + body
+    if nan_rows and stage == 1:
+        rows = np.full((1, engine.info.in_width), np.nan, dtype=np.float32)
+        data = encode_rows(EPOCH, 0, 0, [1], rows=rows)
+    if cut:
+        data = data[: max(1, len(data) // 2)]
+    try:
+        inbound[0].sendall(data)
+        inbound[0].shutdown(socket.SHUT_WR)
+    except OSError:
+        pass  # the link refused and closed already
+    # the link ends by itself: its input ended (a frame it could not take, or the end of it)
+    assert select.select([ended], [], [], 30)[0], "the link did not end"
+    final = link.close()
+    while True:  # what it sent on is well-formed link messages, to the end of its socket
+        try:
+            read_message(outbound[1], 5)
+        except LinkClosed:
+            break
+    os.close(ended)
+    os.close(notify)
+    assert final.state in (LinkState.ENDED, LinkState.FAILED)
+    if final.state is LinkState.FAILED:
+        assert final.status.startswith("DGR_E_") and final.status != "DGR_E_INTERNAL", final
+    if final.frames == 0:  # nothing ran: the session is where it was
+        assert engine.next_pos(sid, EPOCH) == 0
+    engine.close_session(sid, EPOCH)
+    for pair in (inbound, outbound):
+        pair[0].close()
+        pair[1].close()
+    honest = route.open(sid)
+    assert list(honest.generate(PROMPT, 0, 4, timeout=30).tokens) == expected
+    for s in (honest.first, honest.output):
+        s.close()
+    for link_ in route.links:
+        link_.close()
+    route.links.clear()
+    for e in route.engines:
+        e.close_session(sid, EPOCH)
+
+
+@pytest.fixture(scope="module")
+def fuzz_route(tiny_llama: Path) -> Iterator[tuple[Route, list[int]]]:
+    route = Route(tiny_llama, 2, ring=True)
+    yield route, whole_greedy(tiny_llama, PROMPT, 4)
+    route.close()
