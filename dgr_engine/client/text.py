@@ -61,9 +61,19 @@ class StopText:
         text = self._held + piece
         hits = [(text.find(stop), stop) for stop in self.stops if stop in text]
         if hits:
-            at, self.found = min(hits)
-            self._held = ""
-            return text[:at]
+            at, first = min(hits)
+            # a longer stop string that begins before it may still complete with the next
+            # pieces: the text from where it begins waits (the earliest stop string wins)
+            pending = [
+                j
+                for j in range(at)
+                if any(len(s) > len(text) - j and s.startswith(text[j:]) for s in self.stops)
+            ]
+            if not pending:
+                self.found, self._held = first, ""
+                return text[:at]
+            self._held = text[pending[0] :]
+            return text[: pending[0]]
         keep = max(
             (k for stop in self.stops for k in range(1, len(stop)) if text.endswith(stop[:k])),
             default=0,
@@ -72,8 +82,13 @@ class StopText:
         return text[: len(text) - keep]
 
     def flush(self) -> str:
-        """What is held back, at the end of the text (no stop string can complete now)."""
+        """What is held back, at the end of the text (no stop string can complete now), cut
+        before the first stop string it holds."""
         held, self._held = self._held, ""
+        hits = [(held.find(stop), stop) for stop in self.stops if stop in held]
+        if hits and self.found is None:
+            at, self.found = min(hits)
+            return held[:at]
         return held
 
 
