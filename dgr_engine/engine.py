@@ -168,6 +168,7 @@ class NativeLink:
         """Ends the link (its sockets shut and closed, its thread joined) and returns its last
         counters. Idempotent."""
         if self._handle is not None:
+            lib.dgr_link_stop(self._handle)  # its thread joined: the counters are final
             final = self.stats()
             ffi.release(self._handle)
             self._handle = None

@@ -601,7 +601,8 @@ class ChainStageTransport(GrpcStageTransport):
             host, _ = split_endpoint(stage.endpoint)
             hosts.append((host, port))
         self.chain_stats.native_epochs += 1
-        return native_route(hosts, ring=True)
+        widths = [(s.boundary_in, s.boundary_out) for s in route]
+        return native_route(hosts, widths, ring=True)
 
     def session_starting(
         self, session_id: str, max_new_tokens: int, stop_tokens: Sequence[int]

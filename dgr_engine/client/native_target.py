@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -69,15 +70,28 @@ class _Ledger:
     def __init__(self) -> None:
         self.no_logits: set[int] = set()
         self.output_ended = asyncio.Event()
+        self.n_stop = 0
+        """The stop tokens every frame of the epoch carries."""
 
 
 class NativeLinkTarget:
     """One stage's native link port, for one epoch of a ring: the first stage's takes the
     ``ChainStream`` frames, the last stage's gives the ``ChainOutput`` replies."""
 
-    def __init__(self, host: str, port: int, hop: int, ledger: _Ledger, *, ring: bool) -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        hop: int,
+        ledger: _Ledger,
+        widths: Sequence[tuple[int, int]],
+        *,
+        ring: bool,
+    ) -> None:
         self.host, self.port, self.hop, self.ring = host, port, hop, ring
         self.endpoint = f"{host}:{port}"
+        self.widths = tuple(widths)
+        """Each stage's (input, output) floats per row: what its messages weigh."""
         self._ledger = ledger
 
     def ChainStream(self, metadata: Any = None) -> NativeInputCall:  # noqa: N802 - gRPC's name
@@ -89,11 +103,14 @@ class NativeLinkTarget:
         return NativeOutputCall(self, self._ledger, request)
 
 
-def native_route(hosts: list[tuple[str, int]], *, ring: bool) -> list[NativeLinkTarget]:
-    """The targets of one epoch's route (``hosts``: each stage's native link host and port);
-    its first and last share what their calls must tell each other."""
+def native_route(
+    hosts: Sequence[tuple[str, int]], widths: Sequence[tuple[int, int]], *, ring: bool
+) -> list[NativeLinkTarget]:
+    """The targets of one epoch's route (``hosts``: each stage's native link host and port;
+    ``widths``: its floats per input and output boundary row, 0 for token ids and logits); its
+    first and last share what their calls must tell each other."""
     ledger = _Ledger()
-    return [NativeLinkTarget(h, p, i, ledger, ring=ring) for i, (h, p) in enumerate(hosts)]
+    return [NativeLinkTarget(h, p, i, ledger, widths, ring=ring) for i, (h, p) in enumerate(hosts)]
 
 
 class _Call:
@@ -215,6 +232,7 @@ class NativeInputCall(_Call):
         step = int(request.step)
         if request.no_logits:
             self._ledger.no_logits.add(step)
+        self._ledger.n_stop = len(request.ring_stop)
         return lm.encode_rows(
             int(request.epoch),
             step,
@@ -290,7 +308,7 @@ class NativeOutputCall(_Call):
             try:
                 header, payload = await lm.read_stream_message(self._reader, lm.HELLO_MAX_BYTES)
                 if header.kind is lm.Kind.TOKEN:
-                    return self._reply(header)
+                    return self._reply(header, payload)
                 if header.kind is lm.Kind.FAILED:
                     text = payload.decode(errors="replace")
                     self._end(*_failed_status(header.value, header.status, header.hop, text))
@@ -312,7 +330,7 @@ class NativeOutputCall(_Call):
             return grpc.aio.EOF
         raise self._error()
 
-    def _reply(self, header: lm.Header) -> pb.ChainOutputReply:
+    def _reply(self, header: lm.Header, payload: bytes) -> pb.ChainOutputReply:
         reply = pb.ForwardReply(
             session_id=self._session_id,
             epoch=self._epoch,
@@ -326,10 +344,17 @@ class NativeOutputCall(_Call):
         else:
             reply.greedy.append(header.value)
         out = pb.ChainOutputReply(reply=reply)
-        # the pass's engine time, summed over its stages: one trace of the whole route (an
-        # index past its stages, so no stage's own cost is taken from it)
-        engine = pb.Timings(
-            compute_us=header.engine_us, native_us=header.engine_us, total_us=header.engine_us
-        )
-        out.hops.append(pb.HopTrace(hop=self.target.hop + 1, timings=engine))
+        # each stage's part of the pass: its engine time (all of it llama.cpp's: no Python
+        # around the call) and the bytes of the messages it took and sent
+        n, stops = header.n_rows, self._ledger.n_stop
+        widths = self.target.widths
+        trace = lm.trace_of(payload)
+        for hop, engine_us in enumerate(trace[: len(widths)]):
+            timings = pb.Timings(compute_us=engine_us, native_us=engine_us, total_us=engine_us)
+            taken = lm.HEADER.size + 4 * (stops + n + n * widths[hop][0] + hop)
+            last = hop == len(widths) - 1
+            sent = lm.HEADER.size + 4 * (
+                hop + 1 if last else stops + n + n * widths[hop][1] + hop + 1
+            )
+            out.hops.append(pb.HopTrace(hop=hop, timings=timings, bytes_in=taken, bytes_out=sent))
         return out

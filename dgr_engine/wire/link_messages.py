@@ -4,7 +4,8 @@ last, and what the stages' native threads pass between them.
 
 Every message is a 56-byte little-endian header and a payload. ``ROWS``: the ring's stop
 tokens, the rows' token ids, and (past the first stage) the boundary rows as ``float32``.
-``TOKEN``: the last stage's greedy token for a frame (``value``), no payload. ``FAILED``: the
+``TOKEN``: the last stage's greedy token for a frame (``value``) and the pass's trace (each
+stage's engine microseconds, ``trace_of``). ``FAILED``: the
 status (``value``) and the stage (``hop``) of a failure, its message as the payload.
 """
 
@@ -36,6 +37,7 @@ __all__ = [
     "parse_header",
     "read_socket_message",
     "read_stream_message",
+    "trace_of",
     "MAGIC",
     "MAX_MESSAGE_BYTES",
     "MAX_STOP",
@@ -116,10 +118,12 @@ def encode_rows(
     until_step: int = 0,
     stop: Sequence[int] = (),
     hop: int = 0,
+    trace: Sequence[int] = (),
 ) -> bytes:
     """A ``ROWS`` message: ``tokens`` at positions ``pos``, ``pos + 1``, ...; ``rows`` (one per
     token, ``float32``) past the first stage; a ring goes on to ``until_step`` unless it makes
-    a token of ``stop``."""
+    a token of ``stop``; ``trace``: the engine microseconds of each stage the frame went
+    through (one per stage before the one it goes to)."""
     n = len(tokens)
     width = 0 if rows is None else int(rows.shape[1])
     body = np.asarray(list(stop), dtype="<i4").tobytes() + np.asarray(tokens, dtype="<i4").tobytes()
@@ -127,6 +131,7 @@ def encode_rows(
         if rows.shape[0] != n:
             raise ValueError(f"{rows.shape[0]} rows for {n} tokens")
         body += np.ascontiguousarray(rows, dtype="<f4").tobytes()
+    body += np.asarray(list(trace), dtype="<u4").tobytes()
     head = HEADER.pack(
         MAGIC, VERSION, Kind.ROWS, epoch, step, pos, n, width, until_step, len(stop), hop, 0,
         len(body), 0,
@@ -231,6 +236,11 @@ def decode_hello(header: Header, payload: bytes) -> Hello:
 def encode_accept(epoch: int, hop: int) -> bytes:
     """The answer to a ``HELLO`` the stage took: a ``HELLO`` with no payload."""
     return HEADER.pack(MAGIC, VERSION, Kind.HELLO, epoch, 0, 0, 0, 0, 0, 0, hop, 0, 0, 0)
+
+
+def trace_of(payload: bytes) -> tuple[int, ...]:
+    """A ``TOKEN``'s trace: each stage's engine microseconds for the pass, in route order."""
+    return tuple(int(v) for v in np.frombuffer(payload[: len(payload) // 4 * 4], dtype="<u4"))
 
 
 def encode_end(epoch: int) -> bytes:

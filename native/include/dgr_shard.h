@@ -417,8 +417,10 @@ int dgr_vocab_chat(const dgr_vocab * vocab, const dgr_chat_message * messages, s
  *   greedy token; DGR_LINK_FAILED: the status), u32 payload_bytes, u32 engine_us (the engine
  *   time of the frame's pass so far, summed over the stages it went through: each stage adds
  *   its own; the TOKEN of a pass carries the whole pass's).
- * DGR_LINK_ROWS payload: n_stop i32 stop tokens, n_rows i32 token ids, n_rows * width f32 rows;
- * payload_bytes must be exactly that. DGR_LINK_TOKEN (last stage to the client): no payload.
+ * DGR_LINK_ROWS payload: n_stop i32 stop tokens, n_rows i32 token ids, n_rows * width f32 rows,
+ * then the pass's trace: one u32 per stage the frame went through (each its engine microseconds;
+ * none into the first stage, `hop` into stage `hop`); payload_bytes must be exactly that.
+ * DGR_LINK_TOKEN (last stage to the client): the whole pass's trace, one u32 per stage.
  * DGR_LINK_FAILED: the failure's message (UTF-8, at most 255 bytes).
  *
  * A stage checks each DGR_LINK_ROWS frame before the engine sees it (magic, version, kind,
@@ -499,8 +501,11 @@ int dgr_link_start(dgr_engine * engine, const dgr_link_params * params, dgr_link
 /* The link's state and counters now. */
 int dgr_link_get_stats(dgr_link * link, dgr_link_stats * out);
 
-/* Ends the link (its sockets shut down, its thread joined), closes its descriptors and frees
- * it. NULL is a no-op. */
+/* Ends the link (its sockets shut down) and waits for its thread: its stats are final then
+ * (a failure it was passing on has gone out first). Idempotent; NULL is a no-op. */
+void dgr_link_stop(dgr_link * link);
+
+/* dgr_link_stop, then closes its descriptors and frees it. NULL is a no-op. */
 void dgr_link_free(dgr_link * link);
 
 #ifdef __cplusplus

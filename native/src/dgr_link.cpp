@@ -242,6 +242,13 @@ bool dgr_link::one_frame(int fd) {
         std::snprintf(why, sizeof why, "not a link message (magic %08x, version %u)", h.magic, h.version);
         return refuse(DGR_E_INVALID_ARGUMENT, why);
     }
+    if (h.kind == DGR_LINK_FAILED && (fd != params.in_fd || h.hop >= hop || h.value < DGR_E_INVALID_ARGUMENT ||
+                                      h.value > DGR_E_LINK_LOST)) {
+        // only the stage before may say that a stage before it failed, with a status there is
+        std::snprintf(why, sizeof why, "a failure (status %d, stage %u) this stage cannot take from its peer",
+                      h.value, h.hop);
+        return refuse(DGR_E_INVALID_ARGUMENT, why);
+    }
     if (h.kind == DGR_LINK_FAILED) {
         // a stage before this one failed: passed on as it is (its message, cut to the limit)
         const uint32_t n = h.payload_bytes < DGR_LINK_MESSAGE_BYTES ? h.payload_bytes : DGR_LINK_MESSAGE_BYTES - 1;
@@ -249,7 +256,7 @@ bool dgr_link::one_frame(int fd) {
         if (n > 0 && read_all(fd, message.data(), n, (int) params.body_timeout_ms) != got::all) {
             return refuse(DGR_E_INVALID_ARGUMENT, "a failure message that does not come whole");
         }
-        const int status = h.value > 0 && h.value <= DGR_E_INTERNAL ? h.value : DGR_E_INTERNAL;
+        const int status = h.value;
         end(DGR_LINK_STATE_FAILED, status, h.hop, "%.*s", (int) n, reinterpret_cast<const char *>(message.data()));
         pass_failure(h, message.data(), n);
         return false;
@@ -288,7 +295,9 @@ bool dgr_link::one_frame(int fd) {
     if (h.pos < 0) {
         return refuse(DGR_E_POSITION, "a negative position");
     }
-    const size_t expected = 4 * ((size_t) h.n_stop + h.n_rows + (size_t) h.n_rows * width);
+    // the pass's trace: one u32 per stage it went through (each stage's engine microseconds)
+    const size_t n_trace = hop;
+    const size_t expected = 4 * ((size_t) h.n_stop + h.n_rows + (size_t) h.n_rows * width + n_trace);
     if (h.payload_bytes != expected) {
         std::snprintf(why, sizeof why, "a payload of %u bytes where the header says %zu", h.payload_bytes, expected);
         return refuse(DGR_E_SHAPE, why);
@@ -305,6 +314,7 @@ bool dgr_link::one_frame(int fd) {
     const auto * stop = reinterpret_cast<const int32_t *>(in.data());
     const auto * tokens = stop + h.n_stop;
     const auto * rows = width ? reinterpret_cast<const float *>(tokens + h.n_rows) : nullptr;
+    const uint8_t * trace = in.data() + 4 * ((size_t) h.n_stop + h.n_rows + (size_t) h.n_rows * width);
     for (size_t i = 0; rows != nullptr && i < (size_t) h.n_rows * width; ++i) {
         if (!std::isfinite(rows[i])) {
             std::snprintf(why, sizeof why, "a non-finite value in row %zu of the boundary", i / width);
@@ -356,11 +366,15 @@ bool dgr_link::one_frame(int fd) {
         next.hop = hop;
         next.engine_us = h.engine_us + (uint32_t) (engine_ns / 1000);
         next.width = (uint32_t) info.out_width;
-        next.payload_bytes = (uint32_t) (4 * ((size_t) h.n_stop + h.n_rows + result.size()));
+        const uint32_t mine = (uint32_t) (engine_ns / 1000);
+        const size_t head = 4 * ((size_t) h.n_stop + h.n_rows);
+        next.payload_bytes = (uint32_t) (head + 4 * (result.size() + n_trace + 1));
         out.resize(kHeader + next.payload_bytes);
         std::memcpy(out.data(), &next, kHeader);
-        std::memcpy(out.data() + kHeader, in.data(), 4 * ((size_t) h.n_stop + h.n_rows));
-        std::memcpy(out.data() + kHeader + 4 * ((size_t) h.n_stop + h.n_rows), result.data(), 4 * result.size());
+        std::memcpy(out.data() + kHeader, in.data(), head);
+        std::memcpy(out.data() + kHeader + head, result.data(), 4 * result.size());
+        std::memcpy(out.data() + kHeader + head + 4 * result.size(), trace, 4 * n_trace);
+        std::memcpy(out.data() + kHeader + head + 4 * (result.size() + n_trace), &mine, 4);
         onward_at = monotonic_ns();
         sent = write_all(params.out_fd, out.data(), out.size());
         if (sent) {
@@ -401,9 +415,13 @@ bool dgr_link::one_frame(int fd) {
         token.n_stop = 0;
         token.value = best;
         token.engine_us = h.engine_us + (uint32_t) (engine_ns / 1000);
-        token.payload_bytes = 0;
+        token.payload_bytes = (uint32_t) (4 * (n_trace + 1));  // the pass's trace, this stage's last
+        std::vector<uint8_t> & traced = in;  // the frame's payload is spent: its trace goes on
+        const uint32_t mine = (uint32_t) (engine_ns / 1000);
+        std::memmove(traced.data(), trace, 4 * n_trace);
+        std::memcpy(traced.data() + 4 * n_trace, &mine, 4);
         onward_at = onward_at ? onward_at : monotonic_ns();
-        sent = sent && send_frame(params.out_fd, token, nullptr, 0);
+        sent = sent && send_frame(params.out_fd, token, traced.data(), 4 * (n_trace + 1));
         tokens_answered = 1;
     }
     {
@@ -497,8 +515,8 @@ int dgr_link_get_stats(dgr_link * link, dgr_link_stats * out) {
     return DGR_OK;
 }
 
-void dgr_link_free(dgr_link * link) {
-    if (link == nullptr) {
+void dgr_link_stop(dgr_link * link) {
+    if (link == nullptr || !link->thread.joinable()) {
         return;
     }
     link->stopping.store(true);
@@ -507,9 +525,14 @@ void dgr_link_free(dgr_link * link) {
             shutdown(fd, SHUT_RDWR);  // wakes the thread in poll, recv or send
         }
     }
-    if (link->thread.joinable()) {
-        link->thread.join();
+    link->thread.join();
+}
+
+void dgr_link_free(dgr_link * link) {
+    if (link == nullptr) {
+        return;
     }
+    dgr_link_stop(link);
     for (int fd : link->fds) {
         if (fd >= 0) {
             close(fd);
