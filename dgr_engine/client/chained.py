@@ -567,12 +567,14 @@ class ChainStageTransport(GrpcStageTransport):
         cannot carry raises :class:`_AtStage` instead (the first stage that does not offer it,
         or the first stage for the session)."""
         required = self.data_path == "native"
+        limits = self._limits.get(session_id)
         eligible = (
             self.ring
             and greedy
             and self.tls is None
-            and session_id not in self._ring_drafting
-            and session_id not in self._mtp
+            and session_id not in self._ring_drafting  # drafts on the ring
+            and session_id not in self._mtp  # MTP drafts
+            and (limits is None or limits[0] >= 0)  # drafts of its own (every pass its own)
         )
         if not eligible:
             if not required:
