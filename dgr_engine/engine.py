@@ -68,6 +68,10 @@ class LinkStats:
     """``time.monotonic_ns()`` at the end of the last frame (0: none yet)."""
     tokens: int
     ring_frames: int
+    kind_frames: tuple[int, int, int, int] = (0, 0, 0, 0)
+    """Frames run by row kind: unspecified, prefill, decode, replay (a ring's own: decode)."""
+    kind_rows: tuple[int, int, int, int] = (0, 0, 0, 0)
+    """Their rows by row kind."""
 
     def failure(self) -> Exception | None:
         """The typed error of a failed link (``None`` unless ``FAILED``)."""
@@ -158,6 +162,18 @@ class NativeLink:
             last_frame_ns=int(s.last_frame_ns),
             tokens=int(s.tokens),
             ring_frames=int(s.ring_frames),
+            kind_frames=(
+                int(s.kind_frames[0]),
+                int(s.kind_frames[1]),
+                int(s.kind_frames[2]),
+                int(s.kind_frames[3]),
+            ),
+            kind_rows=(
+                int(s.kind_rows[0]),
+                int(s.kind_rows[1]),
+                int(s.kind_rows[2]),
+                int(s.kind_rows[3]),
+            ),
         )
 
     @property

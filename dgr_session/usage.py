@@ -83,9 +83,10 @@ class RowCounts:
         self.pending_drafts = drafts
         self.draft += drafts
 
-    def add(self, kind: str, rows: int, cost: StageCost | None) -> None:
-        """One successful forward of ``rows`` rows of ``kind`` (else counted as decode)."""
-        self.forwards += 1
+    def add(self, kind: str, rows: int, cost: StageCost | None, *, forwards: int = 1) -> None:
+        """One successful forward of ``rows`` rows of ``kind`` (else counted as decode); or
+        ``forwards`` of them together (a native link's frames, counted from its totals)."""
+        self.forwards += forwards
         if kind == "prefill":
             self.prefill += rows
         elif kind == "replay":

@@ -240,6 +240,7 @@ class NativeInputCall(_Call):
             list(request.token_ids),
             until_step=0 if request.no_logits else int(request.ring_until_step),
             stop=list(request.ring_stop),
+            kind=int(request.kind),
         )
 
     async def read(self) -> Any:

@@ -100,8 +100,9 @@ class CampaignConfig:
     limit_seconds: float = 240.0
     """Bound on the whole schedule."""
     transport: str = "relay"
-    """How the sessions' frames travel: ``relay`` (the client relays every boundary) or
-    ``ring`` (the ring of ``docs/chain.md`` over the frame link, ``docs/data-paths.md``)."""
+    """How the sessions' frames travel: ``relay`` (the client relays every boundary),
+    ``ring`` (the ring of ``docs/chain.md`` over the frame link, ``docs/data-paths.md``) or
+    ``ring-native`` (the ring over native links, ``docs/native-link.md``)."""
 
 
 @attrs.define
@@ -212,7 +213,12 @@ async def _drive(
     transport = (
         GrpcStageTransport(timeout=5.0, close_timeout=0.5)
         if config.transport == "relay"
-        else ChainStageTransport(timeout=5.0, close_timeout=0.5, ring=True, data_path="frame-link")
+        else ChainStageTransport(
+            timeout=5.0,
+            close_timeout=0.5,
+            ring=True,
+            data_path="native" if config.transport == "ring-native" else "frame-link",
+        )
     )
     manager = SessionManager(
         transport, provider, policy=config.policy, required_evidence=EvidenceClass.FIXTURE

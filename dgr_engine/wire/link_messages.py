@@ -119,11 +119,13 @@ def encode_rows(
     stop: Sequence[int] = (),
     hop: int = 0,
     trace: Sequence[int] = (),
+    kind: int = 0,
 ) -> bytes:
     """A ``ROWS`` message: ``tokens`` at positions ``pos``, ``pos + 1``, ...; ``rows`` (one per
     token, ``float32``) past the first stage; a ring goes on to ``until_step`` unless it makes
     a token of ``stop``; ``trace``: the engine microseconds of each stage the frame went
-    through (one per stage before the one it goes to)."""
+    through (one per stage before the one it goes to); ``kind``: the rows' kind
+    (``ForwardRequest.kind``: 1 prefill, 2 decode, 3 replay), which usage records count."""
     n = len(tokens)
     width = 0 if rows is None else int(rows.shape[1])
     body = np.asarray(list(stop), dtype="<i4").tobytes() + np.asarray(tokens, dtype="<i4").tobytes()
@@ -133,7 +135,7 @@ def encode_rows(
         body += np.ascontiguousarray(rows, dtype="<f4").tobytes()
     body += np.asarray(list(trace), dtype="<u4").tobytes()
     head = HEADER.pack(
-        MAGIC, VERSION, Kind.ROWS, epoch, step, pos, n, width, until_step, len(stop), hop, 0,
+        MAGIC, VERSION, Kind.ROWS, epoch, step, pos, n, width, until_step, len(stop), hop, kind,
         len(body), 0,
     )  # fmt: skip
     return head + body

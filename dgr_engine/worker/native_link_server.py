@@ -43,6 +43,8 @@ if TYPE_CHECKING:
 
 __all__ = ["NativeLinkHost", "NativeLinkServer", "WATCH_SECONDS"]
 
+_KINDS = ("unspecified", "prefill", "decode", "replay")
+"""The row kinds a native frame says (``ROWS``' value, ``ForwardRequest.kind``), by index."""
 WATCH_SECONDS = 1.0
 """How often a running link's counters are read (usage, metrics, the session's use)."""
 _DIAL_SECONDS = 10.0
@@ -392,9 +394,23 @@ class NativeLinkServer:
         bytes_in, bytes_out = now.bytes_in - before.bytes_in, now.bytes_out - before.bytes_out
         engine_s = (now.engine_ns - before.engine_ns) / 1e9
         busy_s = (now.busy_ns - before.busy_ns) / 1e9
-        host.usage.forwarded(
-            assembly.session_id, assembly.epoch, "native", rows, bytes_in, bytes_out, engine_s
-        )
+        # by row kind (the frames say theirs): the bytes and engine time shared by rows
+        for index, kind in enumerate(_KINDS):
+            ran = now.kind_frames[index] - before.kind_frames[index]
+            kind_rows = now.kind_rows[index] - before.kind_rows[index]
+            if ran <= 0:
+                continue
+            share = kind_rows / rows if rows else 0.0
+            host.usage.forwarded(
+                assembly.session_id,
+                assembly.epoch,
+                kind,
+                kind_rows,
+                round(bytes_in * share),
+                round(bytes_out * share),
+                engine_s * share,
+                forwards=ran,
+            )
         host.metrics.forwarded("native", rows, engine_s, busy_s, bytes_in, bytes_out)
         host.meter.admitted()
         host.meter.finished(rows)

@@ -78,12 +78,15 @@ class UsageBook:
         engine_seconds: float,
         drafts: int = 0,
         kept_drafts: int | None = None,
+        *,
+        forwards: int = 1,
     ) -> None:
         epochs = self._entry(session_id).epochs
         counts = epochs.get(epoch)
         if counts is None:
             counts = epochs[epoch] = RowCounts()
-        counts.add(kind, rows, StageCost(bytes_in, bytes_out, engine_seconds))
+        cost = StageCost(bytes_in, bytes_out, engine_seconds)
+        counts.add(kind, rows, cost, forwards=forwards)
         if drafts or kept_drafts is not None:
             counts.verified(drafts, kept_drafts)
 

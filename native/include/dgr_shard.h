@@ -414,7 +414,8 @@ int dgr_vocab_chat(const dgr_vocab * vocab, const dgr_chat_message * messages, s
  *   per row: 0 on the first stage's input, in_width elsewhere), u32 until_step (a ring's last
  *   step), u32 n_stop (ring stop tokens, <= DGR_LINK_MAX_STOP), u32 hop (the stage the message
  *   comes from or, for DGR_LINK_FAILED, the stage that failed), i32 value (DGR_LINK_TOKEN: the
- *   greedy token; DGR_LINK_FAILED: the status), u32 payload_bytes, u32 engine_us (the engine
+ *   greedy token; DGR_LINK_FAILED: the status; DGR_LINK_ROWS: the rows' kind, 0 unspecified, 1
+ *   prefill, 2 decode, 3 replay, as ForwardRequest.kind), u32 payload_bytes, u32 engine_us (the engine
  *   time of the frame's pass so far, summed over the stages it went through: each stage adds
  *   its own; the TOKEN of a pass carries the whole pass's).
  * DGR_LINK_ROWS payload: n_stop i32 stop tokens, n_rows i32 token ids, n_rows * width f32 rows,
@@ -487,6 +488,9 @@ typedef struct dgr_link_stats {
                                route's next step (the next stage, or a ring's first): the
                                checks, the engine, the copies; not the send itself */
     uint64_t last_frame_ns; /* CLOCK_MONOTONIC of the last frame's end (0: none yet) */
+    uint64_t kind_frames[4]; /* frames run, by row kind (the ROWS header's value: 0 unspecified,
+                                1 prefill, 2 decode, 3 replay; a ring's own frames are decode) */
+    uint64_t kind_rows[4];   /* their rows, by row kind */
     uint64_t tokens;        /* greedy tokens answered (the last stage) */
     uint64_t ring_frames;   /* frames sent back to the first stage (a ring's last stage) */
     char error[DGR_LINK_MESSAGE_BYTES];

@@ -395,6 +395,7 @@ bool dgr_link::one_frame(int fd) {
             next.n_rows = 1;
             next.width = 0;
             next.engine_us = 0;  // a new pass
+            next.value = 2;      // a ring's own frames are decode rows
             next.payload_bytes = 4 * (h.n_stop + 1);
             out.resize(kHeader + next.payload_bytes);
             std::memcpy(out.data(), &next, kHeader);
@@ -428,6 +429,9 @@ bool dgr_link::one_frame(int fd) {
         const std::lock_guard<std::mutex> hold(stats_mutex);
         stats.frames += 1;
         stats.rows += h.n_rows;
+        const size_t kind = h.value >= 0 && h.value <= 3 ? (size_t) h.value : 0;
+        stats.kind_frames[kind] += 1;
+        stats.kind_rows[kind] += h.n_rows;
         stats.bytes_in += kHeader + expected;
         stats.engine_ns += engine_ns;
         stats.tokens += tokens_answered;
