@@ -26,6 +26,7 @@ import numpy as np
 from dgr_engine._binding import lib
 from dgr_engine.errors import FrameRejected, error_for_status
 from dgr_engine.wire import link_messages as lm
+from dgr_engine.wire.frame_link import CallStatus
 from dgr_engine.wire.frames import fill_tensor
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY, error_from_trailers, grpc_status_for
@@ -113,15 +114,13 @@ def native_route(
     return [NativeLinkTarget(h, p, i, ledger, widths, ring=ring) for i, (h, p) in enumerate(hosts)]
 
 
-class _Call:
+class _Call(CallStatus):
     """What both calls share: the connection, its introduction and the call's status."""
 
     def __init__(self, target: NativeLinkTarget) -> None:
+        super().__init__()
         self.target = target
-        loop = asyncio.get_running_loop()
-        self._status: asyncio.Future[Status] = loop.create_future()
         self._reader: asyncio.StreamReader | None = None
-        self._writer: asyncio.StreamWriter | None = None
 
     async def _introduce(self, hello: lm.Hello) -> bool:
         """Connects and introduces the connection; False (and the status set) if refused or
@@ -147,35 +146,6 @@ class _Call:
             self._end(grpc.StatusCode.INTERNAL, f"native link {t.endpoint}: no HELLO answer")
             return False
         return True
-
-    def _end(self, code: grpc.StatusCode, details: str, trailers: Any = ()) -> None:
-        if not self._status.done():
-            self._status.set_result((code, details, tuple(trailers)))
-        if self._writer is not None:
-            self._writer.close()
-
-    def _error(self) -> grpc.aio.AioRpcError:
-        code, details, trailers = self._status.result()
-        return grpc.aio.AioRpcError(
-            code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers), details=details
-        )
-
-    async def code(self) -> grpc.StatusCode:
-        return (await asyncio.shield(self._status))[0]
-
-    async def details(self) -> str:
-        return (await asyncio.shield(self._status))[1]
-
-    async def trailing_metadata(self) -> grpc.aio.Metadata:
-        return grpc.aio.Metadata(*(await asyncio.shield(self._status))[2])
-
-    def cancel(self) -> bool:
-        done = self._status.done()
-        self._end(grpc.StatusCode.CANCELLED, "cancelled by the caller")
-        return not done
-
-    def done(self) -> bool:
-        return self._status.done()
 
 
 class NativeInputCall(_Call):

@@ -43,6 +43,7 @@ from dgr_engine.wire.proto import shard_pb2 as pb
 
 __all__ = [
     "CONTROL_MAX_BYTES",
+    "CallStatus",
     "HEADER",
     "METHODS",
     "FrameLinkCall",
@@ -245,7 +246,47 @@ class FrameLinkTarget:
         return FrameLinkCall(self, "ChainOutput", metadata, pb.ChainOutputReply, request)
 
 
-class FrameLinkCall(Generic[M]):
+class CallStatus:
+    """How a call over a connection of its own ends, said as a ``grpc.aio`` call says it
+    (``code``, ``details``, ``trailing_metadata``, ``done``, ``cancel``): the frame link's
+    calls and the native link's (``client/native_target.py``) share it."""
+
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._status: asyncio.Future[tuple[grpc.StatusCode, str, Metadata]] = loop.create_future()
+        self._writer: asyncio.StreamWriter | None = None
+
+    def _end(self, code: grpc.StatusCode, details: str, trailers: Sequence[Any] = ()) -> None:
+        if not self._status.done():
+            self._status.set_result((code, details, tuple(trailers)))
+        if self._writer is not None:
+            self._writer.close()
+
+    def _error(self) -> grpc.aio.AioRpcError:
+        code, details, trailers = self._status.result()
+        return grpc.aio.AioRpcError(
+            code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers), details=details
+        )
+
+    async def code(self) -> grpc.StatusCode:
+        return (await asyncio.shield(self._status))[0]
+
+    async def details(self) -> str:
+        return (await asyncio.shield(self._status))[1]
+
+    async def trailing_metadata(self) -> grpc.aio.Metadata:
+        return grpc.aio.Metadata(*(await asyncio.shield(self._status))[2])
+
+    def cancel(self) -> bool:
+        done = self._status.done()
+        self._end(grpc.StatusCode.CANCELLED, "cancelled by the caller")
+        return not done
+
+    def done(self) -> bool:
+        return self._status.done()
+
+
+class FrameLinkCall(CallStatus, Generic[M]):
     """One call on its own connection, used like a ``grpc.aio`` streaming call. One
     difference: its status is read from the connection by :meth:`read`, so ``code``,
     ``details`` and ``trailing_metadata`` resolve once a caller has read to the end (every
@@ -261,13 +302,12 @@ class FrameLinkCall(Generic[M]):
         *,
         max_bytes: int = 256 * 1024 * 1024,
     ) -> None:
-        loop = asyncio.get_running_loop()
+        super().__init__()
         self.target = target
         self._reply_type = reply_type
         self._max_bytes = max_bytes
-        self._status: asyncio.Future[tuple[grpc.StatusCode, str, Metadata]] = loop.create_future()
-        self._writer: asyncio.StreamWriter | None = None
         self._reader: asyncio.StreamReader | None = None
+        loop = asyncio.get_running_loop()
         self._connected = loop.create_task(self._connect(method, metadata, request))
 
     async def _connect(self, method: str, metadata: Metadata, request: Any) -> None:
@@ -281,18 +321,6 @@ class FrameLinkCall(Generic[M]):
             await self._writer.drain()
         except (OSError, TimeoutError, ssl.SSLError) as exc:
             self._end(grpc.StatusCode.UNAVAILABLE, f"frame link {self.target.endpoint}: {exc!r}")
-
-    def _end(self, code: grpc.StatusCode, details: str, trailers: Metadata = ()) -> None:
-        if not self._status.done():
-            self._status.set_result((code, details, trailers))
-        if self._writer is not None:
-            self._writer.close()
-
-    def _error(self) -> grpc.aio.AioRpcError:
-        code, details, trailers = self._status.result()
-        return grpc.aio.AioRpcError(
-            code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers), details=details
-        )
 
     async def _ready(self) -> asyncio.StreamWriter:
         await asyncio.shield(self._connected)
@@ -347,20 +375,6 @@ class FrameLinkCall(Generic[M]):
             return grpc.aio.EOF
         raise self._error()
 
-    async def code(self) -> grpc.StatusCode:
-        return (await asyncio.shield(self._status))[0]
-
-    async def details(self) -> str:
-        return (await asyncio.shield(self._status))[1]
-
-    async def trailing_metadata(self) -> grpc.aio.Metadata:
-        return grpc.aio.Metadata(*(await asyncio.shield(self._status))[2])
-
     def cancel(self) -> bool:
         self._connected.cancel()
-        done = self._status.done()
-        self._end(grpc.StatusCode.CANCELLED, "cancelled by the caller")
-        return not done
-
-    def done(self) -> bool:
-        return self._status.done()
+        return super().cancel()
