@@ -4,7 +4,9 @@ The C ABI header ``native/include/dgr_shard.h`` is the single source of the decl
 preprocessor lines and C++ guards are stripped and the rest is handed to ``ffi.cdef``. The module
 compiles ``native/src/dgr_shard.cpp`` and ``native/src/dgr_link.cpp`` and links the static,
 patched libllama that ``native/build_llama.py`` builds (or reuses from its cache) from the
-manifest and ``patches/``. Called by the package build (``setup.py``: ``cffi_modules``).
+manifest and ``patches/``, and Monocypher (the native links' sealing), fetched from its own
+manifest (``native/monocypher.manifest.json``, a pinned sha256) into ``.workspace/``. Called by
+the package build (``setup.py``: ``cffi_modules``).
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ HEADER = ROOT / "native" / "include" / "dgr_shard.h"
 SOURCES = [  # relative: setuptools wants relative sources
     str(Path("native") / "src" / "dgr_shard.cpp"),
     str(Path("native") / "src" / "dgr_link.cpp"),
+    str(Path("native") / "src" / "dgr_monocypher.cpp"),
 ]
 MANIFEST = ROOT / "native" / "llama.cpp.manifest.json"
+CRYPTO_MANIFEST = ROOT / "native" / "monocypher.manifest.json"
 STATIC_LIBS = ("libllama.a", "libggml.a", "libggml-cpu.a", "libggml-base.a")
 
 
@@ -61,9 +65,30 @@ def llama_prefix(build_llama: Any) -> Path:
     return Path(build_llama.ensure_llama(log=log, sanitize=bool(os.environ.get("DGR_SANITIZE"))))
 
 
+def crypto_source_dir(build_llama: Any) -> Path:
+    """Monocypher's files (``monocypher.c``, ``monocypher.h``): fetched from the first source
+    of its manifest with a pinned sha256 (cached with llama.cpp's downloads), verified and
+    extracted into ``.workspace/`` on first use."""
+    manifest = json.loads(CRYPTO_MANIFEST.read_text())
+    source = next(s for s in manifest["sources"] if s.get("sha256"))
+    version, digest = manifest["upstream"]["version"], source["sha256"][:12]
+    dest = ROOT / ".workspace" / f"monocypher-{version}-{digest}"
+    if all((dest / name).is_file() for name in manifest["files"]):
+        return dest
+    log = lambda msg: print(msg.replace("llama.cpp:", "monocypher:"), file=sys.stderr, flush=True)  # noqa: E731
+    paths = build_llama.BuildPaths.default(ROOT)
+    chosen, archive = build_llama.fetch_source(manifest, paths.downloads, log)
+    build_llama.extract_source(archive, chosen["inner_path"], dest)
+    missing = [name for name in manifest["files"] if not (dest / name).is_file()]
+    if missing:
+        raise build_llama.BuildError(f"{archive.name} has no {', '.join(missing)}")
+    return dest
+
+
 def make_ffibuilder() -> FFI:
     build_llama = _build_llama()
     prefix = llama_prefix(build_llama)
+    crypto = crypto_source_dir(build_llama)
     manifest = json.loads(MANIFEST.read_text())
     commit = manifest["upstream"]["commit"]
     flags = ";".join(f"{k}={v}" for k, v in sorted(manifest["cmake"]["options"].items()))
@@ -86,7 +111,7 @@ def make_ffibuilder() -> FFI:
         '#include "dgr_shard.h"\n',
         sources=SOURCES,
         source_extension=".cpp",
-        include_dirs=[str(ROOT / "native" / "include"), str(prefix / "include")],
+        include_dirs=[str(ROOT / "native" / "include"), str(prefix / "include"), str(crypto)],
         extra_objects=[str(prefix / "lib" / name) for name in STATIC_LIBS],
         libraries=["gomp", "pthread", "m", "stdc++"],
         extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", *sanitize],

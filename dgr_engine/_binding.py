@@ -8,7 +8,7 @@ from typing import Any
 from dgr_engine.errors import AbiMismatch, error_for_status
 
 #: The C ABI version this Python package was written against (native/include/dgr_shard.h).
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 try:
     _native: Any = importlib.import_module("dgr_engine._native")

@@ -81,6 +81,18 @@ class LinkStats:
         return error_for_status(code, self.status, f"stage {self.failed_hop}: {self.error}")
 
 
+@attrs.frozen(repr=False)
+class LinkKeys:
+    """A sealed link's keys, one per socket and direction (32 bytes each; ``wire/link_seal.py``):
+    what ``inbound`` and ``ring_in`` bring is opened with theirs, what goes to ``outbound`` and
+    ``ring_out`` is sealed with theirs."""
+
+    inbound: bytes
+    outbound: bytes
+    ring_in: bytes = bytes(32)
+    ring_out: bytes = bytes(32)
+
+
 @attrs.frozen
 class LinkSockets:
     """The connected sockets of one stage's link (the link owns them once started)."""
@@ -93,6 +105,8 @@ class LinkSockets:
     """A ring's first stage: frames from its last stage."""
     ring_out: socket.socket | None = None
     """A ring's last stage: frames to its first stage."""
+    keys: LinkKeys | None = None
+    """A sealed link's keys (``wire/link_seal.py``); ``None``: the messages go in the clear."""
 
     def all(self) -> tuple[socket.socket, ...]:
         held = (self.inbound, self.outbound, self.ring_in, self.ring_out)
@@ -135,7 +149,17 @@ class NativeLink:
         params.notify_fd = notify_fd
         params.body_timeout_ms = max(1, int(body_timeout * 1000))
         out = ffi.new("dgr_link **")
-        check_status(lib.dgr_link_start(engine_handle, params, out))
+        if sockets.keys is None:
+            check_status(lib.dgr_link_start(engine_handle, params, out))
+        else:
+            keys = ffi.new("dgr_link_keys *")
+            k = sockets.keys
+            given = (("in", k.inbound), ("ring_in", k.ring_in), ("out", k.outbound))
+            for name, key in (*given, ("ring_out", k.ring_out)):
+                if len(key) != int(lib.DGR_LINK_KEY_BYTES):
+                    raise ValueError(f"a link key is 32 bytes, not {len(key)} ({name})")
+                ffi.memmove(getattr(keys, name), key, len(key))
+            check_status(lib.dgr_link_start_sealed(engine_handle, params, keys, out))
         for sock in sockets.all():
             sock.detach()  # the link closes them
         self._handle: Any = ffi.gc(out[0], lib.dgr_link_free)

@@ -15,6 +15,7 @@ import attrs
 from dgr_engine._binding import lib
 from dgr_engine.errors import FrameRejected, error_for_status
 from dgr_engine.wire.link_messages import MAX_STOP, Kind, encode_rows, read_message
+from dgr_engine.wire.link_seal import Sealing
 
 __all__ = ["LinkRoute", "Turn"]
 
@@ -33,12 +34,25 @@ class Turn:
 class LinkRoute:
     """One session epoch's route over native links: ``first`` is connected to the first
     stage's link, ``output`` to the last stage's token stream. ``ring``: the last stage sends
-    each next frame to the first stage itself."""
+    each next frame to the first stage itself. A sealed route (``wire/link_seal.py``) seals
+    what goes to ``first`` with ``seal_first`` and opens what ``output`` brings with
+    ``open_output``."""
 
     def __init__(
-        self, first: socket.socket, output: socket.socket, epoch: int, *, ring: bool
+        self,
+        first: socket.socket,
+        output: socket.socket,
+        epoch: int,
+        *,
+        ring: bool,
+        seal_first: Sealing | None = None,
+        open_output: Sealing | None = None,
     ) -> None:
         self.first, self.output, self.epoch, self.ring = first, output, epoch, ring
+        self._seal, self._open = seal_first, open_output
+
+    def _send(self, message: bytes) -> None:
+        self.first.sendall(self._seal.seal(message) if self._seal is not None else message)
 
     def generate(
         self,
@@ -59,11 +73,13 @@ class LinkRoute:
         began = time.monotonic()
         first_at = 0.0
         until = max_new - 1
-        self.first.sendall(encode_rows(self.epoch, 0, pos, rows, until_step=until, stop=stop))
+        self._send(encode_rows(self.epoch, 0, pos, rows, until_step=until, stop=stop))
         pos += len(rows)
         tokens: list[int] = []
         while len(tokens) < max_new:
-            header, payload = read_message(self.output, timeout, max_payload=4096)
+            header, payload = read_message(
+                self.output, timeout, max_payload=4096, opener=self._open
+            )
             if header.kind is Kind.FAILED:
                 internal = int(lib.DGR_E_INTERNAL)
                 code = header.value if 0 < header.value <= internal else internal
@@ -84,6 +100,6 @@ class LinkRoute:
                 frame = encode_rows(
                     self.epoch, step, pos, [header.value], until_step=until, stop=stop
                 )
-                self.first.sendall(frame)
+                self._send(frame)
             pos += 1  # the token goes into the route's KV with the next step
         return Turn(tuple(tokens), pos, time.monotonic() - began, first_at)

@@ -17,6 +17,7 @@ import socket
 import struct
 import time
 from collections.abc import Sequence
+from typing import Protocol
 
 import attrs
 import numpy as np
@@ -27,6 +28,8 @@ from dgr_engine._binding import lib, status_name
 __all__ = [
     "HEADER",
     "HELLO_MAX_BYTES",
+    "Opener",
+    "SEALED_FLAG",
     "Hello",
     "Role",
     "decode_hello",
@@ -81,6 +84,16 @@ class LinkMessageError(ValueError):
 
 class LinkClosed(ConnectionError):
     """The link's socket ended before a whole message, or none came in time."""
+
+
+class Opener(Protocol):
+    """A sealed connection's reading direction (``wire/link_seal.py``): each message's payload
+    comes with a tag of ``tag_bytes`` that ``open`` verifies (and decrypts) against its
+    header; an opener that does not verify raises ``GrantUnauthenticated``."""
+
+    tag_bytes: int
+
+    def open(self, head: bytes, body: bytes) -> bytes: ...
 
 
 @attrs.frozen
@@ -160,12 +173,21 @@ def _read_exactly(sock: socket.socket, n: int, deadline: float) -> bytes:
 
 
 def read_message(
-    sock: socket.socket, timeout: float, *, max_payload: int = 1 << 26
+    sock: socket.socket,
+    timeout: float,
+    *,
+    max_payload: int = 1 << 26,
+    opener: Opener | None = None,
 ) -> tuple[Header, bytes]:
     """The next message on ``sock`` within ``timeout`` seconds: ``LinkClosed`` when it ends or
-    none comes whole in time, ``LinkMessageError`` for bytes that are not one."""
+    none comes whole in time, ``LinkMessageError`` for bytes that are not one; on a sealed
+    connection (``opener``) its payload opened."""
     deadline = time.monotonic() + timeout
-    header = parse_header(_read_exactly(sock, HEADER.size, deadline), max_payload)
+    head = _read_exactly(sock, HEADER.size, deadline)
+    header = parse_header(head, max_payload)
+    if opener is not None:
+        body = _read_exactly(sock, header.payload_bytes + opener.tag_bytes, deadline)
+        return header, opener.open(head, body)
     payload = _read_exactly(sock, header.payload_bytes, deadline) if header.payload_bytes else b""
     return header, payload
 
@@ -179,6 +201,10 @@ HELLO_MAX_BYTES = 4096
 RING_FLAG = 1
 """``HELLO`` flag of an output connection (``Role.OUTPUT``): the route is a ring, so the last
 stage's link also waits for its link back to the first stage."""
+SEALED_FLAG = 2
+"""``HELLO`` flag of a sealed connection (``wire/link_seal.py``): its secret field carries the
+dialer's nonce and proof, never the session secret, and every message after the answer is
+sealed."""
 
 
 class Role(enum.Enum):
@@ -203,11 +229,13 @@ class Hello:
     hop: int
     """The index in the route of the stage it introduces itself to."""
     ring: bool = False
+    sealed: bool = False
+    """A sealed connection: ``secret`` is the dialer's nonce and proof (``wire/link_seal.py``)."""
 
 
 def encode_hello(hello: Hello) -> bytes:
     sid = hello.session_id.encode()
-    flags = RING_FLAG if hello.ring else 0
+    flags = (RING_FLAG if hello.ring else 0) | (SEALED_FLAG if hello.sealed else 0)
     body = (
         HELLO_PAYLOAD.pack(hello.role.value[0], flags, len(sid), len(hello.secret))
         + sid
@@ -232,12 +260,15 @@ def decode_hello(header: Header, payload: bytes) -> Hello:
     except (ValueError, UnicodeDecodeError):
         raise LinkMessageError("a HELLO with an unknown role or a session id not UTF-8") from None
     secret = payload[HELLO_PAYLOAD.size + n_sid :]
-    return Hello(role, sid, header.epoch, secret, header.hop, bool(flags & RING_FLAG))
+    ring, sealed = bool(flags & RING_FLAG), bool(flags & SEALED_FLAG)
+    return Hello(role, sid, header.epoch, secret, header.hop, ring, sealed)
 
 
-def encode_accept(epoch: int, hop: int) -> bytes:
-    """The answer to a ``HELLO`` the stage took: a ``HELLO`` with no payload."""
-    return HEADER.pack(MAGIC, VERSION, Kind.HELLO, epoch, 0, 0, 0, 0, 0, 0, hop, 0, 0, 0)
+def encode_accept(epoch: int, hop: int, payload: bytes = b"") -> bytes:
+    """The answer to a ``HELLO`` the stage took: a ``HELLO`` with no payload (a sealed
+    connection's: the answerer's nonce and proof)."""
+    head = HEADER.pack(MAGIC, VERSION, Kind.HELLO, epoch, 0, 0, 0, 0, 0, 0, hop, 0, len(payload), 0)
+    return head + payload
 
 
 def trace_of(payload: bytes) -> tuple[int, ...]:
@@ -278,11 +309,16 @@ def parse_header(data: bytes, max_payload: int) -> Header:
 
 
 async def read_stream_message(
-    reader: asyncio.StreamReader, max_payload: int
+    reader: asyncio.StreamReader, max_payload: int, opener: Opener | None = None
 ) -> tuple[Header, bytes]:
     """The next message on an asyncio stream: ``LinkMessageError`` for bytes that are not
-    one, ``asyncio.IncompleteReadError`` when the stream ends first."""
-    header = parse_header(await reader.readexactly(HEADER.size), max_payload)
+    one, ``asyncio.IncompleteReadError`` when the stream ends first; on a sealed connection
+    (``opener``) the payload opened, ``GrantUnauthenticated`` when its seal does not verify."""
+    head = await reader.readexactly(HEADER.size)
+    header = parse_header(head, max_payload)
+    if opener is not None:
+        body = await reader.readexactly(header.payload_bytes + opener.tag_bytes)
+        return header, opener.open(head, body)
     payload = await reader.readexactly(header.payload_bytes) if header.payload_bytes else b""
     return header, payload
 

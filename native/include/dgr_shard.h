@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define DGR_ABI_VERSION 11
+#define DGR_ABI_VERSION 12
 
 /* Magic and version at the head of a saved session state (see dgr_session_state_save). */
 #define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
@@ -511,6 +511,41 @@ void dgr_link_stop(dgr_link * link);
 
 /* dgr_link_stop, then closes its descriptors and frees it. NULL is a no-op. */
 void dgr_link_free(dgr_link * link);
+
+/* Sealed links (ABI 12): every message after the connections' introductions is sealed with
+ * ChaCha20-Poly1305 (RFC 8439, Monocypher 4.0.3): the header stays in the clear and is the
+ * associated data, the payload is encrypted in place and a 16-byte tag follows it (payload_bytes
+ * counts the payload only). Each direction of each connection has its own 32-byte key (the
+ * caller derives them from the session secret and the introductions' nonces: docs/native-link.md)
+ * and counts its messages from 0: the nonce is the message's number (u64 little-endian, then 4
+ * zero bytes), so a message replayed, dropped, reordered or moved to another connection fails
+ * its tag. A sealed link takes a header only once its payload's tag verifies (the header's
+ * length is bounded first: at most the largest frame this stage takes); a tag that does not
+ * verify ends the link like any refused frame, its message starting "DGR_E_UNAUTHENTICATED"
+ * (status DGR_E_INVALID_ARGUMENT). */
+#define DGR_LINK_KEY_BYTES 32
+#define DGR_LINK_TAG_BYTES 16
+
+typedef struct dgr_link_keys {
+    uint8_t in[DGR_LINK_KEY_BYTES];       /* in_fd's messages */
+    uint8_t ring_in[DGR_LINK_KEY_BYTES];  /* ring_in_fd's (unused without one) */
+    uint8_t out[DGR_LINK_KEY_BYTES];      /* out_fd's */
+    uint8_t ring_out[DGR_LINK_KEY_BYTES]; /* ring_out_fd's (unused without one) */
+} dgr_link_keys;
+
+/* dgr_link_start with every message sealed with keys (copied; the caller may wipe its own). */
+int dgr_link_start_sealed(dgr_engine * engine, const dgr_link_params * params, const dgr_link_keys * keys,
+                          dgr_link ** out);
+
+/* Seals size bytes of text in place (the message numbered counter on its direction, keyed by
+ * key, the header ad authenticated with it) and writes its tag (DGR_LINK_TAG_BYTES). */
+int dgr_link_seal(const uint8_t * key, uint64_t counter, const uint8_t * ad, size_t ad_size, uint8_t * text,
+                  size_t size, uint8_t * tag);
+
+/* Opens what dgr_link_seal sealed, in place: DGR_OK, or DGR_E_INVALID_ARGUMENT (text untouched,
+ * dgr_last_error() starting "DGR_E_UNAUTHENTICATED") when the tag does not verify. */
+int dgr_link_unseal(const uint8_t * key, uint64_t counter, const uint8_t * ad, size_t ad_size, uint8_t * text,
+                    size_t size, const uint8_t * tag);
 
 #ifdef __cplusplus
 }

@@ -3,6 +3,7 @@
 // message format and the checks are in dgr_shard.h, "Native frame links").
 
 #include "dgr_shard.h"
+#include "monocypher.h"
 
 #include <poll.h>
 #include <sys/socket.h>
@@ -93,6 +94,39 @@ got read_all(int fd, void * buf, size_t n, int timeout_ms) {
     return got::all;
 }
 
+// The nonce of a direction's message number: the number (u64 little-endian), then 4 zero bytes.
+void nonce_of(uint64_t counter, uint8_t nonce[12]) {
+    for (int i = 0; i < 8; ++i) {
+        nonce[i] = (uint8_t) (counter >> (8 * i));
+    }
+    nonce[8] = nonce[9] = nonce[10] = nonce[11] = 0;
+}
+
+// ChaCha20-Poly1305 (RFC 8439) in place: Monocypher's IETF construction, one message per context.
+void seal(const uint8_t * key, uint64_t counter, const uint8_t * ad, size_t ad_size, uint8_t * text, size_t size,
+          uint8_t * tag) {
+    uint8_t nonce[12];
+    nonce_of(counter, nonce);
+    crypto_aead_ctx ctx;
+    crypto_aead_init_ietf(&ctx, key, nonce);
+    crypto_aead_write(&ctx, text, tag, ad, ad_size, text, size);
+    crypto_wipe(&ctx, sizeof ctx);
+}
+
+// Verifies the tag, then decrypts in place; false (text untouched) when it does not verify.
+bool unseal(const uint8_t * key, uint64_t counter, const uint8_t * ad, size_t ad_size, uint8_t * text, size_t size,
+            const uint8_t * tag) {
+    uint8_t nonce[12];
+    nonce_of(counter, nonce);
+    crypto_aead_ctx ctx;
+    crypto_aead_init_ietf(&ctx, key, nonce);
+    const int rc = crypto_aead_read(&ctx, text, tag, ad, ad_size, text, size);
+    crypto_wipe(&ctx, sizeof ctx);
+    return rc == 0;
+}
+
+constexpr size_t kTag = DGR_LINK_TAG_BYTES;
+
 bool write_all(int fd, const void * buf, size_t n) {
     const auto * p = static_cast<const uint8_t *>(buf);
     while (n > 0) {
@@ -128,6 +162,20 @@ struct dgr_link {
     std::vector<int32_t> positions;
 
     int fds[4] = {-1, -1, -1, -1};
+    // sealed links: each descriptor's key (fds' order) and the number of its next message
+    bool sealed = false;
+    uint8_t keys[4][DGR_LINK_KEY_BYTES] = {};
+    uint64_t counters[4] = {0, 0, 0, 0};
+    int slot_of(int fd) const {
+        for (int i = 0; i < 4; ++i) {
+            if (fds[i] == fd) {
+                return i;
+            }
+        }
+        return -1;
+    }
+    // sends `out` (a header and its payload) to fd, sealed on a sealed link
+    bool send_out(int fd);
 
     void run();
     // one frame from fd; false when the link ends
@@ -175,12 +223,15 @@ void dgr_link::publish() {
     }
 }
 
-bool dgr_link::send_frame(int fd, const header & h, const void * payload, size_t n) {
-    // one buffer, one send: the header and the payload leave together
-    out.resize(kHeader + n);
-    std::memcpy(out.data(), &h, kHeader);
-    if (n > 0) {
-        std::memcpy(out.data() + kHeader, payload, n);
+bool dgr_link::send_out(int fd) {
+    if (sealed) {
+        const int slot = slot_of(fd);
+        if (slot < 0) {
+            return false;
+        }
+        const size_t n = out.size() - kHeader;
+        out.resize(out.size() + kTag);
+        seal(keys[slot], counters[slot]++, out.data(), kHeader, out.data() + kHeader, n, out.data() + kHeader + n);
     }
     if (!write_all(fd, out.data(), out.size())) {
         return false;
@@ -188,6 +239,16 @@ bool dgr_link::send_frame(int fd, const header & h, const void * payload, size_t
     const std::lock_guard<std::mutex> hold(stats_mutex);
     stats.bytes_out += out.size();
     return true;
+}
+
+bool dgr_link::send_frame(int fd, const header & h, const void * payload, size_t n) {
+    // one buffer, one send: the header and the payload leave together
+    out.resize(kHeader + n);
+    std::memcpy(out.data(), &h, kHeader);
+    if (n > 0) {
+        std::memcpy(out.data() + kHeader, payload, n);
+    }
+    return send_out(fd);
 }
 
 // Sends a failure on toward the client (the next stage, or the client's stream on the last).
@@ -228,8 +289,8 @@ bool dgr_link::one_frame(int fd) {
     }
     const uint64_t began = monotonic_ns();
     const uint32_t hop = params.hop;
-    auto refuse = [&](int status, const char * what) {
-        end(DGR_LINK_STATE_FAILED, status, hop, "%s: %s", dgr_status_name(status), what);
+    auto refuse = [&](int status, const char * what, const char * name = nullptr) {
+        end(DGR_LINK_STATE_FAILED, status, hop, "%s: %s", name != nullptr ? name : dgr_status_name(status), what);
         const std::string text = outcome_error;
         header f = h;
         f.hop = hop;
@@ -242,6 +303,36 @@ bool dgr_link::one_frame(int fd) {
         std::snprintf(why, sizeof why, "not a link message (magic %08x, version %u)", h.magic, h.version);
         return refuse(DGR_E_INVALID_ARGUMENT, why);
     }
+    const uint32_t width = info.is_first ? 0u : (uint32_t) info.in_width;
+    // a sealed link takes a header only once its payload's tag verifies: the payload is bounded
+    // by the largest frame this stage takes, then read whole with its tag, then opened
+    bool body_read = false;
+    if (sealed) {
+        const size_t largest = 4 * ((size_t) DGR_LINK_MAX_STOP + params.max_rows + (size_t) params.max_rows * width + hop);
+        if (h.payload_bytes > largest && h.payload_bytes >= DGR_LINK_MESSAGE_BYTES) {
+            std::snprintf(why, sizeof why, "a payload of %u bytes, over this stage's largest frame (%zu)",
+                          h.payload_bytes, largest);
+            return refuse(DGR_E_SHAPE, why);
+        }
+        in.resize((size_t) h.payload_bytes + kTag);
+        switch (read_all(fd, in.data(), in.size(), (int) params.body_timeout_ms)) {
+            case got::all:
+                break;
+            case got::timed_out:
+                return refuse(DGR_E_SHAPE, "the message's payload did not come in time (truncated)");
+            default:
+                return refuse(DGR_E_SHAPE, "the link ended inside a message (truncated)");
+        }
+        const int slot = slot_of(fd);
+        if (slot < 0 || !unseal(keys[slot], counters[slot]++, reinterpret_cast<const uint8_t *>(&h), kHeader,
+                                in.data(), h.payload_bytes, in.data() + h.payload_bytes)) {
+            return refuse(DGR_E_INVALID_ARGUMENT,
+                          "a message whose seal does not verify (not from this connection's peer, or "
+                          "replayed, reordered or altered)",
+                          "DGR_E_UNAUTHENTICATED");
+        }
+        body_read = true;
+    }
     if (h.kind == DGR_LINK_FAILED && (fd != params.in_fd || h.hop >= hop || h.value < DGR_E_INVALID_ARGUMENT ||
                                       h.value > DGR_E_LINK_LOST)) {
         // only the stage before may say that a stage before it failed, with a status there is
@@ -253,7 +344,9 @@ bool dgr_link::one_frame(int fd) {
         // a stage before this one failed: passed on as it is (its message, cut to the limit)
         const uint32_t n = h.payload_bytes < DGR_LINK_MESSAGE_BYTES ? h.payload_bytes : DGR_LINK_MESSAGE_BYTES - 1;
         std::vector<uint8_t> message(n);
-        if (n > 0 && read_all(fd, message.data(), n, (int) params.body_timeout_ms) != got::all) {
+        if (body_read) {
+            std::memcpy(message.data(), in.data(), n);
+        } else if (n > 0 && read_all(fd, message.data(), n, (int) params.body_timeout_ms) != got::all) {
             return refuse(DGR_E_INVALID_ARGUMENT, "a failure message that does not come whole");
         }
         const int status = h.value;
@@ -279,7 +372,6 @@ bool dgr_link::one_frame(int fd) {
                       (unsigned long long) params.epoch);
         return refuse(h.epoch < params.epoch ? DGR_E_STALE_EPOCH : DGR_E_UNKNOWN_SESSION, why);
     }
-    const uint32_t width = info.is_first ? 0u : (uint32_t) info.in_width;
     if (h.n_rows < 1 || h.n_rows > params.max_rows) {
         std::snprintf(why, sizeof why, "%u rows, outside 1..%u", h.n_rows, params.max_rows);
         return refuse(DGR_E_SHAPE, why);
@@ -302,14 +394,16 @@ bool dgr_link::one_frame(int fd) {
         std::snprintf(why, sizeof why, "a payload of %u bytes where the header says %zu", h.payload_bytes, expected);
         return refuse(DGR_E_SHAPE, why);
     }
-    in.resize(expected);
-    switch (read_all(fd, in.data(), expected, (int) params.body_timeout_ms)) {
-        case got::all:
-            break;
-        case got::timed_out:
-            return refuse(DGR_E_SHAPE, "the frame's payload did not come in time (truncated)");
-        default:
-            return refuse(DGR_E_SHAPE, "the link ended inside a frame (truncated)");
+    if (!body_read) {
+        in.resize(expected);
+        switch (read_all(fd, in.data(), expected, (int) params.body_timeout_ms)) {
+            case got::all:
+                break;
+            case got::timed_out:
+                return refuse(DGR_E_SHAPE, "the frame's payload did not come in time (truncated)");
+            default:
+                return refuse(DGR_E_SHAPE, "the link ended inside a frame (truncated)");
+        }
     }
     const auto * stop = reinterpret_cast<const int32_t *>(in.data());
     const auto * tokens = stop + h.n_stop;
@@ -376,11 +470,7 @@ bool dgr_link::one_frame(int fd) {
         std::memcpy(out.data() + kHeader + head + 4 * result.size(), trace, 4 * n_trace);
         std::memcpy(out.data() + kHeader + head + 4 * (result.size() + n_trace), &mine, 4);
         onward_at = monotonic_ns();
-        sent = write_all(params.out_fd, out.data(), out.size());
-        if (sent) {
-            const std::lock_guard<std::mutex> hold(stats_mutex);
-            stats.bytes_out += out.size();
-        }
+        sent = send_out(params.out_fd);
     } else {
         bool stops = h.until_step <= h.step;
         for (uint32_t i = 0; i < h.n_stop; ++i) {
@@ -402,12 +492,8 @@ bool dgr_link::one_frame(int fd) {
             std::memcpy(out.data() + kHeader, stop, 4 * (size_t) h.n_stop);
             std::memcpy(out.data() + kHeader + 4 * (size_t) h.n_stop, &best, 4);
             onward_at = monotonic_ns();
-            sent = write_all(params.ring_out_fd, out.data(), out.size());
+            sent = send_out(params.ring_out_fd);
             ring_frames = sent ? 1 : 0;
-            if (sent) {
-                const std::lock_guard<std::mutex> hold(stats_mutex);
-                stats.bytes_out += out.size();
-            }
         }
         header token = h;
         token.kind = DGR_LINK_TOKEN;
@@ -432,7 +518,7 @@ bool dgr_link::one_frame(int fd) {
         const size_t kind = h.value >= 0 && h.value <= 3 ? (size_t) h.value : 0;
         stats.kind_frames[kind] += 1;
         stats.kind_rows[kind] += h.n_rows;
-        stats.bytes_in += kHeader + expected;
+        stats.bytes_in += kHeader + expected + (sealed ? kTag : 0);
         stats.engine_ns += engine_ns;
         stats.tokens += tokens_answered;
         stats.ring_frames += ring_frames;
@@ -468,9 +554,9 @@ void dgr_link::run() {
     publish();
 }
 
-extern "C" {
+namespace {
 
-int dgr_link_start(dgr_engine * engine, const dgr_link_params * params, dgr_link ** out) {
+int start_link(dgr_engine * engine, const dgr_link_params * params, const dgr_link_keys * keys, dgr_link ** out) {
     if (engine == nullptr || params == nullptr || out == nullptr) {
         return dgr_fail_with(DGR_E_INVALID_ARGUMENT, "engine, params and out must not be NULL");
     }
@@ -500,6 +586,13 @@ int dgr_link_start(dgr_engine * engine, const dgr_link_params * params, dgr_link
     link->fds[1] = params->ring_in_fd;
     link->fds[2] = params->out_fd;
     link->fds[3] = params->ring_out_fd;
+    if (keys != nullptr) {
+        link->sealed = true;
+        std::memcpy(link->keys[0], keys->in, DGR_LINK_KEY_BYTES);
+        std::memcpy(link->keys[1], keys->ring_in, DGR_LINK_KEY_BYTES);
+        std::memcpy(link->keys[2], keys->out, DGR_LINK_KEY_BYTES);
+        std::memcpy(link->keys[3], keys->ring_out, DGR_LINK_KEY_BYTES);
+    }
     try {
         link->thread = std::thread([link] { link->run(); });
     } catch (...) {
@@ -507,6 +600,44 @@ int dgr_link_start(dgr_engine * engine, const dgr_link_params * params, dgr_link
         return dgr_fail_with(DGR_E_INTERNAL, "could not start the link's thread");
     }
     *out = link;
+    return DGR_OK;
+}
+
+}  // namespace
+
+extern "C" {
+
+int dgr_link_start(dgr_engine * engine, const dgr_link_params * params, dgr_link ** out) {
+    return start_link(engine, params, nullptr, out);
+}
+
+int dgr_link_start_sealed(dgr_engine * engine, const dgr_link_params * params, const dgr_link_keys * keys,
+                          dgr_link ** out) {
+    if (keys == nullptr) {
+        return dgr_fail_with(DGR_E_INVALID_ARGUMENT, "a sealed link needs its keys");
+    }
+    return start_link(engine, params, keys, out);
+}
+
+int dgr_link_seal(const uint8_t * key, uint64_t counter, const uint8_t * ad, size_t ad_size, uint8_t * text,
+                  size_t size, uint8_t * tag) {
+    if (key == nullptr || tag == nullptr || (ad == nullptr && ad_size > 0) || (text == nullptr && size > 0)) {
+        return dgr_fail_with(DGR_E_INVALID_ARGUMENT, "key, tag, ad and text must not be NULL");
+    }
+    seal(key, counter, ad, ad_size, text, size, tag);
+    return DGR_OK;
+}
+
+int dgr_link_unseal(const uint8_t * key, uint64_t counter, const uint8_t * ad, size_t ad_size, uint8_t * text,
+                    size_t size, const uint8_t * tag) {
+    if (key == nullptr || tag == nullptr || (ad == nullptr && ad_size > 0) || (text == nullptr && size > 0)) {
+        return dgr_fail_with(DGR_E_INVALID_ARGUMENT, "key, tag, ad and text must not be NULL");
+    }
+    if (!unseal(key, counter, ad, ad_size, text, size, tag)) {
+        return dgr_fail_with(DGR_E_INVALID_ARGUMENT,
+                             "DGR_E_UNAUTHENTICATED: a message whose seal does not verify (not from this "
+                             "connection's peer, or replayed, reordered or altered)");
+    }
     return DGR_OK;
 }
 

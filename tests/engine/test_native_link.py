@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from dgr_engine import ShardEngine
 from dgr_engine.client.link_route import LinkRoute
-from dgr_engine.engine import LinkSockets, LinkState, NativeLink
+from dgr_engine.engine import LinkKeys, LinkSockets, LinkState, NativeLink
 from dgr_engine.errors import (
     EngineError,
     InvalidArgument,
@@ -37,6 +37,7 @@ from dgr_engine.wire.link_messages import (
     encode_rows,
     read_message,
 )
+from dgr_engine.wire.link_seal import Sealing
 
 PROMPT = [1, 5, 9, 14, 3, 7, 22, 11]
 EPOCH = 3
@@ -57,15 +58,16 @@ def whole_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
 
 class Route:
     """Stages of one model, each a native link of every session on it, connected by socket
-    pairs; the client holds the first stage's input and the last stage's output."""
+    pairs; the client holds the first stage's input and the last stage's output. ``sealed``:
+    every connection sealed with a key of its own (``wire/link_seal.py``)."""
 
-    def __init__(self, path: Path, n_stages: int, *, ring: bool) -> None:
+    def __init__(self, path: Path, n_stages: int, *, ring: bool, sealed: bool = False) -> None:
         with ShardEngine(path, max_sessions=1) as probe:
             n_layer = probe.info.n_layer
         self.engines = [
             ShardEngine(path, layers=r, max_sessions=3) for r in split_points(n_layer, n_stages)
         ]
-        self.ring = ring
+        self.ring, self.sealed = ring, sealed
         self.links: list[NativeLink] = []
         self.clients: list[socket.socket] = []
         self.fuzzed: list[int] = []
@@ -74,6 +76,7 @@ class Route:
         n = len(self.engines)
         hops = [socket.socketpair() for _ in range(n + 1)]  # client -> 0 -> ... -> n-1 -> client
         ring = socket.socketpair() if self.ring else None
+        keys = [os.urandom(32) for _ in range(n + 2)]  # each connection's: hops, then the ring's
         for i, engine in enumerate(self.engines):
             engine.open_session(session_id, epoch)
             sockets = LinkSockets(
@@ -81,12 +84,25 @@ class Route:
                 outbound=hops[i + 1][0],
                 ring_in=ring[1] if ring is not None and i == 0 else None,
                 ring_out=ring[0] if ring is not None and i == n - 1 else None,
+                keys=LinkKeys(keys[i], keys[i + 1], keys[n + 1], keys[n + 1])
+                if self.sealed
+                else None,
             )
             self.links.append(
                 engine.start_link(session_id, epoch, hop=i, sockets=sockets, body_timeout=1.0)
             )
         self.clients += [hops[0][0], hops[n][1]]
-        return LinkRoute(hops[0][0], hops[n][1], epoch, ring=self.ring)
+        if not self.sealed:
+            return LinkRoute(hops[0][0], hops[n][1], epoch, ring=self.ring)
+        self.keys = keys
+        return LinkRoute(
+            hops[0][0],
+            hops[n][1],
+            epoch,
+            ring=self.ring,
+            seal_first=Sealing(keys[0]),
+            open_output=Sealing(keys[n]),
+        )
 
     def close(self) -> None:
         for engine in self.engines:
