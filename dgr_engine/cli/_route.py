@@ -164,7 +164,7 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
         choices=DATA_PATHS,
         default="auto",
         help="with --transport chain or ring: how frames travel between stages; auto: the"
-        " fastest every stage offers (native links for a greedy ring without TLS, else the"
+        " fastest every stage offers (native links for a greedy ring, sealed over TLS, else the"
         " frame link, else gRPC; default); frame-link, native: required; grpc"
         " (docs/data-paths.md, docs/native-link.md)",
     )

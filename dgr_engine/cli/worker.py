@@ -131,8 +131,8 @@ def configure(p: argparse.ArgumentParser) -> None:
         type=int_in(0, 65535),
         default=0,
         help="serve native links, a ring's frames run on the engine's own thread with no "
-        "Python per frame, on this port (0: a free one, the default; never with --tls; "
-        "docs/native-link.md)",
+        "Python per frame, on this port (0: a free one, the default; sealed with keys from "
+        "the session secret when the worker serves TLS; docs/native-link.md)",
     )
     p.add_argument(
         "--no-native-link",
@@ -323,7 +323,7 @@ async def _serve(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    native_port = 0 if args.no_native_link or args.tls is not None else args.native_link_port
+    native_port = 0 if args.no_native_link else args.native_link_port
     for port in (args.port, 0 if args.no_frame_link else args.frame_link_port, native_port):
         if port:  # before loading anything: a busy port is one line, at once
             problem = port_problem(args.host, port)

@@ -516,7 +516,8 @@ class ChainStageTransport(GrpcStageTransport):
             raise ValueError(f"data_path must be one of {DATA_PATHS}, got {data_path!r}")
         self.data_path = data_path
         """Which path chained frames take: ``auto`` (the fastest every stage of the route
-        offers: native links for a ring's greedy session without TLS or drafts, else the frame
+        offers: native links for a ring's greedy session without drafts (over TLS: sealed
+        links only, ``wire/link_seal.py``), else the frame
         link, else gRPC), ``grpc``, ``frame-link`` or ``native`` (required: a route or session
         it cannot carry fails at its first frame, naming the first stage that does not offer
         it)."""
@@ -571,7 +572,6 @@ class ChainStageTransport(GrpcStageTransport):
         eligible = (
             self.ring
             and greedy
-            and self.tls is None
             and session_id not in self._ring_drafting  # drafts on the ring
             and session_id not in self._mtp  # MTP drafts
             and (limits is None or limits[0] >= 0)  # drafts of its own (every pass its own)
@@ -580,18 +580,21 @@ class ChainStageTransport(GrpcStageTransport):
             if not required:
                 return None
             error = ShardRpcError(
-                "a native link carries greedy rings without TLS, drafts or MTP only "
+                "a native link carries greedy rings without drafts or MTP only "
                 "(data_path='native')",
                 status="DGR_E_PROTOCOL",
             )
             raise _AtStage(0, error)
         hosts: list[tuple[str, int]] = []
+        sealed: list[bool] = []
         for index, stage in enumerate(route):
             try:
                 advert = await self.advert(stage.endpoint)
             except DgrError as exc:
                 raise _AtStage(index, exc) from None
             port = advert.data_paths.native_link_port
+            if port and self.tls is not None and not advert.data_paths.native_link_sealed:
+                port = 0  # over TLS, only sealed links: never the frames in the clear
             if not port:
                 if not required:
                     return None
@@ -602,9 +605,10 @@ class ChainStageTransport(GrpcStageTransport):
                 raise _AtStage(index, error)
             host, _ = split_endpoint(stage.endpoint)
             hosts.append((host, port))
+            sealed.append(advert.data_paths.native_link_sealed)
         self.chain_stats.native_epochs += 1
         widths = [(s.boundary_in, s.boundary_out) for s in route]
-        return native_route(hosts, widths, ring=True)
+        return native_route(hosts, widths, ring=True, sealed=sealed)
 
     def session_starting(
         self, session_id: str, max_new_tokens: int, stop_tokens: Sequence[int]

@@ -24,8 +24,9 @@ import grpc
 import numpy as np
 
 from dgr_engine._binding import lib
-from dgr_engine.errors import FrameRejected, error_for_status
+from dgr_engine.errors import FrameRejected, GrantUnauthenticated, error_for_status
 from dgr_engine.wire import link_messages as lm
+from dgr_engine.wire import link_seal
 from dgr_engine.wire.frame_link import CallStatus
 from dgr_engine.wire.frames import fill_tensor
 from dgr_engine.wire.proto import shard_pb2 as pb
@@ -88,8 +89,11 @@ class NativeLinkTarget:
         widths: Sequence[tuple[int, int]],
         *,
         ring: bool,
+        sealed: bool = False,
     ) -> None:
         self.host, self.port, self.hop, self.ring = host, port, hop, ring
+        self.sealed = sealed
+        """The stage seals its links (``wire/link_seal.py``): so does the call."""
         self.endpoint = f"{host}:{port}"
         self.widths = tuple(widths)
         """Each stage's (input, output) floats per row: what its messages weigh."""
@@ -105,13 +109,22 @@ class NativeLinkTarget:
 
 
 def native_route(
-    hosts: Sequence[tuple[str, int]], widths: Sequence[tuple[int, int]], *, ring: bool
+    hosts: Sequence[tuple[str, int]],
+    widths: Sequence[tuple[int, int]],
+    *,
+    ring: bool,
+    sealed: Sequence[bool] = (),
 ) -> list[NativeLinkTarget]:
     """The targets of one epoch's route (``hosts``: each stage's native link host and port;
-    ``widths``: its floats per input and output boundary row, 0 for token ids and logits); its
-    first and last share what their calls must tell each other."""
+    ``widths``: its floats per input and output boundary row, 0 for token ids and logits;
+    ``sealed``: whether each stage seals its links, none when empty); its first and last share
+    what their calls must tell each other."""
     ledger = _Ledger()
-    return [NativeLinkTarget(h, p, i, ledger, widths, ring=ring) for i, (h, p) in enumerate(hosts)]
+    seals = list(sealed) or [False] * len(hosts)
+    return [
+        NativeLinkTarget(h, p, i, ledger, widths, ring=ring, sealed=seals[i])
+        for i, (h, p) in enumerate(hosts)
+    ]
 
 
 class _Call(CallStatus):
@@ -121,11 +134,20 @@ class _Call(CallStatus):
         super().__init__()
         self.target = target
         self._reader: asyncio.StreamReader | None = None
+        self._keys: link_seal.ConnectionKeys | None = None
+        """A sealed connection's keys, once its introduction was answered."""
 
     async def _introduce(self, hello: lm.Hello) -> bool:
-        """Connects and introduces the connection; False (and the status set) if refused or
-        unreachable."""
+        """Connects and introduces the connection (sealed when its stage seals its links:
+        ``hello``'s secret is then proved, never sent); False (and the status set) if refused
+        or unreachable."""
         t = self.target
+        dialer = None
+        if t.sealed:
+            dialer = link_seal.Dialer(
+                hello.role, hello.session_id, hello.epoch, hello.secret, hello.hop, ring=hello.ring
+            )
+            hello = dialer.hello
         try:
             async with asyncio.timeout(_CONNECT_SECONDS):
                 self._reader, self._writer = await asyncio.open_connection(t.host, t.port)
@@ -145,6 +167,12 @@ class _Call(CallStatus):
         if header.kind is not lm.Kind.HELLO:
             self._end(grpc.StatusCode.INTERNAL, f"native link {t.endpoint}: no HELLO answer")
             return False
+        if dialer is not None:
+            try:
+                self._keys = dialer.keys(payload)
+            except GrantUnauthenticated as exc:
+                self._end(*_failed_status(int(lib.DGR_E_INVALID_ARGUMENT), "", t.hop, str(exc)))
+                return False
         return True
 
 
@@ -158,6 +186,10 @@ class NativeInputCall(_Call):
         self._ledger = ledger
         self._connected: asyncio.Future[bool] | None = None
         self._epoch = 0
+        self._sealing: link_seal.Sealing | None = None
+
+    def _seal(self, message: bytes) -> bytes:
+        return self._sealing.seal(message) if self._sealing is not None else message
 
     async def write(self, request: pb.ForwardRequest) -> None:
         message = self._encode(request)
@@ -177,8 +209,10 @@ class NativeInputCall(_Call):
         if not await asyncio.shield(self._connected) or self._status.done():
             raise asyncio.InvalidStateError("the call is over")
         assert self._writer is not None
+        if self._keys is not None and self._sealing is None:
+            self._sealing = link_seal.Sealing(self._keys.send)
         try:
-            self._writer.write(message)
+            self._writer.write(self._seal(message))
             await self._writer.drain()
         except (OSError, RuntimeError) as exc:
             self._end(grpc.StatusCode.UNAVAILABLE, f"native link {self.target.endpoint}: {exc!r}")
@@ -237,7 +271,7 @@ class NativeInputCall(_Call):
         """Ends the route's links cleanly (an ``END``, passed on by every stage)."""
         if self._writer is not None and not self._status.done():
             try:
-                self._writer.write(lm.encode_end(self._epoch))
+                self._writer.write(self._seal(lm.encode_end(self._epoch)))
                 await self._writer.drain()
                 self._writer.write_eof()
             except (OSError, RuntimeError):
@@ -267,6 +301,7 @@ class NativeOutputCall(_Call):
         )
         self._connected = asyncio.ensure_future(self._introduce(hello))
         self._announced = False
+        self._opening: link_seal.Sealing | None = None
 
     async def read(self) -> Any:
         if not await asyncio.shield(self._connected) and not self._status.done():
@@ -276,8 +311,12 @@ class NativeOutputCall(_Call):
                 self._announced = True
                 return pb.ChainOutputReply()
             assert self._reader is not None
+            if self._keys is not None and self._opening is None:
+                self._opening = link_seal.Sealing(self._keys.receive)
             try:
-                header, payload = await lm.read_stream_message(self._reader, lm.HELLO_MAX_BYTES)
+                header, payload = await lm.read_stream_message(
+                    self._reader, lm.HELLO_MAX_BYTES, self._opening
+                )
                 if header.kind is lm.Kind.TOKEN:
                     return self._reply(header, payload)
                 if header.kind is lm.Kind.FAILED:
@@ -292,7 +331,7 @@ class NativeOutputCall(_Call):
                     grpc.StatusCode.UNAVAILABLE,
                     f"native link {self.target.endpoint} lost: {type(exc).__name__}",
                 )
-            except lm.LinkMessageError as exc:
+            except (lm.LinkMessageError, GrantUnauthenticated) as exc:
                 self._end(
                     grpc.StatusCode.INTERNAL,
                     f"native link {self.target.endpoint}: malformed answer: {exc}",

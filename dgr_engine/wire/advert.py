@@ -146,7 +146,10 @@ class DataPaths:
     offered."""
     native_link_port: int = 0
     """The native link's port on the worker's host (``worker/native_link_server.py``,
-    ``docs/native-link.md``); 0: not offered (always so with TLS)."""
+    ``docs/native-link.md``); 0: not offered."""
+    native_link_sealed: bool = False
+    """Its links are sealed (a worker with TLS: ``wire/link_seal.py``); a clear introduction
+    is refused."""
 
 
 @attrs.frozen
@@ -328,6 +331,7 @@ def advert_from_proto(msg: pb.Advert) -> Advert:
         data_paths=DataPaths(
             frame_link_port=msg.data_paths.frame_link_port,
             native_link_port=msg.data_paths.native_link_port,
+            native_link_sealed=msg.data_paths.native_link_sealed,
         ),
         span=LayerSpan(
             layer_begin=msg.range.layer_begin,

@@ -150,7 +150,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
         link starts when this stage has its input too (``worker/native_link_server.py``)."""
         if not self.host.native_link_port:
             raise FrameRejected("DGR_E_FRAME: this stage offers no native link")
-        port = await self.hub.native_link_port(request.next, _CONFIRM_WAIT)
+        port, sealed = await self.hub.native_link(request.next, _CONFIRM_WAIT)
         host, _ = split_endpoint(request.next.endpoint)
         try:
             await self.host.native_links.link_next(
@@ -161,6 +161,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
                 bytes(request.next.session_secret),
                 int(request.next.native_hop),
                 ring=request.ring,
+                sealed=sealed,
             )
         except (ConnectionError, TimeoutError) as exc:
             raise ShardUnavailable(

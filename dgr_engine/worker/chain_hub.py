@@ -153,16 +153,18 @@ class ChainHub:
             )
         return port
 
-    async def native_link_port(self, hop: pb.ChainHop, timeout: float) -> int:
-        """The next stage's native link port, read from its own advert as the frame link's
-        (:meth:`frame_link_port`); ``FrameRejected`` when it offers none."""
-        port = int((await self._data_paths(hop, timeout)).native_link_port)
+    async def native_link(self, hop: pb.ChainHop, timeout: float) -> tuple[int, bool]:
+        """The next stage's native link port and whether it is sealed, read from its own
+        advert as the frame link's port (:meth:`frame_link_port`); ``FrameRejected`` when it
+        offers none."""
+        paths = await self._data_paths(hop, timeout)
+        port = int(paths.native_link_port)
         if port == 0:
             raise FrameRejected(
                 f"DGR_E_FRAME: the next stage {hop.endpoint!r} offers no native link: link it "
                 "over the frame link or gRPC"
             )
-        return port
+        return port, bool(paths.native_link_sealed)
 
     async def _data_paths(self, hop: pb.ChainHop, timeout: float) -> pb.DataPaths:
         """The next stage's data paths, from its advert (``Describe``, once per endpoint);

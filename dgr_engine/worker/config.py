@@ -102,8 +102,10 @@ class WorkerConfig:
     native_link_port: int | None = 0
     """Serve native links, a ring's frames run from socket to socket on the engine's own thread
     (``docs/native-link.md``), on this port of ``host`` (0: a free one; the advert says
-    which); ``None``: not offered. Never offered with TLS (``tls``): a native link has no TLS
-    of its own. Its connections' hellos take ``frame_link_hello_seconds`` at most."""
+    which); ``None``: not offered. With TLS (``tls``) the links are sealed: introductions
+    that prove the session secret, every message ChaCha20-Poly1305-sealed with keys they
+    derive (``wire/link_seal.py``). Its connections' hellos take ``frame_link_hello_seconds``
+    at most."""
     chain_tls: ClientTls | None = None
     """How this worker dials the next stage of a chained route that serves TLS (the CA it
     trusts, and its client certificate for a next stage that asks for one); ``None``: it

@@ -98,6 +98,12 @@ class GrantGate:
         held = self._current(session_id)
         return None if held is None else held.epoch
 
+    def secret_of(self, session_id: str, epoch: int) -> bytes | None:
+        """The secret the open of ``(session_id, epoch)`` returned, while that epoch is held
+        here (a sealed native link's introduction proves it: ``wire/link_seal.py``)."""
+        held = self._current(session_id)
+        return held.secret if held is not None and held.epoch == epoch else None
+
     def check(self, session_id: str, epoch: int, secret: bytes, *, close: bool = False) -> None:
         """Before a frame, link, output stream or (``close``) a close: ``GrantUnauthenticated``
         unless ``secret`` is the one the open of the held epoch returned (see the module's

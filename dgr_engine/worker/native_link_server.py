@@ -8,8 +8,10 @@ ran (usage, metrics), renews the session's use (its lease, the stall watchdog), 
 logs how it ended. A failed engine call closes the session as a non-finite output does on the
 Python path (its KV may hold the rows).
 
-Offered only by a worker without TLS (the link's bytes are the frame link's in the clear; its
-``HELLO`` carries the session secret as every Python-path frame does).
+A worker without TLS serves its links in the clear (a ``HELLO`` carries the session secret as
+every Python-path frame does); a worker with TLS seals them (``wire/link_seal.py``): each
+introduction proves the secret without sending it, and every message after it is sealed with
+the keys it derived, in the link's own thread.
 """
 
 from __future__ import annotations
@@ -24,9 +26,9 @@ from typing import TYPE_CHECKING, Protocol
 import attrs
 
 from dgr_engine._binding import lib
-from dgr_engine.engine import LinkSockets, LinkState, LinkStats, NativeLink, ShardInfo
-from dgr_engine.errors import FrameRejected, ShardError
-from dgr_engine.wire import frames
+from dgr_engine.engine import LinkKeys, LinkSockets, LinkState, LinkStats, NativeLink, ShardInfo
+from dgr_engine.errors import FrameRejected, GrantUnauthenticated, ShardError
+from dgr_engine.wire import frames, link_seal
 from dgr_engine.wire import link_messages as lm
 from dgr_engine.wire.status import grpc_status_for, is_worker_fault
 from dgr_engine.worker.closes import CloseCause, SessionClosed
@@ -97,6 +99,8 @@ class _Assembly:
     outbound: socket.socket | None = None
     ring_out: socket.socket | None = None
     wants_ring_out: bool = False
+    keys: dict[str, link_seal.ConnectionKeys] = attrs.Factory(dict)
+    """A sealed link's keys, by the socket they belong to (``inbound``, ``ring_in``...)."""
     link: NativeLink | None = None
     watcher: asyncio.Task[None] | None = None
     counted: LinkStats | None = None
@@ -106,6 +110,19 @@ class _Assembly:
     def sockets(self) -> list[socket.socket]:
         held = (self.inbound, self.ring_in, self.outbound, self.ring_out)
         return [s for s in held if s is not None]
+
+    def link_keys(self) -> LinkKeys | None:
+        """The link's keys (each socket's, in the direction the link uses it), once sealed."""
+        if not self.keys:
+            return None
+        unused = bytes(link_seal.KEY_BYTES)
+        ring_in, ring_out = self.keys.get("ring_in"), self.keys.get("ring_out")
+        return LinkKeys(
+            inbound=self.keys["inbound"].receive,
+            outbound=self.keys["outbound"].send,
+            ring_in=ring_in.receive if ring_in is not None else unused,
+            ring_out=ring_out.send if ring_out is not None else unused,
+        )
 
 
 def _connection_lost(exc: BaseException) -> bool:
@@ -151,6 +168,9 @@ class NativeLinkServer:
         self._links: dict[tuple[str, int], _Assembly] = {}
         self.port = 0
         self.refused = 0
+        self.sealed = False
+        """Seal every link (a worker with TLS; set before :meth:`start`): introductions that
+        prove the session secret, sealed messages (``wire/link_seal.py``)."""
 
     @property
     def running(self) -> int:
@@ -196,10 +216,10 @@ class NativeLinkServer:
             async with asyncio.timeout(self._hello):
                 header, payload = await lm.read_socket_message(sock, lm.HELLO_MAX_BYTES)
             hello = lm.decode_hello(header, payload)
-            self._check(hello)
+            answer, keys = self._check(hello)
             assembly = self._assembly(hello.session_id, hello.epoch)
-            self._place(assembly, hello, sock)
-            await loop.sock_sendall(sock, lm.encode_accept(hello.epoch, hello.hop))
+            self._place(assembly, hello, sock, keys)
+            await loop.sock_sendall(sock, lm.encode_accept(hello.epoch, hello.hop, answer))
         except Exception as exc:  # noqa: BLE001 - any refusal is answered, never raised
             if _connection_lost(exc):
                 self.refused += 1
@@ -233,18 +253,33 @@ class NativeLinkServer:
             for name in ("inbound", "ring_in", "outbound"):
                 if getattr(assembly, name) is sock:
                     setattr(assembly, name, None)
+                    assembly.keys.pop(name, None)
 
-    def _check(self, hello: lm.Hello) -> None:
+    def _check(self, hello: lm.Hello) -> tuple[bytes, link_seal.ConnectionKeys | None]:
         """Refuses an introduction this stage cannot take (the Python path's checks of a
-        frame's session, secret and epoch, once for the connection)."""
+        frame's session, secret and epoch, once for the connection); a sealed one's answer
+        and keys (``wire/link_seal.py``)."""
         host = self._host
         frames.check_session_id(hello.session_id)
-        host.grants.check(hello.session_id, hello.epoch, hello.secret)
+        answer, keys = b"", None
+        if self.sealed:
+            secret = host.grants.secret_of(hello.session_id, hello.epoch)
+            if secret is None:  # not held here at that epoch: the table says how (stale...)
+                host.table.check_open(hello.session_id, hello.epoch)
+            answer, keys = link_seal.answer_hello(hello, secret)
+        elif hello.sealed:
+            raise GrantUnauthenticated(
+                "DGR_E_UNAUTHENTICATED: this worker's native links are not sealed (it serves "
+                "no TLS): introduce the connection with the session secret"
+            )
+        else:
+            host.grants.check(hello.session_id, hello.epoch, hello.secret)
         host.table.check_open(hello.session_id, hello.epoch)
         if hello.role is lm.Role.OUTPUT and not host.info.is_last:
             raise FrameRejected("DGR_E_FRAME: only the last stage has an output stream")
         if hello.role is lm.Role.RING and not host.info.is_first:
             raise FrameRejected("DGR_E_FRAME: only the first stage takes a ring's frames")
+        return answer, keys
 
     def _assembly(self, session_id: str, epoch: int) -> _Assembly:
         key = (session_id, epoch)
@@ -253,7 +288,13 @@ class NativeLinkServer:
             assembly = self._links[key] = _Assembly(session_id, epoch)
         return assembly
 
-    def _place(self, assembly: _Assembly, hello: lm.Hello, sock: socket.socket) -> None:
+    def _place(
+        self,
+        assembly: _Assembly,
+        hello: lm.Hello,
+        sock: socket.socket,
+        keys: link_seal.ConnectionKeys | None,
+    ) -> None:
         taken = FrameRejected(
             f"DGR_E_FRAME: session {hello.session_id!r} epoch {hello.epoch} already has its "
             f"{hello.role.name.lower()} connection here"
@@ -264,14 +305,19 @@ class NativeLinkServer:
             if assembly.inbound is not None:
                 raise taken
             assembly.inbound, assembly.hop = sock, hello.hop
+            name = "inbound"
         elif hello.role is lm.Role.RING:
             if assembly.ring_in is not None:
                 raise taken
             assembly.ring_in = sock
+            name = "ring_in"
         else:
             if assembly.outbound is not None:
                 raise taken
             assembly.outbound, assembly.wants_ring_out = sock, hello.ring
+            name = "outbound"
+        if keys is not None:
+            assembly.keys[name] = keys
 
     async def link_next(
         self,
@@ -283,11 +329,13 @@ class NativeLinkServer:
         hop: int,
         *,
         ring: bool,
+        sealed: bool = False,
     ) -> None:
         """From ``Chain.Link``: dials the next stage's native link (a ring's last stage: the
-        first stage's), introduced with the next stage's secret and index; raises the next
-        stage's refusal as its typed error, ``ShardUnavailable``-like ``OSError`` when it
-        cannot be reached."""
+        first stage's), introduced with the next stage's secret and index (``sealed``: the
+        next stage seals its links, so the introduction proves the secret and the answer must
+        prove it back); raises the next stage's refusal as its typed error,
+        ``ShardUnavailable``-like ``OSError`` when it cannot be reached."""
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET6 if ":" in endpoint_host else socket.AF_INET)
         sock.setblocking(False)
@@ -295,7 +343,12 @@ class NativeLinkServer:
             async with asyncio.timeout(_DIAL_SECONDS):
                 await loop.sock_connect(sock, (endpoint_host, port))
                 role = lm.Role.RING if ring else lm.Role.INPUT
-                hello = lm.Hello(role, session_id, epoch, bytes(secret), hop)
+                dialer = link_seal.Dialer(role, session_id, epoch, secret, hop) if sealed else None
+                hello = (
+                    dialer.hello
+                    if dialer is not None
+                    else lm.Hello(role, session_id, epoch, bytes(secret), hop)
+                )
                 await loop.sock_sendall(sock, lm.encode_hello(hello))
                 header, payload = await lm.read_socket_message(sock, lm.HELLO_MAX_BYTES)
             if header.kind is lm.Kind.FAILED:
@@ -305,6 +358,7 @@ class NativeLinkServer:
                 )
             if header.kind is not lm.Kind.HELLO:
                 raise FrameRejected("DGR_E_FRAME: the next stage did not answer the HELLO")
+            keys = dialer.keys(payload) if dialer is not None else None
             assembly = self._assembly(session_id, epoch)
             if assembly.link is not None or (ring and assembly.ring_out is not None):
                 raise FrameRejected(
@@ -317,10 +371,10 @@ class NativeLinkServer:
         except BaseException:
             sock.close()
             raise
-        if ring:
-            assembly.ring_out = sock
-        else:
-            assembly.outbound = sock
+        name = "ring_out" if ring else "outbound"
+        setattr(assembly, name, sock)
+        if keys is not None:
+            assembly.keys[name] = keys
         self._counted("dialled")
         self._maybe_start(assembly)
 
@@ -336,7 +390,11 @@ class NativeLinkServer:
             return
         log = host.log.bind(session=assembly.session_id, epoch=assembly.epoch)
         sockets = LinkSockets(
-            assembly.inbound, assembly.outbound, assembly.ring_in, assembly.ring_out
+            assembly.inbound,
+            assembly.outbound,
+            assembly.ring_in,
+            assembly.ring_out,
+            keys=assembly.link_keys() if self.sealed else None,
         )
         notify = os.pipe()
         try:

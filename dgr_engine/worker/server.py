@@ -136,7 +136,9 @@ class ShardWorker:
             load=self.meter.snapshot,
             waiting=lambda: self.admission.waiting,
             data_paths=lambda: DataPaths(
-                frame_link_port=self.frame_link_port, native_link_port=self.native_link_port
+                frame_link_port=self.frame_link_port,
+                native_link_port=self.native_link_port,
+                native_link_sealed=self.native_links.sealed,
             ),
             mtp=bool(getattr(engine, "mtp_loaded", False)),
         )
@@ -294,7 +296,8 @@ class ShardWorker:
             self.frame_link_port = await link.start(self.config.host, self.config.frame_link_port)
             self._frame_link = link
         native_port = self.config.native_link_port
-        if native_port is not None and tls is None and hasattr(self.engine, "start_link"):
+        if native_port is not None and hasattr(self.engine, "start_link"):
+            self.native_links.sealed = tls is not None  # TLS's equal on the native links
             self.native_link_port = await self.native_links.start(self.config.host, native_port)
         if self.config.metrics_port is not None:
             self._serve_metrics(self.config.metrics_port)

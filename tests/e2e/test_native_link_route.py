@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,9 @@ from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import whole_model_reference
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
+from dgr_engine.tooling.throwaway_ca import local_pki
 from dgr_engine.wire import link_messages as lm
+from dgr_engine.wire import link_seal
 from dgr_engine.wire.frame_link import split_endpoint
 from dgr_session import (
     EvidenceClass,
@@ -236,4 +239,67 @@ def test_hostile_connections_are_refused_and_an_honest_ring_stays_exact() -> Non
         "first input": lm.Kind.HELLO,
         "honest": (SessionState.DONE, want),
         "host": "127.0.0.1",
+    }
+
+
+def test_a_sealed_native_ring_over_mutual_tls_equals_the_whole_model(tmp_path: Path) -> None:
+    """Workers serving mutual TLS seal their native links (``wire/link_seal.py``): the advert
+    says so, an introduction in the clear (even with the right secret) or one that proves the
+    wrong secret is refused ``DGR_E_UNAUTHENTICATED``, and a ring of greedy sessions over the
+    sealed links gives the whole model's tokens."""
+    pki = local_pki(tmp_path)
+    chain = ["--chain-tls-ca", str(pki.ca), "--chain-tls-cert", str(pki.client.cert)]
+    chain += ["--chain-tls-key", str(pki.client.key)]
+    tls = pki.client_tls()
+    path = ensure_fixture("tiny-llama")
+    prompts = prompts_for(256, 20, (51, 52))
+    reference = whole_model_reference(path, prompts, N_TOKENS, OPTIONS)
+    provider = LoopbackRouteProvider(
+        path,
+        ((0, 2), (2, 4)),
+        options=OPTIONS,
+        worker_args=[*pki.worker_args(), *chain],
+        client_tls=tls,
+    )
+
+    async def scenario() -> dict[str, Any]:
+        seen: dict[str, Any] = {}
+        async with provider:
+            route = await provider.assign("probe", None)
+            assert route is not None
+            first = route.stages[0]
+            advert = await describe(first.endpoint, tls=tls)
+            port = advert.data_paths.native_link_port
+            seen["advert"] = (bool(port), advert.data_paths.native_link_sealed)
+            async with ShardClient(first.endpoint, tls=tls) as c0:
+                await c0.open("s", 1, expectations_for(first))
+                secret = c0.session_secret("s", 1)
+                clear = lm.Hello(lm.Role.INPUT, "s", 1, secret, 0)
+                seen["clear, right secret"] = await _introduce(port, lm.encode_hello(clear))
+                wrong = link_seal.Dialer(lm.Role.INPUT, "s", 1, bytes(16), 0).hello
+                seen["sealed, wrong secret"] = await _introduce(port, lm.encode_hello(wrong))
+                right = link_seal.Dialer(lm.Role.INPUT, "s", 1, secret, 0).hello
+                seen["sealed, right secret"] = await _introduce(port, lm.encode_hello(right))
+            transport = ChainStageTransport(timeout=10.0, ring=True, data_path="native", tls=tls)
+            async with transport:
+                manager = SessionManager(
+                    transport,
+                    provider,
+                    policy=FailurePolicy(step_deadline=10.0),
+                    required_evidence=EvidenceClass.FIXTURE,
+                )
+                handles = [manager.start(p, max_new_tokens=N_TOKENS) for p in prompts]
+                seen["tokens"] = [list((await h.wait()).tokens) for h in handles]
+                await manager.aclose()
+            seen["native epochs"] = transport.chain_stats.native_epochs
+        return seen
+
+    seen = harness.run(scenario(), 120.0)
+    assert seen == {
+        "advert": (True, True),
+        "clear, right secret": (lm.Kind.FAILED, "DGR_E_UNAUTHENTICATED"),
+        "sealed, wrong secret": (lm.Kind.FAILED, "DGR_E_UNAUTHENTICATED"),
+        "sealed, right secret": lm.Kind.HELLO,
+        "tokens": [tokens for tokens, _ in reference],
+        "native epochs": len(prompts),
     }

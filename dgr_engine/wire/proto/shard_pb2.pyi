@@ -309,12 +309,14 @@ class Advert(_message.Message):
     def __init__(self, compatibility: _Optional[_Union[Compatibility, _Mapping]] = ..., range: _Optional[_Union[LayerRange, _Mapping]] = ..., capacity: _Optional[_Union[Capacity, _Mapping]] = ..., load: _Optional[_Union[Load, _Mapping]] = ..., seam: _Optional[_Union[SeamCost, _Mapping]] = ..., health: _Optional[_Union[Health, _Mapping]] = ..., certification: _Optional[_Union[Certification, _Mapping]] = ..., security: _Optional[_Union[Security, _Mapping]] = ..., data_paths: _Optional[_Union[DataPaths, _Mapping]] = ...) -> None: ...
 
 class DataPaths(_message.Message):
-    __slots__ = ("frame_link_port", "native_link_port")
+    __slots__ = ("frame_link_port", "native_link_port", "native_link_sealed")
     FRAME_LINK_PORT_FIELD_NUMBER: _ClassVar[int]
     NATIVE_LINK_PORT_FIELD_NUMBER: _ClassVar[int]
+    NATIVE_LINK_SEALED_FIELD_NUMBER: _ClassVar[int]
     frame_link_port: int
     native_link_port: int
-    def __init__(self, frame_link_port: _Optional[int] = ..., native_link_port: _Optional[int] = ...) -> None: ...
+    native_link_sealed: bool
+    def __init__(self, frame_link_port: _Optional[int] = ..., native_link_port: _Optional[int] = ..., native_link_sealed: _Optional[bool] = ...) -> None: ...
 
 class Security(_message.Message):
     __slots__ = ("tls", "client_certificates")
