@@ -72,6 +72,10 @@ class LinkStats:
     """Frames run by row kind: unspecified, prefill, decode, replay (a ring's own: decode)."""
     kind_rows: tuple[int, int, int, int] = (0, 0, 0, 0)
     """Their rows by row kind."""
+    throttled: int = 0
+    """Frames that waited for the session's frame budget (``frames_per_second``)."""
+    throttled_ns: int = 0
+    """How long they waited, in all."""
 
     def failure(self) -> Exception | None:
         """The typed error of a failed link (``None`` unless ``FAILED``)."""
@@ -136,6 +140,8 @@ class NativeLink:
         max_rows: int,
         notify_fd: int = -1,
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
+        frames_per_second: float | None = None,
+        burst: int = 8,
     ) -> None:
         params = ffi.new("dgr_link_params *")
         params.session_id = session_id
@@ -148,6 +154,8 @@ class NativeLink:
         params.ring_out_fd = _fd(sockets.ring_out)
         params.notify_fd = notify_fd
         params.body_timeout_ms = max(1, int(body_timeout * 1000))
+        params.frames_per_second = frames_per_second or 0.0
+        params.burst = max(1, burst)
         out = ffi.new("dgr_link **")
         if sockets.keys is None:
             check_status(lib.dgr_link_start(engine_handle, params, out))
@@ -186,6 +194,8 @@ class NativeLink:
             last_frame_ns=int(s.last_frame_ns),
             tokens=int(s.tokens),
             ring_frames=int(s.ring_frames),
+            throttled=int(s.throttled),
+            throttled_ns=int(s.throttled_ns),
             kind_frames=(
                 int(s.kind_frames[0]),
                 int(s.kind_frames[1]),
@@ -439,10 +449,14 @@ class ShardEngine:
         max_rows: int | None = None,
         notify_fd: int = -1,
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
+        frames_per_second: float | None = None,
+        burst: int = 8,
     ) -> NativeLink:
         """Starts a native link of the open ``(session_id, epoch)`` (``native_link.py``): the
         frames coming on ``sockets`` run on this engine's own thread and go on with no Python
-        per frame. The link owns the sockets once started; :meth:`close` ends it first."""
+        per frame. The link owns the sockets once started; :meth:`close` ends it first.
+        ``frames_per_second``: the session's frame budget (a bucket of ``burst``): a frame over
+        it waits in the link for its turn."""
         with self._lock:
             link = NativeLink(
                 self._live(),
@@ -453,6 +467,8 @@ class ShardEngine:
                 max_rows=self.info.n_batch if max_rows is None else max_rows,
                 notify_fd=notify_fd,
                 body_timeout=body_timeout,
+                frames_per_second=frames_per_second,
+                burst=burst,
             )
         self._links.add(link)
         return link

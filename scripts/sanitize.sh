@@ -41,6 +41,7 @@ set +e
     tests/engine/test_binding.py tests/engine/test_engine_parity.py tests/engine/test_engine_errors.py \
     tests/engine/test_v4_parity.py tests/engine/test_v4_errors.py tests/engine/test_chain.py \
     tests/engine/test_finite_values.py tests/worker/test_data_paths.py tests/engine/test_native_link.py \
+    tests/engine/test_sealed_link.py \
     --deselect tests/engine/test_chain.py::test_shard_memory_benchmark_runs_on_the_tiny_fixture \
     "$@"  # (the memory benchmark's RSS bound cannot hold with ASan's shadow memory)
 code=$?

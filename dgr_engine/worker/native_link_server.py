@@ -478,6 +478,14 @@ class NativeLinkServer:
     async def _ended(self, assembly: _Assembly, final: LinkStats) -> None:
         log = self._host.log.bind(session=assembly.session_id, epoch=assembly.epoch)
         failure = final.failure()
+        if final.throttled:
+            log.info(
+                "native link: {} of {} frames waited {:.2f} s in all for the session's frame "
+                "budget (--frames-per-second)",
+                final.throttled,
+                final.frames,
+                final.throttled_ns / 1e9,
+            )
         if failure is None:
             log.debug("native link ended after {} frames: {}", final.frames, final.error)
             return

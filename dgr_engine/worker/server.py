@@ -480,7 +480,16 @@ class ShardWorker:
     ) -> NativeLink:
         """Starts the engine's native link of the session keyed ``key`` (``NativeLinkHost``)."""
         start: Callable[..., NativeLink] = self.engine.start_link  # type: ignore[attr-defined]
-        return start(key, epoch, hop=hop, sockets=sockets, notify_fd=notify_fd)
+        budget = self.limits.config  # the per-client frame rate, kept by the link itself
+        return start(
+            key,
+            epoch,
+            hop=hop,
+            sockets=sockets,
+            notify_fd=notify_fd,
+            frames_per_second=budget.frames_per_second,
+            burst=budget.burst,
+        )
 
     async def close_for(self, session_id: str, epoch: int, cause: CloseCause) -> None:
         """Closes ``(session_id, epoch)`` on the engine's thread, for ``cause``."""

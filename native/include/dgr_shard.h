@@ -473,6 +473,12 @@ typedef struct dgr_link_params {
     int32_t ring_out_fd;   /* a ring's last stage: the first stage; -1: none */
     int32_t notify_fd;     /* written one byte when the link ends (-1: none); not owned */
     uint32_t body_timeout_ms; /* longest wait for the rest of a frame once its header came */
+    /* (ABI 12) the session's frame budget, the worker's per-client limit: at most
+     * frames_per_second frames a second after a burst of `burst` (a token bucket); a frame over
+     * it waits in the link for its turn (its sender is held back by TCP) rather than being
+     * refused: a ring's frames come from the ring itself, with nobody to retry them. 0: none. */
+    double frames_per_second;
+    uint32_t burst;
 } dgr_link_params;
 
 typedef struct dgr_link_stats {
@@ -493,6 +499,8 @@ typedef struct dgr_link_stats {
     uint64_t kind_rows[4];   /* their rows, by row kind */
     uint64_t tokens;        /* greedy tokens answered (the last stage) */
     uint64_t ring_frames;   /* frames sent back to the first stage (a ring's last stage) */
+    uint64_t throttled;     /* (ABI 12) frames that waited for the session's frame budget */
+    uint64_t throttled_ns;  /* how long they waited, in all */
     char error[DGR_LINK_MESSAGE_BYTES];
 } dgr_link_stats;
 

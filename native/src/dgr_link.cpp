@@ -9,10 +9,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
@@ -151,6 +153,14 @@ struct dgr_link {
     dgr_shard_info info{};
     std::thread thread;
     std::atomic<bool> stopping{false};
+    std::mutex wake_mutex;  // with `wake`: a frame waiting for its budget wakes when stopped
+    std::condition_variable wake;
+    // the session's frame budget (params.frames_per_second): a token bucket
+    double budget = 0.0;
+    uint64_t budget_at = 0;
+    // waits until the budget has a frame; false when the link was stopped meanwhile
+    bool take_budget();
+    uint64_t budget_wait_ns = 0;  // how long the last frame waited for its budget
 
     std::mutex stats_mutex;  // guards stats (the thread writes, dgr_link_get_stats reads)
     dgr_link_stats stats{};
@@ -261,6 +271,38 @@ void dgr_link::pass_failure(const header & h, const uint8_t * message, size_t n)
     f.value = h.value;
     f.payload_bytes = (uint32_t) n;
     (void) send_frame(params.out_fd, f, message, n);
+}
+
+bool dgr_link::take_budget() {
+    const double rate = params.frames_per_second;
+    if (!(rate > 0.0)) {
+        return true;
+    }
+    const double burst = params.burst > 0 ? (double) params.burst : 1.0;
+    const uint64_t began = monotonic_ns();
+    bool waited = false;
+    budget_wait_ns = 0;
+    for (;;) {
+        const uint64_t now = monotonic_ns();
+        budget = std::min(burst, budget + (double) (now - budget_at) / 1e9 * rate);
+        budget_at = now;
+        if (budget >= 1.0) {
+            budget -= 1.0;
+            if (waited) {
+                budget_wait_ns = now - began;
+                const std::lock_guard<std::mutex> hold(stats_mutex);
+                stats.throttled += 1;
+                stats.throttled_ns += now - began;
+            }
+            return true;
+        }
+        waited = true;
+        const auto wait = std::chrono::nanoseconds((uint64_t) ((1.0 - budget) / rate * 1e9) + 1);
+        std::unique_lock<std::mutex> hold(wake_mutex);
+        if (wake.wait_for(hold, wait, [this] { return stopping.load(); })) {
+            return false;
+        }
+    }
 }
 
 bool dgr_link::one_frame(int fd) {
@@ -419,6 +461,10 @@ bool dgr_link::one_frame(int fd) {
     for (uint32_t i = 0; i < h.n_rows; ++i) {
         positions[i] = h.pos + (int32_t) i;
     }
+    if (!take_budget()) {
+        end(DGR_LINK_STATE_ENDED, DGR_OK, 0, "the link was stopped");
+        return false;
+    }
     const size_t out_rows = info.is_last ? 1 : h.n_rows;
     result.resize(out_rows * (size_t) info.out_width);
     uint32_t n_out = 0;
@@ -523,7 +569,7 @@ bool dgr_link::one_frame(int fd) {
         stats.tokens += tokens_answered;
         stats.ring_frames += ring_frames;
         stats.last_frame_ns = monotonic_ns();
-        stats.busy_ns += onward_at - began;
+        stats.busy_ns += onward_at - began - budget_wait_ns;  // not the wait for the budget
     }
     if (!sent) {
         end(DGR_LINK_STATE_ENDED, DGR_OK, 0, "the next stage closed its link");
@@ -582,6 +628,8 @@ int start_link(dgr_engine * engine, const dgr_link_params * params, const dgr_li
         link->params.max_rows = link->info.n_batch;
     }
     link->stats.state = DGR_LINK_STATE_RUNNING;
+    link->budget = link->params.burst > 0 ? (double) link->params.burst : 1.0;
+    link->budget_at = monotonic_ns();
     link->fds[0] = params->in_fd;
     link->fds[1] = params->ring_in_fd;
     link->fds[2] = params->out_fd;
@@ -654,7 +702,11 @@ void dgr_link_stop(dgr_link * link) {
     if (link == nullptr || !link->thread.joinable()) {
         return;
     }
-    link->stopping.store(true);
+    {
+        const std::lock_guard<std::mutex> hold(link->wake_mutex);
+        link->stopping.store(true);
+    }
+    link->wake.notify_all();
     for (int fd : link->fds) {
         if (fd >= 0) {
             shutdown(fd, SHUT_RDWR);  // wakes the thread in poll, recv or send

@@ -61,13 +61,21 @@ class Route:
     pairs; the client holds the first stage's input and the last stage's output. ``sealed``:
     every connection sealed with a key of its own (``wire/link_seal.py``)."""
 
-    def __init__(self, path: Path, n_stages: int, *, ring: bool, sealed: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        n_stages: int,
+        *,
+        ring: bool,
+        sealed: bool = False,
+        frames_per_second: float | None = None,
+    ) -> None:
         with ShardEngine(path, max_sessions=1) as probe:
             n_layer = probe.info.n_layer
         self.engines = [
             ShardEngine(path, layers=r, max_sessions=3) for r in split_points(n_layer, n_stages)
         ]
-        self.ring, self.sealed = ring, sealed
+        self.ring, self.sealed, self.rate = ring, sealed, frames_per_second
         self.links: list[NativeLink] = []
         self.clients: list[socket.socket] = []
         self.fuzzed: list[int] = []
@@ -89,7 +97,15 @@ class Route:
                 else None,
             )
             self.links.append(
-                engine.start_link(session_id, epoch, hop=i, sockets=sockets, body_timeout=1.0)
+                engine.start_link(
+                    session_id,
+                    epoch,
+                    hop=i,
+                    sockets=sockets,
+                    body_timeout=1.0,
+                    frames_per_second=self.rate,
+                    burst=2,
+                )
             )
         self.clients += [hops[0][0], hops[n][1]]
         if not self.sealed:
@@ -472,3 +488,42 @@ def fuzz_route(tiny_llama: Path) -> Iterator[tuple[Route, list[int]]]:
     route = Route(tiny_llama, 2, ring=True)
     yield route, whole_greedy(tiny_llama, PROMPT, 4)
     route.close()
+
+
+def test_a_session_over_its_frame_budget_waits_for_its_turn_and_stays_exact(
+    tiny_llama: Path, routes: list[Route]
+) -> None:
+    """The worker's per-session frame rate, kept by the link itself: frames over a budget of
+    40 a second (a burst of 2) wait in the link, none is refused, and the tokens are the whole
+    model's; a frame cannot run before its turn, so 10 frames take at least 8 / 40 s."""
+    expected = whole_greedy(tiny_llama, PROMPT, 10)
+    route = Route(tiny_llama, 2, ring=True, frames_per_second=40.0)
+    routes.append(route)
+    client = route.open(7)
+    began = time.monotonic()
+    turn = client.generate(PROMPT, 0, 10, timeout=30)
+    assert time.monotonic() - began >= (10 - 2) / 40.0
+    assert list(turn.tokens) == expected
+    client.first.sendall(encode_end(EPOCH))  # round every stage: the counts are final then
+    assert read_message(client.output, 10)[0].kind is Kind.END
+    stats = [link.stats() for link in route.links]
+    assert all(s.failure() is None and s.frames == 10 for s in stats)
+    # the first stage held the frames back (the next ones come at the budget's pace)
+    assert stats[0].throttled >= 1 and stats[0].throttled_ns > 0
+    assert stats[0].busy_ns < stats[0].throttled_ns  # the waits are not busy time
+
+
+def test_a_frame_waiting_for_its_budget_ends_at_once_when_the_link_stops(
+    tiny_llama: Path, routes: list[Route]
+) -> None:
+    route = Route(tiny_llama, 2, ring=True, frames_per_second=0.01)  # one frame a 100 s
+    routes.append(route)
+    client = route.open(7)
+    client.first.sendall(encode_rows(EPOCH, 0, 0, PROMPT, until_step=5))
+    header, _ = read_message(client.output, 30)  # two frames ran (the burst): one token
+    assert header.kind is Kind.TOKEN
+    first = route.links[0]
+    began = time.monotonic()
+    first.close()  # its third frame (the ring's second) waits for its budget: it ends now
+    assert time.monotonic() - began < 10.0
+    assert first.stats().state is LinkState.ENDED

@@ -20,6 +20,7 @@ from dgr_engine.wire.link_messages import (
     Kind,
     Role,
     decode_hello,
+    encode_end,
     encode_hello,
     encode_rows,
     read_message,
@@ -49,7 +50,10 @@ def test_a_sealed_route_gives_the_whole_models_tokens(
     client = route.open(7)
     turn = client.generate(PROMPT, 0, 10, timeout=30)
     assert list(turn.tokens) == expected
-    # each stage sent and took sealed bytes: a tag per message on top of the clear sizes
+    # an END, sealed too, goes round every stage to the client: the links' counts are final
+    client._send(encode_end(EPOCH))
+    header, _ = read_message(client.output, 10, opener=client._open)
+    assert header.kind is Kind.END
     assert all(link.stats().frames == 10 for link in route.links)
 
 
