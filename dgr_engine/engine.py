@@ -76,6 +76,8 @@ class LinkStats:
     """Frames that waited for the session's frame budget (``frames_per_second``)."""
     throttled_ns: int = 0
     """How long they waited, in all."""
+    co_batched: int = 0
+    """Frames that shared their engine call with another session's (co-batching)."""
 
     def failure(self) -> Exception | None:
         """The typed error of a failed link (``None`` unless ``FAILED``)."""
@@ -142,6 +144,7 @@ class NativeLink:
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
         frames_per_second: float | None = None,
         burst: int = 8,
+        co_batch: Any = None,
     ) -> None:
         params = ffi.new("dgr_link_params *")
         params.session_id = session_id
@@ -156,6 +159,7 @@ class NativeLink:
         params.body_timeout_ms = max(1, int(body_timeout * 1000))
         params.frames_per_second = frames_per_second or 0.0
         params.burst = max(1, burst)
+        params.batch = ffi.NULL if co_batch is None else co_batch
         out = ffi.new("dgr_link **")
         if sockets.keys is None:
             check_status(lib.dgr_link_start(engine_handle, params, out))
@@ -196,6 +200,7 @@ class NativeLink:
             ring_frames=int(s.ring_frames),
             throttled=int(s.throttled),
             throttled_ns=int(s.throttled_ns),
+            co_batched=int(s.co_batched),
             kind_frames=(
                 int(s.kind_frames[0]),
                 int(s.kind_frames[1]),
@@ -355,6 +360,8 @@ class ShardEngine:
     ) -> None:
         self._lock = threading.Lock()
         self._links: weakref.WeakSet[NativeLink] = weakref.WeakSet()
+        self._co_batches: dict[int, Any] = {}
+        """The native links' co-batching groups, by their rows a call (freed after the links)."""
         self.native_ns = 0
         """Nanoseconds spent inside llama.cpp by :meth:`forward` and :meth:`forward_batch`,
         summed over the engine's life (what a caller's timing of a call has beyond it is
@@ -390,6 +397,9 @@ class ShardEngine:
         for link in list(self._links):
             link.close()
         with self._lock:
+            for group in self._co_batches.values():
+                lib.dgr_link_batch_free(group)
+            self._co_batches.clear()
             if self._handle is not None:
                 ffi.release(self._handle)
                 self._handle = None
@@ -451,13 +461,23 @@ class ShardEngine:
         body_timeout: float = DEFAULT_BODY_TIMEOUT,
         frames_per_second: float | None = None,
         burst: int = 8,
+        co_batch_rows: int | None = None,
     ) -> NativeLink:
         """Starts a native link of the open ``(session_id, epoch)`` (``native_link.py``): the
         frames coming on ``sockets`` run on this engine's own thread and go on with no Python
         per frame. The link owns the sockets once started; :meth:`close` ends it first.
         ``frames_per_second``: the session's frame budget (a bucket of ``burst``): a frame over
-        it waits in the link for its turn."""
+        it waits in the link for its turn. ``co_batch_rows``: the link's frames co-batch with
+        those of the engine's other links started so (a call of at most that many rows:
+        ``worker/co_batch.py``'s rule), each frame runs alone when ``None``."""
         with self._lock:
+            group = ffi.NULL
+            if co_batch_rows is not None:
+                group = self._co_batches.get(co_batch_rows)
+                if group is None:
+                    made = ffi.new("dgr_link_batch **")
+                    self._check(lib.dgr_link_batch_new(self._live(), co_batch_rows, made))
+                    group = self._co_batches[co_batch_rows] = made[0]
             link = NativeLink(
                 self._live(),
                 session_id,
@@ -469,9 +489,21 @@ class ShardEngine:
                 body_timeout=body_timeout,
                 frames_per_second=frames_per_second,
                 burst=burst,
+                co_batch=group,
             )
         self._links.add(link)
         return link
+
+    def co_batch_stats(self) -> tuple[int, int]:
+        """The native links' co-batching so far: engine calls made, frames they ran."""
+        calls, frames = ffi.new("uint64_t *"), ffi.new("uint64_t *")
+        total = [0, 0]
+        with self._lock:
+            for group in self._co_batches.values():
+                check_status(lib.dgr_link_batch_get_stats(group, calls, frames))
+                total[0] += int(calls[0])
+                total[1] += int(frames[0])
+        return total[0], total[1]
 
     def next_pos(self, session_id: int, epoch: int) -> int:
         """The position the session's next row must carry."""

@@ -151,6 +151,9 @@ class ShardWorker:
         self.usage = UsageBook((self.info.layer_begin, self.info.layer_end))
         rows = co_batch_rows(self.info.n_batch, self.build.quant_types, self.build.hardware)
         co_batch = CoBatchConfig(rows, self.config.co_batch_wait_ms / 1000)
+        self._link_co_batch_rows = rows if self.config.co_batch else None
+        """Rows a co-batched engine call of the native links may carry (``None``: none
+        co-batch)."""
         self.dispatch = EngineDispatch(
             self.table,
             self.meter,
@@ -489,7 +492,8 @@ class ShardWorker:
             notify_fd=notify_fd,
             frames_per_second=budget.frames_per_second,
             burst=budget.burst,
-        )
+            co_batch_rows=self._link_co_batch_rows,  # co-batched with each other, as the
+        )  # Python path's frames are (the lane's batching)
 
     async def close_for(self, session_id: str, epoch: int, cause: CloseCause) -> None:
         """Closes ``(session_id, epoch)`` on the engine's thread, for ``cause``."""

@@ -462,6 +462,19 @@ typedef enum dgr_link_state {
 
 typedef struct dgr_link dgr_link;
 
+/* (ABI 12) A co-batching group: the links of one engine that share it run the frames that wait
+ * for the engine together in one dgr_forward_batch call (at most one frame per session, the
+ * first come always, the rest as they fit max_rows rows: the worker's co-batching, whose rows
+ * keep each session's bits alone). A call gathers its frames while it holds the engine, so the
+ * frames that come while the engine is busy, with a link's frame or a binding call, run together
+ * next. Freed after every link that uses it. */
+typedef struct dgr_link_batch dgr_link_batch;
+
+int dgr_link_batch_new(dgr_engine * engine, uint32_t max_rows, dgr_link_batch ** out);
+/* Engine calls made and frames run by the group so far. */
+int dgr_link_batch_get_stats(dgr_link_batch * batch, uint64_t * calls, uint64_t * frames);
+void dgr_link_batch_free(dgr_link_batch * batch);
+
 typedef struct dgr_link_params {
     uint64_t session_id;
     uint64_t epoch;
@@ -479,6 +492,8 @@ typedef struct dgr_link_params {
      * refused: a ring's frames come from the ring itself, with nobody to retry them. 0: none. */
     double frames_per_second;
     uint32_t burst;
+    dgr_link_batch * batch; /* (ABI 12) the co-batching group the link's frames run in; NULL:
+                               each frame alone (dgr_session_forward) */
 } dgr_link_params;
 
 typedef struct dgr_link_stats {
@@ -501,6 +516,8 @@ typedef struct dgr_link_stats {
     uint64_t ring_frames;   /* frames sent back to the first stage (a ring's last stage) */
     uint64_t throttled;     /* (ABI 12) frames that waited for the session's frame budget */
     uint64_t throttled_ns;  /* how long they waited, in all */
+    uint64_t co_batched;    /* (ABI 12) frames that shared their engine call with another
+                               session's (params.batch; their engine_ns is their rows' share) */
     char error[DGR_LINK_MESSAGE_BYTES];
 } dgr_link_stats;
 

@@ -18,6 +18,7 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <new>
 #include <string>
@@ -26,6 +27,102 @@
 
 // dgr_shard.cpp: records the calling thread's failure (dgr_last_error) and returns status
 int dgr_fail_with(int status, const char * message);
+// dgr_shard.cpp: the lock every call on the engine holds
+std::recursive_mutex & dgr_engine_call_mutex(dgr_engine * engine);
+
+namespace {
+
+// One frame waiting in a co-batching group.
+struct batch_wait {
+    dgr_forward_item item{};
+    bool done = false;
+    bool shared = false;     // ran with another session's frame
+    uint64_t engine_ns = 0;  // its rows' share of its call's time
+};
+
+}  // namespace
+
+struct dgr_link_batch {
+    dgr_engine * engine = nullptr;
+    uint32_t max_rows = 1;
+    std::mutex m;  // guards the rest
+    std::condition_variable called;
+    std::deque<batch_wait *> queue;
+    bool running = false;  // a frame of the queue leads a call now
+    uint64_t calls = 0;
+    uint64_t frames = 0;
+
+    // Runs w in one of the group's calls: the first frame to find no call running leads calls
+    // (holding the engine, it takes from the head of the queue the frames of one call, one per
+    // session and within max_rows rows, the head always) until its own frame ran; the others
+    // wait for theirs.
+    void run(batch_wait * w);
+};
+
+void dgr_link_batch::run(batch_wait * w) {
+    std::unique_lock<std::mutex> held(m);
+    queue.push_back(w);
+    while (!w->done) {
+        if (running) {
+            called.wait(held);
+            continue;
+        }
+        running = true;
+        held.unlock();
+        std::vector<batch_wait *> call;
+        {
+            const std::lock_guard<std::recursive_mutex> engine_held(dgr_engine_call_mutex(engine));
+            {
+                const std::lock_guard<std::mutex> take(m);
+                std::deque<batch_wait *> kept;
+                uint32_t rows = 0;
+                while (!queue.empty()) {
+                    batch_wait * next = queue.front();
+                    queue.pop_front();
+                    bool same_session = false;
+                    for (const batch_wait * c : call) {
+                        same_session = same_session || c->item.session_id == next->item.session_id;
+                    }
+                    if (call.empty() || (!same_session && rows + next->item.n_rows <= max_rows)) {
+                        call.push_back(next);
+                        rows += next->item.n_rows;
+                    } else {
+                        kept.push_back(next);
+                    }
+                }
+                queue.swap(kept);
+            }
+            std::vector<dgr_forward_item> items;
+            uint32_t rows = 0;
+            for (const batch_wait * c : call) {
+                items.push_back(c->item);
+                rows += c->item.n_rows;
+            }
+            const auto began = std::chrono::steady_clock::now();
+            const int rc = dgr_forward_batch(engine, items.data(), (uint32_t) items.size());
+            const uint64_t took = (uint64_t) std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                      std::chrono::steady_clock::now() - began)
+                                      .count();
+            for (size_t i = 0; i < call.size(); ++i) {
+                call[i]->item = items[i];
+                if (rc != DGR_OK) {  // nothing ran: every frame of the call fails with it
+                    call[i]->item.status = rc;
+                    std::snprintf(call[i]->item.error, sizeof call[i]->item.error, "%s", dgr_last_error());
+                }
+                call[i]->shared = call.size() > 1;
+                call[i]->engine_ns = rows ? took * call[i]->item.n_rows / rows : took;
+            }
+        }
+        held.lock();
+        for (batch_wait * c : call) {
+            c->done = true;
+        }
+        calls += 1;
+        frames += call.size();
+        running = false;
+        called.notify_all();
+    }
+}
 
 namespace {
 
@@ -468,12 +565,34 @@ bool dgr_link::one_frame(int fd) {
     const size_t out_rows = info.is_last ? 1 : h.n_rows;
     result.resize(out_rows * (size_t) info.out_width);
     uint32_t n_out = 0;
-    const uint64_t engine_began = monotonic_ns();
-    const int rc = dgr_session_forward(engine, params.session_id, params.epoch, h.n_rows, tokens, rows, width,
-                                       positions.data(), nullptr, result.data(), result.size(), &n_out);
-    const uint64_t engine_ns = monotonic_ns() - engine_began;
-    if (rc != DGR_OK) {
-        return refuse(rc, dgr_last_error());
+    uint64_t engine_ns = 0;
+    bool shared = false;
+    if (params.batch != nullptr) {  // co-batched: with the frames that wait for the engine too
+        batch_wait w;
+        w.item.session_id = params.session_id;
+        w.item.epoch = params.epoch;
+        w.item.n_rows = h.n_rows;
+        w.item.tokens = tokens;
+        w.item.rows = rows;
+        w.item.row_width = width;
+        w.item.positions = positions.data();
+        w.item.out = result.data();
+        w.item.out_capacity = result.size();
+        params.batch->run(&w);
+        if (w.item.status != DGR_OK) {
+            return refuse(w.item.status, w.item.error);
+        }
+        n_out = w.item.n_out;
+        engine_ns = w.engine_ns;
+        shared = w.shared;
+    } else {
+        const uint64_t engine_began = monotonic_ns();
+        const int rc = dgr_session_forward(engine, params.session_id, params.epoch, h.n_rows, tokens, rows, width,
+                                           positions.data(), nullptr, result.data(), result.size(), &n_out);
+        engine_ns = monotonic_ns() - engine_began;
+        if (rc != DGR_OK) {
+            return refuse(rc, dgr_last_error());
+        }
     }
     // every output value finite (the Python path's output check), and on the last stage the
     // greedy token: the first index of the largest logit, in the same pass over the row
@@ -567,6 +686,7 @@ bool dgr_link::one_frame(int fd) {
         stats.bytes_in += kHeader + expected + (sealed ? kTag : 0);
         stats.engine_ns += engine_ns;
         stats.tokens += tokens_answered;
+        stats.co_batched += shared ? 1 : 0;
         stats.ring_frames += ring_frames;
         stats.last_frame_ns = monotonic_ns();
         stats.busy_ns += onward_at - began - budget_wait_ns;  // not the wait for the budget
@@ -665,6 +785,34 @@ int dgr_link_start_sealed(dgr_engine * engine, const dgr_link_params * params, c
         return dgr_fail_with(DGR_E_INVALID_ARGUMENT, "a sealed link needs its keys");
     }
     return start_link(engine, params, keys, out);
+}
+
+int dgr_link_batch_new(dgr_engine * engine, uint32_t max_rows, dgr_link_batch ** out) {
+    if (engine == nullptr || out == nullptr || max_rows < 1) {
+        return dgr_fail_with(DGR_E_INVALID_ARGUMENT, "a co-batching group needs an engine and max_rows >= 1");
+    }
+    auto * batch = new (std::nothrow) dgr_link_batch();
+    if (batch == nullptr) {
+        return dgr_fail_with(DGR_E_INTERNAL, "out of memory for a co-batching group");
+    }
+    batch->engine = engine;
+    batch->max_rows = max_rows;
+    *out = batch;
+    return DGR_OK;
+}
+
+int dgr_link_batch_get_stats(dgr_link_batch * batch, uint64_t * calls, uint64_t * frames) {
+    if (batch == nullptr || calls == nullptr || frames == nullptr) {
+        return DGR_E_INVALID_ARGUMENT;
+    }
+    const std::lock_guard<std::mutex> held(batch->m);
+    *calls = batch->calls;
+    *frames = batch->frames;
+    return DGR_OK;
+}
+
+void dgr_link_batch_free(dgr_link_batch * batch) {
+    delete batch;
 }
 
 int dgr_link_seal(const uint8_t * key, uint64_t counter, const uint8_t * ad, size_t ad_size, uint8_t * text,

@@ -367,6 +367,12 @@ struct dgr_engine {
     }
 };
 
+// dgr_link.cpp's co-batching: a call's frames are gathered while it holds the engine, so the
+// frames that come while the engine is busy (with anything) run together next.
+std::recursive_mutex & dgr_engine_call_mutex(dgr_engine * engine) {
+    return engine->call_mutex;
+}
+
 #define DGR_GUARD_BEGIN try {
 #define DGR_GUARD_END                                                              \
     }                                                                              \

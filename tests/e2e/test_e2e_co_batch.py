@@ -13,6 +13,7 @@ import pytest
 
 from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.record import load_evidence
+from dgr_engine.client.chained import ChainStageTransport
 from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.client.shard_client import ShardClient
 from dgr_engine.options import EngineOptions
@@ -136,3 +137,30 @@ def test_a_stage_lost_under_co_batched_sessions_is_recovered(tiny_llama: Path) -
     assert sum(r.route_changes for r in results) >= 1
     for result, tokens in zip(results, expected, strict=True):
         assert result.state is SessionState.DONE and list(result.tokens) == tokens
+
+
+def test_a_native_ring_of_co_batching_workers_matches_the_whole_model(tiny_llama: Path) -> None:
+    """Greedy rings take native links on co-batching workers too: each worker's links run in
+    one co-batching group (``dgr_link_batch``, the lane's rule for rows a call), and every
+    concurrent session's tokens equal the whole model's."""
+    provider = LoopbackRouteProvider(tiny_llama, [(0, 2), (2, 4)], options=OPTIONS)
+
+    async def scenario() -> tuple[list[SessionResult], int]:
+        transport = ChainStageTransport(timeout=20.0, ring=True, data_path="native")
+        async with provider, transport:
+            manager = SessionManager(
+                transport,
+                provider,
+                policy=FailurePolicy(step_deadline=20.0),
+                required_evidence=EvidenceClass.FIXTURE,
+            )
+            handles = [manager.start(p, max_new_tokens=N_NEW) for p in PROMPTS]
+            results = list(await asyncio.gather(*(h.wait() for h in handles)))
+            await manager.aclose()
+            return results, transport.chain_stats.native_epochs
+
+    results, native_epochs = asyncio.run(asyncio.wait_for(scenario(), 180.0))
+    expected = whole_model_greedy(tiny_llama, PROMPTS, N_NEW, OPTIONS)
+    for result, tokens in zip(results, expected, strict=True):
+        assert result.state is SessionState.DONE and list(result.tokens) == tokens
+    assert native_epochs == len(PROMPTS)

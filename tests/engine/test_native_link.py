@@ -69,6 +69,7 @@ class Route:
         ring: bool,
         sealed: bool = False,
         frames_per_second: float | None = None,
+        co_batch_rows: int | None = None,
     ) -> None:
         with ShardEngine(path, max_sessions=1) as probe:
             n_layer = probe.info.n_layer
@@ -76,6 +77,7 @@ class Route:
             ShardEngine(path, layers=r, max_sessions=3) for r in split_points(n_layer, n_stages)
         ]
         self.ring, self.sealed, self.rate = ring, sealed, frames_per_second
+        self.co_batch_rows = co_batch_rows
         self.links: list[NativeLink] = []
         self.clients: list[socket.socket] = []
         self.fuzzed: list[int] = []
@@ -105,6 +107,7 @@ class Route:
                     body_timeout=1.0,
                     frames_per_second=self.rate,
                     burst=2,
+                    co_batch_rows=self.co_batch_rows,
                 )
             )
         self.clients += [hops[0][0], hops[n][1]]
@@ -527,3 +530,31 @@ def test_a_frame_waiting_for_its_budget_ends_at_once_when_the_link_stops(
     first.close()  # its third frame (the ring's second) waits for its budget: it ends now
     assert time.monotonic() - began < 10.0
     assert first.stats().state is LinkState.ENDED
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_links_co_batch_the_frames_that_wait_together_and_every_session_stays_exact(
+    tiny_llama: Path, routes: list[Route], sealed: bool
+) -> None:
+    """Three rings on the same two engines, their links in one co-batching group each: the
+    frames that wait for an engine together run in one call (``dgr_forward_batch``), and each
+    session's tokens are the whole model's alone."""
+    n = 24
+    prompts = [PROMPT, PROMPT[::-1], PROMPT[2:] + PROMPT[:2]]
+    expected = [whole_greedy(tiny_llama, p, n) for p in prompts]
+    route = Route(tiny_llama, 2, ring=True, sealed=sealed, co_batch_rows=64)
+    routes.append(route)
+    clients = [route.open(session) for session in (1, 2, 3)]
+    for client, prompt in zip(clients, prompts, strict=True):  # the rings run by themselves
+        client._send(encode_rows(EPOCH, 0, 0, prompt, until_step=n - 1))
+    for client, want in zip(clients, expected, strict=True):
+        got = [read_message(client.output, 30, opener=client._open)[0] for _ in range(n)]
+        assert [h.value for h in got if h.kind is Kind.TOKEN] == want
+        client._send(encode_end(EPOCH))  # round every stage: the counts are final then
+        assert read_message(client.output, 10, opener=client._open)[0].kind is Kind.END
+    stats = [link.stats() for link in route.links]
+    assert all(s.failure() is None and s.frames == n for s in stats)
+    assert sum(s.co_batched for s in stats) > 0
+    for engine in route.engines:
+        calls, frames = engine.co_batch_stats()
+        assert frames == 3 * n and calls < frames  # some calls ran several sessions' frames
