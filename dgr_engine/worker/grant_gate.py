@@ -104,6 +104,17 @@ class GrantGate:
         held = self._current(session_id)
         return held.secret if held is not None and held.epoch == epoch else None
 
+    def knows(self, session_id: str, epoch: int, secret: bytes) -> bool:
+        """Whether ``secret`` is the one the open of the held ``(session_id, epoch)`` returned
+        (constant time)."""
+        held = self._current(session_id)
+        expected = held.secret if held is not None else b"\0" * SECRET_BYTES
+        return (
+            hmac.compare_digest(expected, bytes(secret))
+            and held is not None
+            and held.epoch == epoch
+        )
+
     def check(self, session_id: str, epoch: int, secret: bytes, *, close: bool = False) -> None:
         """Before a frame, link, output stream or (``close``) a close: ``GrantUnauthenticated``
         unless ``secret`` is the one the open of the held epoch returned (see the module's

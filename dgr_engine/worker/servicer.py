@@ -134,11 +134,17 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         try:
             frames.check_session_id(request.session_id)
             held = self.host.grants.held_epoch(request.session_id)
-            if not self.host.grants.enabled and held is not None and held < request.epoch:
-                # A close of a newer epoch than the one held may come from a client that never
-                # got the held epoch's secret (that open's reply was lost). It has the authority
-                # an open of its epoch has, which discards the held one too: the session's
-                # owner's (without grants; OpenSession checks the same).
+            reply_lost = held is not None and (
+                held < request.epoch
+                or not self.host.grants.knows(request.session_id, held, request.session_secret)
+            )
+            if not self.host.grants.enabled and reply_lost:
+                # A close of the held epoch or a newer one may come from a client that never got
+                # the held epoch's secret (that open's reply was lost: it timed out at a stalled
+                # worker, which then opened it). It has the authority an open of its epoch has,
+                # which discards the held one too (a re-open of the held epoch is allowed and
+                # answers a new secret): the session's owner's (without grants; OpenSession
+                # checks the same). With grants the secret is needed; the lease frees the slot.
                 client = client_identity(context.peer(), context.auth_context())
                 self.host.limits.check_owner(client, request.session_id, "close")
             else:

@@ -130,3 +130,30 @@ def test_a_close_of_a_newer_epoch_frees_a_slot_whose_open_reply_was_lost(
             await worker.stop()
 
     asyncio.run(asyncio.wait_for(scenario(), 90))
+
+
+def test_a_close_of_the_epoch_whose_open_reply_was_lost_frees_its_slot(tiny_llama: Path) -> None:
+    """Issue 32's leak over native rings: the client held the secret of epoch 2; its open of
+    epoch 3 landed at the worker but the reply never reached it (here: another channel of the
+    same client got it). Its close of epoch 3, carrying epoch 2's secret, must still land (the
+    owner's authority, as an open of epoch 3 has), or epoch 3 holds its slot until its lease."""
+    worker = ShardWorker.load(tiny_llama, (0, 2), config=WorkerConfig(port=0), **KW)
+
+    async def scenario() -> None:
+        address = await worker.start()
+        try:
+            async with (
+                ShardClient(address, timeout=30.0) as client,
+                ShardClient(address, timeout=30.0) as lost,
+            ):
+                expect = expectations_of(await client.describe())
+                await client.open("s", 2, expect)
+                await lost.open("s", 3, expect)  # its secret reached `lost` only
+                assert worker.table.holds("s")
+                await client.close("s", 3)  # epoch 2's secret: the open's authority
+                assert worker.table.snapshot().sessions_open == 0
+                assert worker.meter.snapshot().total_errors == 0
+        finally:
+            await worker.stop()
+
+    asyncio.run(asyncio.wait_for(scenario(), 90))
