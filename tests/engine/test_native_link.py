@@ -414,6 +414,7 @@ FIELDS = st.fixed_dictionaries(
     body=st.binary(max_size=96),
     nan_rows=st.booleans(),
     cut=st.booleans(),
+    seal=st.sampled_from(["clear", "sealed with its key", "clear to a sealed link"]),
 )
 def test_fuzzed_input_fails_typed_and_the_honest_session_stays_exact(
     fuzz_route: tuple[Route, list[int]],
@@ -422,12 +423,14 @@ def test_fuzzed_input_fails_typed_and_the_honest_session_stays_exact(
     body: bytes,
     nan_rows: bool,
     cut: bool,
+    seal: str,
 ) -> None:
     """Hypothesis sends any header and any bytes (rows of NaN among them, or a frame cut
-    short) to a hostile session's link on either stage of a 2-stage ring: that link fails
-    with a typed status (never ``DGR_E_INTERNAL``) or ends, never crashes or hangs, its
-    session's state is untouched, and an honest session on the same engines keeps the whole
-    model's tokens."""
+    short) to a hostile session's link on either stage of a 2-stage ring, in the clear, or to a
+    sealed link sealed with its own key (so the checks after the seal see every header) or in
+    the clear: that link fails with a typed status (never ``DGR_E_INTERNAL``) or ends, never
+    crashes or hangs, its session's state is untouched, and an honest session on the same
+    engines keeps the whole model's tokens."""
     route, expected = fuzz_route
     engine = route.engines[stage]
     sid = 100 + len(route.fuzzed)
@@ -435,11 +438,13 @@ def test_fuzzed_input_fails_typed_and_the_honest_session_stays_exact(
     engine.open_session(sid, EPOCH)
     inbound, outbound = socket.socketpair(), socket.socketpair()
     ended, notify = os.pipe()
+    key_in, key_out = os.urandom(32), os.urandom(32)
+    keys = LinkKeys(key_in, key_out) if seal != "clear" else None
     link = engine.start_link(
         sid,
         EPOCH,
         hop=stage,
-        sockets=LinkSockets(inbound[1], outbound[0]),
+        sockets=LinkSockets(inbound[1], outbound[0], keys=keys),
         body_timeout=0.2,
         notify_fd=notify,
     )
@@ -447,6 +452,8 @@ def test_fuzzed_input_fails_typed_and_the_honest_session_stays_exact(
     if nan_rows and stage == 1:
         rows = np.full((1, engine.info.in_width), np.nan, dtype=np.float32)
         data = encode_rows(EPOCH, 0, 0, [1], rows=rows, trace=[0])
+    if seal == "sealed with its key":
+        data = Sealing(key_in).seal(data)
     if cut:
         data = data[: max(1, len(data) // 2)]
     try:
@@ -457,9 +464,10 @@ def test_fuzzed_input_fails_typed_and_the_honest_session_stays_exact(
     # the link ends by itself: its input ended (a frame it could not take, or the end of it)
     assert select.select([ended], [], [], 30)[0], "the link did not end"
     final = link.close()
+    opener = Sealing(key_out) if keys is not None else None
     while True:  # what it sent on is well-formed link messages, to the end of its socket
         try:
-            read_message(outbound[1], 5)
+            read_message(outbound[1], 5, opener=opener)
         except LinkClosed:
             break
     os.close(ended)
