@@ -111,6 +111,13 @@ class Forward:
     """The forward after a verification pass: how many of its drafts the session kept; every
     stage drops the positions of the others before it runs these rows (``None``: the previous
     forward was no verification pass)."""
+    frame_rows: int = 0
+    """A prefill forward of several pinned chunks (the core sends so to a transport that takes
+    them: ``prefill_frames``): the transport must run the rows as frames of exactly this many
+    (the last one: the rest), in order, sent back to back so that the route's stages work on
+    them at once (stage k on frame f + 1 while stage k + 1 is on frame f); only the last frame
+    may want logits. Each stage computes the same calls as with one chunk per forward, so the
+    bits are the same. 0: one frame."""
     greedy: bool = False
     """The session takes the greedy token of every logits row it reads (its sampler is greedy,
     as every speculating session's is): a transport may ask the last stage for those tokens

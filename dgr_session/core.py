@@ -142,6 +142,7 @@ class RouteSession:
         "_reason",
         "_spec",
         "_kept",
+        "_frames",
         "_pass_rows",
         "__weakref__",
     )
@@ -162,6 +163,7 @@ class RouteSession:
         certification_verifier: CertificationVerifier | None = None,
         speculation: Speculation | None = None,
         greedy: bool = False,
+        prefill_frames: int = 1,
     ) -> None:
         check_session_id(session_id)  # it names the session in every command and log line
         if not prompt:
@@ -170,6 +172,8 @@ class RouteSession:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if prefill_frames < 1:
+            raise ValueError(f"prefill_frames must be >= 1, got {prefill_frames}")
         #: Session id; every event must name it.
         self.session_id = session_id
         #: Prompt token ids.
@@ -198,6 +202,9 @@ class RouteSession:
         # (the whole prompt when no stage says). Pinned, so a re-prefill feeds the prompt in the
         # first run's chunks and every shard rebuilds its KV bit for bit.
         self._chunk = prefill_chunk
+        self._frames = prefill_frames
+        """Pinned prompt chunks per prefill forward, when the transport sends them as that many
+        frames back to back, pipelined along the route (``Forward.frame_rows``)."""
         self._replay_rows = 1
         """Rows per forward of a batched replay: the smallest ``max_rows`` of the route."""
         self._high_water = 0
@@ -674,12 +681,15 @@ class RouteSession:
         end = n_prompt + len(self._accepted)
         if pos >= end:
             return None
+        frame_rows = 0
         if pos + 1 < end and self._accepted and self._budget.policy.replay is _BATCHED:
             history = (*self.prompt, *self._accepted)  # a replay: prompt and accepted join
             tokens = history[pos : pos + self._replay_rows]
         elif pos < n_prompt:
             assert self._chunk is not None  # pinned by the first route
-            tokens = self.prompt[pos : pos + self._chunk]
+            tokens = self.prompt[pos : pos + self._chunk * self._frames]
+            if len(tokens) > self._chunk:  # pinned chunks as frames, pipelined by the transport
+                frame_rows = self._chunk
         else:  # one accepted token: no copy of the whole history per decoded token
             tokens = (self._accepted[pos - n_prompt],)
         kept, self._kept = self._kept, None  # told to the stages with this chunk
@@ -697,11 +707,11 @@ class RouteSession:
                 drafts = len(proposed)
                 tokens = (*tokens, *proposed)
                 return _new_tuple(
-                    Chunk, (range(pos, stop + drafts), tokens, kind, True, drafts, kept)
+                    Chunk, (range(pos, stop + drafts), tokens, kind, True, drafts, kept, 0)
                 )
-        # Chunk(positions, token_ids, kind, wants_logits, drafts, kept_drafts), without
+        # Chunk(positions, token_ids, kind, wants_logits, drafts, kept_drafts, frame_rows), without
         # NamedTuple's slower __new__
-        return _new_tuple(Chunk, (range(pos, stop), tokens, kind, stop == end, 0, kept))
+        return _new_tuple(Chunk, (range(pos, stop), tokens, kind, stop == end, 0, kept, frame_rows))
 
     def _pump(self, index: int, out: list[Command]) -> None:
         """Stage ``index`` may be free to go on: the pipeline feeds it, and the stages before

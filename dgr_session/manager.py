@@ -318,6 +318,7 @@ class SessionManager:
         adapting = getattr(self._transport, "speculation_for", None)
         if speculation is not None and callable(adapting):
             speculation = adapting(sid, speculation)
+        frames = getattr(self._transport, "prefill_frames", 1)  # what the transport pipelines
         core = RouteSession(
             sid,
             prompt,
@@ -332,6 +333,7 @@ class SessionManager:
             prefill_chunk=prefill_chunk,
             speculation=speculation,
             greedy=chosen is greedy,
+            prefill_frames=frames if isinstance(frames, int) and frames >= 1 else 1,
         )
         handle = SessionHandle(core, chosen, on_token)
         self._live[sid] = handle

@@ -40,6 +40,10 @@ class Chunk(NamedTuple):
     """A verification pass: its last ``drafts`` tokens are drafts (speculative decoding)."""
     kept_drafts: int | None = None
     """The chunk after a verification pass: the pass's drafts the session kept."""
+    frame_rows: int = 0
+    """Several pinned prefill chunks in one forward: each frame's rows (the pinned chunk; the
+    transport sends the rows as frames of that many, back to back, pipelined along the route:
+    ``Forward.frame_rows``); 0: one frame."""
 
 
 class EpochPipeline:
@@ -178,7 +182,9 @@ class EpochPipeline:
         """Appends the forward of ``chunk`` through stage ``index`` (free) to ``out``. Into
         stage 0 (``payload`` ``None``), ``chunk`` starts at ``sent`` and joins the flight;
         :meth:`pump` sends the later stages theirs."""
-        positions, token_ids, kind, wants_logits, drafts, kept = chunk  # (one unpacking)
+        positions, token_ids, kind, wants_logits, drafts, kept, frame_rows = (
+            chunk  # (one unpacking)
+        )
         if index == 0:
             self.flight.append(chunk)
             self.sent = positions.stop
@@ -200,6 +206,7 @@ class EpochPipeline:
                 drafts=drafts,
                 kept_drafts=kept,
                 greedy=self.greedy,
+                frame_rows=frame_rows,
             )
         )
 

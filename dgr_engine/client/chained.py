@@ -217,6 +217,8 @@ class _Chain:
         self.stages: dict[int, StageSpec] = {}  # by layer_begin, filled by opens
         self.route: list[StageSpec] = []
         self.pending: collections.deque[ChainTicket] = collections.deque()
+        self.frames_ahead: list[ChainTicket] = []
+        """The frames sent ahead of a forward's last one (``Forward.frame_rows``)."""
         self.broken: tuple[int, Exception] | None = None
         self.input: Any = None
         self.output: Any = None
@@ -436,6 +438,32 @@ class _Chain:
         except asyncio.InvalidStateError:
             pass
 
+    def fold_frames(self, ticket: ChainTicket) -> None:
+        """The frames sent ahead of ``ticket``'s (one forward's pinned chunks) end with it: a
+        failure of theirs is the forward's (the oldest first, as the chain ran them), and on
+        success each stage's cost of them joins its cost of the last frame (its trace), so the
+        forward's answer counts all its rows."""
+        ahead, self.frames_ahead = self.frames_ahead, []
+        failed = next((f for f in ahead if f.error is not None), None)
+        if failed is not None and failed.failed_hop is not None and failed.error is not None:
+            ticket.failed_hop, ticket.error, ticket.reply = failed.failed_hop, failed.error, None
+            return
+        if ticket.reply is None:
+            return
+        for frame in ahead:
+            if frame.reply is None:
+                continue
+            for hop in frame.reply.hops:
+                mine = next((h for h in ticket.reply.hops if h.hop == hop.hop), None)
+                if mine is None:
+                    continue
+                mine.bytes_in += hop.bytes_in
+                mine.bytes_out += hop.bytes_out
+                for name in ("compute_us", "native_us", "total_us", "queue_us"):
+                    setattr(
+                        mine.timings, name, getattr(mine.timings, name) + getattr(hop.timings, name)
+                    )
+
     def expect(self, ticket: ChainTicket) -> None:
         """A frame the ring already sent: its outcome lands on ``ticket``."""
         early = self.early.pop(ticket.step, None)
@@ -495,12 +523,19 @@ class ChainStageTransport(GrpcStageTransport):
         chain_observer: Callable[[ChainRecord], None] | None = None,
         ring: bool = False,
         data_path: str = "auto",
+        prefill_frames: int = 4,
         **options: Any,
     ) -> None:
         super().__init__(**options)
+        if prefill_frames < 1:
+            raise ValueError(f"prefill_frames must be >= 1, got {prefill_frames}")
         self.ring = ring
         """Ring mode: the last stage sends each next decode step's frame to the first stage
         itself (its greedy token); sessions must sample greedily (``docs/chain.md``)."""
+        self.prefill_frames = prefill_frames
+        """Pinned prompt chunks a session may send in one prefill forward (``SessionManager``
+        reads it): the transport sends them as frames back to back, so that stage k runs
+        frame f + 1 while stage k + 1 runs frame f, in the calls it runs one chunk a forward."""
         # session -> (last step the ring may produce, stop tokens), from session_starting
         self._limits: collections.OrderedDict[str, tuple[int, tuple[int, ...]]] = (
             collections.OrderedDict()
@@ -711,6 +746,9 @@ class ChainStageTransport(GrpcStageTransport):
             if not draft_max and chain.route:
                 last = await self.advert(chain.route[-1].endpoint)
                 mtp_max = self.mtp_draft_max(session_id, last, call)
+            secret = self.client(stage.endpoint).session_secret(session_id, epoch)
+            ahead = await self._frames_ahead(chain, call, secret)
+            positions, token_ids = call.positions[ahead:], call.token_ids[ahead:]
             request = encode_forward(
                 session_id,
                 epoch,
@@ -720,7 +758,7 @@ class ChainStageTransport(GrpcStageTransport):
                 tokens=np.asarray(token_ids, dtype=np.int32),
                 no_logits=not call.wants_logits,
                 timeout=self.timeout,
-                session_secret=self.client(stage.endpoint).session_secret(session_id, epoch),
+                session_secret=secret,
                 kind=call.kind,
                 logit_rows=range(len(positions)) if call.drafts else None,
                 drafts=call.drafts,
@@ -747,6 +785,7 @@ class ChainStageTransport(GrpcStageTransport):
                     await asyncio.shield(ticket.done)
             except TimeoutError:
                 chain.fail(0, ShardDeadlineExceeded(f"no chained output within {self.timeout} s"))
+        chain.fold_frames(ticket)
         if ticket.reply is not None and until > step and call.wants_logits:
             self._predict(chain, call, ticket.reply, stops, draft_max > 0)
         if ticket.reply is not None:
@@ -767,7 +806,7 @@ class ChainStageTransport(GrpcStageTransport):
                         session_id,
                         epoch,
                         step,
-                        len(positions),
+                        len(call.positions),
                         rtt_us,
                         tuple(int(h.timings.total_us) for h in hops),
                         tuple(int(h.timings.compute_us) for h in hops),
@@ -775,6 +814,37 @@ class ChainStageTransport(GrpcStageTransport):
                     )
                 )
         return self._answer(chain, stage, ticket)
+
+    async def _frames_ahead(self, chain: _Chain, call: Forward, secret: bytes) -> int:
+        """A forward of several pinned prefill chunks (``Forward.frame_rows``): sends every
+        frame but the last, back to back, without waiting for their outputs, so that the
+        route's stages work on them at once; their outcomes fold into the last frame's ticket
+        (:meth:`_Chain.fold_frames`). Returns the rows sent (the last frame's start)."""
+        rows, n = call.frame_rows, len(call.positions)
+        if rows <= 0 or n <= rows:
+            return 0
+        loop = asyncio.get_running_loop()
+        sent = 0
+        while n - sent > rows:
+            positions = call.positions[sent : sent + rows]
+            request = encode_forward(
+                call.session_id,
+                call.epoch,
+                call.step,
+                expectations_for(call.stage),
+                positions,
+                tokens=np.asarray(call.token_ids[sent : sent + rows], dtype=np.int32),
+                no_logits=True,
+                timeout=self.timeout,
+                session_secret=secret,
+                kind=call.kind,
+            )
+            ticket = ChainTicket(call.step, rows, loop.create_future())
+            chain.frames_ahead.append(ticket)
+            self.chain_stats.sent += 1
+            await chain.submit(ticket, request)
+            sent += rows
+        return sent
 
     @staticmethod
     def _predict(

@@ -15,6 +15,7 @@ link only for sessions that send none of them).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import re
 from collections.abc import Sequence
@@ -70,7 +71,9 @@ class _Ledger:
     logits (their answers carry none), and whether the output has ended."""
 
     def __init__(self) -> None:
-        self.no_logits: set[int] = set()
+        self.no_logits: collections.Counter[int] = collections.Counter()
+        """Per step, its frames in flight that want no logits (a prefill forward's frames
+        share its step)."""
         self.output_ended = asyncio.Event()
         self.n_stop = 0
         """The stop tokens every frame of the epoch carries."""
@@ -235,7 +238,7 @@ class NativeInputCall(_Call):
             )
         step = int(request.step)
         if request.no_logits:
-            self._ledger.no_logits.add(step)
+            self._ledger.no_logits[step] += 1
         self._ledger.n_stop = len(request.ring_stop)
         return lm.encode_rows(
             int(request.epoch),
@@ -348,8 +351,8 @@ class NativeOutputCall(_Call):
             kind=pb.OUTPUT_KIND_LOGITS,
             next_pos=header.pos + header.n_rows,
         )
-        if header.step in self._ledger.no_logits:
-            self._ledger.no_logits.discard(header.step)
+        if self._ledger.no_logits[header.step] > 0:  # frames of a step come back in order
+            self._ledger.no_logits[header.step] -= 1
             fill_tensor(reply.output, _NO_ROWS)
         else:
             reply.greedy.append(header.value)

@@ -20,14 +20,15 @@ import numpy as np
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dgr_engine.client.chained import ChainStageTransport, ChainTicket
+from dgr_engine.client.chained import ChainStageTransport, ChainStats, ChainTicket
 from dgr_engine.client.relay import expectations_for
 from dgr_engine.client.routes import EndpointRouteProvider
 from dgr_engine.client.shard_client import ShardClient
+from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import FrameRejected, StaleEpoch
 from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.options import EngineOptions
-from dgr_engine.reference import whole_model_reference
+from dgr_engine.reference import LocalChain, whole_model_reference
 from dgr_engine.security.grants import GrantIssuer
 from dgr_engine.security.tls import ClientTls, ServerTls
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
@@ -463,3 +464,75 @@ def test_a_ring_refuses_a_session_that_does_not_sample_greedily() -> None:
     (report,) = result.reports
     assert report.fault is FaultKind.STATE_LOST and report.stage_index == 0
     assert "greedy" in report.detail
+
+
+def chunked_reference(
+    path: Path, prompt: Sequence[int], n_tokens: int, chunk: int
+) -> tuple[list[int], list[np.ndarray]]:
+    """The whole model fed as a route session feeds it: the prompt in pinned chunks of
+    ``chunk`` rows (the last row's logits of the last), then one token a call."""
+    with ShardEngine(path, **OPTIONS.engine_kwargs()) as whole:
+        chain = LocalChain([whole])
+        chain.open(1, 0)
+        for start in range(0, len(prompt), chunk):
+            last = chain.forward(1, 0, prompt[start : start + chunk], start)
+        logits, tokens, pos = [last[-1]], [int(np.argmax(last[-1]))], len(prompt)
+        while len(tokens) < n_tokens:
+            logits.append(chain.forward(1, 0, [tokens[-1]], pos)[-1])
+            tokens.append(int(np.argmax(logits[-1])))
+            pos += 1
+    return tokens, logits
+
+
+@pytest.mark.parametrize(
+    ("data_path", "ring"),
+    [("grpc", False), ("frame-link", True), ("native", True)],
+    ids=["grpc-chain", "frame-link-ring", "native-ring"],
+)
+def test_a_long_prompt_goes_in_pipelined_frames_bit_for_bit(data_path: str, ring: bool) -> None:
+    """A prompt of many pinned chunks: the chained transport sends up to ``prefill_frames``
+    of them in one forward, as frames back to back (stage 1 runs frame f while stage 0 runs
+    f + 1), each a call of exactly the pinned chunk: tokens and every logits row equal the
+    whole model fed in those chunks, and every stage's usage counts every row once."""
+    path = ensure_fixture("tiny-llama")
+    layout = ((0, 1), (1, 2), (2, 4))
+    chunk = 16
+    prompts = prompts_for(256, 75, (61, 62))  # 5 chunks: a forward of 4 frames, then 1
+    reference = [chunked_reference(path, p, N_TOKENS, chunk) for p in prompts]
+    provider = LoopbackRouteProvider(path, layout, options=OPTIONS)
+
+    async def scenario() -> tuple[list[SessionResult], list[Recorder], ChainStats]:
+        recorders = [Recorder() for _ in prompts]
+        transport = ChainStageTransport(timeout=10.0, ring=ring, data_path=data_path)
+        async with provider, transport:
+            manager = SessionManager(
+                transport,
+                provider,
+                policy=FailurePolicy(step_deadline=10.0),
+                required_evidence=EvidenceClass.FIXTURE,
+            )
+            native = data_path == "native"  # greedy tokens only there: no logits to record
+            handles = [
+                manager.start(
+                    p, max_new_tokens=N_TOKENS, prefill_chunk=chunk, sampler=None if native else r
+                )
+                for p, r in zip(prompts, recorders, strict=True)
+            ]
+            results = [await h.wait() for h in handles]
+            await manager.aclose()
+        return results, recorders, transport.chain_stats
+
+    results, recorders, stats = run(scenario())
+    for result, recorder, (tokens, logits) in zip(results, recorders, reference, strict=True):
+        assert result.state is SessionState.DONE, result.error
+        assert list(result.tokens) == tokens
+        for step, row in enumerate(logits if data_path != "native" else ()):
+            assert np.array_equal(recorder.logits[step], row), f"logits differ at step {step}"
+        rows = len(prompts[0]) + N_TOKENS - 1
+        assert {(u.stage_index, u.rows_prefill + u.rows_decode) for u in result.usage} == {
+            (i, rows) for i in range(len(layout))
+        }
+    # each prompt: 5 frames (4 in one forward), counted as sent; a ring sent no decode frame
+    sent_decode = 0 if ring else len(prompts) * (N_TOKENS - 1)
+    assert stats.sent == len(prompts) * 5 + sent_decode
+    assert stats.native_epochs == (len(prompts) if data_path == "native" else 0)
