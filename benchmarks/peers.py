@@ -736,6 +736,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--accepted", default="16,128,400", help="recovery k values ('' none)")
+    parser.add_argument(
+        "--batch",
+        type=int,
+        default=None,
+        help="most rows per forward, every peer's and dgr's (llama.cpp's -b and -ub; dgr's "
+        "n_batch, its prompt chunk, part of the lane); default: the prompt rounded up to a "
+        "power of two, at least 64. Below the prompt, dgr's chained routes pipeline the "
+        "prompt's chunks along the stages (docs/chain.md)",
+    )
     parser.add_argument("--kv-type", choices=KV_TYPES, default="f16")
     parser.add_argument("--flash-attn", choices=FLASH_ATTN_MODES, default="auto")
     parser.add_argument(
@@ -755,6 +764,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if any(n < 2 for n in args.stages):
         parser.error("--stages: RPC needs at least 2 stages")
+    if args.batch is not None and args.batch < 1:
+        parser.error("--batch: at least 1 row")
 
     began = time.monotonic()
     try:
@@ -786,7 +797,7 @@ def main(argv: list[str] | None = None) -> int:
     # one lane for every route: the context covers the speed runs and the largest recovery
     need = max(s.prompt + s.decode + 2, recovery.PROMPT_LEN + max(accepted, default=0) + 12)
     ctx = max(256, 1 << (need - 1).bit_length())
-    batch = max(64, 1 << (s.prompt - 1).bit_length())
+    batch = args.batch or max(64, 1 << (s.prompt - 1).bit_length())
     options = EngineOptions(
         n_threads=s.threads,
         n_ctx_per_session=ctx,

@@ -11,8 +11,11 @@ Side by side in one run, one session at a time, greedy:
   network path from the cost of cutting the model.
 
 Decode tokens/s is over the tokens after the first (the first one is the prefill's); prefill
-tokens/s is the prompt length over the prefill's wall time (from the first stage's request to
-the last stage's reply). Each is the median of ``--repeats`` rounds; every round runs the
+tokens/s is the prompt length over the prefill's wall time (relayed: from the first stage's
+first request to the last stage's reply of the prompt's last chunk; chained: the prompt
+forwards' round trips, from the first frame sent to the answer, the epoch's opens and links
+left out as llama.cpp's prompt test has none; the time to the first token keeps them). Each
+is the median of ``--repeats`` rounds; every round runs the
 whole model and every route once (order rotated per round, all routes' workers up throughout),
 after one warm-up round, so that a slow spell of this shared machine hits them all alike.
 
@@ -143,11 +146,16 @@ def _prompt(n: int, n_vocab: int) -> list[int]:
 def whole_model(
     engine: ShardEngine, session: int, prompt: list[int], n_decode: int
 ) -> tuple[float, float, list[int]]:
-    """(prefill seconds, decode seconds, tokens) of one greedy run on the whole model."""
+    """(prefill seconds, decode seconds, tokens) of one greedy run on the whole model (the
+    prompt in chunks of the engine's ``n_batch``, as a route session feeds it)."""
     engine.open_session(session, 0)
     try:
         began = time.perf_counter()
-        logits = engine.forward(session, 0, np.arange(len(prompt)), tokens=prompt)
+        chunk = engine.info.n_batch
+        for start in range(0, len(prompt), chunk):
+            rows = prompt[start : start + chunk]
+            positions = np.arange(start, start + len(rows))
+            logits = engine.forward(session, 0, positions, tokens=rows)
         token = int(np.argmax(logits[-1]))
         prefill = time.perf_counter() - began
         tokens, pos = [token], len(prompt)
@@ -238,19 +246,24 @@ class RouteBench(LoopbackRoute):
         result = await handle.wait()
         if result.error is not None:
             raise result.error
-        prefill = [(t, r) for t, r in self._records if r.positions.start == 0]
+        # the prompt's forwards: its chunks through every stage (pipelined by the relay)
+        prefill = [(t, r) for t, r in self._records if r.positions.start < len(prompt)]
         first_token_at = times[0]
         decode_s = times[-1] - times[0]
-        if not prefill:  # a chained route reports no per-stage forwards: from the session's
-            # start to its first token (the stages' opens included, a few ms on loopback)
+        if not prefill:  # a chained route reports no per-stage forwards: its prefill forwards'
+            # round trips, from each one's first frame sent to its answer (the stages' opens
+            # and links left out, as RPC's prompt test has none); the time to the first token
+            # keeps them
             ttft = first_token_at - began
+            prompt_frames = [r for r in self._chained if r.step == 0]
+            prefill_s = sum(r.rtt_us for r in prompt_frames) / 1e6 if prompt_frames else ttft
             steps = [r for r in self._chained if r.step > 0]
             parts = chained_token_parts(steps, decode_s, n_decode, ring=self.ring)
-            return RouteRun(ttft, decode_s, list(result.tokens), [], ttft, parts)
-        start = prefill[0][0] - prefill[0][1].rtt_us / 1e6
+            return RouteRun(prefill_s, decode_s, list(result.tokens), [], ttft, parts)
+        start = min(t - r.rtt_us / 1e6 for t, r in prefill)
         decode = [r for t, r in self._records if t > first_token_at and len(r.positions) == 1]
         return RouteRun(
-            prefill[-1][0] - start,
+            max(t for t, _ in prefill) - start,
             decode_s,
             list(result.tokens),
             decode,

@@ -95,15 +95,27 @@ class LocalChain:
         the last row's logits: compare like with like. Route sessions ask for the last row only;
         a reference for them passes ``all_prefill_logits=False``.
 
-        Replay keeps the original batching - the prompt in one call, then one token per call -
+        A prompt longer than the engines' ``n_batch`` goes in calls of that many rows, as a
+        route session's pinned chunks (its default ``prefill_chunk``).
+
+        Replay keeps the original batching - the prompt in its calls, then one token per call -
         so the KV it rebuilds is bit for bit the KV of the first run: a batched re-prefill of
         prompt + accepted tokens rounds differently in the last bits and could flip a greedy
         near-tie.
         """
         history = list(prompt)
-        logits: list[FloatArray] = [
-            self.forward(session_id, epoch, history, 0, all_logits=all_prefill_logits)
+        chunk = min(engine.info.n_batch for engine in self.engines)  # a session's pinned chunk
+        parts = [
+            self.forward(
+                session_id,
+                epoch,
+                history[start : start + chunk],
+                start,
+                all_logits=all_prefill_logits,
+            )
+            for start in range(0, len(history), chunk)
         ]
+        logits: list[FloatArray] = [np.concatenate(parts) if all_prefill_logits else parts[-1]]
         for token in accepted:
             logits.append(self.forward(session_id, epoch, [token], len(history)))
             history.append(int(token))
@@ -168,9 +180,9 @@ def whole_model_reference(
     """Per prompt: the whole model's greedy tokens and, for each step, the logits row the
     token was chosen from (step 0: the prompt's last row).
 
-    Fed as a route session feeds its stages: the prompt in one call asking for the last row's
-    logits only (asking for every row's changes the output matmul's batching, hence the last
-    bits), then one token per call."""
+    Fed as a route session feeds its stages: the prompt in calls of ``n_batch`` rows (one call
+    when it fits) asking for the last row's logits only (asking for every row's changes the
+    output matmul's batching, hence the last bits), then one token per call."""
     if n_tokens < 1:
         raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
     out = []

@@ -719,10 +719,10 @@ class ChainStageTransport(GrpcStageTransport):
             return await super().forward(call)
         loop = asyncio.get_running_loop()
         ticket = ChainTicket(step, len(positions), loop.create_future())
-        began = loop.time()
         if not chain.greedy and chain.route == []:
             chain.greedy = call.greedy  # the epoch's first frame says how it samples
         await chain.ensure_linked()
+        began = loop.time()  # the frame's round trip: the epoch's links are not its
         limits = self._limits.get(session_id) if self.ring else None
         until, stops = limits if limits is not None else (0, ())
         draft_max = self._ring_drafting.get(session_id, 0) if until > step else 0
