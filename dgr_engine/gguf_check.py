@@ -4,7 +4,11 @@ refused in one line naming the path and what is wrong (instead of numpy's reshap
 reader, or llama.cpp's after allocating).
 
 Only what a worker needs before loading is kept (:class:`GgufHeader`); the engine still reads
-the file itself.
+the file itself. This is dgr's one reader of GGUF metadata outside the engine: array values (a
+262,144-token vocabulary, its scores and types) are skipped, never decoded or materialised, so
+a header costs a few MiB of reads and no memory that outlives the parse, whatever the
+vocabulary (``gguf.GGUFReader`` maps the file and builds an object per token: about 600 MiB
+and seconds for Gemma 3's).
 """
 
 from __future__ import annotations
@@ -40,6 +44,16 @@ _STRING, _ARRAY = 8, 9
 
 
 @attrs.frozen
+class GgufTensor:
+    """One tensor's entry in the header: its name, shape (GGUF order: the row length first)
+    and type name (``GGMLQuantizationType``'s, e.g. ``"Q4_K"``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    type_name: str
+
+
+@attrs.frozen
 class GgufHeader:
     """What a worker checks before loading."""
 
@@ -47,6 +61,7 @@ class GgufHeader:
     context_length: int | None
     """``{arch}.context_length`` (the training context), if stated."""
     n_layer: int | None
+    """``{arch}.block_count``: every block, MTP/nextn blocks included."""
     n_embd: int | None
     n_head: int | None
     n_head_kv: int | None
@@ -58,6 +73,33 @@ class GgufHeader:
     "Q4_K")``)."""
     strings: dict[str, str] = attrs.field(factory=dict, repr=False)
     """Every string-valued key of the metadata (``general.name``, a fixture's mark, ...)."""
+    n_nextn: int = 0
+    """``{arch}.nextn_predict_layers``: the MTP blocks at the end, never routed."""
+    tensors: tuple[GgufTensor, ...] = attrs.field(default=(), repr=False)
+    """Every tensor's entry, in the header's order."""
+
+    @property
+    def n_main_layers(self) -> int:
+        """The layers a route splits: ``block_count`` less the MTP/nextn blocks (as the C
+        engine counts them); 0 when the header states no block count."""
+        return (self.n_layer or 0) - self.n_nextn
+
+    @property
+    def n_vocab(self) -> int | None:
+        """The vocabulary's size: the token embedding's row count (``None``: no such
+        tensor)."""
+        for tensor in self.tensors:
+            if tensor.name == "token_embd.weight" and tensor.shape:
+                return tensor.shape[-1]
+        return None
+
+    def owns_mtp_block(self, layers: tuple[int, int]) -> bool:
+        """Whether a shard over ``layers`` (``-1`` as the end: to the last layer) is the last
+        stage of a deepseek4 model with an MTP block, the one that loads it
+        (``docs/speculative.md``, the ownership contract)."""
+        if self.arch != "deepseek4" or self.n_nextn <= 0:
+            return False
+        return layers[1] in (-1, self.n_main_layers)
 
 
 class _Truncated(Exception):
@@ -77,11 +119,18 @@ class _Reader:
     def scalar(self, code: str) -> Any:
         return struct.unpack("<" + code, self.take(struct.calcsize(code)))[0]
 
-    def string(self) -> str:
+    def string_length(self) -> int:
         n = self.scalar("Q")
         if n > _MOST_STRING:
             raise ValueError(f"a string of {n} bytes at byte {self.stream.tell() - 8}")
-        return self.take(n).decode("utf-8", errors="replace")
+        return int(n)
+
+    def string(self) -> str:
+        return self.take(self.string_length()).decode("utf-8", errors="replace")
+
+    def skip(self, n: int) -> None:
+        """Moves past ``n`` bytes without reading them into memory."""
+        self.stream.seek(n, os.SEEK_CUR)
 
     def value(self, kind: int) -> Any:
         if kind in _SCALARS:
@@ -92,11 +141,16 @@ class _Reader:
             element, count = self.scalar("I"), self.scalar("Q")
             if count > _MOST_STRING:
                 raise ValueError(f"an array of {count} values")
-            if element in _SCALARS:  # skipped, never needed before loading
-                self.take(count * struct.calcsize(_SCALARS[element]))
-                return None
-            for _ in range(count):
-                self.value(element)
+            # skipped, never needed before loading: neither read into memory nor decoded (the
+            # file's size bounds every skip: a tensor's extent past it is refused after)
+            if element in _SCALARS:
+                self.skip(count * struct.calcsize(_SCALARS[element]))
+            elif element == _STRING:
+                for _ in range(count):
+                    self.skip(self.string_length())
+            else:
+                for _ in range(count):
+                    self.value(element)
             return None
         raise ValueError(f"unknown value type {kind} at byte {self.stream.tell() - 4}")
 
@@ -141,14 +195,19 @@ def check_gguf(path: str | os.PathLike[str]) -> GgufHeader:
     except OSError as exc:
         raise ModelLoadError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
+    if start > size:
+        raise ModelLoadError(
+            f"{path}: truncated GGUF: the header ends at byte {start}, the file has {size}"
+        )
     end_of_data = start
-    types: set[str] = set()
+    entries = []
     for name, dims, kind, offset in tensors:
         try:
             block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
-            types.add(GGMLQuantizationType(kind).name)
+            type_name = GGMLQuantizationType(kind).name
         except (ValueError, KeyError):
             raise ModelLoadError(f"{path}: corrupt GGUF: tensor {name!r} has type {kind}") from None
+        entries.append(GgufTensor(name, tuple(dims), type_name))
         elements = 1
         for dim in dims:
             elements *= dim
@@ -174,6 +233,8 @@ def check_gguf(path: str | os.PathLike[str]) -> GgufHeader:
         n_head_kv=number("attention.head_count_kv"),
         n_tensors=len(tensors),
         data_bytes=end_of_data - start,
-        tensor_types=tuple(sorted(types)),
+        tensor_types=tuple(sorted({t.type_name for t in entries})),
         strings={k: v for k, v in kv.items() if isinstance(v, str)},
+        n_nextn=number("nextn_predict_layers") or 0,
+        tensors=tuple(entries),
     )

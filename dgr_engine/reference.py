@@ -137,38 +137,27 @@ def split_points(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
 
 
 def arch_of(model: str | os.PathLike[str]) -> str:
-    """``general.architecture`` of a GGUF (from its metadata, without loading tensors)."""
-    from gguf import GGUFReader
+    """``general.architecture`` of a GGUF (from its header, arrays skipped)."""
+    from dgr_engine.gguf_check import check_gguf
 
-    return bytes(GGUFReader(model).fields["general.architecture"].parts[-1]).decode()
+    return check_gguf(model).arch
 
 
 def n_layer_of(model: str | os.PathLike[str]) -> int:
-    """Main layers of a GGUF (from its metadata, without loading tensors): ``block_count``
-    less the MTP/nextn layers, which are never routed (as the C engine counts them)."""
-    from gguf import GGUFReader
+    """Main layers of a GGUF (from its header, arrays skipped): ``block_count`` less the
+    MTP/nextn layers, which are never routed (as the C engine counts them)."""
+    from dgr_engine.gguf_check import check_gguf
 
-    reader = GGUFReader(model)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    nextn = reader.fields.get(f"{arch}.nextn_predict_layers")
-    n_nextn = int(nextn.parts[-1][0]) if nextn is not None else 0
-    return int(reader.fields[f"{arch}.block_count"].parts[-1][0]) - n_nextn
+    return check_gguf(model).n_main_layers
 
 
 def owns_mtp_block(model: str | os.PathLike[str], layers: tuple[int, int]) -> bool:
     """Whether a shard of ``model`` over ``layers`` (``-1`` as the end: to the last layer) is the
     last stage of a deepseek4 model with an MTP block (``{arch}.nextn_predict_layers``), the one
-    that loads it (``docs/speculative.md``, the ownership contract). From the metadata only."""
-    from gguf import GGUFReader
+    that loads it (``docs/speculative.md``, the ownership contract). From the header only."""
+    from dgr_engine.gguf_check import check_gguf
 
-    reader = GGUFReader(model)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    nextn = reader.fields.get(f"{arch}.nextn_predict_layers")
-    n_nextn = int(nextn.parts[-1][0]) if nextn is not None else 0
-    if arch != "deepseek4" or n_nextn <= 0:
-        return False
-    n_layer = int(reader.fields[f"{arch}.block_count"].parts[-1][0]) - n_nextn
-    return layers[1] in (-1, n_layer)
+    return check_gguf(model).owns_mtp_block(layers)
 
 
 def whole_model_reference(

@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any, Final
 
 import attrs
-from gguf import GGUFReader
 
+from dgr_engine.errors import ModelLoadError
+from dgr_engine.gguf_check import check_gguf
 from dgr_session.errors import DgrError
 
 MANIFEST_SCHEMA: Final = "dgr.manifest/1"
@@ -258,8 +259,9 @@ def gguf_files(paths: Sequence[str | os.PathLike[str]]) -> list[Path]:
 
 
 def header_tensors(path: Path) -> tuple[str, ...]:
-    """The tensor names in a GGUF's header, sorted."""
-    return tuple(sorted(t.name for t in GGUFReader(path).tensors))
+    """The tensor names in a GGUF's header, sorted (:class:`~dgr_engine.errors.ModelLoadError`
+    for a file that is no whole GGUF)."""
+    return tuple(sorted(t.name for t in check_gguf(path).tensors))
 
 
 def build_manifest(
@@ -275,19 +277,17 @@ def build_manifest(
     entries: list[FileEntry] = []
     arch, n_layer = "", 0
     for path in gguf_files(paths):
-        reader = GGUFReader(path)
+        try:
+            header = check_gguf(path)
+        except ModelLoadError as exc:
+            raise ManifestInvalid(str(exc), path=path) from None
         if not arch:
-            arch_field = reader.fields.get("general.architecture")
-            if arch_field is None:
+            if not header.arch:
                 raise ManifestInvalid("no general.architecture", path=path)
-            arch = str(arch_field.contents())
-            count = reader.fields.get(f"{arch}.block_count")
-            nextn = reader.fields.get(f"{arch}.nextn_predict_layers")
-            n_layer = int(count.contents()) if count is not None else 0
-            n_layer -= int(nextn.contents()) if nextn is not None else 0
+            arch, n_layer = header.arch, header.n_main_layers
         size, sha, chunks = _file_hashes(path, chunk_bytes)
-        tensors = sorted(t.name for t in reader.tensors)
-        types = sorted({t.tensor_type.name for t in reader.tensors})
+        tensors = sorted(t.name for t in header.tensors)
+        types = sorted({t.type_name for t in header.tensors})
         entries.append(FileEntry(path.name, size, sha, chunk_bytes, chunks, tensors, types))
     return Manifest(arch, n_layer, official_target_sha, entries)
 

@@ -47,6 +47,7 @@ from dgr_engine.artifacts.rootdir import RootDir
 from dgr_engine.artifacts.sources import Source
 from dgr_engine.artifacts.state import ArtifactState, part_key
 from dgr_engine.artifacts.storage import check_free_space
+from dgr_engine.errors import ModelLoadError
 from dgr_session.errors import DgrError
 
 QUARANTINE_DIR: Final = ".quarantine"
@@ -148,11 +149,10 @@ def _check_header(entry: FileEntry, path: Path, report: Report) -> None:
     """A verified file's GGUF header must name the tensors the manifest says it holds."""
     try:
         found = header_tensors(path)
-    except Exception as exc:  # noqa: BLE001 - the gguf reader raises whatever its parse hits
+    except ModelLoadError as exc:
         report.problems.append(
             ManifestInvalid(
-                f"{entry.name}: its bytes match the manifest but are not a readable GGUF "
-                f"({type(exc).__name__}: {exc})",
+                f"{entry.name}: its bytes match the manifest but are not a readable GGUF ({exc})",
                 field="files.tensors",
             )
         )

@@ -47,8 +47,9 @@ from dgr_engine.certification.release import release_state
 from dgr_engine.certify import scenarios
 from dgr_engine.certify.scenarios import Layout, Reference
 from dgr_engine.engine import ShardEngine
+from dgr_engine.gguf_check import check_gguf
 from dgr_engine.options import EngineOptions
-from dgr_engine.reference import n_layer_of, split_points, whole_model_reference
+from dgr_engine.reference import split_points, whole_model_reference
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_engine.tooling.peer_build import PeerUse, find_peers
 from dgr_engine.tooling.processes import worker_omp_wait_policy
@@ -98,16 +99,6 @@ def git_commit() -> tuple[str, bool]:
         return "unknown", False
     dirty = bool(git("status", "--porcelain", "--untracked-files=no"))
     return head + ("+dirty" if dirty else ""), not dirty
-
-
-def _arch_and_vocab(model: Path) -> tuple[str, int]:
-    from gguf import GGUFReader
-
-    reader = GGUFReader(model)
-    arch_field = reader.get_field("general.architecture")
-    arch = str(arch_field.contents()) if arch_field is not None else "?"
-    embd = next(t for t in reader.tensors if t.name == "token_embd.weight")
-    return arch, int(embd.shape[-1])
 
 
 def signing_key_for(
@@ -215,9 +206,12 @@ async def certify(
             f"sessions: certify with at least that many sessions per worker (max_sessions is "
             f"not part of the lane), not {options.max_sessions}"
         )
-    build = BuildIdentity.of_model(model)
-    arch, n_vocab = _arch_and_vocab(model)
-    n_layer = n_layer_of(model)
+    header = check_gguf(model)  # once: arrays skipped, nothing materialised
+    build = BuildIdentity.of_model(model, header)
+    arch, n_layer = header.arch or "?", header.n_main_layers
+    n_vocab = header.n_vocab
+    if n_vocab is None:
+        raise ValueError(f"{model}: no token_embd.weight tensor in its header")
     lane = await asyncio.to_thread(lane_of, model, options)
     commit, _clean = git_commit()
     release = release_state(lane.dgr_version)

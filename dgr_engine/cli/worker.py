@@ -381,14 +381,19 @@ async def _serve(args: argparse.Namespace) -> int:
                     if args.model is not None
                     else ensure_fixture(args.fixture)
                 )
-            preflight(
+            header = preflight(
                 model,
                 args.layers,
                 n_ctx_per_session=options.n_ctx_per_session,
                 max_sessions=options.max_sessions,
             )
             return ShardWorker.load(
-                model, args.layers, config=config, build=build, **options.engine_kwargs()
+                model,
+                args.layers,
+                config=config,
+                build=build,
+                header=header,
+                **options.engine_kwargs(),
             )
 
         # checking and loading run in a thread that cannot be interrupted (slow storage, a large

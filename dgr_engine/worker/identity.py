@@ -1,7 +1,8 @@
 """What a worker's advert states about the files and the build it runs: computed once at start.
 
 The GGUF's SHA-256 is streamed (the file may be far larger than memory); the tensor types come
-from the GGUF header (``gguf.GGUFReader``, memory-mapped); the llama.cpp commit, the base
+from the GGUF header (:func:`~dgr_engine.gguf_check.check_gguf`, arrays skipped; a worker
+parses it once, in its preflight, and passes it whole); the llama.cpp commit, the base
 patch-stack hash and the family patch hashes are the ones the binding was built with
 (``dgr_engine._binding``), never read from a source tree that may have changed since.
 """
@@ -13,7 +14,7 @@ import importlib.metadata
 import os
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -29,6 +30,9 @@ from dgr_engine.certification.classify import FIXTURE_MARK_KEY
 from dgr_engine.certification.hardware import hardware_fingerprint
 from dgr_engine.certification.lane import BATCHING_SESSION, LaneKey
 from dgr_engine.numerics import Numerics
+
+if TYPE_CHECKING:
+    from dgr_engine.gguf_check import GgufHeader
 
 _CHUNK = 8 * 1024 * 1024
 _PACKAGE_ROOT = Path(__file__).resolve().parent.parent
@@ -82,6 +86,11 @@ class GgufFacts:
     fixture_mark: str | None
     """The fixture writers' ``dgr.fixture`` mark; ``None`` for any other GGUF."""
 
+    @classmethod
+    def of_header(cls, header: GgufHeader) -> GgufFacts:
+        """The facts of a header already parsed."""
+        return cls(header.tensor_types, header.strings.get(FIXTURE_MARK_KEY))
+
 
 def gguf_facts(path: str | os.PathLike[str]) -> GgufFacts:
     """The tensor types and the fixture mark of a GGUF, from its header alone
@@ -91,8 +100,7 @@ def gguf_facts(path: str | os.PathLike[str]) -> GgufFacts:
     GGUF."""
     from dgr_engine.gguf_check import check_gguf
 
-    header = check_gguf(path)
-    return GgufFacts(header.tensor_types, header.strings.get(FIXTURE_MARK_KEY))
+    return GgufFacts.of_header(check_gguf(path))
 
 
 def gguf_tensor_types(path: str | os.PathLike[str]) -> tuple[str, ...]:
@@ -146,9 +154,12 @@ class BuildIdentity:
     ...``); empty for a single file, hashed whole at start-up."""
 
     @classmethod
-    def of_model(cls, model: str | os.PathLike[str]) -> BuildIdentity:
-        """Hashes and reads ``model`` (streaming); the build's half from the binding."""
-        facts = gguf_facts(model)
+    def of_model(
+        cls, model: str | os.PathLike[str], header: GgufHeader | None = None
+    ) -> BuildIdentity:
+        """Hashes ``model`` (streaming, once per machine) and reads its header (``header``: the
+        one already parsed); the build's half from the binding."""
+        facts = gguf_facts(model) if header is None else GgufFacts.of_header(header)
         return cls._of_this_build(model_sha256(model), facts.quant_types, facts.fixture_mark)
 
     @classmethod

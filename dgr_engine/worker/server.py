@@ -26,9 +26,9 @@ from dgr_engine.certification.lane import BATCHING_CO_BATCH, LaneKey
 from dgr_engine.certification.registry import LaneLookup
 from dgr_engine.engine import LinkSockets, NativeLink, ShardEngine
 from dgr_engine.errors import EngineError
+from dgr_engine.gguf_check import GgufHeader, check_gguf
 from dgr_engine.numerics import Numerics
 from dgr_engine.options import EngineOptions
-from dgr_engine.reference import owns_mtp_block
 from dgr_engine.security.grants import Grant, GrantVerifier
 from dgr_engine.security.tls import check_plaintext_bind, is_loopback
 from dgr_engine.wire import frames as frames
@@ -196,16 +196,20 @@ class ShardWorker:
         config: WorkerConfig | None = None,
         build: BuildIdentity | None = None,
         load_mtp: bool | None = None,
+        header: GgufHeader | None = None,
     ) -> ShardWorker:
         """Hashes the GGUF (streaming), loads the engine over ``layers``. Blocking. The engine
         options default to :class:`~dgr_engine.options.EngineOptions`' (``dgr worker``'s).
         ``build``: the identity already established (a split model's,
         :meth:`BuildIdentity.of_artifacts`; ``model`` is then its first file).
         ``load_mtp``: load the model's MTP block (``None``: when the shard is the last stage
-        of a deepseek4 model that has one, :func:`~dgr_engine.reference.owns_mtp_block`)."""
-        build = build if build is not None else BuildIdentity.of_model(model)
+        of a deepseek4 model that has one: ``GgufHeader.owns_mtp_block``).
+        ``header``: ``model``'s header already parsed (the preflight's), so that the file's
+        header is read once at start."""
+        header = header if header is not None else check_gguf(model)
+        build = build if build is not None else BuildIdentity.of_model(model, header)
         if load_mtp is None:
-            load_mtp = owns_mtp_block(model, layers)
+            load_mtp = header.owns_mtp_block(layers)
         engine = ShardEngine(
             Path(model),
             layers=layers,

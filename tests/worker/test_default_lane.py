@@ -11,8 +11,9 @@ import pytest
 from loguru import logger
 
 from dgr_engine import cli
+from dgr_engine.certification.hardware import hardware_fingerprint
 from dgr_engine.certification.lock import load_lock
-from dgr_engine.certification.record import RecordKind, load_evidence
+from dgr_engine.certification.record import EvidenceRecord, RecordKind, load_evidence
 from dgr_engine.cli.worker import certify_command
 from dgr_engine.engine import ShardEngine
 from dgr_engine.models.catalog import lookup
@@ -61,22 +62,42 @@ def test_dgr_worker_dgr_certify_and_engine_options_share_one_set_of_defaults() -
         assert EngineOptions.from_args(cli.parser().parse_args(argv)) == defaults, argv[0]
 
 
+def committed_smollm2_records() -> list[EvidenceRecord]:
+    """The committed real-hardware certification records of SmolLM2."""
+    (gguf,) = lookup(SMOLLM2).manifest().files
+    loaded = load_evidence(COMMITTED, load_lock())
+    records = [
+        r
+        for r in loaded.records
+        if r.kind is RecordKind.CERTIFICATION
+        and r.evidence_class is EvidenceClass.REAL_HARDWARE
+        and r.lane.model_sha256 == gguf.sha256
+    ]
+    assert records, f"no committed certification record of {SMOLLM2}: {loaded.refused}"
+    return records
+
+
 def smollm2_worker(tiny_llama: Path, argv: list[str]) -> Advertiser:
     """The advertiser of ``dgr worker --model smollm2-135m-instruct --layers 0:10 ARGV`` with
     the committed records, made as ``ShardWorker`` makes it (the build with the engine's
     numerics, ``lane_key`` of the engine's own info) without loading SmolLM2: its content hash
     and tensor types are those of the catalog's manifest (what ``dgr models fetch`` verifies
     the file against), its shape is the manifest's, and the context per session is what an
-    engine made with these options really provides."""
+    engine made with these options really provides. The machine is one of the committed
+    records' hardware class (the class is a fact of the machine, not a default: on any other
+    machine the lane differs in ``hardware`` alone, which ``test_hardware_is_the_one_part_...``
+    shows), so that the test means the same on every machine."""
     args = cli.parser().parse_args(["worker", "--model", SMOLLM2, "--layers", "0:10", *argv])
     options = EngineOptions.from_args(args)
     smol = lookup(SMOLLM2).manifest()
     (gguf,) = smol.files
+    (hardware,) = {r.lane.hardware for r in committed_smollm2_records()}
     build = attrs.evolve(
-        BuildIdentity.of_model(tiny_llama),  # this build, this machine (the binding's half)
+        BuildIdentity.of_model(tiny_llama),  # this build (the binding's half)
         model_sha256=bytes.fromhex(gguf.sha256),
         quant_types=smol.quant_types,
         fixture_mark=None,
+        hardware=hardware,
     ).with_numerics(options.numerics)
     with ShardEngine(tiny_llama, layers=(0, 1), **options.engine_kwargs()) as probe:
         engine_info = probe.info
@@ -98,16 +119,7 @@ def test_a_worker_started_with_default_options_on_smollm2_is_certified_by_the_co
     tiny_llama: Path,
 ) -> None:
     advertiser = smollm2_worker(tiny_llama, [])
-    (gguf,) = lookup(SMOLLM2).manifest().files
-    loaded = load_evidence(COMMITTED, load_lock())
-    records = [
-        r
-        for r in loaded.records
-        if r.kind is RecordKind.CERTIFICATION
-        and r.evidence_class is EvidenceClass.REAL_HARDWARE
-        and r.lane.model_sha256 == gguf.sha256
-    ]
-    assert records, f"no committed certification record of {SMOLLM2}: {loaded.refused}"
+    records = committed_smollm2_records()
     assert {r.lane for r in records} == {advertiser.lane_key}, [
         advertiser.lane_key.differences(r.lane) for r in records
     ]
@@ -143,3 +155,16 @@ def test_a_worker_started_with_another_context_is_refused_naming_the_context_and
     assert message.startswith("stage 0 (127.0.0.1:40123) layers [0,30): lane ")
     assert f"record {near.record_id[:12]} differs in context_per_session 512 (nearest" in message
     assert f"dgr certify --model {SMOLLM2} --ctx 512 (then restart the worker)" in message
+
+
+def test_hardware_is_the_one_part_of_the_lane_that_another_machine_changes(
+    tiny_llama: Path,
+) -> None:
+    """The same worker on this machine: its lane is the committed records' where this machine
+    is of their hardware class, and differs from it in ``hardware`` alone elsewhere."""
+    advertiser = smollm2_worker(tiny_llama, [])
+    here = attrs.evolve(advertiser.lane_key, hardware=hardware_fingerprint())
+    (recorded,) = {r.lane for r in committed_smollm2_records()}
+    assert here.differences(recorded) == (
+        () if recorded.hardware == hardware_fingerprint() else ("hardware",)
+    )
