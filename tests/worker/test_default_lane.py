@@ -166,5 +166,5 @@ def test_hardware_is_the_one_part_of_the_lane_that_another_machine_changes(
     here = attrs.evolve(advertiser.lane_key, hardware=hardware_fingerprint())
     (recorded,) = {r.lane for r in committed_smollm2_records()}
     assert here.differences(recorded) == (
-        () if recorded.hardware == hardware_fingerprint() else ("hardware",)
+        [] if recorded.hardware == hardware_fingerprint() else ["hardware"]
     )
