@@ -20,7 +20,7 @@ import pytest
 
 from dgr_engine.certification.record import EVIDENCE_DIR_ENV
 from dgr_engine.fixtures import ensure_fixture
-from tests.harness import EvidenceDirs, EvidenceKit, no_worker_popen
+from tests.harness import GEMMA3, SMOLLM2, EvidenceDirs, EvidenceKit, RealLane, no_worker_popen
 
 SLOW_FOLDERS = ("e2e",)
 """Folders of ``tests/`` whose every test is slow (end to end: real worker processes)."""
@@ -75,6 +75,19 @@ def pytest_runtest_setup(item: pytest.Item) -> Any:
     # that a fast test cannot ask for certified lanes (made by `dgr certify`)
     item.stash[_PATCH].setenv(EVIDENCE_DIR_ENV, str(_evidence_for(item)))
     return (yield)
+
+
+@pytest.fixture(scope="session")
+def smollm2_lane(request: pytest.FixtureRequest) -> RealLane:
+    """SmolLM2-135M-Instruct's lane, certified in this run (about 1.5 min on 2 cores) under an
+    operator lock of the run's own: slow tests only (it starts workers)."""
+    return request.config.stash[_DIRS].real_lane(SMOLLM2)
+
+
+@pytest.fixture(scope="session")
+def gemma3_lane(request: pytest.FixtureRequest) -> RealLane:
+    """Gemma 3 270M's lane (262k vocabulary), certified in this run as :func:`smollm2_lane`."""
+    return request.config.stash[_DIRS].real_lane(GEMMA3)
 
 
 @pytest.fixture(scope="session")

@@ -126,16 +126,73 @@ def certify(root: Path, name: str, *extra: str) -> None:
     (root.parent / f"certify-{'-'.join([name, *extra[1:]])}.log").write_text(done.stdout)
 
 
+SMOLLM2 = "smollm2-135m-instruct"
+GEMMA3 = "gemma3-270m"
+"""The catalog's real models the slow tests run (``dgr models list``)."""
+
+
+@attrs.frozen
+class RealLane:
+    """A real model's lane certified in this test run under an operator lock of the run's own:
+    the model (fetched through ``dgr_engine.models``, verified), the lock and the records."""
+
+    model: Path
+    lock: Path
+    evidence: Path
+
+    def serve_args(self) -> list[str]:
+        """A worker's or ``dgr serve``'s arguments for this lane: the default engine options
+        (the lane's), the lock, the records."""
+        options = EngineOptions().worker_argv()
+        return [*options, "--lock", str(self.lock), "--evidence", str(self.evidence)]
+
+    def route_args(self) -> list[str]:
+        """A client's arguments for this lane: the lock and the records."""
+        return ["--lock", str(self.lock), "--evidence", str(self.evidence)]
+
+
+def certify_real_lane(home: Path, name: str) -> RealLane:
+    """Certifies the catalog model ``name``'s lane (the default engine options) on this machine
+    with ``dgr certify`` as an operator would run it, under an operator lock made in ``home``
+    from the repo's lock (it declares the model, this machine's hardware lane and a new
+    certifier key; nothing read from dgr's cache but the model file). The command must exit 0:
+    every correctness requirement passed. Speed is judged, recorded and never required here
+    (a run on two loaded cores can say fail; ``dgr gate`` reads it, not the suite)."""
+    from dgr_engine.certification.lock import load_lock
+    from dgr_engine.cli._demo_operator import operator_lock
+    from dgr_engine.models import lookup, resolve_model
+
+    model = resolve_model(name)
+    entry = lookup(name)
+    operator = operator_lock(
+        load_lock(), home, name=entry.name, arch=entry.arch, sha256=entry.sha256
+    )
+    done = subprocess.run(
+        [dgr_command(), "certify", "--model", name, "--rpc", "off"]
+        + ["--lock", str(operator.lock.path), "--evidence", str(operator.evidence)]
+        + ["--sign-key", str(operator.key_path)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    (home / "certify.log").write_text(done.stdout + done.stderr)
+    assert done.returncode == 0, f"dgr certify --model {name}:\n{done.stdout}{done.stderr}"
+    return RealLane(model, operator.lock.path, operator.evidence)
+
+
 @attrs.define
 class EvidenceDirs:
     """The evidence directories of one test run, made on first use: ``empty`` (one per test:
     what its workers read unless it asks for certified lanes), ``certified`` (the records ``dgr
-    certify`` made in this run for :data:`CERTIFIED_FIXTURES`) and ``co_batch`` (those plus
-    the co-batching lanes of :data:`CO_BATCH_FIXTURES`)."""
+    certify`` made in this run for :data:`CERTIFIED_FIXTURES`), ``co_batch`` (those plus
+    the co-batching lanes of :data:`CO_BATCH_FIXTURES`) and each real model's lane
+    (:meth:`real_lane`). Nothing is reused from an earlier run or from dgr's cache, so a run
+    on a machine that never ran dgr does what every run does."""
 
     base: Path = attrs.field(factory=lambda: Path(tempfile.mkdtemp(prefix="dgr-test-evidence-")))
     _certified: Path | None = None
     _co_batch: Path | None = None
+    _real: dict[str, RealLane] = attrs.field(factory=dict)
 
     _made: int = 0
 
@@ -165,6 +222,15 @@ class EvidenceDirs:
                 certify(root, name, "--batching", "co-batch")
             self._co_batch = root
         return self._co_batch
+
+    def real_lane(self, name: str) -> RealLane:
+        """The catalog model ``name``'s lane, certified once in this run
+        (:func:`certify_real_lane`)."""
+        if name not in self._real:
+            home = self.base / "lanes" / name
+            home.mkdir(parents=True, exist_ok=True)
+            self._real[name] = certify_real_lane(home, name)
+        return self._real[name]
 
     def remove(self) -> None:
         shutil.rmtree(self.base, ignore_errors=True)

@@ -25,7 +25,7 @@ from dgr_engine.client.text import chat_ids, until_stop
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import whole_model_greedy
 from dgr_engine.tokenizer import Tokenizer
-from tests.e2e.test_e2e_generate import SMOLLM2, smollm2_lane  # noqa: F401 - a fixture
+from tests.harness import SMOLLM2, RealLane
 
 ROOT = Path(__file__).resolve().parents[2]
 SYSTEM = "Answer in one short sentence."
@@ -171,10 +171,10 @@ async def sessions_open(endpoints: list[str]) -> list[int]:
 
 
 @pytest.fixture()
-def pane(smollm2_lane: tuple[Path, Path, Path], tmp_path: Path) -> Iterator[Pane]:  # noqa: F811
+def pane(smollm2_lane: RealLane, tmp_path: Path) -> Iterator[Pane]:
     if shutil.which("tmux") is None:
         pytest.fail("tmux is missing: apt-get install -y tmux")
-    _model, lock, evidence = smollm2_lane
+    lock, evidence = smollm2_lane.lock, smollm2_lane.evidence
     command = [
         sys.executable, "-m", "dgr_engine.cli", "chat", "--model", SMOLLM2, "--spawn", "2",
         "--lock", str(lock), "--evidence", str(evidence), "--system", SYSTEM,
@@ -196,9 +196,9 @@ def pane(smollm2_lane: tuple[Path, Path, Path], tmp_path: Path) -> Iterator[Pane
 
 def test_a_conversation_in_a_terminal(
     pane: Pane,
-    smollm2_lane: tuple[Path, Path, Path],  # noqa: F811
+    smollm2_lane: RealLane,
 ) -> None:
-    model = smollm2_lane[0]
+    model = smollm2_lane.model
     system = [("system", SYSTEM)]
     first = whole_model_answer(model, [*system, ("user", FRANCE)])
     second = whole_model_answer(

@@ -15,6 +15,7 @@ from dgr_engine.cli.generate import DEFAULT_PROMPT
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import whole_model_greedy
 from dgr_engine.tooling.processes import WorkerProcess
+from tests.harness import GEMMA3, SMOLLM2, RealLane
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("certified_fixtures")]
 
@@ -163,46 +164,13 @@ def test_generate_over_mutual_tls_endpoints(tiny_llama: Path, tmp_path: Path) ->
 
 # -- a real model: SmolLM2-135M-Instruct --------------------------------------------------------
 
-SMOLLM2 = "smollm2-135m-instruct"
 QUESTION = "What is the capital of France?"
 
 
-@pytest.fixture(scope="module")
-def smollm2_lane() -> tuple[Path, Path, Path]:
-    """SmolLM2 (fetched through ``dgr_engine.models``, cached) and its lane certified on this
-    machine under an operator lock of the suite's own: ``(model, lock, evidence)``. The lock,
-    key and record are kept in dgr's cache like the fixtures, so the lane is certified (about
-    2.5 min on 2 cores) once per machine, build and repo lock, and reused after."""
-    from dgr_engine.certification.lock import load_lock
-    from dgr_engine.cli._demo_operator import operator_lock
-    from dgr_engine.cli.certify import certify_or_reuse
-    from dgr_engine.models import lookup
-    from dgr_engine.models.resolve import resolve_model
-    from dgr_engine.tooling.peer_build import PeerUse
-    from tests.harness import run
-
-    model = resolve_model(SMOLLM2)
-    cache = Path(os.environ.get("DGR_CACHE_DIR") or Path.home() / ".cache" / "dgr")
-    entry = lookup(SMOLLM2)
-    operator = operator_lock(
-        load_lock(),
-        cache / "tests" / "smollm2-operator",
-        name=entry.name,
-        arch=entry.arch,
-        sha256=entry.sha256,
-    )
-    options = EngineOptions()  # the one set of defaults: the lane a default route runs
-    certified = certify_or_reuse(
-        model, options, operator.lock, operator.evidence, True, key=operator.key, rpc=PeerUse.OFF
-    )
-    assert run(certified, limit=900) == 0
-    return model, operator.lock.path, operator.evidence
-
-
 def test_generate_a_chat_answer_from_smollm2_over_spawned_workers(
-    smollm2_lane: tuple[Path, Path, Path],
+    smollm2_lane: RealLane,
 ) -> None:
-    _model, lock, evidence = smollm2_lane
+    lock, evidence = smollm2_lane.lock, smollm2_lane.evidence
     done = dgr(
         "generate",
         "--model",
@@ -229,9 +197,9 @@ def test_generate_a_chat_answer_from_smollm2_over_spawned_workers(
 
 
 def test_generate_a_chat_answer_from_smollm2_over_given_workers(
-    smollm2_lane: tuple[Path, Path, Path],
+    smollm2_lane: RealLane,
 ) -> None:
-    model, lock, evidence = smollm2_lane
+    model, lock, evidence = smollm2_lane.model, smollm2_lane.lock, smollm2_lane.evidence
     served = ["--lock", str(lock), "--evidence", str(evidence)]
     options = EngineOptions()
     started = [
@@ -260,10 +228,10 @@ def test_generate_a_chat_answer_from_smollm2_over_given_workers(
 
 
 @pytest.fixture(scope="module")
-def smollm2_workers(smollm2_lane: tuple[Path, Path, Path]) -> Iterator[list[str]]:
+def smollm2_workers(smollm2_lane: RealLane) -> Iterator[list[str]]:
     """Two SmolLM2 workers with the default engine options, and the client's arguments to
     reach them (``--endpoints``, ``--model``, ``--lock``)."""
-    model, lock, evidence = smollm2_lane
+    model, lock, evidence = smollm2_lane.model, smollm2_lane.lock, smollm2_lane.evidence
     served = ["--lock", str(lock), "--evidence", str(evidence)]
     started = [
         WorkerProcess.spawn(model, r, options=EngineOptions(), extra_args=served)
@@ -308,9 +276,9 @@ def test_sampling_with_a_seed_gives_the_same_text_again(smollm2_workers: list[st
 
 
 def test_a_stop_string_cuts_the_greedy_text_across_token_boundaries(
-    smollm2_lane: tuple[Path, Path, Path], smollm2_workers: list[str]
+    smollm2_lane: RealLane, smollm2_workers: list[str]
 ) -> None:
-    model = smollm2_lane[0]
+    model = smollm2_lane.model
     whole = whole_model_text(model, COUNTING, 120)
     stop = "\n7"  # the newline ends one token, the digit begins the next
     assert stop in whole, whole
@@ -321,12 +289,12 @@ def test_a_stop_string_cuts_the_greedy_text_across_token_boundaries(
 
 
 def test_the_prompt_comes_from_standard_input_and_the_answer_ends_at_end_of_turn(
-    smollm2_lane: tuple[Path, Path, Path], smollm2_workers: list[str]
+    smollm2_lane: RealLane, smollm2_workers: list[str]
 ) -> None:
     done = dgr("generate", *smollm2_workers, "--chat", "--json", stdin=QUESTION + "\n")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert report["text"] == whole_model_text(smollm2_lane[0], QUESTION, 64), report
+    assert report["text"] == whole_model_text(smollm2_lane.model, QUESTION, 64), report
     assert report["text"] == "The capital of France is Paris."
     assert report["max_tokens"] == 256 - report["prompt_tokens"]  # the context's cut of 256
     assert report["state"] == "done" and report["tokens"][-1] == 2
@@ -344,52 +312,15 @@ def test_a_prompt_the_context_cannot_hold_is_one_line(smollm2_workers: list[str]
 
 # -- the second real model: Gemma 3 270M (gemma3, a base model: completion, no chat) ------------
 
-GEMMA3 = "gemma3-270m"
 COMPLETION = "Paris is the capital of"
 
 
-@pytest.fixture(scope="module")
-def gemma3_lane() -> tuple[Path, Path, Path]:
-    """Gemma 3 270M (fetched through ``dgr_engine.models``, cached) and its lane certified on
-    this machine under an operator lock of the suite's own, as :func:`smollm2_lane` does (once
-    per machine, build and repo lock; about 3 min on 2 cores): ``(model, lock, evidence)``."""
-    from dgr_engine.certification.lock import load_lock
-    from dgr_engine.cli._demo_operator import operator_lock
-    from dgr_engine.cli.certify import certify_or_reuse
-    from dgr_engine.models import lookup
-    from dgr_engine.models.resolve import resolve_model
-    from dgr_engine.tooling.peer_build import PeerUse
-    from tests.harness import run
-
-    model = resolve_model(GEMMA3)
-    cache = Path(os.environ.get("DGR_CACHE_DIR") or Path.home() / ".cache" / "dgr")
-    entry = lookup(GEMMA3)
-    operator = operator_lock(
-        load_lock(),
-        cache / "tests" / "gemma3-operator",
-        name=entry.name,
-        arch=entry.arch,
-        sha256=entry.sha256,
-    )
-    certified = certify_or_reuse(
-        model,
-        EngineOptions(),
-        operator.lock,
-        operator.evidence,
-        True,
-        key=operator.key,
-        rpc=PeerUse.OFF,
-    )
-    assert run(certified, limit=900) == 0
-    return model, operator.lock.path, operator.evidence
-
-
 def test_generate_a_completion_from_gemma3_over_spawned_workers(
-    gemma3_lane: tuple[Path, Path, Path],
+    gemma3_lane: RealLane,
 ) -> None:
     from dgr_engine.tokenizer import Tokenizer
 
-    model, lock, evidence = gemma3_lane
+    model, lock, evidence = gemma3_lane.model, gemma3_lane.lock, gemma3_lane.evidence
     with Tokenizer(model) as tokenizer:  # the whole model's text, in-process
         prompt = tokenizer.encode(COMPLETION, add_special=True)
         whole = whole_model_greedy(model, [prompt], 16, EngineOptions())[0]

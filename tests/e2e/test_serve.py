@@ -18,21 +18,26 @@ import pytest
 
 from benchmarks.serve_latency import ServerProcess
 from dgr_engine.client.text import prompt_ids, until_stop
+from dgr_engine.options import EngineOptions
 from dgr_engine.reference import whole_model_greedy
 from dgr_engine.tokenizer import Tokenizer
-from tests.serve.smollm2 import OPTIONS, SMOLLM2, Lane, certified_lane
+from tests.harness import SMOLLM2, RealLane
 
 QUESTION = "What is the capital of France?"
 COUNTING = "1, 2, 3, 4, 5, 6, 7, 8,"
 
 
-@pytest.fixture(scope="module")
-def lane() -> Lane:
-    return certified_lane()
+OPTIONS = EngineOptions()
+"""The lane's engine options: ``dgr certify``'s (the one set of defaults)."""
 
 
 @pytest.fixture(scope="module")
-def server(lane: Lane) -> Iterator[ServerProcess]:
+def lane(smollm2_lane: RealLane) -> RealLane:
+    return smollm2_lane
+
+
+@pytest.fixture(scope="module")
+def server(lane: RealLane) -> Iterator[ServerProcess]:
     started = ServerProcess.dgr(SMOLLM2, 3, options=OPTIONS, extra=lane.serve_args())
     try:
         yield started
@@ -46,7 +51,7 @@ def client(server: ServerProcess) -> openai.OpenAI:
 
 
 @pytest.fixture(scope="module")
-def whole_answer(lane: Lane) -> str:
+def whole_answer(lane: RealLane) -> str:
     """The whole model's greedy chat answer, run in-process, cut at end of turn."""
     with Tokenizer(lane.model) as tokenizer:
         prompt = prompt_ids(tokenizer, QUESTION, chat=True)
@@ -153,7 +158,7 @@ def test_a_stream_cancelled_mid_way_closes_every_stages_session(server: ServerPr
     assert [s["layers"] for s in stages] == [[0, 10], [10, 20], [20, 30]]  # type: ignore[index]
 
 
-def test_stopping_the_server_leaves_no_worker(lane: Lane) -> None:
+def test_stopping_the_server_leaves_no_worker(lane: RealLane) -> None:
     server = ServerProcess.dgr(SMOLLM2, 2, options=OPTIONS, extra=lane.serve_args())
     workers = [int(s["endpoint"].rsplit(":", 1)[1]) for s in route(server)["stages"]]  # type: ignore[index]
     pids = _listening_pids(workers)

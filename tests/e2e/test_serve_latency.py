@@ -9,12 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.harness import REPO
-from tests.serve.smollm2 import certified_lane
+from tests.harness import REPO, RealLane
 
 
-def test_the_benchmark_measures_dgr_serve_against_llama_server(tmp_path: Path) -> None:
-    lane = certified_lane()
+def test_the_benchmark_measures_dgr_serve_against_llama_server(
+    tmp_path: Path, smollm2_lane: RealLane
+) -> None:
+    lane = smollm2_lane
     serve_args = [f"--serve-arg={a}" for a in ["--lock", str(lane.lock)]]
     serve_args += [f"--serve-arg={a}" for a in ["--evidence", str(lane.evidence)]]
     done = subprocess.run(

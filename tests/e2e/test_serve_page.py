@@ -15,7 +15,8 @@ import pytest
 from playwright.sync_api import expect, sync_playwright
 
 from benchmarks.serve_latency import ServerProcess
-from tests.serve.smollm2 import OPTIONS, SMOLLM2, certified_lane
+from dgr_engine.options import EngineOptions
+from tests.harness import SMOLLM2, RealLane
 
 CHROMIUM = Path("/usr/bin/chromium")
 """Debian's chromium (``./dgr.sh test`` installs it where it is missing)."""
@@ -24,9 +25,10 @@ ANSWER_LIMIT_MS = 120_000
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    lane = certified_lane()
-    started = ServerProcess.dgr(SMOLLM2, 3, options=OPTIONS, extra=lane.serve_args())
+def server(smollm2_lane: RealLane) -> Iterator[ServerProcess]:
+    started = ServerProcess.dgr(
+        SMOLLM2, 3, options=EngineOptions(), extra=smollm2_lane.serve_args()
+    )
     try:
         yield started
     finally:
