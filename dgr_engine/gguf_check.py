@@ -187,7 +187,8 @@ def check_gguf(path: str | os.PathLike[str]) -> GgufHeader:
                 kind, offset = reader.scalar("I"), reader.scalar("Q")
                 tensors.append((name, dims, kind, offset))
             alignment = int(kv.get("general.alignment") or _DEFAULT_ALIGNMENT)
-            start = -(-stream.tell() // alignment) * alignment
+            header_end = stream.tell()  # past the file's end where a skip ran over it
+            start = -(-header_end // alignment) * alignment
     except _Truncated as exc:
         raise ModelLoadError(f"{path}: truncated GGUF: {exc}; the file has {size} bytes") from None
     except (ValueError, struct.error, UnicodeDecodeError) as exc:
@@ -195,9 +196,9 @@ def check_gguf(path: str | os.PathLike[str]) -> GgufHeader:
     except OSError as exc:
         raise ModelLoadError(f"{path}: cannot read: {exc.strerror or exc}") from None
 
-    if start > size:
+    if header_end > size:
         raise ModelLoadError(
-            f"{path}: truncated GGUF: the header ends at byte {start}, the file has {size}"
+            f"{path}: truncated GGUF: the header ends at byte {header_end}, the file has {size}"
         )
     end_of_data = start
     entries = []

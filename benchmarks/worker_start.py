@@ -1,0 +1,259 @@
+"""Real ``dgr worker`` processes for every layout ``dgr certify`` runs (the lock's stage counts):
+how long each takes to start and where its seconds go, and its memory at peak and at rest.
+
+Per layout, every stage's worker is spawned at once, as ``--spawn`` and a tracker start a route,
+with the default engine options (the lane a default route runs). The route's start is the wall
+time until the last one listens. Each worker's own split comes from its log line ``ready in
+...`` (:class:`dgr_engine.cli.worker.StartTimes`): finding the model and reading its header,
+hashing the file (once per machine: cached by path, size and mtime), loading its layers and
+looking up its lane's certification, binding its ports; the rest of the spawn-to-listening time
+is the interpreter's start and dgr's imports. Then a short session runs through the route (a
+prefill of 32 tokens and 8 greedy decode steps, the stages relayed by this process over gRPC),
+and each worker's ``VmRSS`` (steady) and ``VmHWM`` (peak) are read from ``/proc``. Target:
+peak <= steady + 64 MiB on every stage (no start-up transient: a stage's memory is what its
+layers need, never what the model's vocabulary costs a parser), a SmolLM2 worker ready in
+<= 2 s warm, 10 Gemma 3 stages in <= 30 s.
+
+    python -m benchmarks.worker_start [--model NAME|PATH | --fixture NAME] [--stages 2 3 4 10]
+        [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import sys
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+MIB = 1024 * 1024
+SLACK_MIB = 64.0
+"""Peak above steady allowed per worker."""
+PROMPT_TOKENS = 32
+DECODE_STEPS = 8
+_READY = re.compile(r"ready in (?P<total>[\d.]+) s: (?P<parts>.*)$")
+_PART = re.compile(r"(?P<phase>\w+) (?P<seconds>[\d.]+) s")
+
+
+@attrs.frozen
+class WorkerRow:
+    """One worker of one layout."""
+
+    stages: int
+    layers: tuple[int, int]
+    ready_s: float
+    """Spawn to listening, as its caller sees it."""
+    phases: tuple[tuple[str, float], ...]
+    """The worker's own split (``header``, ``hash``, ``engine``, ``serve``)."""
+    steady_mib: float
+    peak_mib: float
+
+    @property
+    def startup_s(self) -> float:
+        """The interpreter's start and the imports: spawn-to-listening less the phases."""
+        return max(0.0, self.ready_s - sum(seconds for _, seconds in self.phases))
+
+    @property
+    def transient_mib(self) -> float:
+        return self.peak_mib - self.steady_mib
+
+    @property
+    def met(self) -> bool:
+        return self.transient_mib <= SLACK_MIB
+
+
+@attrs.frozen
+class LayoutRow:
+    """One layout: its route's start and its workers."""
+
+    stages: int
+    route_start_s: float
+    workers: tuple[WorkerRow, ...]
+
+
+def phases_of(log: str) -> tuple[tuple[str, float], ...]:
+    """The phases of a worker log's ``ready in`` line (empty: no such line)."""
+    for line in log.splitlines():
+        found = _READY.search(line)
+        if found is not None:
+            return tuple((m["phase"], float(m["seconds"])) for m in _PART.finditer(found["parts"]))
+    return ()
+
+
+def memory_mib(pid: int) -> tuple[float, float]:
+    """``(VmRSS, VmHWM)`` of a live process, MiB."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) / 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+async def relay_session(endpoints: Sequence[str], n_vocab: int) -> None:
+    """A prefill and a few greedy decode steps through the stages, relayed by this process."""
+    from dgr_engine.client.shard_client import ShardClient, expectations_of
+
+    clients = [ShardClient(e) for e in endpoints]
+    try:
+        expects = [expectations_of(await c.describe()) for c in clients]
+        for client, expect in zip(clients, expects, strict=True):
+            await client.open("bench", 0, expect)
+        tokens = [int(t) for t in np.arange(1, PROMPT_TOKENS + 1) % n_vocab]
+        position, step = 0, 0
+        for _ in range(1 + DECODE_STEPS):
+            positions = list(range(position, position + len(tokens)))
+            boundary = None
+            for index, (client, expect) in enumerate(zip(clients, expects, strict=True)):
+                result = await client.forward(
+                    "bench",
+                    0,
+                    step,
+                    expect,
+                    positions,
+                    tokens=tokens if index == 0 else None,
+                    boundary=boundary,
+                )
+                boundary = result.output
+            assert boundary is not None
+            position += len(tokens)
+            step += 1
+            tokens = [int(np.argmax(boundary[-1]))]
+        for client in clients:
+            await client.close("bench", 0)
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+def layout_row(model: Path, layout: Sequence[tuple[int, int]], n_vocab: int) -> LayoutRow:
+    """Spawns the layout's workers at once, runs a session through them, measures each."""
+    from dgr_engine.options import EngineOptions
+    from dgr_engine.tooling.processes import WorkerProcess
+
+    def spawn(layers: tuple[int, int]) -> tuple[WorkerProcess, float]:
+        began = time.perf_counter()
+        worker = WorkerProcess.spawn(model, layers, options=EngineOptions(), startup_timeout=120)
+        return worker, time.perf_counter() - began
+
+    began = time.perf_counter()
+    with ThreadPoolExecutor(len(layout)) as pool:
+        futures = [pool.submit(spawn, layers) for layers in layout]
+        started = []
+        try:
+            for future in futures:
+                started.append(future.result())
+        finally:
+            for future in futures[len(started) :]:  # a failed start: stop the rest
+                if future.exception() is None:
+                    future.result()[0].stop()
+    route_start = time.perf_counter() - began
+    try:
+        asyncio.run(relay_session([w.address for w, _ in started], n_vocab))
+        rows = []
+        for layers, (worker, ready) in zip(layout, started, strict=True):
+            steady, peak = memory_mib(worker.pid)
+            rows.append(
+                WorkerRow(len(layout), layers, ready, phases_of(worker.stderr_text()), steady, peak)
+            )
+    finally:
+        for worker, _ in started:
+            worker.stop()
+    return LayoutRow(len(layout), route_start, tuple(rows))
+
+
+def print_rows(label: str, layouts: Sequence[LayoutRow]) -> bool:
+    """The table; whether every worker met the memory target."""
+    print(f"\n`dgr worker` start and memory, {label} (this machine, default engine options)")
+    head = (
+        f"{'stages':>6} {'layers':>9} {'ready s':>8} {'python s':>9} {'header s':>9} "
+        f"{'hash s':>7} {'engine s':>9} {'serve s':>8} {'steady MiB':>11} {'peak MiB':>9} "
+        f"{'peak-steady':>12} {'ok':>3}"
+    )
+    print(head)
+    print("-" * len(head))
+    all_ok = True
+    for layout in layouts:
+        for w in layout.workers:
+            split = dict(w.phases)
+            all_ok &= w.met
+            print(
+                f"{w.stages:>6} {f'[{w.layers[0]},{w.layers[1]})':>9} {w.ready_s:>8.2f} "
+                f"{w.startup_s:>9.2f} {split.get('header', 0):>9.2f} {split.get('hash', 0):>7.2f} "
+                f"{split.get('engine', 0):>9.2f} {split.get('serve', 0):>8.2f} "
+                f"{w.steady_mib:>11.1f} {w.peak_mib:>9.1f} {w.transient_mib:>12.1f} "
+                f"{'yes' if w.met else 'NO':>3}"
+            )
+    print("\nroute start (every stage spawned at once, until the last listens):")
+    for layout in layouts:
+        print(f"  {layout.stages:>2} stages: {layout.route_start_s:.2f} s")
+    return all_ok
+
+
+def as_json(label: str, layouts: Sequence[LayoutRow]) -> dict[str, Any]:
+    return {
+        "model": label,
+        "layouts": [
+            {
+                "stages": layout.stages,
+                "route_start_s": layout.route_start_s,
+                "workers": [
+                    {
+                        "layers": list(w.layers),
+                        "ready_s": w.ready_s,
+                        "python_s": w.startup_s,
+                        "phases": dict(w.phases),
+                        "steady_mib": w.steady_mib,
+                        "peak_mib": w.peak_mib,
+                        "met": w.met,
+                    }
+                    for w in layout.workers
+                ],
+            }
+            for layout in layouts
+        ],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    from benchmarks.model_arg import BenchModelError, add_model_arguments, resolve
+    from dgr_engine.certification.lock import load_lock
+    from dgr_engine.certify.runner import layouts_for
+
+    parser = argparse.ArgumentParser(description="dgr worker start time and peak/steady memory")
+    add_model_arguments(parser, default_fixture="mid-llama", trust=False)
+    parser.add_argument(
+        "--stages", type=int, nargs="+", default=None, help="default: the lock's layouts"
+    )
+    parser.add_argument("--json", type=Path, default=None, help="also write the rows here")
+    args = parser.parse_args(argv)
+    try:
+        model = resolve(args, notice=lambda m: print(m, flush=True))
+    except BenchModelError as exc:
+        print(f"benchmarks.worker_start: {exc}", file=sys.stderr)
+        return 2
+    counts = args.stages or list(load_lock().thresholds.layout_stage_counts)
+    layouts = [
+        layout_row(model.path, lay, model.n_vocab) for lay in layouts_for(model.n_layer, counts)
+    ]
+    ok = print_rows(f"{model.label} ({model.kind})", layouts)
+    if args.json is not None:
+        args.json.write_text(json.dumps(as_json(model.label, layouts), indent=1))
+    print(
+        f"target (peak <= steady + {SLACK_MIB:g} MiB on every worker): {'met' if ok else 'MISSED'}"
+    )
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    if not __package__:  # run as a file: its package too
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+    raise SystemExit(main())
