@@ -131,7 +131,7 @@ def test_an_unexpected_error_is_one_line_naming_its_type_and_how_to_see_the_trac
         raise Surprise("it broke\nin two lines")
 
     monkeypatch.delenv(cli.DEBUG_ENV, raising=False)
-    monkeypatch.setattr(cli._SUBCOMMANDS["gate"], "run", boom)
+    monkeypatch.setattr(cli.subcommand("gate"), "run", boom)
     assert cli.main(["gate", "DGR-054"]) == 2
     err = capfd.readouterr().err
     assert err == (
@@ -160,7 +160,7 @@ def test_an_expected_error_is_its_message_on_one_line(
     def fail(args: object) -> int:
         raise error
 
-    monkeypatch.setattr(cli._SUBCOMMANDS["lock"], "run", fail)
+    monkeypatch.setattr(cli.subcommand("lock"), "run", fail)
     assert cli.main(["lock", "show"]) == 2
     assert capfd.readouterr().err == f"{line}\n"
 
@@ -171,6 +171,6 @@ def test_ctrl_c_is_one_line_and_130(
     def interrupted(args: object) -> int:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(cli._SUBCOMMANDS["gate"], "run", interrupted)
+    monkeypatch.setattr(cli.subcommand("gate"), "run", interrupted)
     assert cli.main(["gate", "DGR-054"]) == 130
     assert capfd.readouterr().err == "dgr gate: interrupted\n"
