@@ -244,27 +244,41 @@ async def stage_checks(
     return chain_ok, stage_ok, "; ".join(notes), sizes
 
 
-def peak_rss_bytes(pid: int) -> int:
-    """VmHWM of a live process (Linux), bytes; 0 where unknown."""
+def _status_bytes(pid: int, field: str) -> int:
+    """``field`` (``VmHWM``, ``VmRSS``) of a live process's ``/proc`` status (Linux), bytes;
+    0 where unknown."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return 0
 
 
+def peak_rss_bytes(pid: int) -> int:
+    """VmHWM of a live process (Linux), bytes; 0 where unknown."""
+    return _status_bytes(pid, "VmHWM")
+
+
+def steady_rss_bytes(pid: int) -> int:
+    """VmRSS of a live process (Linux), bytes; 0 where unknown."""
+    return _status_bytes(pid, "VmRSS")
+
+
 def resources(
     provider: LoopbackRouteProvider, layout: Layout, sizes: Sequence[int], limits: Thresholds
 ) -> tuple[list[Figure], bool, str]:
-    """Each shard's peak RSS against factor x (its weights + KV) + slack."""
+    """Each shard's peak RSS (its high-water mark since start: a start-up transient counts)
+    against factor x (its weights + KV) + slack; its RSS now beside it."""
     figures, ok, notes = [], True, []
     scenario = f"{len(layout)} stages"
     for index, (worker, size) in enumerate(zip(provider.workers, sizes, strict=False)):
         peak = peak_rss_bytes(worker.pid)
+        steady = steady_rss_bytes(worker.pid)
         bound = limits.rss_factor * size + limits.rss_slack_mib * 2**20
         figures.append(Figure(f"rss.peak.stage{index}", peak / 2**20, "MiB", scenario))
+        figures.append(Figure(f"rss.steady.stage{index}", steady / 2**20, "MiB", scenario))
         figures.append(Figure(f"rss.bound.stage{index}", bound / 2**20, "MiB", scenario))
         if not 0 < peak <= bound:
             ok = False

@@ -58,6 +58,10 @@ def test_certify_shows_progress_and_writes_one_record_per_lane(fixture_evidence:
         units = {f.name: f.unit for f in record.figures}
         assert units["speed.decode_ratio"] == "whole/route"
         assert units["failure.recovery_s"] == "s" and units["rss.peak.stage0"] == "MiB"
+        # the peak is the high-water mark since start, its steady RSS beside it
+        for figure in (f for f in record.figures if f.name.startswith("rss.peak.")):
+            steady = record.figure(figure.name.replace("peak", "steady"), figure.scenario)
+            assert steady is not None and 0 < steady.value <= figure.value, figure
         shares = [
             record.figure(f"hop.{p}_share") for p in ("engine", "worker", "transit", "client")
         ]
