@@ -59,9 +59,11 @@ def test_certify_shows_progress_and_writes_one_record_per_lane(fixture_evidence:
         assert units["speed.decode_ratio"] == "whole/route"
         assert units["failure.recovery_s"] == "s" and units["rss.peak.stage0"] == "MiB"
         # the peak is the high-water mark since start, its steady RSS beside it
-        for figure in (f for f in record.figures if f.name.startswith("rss.peak.")):
-            steady = record.figure(figure.name.replace("peak", "steady"), figure.scenario)
-            assert steady is not None and 0 < steady.value <= figure.value, figure
+        figures = {(f.name, f.scenario): f.value for f in record.figures}
+        for (name, scenario), peak in figures.items():
+            if name.startswith("rss.peak."):
+                steady = figures[(name.replace("peak", "steady"), scenario)]
+                assert 0 < steady <= peak, (name, scenario)
         shares = [
             record.figure(f"hop.{p}_share") for p in ("engine", "worker", "transit", "client")
         ]
