@@ -9,8 +9,13 @@ rows). The split rows also give the bytes each shard keeps on disk (its files, f
 ``--layers`` into a root of its own) against the whole model's. Fixture evidence with
 ``--fixture`` (random weights); with ``--model``, a real model's figures; this machine either way.
 
+With ``--workers``, real ``dgr worker`` processes too, for every layout ``dgr certify`` runs:
+each one's peak RSS (its high-water mark since start) against its steady RSS after a short
+session, target peak <= steady + 64 MiB, and where its start-up seconds went
+(:mod:`benchmarks.worker_start`).
+
     python -m benchmarks.shard_memory [--fixture mid-llama | --model NAME|PATH] [--stages 1 2 4]
-        [--split-stages 3]
+        [--split-stages 3] [--workers]
 """
 
 from __future__ import annotations
@@ -150,6 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--split-stages", type=int, default=3, help="shards of the split model (0: none)"
     )
+    parser.add_argument(
+        "--workers",
+        action="store_true",
+        help="also real workers of every certify layout: peak and steady RSS, start split",
+    )
     parser.add_argument("--child", nargs=3, metavar=("PATH", "BEGIN", "END"))
     args = parser.parse_args(argv)
     if args.child:
@@ -194,6 +204,14 @@ def main(argv: list[str] | None = None) -> int:
         all_ok &= split_rows(split_name, n_layer, args.split_stages)
     verdict = "met" if all_ok else "MISSED"
     print(f"target (peak RSS <= weights + KV + 64 MiB on every shard): {verdict}")
+    if args.workers:
+        from benchmarks import worker_start
+
+        rows = worker_start.certify_layout_rows(path, n_layer, model.n_vocab)
+        workers_ok = worker_start.print_rows(f"{model.label} ({model.kind})", rows)
+        verdict = "met" if workers_ok else "MISSED"
+        print(f"target (peak <= steady + 64 MiB on every worker): {verdict}")
+        all_ok &= workers_ok
     return 0 if all_ok else 1
 
 

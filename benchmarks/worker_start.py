@@ -170,6 +170,18 @@ def layout_row(model: Path, layout: Sequence[tuple[int, int]], n_vocab: int) -> 
     return LayoutRow(len(layout), route_start, tuple(rows))
 
 
+def certify_layout_rows(
+    model: Path, n_layer: int, n_vocab: int, stage_counts: Sequence[int] | None = None
+) -> list[LayoutRow]:
+    """:func:`layout_row` of every layout ``dgr certify`` runs (the lock's stage counts, or
+    ``stage_counts``)."""
+    from dgr_engine.certification.lock import load_lock
+    from dgr_engine.certify.runner import layouts_for
+
+    counts = stage_counts or load_lock().thresholds.layout_stage_counts
+    return [layout_row(model, layout, n_vocab) for layout in layouts_for(n_layer, counts)]
+
+
 def print_rows(label: str, layouts: Sequence[LayoutRow]) -> bool:
     """The table; whether every worker met the memory target."""
     print(f"\n`dgr worker` start and memory, {label} (this machine, default engine options)")
@@ -225,8 +237,6 @@ def as_json(label: str, layouts: Sequence[LayoutRow]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.model_arg import BenchModelError, add_model_arguments, resolve
-    from dgr_engine.certification.lock import load_lock
-    from dgr_engine.certify.runner import layouts_for
 
     parser = argparse.ArgumentParser(description="dgr worker start time and peak/steady memory")
     add_model_arguments(parser, default_fixture="mid-llama", trust=False)
@@ -240,10 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     except BenchModelError as exc:
         print(f"benchmarks.worker_start: {exc}", file=sys.stderr)
         return 2
-    counts = args.stages or list(load_lock().thresholds.layout_stage_counts)
-    layouts = [
-        layout_row(model.path, lay, model.n_vocab) for lay in layouts_for(model.n_layer, counts)
-    ]
+    layouts = certify_layout_rows(model.path, model.n_layer, model.n_vocab, args.stages)
     ok = print_rows(f"{model.label} ({model.kind})", layouts)
     if args.json is not None:
         args.json.write_text(json.dumps(as_json(model.label, layouts), indent=1))
