@@ -107,6 +107,12 @@ case "${1:-}" in
         # allows it (root, apt); nothing else is downloaded: headless Chromium for the page of
         # `dgr serve`, tmux for `dgr chat` in a terminal
         ensure_debian_programs chromium tmux
+        # llama.cpp's own tools, from the same pinned, patched source (llama-bench, RPC,
+        # llama-server), which the tests measuring dgr against them run: built here, with
+        # progress, once per machine (about 10 min cold on 2 cores; cached in ~/.cache/dgr),
+        # not inside whichever test asks first, where it would spend that test's time limit
+        echo "dgr: llama.cpp's tools (llama-bench, RPC, llama-server; cached after the first build)" >&2
+        .venv/bin/python -m benchmarks.peer_build --print-prefix >/dev/null
         echo "dgr: ruff" >&2
         .venv/bin/ruff check .
         .venv/bin/ruff format --check .
