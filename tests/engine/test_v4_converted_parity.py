@@ -27,6 +27,8 @@ from dgr_engine.numerics import EXACT, Numerics
 from dgr_engine.reference import LocalChain
 from tests.engine.test_v4_parity import all_cuts
 
+pytestmark = pytest.mark.slow  # transformers on the CPU: seconds a test, CI runs it
+
 N_LAYER = 5
 PROMPTS = tiny_v4.parity_prompts()
 N_DECODE = 8

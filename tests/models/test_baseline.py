@@ -41,6 +41,8 @@ from dgr_engine.reference import LocalChain
 from dgr_engine.tooling.processes import dgr_command
 from dgr_session.identity import EvidenceClass
 
+pytestmark = pytest.mark.slow  # transformers on the CPU: seconds a test, CI runs it
+
 EXACT_BOUND = 1e-4
 """float32 noise: the bound the exact setting meets against transformers (measured ~1e-5)."""
 

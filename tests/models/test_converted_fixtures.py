@@ -21,6 +21,8 @@ from dgr_engine.numerics import EXACT, Numerics
 from dgr_engine.reference import LocalChain
 from tests.engine.test_engine_parity import all_cuts
 
+pytestmark = pytest.mark.slow  # transformers on the CPU: seconds a test, CI runs it
+
 PROMPT = [int(t) for t in (np.arange(14) * 37 + 11) % 317 + 3]
 N_DECODE = 12
 KW = {"max_sessions": 1, "n_ctx_per_session": 64, "n_threads": 2, "n_batch": 32}

@@ -24,6 +24,8 @@ from dgr_engine.baseline.prompts import CORPUS
 from dgr_engine.fixtures import converted
 from dgr_engine.tokenizer import Tokenizer
 
+pytestmark = pytest.mark.slow  # transformers on the CPU: seconds a test, CI runs it
+
 N_LAYER = 5
 
 
