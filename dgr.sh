@@ -109,15 +109,18 @@ case "${1:-}" in
         ensure_debian_programs chromium tmux
         # llama.cpp's own tools, from the same pinned, patched source (llama-bench, RPC,
         # llama-server), which the tests measuring dgr against them run: built here, with
-        # progress, once per machine (about 10 min cold on 2 cores; cached in ~/.cache/dgr),
-        # not inside whichever test asks first, where it would spend that test's time limit
+        # progress, once per machine (about 4.5 min cold on 2 cores; cached in ~/.cache/dgr),
+        # not inside whichever test asks first, where it would spend that test's time limit;
+        # ruff and mypy run meanwhile
         echo "dgr: llama.cpp's tools (llama-bench, RPC, llama-server; cached after the first build)" >&2
-        .venv/bin/python -m benchmarks.peer_build --print-prefix >/dev/null
+        .venv/bin/python -m benchmarks.peer_build --print-prefix >/dev/null &
+        peers=$!
         echo "dgr: ruff" >&2
-        .venv/bin/ruff check .
-        .venv/bin/ruff format --check .
+        .venv/bin/ruff check . || { kill "$peers" 2>/dev/null; exit 1; }
+        .venv/bin/ruff format --check . || { kill "$peers" 2>/dev/null; exit 1; }
         echo "dgr: mypy" >&2
-        .venv/bin/mypy
+        .venv/bin/mypy || { kill "$peers" 2>/dev/null; exit 1; }
+        wait "$peers" || { echo "dgr: building llama.cpp's tools failed (above)" >&2; exit 1; }
         echo "dgr: pytest" >&2
         exec .venv/bin/python -m pytest "$@"
         ;;
