@@ -79,14 +79,15 @@ def pytest_runtest_setup(item: pytest.Item) -> Any:
 
 @pytest.fixture(scope="session")
 def smollm2_lane(request: pytest.FixtureRequest) -> RealLane:
-    """SmolLM2-135M-Instruct's lane, certified in this run (about 1.5 min on 2 cores) under an
+    """SmolLM2-135M-Instruct's lane, certified in this run (about 30 s on 2 cores) under an
     operator lock of the run's own: slow tests only (it starts workers)."""
     return request.config.stash[_DIRS].real_lane(SMOLLM2)
 
 
 @pytest.fixture(scope="session")
 def gemma3_lane(request: pytest.FixtureRequest) -> RealLane:
-    """Gemma 3 270M's lane (262k vocabulary), certified in this run as :func:`smollm2_lane`."""
+    """Gemma 3 270M's lane (262k vocabulary), certified in this run as :func:`smollm2_lane`
+    (about 1 min)."""
     return request.config.stash[_DIRS].real_lane(GEMMA3)
 
 

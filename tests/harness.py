@@ -146,10 +146,6 @@ class RealLane:
         options = EngineOptions().worker_argv()
         return [*options, "--lock", str(self.lock), "--evidence", str(self.evidence)]
 
-    def route_args(self) -> list[str]:
-        """A client's arguments for this lane: the lock and the records."""
-        return ["--lock", str(self.lock), "--evidence", str(self.evidence)]
-
 
 def certify_real_lane(home: Path, name: str) -> RealLane:
     """Certifies the catalog model ``name``'s lane (the default engine options) on this machine

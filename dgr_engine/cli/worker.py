@@ -442,7 +442,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 class StartTimes:
-    """Where a worker's start-up seconds went, phase by phase (``benchmarks.shard_memory``
+    """Where a worker's start-up seconds went, phase by phase (``benchmarks.worker_start``
     reads the line :meth:`text` makes from a worker's log)."""
 
     def __init__(self) -> None:
