@@ -247,9 +247,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         model = resolve(args, notice=lambda m: print(m, flush=True))
-    except BenchModelError as exc:
-        print(f"benchmarks.worker_start: {exc}", file=sys.stderr)
-        return 2
+    except BenchModelError as exc:  # one line, exit 2
+        parser.exit(2, f"benchmarks.worker_start: {exc}\n")
     layouts = certify_layout_rows(model.path, model.n_layer, model.n_vocab, args.stages)
     ok = print_rows(f"{model.label} ({model.kind})", layouts)
     if args.json is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import ast
 import re
 import subprocess
 import sys
@@ -126,22 +125,3 @@ def test_a_command_line_parses_the_same_with_its_subcommand_alone(argv: list[str
     """:func:`dgr_engine.cli.main` parses with the named subcommand's parser alone (one module
     imported): the same values as the whole command line's."""
     assert vars(cli.parser(argv[0]).parse_args(argv)) == vars(cli.parser().parse_args(argv))
-
-
-def test_a_worker_imports_no_other_subcommand() -> None:
-    """``dgr worker`` starts without ``dgr serve``'s web framework or the other commands."""
-    probe = (
-        "import sys\n"
-        "from dgr_engine import cli\n"
-        "cli.parser('worker').parse_args(['worker', '--model', 'm.gguf', '--layers', '0:1'])\n"
-        "cli.subcommand('worker')\n"
-        "print(sorted(m for m in sys.modules if m.startswith('dgr_engine.cli.')"
-        " or m in ('fastapi', 'uvicorn')))\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, check=True
-    )
-    loaded = ast.literal_eval(done.stdout)  # a printed list of names
-    assert "dgr_engine.cli.worker" in loaded
-    others = {f"dgr_engine.cli.{name}" for name in cli._SUBCOMMANDS} - {"dgr_engine.cli.worker"}
-    assert not others & set(loaded) and "fastapi" not in loaded, loaded

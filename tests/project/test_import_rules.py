@@ -217,17 +217,40 @@ def test_a_room_never_reaches_the_rooms_it_must_not_import(room: str) -> None:
     assert not bad, "\n".join(bad)
 
 
-def test_importing_the_worker_and_the_client_loads_no_tooling() -> None:
-    code = (
-        "import sys, dgr_engine.worker.server, dgr_engine.client.chained, dgr_engine.client.text\n"
-        "import dgr_engine.client.routes\n"
-        "print(sorted(m for m in sys.modules if m.startswith(('dgr_engine.tooling',\n"
-        "                                                      'dgr_engine.certify'))))\n"
+def modules_loaded_by(code: str, prefixes: tuple[str, ...]) -> list[str]:
+    """The modules whose names start with one of ``prefixes`` that a new interpreter has loaded
+    after running ``code``."""
+    probe = (
+        f"{code}\nimport sys\nprint(sorted(m for m in sys.modules if m.startswith({prefixes!r})))\n"
     )
     done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
     )
-    assert done.stdout.strip() == "[]", done.stdout
+    loaded: list[str] = ast.literal_eval(done.stdout)  # a printed list of names
+    return loaded
+
+
+def test_importing_the_worker_and_the_client_loads_no_tooling() -> None:
+    code = (
+        "import dgr_engine.worker.server, dgr_engine.client.chained, dgr_engine.client.text\n"
+        "import dgr_engine.client.routes"
+    )
+    assert modules_loaded_by(code, ("dgr_engine.tooling", "dgr_engine.certify")) == []
+
+
+def test_a_worker_imports_no_other_subcommand() -> None:
+    """``dgr worker`` starts without ``dgr serve``'s web framework or the other commands."""
+    from dgr_engine import cli
+
+    code = (
+        "from dgr_engine import cli\n"
+        "cli.parser('worker').parse_args(['worker', '--model', 'm.gguf', '--layers', '0:1'])\n"
+        "cli.subcommand('worker')"
+    )
+    loaded = modules_loaded_by(code, ("dgr_engine.cli.", "fastapi", "uvicorn"))
+    assert "dgr_engine.cli.worker" in loaded
+    others = {f"dgr_engine.cli.{name}" for name in cli._SUBCOMMANDS} - {"dgr_engine.cli.worker"}
+    assert not others & set(loaded) and "fastapi" not in loaded, loaded
 
 
 def test_dgr_engine_has_no_import_cycle() -> None:
