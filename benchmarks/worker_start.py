@@ -104,7 +104,10 @@ async def relay_session(endpoints: Sequence[str], n_vocab: int) -> None:
 
     clients = [ShardClient(e) for e in endpoints]
     try:
-        expects = [expectations_of(await c.describe()) for c in clients]
+        adverts = [await c.describe() for c in clients]
+        expects = [expectations_of(advert) for advert in adverts]
+        # the first stage's tokens, and every stage's whose layers route by token id (V4)
+        wants_ids = [a.span.is_first or a.span.needs_token_ids for a in adverts]
         for client, expect in zip(clients, expects, strict=True):
             await client.open("bench", 0, expect)
         tokens = [int(t) for t in np.arange(1, PROMPT_TOKENS + 1) % n_vocab]
@@ -112,14 +115,14 @@ async def relay_session(endpoints: Sequence[str], n_vocab: int) -> None:
         for _ in range(1 + DECODE_STEPS):
             positions = list(range(position, position + len(tokens)))
             boundary = None
-            for index, (client, expect) in enumerate(zip(clients, expects, strict=True)):
+            for client, expect, ids in zip(clients, expects, wants_ids, strict=True):
                 result = await client.forward(
                     "bench",
                     0,
                     step,
                     expect,
                     positions,
-                    tokens=tokens if index == 0 else None,
+                    tokens=tokens if ids else None,
                     boundary=boundary,
                 )
                 boundary = result.output

@@ -29,10 +29,13 @@ def test_a_workers_ready_line_gives_its_phases() -> None:
 
 
 @pytest.mark.slow
-def test_the_benchmark_starts_each_layout_and_measures_every_worker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("fixture", ["tiny-llama", "tiny-v4"])  # V4: token ids on every stage
+def test_the_benchmark_starts_each_layout_and_measures_every_worker(
+    tmp_path: Path, fixture: str
+) -> None:
     out = tmp_path / "rows.json"
     done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.worker_start", "--fixture", "tiny-llama"]
+        [sys.executable, "-m", "benchmarks.worker_start", "--fixture", fixture]
         + ["--stages", "1", "2", "--json", str(out)],
         capture_output=True,
         text=True,
@@ -44,7 +47,11 @@ def test_the_benchmark_starts_each_layout_and_measures_every_worker(tmp_path: Pa
     result = json.loads(out.read_text())
     layouts = {layout["stages"]: layout for layout in result["layouts"]}
     assert set(layouts) == {1, 2}
-    assert [w["layers"] for w in layouts[2]["workers"]] == [[0, 2], [2, 4]]
+    n_layer = layouts[1]["workers"][0]["layers"][1]
+    assert [w["layers"] for w in layouts[2]["workers"]] == [
+        [0, n_layer // 2],
+        [n_layer // 2, n_layer],
+    ]
     for layout in layouts.values():
         assert layout["route_start_s"] > 0
         for worker in layout["workers"]:
