@@ -4,7 +4,7 @@ how long each takes to start and where its seconds go, and its memory at peak an
 Per layout, every stage's worker is spawned at once, as ``--spawn`` and a tracker start a route,
 with the default engine options (the lane a default route runs). The route's start is the wall
 time until the last one listens. Each worker's own split comes from its log line ``ready in
-...`` (:class:`dgr_engine.cli.worker.StartTimes`): finding the model and reading its header,
+...`` (:mod:`dgr_engine.worker.start_times`): finding the model and reading its header,
 hashing the file (once per machine: cached by path, size and mtime), loading its layers and
 looking up its lane's certification, binding its ports; the rest of the spawn-to-listening time
 is the interpreter's start and dgr's imports. Then a short session runs through the route (a
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -34,13 +33,13 @@ from typing import Any
 import attrs
 import numpy as np
 
+from dgr_engine.worker.start_times import phases_in
+
 MIB = 1024 * 1024
 SLACK_MIB = 64.0
 """Peak above steady allowed per worker."""
 PROMPT_TOKENS = 32
 DECODE_STEPS = 8
-_READY = re.compile(r"ready in (?P<total>[\d.]+) s: (?P<parts>.*)$")
-_PART = re.compile(r"(?P<phase>\w+) (?P<seconds>[\d.]+) s")
 
 
 @attrs.frozen
@@ -79,23 +78,12 @@ class LayoutRow:
     workers: tuple[WorkerRow, ...]
 
 
-def phases_of(log: str) -> tuple[tuple[str, float], ...]:
-    """The phases of a worker log's ``ready in`` line (empty: no such line)."""
-    for line in log.splitlines():
-        found = _READY.search(line)
-        if found is not None:
-            return tuple((m["phase"], float(m["seconds"])) for m in _PART.finditer(found["parts"]))
-    return ()
-
-
 def memory_mib(pid: int) -> tuple[float, float]:
-    """``(VmRSS, VmHWM)`` of a live process, MiB."""
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            fields[key] = int(value.split()[0]) / 1024
-    return fields["VmRSS"], fields["VmHWM"]
+    """``(steady, peak)`` RSS of a live process, MiB: what certification's ``resources.rss``
+    reads."""
+    from dgr_engine.certify.scenarios import peak_rss_bytes, steady_rss_bytes
+
+    return steady_rss_bytes(pid) / MIB, peak_rss_bytes(pid) / MIB
 
 
 async def relay_session(endpoints: Sequence[str], n_vocab: int) -> None:
@@ -165,7 +153,7 @@ def layout_row(model: Path, layout: Sequence[tuple[int, int]], n_vocab: int) -> 
         for layers, (worker, ready) in zip(layout, started, strict=True):
             steady, peak = memory_mib(worker.pid)
             rows.append(
-                WorkerRow(len(layout), layers, ready, phases_of(worker.stderr_text()), steady, peak)
+                WorkerRow(len(layout), layers, ready, phases_in(worker.stderr_text()), steady, peak)
             )
     finally:
         for worker, _ in started:

@@ -26,7 +26,6 @@ import shlex
 import signal
 import socket
 import sys
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -318,6 +317,7 @@ async def _serve(args: argparse.Namespace) -> int:
     from dgr_engine.worker import ShardWorker, WorkerConfig
     from dgr_engine.worker.identity import BuildIdentity
     from dgr_engine.worker.preflight import preflight
+    from dgr_engine.worker.start_times import StartTimes
     from dgr_session.errors import DgrError
 
     stop = asyncio.Event()
@@ -428,7 +428,7 @@ async def _serve(args: argparse.Namespace) -> int:
         await worker.stop()
         return 2
     started.lap("serve")  # every port bound, the first advert made
-    logger.info("ready in {}", started.text())
+    logger.info("{}", started.text())
     try:
         if not stop.is_set():
             if worker.metrics_port:
@@ -439,27 +439,6 @@ async def _serve(args: argparse.Namespace) -> int:
         closed = await worker.stop()
     print(f"STOPPED sessions_closed={closed}", flush=True)
     return 0
-
-
-class StartTimes:
-    """Where a worker's start-up seconds went, phase by phase (``benchmarks.worker_start``
-    reads the line :meth:`text` makes from a worker's log)."""
-
-    def __init__(self) -> None:
-        self._last = time.perf_counter()
-        self.phases: list[tuple[str, float]] = []
-
-    def lap(self, phase: str) -> None:
-        """Ends ``phase`` now."""
-        now = time.perf_counter()
-        self.phases.append((phase, now - self._last))
-        self._last = now
-
-    def text(self) -> str:
-        """E.g. ``1.21 s: header 0.02 s, hash 0.00 s, engine 1.02 s, serve 0.17 s``."""
-        total = sum(seconds for _, seconds in self.phases)
-        parts = ", ".join(f"{phase} {seconds:.2f} s" for phase, seconds in self.phases)
-        return f"{total:.2f} s: {parts}"
 
 
 def certify_command(args: argparse.Namespace) -> str:

@@ -24,7 +24,8 @@ Its modules, one job each (``docs/worker.md``):
 * ``peer_limits``: sessions per client identity, frames per second per session;
 * ``usage``: the worker's usage records;
 * ``advertiser``: the lane, its certification, and the advert;
-* ``identity``: the build and model identity an advert states;
+* ``identity``: the build and model identity an advert states; ``start_times``: where a
+  worker's start-up seconds went, the line it logs and how that line reads back;
 * ``load``: the load meter; ``metrics`` and ``metrics_server``: Prometheus metrics;
 * ``registration``: the ``Shard`` service's lenient registration; ``preflight``: checks
   before loading.

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.worker_start import SLACK_MIB, WorkerRow, phases_of
+from benchmarks.worker_start import SLACK_MIB, WorkerRow
+from dgr_engine.worker.start_times import StartTimes, phases_in
 from tests.harness import REPO
 
 
@@ -20,12 +21,19 @@ def test_a_workers_ready_line_gives_its_phases() -> None:
         "15:38:53.978 INFO    stage=- session=- ready in 0.40 s: header 0.09 s, hash 0.00 s, "
         "engine 0.31 s, serve 0.00 s\n"
     )
-    phases = phases_of(log)
+    phases = phases_in(log)
     assert phases == (("header", 0.09), ("hash", 0.0), ("engine", 0.31), ("serve", 0.0))
     row = WorkerRow(2, (0, 2), 1.4, phases, steady_mib=200.0, peak_mib=200.0 + SLACK_MIB)
     assert row.startup_s == pytest.approx(1.0) and row.met
     assert not WorkerRow(2, (0, 2), 1.4, phases, 200.0, 200.1 + SLACK_MIB).met
-    assert phases_of("no such line\n") == ()
+    assert phases_in("no such line\n") == ()
+    # the line a worker writes reads back as its phases
+    stopwatch = StartTimes()
+    stopwatch.lap("header")
+    stopwatch.lap("engine")
+    written = phases_in(f"12:00:00.000 INFO    {stopwatch.text()}\n")
+    assert [phase for phase, _ in written] == ["header", "engine"]
+    assert all(seconds >= 0 for _, seconds in written)
 
 
 @pytest.mark.slow
