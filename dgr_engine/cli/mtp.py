@@ -66,7 +66,6 @@ def run(args: argparse.Namespace) -> int:
     from dgr_engine.errors import EngineError
     from dgr_engine.fixtures import ensure_fixture
     from dgr_engine.gguf_check import check_gguf
-    from dgr_engine.reference import n_layer_of, owns_mtp_block
     from dgr_engine.speculative.mtp_figures import OPTIONS, TRANSPORTS, measure_mtp
     from dgr_engine.speculative.mtp_record import mtp_figures, mtp_requirements
     from dgr_engine.worker.identity import BuildIdentity
@@ -77,9 +76,9 @@ def run(args: argparse.Namespace) -> int:
         key = None if args.sign_key is None else load_signing_key(args.sign_key)
         lock = load_lock(args.lock)
         path = args.model if fixture is None else ensure_fixture(fixture)
-        check_gguf(path)  # a missing file, or one that is no GGUF: one line, nothing run
-        n_layer = n_layer_of(path)
-        if not owns_mtp_block(path, (0, n_layer)):
+        header = check_gguf(path)  # a missing file, or no GGUF: one line, nothing run
+        n_layer = header.n_main_layers
+        if not header.owns_mtp_block((0, n_layer)):
             raise ValueError(f"{Path(path).name}: not a DeepSeek V4 model with an MTP block")
         too_many = [n for n in args.stages if n > n_layer]
         if too_many:
