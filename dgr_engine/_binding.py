@@ -5,10 +5,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from dgr_engine.errors import AbiMismatch, error_for_status
+from dgr_engine.errors import AbiMismatch
+from dgr_engine.status import error_for_code
 
 #: The C ABI version this Python package was written against (native/include/dgr_shard.h).
-ABI_VERSION = 12
+ABI_VERSION = 13
 
 try:
     _native: Any = importlib.import_module("dgr_engine._native")
@@ -40,7 +41,7 @@ def check_status(code: int) -> None:
     if code != 0:
         message = ffi.string(lib.dgr_last_error()).decode(errors="replace")
         held = int(lib.dgr_last_held_epoch())  # -1 unless the call failed with a stale epoch
-        raise error_for_status(int(code), status_name(code), message, held_epoch=held)
+        raise error_for_code(int(code), message, held_epoch=held)
 
 
 LLAMA_COMMIT: str = ffi.string(lib.dgr_llama_commit()).decode()

@@ -26,8 +26,9 @@ import numpy as np
 import numpy.typing as npt
 
 from dgr_engine._binding import check_status, ffi, lib, status_name
-from dgr_engine.errors import EngineClosed, EngineError, error_for_status
+from dgr_engine.errors import EngineClosed, EngineError
 from dgr_engine.numerics import Numerics
+from dgr_engine.status import error_for_code
 
 # -- native links ----------------------------------------------------------------------------
 # One session epoch's frames run by the native library's own thread, from one connected socket
@@ -84,7 +85,7 @@ class LinkStats:
         if self.state is not LinkState.FAILED:
             return None
         code = int(getattr(lib, self.status, lib.DGR_E_INTERNAL))
-        return error_for_status(code, self.status, f"stage {self.failed_hop}: {self.error}")
+        return error_for_code(code, f"stage {self.failed_hop}: {self.error}")
 
 
 @attrs.frozen(repr=False)
@@ -536,7 +537,7 @@ class ShardEngine:
         ``n_keep`` outside ``[1, next_pos]`` is ``PositionError``; before the rows of the last
         forward call ``UnsupportedFeature``; both with nothing changed."""
         if k < 0:
-            raise error_for_status(1, "DGR_E_INVALID_ARGUMENT", f"draft length {k} is negative")
+            raise error_for_code(int(lib.DGR_E_INVALID_ARGUMENT), f"draft length {k} is negative")
         out = ffi.new("int32_t[]", max(k, 1))
         n_out = ffi.new("uint32_t *")
         with self._lock:
@@ -642,11 +643,9 @@ class ShardEngine:
             c, done = next(outcomes)
             if c.status != 0:
                 message = ffi.string(c.error).decode(errors="replace")
-                status = int(c.status)
-                name = ffi.string(lib.dgr_status_name(status)).decode()
-                results.append(
-                    error_for_status(status, name, message, held_epoch=int(c.held_epoch))
-                )
+                error = error_for_code(int(c.status), message, held_epoch=int(c.held_epoch))
+                assert isinstance(error, EngineError)  # an item's statuses are the engine's
+                results.append(error)
             else:
                 results.append(done.result(int(c.n_out), width))
         return results
@@ -660,17 +659,16 @@ class ShardEngine:
         if tok is not None:
             tok = np.ascontiguousarray(tok, dtype=np.int32).reshape(-1)
             if tok.shape[0] != n:
-                raise error_for_status(
-                    9, "DGR_E_SHAPE", f"{tok.shape[0]} token ids for {n} positions"
+                raise error_for_code(
+                    int(lib.DGR_E_SHAPE), f"{tok.shape[0]} token ids for {n} positions"
                 )
         row_width = 0
         inp = None
         if item.rows is not None:
             inp = np.ascontiguousarray(item.rows, dtype=np.float32)
             if inp.ndim != 2 or inp.shape[0] != n:
-                raise error_for_status(
-                    9,
-                    "DGR_E_SHAPE",
+                raise error_for_code(
+                    int(lib.DGR_E_SHAPE),
                     f"rows of shape {inp.shape} for {n} positions: need [n, width]",
                 )
             row_width = int(inp.shape[1])
@@ -682,15 +680,15 @@ class ShardEngine:
             else:
                 want_arr = np.ascontiguousarray(item.want, dtype=np.uint8).reshape(-1)
                 if want_arr.shape[0] != n:
-                    raise error_for_status(
-                        9, "DGR_E_SHAPE", f"{want_arr.shape[0]} flags for {n} rows"
+                    raise error_for_code(
+                        int(lib.DGR_E_SHAPE), f"{want_arr.shape[0]} flags for {n} rows"
                     )
                 n_out = int(np.count_nonzero(want_arr))
         width = self.info.out_width
         if out is None:
             out = np.empty((n_out, width), dtype=np.float32)
         elif out.dtype != np.float32 or not out.flags.c_contiguous or out.size < n_out * width:
-            raise error_for_status(9, "DGR_E_SHAPE", "out must be a C-contiguous float32 array")
+            raise error_for_code(int(lib.DGR_E_SHAPE), "out must be a C-contiguous float32 array")
         return _Prepared(item.session_id, item.epoch, n, pos, tok, inp, row_width, want_arr, out)
 
     # -- state -----------------------------------------------------------------------------

@@ -1,10 +1,10 @@
-"""Typed errors of the shards: one per C status code of the engine, the worker's refusals, the
-client's transport failures, and the one place that maps C status codes.
+"""Typed errors of the shards: one per C status code of the engine, the worker's refusals and the
+client's transport failures (which status raises which: ``dgr_engine.status``, the one table).
 
 Every failure of a shard call is a :class:`ShardError`, in two branches that do not overlap:
 
 * :class:`EngineError` (``code``, ``status``): the shard answered and refused the call - its
-  engine's C status (``DGR_E_*``, :func:`error_for_status`) or its worker's own check (frame,
+  engine's C status (``DGR_E_*``, mapped in ``dgr_engine.status``) or its worker's own check (frame,
   expectation, grant: ``code`` -1). Catch it where a refusal is meant.
 * :class:`ShardTransportError` (``status`` only, no C status): no such answer - the worker is
   unreachable or gone (:class:`ShardUnavailable`), too slow (:class:`ShardDeadlineExceeded`),
@@ -58,7 +58,6 @@ __all__ = [
     "UnknownSession",
     "UnsupportedArchitecture",
     "UnsupportedFeature",
-    "error_for_status",
 ]
 
 # -- the engine's C statuses (EngineError's branch) ---------------------------------------------
@@ -285,40 +284,3 @@ class ShardRpcError(ShardTransportError):
 class AbiMismatch(ImportError):
     """The compiled native module does not match this Python package's ABI version. Nothing
     can be loaded: no engine, no session (an ``ImportError``, not a ``DgrError``)."""
-
-
-# -- the one place that maps C status codes ----------------------------------------------------
-
-_BY_CODE: dict[int, type[EngineError]] = {
-    cls.code: cls
-    for cls in (
-        InvalidArgument,
-        ModelLoadError,
-        UnsupportedArchitecture,
-        LayerRangeError,
-        UnknownSession,
-        StaleEpoch,
-        CapacityExceeded,
-        PositionMismatch,
-        ShapeMismatch,
-        ContextFull,
-        DecodeError,
-        StateError,
-        UnsupportedFeature,
-        InternalError,
-    )
-}
-
-
-def error_for_status(
-    code: int, status: str, message: str, *, held_epoch: int | None = None
-) -> EngineError:
-    """The typed exception for a failed C call (the one place that maps status codes); a
-    stale epoch carries ``held_epoch``, the epoch the engine holds (``dgr_last_held_epoch()``;
-    ``None`` or negative: unknown)."""
-    cls = _BY_CODE.get(code, EngineError)
-    text = f"{status}: {message}"
-    if cls is StaleEpoch:
-        held = held_epoch if held_epoch is not None and held_epoch >= 0 else None
-        return StaleEpoch(text, code=code, status=status, held_epoch=held)
-    return cls(text, code=code, status=status)

@@ -915,6 +915,6 @@ class ChainStageTransport(GrpcStageTransport):
                 return Logits.greedy_tokens(greedy, cost)
             logits = output_from_reply(ticket.reply.reply)
         except FrameRejected as exc:
-            error = ShardRpcError(f"malformed chained output: {exc}", status="DGR_E_PROTOCOL")
+            error = FrameRejected(f"DGR_E_FRAME: malformed chained output: {exc}")
             self._raise(stage, sid, epoch, f"chained forward step {ticket.step}", error)
         return Logits.last_row(logits, cost)

@@ -12,8 +12,8 @@ from collections.abc import Sequence
 
 import attrs
 
-from dgr_engine._binding import lib
-from dgr_engine.errors import FrameRejected, error_for_status
+from dgr_engine.errors import FrameRejected
+from dgr_engine.status import error_for_code
 from dgr_engine.wire.link_messages import MAX_STOP, Kind, encode_rows, read_message
 from dgr_engine.wire.link_seal import Sealing
 
@@ -81,10 +81,8 @@ class LinkRoute:
                 self.output, timeout, max_payload=4096, opener=self._open
             )
             if header.kind is Kind.FAILED:
-                internal = int(lib.DGR_E_INTERNAL)
-                code = header.value if 0 < header.value <= internal else internal
                 text = payload.decode(errors="replace")
-                raise error_for_status(code, header.status, f"stage {header.hop}: {text}")
+                raise error_for_code(header.value, f"stage {header.hop}: {text}")
             if header.kind is not Kind.TOKEN or header.step != len(tokens):
                 raise FrameRejected(
                     f"DGR_E_FRAME: expected the token of step {len(tokens)}, got a "

@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,13 +24,14 @@ import grpc
 import numpy as np
 
 from dgr_engine._binding import lib
-from dgr_engine.errors import FrameRejected, GrantUnauthenticated, error_for_status
+from dgr_engine.errors import FrameRejected, GrantUnauthenticated
+from dgr_engine.status import error_for_code
 from dgr_engine.wire import link_messages as lm
 from dgr_engine.wire import link_seal
 from dgr_engine.wire.frame_link import CallStatus
 from dgr_engine.wire.frames import fill_tensor
 from dgr_engine.wire.proto import shard_pb2 as pb
-from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY, error_from_trailers, grpc_status_for
+from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY, grpc_status_for
 
 __all__ = ["NativeLinkTarget", "native_route"]
 
@@ -41,24 +41,11 @@ _NO_ROWS = np.zeros((0, 1), dtype=np.float32)
 Status = tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]
 
 
-_STATUS_PREFIX = re.compile(r"^(DGR_E_[A-Z_]+):")
-
-
-def _failed_status(code_number: int, status: str, hop: int, message: str) -> Status:
-    """A ``FAILED``'s call status: a lost stage reads as on gRPC (``UNAVAILABLE``, the stage
-    named, no dgr-status); a refusal by its dgr-status, which its message starts with (a
-    worker's own statuses, ``DGR_E_UNAUTHENTICATED``, ``DGR_E_FRAME``..., travel so), else
-    the C status it carries."""
-    if code_number == int(lib.DGR_E_LINK_LOST):
-        return grpc.StatusCode.UNAVAILABLE, message, ((CHAIN_HOP_KEY, str(hop)),)
-    said = _STATUS_PREFIX.match(message)
-    name = said.group(1) if said is not None else status
-    error = error_from_trailers(grpc.StatusCode.UNKNOWN, ((STATUS_KEY, name),), message)
-    if getattr(error, "status", None) != name:  # not a status the wire knows: the C one
-        error = error_for_status(code_number, status, message)
-    code, name = grpc_status_for(error)
-    details = message if message.startswith(name) else f"{name}: {message}"
-    return code, details, ((STATUS_KEY, name), (CHAIN_HOP_KEY, str(hop)))
+def _failed_status(code_number: int, hop: int, message: str) -> Status:
+    """A ``FAILED``'s call status: its C status (``dgr_engine.status``: the number it carries,
+    never its text) as the typed error's gRPC code and dgr-status, and the failing stage."""
+    code, name = grpc_status_for(error_for_code(code_number, message))
+    return code, message, ((STATUS_KEY, name), (CHAIN_HOP_KEY, str(hop)))
 
 
 _VERDICT_SECONDS = 2.0
@@ -165,7 +152,7 @@ class _Call(CallStatus):
             return False
         if header.kind is lm.Kind.FAILED:
             text = payload.decode(errors="replace")
-            self._end(*_failed_status(header.value, header.status, t.hop, text))
+            self._end(*_failed_status(header.value, t.hop, text))
             return False
         if header.kind is not lm.Kind.HELLO:
             self._end(grpc.StatusCode.INTERNAL, f"native link {t.endpoint}: no HELLO answer")
@@ -174,7 +161,7 @@ class _Call(CallStatus):
             try:
                 self._keys = dialer.keys(payload)
             except GrantUnauthenticated as exc:
-                self._end(*_failed_status(int(lib.DGR_E_INVALID_ARGUMENT), "", t.hop, str(exc)))
+                self._end(*_failed_status(int(lib.DGR_E_UNAUTHENTICATED), t.hop, str(exc)))
                 return False
         return True
 
@@ -324,7 +311,7 @@ class NativeOutputCall(_Call):
                     return self._reply(header, payload)
                 if header.kind is lm.Kind.FAILED:
                     text = payload.decode(errors="replace")
-                    self._end(*_failed_status(header.value, header.status, header.hop, text))
+                    self._end(*_failed_status(header.value, header.hop, text))
                 elif header.kind is lm.Kind.END:
                     self._end(grpc.StatusCode.OK, "the route's links ended")
                 else:

@@ -375,8 +375,8 @@ class ShardClient:
         try:
             greedy = greedy_from_reply(reply)
             output = _NO_ROWS if greedy is not None else output_from_reply(reply)
-        except FrameRejected as exc:
-            raise ShardRpcError(f"malformed reply: {exc}", status="DGR_E_PROTOCOL") from exc
+        except FrameRejected as exc:  # the stage's own output: its fault, as on a chain
+            raise FrameRejected(f"DGR_E_FRAME: malformed reply: {exc}") from exc
         t = reply.timings
         return ForwardResult(
             output=output,

@@ -120,7 +120,7 @@ class Health:
     recent_errors: int
     """The worker's own faults in the recent window (its engine failed, a frame's deadline
     passed in its queue, non-finite output, an internal error); callers' refusals never
-    count (``dgr_engine.wire.status.is_worker_fault``)."""
+    count (``dgr_engine.status.is_worker_fault``)."""
     total_errors: int
     """The worker's own faults since start."""
     window_seconds: float

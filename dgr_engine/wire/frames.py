@@ -407,8 +407,12 @@ def greedy_answered(reply: pb.ForwardReply) -> list[int]:
 
 
 def output_from_reply(reply: pb.ForwardReply) -> FloatRows:
-    """The reply's output rows (checked like a request's boundary)."""
+    """The reply's output rows, checked as the next stage checks a boundary (shape, byte
+    length, every value finite): a stage's malformed output is refused where it arrives,
+    whichever path carried it, and names the stage that sent it."""
     shape = tuple(reply.output.shape)
     if len(shape) != 2:
         raise FrameRejected(f"output: shape {list(shape)} is not [rows, width]")
-    return tensor_from_proto(reply.output, shape[0], shape[1], "output")
+    rows = tensor_from_proto(reply.output, shape[0], shape[1], "output")
+    check_finite_rows(rows, "output")
+    return rows

@@ -35,6 +35,7 @@ import attrs
 
 from dgr_engine._binding import ffi, lib
 from dgr_engine.errors import GrantUnauthenticated
+from dgr_engine.status import error_for_code
 from dgr_engine.wire.link_messages import HEADER, Hello, Role
 
 __all__ = [
@@ -177,6 +178,6 @@ class Sealing:
             self._key, self.count, head, len(head), text, len(payload), body[-TAG_BYTES:]
         )
         if rc != int(lib.DGR_OK):
-            raise GrantUnauthenticated(ffi.string(lib.dgr_last_error()).decode(errors="replace"))
+            raise error_for_code(rc, ffi.string(lib.dgr_last_error()).decode(errors="replace"))
         self.count += 1
         return bytes(payload)

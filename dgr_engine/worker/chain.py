@@ -26,6 +26,7 @@ import grpc
 
 from dgr_engine.engine import ShardInfo
 from dgr_engine.errors import FrameRejected, ShardUnavailable
+from dgr_engine.status import Status, status_of
 from dgr_engine.wire import frames
 from dgr_engine.wire.frame_link import split_endpoint
 from dgr_engine.wire.proto import shard_pb2 as pb
@@ -52,6 +53,13 @@ _CONFIRM_WAIT = 5.0
 MAX_CHAIN_HOP = 1 << 16
 """The largest ``chain_hop`` a chained frame may carry (a route has far fewer stages; a larger
 one is malformed, and ``chain_hop + 1`` must fit the next frame's uint32)."""
+
+
+def _blamed(exc: Exception, hop: int) -> int:
+    """The stage a chained frame's refusal names: a malformed frame (``DGR_E_FRAME``) is its
+    sender's, the stage before (``hop`` - 1), as a native link names it; any other refusal is
+    this stage's (``hop``). The first stage's frames come from the client: its own."""
+    return hop - 1 if hop > 0 and status_of(exc) is Status.FRAME else hop
 
 _CHAINED = "chained frame"
 """How a refusal of a chained frame names it in the log."""
@@ -266,11 +274,17 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
             if hop > MAX_CHAIN_HOP:
                 raise FrameRejected(f"DGR_E_FRAME: chain_hop {hop} is over {MAX_CHAIN_HOP}")
             frames.check_session_id(sid)  # before it reaches the hub or a log line
+        except Exception as exc:
+            await self.path.refuse(context, exc, request, _CHAINED, hop=_blamed(exc, hop))
+        try:
             # where the output goes is checked before the rows touch the session's state
             link, ring = self._where_output_goes(request)
-            done = await self.path.run(request, None)
         except Exception as exc:
             await self.path.refuse(context, exc, request, _CHAINED, hop=hop)
+        try:
+            done = await self.path.run(request, None)
+        except Exception as exc:
+            await self.path.refuse(context, exc, request, _CHAINED, hop=_blamed(exc, hop))
         try:
             return await self._pass_on(
                 context, request, done.reply, began, (link, ring), down, failed

@@ -18,9 +18,10 @@ import grpc
 
 from dgr_engine.engine import ShardInfo
 from dgr_engine.errors import FrameRejected, ShardError
+from dgr_engine.status import is_worker_fault
 from dgr_engine.wire import frames
 from dgr_engine.wire.proto import shard_pb2 as pb
-from dgr_engine.wire.status import CHAIN_HOP_KEY, grpc_status_for, is_worker_fault, refusal_trailers
+from dgr_engine.wire.status import CHAIN_HOP_KEY, grpc_status_for, refusal_trailers
 from dgr_engine.worker.co_batch import FrameResult
 from dgr_engine.worker.grant_gate import GrantGate
 from dgr_engine.worker.load import LoadMeter
@@ -249,7 +250,7 @@ class FramePath:
     ) -> NoReturn:
         """Aborts the call with the code and dgr-status for ``exc`` (never returns), and, for a
         chained frame, the ``hop`` (this stage's index) that refused it. Only the worker's own
-        faults count against its health (``wire.status.is_worker_fault``); a typed refusal is
+        faults count against its health (``dgr_engine.status.is_worker_fault``); a typed refusal is
         logged as one escaped line, anything else with its traceback."""
         host = self._host
         log = bind_request(host.log, request)

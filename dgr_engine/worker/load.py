@@ -66,7 +66,7 @@ class LoadMeter:
 
     def error(self) -> None:
         """One fault of the worker's own (never a caller's refusal: the servicers count only
-        what ``dgr_engine.wire.status.is_worker_fault`` says is one)."""
+        what ``dgr_engine.status.is_worker_fault`` says is one)."""
         now = self._now()
         with self._lock:
             self._errors.append(now)

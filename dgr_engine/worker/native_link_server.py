@@ -28,9 +28,9 @@ import attrs
 from dgr_engine._binding import lib
 from dgr_engine.engine import LinkKeys, LinkSockets, LinkState, LinkStats, NativeLink, ShardInfo
 from dgr_engine.errors import FrameRejected, GrantUnauthenticated, ShardError
+from dgr_engine.status import STATUSES, Status, is_worker_fault, status_of
 from dgr_engine.wire import frames, link_seal
 from dgr_engine.wire import link_messages as lm
-from dgr_engine.wire.status import grpc_status_for, is_worker_fault
 from dgr_engine.worker.closes import CloseCause, SessionClosed
 from dgr_engine.worker.grant_gate import GrantGate
 from dgr_engine.worker.load import LoadMeter
@@ -134,15 +134,13 @@ def _connection_lost(exc: BaseException) -> bool:
 
 
 def _refusal(exc: Exception) -> tuple[int, str]:
-    """A refusal's C status number (``DGR_E_INVALID_ARGUMENT`` for the statuses only the
-    Python side has) and its message, which starts with its dgr-status (the client reads the
-    typed error from it: ``client/native_target.py``)."""
+    """A refusal's C status (``dgr_engine.status``: every status a worker sends has one, so the
+    client reads it from the ``FAILED``'s number, never from its text) and its message."""
     if isinstance(exc, lm.LinkMessageError):
         exc = FrameRejected(f"DGR_E_FRAME: {exc}")
-    _code, status = grpc_status_for(exc)
-    number = int(getattr(lib, status, lib.DGR_E_INVALID_ARGUMENT))
-    text = str(exc)
-    return number, text if text.startswith(status) else f"{status}: {text}"
+    code = STATUSES[status_of(exc)].c_code
+    assert code is not None  # status_of answers only statuses a worker sends
+    return code, str(exc)
 
 
 class NativeLinkServer:
@@ -499,7 +497,7 @@ class NativeLinkServer:
             return
         if isinstance(failure, ShardError) and is_worker_fault(failure):
             self._host.meter.error()
-        if final.status == "DGR_E_DECODE":  # the engine ran rows it could not finish cleanly
+        if final.status == Status.NON_FINITE:  # the engine's output was NaN or infinite
             await self._host.close_for(assembly.session_id, assembly.epoch, CloseCause.NON_FINITE)
 
     def session_closed(self, closed: SessionClosed) -> None:

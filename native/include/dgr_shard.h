@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define DGR_ABI_VERSION 12
+#define DGR_ABI_VERSION 13
 
 /* Magic and version at the head of a saved session state (see dgr_session_state_save). */
 #define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
@@ -104,6 +104,34 @@ typedef enum dgr_status {
      * process died, or it closed the session): that stage is lost. This stage's session is
      * untouched. */
     DGR_E_LINK_LOST = 15,
+    /* (ABI 13) The rest are the statuses a worker or a native link refuses with besides the
+     * engine's, so that every data path speaks one vocabulary (dgr_engine/status.py is the same
+     * table; no status travels in a message's text). A frame is malformed: not a message, a kind
+     * that is not due, rows, widths, counts or lengths that do not agree, non-finite boundary
+     * values. A native link names the stage that sent it (a peer's bad frame is the peer's).
+     * Nothing changed. */
+    DGR_E_FRAME = 16,
+    /* A sealed message whose tag does not verify, or a missing or wrong session secret or route
+     * grant. Nothing changed. */
+    DGR_E_UNAUTHENTICATED = 17,
+    /* The engine produced NaN or infinity: the session's state on that stage is unusable. */
+    DGR_E_NON_FINITE = 18,
+    /* A valid grant or secret that does not permit this call. Nothing changed. */
+    DGR_E_PERMISSION = 19,
+    /* The frame was meant for another worker (its expectations; the next four say which). */
+    DGR_E_EXPECTATION = 20,
+    DGR_E_EXPECTATION_SCHEMA = 21,
+    DGR_E_EXPECTATION_MODEL = 22,
+    DGR_E_EXPECTATION_RANGE = 23,
+    DGR_E_EXPECTATION_WIDTH = 24,
+    /* A message over the size limit. Nothing changed. */
+    DGR_E_MESSAGE_SIZE = 25,
+    /* The frame's deadline passed before the engine ran it. Nothing changed. */
+    DGR_E_DEADLINE = 26,
+    /* The worker is shutting down. */
+    DGR_E_SHUTTING_DOWN = 27,
+    /* A stage (the next one, for a worker) could not be reached. */
+    DGR_E_UNAVAILABLE = 28,
 } dgr_status;
 
 /* Stable name of a status code ("DGR_E_STALE_EPOCH"); "DGR_E_UNKNOWN_STATUS" for others. */
@@ -426,7 +454,8 @@ int dgr_vocab_chat(const dgr_vocab * vocab, const dgr_chat_message * messages, s
  *
  * A stage checks each DGR_LINK_ROWS frame before the engine sees it (magic, version, kind,
  * epoch: older is DGR_E_STALE_EPOCH, any other DGR_E_UNKNOWN_SESSION; n_rows in 1..max_rows,
- * width, n_stop, payload_bytes, every row finite: DGR_E_SHAPE / DGR_E_INVALID_ARGUMENT); the
+ * width, n_stop, payload_bytes, every row finite: DGR_E_FRAME, naming the stage that sent the
+ * frame - the stage before, on the link from it - not this one (ABI 13)); the
  * engine checks positions and token ids. The last stage answers each frame with the greedy
  * token of its last row (DGR_LINK_TOKEN to the client, the first lowest index of the largest
  * logit) and, on a ring, sends the first stage the next step's frame (that token at the next
@@ -546,8 +575,8 @@ void dgr_link_free(dgr_link * link);
  * zero bytes), so a message replayed, dropped, reordered or moved to another connection fails
  * its tag. A sealed link takes a header only once its payload's tag verifies (the header's
  * length is bounded first: at most the largest frame this stage takes); a tag that does not
- * verify ends the link like any refused frame, its message starting "DGR_E_UNAUTHENTICATED"
- * (status DGR_E_INVALID_ARGUMENT). */
+ * verify ends the link like any refused frame, with DGR_E_UNAUTHENTICATED (ABI 13; before, its
+ * message's text said so under DGR_E_INVALID_ARGUMENT). */
 #define DGR_LINK_KEY_BYTES 32
 #define DGR_LINK_TAG_BYTES 16
 
@@ -567,8 +596,8 @@ int dgr_link_start_sealed(dgr_engine * engine, const dgr_link_params * params, c
 int dgr_link_seal(const uint8_t * key, uint64_t counter, const uint8_t * ad, size_t ad_size, uint8_t * text,
                   size_t size, uint8_t * tag);
 
-/* Opens what dgr_link_seal sealed, in place: DGR_OK, or DGR_E_INVALID_ARGUMENT (text untouched,
- * dgr_last_error() starting "DGR_E_UNAUTHENTICATED") when the tag does not verify. */
+/* Opens what dgr_link_seal sealed, in place: DGR_OK, or DGR_E_UNAUTHENTICATED (ABI 13; text
+ * untouched) when the tag does not verify. */
 int dgr_link_unseal(const uint8_t * key, uint64_t counter, const uint8_t * ad, size_t ad_size, uint8_t * text,
                     size_t size, const uint8_t * tag);
 

@@ -428,19 +428,28 @@ bool dgr_link::one_frame(int fd) {
     }
     const uint64_t began = monotonic_ns();
     const uint32_t hop = params.hop;
-    auto refuse = [&](int status, const char * what, const char * name = nullptr) {
-        end(DGR_LINK_STATE_FAILED, status, hop, "%s: %s", name != nullptr ? name : dgr_status_name(status), what);
+    // a failure is this stage's, but a malformed frame is its sender's: the stage before (on
+    // the link from it), else the client's first frames or a ring's, named as this stage
+    const uint32_t sender = fd == params.in_fd && hop > 0 ? hop - 1 : hop;
+    auto fail_as = [&](uint32_t who, int status, const char * what) {
+        end(DGR_LINK_STATE_FAILED, status, who, "%s: %s", dgr_status_name(status), what);
         const std::string text = outcome_error;
         header f = h;
-        f.hop = hop;
+        f.hop = who;
         f.value = status;
         pass_failure(f, reinterpret_cast<const uint8_t *>(text.data()), text.size());
         return false;
     };
+    auto refuse = [&](int status, const char * what) { return fail_as(hop, status, what); };
+    auto malformed = [&](const char * what) {
+        char said[224];
+        std::snprintf(said, sizeof said, "stage %u sent a malformed frame: %s", sender, what);
+        return fail_as(sender, DGR_E_FRAME, said);
+    };
     char why[160];
     if (h.magic != DGR_LINK_MAGIC || h.version != DGR_LINK_VERSION) {
         std::snprintf(why, sizeof why, "not a link message (magic %08x, version %u)", h.magic, h.version);
-        return refuse(DGR_E_INVALID_ARGUMENT, why);
+        return malformed(why);
     }
     const uint32_t width = info.is_first ? 0u : (uint32_t) info.in_width;
     // a sealed link takes a header only once its payload's tag verifies: the payload is bounded
@@ -451,33 +460,32 @@ bool dgr_link::one_frame(int fd) {
         if (h.payload_bytes > largest && h.payload_bytes >= DGR_LINK_MESSAGE_BYTES) {
             std::snprintf(why, sizeof why, "a payload of %u bytes, over this stage's largest frame (%zu)",
                           h.payload_bytes, largest);
-            return refuse(DGR_E_SHAPE, why);
+            return malformed(why);
         }
         in.resize((size_t) h.payload_bytes + kTag);
         switch (read_all(fd, in.data(), in.size(), (int) params.body_timeout_ms)) {
             case got::all:
                 break;
             case got::timed_out:
-                return refuse(DGR_E_SHAPE, "the message's payload did not come in time (truncated)");
+                return malformed("the message's payload did not come in time (truncated)");
             default:
-                return refuse(DGR_E_SHAPE, "the link ended inside a message (truncated)");
+                return malformed("the link ended inside a message (truncated)");
         }
         const int slot = slot_of(fd);
         if (slot < 0 || !unseal(keys[slot], counters[slot]++, reinterpret_cast<const uint8_t *>(&h), kHeader,
                                 in.data(), h.payload_bytes, in.data() + h.payload_bytes)) {
-            return refuse(DGR_E_INVALID_ARGUMENT,
+            return refuse(DGR_E_UNAUTHENTICATED,
                           "a message whose seal does not verify (not from this connection's peer, or "
-                          "replayed, reordered or altered)",
-                          "DGR_E_UNAUTHENTICATED");
+                          "replayed, reordered or altered)");
         }
         body_read = true;
     }
     if (h.kind == DGR_LINK_FAILED && (fd != params.in_fd || h.hop >= hop || h.value < DGR_E_INVALID_ARGUMENT ||
-                                      h.value > DGR_E_LINK_LOST)) {
+                                      h.value > DGR_E_UNAVAILABLE)) {
         // only the stage before may say that a stage before it failed, with a status there is
         std::snprintf(why, sizeof why, "a failure (status %d, stage %u) this stage cannot take from its peer",
                       h.value, h.hop);
-        return refuse(DGR_E_INVALID_ARGUMENT, why);
+        return malformed(why);
     }
     if (h.kind == DGR_LINK_FAILED) {
         // a stage before this one failed: passed on as it is (its message, cut to the limit)
@@ -486,7 +494,7 @@ bool dgr_link::one_frame(int fd) {
         if (body_read) {
             std::memcpy(message.data(), in.data(), n);
         } else if (n > 0 && read_all(fd, message.data(), n, (int) params.body_timeout_ms) != got::all) {
-            return refuse(DGR_E_INVALID_ARGUMENT, "a failure message that does not come whole");
+            return malformed("a failure message that does not come whole");
         }
         const int status = h.value;
         end(DGR_LINK_STATE_FAILED, status, h.hop, "%.*s", (int) n, reinterpret_cast<const char *>(message.data()));
@@ -504,7 +512,7 @@ bool dgr_link::one_frame(int fd) {
     }
     if (h.kind != DGR_LINK_ROWS) {
         std::snprintf(why, sizeof why, "a message of kind %u where rows were expected", h.kind);
-        return refuse(DGR_E_INVALID_ARGUMENT, why);
+        return malformed(why);
     }
     if (h.epoch != params.epoch) {
         std::snprintf(why, sizeof why, "a frame of epoch %llu on a link of epoch %llu", (unsigned long long) h.epoch,
@@ -513,15 +521,15 @@ bool dgr_link::one_frame(int fd) {
     }
     if (h.n_rows < 1 || h.n_rows > params.max_rows) {
         std::snprintf(why, sizeof why, "%u rows, outside 1..%u", h.n_rows, params.max_rows);
-        return refuse(DGR_E_SHAPE, why);
+        return malformed(why);
     }
     if (h.width != width) {
         std::snprintf(why, sizeof why, "rows of %u floats where this stage takes %u", h.width, width);
-        return refuse(DGR_E_SHAPE, why);
+        return malformed(why);
     }
     if (h.n_stop > DGR_LINK_MAX_STOP) {
         std::snprintf(why, sizeof why, "%u stop tokens, over %d", h.n_stop, DGR_LINK_MAX_STOP);
-        return refuse(DGR_E_SHAPE, why);
+        return malformed(why);
     }
     if (h.pos < 0) {
         return refuse(DGR_E_POSITION, "a negative position");
@@ -531,7 +539,7 @@ bool dgr_link::one_frame(int fd) {
     const size_t expected = 4 * ((size_t) h.n_stop + h.n_rows + (size_t) h.n_rows * width + n_trace);
     if (h.payload_bytes != expected) {
         std::snprintf(why, sizeof why, "a payload of %u bytes where the header says %zu", h.payload_bytes, expected);
-        return refuse(DGR_E_SHAPE, why);
+        return malformed(why);
     }
     if (!body_read) {
         in.resize(expected);
@@ -539,9 +547,9 @@ bool dgr_link::one_frame(int fd) {
             case got::all:
                 break;
             case got::timed_out:
-                return refuse(DGR_E_SHAPE, "the frame's payload did not come in time (truncated)");
+                return malformed("the frame's payload did not come in time (truncated)");
             default:
-                return refuse(DGR_E_SHAPE, "the link ended inside a frame (truncated)");
+                return malformed("the link ended inside a frame (truncated)");
         }
     }
     const auto * stop = reinterpret_cast<const int32_t *>(in.data());
@@ -551,7 +559,7 @@ bool dgr_link::one_frame(int fd) {
     for (size_t i = 0; rows != nullptr && i < (size_t) h.n_rows * width; ++i) {
         if (!std::isfinite(rows[i])) {
             std::snprintf(why, sizeof why, "a non-finite value in row %zu of the boundary", i / width);
-            return refuse(DGR_E_INVALID_ARGUMENT, why);
+            return malformed(why);
         }
     }
     positions.resize(h.n_rows);
@@ -614,7 +622,7 @@ bool dgr_link::one_frame(int fd) {
         }
     }
     if (!finite) {
-        return refuse(DGR_E_DECODE, "the engine's output has a non-finite value");
+        return refuse(DGR_E_NON_FINITE, "the engine's output has a non-finite value");
     }
     bool sent = true;
     uint64_t onward_at = 0;  // when the frame's output was ready to leave for the route's next step
@@ -830,9 +838,9 @@ int dgr_link_unseal(const uint8_t * key, uint64_t counter, const uint8_t * ad, s
         return dgr_fail_with(DGR_E_INVALID_ARGUMENT, "key, tag, ad and text must not be NULL");
     }
     if (!unseal(key, counter, ad, ad_size, text, size, tag)) {
-        return dgr_fail_with(DGR_E_INVALID_ARGUMENT,
-                             "DGR_E_UNAUTHENTICATED: a message whose seal does not verify (not from this "
-                             "connection's peer, or replayed, reordered or altered)");
+        return dgr_fail_with(DGR_E_UNAUTHENTICATED,
+                             "a message whose seal does not verify (not from this connection's peer, or "
+                             "replayed, reordered or altered)");
     }
     return DGR_OK;
 }

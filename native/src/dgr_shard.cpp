@@ -403,6 +403,19 @@ const char * dgr_status_name(int status) {
         case DGR_E_UNSUPPORTED: return "DGR_E_UNSUPPORTED";
         case DGR_E_INTERNAL: return "DGR_E_INTERNAL";
         case DGR_E_LINK_LOST: return "DGR_E_LINK_LOST";
+        case DGR_E_FRAME: return "DGR_E_FRAME";
+        case DGR_E_UNAUTHENTICATED: return "DGR_E_UNAUTHENTICATED";
+        case DGR_E_NON_FINITE: return "DGR_E_NON_FINITE";
+        case DGR_E_PERMISSION: return "DGR_E_PERMISSION";
+        case DGR_E_EXPECTATION: return "DGR_E_EXPECTATION";
+        case DGR_E_EXPECTATION_SCHEMA: return "DGR_E_EXPECTATION_SCHEMA";
+        case DGR_E_EXPECTATION_MODEL: return "DGR_E_EXPECTATION_MODEL";
+        case DGR_E_EXPECTATION_RANGE: return "DGR_E_EXPECTATION_RANGE";
+        case DGR_E_EXPECTATION_WIDTH: return "DGR_E_EXPECTATION_WIDTH";
+        case DGR_E_MESSAGE_SIZE: return "DGR_E_MESSAGE_SIZE";
+        case DGR_E_DEADLINE: return "DGR_E_DEADLINE";
+        case DGR_E_SHUTTING_DOWN: return "DGR_E_SHUTTING_DOWN";
+        case DGR_E_UNAVAILABLE: return "DGR_E_UNAVAILABLE";
         default: return "DGR_E_UNKNOWN_STATUS";
     }
 }

@@ -18,6 +18,7 @@ from dgr_engine import errors as E
 from dgr_engine.baseline.gguf_copy import copy_with
 from dgr_engine.fixtures import converted
 from dgr_engine.reference import LocalChain
+from dgr_engine.status import STATUSES, error_for_code
 from dgr_engine.testing import write_corrupt_copy, write_truncated_copy
 from dgr_session import errors as session_errors
 from dgr_session.faults import FaultKind
@@ -171,11 +172,11 @@ def test_the_held_epoch_accessor_names_only_a_stale_epoch_failure(h: Harness) ->
 
 def test_the_held_epoch_is_never_read_from_the_message() -> None:
     text = "session 1: epoch 3 is stale (current epoch 9)"
-    err = E.error_for_status(6, "DGR_E_STALE_EPOCH", text)
+    err = error_for_code(6, text)
     assert isinstance(err, E.StaleEpoch) and err.held_epoch is None
-    err = E.error_for_status(6, "DGR_E_STALE_EPOCH", text, held_epoch=-1)  # the C "unknown"
+    err = error_for_code(6, text, held_epoch=-1)  # the C "unknown"
     assert isinstance(err, E.StaleEpoch) and err.held_epoch is None
-    err = E.error_for_status(6, "DGR_E_STALE_EPOCH", "no number here", held_epoch=7)
+    err = error_for_code(6, "no number here", held_epoch=7)
     assert isinstance(err, E.StaleEpoch) and err.held_epoch == 7
 
 
@@ -296,9 +297,9 @@ def test_invalid_engine_parameters(h: Harness, tiny_llama: Path) -> None:
 
 
 def test_error_table_is_complete() -> None:
-    codes = {cls.code for cls in E._BY_CODE.values()}
-    assert codes == set(range(1, 15))
-    err = E.error_for_status(99, "DGR_E_UNKNOWN_STATUS", "odd")
+    engine = {r.error.code for r in STATUSES.values() if r.c_code is not None and r.c_code < 15}
+    assert engine == set(range(1, 15))  # each of the engine's own codes has its class
+    err = error_for_code(99, "odd")
     assert type(err) is E.EngineError
 
 
@@ -350,7 +351,8 @@ def test_a_shard_error_is_a_refusal_or_a_transport_failure_never_both() -> None:
         with pytest.raises(E.ShardTransportError):
             raise cls("x")
     # every class the C status table maps to is a refusal, and so is every worker refusal
-    assert all(issubclass(cls, E.EngineError) for cls in E._BY_CODE.values())
+    engine_codes = [r.error for r in STATUSES.values() if r.c_code is not None and r.c_code < 15]
+    assert all(issubclass(cls, E.EngineError) for cls in engine_codes)
     for cls in (E.FrameRejected, E.ExpectationMismatch, E.GrantDenied, E.NonFiniteOutput):
         assert cls in refusals and not issubclass(cls, E.ShardTransportError), cls
     # a transport failure carries a status and no C status
@@ -364,7 +366,7 @@ def test_one_stale_epoch_for_the_control_plane_and_the_engine() -> None:
     assert E.StaleEpoch is session_errors.StaleEpoch is dgr_session.StaleEpoch
     assert [n for n, c in vars(E).items() if c is E.StaleEpoch] == ["StaleEpoch"]
     assert E.EngineError is session_errors.EngineError and E.ShardError is session_errors.ShardError
-    stale = E.error_for_status(6, "DGR_E_STALE_EPOCH", "epoch 1 is stale", held_epoch=4)
+    stale = error_for_code(6, "epoch 1 is stale", held_epoch=4)
     assert type(stale) is dgr_session.StaleEpoch and stale.held_epoch == 4
     assert (stale.code, stale.status) == (6, "DGR_E_STALE_EPOCH")
     assert stale.fault_kind is FaultKind.PROTOCOL
@@ -387,7 +389,7 @@ def test_the_wire_raises_a_refusal_as_an_engine_error_and_no_answer_as_a_transpo
 
     from dgr_engine.wire.status import error_from_rpc, grpc_status_for, known_statuses
 
-    no_answer = {"DGR_E_DEADLINE", "DGR_E_SHUTTING_DOWN", "DGR_E_UNAVAILABLE"}
+    no_answer = {"DGR_E_DEADLINE", "DGR_E_SHUTTING_DOWN", "DGR_E_UNAVAILABLE", "DGR_E_LINK_LOST"}
     for status in known_statuses():
         error = error_from_rpc(grpc.StatusCode.UNKNOWN, status, "d")
         branch = E.ShardTransportError if status in no_answer else E.EngineError

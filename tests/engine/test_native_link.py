@@ -23,9 +23,8 @@ from dgr_engine.client.link_route import LinkRoute
 from dgr_engine.engine import LinkKeys, LinkSockets, LinkState, NativeLink
 from dgr_engine.errors import (
     EngineError,
-    InvalidArgument,
+    FrameRejected,
     PositionMismatch,
-    ShapeMismatch,
     StaleEpoch,
 )
 from dgr_engine.reference import split_points
@@ -189,20 +188,20 @@ def _failure(client: LinkRoute) -> tuple[str, int, str]:
 
 
 BAD_FIRST_STAGE_INPUT = [
-    pytest.param(_raw_header(magic=0xDEADBEEF) + b"\0" * 4, "DGR_E_INVALID_ARGUMENT", id="magic"),
-    pytest.param(_raw_header(kind=9) + b"\0" * 4, "DGR_E_INVALID_ARGUMENT", id="kind"),
-    pytest.param(_raw_header(payload=400) + b"\0" * 400, "DGR_E_SHAPE", id="lying-length"),
-    pytest.param(_raw_header(n_rows=0, payload=0), "DGR_E_SHAPE", id="no-rows"),
+    pytest.param(_raw_header(magic=0xDEADBEEF) + b"\0" * 4, "DGR_E_FRAME", id="magic"),
+    pytest.param(_raw_header(kind=9) + b"\0" * 4, "DGR_E_FRAME", id="kind"),
+    pytest.param(_raw_header(payload=400) + b"\0" * 400, "DGR_E_FRAME", id="lying-length"),
+    pytest.param(_raw_header(n_rows=0, payload=0), "DGR_E_FRAME", id="no-rows"),
     pytest.param(
-        _raw_header(n_rows=1 << 30, payload=4 << 30 & 0xFFFFFFFF), "DGR_E_SHAPE", id="huge"
+        _raw_header(n_rows=1 << 30, payload=4 << 30 & 0xFFFFFFFF), "DGR_E_FRAME", id="huge"
     ),
-    pytest.param(_raw_header(width=8, payload=36) + b"\0" * 36, "DGR_E_SHAPE", id="width"),
-    pytest.param(_raw_header(n_stop=99, payload=400) + b"\0" * 400, "DGR_E_SHAPE", id="stops"),
+    pytest.param(_raw_header(width=8, payload=36) + b"\0" * 36, "DGR_E_FRAME", id="width"),
+    pytest.param(_raw_header(n_stop=99, payload=400) + b"\0" * 400, "DGR_E_FRAME", id="stops"),
     pytest.param(_raw_header(epoch=EPOCH - 1) + b"\0" * 4, "DGR_E_STALE_EPOCH", id="stale"),
     pytest.param(_raw_header(epoch=EPOCH + 1) + b"\0" * 4, "DGR_E_UNKNOWN_SESSION", id="newer"),
     pytest.param(_raw_header(pos=5) + b"\0" * 4, "DGR_E_POSITION", id="position"),
     pytest.param(_raw_header() + struct.pack("<i", 1 << 30), "DGR_E_INVALID_ARGUMENT", id="token"),
-    pytest.param(_raw_header(payload=4) + b"\0\0", "DGR_E_SHAPE", id="truncated"),
+    pytest.param(_raw_header(payload=4) + b"\0\0", "DGR_E_FRAME", id="truncated"),
 ]
 
 
@@ -248,11 +247,12 @@ def test_non_finite_rows_are_refused_before_the_engine(tiny_llama: Path, closing
     rows[1, 3] = np.nan
     inbound[0].sendall(encode_rows(EPOCH, 0, 0, [1, 2], rows=rows, hop=0, trace=[7]))
     header, payload = read_message(outbound[1], 10)
-    assert (header.kind, header.status, header.hop) == (Kind.FAILED, "DGR_E_INVALID_ARGUMENT", 1)
+    # the frame's sender is named: stage 0 sent it, stage 1 refused it
+    assert (header.kind, header.status, header.hop) == (Kind.FAILED, "DGR_E_FRAME", 0)
     assert "non-finite value in row 1" in payload.decode()
     assert engine.next_pos(1, EPOCH) == 0
     failure = link.close().failure()
-    assert isinstance(failure, InvalidArgument) and "stage 1" in str(failure)
+    assert isinstance(failure, FrameRejected) and "stage 0" in str(failure)
     for pair in (inbound, outbound):
         pair[0].close()
         pair[1].close()
@@ -372,12 +372,12 @@ def test_a_stage_gone_without_an_end_message_is_named_lost(
     assert after.state is LinkState.FAILED and after.failed_hop == 1
 
 
-def test_shape_errors_are_typed_for_the_client(tiny_llama: Path, routes: list[Route]) -> None:
+def test_malformed_frames_are_typed_for_the_client(tiny_llama: Path, routes: list[Route]) -> None:
     route = Route(tiny_llama, 2, ring=False)
     routes.append(route)
     client = route.open(1)
     client.first.sendall(_raw_header(n_rows=0, payload=0))
-    with pytest.raises(ShapeMismatch, match="stage 0"):
+    with pytest.raises(FrameRejected, match="stage 0"):
         client.generate([1], 0, 1, timeout=30)
 
 

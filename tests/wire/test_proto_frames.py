@@ -24,13 +24,13 @@ from dgr_engine.errors import (
     ShardRpcError,
     ShardUnavailable,
 )
+from dgr_engine.status import is_worker_fault
 from dgr_engine.wire import frames as F
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.status import (
     error_from_rpc,
     error_from_trailers,
     grpc_status_for,
-    is_worker_fault,
     known_statuses,
     refusal_trailers,
 )
