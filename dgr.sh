@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # dgr's two commands, each installing what it needs into ./.venv first:
-#   ./dgr.sh demo   the main job: a local route on a generated fixture model, a stage lost and
-#                   recovered, output equal to the whole model
+#   ./dgr.sh demo   the main job: a chat answer from the real SmolLM2-135M-Instruct (fetched once,
+#                   verified) over local workers, a stage lost and recovered, text equal to the
+#                   whole model's; a generated fixture with --fixture NAME or without the real model
 #   ./dgr.sh test   ruff, mypy and the whole test suite
-# The first run fetches llama.cpp at the pinned commit, patches and builds it (about 3 min on
-# 2 cores, its progress on stderr; cached in ~/.cache/dgr, keyed by manifest + patches + build
-# script), then builds the cffi binding; `test` also builds llama.cpp's own tools (about 4.5 min
-# cold, cached) before ruff, mypy and pytest.
+# The first run fetches, patches and builds llama.cpp at the pinned commit (about 3 min on 2 cores,
+# progress on stderr, cached in ~/.cache/dgr by manifest + patches + build script), then the cffi
+# binding; `test` also builds llama.cpp's own tools (about 4.5 min cold, cached) before pytest.
 set -euo pipefail
 cd "$(dirname "$0")"
 

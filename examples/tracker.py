@@ -12,9 +12,12 @@ and moves them to the other layout. Tokens are checked against the whole model, 
 counters are printed as a bill. Every worker is stopped at the end, also on an error or Ctrl-C.
 
 The channel is secured as a deployment's would be: the workers serve mutual TLS (here with a
-throwaway CA, ``dgr_engine.tooling.throwaway_ca``; a real tracker uses its operators' PKI)
+throwaway CA, ``dgr_engine.local_pki``; a real tracker uses its operators' PKI)
 and open a session only with a route grant signed by the tracker's Ed25519 key, which
 ``CheapestRoute.grant_route`` issues for every session and epoch.
+
+It imports only dgr's public surface, the top levels of ``dgr_engine`` and ``dgr_session``
+(``docs/api.md`` says what each role imports).
 """
 
 from __future__ import annotations
@@ -26,18 +29,21 @@ from pathlib import Path
 
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from dgr_engine.certification.verify import LockVerifier
-from dgr_engine.client.relay import GrpcStageTransport
-from dgr_engine.client.routes import describe
-from dgr_engine.client.shard_client import ShardClient
-from dgr_engine.fixtures import ensure_fixture
-from dgr_engine.options import EngineOptions
-from dgr_engine.reference import whole_model_greedy
-from dgr_engine.security.grants import GrantIssuer
-from dgr_engine.security.tls import ClientTls
-from dgr_engine.tooling.processes import WorkerProcess, dgr_command
-from dgr_engine.tooling.throwaway_ca import local_pki
-from dgr_engine.wire.advert import Advert
+from dgr_engine import (
+    Advert,
+    ClientTls,
+    EngineOptions,
+    GrantIssuer,
+    GrpcStageTransport,
+    LockVerifier,
+    ShardClient,
+    WorkerProcess,
+    describe,
+    dgr_command,
+    ensure_fixture,
+    local_pki,
+    whole_model_greedy,
+)
 from dgr_session import (
     EvidenceClass,
     FailurePolicy,
@@ -129,7 +135,7 @@ class CheapestRoute:
 
 
 async def read_adverts(endpoints: list[str], tls: ClientTls) -> dict[str, Advert]:
-    """What the tracker reads from every worker (``dgr_engine.wire.advert`` has every field)."""
+    """What the tracker reads from every worker (``dgr_engine.Advert`` has every field)."""
     adverts = {}
     for endpoint in endpoints:
         async with ShardClient(endpoint, timeout=10.0, tls=tls) as client:

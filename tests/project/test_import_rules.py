@@ -200,7 +200,7 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_top_level_holds_at_most_twelve_modules() -> None:
     top = sorted(p.name for p in (ROOT / "dgr_engine").glob("*.py"))
-    assert "engine.py" in top and "reference.py" in top
+    assert "errors.py" in top and "reference.py" in top  # the glob sees the package
     assert len(top) <= TOP_LEVEL_LIMIT, top
 
 
