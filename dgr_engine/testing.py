@@ -30,7 +30,7 @@ from dgr_session.commands import Forward
 from dgr_session.errors import StageDead
 from dgr_session.route import StageSpec
 from dgr_session.testing import ReplyGate
-from dgr_session.transport import Boundary, Logits, StageResult
+from dgr_session.transport import Boundary, Logits, StageResult, StageTransport
 
 T = TypeVar("T")
 
@@ -48,7 +48,7 @@ class _Endpoint:
     gate: ReplyGate = attrs.Factory(ReplyGate)
 
 
-class EngineTransport:
+class EngineTransport(StageTransport):
     """Stage transport over in-process engines with fault injection.
 
     ``factory(begin, end)`` makes a fresh engine for a layer range; it is used to (re)start an

@@ -92,8 +92,10 @@ from dgr_session.transport import (
     Logits,
     RouteProvider,
     Sampler,
+    SessionStart,
     StageResult,
     StageTransport,
+    TransportCapabilities,
 )
 from dgr_session.usage import StageCost, UsageRecord, layer_rows
 
@@ -180,4 +182,6 @@ __all__ = [
     "greedy",
     "shared_machine",
     "validate_route",
+    "SessionStart",
+    "TransportCapabilities",
 ]

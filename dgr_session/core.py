@@ -297,6 +297,12 @@ class RouteSession:
         return tuple(self._accepted)
 
     @property
+    def speculation(self) -> Speculation | None:
+        """The speculation the session runs with: the caller's, or the value its transport
+        answered in its place (``StageTransport.session_starting``), sharing its tally."""
+        return self._spec
+
+    @property
     def route(self) -> Route | None:
         """Route of the current epoch (``None`` before the first)."""
         return self._route

@@ -53,6 +53,7 @@ from dgr_session.transport import (
     Logits,
     RouteProvider,
     Sampler,
+    SessionStart,
     StageTransport,
 )
 from dgr_session.usage import UsageLedger, UsageRecord
@@ -296,11 +297,10 @@ class SessionManager:
         (:attr:`~dgr_session.transport.Logits.greedy`, ``docs/wire.md``), which it takes as
         they are.
 
-        A transport with a ``session_starting(session_id, max_new_tokens, stop_tokens)``
-        method is told first (a ring, ``dgr_engine.client.chained``, runs ahead within them),
-        and a speculating session's ``speculation`` goes through the transport's
-        ``speculation_for(session_id, speculation)`` when it has one (a ring drafts on its last
-        stage and hands the session its drafts).
+        A transport that declares it (``TransportCapabilities``: it runs ahead, as a ring does,
+        or drafts on the route) is told of the session first (``session_starting``), and the
+        session speculates with the value it answers (a ring drafts on its last stage and
+        hands the session its drafts); the caller's ``speculation`` is never changed.
         """
         sid = check_session_id(session_id) if session_id is not None else uuid.uuid4().hex
         if sid in self._live:
@@ -312,13 +312,10 @@ class SessionManager:
                 f"{chosen!r} is not greedy (sample without speculation, or decode greedily)"
             )
         stop_tokens = tuple(stop_tokens)
-        starting = getattr(self._transport, "session_starting", None)
-        if callable(starting):
-            starting(sid, max_new_tokens, stop_tokens)
-        adapting = getattr(self._transport, "speculation_for", None)
-        if speculation is not None and callable(adapting):
-            speculation = adapting(sid, speculation)
-        frames = getattr(self._transport, "prefill_frames", 1)  # what the transport pipelines
+        capabilities = self._transport.capabilities
+        if capabilities.told_of_sessions:
+            start = SessionStart(sid, max_new_tokens, stop_tokens, speculation)
+            speculation = self._transport.session_starting(start)
         core = RouteSession(
             sid,
             prompt,
@@ -333,7 +330,7 @@ class SessionManager:
             prefill_chunk=prefill_chunk,
             speculation=speculation,
             greedy=chosen is greedy,
-            prefill_frames=frames if isinstance(frames, int) and frames >= 1 else 1,
+            prefill_frames=capabilities.prefill_frames,
         )
         handle = SessionHandle(core, chosen, on_token)
         self._live[sid] = handle

@@ -3,9 +3,9 @@ last stage owns the block and returns its drafts with every reply that asks for 
 (``ForwardRequest.mtp_draft_max``), so the drafts cost the client nothing and no extra trip.
 
 * :class:`MtpDraftRequest`: what a caller puts in its ``Speculation``; the transport
-  (``speculation_for``) replaces it with the session's :class:`MtpDrafts` and asks the last
-  stage for drafts on the session's frames. A transport that cannot is told by
-  ``propose``, which refuses.
+  (``session_starting``) answers a speculation with the session's :class:`MtpDrafts` in its
+  place and asks the last stage for drafts on the session's frames. A transport that cannot
+  is told by ``propose``, which refuses.
 * :class:`MtpDrafts`: proposes the drafts the last stage returned with its last reply, for the
   position they follow.
 
@@ -23,7 +23,7 @@ __all__ = ["MtpDraftRequest", "MtpDrafts", "MtpUnavailable"]
 
 class MtpUnavailable(DraftConfigError):
     """MTP drafts asked of a transport that does not set them up (one without
-    ``speculation_for``, or a route whose last stage did not load the MTP block)."""
+    ``session_starting``, or a route whose last stage did not load the MTP block)."""
 
 
 class MtpDraftRequest:

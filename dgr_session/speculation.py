@@ -68,9 +68,24 @@ def kept_drafts(greedy: Sequence[int], drafts: Sequence[int]) -> int:
 
 
 @attrs.define(eq=False)
+class SpeculationTally:
+    """What a session's speculation achieved, pass by pass."""
+
+    passes: int = 0
+    """Verification passes answered."""
+    drafted: int = 0
+    """Draft tokens verified."""
+    accepted: int = 0
+    """Of those, the drafts kept."""
+
+
+@attrs.define(eq=False)
 class Speculation:
     """One session's speculation: its draft source, its adaptive draft length and what it
-    achieved. Mutable; owned by one session."""
+    achieved (its :class:`SpeculationTally`). Owned by one session. A route that drafts on its
+    own (a ring's last stage, a last stage's MTP block) gives the session another value in its
+    place (``attrs.evolve``, ``StageTransport.session_starting``), never changing the caller's:
+    the two share the tally, so the caller reads what the session achieved."""
 
     drafter: Drafter
     """Proposes the drafts (``dgr_session.drafts``)."""
@@ -78,12 +93,23 @@ class Speculation:
     """How many drafts the next pass may carry; told how many each pass kept."""
     max_drafts: int = attrs.field(default=MAX_DRAFTS)
     """An upper bound over the length's own (at most :data:`MAX_DRAFTS`)."""
-    passes: int = 0
-    """Verification passes answered."""
-    drafted: int = 0
-    """Draft tokens verified."""
-    accepted: int = 0
-    """Of those, the drafts kept."""
+    tally: SpeculationTally = attrs.field(factory=SpeculationTally)
+    """What it achieved; shared with the values made from it."""
+
+    @property
+    def passes(self) -> int:
+        """Verification passes answered."""
+        return self.tally.passes
+
+    @property
+    def drafted(self) -> int:
+        """Draft tokens verified."""
+        return self.tally.drafted
+
+    @property
+    def accepted(self) -> int:
+        """Of those, the drafts kept."""
+        return self.tally.accepted
 
     @max_drafts.validator
     def _check_max(self, _attribute: object, value: int) -> None:
@@ -105,9 +131,9 @@ class Speculation:
         ``seconds`` from the first stage's forward to the last stage's answer (``None`` or 0:
         not timed); the length learns from both."""
         if drafts:
-            self.passes += 1
-            self.drafted += drafts
-            self.accepted += kept
+            self.tally.passes += 1
+            self.tally.drafted += drafts
+            self.tally.accepted += kept
         self.length.record(drafts, kept, seconds)
 
     @property
@@ -132,6 +158,7 @@ __all__ = [
     "REPACKED_TYPES",
     "AnyLength",
     "Speculation",
+    "SpeculationTally",
     "kept_drafts",
     "verify_rows",
 ]

@@ -21,6 +21,7 @@ import attrs
 from dgr_session.commands import Forward
 from dgr_session.faults import FailureReport
 from dgr_session.route import Route, StageSpec
+from dgr_session.speculation import Speculation
 from dgr_session.usage import StageCost
 
 
@@ -68,10 +69,63 @@ class Logits:
 StageResult = Boundary | Logits
 
 
+@attrs.frozen
+class TransportCapabilities:
+    """What a transport does beyond running each forward as it comes, declared once as a value
+    (``StageTransport.capabilities``) that the manager reads as a session starts."""
+
+    prefill_frames: int = attrs.field(default=1)
+    """Frames of one prefill the transport keeps in flight (chunks pipelined along a chained
+    route); 1: one at a time."""
+    runs_ahead: bool = False
+    """The route runs ahead of the session on its own (a ring: its last stage sends the next
+    step's frame itself), within the limits the session gives it as it starts
+    (:meth:`StageTransport.session_starting`)."""
+    drafts_on_route: bool = False
+    """A speculating session's drafts may be made on the route (a ring's last stage, a last
+    stage's MTP block): the transport gives the session the speculation it runs with
+    (:meth:`StageTransport.session_starting`)."""
+
+    @prefill_frames.validator
+    def _check_frames(self, _attribute: object, value: int) -> None:
+        if value < 1:
+            raise ValueError(f"prefill_frames must be >= 1, got {value}")
+
+    @property
+    def told_of_sessions(self) -> bool:
+        """Whether the transport is told of each session as it starts."""
+        return self.runs_ahead or self.drafts_on_route
+
+
+@attrs.frozen
+class SessionStart:
+    """What a transport is told of a session as it starts (when it declares a capability that
+    needs it)."""
+
+    session_id: str
+    max_new_tokens: int
+    stop_tokens: tuple[int, ...]
+    speculation: Speculation | None
+    """The caller's speculation, never changed: a transport that drafts on the route answers
+    another value in its place (``attrs.evolve``, sharing the tally)."""
+
+
 class StageTransport(Protocol):
     """Reaches stages. Raise :class:`~dgr_session.errors.StageDead` (or any ``ConnectionError``)
     when a stage is unreachable, :class:`~dgr_session.errors.StaleEpoch` for an old epoch, and
-    a :class:`~dgr_session.errors.DgrError` (e.g. the engine's error) for an engine failure."""
+    a :class:`~dgr_session.errors.DgrError` (e.g. the engine's error) for an engine failure.
+
+    A transport declares what it does beyond plain forwards in :attr:`capabilities`; one that
+    subclasses this protocol inherits none (and :meth:`session_starting`'s default)."""
+
+    capabilities: TransportCapabilities = TransportCapabilities()
+    """What the transport does beyond plain forwards (none, unless it says)."""
+
+    def session_starting(self, start: SessionStart) -> Speculation | None:
+        """Told as a session starts, when :attr:`capabilities` says the transport needs it
+        (``told_of_sessions``): the speculation the session runs with (``start``'s, or
+        another value in its place where the route drafts)."""
+        return start.speculation
 
     async def open(self, stage: StageSpec, session_id: str, epoch: int) -> None:
         """Open the session's sequence on ``stage`` for ``epoch``, discarding older epochs."""

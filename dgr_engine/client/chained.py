@@ -33,7 +33,6 @@ from typing import Any
 
 import attrs
 import grpc
-import numpy as np
 
 from dgr_engine.client.native_target import NativeLinkTarget, native_route
 from dgr_engine.client.relay import GrpcStageTransport, expectations_for
@@ -47,7 +46,8 @@ from dgr_engine.errors import (
 )
 from dgr_engine.wire.frame_link import FrameLinkTarget, split_endpoint
 from dgr_engine.wire.frames import (
-    encode_forward,
+    Frame,
+    encode_frame,
     expectations_to_proto,
     greedy_answered,
     greedy_from_reply,
@@ -68,7 +68,13 @@ from dgr_session.speculation import (
     kept_drafts,
     verify_rows,
 )
-from dgr_session.transport import Boundary, Logits, StageResult
+from dgr_session.transport import (
+    Boundary,
+    Logits,
+    SessionStart,
+    StageResult,
+    TransportCapabilities,
+)
 from dgr_session.usage import StageCost
 
 DATA_PATHS = ("auto", "grpc", "frame-link", "native")
@@ -527,15 +533,16 @@ class ChainStageTransport(GrpcStageTransport):
         **options: Any,
     ) -> None:
         super().__init__(**options)
-        if prefill_frames < 1:
-            raise ValueError(f"prefill_frames must be >= 1, got {prefill_frames}")
         self.ring = ring
         """Ring mode: the last stage sends each next decode step's frame to the first stage
         itself (its greedy token); sessions must sample greedily (``docs/chain.md``)."""
-        self.prefill_frames = prefill_frames
-        """Pinned prompt chunks a session may send in one prefill forward (``SessionManager``
-        reads it): the transport sends them as frames back to back, so that stage k runs
-        frame f + 1 while stage k + 1 runs frame f, in the calls it runs one chunk a forward."""
+        self.capabilities = TransportCapabilities(
+            prefill_frames=prefill_frames, runs_ahead=ring, drafts_on_route=True
+        )
+        """``prefill_frames``: pinned prompt chunks a session may send in one prefill forward:
+        the transport sends them as frames back to back, so that stage k runs frame f + 1
+        while stage k + 1 runs frame f, in the calls it runs one chunk a forward. A ring runs
+        ahead of its sessions and drafts on its last stage."""
         # session -> (last step the ring may produce, stop tokens), from session_starting
         self._limits: collections.OrderedDict[str, tuple[int, tuple[int, ...]]] = (
             collections.OrderedDict()
@@ -645,41 +652,38 @@ class ChainStageTransport(GrpcStageTransport):
         widths = [(s.boundary_in, s.boundary_out) for s in route]
         return native_route(hosts, widths, ring=True, sealed=sealed)
 
-    def session_starting(
-        self, session_id: str, max_new_tokens: int, stop_tokens: Sequence[int]
-    ) -> None:
-        """Called by the ``SessionManager`` as a session starts: how far a ring may run on its
-        own for it (without it, a session's frames ask for no ring)."""
-        self._limits[session_id] = (max_new_tokens - 1, tuple(stop_tokens))
+    def session_starting(self, start: SessionStart) -> Speculation | None:
+        """Called by the ``SessionManager`` as a session starts. A ring runs on its own within
+        the session's limits (without them, its frames ask for no ring); prompt lookup drafts
+        are made by its last stage itself (its own ``NgramDrafter`` and ``DraftLength`` over
+        the session's tokens), so a pass never waits for the client, and the session
+        speculates with the drafts of the pass the ring sent. Any other draft source is the
+        client's, and the ring runs nothing on its own for the session. Off a ring: the relay's
+        (a last stage's MTP drafts)."""
+        if not self.ring:
+            return super().session_starting(start)
+        sid, speculation = start.session_id, start.speculation
+        self._limits[sid] = (start.max_new_tokens - 1, start.stop_tokens)
         while len(self._limits) > _LIMITS_KEPT:
             self._limits.popitem(last=False)
-
-    def speculation_for(self, session_id: str, speculation: Speculation) -> Speculation:
-        """Called by the ``SessionManager`` as a speculating session starts: on a ring, prompt
-        lookup drafts are made by the ring's last stage itself (its own ``NgramDrafter`` and
-        ``DraftLength`` over the session's tokens), so a pass never waits for the client; the
-        session then takes the drafts of the pass the ring sent. Any other draft source is the
-        client's, and the ring runs nothing on its own for the session."""
-        if not self.ring:
-            return super().speculation_for(session_id, speculation)
-        held = self._limits.get(session_id)
-        stops = held[1] if held is not None else ()
+        if speculation is None:
+            return None
         mtp = isinstance(speculation.drafter, MtpDraftRequest)
         if getattr(speculation.drafter, "name", "") != "ngram" and not mtp:
-            self._limits[session_id] = (-1, stops)  # every frame is the session's own
+            self._limits[sid] = (-1, start.stop_tokens)  # every frame is the session's own
             return speculation
         k_max = min(speculation.max_drafts, getattr(speculation.length, "k_max", MAX_DRAFTS))
         if isinstance(speculation.drafter, MtpDraftRequest):  # the last stage drafts with MTP
             k_max = min(k_max, speculation.drafter.k_max)
-            self._ring_mtp.add(session_id)
-        self._ring_drafting[session_id] = k_max
+            self._ring_mtp.add(sid)
+        self._ring_drafting[sid] = k_max
         while len(self._ring_drafting) > _LIMITS_KEPT:
             self._ring_mtp.discard(next(iter(self._ring_drafting)))
             self._ring_drafting.pop(next(iter(self._ring_drafting)))
-        speculation.drafter = _RingDrafts(self, session_id)  # the same object: its counts
-        speculation.length = AnyLength()  # are the session's, wherever the drafts come from
-        speculation.max_drafts = k_max
-        return speculation
+        # the tally stays the caller's: the counts are the session's, wherever drafts come from
+        return attrs.evolve(
+            speculation, drafter=_RingDrafts(self, sid), length=AnyLength(), max_drafts=k_max
+        )
 
     def ring_drafts(self, session_id: str, position: int) -> tuple[int, ...]:
         """The drafts of the pass the ring sent for ``session_id`` at ``position`` (its newest
@@ -746,26 +750,15 @@ class ChainStageTransport(GrpcStageTransport):
             if not draft_max and chain.route:
                 last = await self.advert(chain.route[-1].endpoint)
                 mtp_max = self.mtp_draft_max(session_id, last, call)
-            secret = self.client(stage.endpoint).session_secret(session_id, epoch)
-            ahead = await self._frames_ahead(chain, call, secret)
-            positions, token_ids = call.positions[ahead:], call.token_ids[ahead:]
-            request = encode_forward(
-                session_id,
-                epoch,
-                step,
+            frame = Frame.of_call(
+                call,
                 expectations_for(stage),
-                positions,
-                tokens=np.asarray(token_ids, dtype=np.int32),
-                no_logits=not call.wants_logits,
+                session_secret=self.client(stage.endpoint).session_secret(session_id, epoch),
                 timeout=self.timeout,
-                session_secret=secret,
-                kind=call.kind,
-                logit_rows=range(len(positions)) if call.drafts else None,
-                drafts=call.drafts,
-                kept_drafts=call.kept_drafts,
                 mtp_draft_max=mtp_max,
-                greedy_tokens=call.greedy and call.wants_logits,
             )
+            ahead = await self._frames_ahead(chain, call, frame)
+            request = encode_frame(frame.part(ahead))
             if until > step:
                 request.ring_until_step = until
                 request.ring_stop.extend(stops)
@@ -815,30 +808,19 @@ class ChainStageTransport(GrpcStageTransport):
                 )
         return self._answer(chain, stage, ticket)
 
-    async def _frames_ahead(self, chain: _Chain, call: Forward, secret: bytes) -> int:
+    async def _frames_ahead(self, chain: _Chain, call: Forward, frame: Frame) -> int:
         """A forward of several pinned prefill chunks (``Forward.frame_rows``): sends every
         frame but the last, back to back, without waiting for their outputs, so that the
         route's stages work on them at once; their outcomes fold into the last frame's ticket
-        (:meth:`_Chain.fold_frames`). Returns the rows sent (the last frame's start)."""
+        (:meth:`_Chain.fold_frames`). ``frame`` is the call's whole frame. Returns the rows
+        sent (the last frame's start)."""
         rows, n = call.frame_rows, len(call.positions)
         if rows <= 0 or n <= rows:
             return 0
         loop = asyncio.get_running_loop()
         sent = 0
         while n - sent > rows:
-            positions = call.positions[sent : sent + rows]
-            request = encode_forward(
-                call.session_id,
-                call.epoch,
-                call.step,
-                expectations_for(call.stage),
-                positions,
-                tokens=np.asarray(call.token_ids[sent : sent + rows], dtype=np.int32),
-                no_logits=True,
-                timeout=self.timeout,
-                session_secret=secret,
-                kind=call.kind,
-            )
+            request = encode_frame(frame.part(sent, sent + rows))
             ticket = ChainTicket(call.step, rows, loop.create_future())
             chain.frames_ahead.append(ticket)
             self.chain_stats.sent += 1

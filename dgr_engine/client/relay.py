@@ -30,7 +30,7 @@ from dgr_engine.errors import (
 )
 from dgr_engine.security.tls import ClientTls
 from dgr_engine.wire.advert import Advert
-from dgr_engine.wire.frames import SCHEMA_VERSION, Expectations
+from dgr_engine.wire.frames import SCHEMA_VERSION, Expectations, Frame
 from dgr_session.commands import Forward
 from dgr_session.errors import StageDead
 from dgr_session.faults import FaultKind
@@ -38,7 +38,13 @@ from dgr_session.identifiers import check_session_id, log_field
 from dgr_session.mtp_drafts import MtpDraftRequest, MtpDrafts
 from dgr_session.route import StageSpec
 from dgr_session.speculation import MAX_DRAFTS, Speculation
-from dgr_session.transport import Boundary, Logits, StageResult
+from dgr_session.transport import (
+    Boundary,
+    Logits,
+    SessionStart,
+    StageResult,
+    TransportCapabilities,
+)
 from dgr_session.usage import StageCost
 
 if TYPE_CHECKING:
@@ -187,7 +193,7 @@ class GrpcStageTransport:
         # Closes that failed (a hung or unreachable stage), retried in the background until the
         # worker answers, by (endpoint, session, epoch).
         self._close_retries: dict[tuple[str, str, int], asyncio.Task[None]] = {}
-        # session -> its MTP drafts (speculation_for): the last stage's replies feed them
+        # session -> its MTP drafts (session_starting): the last stage's replies feed them
         self._mtp: dict[str, MtpDrafts] = {}
 
     async def __aenter__(self) -> GrpcStageTransport:
@@ -286,22 +292,24 @@ class GrpcStageTransport:
                 del self._opening[(*key, epoch)]
         log.debug("opened")
 
-    def speculation_for(self, session_id: str, speculation: Speculation) -> Speculation:
-        """Called by the ``SessionManager`` as a speculating session starts: a session drafting
-        with the MTP block (:class:`~dgr_session.mtp_drafts.MtpDraftRequest`) gets its
+    capabilities = TransportCapabilities(drafts_on_route=True)
+    """A last stage that loaded the MTP block drafts for a session that asks it to."""
+
+    def session_starting(self, start: SessionStart) -> Speculation | None:
+        """Called by the ``SessionManager`` as a session starts: a session drafting with the
+        MTP block (:class:`~dgr_session.mtp_drafts.MtpDraftRequest`) speculates with its
         :class:`~dgr_session.mtp_drafts.MtpDrafts`, fed by the last stage's replies; its frames
         to a last stage that loaded the block ask for drafts (``mtp_draft_max``). Any other
         draft source is left as it is."""
-        request = speculation.drafter
-        if not isinstance(request, MtpDraftRequest):
+        speculation = start.speculation
+        if speculation is None or not isinstance(speculation.drafter, MtpDraftRequest):
             return speculation
-        k_max = min(request.k_max, speculation.max_drafts, MAX_DRAFTS)
+        k_max = min(speculation.drafter.k_max, speculation.max_drafts, MAX_DRAFTS)
         drafts = MtpDrafts(k_max)
-        self._mtp[session_id] = drafts
+        self._mtp[start.session_id] = drafts
         while len(self._mtp) > _MTP_KEPT:
             self._mtp.pop(next(iter(self._mtp)))
-        speculation.drafter = drafts
-        return speculation
+        return attrs.evolve(speculation, drafter=drafts)
 
     def mtp_draft_max(self, session_id: str, advert: Advert, call: Forward) -> int:
         """The drafts to ask of ``advert``'s stage with ``call`` (0: none): its session drafts
@@ -325,25 +333,19 @@ class GrpcStageTransport:
         try:
             advert = self._adverts.get(stage.endpoint) or await self.advert(stage.endpoint)
             send_ids = advert.span.is_first or advert.span.needs_token_ids
-            tokens = np.asarray(call.token_ids, dtype=np.int32) if send_ids else None
             rows = None if call.boundary is None else _rows(call.boundary)
-            result = await self.client(stage.endpoint).forward(
-                session_id,
-                epoch,
-                step,
+            client = self.client(stage.endpoint)
+            frame = Frame.of_call(
+                call,
                 expectations_for(stage),
-                positions,
-                tokens=tokens,
-                boundary=rows,
-                logits=call.wants_logits,
-                logit_rows=range(n) if call.drafts else None,
+                session_secret=client.session_secret(session_id, epoch),
                 timeout=self.timeout,
-                kind=call.kind,
-                drafts=call.drafts,
-                kept_drafts=call.kept_drafts,
+                tokens=send_ids,
+                boundary=rows,
+                last_stage=advert.span.is_last,
                 mtp_draft_max=self.mtp_draft_max(session_id, advert, call),
-                greedy_tokens=call.greedy and call.wants_logits and advert.span.is_last,
             )
+            result = await client.send(frame)
         except Exception as exc:
             self._raise(stage, session_id, epoch, f"forward step {step}", exc)
         self.mtp_offer(session_id, result.mtp_drafts)

@@ -47,7 +47,8 @@ from dgr_engine.wire.frames import (
     SCHEMA_VERSION,
     Expectations,
     FloatRows,
-    encode_forward,
+    Frame,
+    encode_frame,
     expectations_to_proto,
     greedy_from_reply,
     output_from_reply,
@@ -320,47 +321,41 @@ class ShardClient:
         expect: Expectations,
         positions: Sequence[int] | npt.NDArray[np.integer],
         *,
-        tokens: Sequence[int] | npt.NDArray[np.integer] | None = None,
-        boundary: npt.NDArray[np.floating] | None = None,
-        logit_rows: Sequence[int] | None = None,
         logits: bool = True,
         timeout: float | None = None,
-        kind: str = "",
-        drafts: int = 0,
-        kept_drafts: int | None = None,
-        mtp_draft_max: int = 0,
-        greedy_tokens: bool = False,
+        **fields: Any,
     ) -> ForwardResult:
-        """Runs rows at ``positions`` (contiguous, continuing the session's KV): ``tokens`` on
-        the first stage (and where the range needs them), ``boundary`` rows elsewhere. The last
-        stage returns the logits of ``logit_rows`` (default: the last row); ``logits=False``:
-        none (``[0, n_vocab]``; it skips the output head; other stages ignore it). ``kind``
-        (``prefill``, ``decode``, ``replay``) labels the rows in the worker's metrics and
-        usage. ``drafts``/``kept_drafts``: a verification pass and the frame after one
-        (``docs/speculative.md``). ``greedy_tokens``: the last stage answers the greedy token of
-        each wanted row instead of its logits (:attr:`ForwardResult.greedy`; a worker older
-        than the field answers the logits)."""
-        began = time.perf_counter_ns()
+        """Runs rows at ``positions`` (contiguous, continuing the session's KV): the frame
+        ``Frame(session_id, epoch, step, expect, positions, **fields)`` (``tokens`` on the
+        first stage and where the range needs them, ``boundary`` rows elsewhere, ...), with
+        this client's secret for the session and its timeout unless given. The last stage
+        returns the logits of ``logit_rows`` (default: the last row); ``logits=False``: none
+        (``[0, n_vocab]``; it skips the output head; other stages ignore it)."""
         check_session_id(session_id)
-        timeout = timeout if timeout is not None else self.timeout
-        request = encode_forward(
-            session_id,
-            epoch,
-            step,
-            expect,
-            positions,
-            tokens=tokens,
-            boundary=boundary,
-            logit_rows=logit_rows,
-            no_logits=not logits,
-            timeout=timeout,
-            session_secret=self._secret(session_id, epoch),
-            kind=kind,
-            drafts=drafts,
-            kept_drafts=kept_drafts,
-            mtp_draft_max=mtp_draft_max,
-            greedy_tokens=greedy_tokens,
+        return await self.send(
+            Frame(
+                session_id,
+                epoch,
+                step,
+                expect,
+                positions,
+                no_logits=not logits,
+                timeout=timeout if timeout is not None else self.timeout,
+                session_secret=self._secret(session_id, epoch),
+                **fields,
+            )
         )
+
+    async def send(self, frame: Frame) -> ForwardResult:
+        """Runs one frame (:class:`~dgr_engine.wire.frames.Frame`, passed whole) and answers
+        its result. ``frame.greedy_tokens``: the last stage answers the greedy token of each
+        wanted row instead of its logits (:attr:`ForwardResult.greedy`; a worker older than
+        the field answers the logits)."""
+        began = time.perf_counter_ns()
+        session_id, epoch, step = frame.session_id, frame.epoch, frame.step
+        check_session_id(session_id)
+        timeout = frame.timeout
+        request = encode_frame(frame)
         if self.streaming:
             reply, wire_ns = await self._stream_call(session_id, request, timeout)
         else:

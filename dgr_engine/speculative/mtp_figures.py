@@ -118,16 +118,19 @@ async def _one_route(
                     policy=FailurePolicy(step_deadline=30.0, backoff=(0.0,)),
                     required_evidence=EvidenceClass.FIXTURE,
                 )
-                result = await manager.start(
+                handle = manager.start(
                     PROMPT, max_new_tokens=n_tokens, session_id=f"mtp-{kind}", speculation=spec
-                ).wait()
+                )
+                result = await handle.wait()
                 await manager.aclose()
+            ran = handle.core.speculation  # the transport's in place of spec: its drafter
+            assert ran is not None
             ns, tokens = clock.ns - before[0], clock.tokens - before[1]
             out[kind] = {
                 "done": result.state is SessionState.DONE,
                 "error": None if result.error is None else str(result.error),
                 "tokens": list(result.tokens),
-                "drafter": spec.drafter.name,
+                "drafter": ran.drafter.name,
                 "passes": spec.passes,
                 "drafted": spec.drafted,
                 "accepted": spec.accepted,

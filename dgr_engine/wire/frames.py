@@ -22,6 +22,7 @@ import numpy.typing as npt
 from dgr_engine.errors import ExpectationMismatch, FrameRejected
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_session import identifiers
+from dgr_session.commands import Forward, ForwardKind
 
 if TYPE_CHECKING:
     from dgr_engine.engine import ShardInfo
@@ -210,14 +211,152 @@ def tensor_from_proto(tensor: pb.Tensor, n_rows: int, width: int, what: str) -> 
 
 
 ROW_KINDS = {
-    "prefill": pb.ROW_KIND_PREFILL,
-    "decode": pb.ROW_KIND_DECODE,
-    "replay": pb.ROW_KIND_REPLAY,
+    ForwardKind.PREFILL: pb.ROW_KIND_PREFILL,
+    ForwardKind.DECODE: pb.ROW_KIND_DECODE,
+    ForwardKind.REPLAY: pb.ROW_KIND_REPLAY,
 }
-"""``Forward.kind`` on the wire (anything else: unspecified)."""
-ROW_KIND_NAMES = {v: k for k, v in ROW_KINDS.items()}
+"""``Forward.kind`` on the wire (``None``: unspecified)."""
+ROW_KIND_NAMES = {v: k.value for k, v in ROW_KINDS.items()}
 """The names of the kinds; ``ROW_KIND_UNSPECIFIED`` is ``"unspecified"``; a decoded frame
 never holds another value (:func:`decode_forward` refuses it)."""
+
+
+def _kind(value: ForwardKind | str | None) -> ForwardKind | None:
+    """A frame's kind: a :class:`ForwardKind` (or its name), ``None`` (or ``""``) for
+    unspecified; any other name is a ``ValueError``, never silently unspecified."""
+    return None if value is None or value == "" else ForwardKind(value)
+
+
+def _ints(values: Sequence[int] | npt.NDArray[np.integer] | range) -> npt.NDArray[np.int64]:
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+@attrs.frozen(eq=False)
+class Frame:
+    """One forward frame as every data path sends it (gRPC, the frame link): the rows a
+    session runs on a stage, and what the client adds to them (the stage's expectations, the
+    session's secret, the frame's deadline). Built once, from the session's ``Forward``
+    (:meth:`of_call`), and passed whole; :func:`encode_frame` is its one encoding."""
+
+    session_id: str
+    epoch: int
+    step: int
+    expect: Expectations
+    positions: npt.NDArray[np.int64] = attrs.field(converter=_ints)
+    """Contiguous, continuing the session's KV; ``expected_next_pos`` is the first."""
+    tokens: npt.NDArray[np.int64] | None = attrs.field(
+        default=None, converter=attrs.converters.optional(_ints)
+    )
+    """The rows' token ids: on the first stage, and where the range needs them."""
+    boundary: npt.NDArray[np.floating] | None = None
+    """The stage before's rows (``None`` on the first stage)."""
+    logit_rows: Sequence[int] | None = None
+    """Rows whose logits a last stage returns (``None``: the last)."""
+    no_logits: bool = False
+    """A last stage returns none (it skips the output head)."""
+    timeout: float | None = None
+    """The frame's own deadline, seconds (``timeout_ms``)."""
+    session_secret: bytes = b""
+    kind: ForwardKind | None = attrs.field(default=None, converter=_kind)
+    """What the rows are, for the stage's metrics and usage (``None``: unspecified)."""
+    drafts: int = 0
+    """A verification pass of this many drafts (``docs/speculative.md``)."""
+    kept_drafts: int | None = None
+    """How many drafts of the pass before were kept (the frame after one)."""
+    mtp_draft_max: int = 0
+    """The MTP drafts a last stage with the block returns."""
+    greedy_tokens: bool = False
+    """A last stage answers the greedy token of each wanted row instead of its logits."""
+
+    @classmethod
+    def of_call(
+        cls,
+        call: Forward,
+        expect: Expectations,
+        *,
+        session_secret: bytes,
+        timeout: float | None,
+        tokens: bool = True,
+        boundary: npt.NDArray[np.floating] | None = None,
+        last_stage: bool = True,
+        mtp_draft_max: int = 0,
+    ) -> Frame:
+        """``call``'s frame to ``call.stage``: its rows (with their token ids where
+        ``tokens``), its kind, drafts and kept drafts; a verification pass asks the logits of
+        every row; a greedy session's call to the ``last_stage`` asks its greedy tokens."""
+        return cls(
+            call.session_id,
+            call.epoch,
+            call.step,
+            expect,
+            call.positions,
+            tokens=call.token_ids if tokens else None,
+            boundary=boundary,
+            logit_rows=range(len(call.positions)) if call.drafts else None,
+            no_logits=not call.wants_logits,
+            timeout=timeout,
+            session_secret=session_secret,
+            kind=call.kind,
+            drafts=call.drafts,
+            kept_drafts=call.kept_drafts,
+            mtp_draft_max=mtp_draft_max,
+            greedy_tokens=call.greedy and call.wants_logits and last_stage,
+        )
+
+    def part(self, start: int, stop: int | None = None) -> Frame:
+        """The frame of this one's rows ``[start, stop)``: a part that ends before the last row
+        is sent ahead (a prefill's frames back to back) and wants no logits, drafts or greedy
+        tokens; the part that ends with the last row keeps them."""
+        n = len(self.positions)
+        stop = n if stop is None else stop
+        rows = slice(start, stop)
+        tokens = None if self.tokens is None else self.tokens[rows]
+        boundary = None if self.boundary is None else self.boundary[rows]
+        if stop >= n:
+            logit_rows = None if self.logit_rows is None else range(n - start)
+            return attrs.evolve(
+                self, positions=self.positions[rows], tokens=tokens, boundary=boundary,
+                logit_rows=logit_rows,
+            )  # fmt: skip
+        return attrs.evolve(
+            self, positions=self.positions[rows], tokens=tokens, boundary=boundary,
+            logit_rows=None, no_logits=True, drafts=0, kept_drafts=None, mtp_draft_max=0,
+            greedy_tokens=False,
+        )  # fmt: skip
+
+
+def encode_frame(frame: Frame) -> pb.ForwardRequest:
+    """A frame's forward request (the one encoding every data path sends)."""
+    pos = frame.positions
+    timeout = frame.timeout
+    request = pb.ForwardRequest(
+        session_id=frame.session_id,
+        epoch=frame.epoch,
+        step=frame.step,
+        expect=expectations_to_proto(frame.expect),
+        expected_next_pos=int(pos[0]) if pos.size else 0,
+        positions=pos.tolist(),
+        timeout_ms=0 if timeout is None else max(1, min(int(timeout * 1000), 2**32 - 1)),
+        session_secret=frame.session_secret,
+        kind=pb.ROW_KIND_UNSPECIFIED if frame.kind is None else ROW_KINDS[frame.kind],
+    )
+    if frame.tokens is not None:
+        request.token_ids.extend(frame.tokens.tolist())
+    if frame.boundary is not None:
+        fill_tensor(request.boundary, frame.boundary)
+    if frame.logit_rows:
+        request.logit_rows.extend(int(i) for i in frame.logit_rows)
+    if frame.no_logits:
+        request.no_logits = True
+    if frame.drafts:
+        request.draft_rows = frame.drafts
+    if frame.kept_drafts is not None:
+        request.kept_drafts = frame.kept_drafts
+    if frame.mtp_draft_max:
+        request.mtp_draft_max = frame.mtp_draft_max
+    if frame.greedy_tokens:
+        request.greedy_tokens = True
+    return request
 
 
 def encode_forward(
@@ -226,54 +365,11 @@ def encode_forward(
     step: int,
     expect: Expectations,
     positions: Sequence[int] | npt.NDArray[np.integer],
-    *,
-    tokens: Sequence[int] | npt.NDArray[np.integer] | None = None,
-    boundary: npt.NDArray[np.floating] | None = None,
-    logit_rows: Sequence[int] | None = None,
-    no_logits: bool = False,
-    timeout: float | None = None,
-    session_secret: bytes = b"",
-    kind: str = "",
-    drafts: int = 0,
-    kept_drafts: int | None = None,
-    mtp_draft_max: int = 0,
-    greedy_tokens: bool = False,
+    **fields: Any,
 ) -> pb.ForwardRequest:
-    """A forward request; ``expected_next_pos`` is ``positions[0]``; ``timeout`` (seconds)
-    becomes the frame's own deadline (``timeout_ms``); ``no_logits`` asks a last stage for
-    none; ``drafts`` and ``kept_drafts``: a verification pass and the frame after one;
-    ``mtp_draft_max``: the MTP drafts a last stage with the block returns
-    (``docs/speculative.md``); ``greedy_tokens``: a last stage answers the greedy token of each
-    wanted row instead of its logits."""
-    pos = np.asarray(positions, dtype=np.int64).reshape(-1)
-    request = pb.ForwardRequest(
-        session_id=session_id,
-        epoch=epoch,
-        step=step,
-        expect=expectations_to_proto(expect),
-        expected_next_pos=int(pos[0]) if pos.size else 0,
-        positions=pos.tolist(),
-        timeout_ms=0 if timeout is None else max(1, min(int(timeout * 1000), 2**32 - 1)),
-        session_secret=session_secret,
-        kind=ROW_KINDS.get(kind, pb.ROW_KIND_UNSPECIFIED),
-    )
-    if tokens is not None:
-        request.token_ids.extend(np.asarray(tokens, dtype=np.int64).reshape(-1).tolist())
-    if boundary is not None:
-        fill_tensor(request.boundary, boundary)
-    if logit_rows:
-        request.logit_rows.extend(int(i) for i in logit_rows)
-    if no_logits:
-        request.no_logits = True
-    if drafts:
-        request.draft_rows = drafts
-    if kept_drafts is not None:
-        request.kept_drafts = kept_drafts
-    if mtp_draft_max:
-        request.mtp_draft_max = mtp_draft_max
-    if greedy_tokens:
-        request.greedy_tokens = True
-    return request
+    """The forward request of ``Frame(session_id, epoch, step, expect, positions,
+    **fields)``: for callers (tests, tools) that build a frame by hand."""
+    return encode_frame(Frame(session_id, epoch, step, expect, positions, **fields))
 
 
 def check_finite_rows(rows: FloatRows, what: str) -> None:

@@ -13,7 +13,7 @@ from dgr_session.errors import DgrError, StageDead, StaleEpoch
 from dgr_session.route import StageSpec
 from dgr_session.testing.fake_model import FakeModel
 from dgr_session.testing.reply_gate import ReplyGate
-from dgr_session.transport import Boundary, Logits, StageResult
+from dgr_session.transport import Boundary, Logits, StageResult, StageTransport
 
 T = TypeVar("T")
 
@@ -66,7 +66,7 @@ class _Stage:
     gate: ReplyGate = attrs.Factory(ReplyGate)
 
 
-class FakeTransport:
+class FakeTransport(StageTransport):
     """:class:`~dgr_session.transport.StageTransport` over :class:`FakeModel` with faults.
 
     Endpoints are created on first use. Every call is applied when it is made (state changes at

@@ -6,10 +6,10 @@ import asyncio
 
 from dgr_session.commands import Forward
 from dgr_session.route import StageSpec
-from dgr_session.transport import Boundary, Logits, StageResult
+from dgr_session.transport import Boundary, Logits, StageResult, StageTransport
 
 
-class NullTransport:
+class NullTransport(StageTransport):
     """Answers every call at once with constant results (token 0). When :attr:`gate` is set,
     forwards wait for it first, which parks every session mid-step."""
 

@@ -50,6 +50,7 @@ from dgr_session import (
     StageOpened,
     StageResult,
     StageSpec,
+    StageTransport,
     Start,
     fault_kind,
 )
@@ -195,7 +196,7 @@ def test_a_client_fault_ends_the_session_without_a_report_naming_a_stage() -> No
     assert (report.stage_index, report.endpoint, report.fault) == (None, None, FaultKind.CLIENT)
 
 
-class ClientBroken:
+class ClientBroken(StageTransport):
     """A stage transport whose opens of the sessions in ``broken`` fail in the client itself
     (as a closed channel or invalid metadata does); everything else goes to ``inner``."""
 

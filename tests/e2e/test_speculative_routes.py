@@ -59,6 +59,10 @@ def make_transport(kind: str) -> Any:
     return ChainStageTransport(timeout=10.0, close_timeout=2.0, ring=kind == "ring")
 
 
+drafters: list[str] = []
+"""The draft source each session of the last ``drive`` ran with (its transport's answer)."""
+
+
 async def drive(
     provider: LoopbackRouteProvider,
     kind: str,
@@ -68,6 +72,7 @@ async def drive(
 ) -> tuple[list[Any], list[str], list[Any]]:
     killed: list[str] = []
     handles: list[Any] = []
+    drafters.clear()
 
     def on_token(_token: int) -> None:
         if kill_at is not None and not killed and len(handles[0].tokens) >= kill_at:
@@ -95,6 +100,7 @@ async def drive(
                     )
                 )
             results = [await h.wait() for h in handles]
+            drafters.extend(h.core.speculation.drafter.name for h in handles)
             if kill_at is None:
                 for i, h in enumerate(handles):
                     route = h.core.route
@@ -126,8 +132,10 @@ def test_tokens_equal_plain_greedy_with_every_draft_source(kind: str) -> None:
         assert list(result.tokens) == reference[i % 2], (kind, i)
         assert spec.passes > 0 and spec.drafted > 0, (kind, i, spec)
     ngram, own, wrong = specs
-    # on a ring, prompt lookup drafts came from its last stage, with every pass it sent
-    assert ngram.drafter.name == ("ring" if kind == "ring" else "ngram")
+    # on a ring, prompt lookup drafts came from its last stage, with every pass it sent: the
+    # session ran with the ring's drafts in place of the caller's, which stays as it was
+    assert drafters[0] == ("ring" if kind == "ring" else "ngram")
+    assert ngram.drafter.name == "ngram"
     assert own.accepted == own.drafted  # the model as its own draft: acceptance 1.0
     assert wrong.accepted == 0
     # every stage counted the rows it verified, and those it dropped; the last stage answered

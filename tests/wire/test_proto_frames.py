@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import attrs
 import grpc
 import numpy as np
 import pytest
@@ -34,6 +35,7 @@ from dgr_engine.wire.status import (
     known_statuses,
     refusal_trailers,
 )
+from dgr_session.commands import ForwardKind
 from dgr_session.identifiers import InvalidIdentifier
 
 HASH = bytes(range(32))
@@ -379,6 +381,31 @@ def test_every_defined_kind_is_decoded(kind: str) -> None:
     frame = F.decode_forward(request, mine(MIDDLE), MIDDLE)
     assert frame.n_rows == 1
     assert F.ROW_KIND_NAMES.get(request.kind, "unspecified") == (kind or "unspecified")
+
+
+def test_a_kind_that_is_no_forward_kind_is_refused_not_unspecified() -> None:
+    with pytest.raises(ValueError, match="decod"):
+        F.encode_forward("s", 1, 2, mine(MIDDLE), [5], boundary=rows(1), kind="decod")
+
+
+def test_a_frame_is_built_once_from_the_sessions_forward_and_cut_in_parts() -> None:
+    from dgr_session.testing import fixture_identity, forward_call, make_route
+
+    stage = make_route(["a:1"], [], identity=fixture_identity(n_layer=2)).stages[0]
+    plain = forward_call(stage, "s", 1, 4, range(3, 9), (1, 2, 3, 4, 5, 6))
+    call = attrs.evolve(plain, drafts=2, kept_drafts=1, greedy=True)
+    frame = F.Frame.of_call(call, mine(MIDDLE), session_secret=b"s" * 32, timeout=2.0)
+    assert frame.positions.tolist() == list(range(3, 9)) and frame.kind is ForwardKind.DECODE
+    assert list(frame.logit_rows or ()) == list(range(6))  # a verification pass: every row
+    assert frame.greedy_tokens and frame.drafts == 2 and frame.kept_drafts == 1
+    ahead, tail = frame.part(0, 4), frame.part(4)
+    assert ahead.positions.tolist() == [3, 4, 5, 6] and ahead.no_logits and not ahead.drafts
+    assert ahead.kept_drafts is None and not ahead.greedy_tokens and ahead.logit_rows is None
+    assert tail.positions.tolist() == [7, 8] and tail.tokens is not None
+    assert tail.tokens.tolist() == [5, 6] and list(tail.logit_rows or ()) == [0, 1]
+    request = F.encode_frame(tail)
+    assert (request.expected_next_pos, request.kind) == (7, pb.ROW_KIND_DECODE)
+    assert request.session_secret == b"s" * 32 and request.timeout_ms == 2000
 
 
 @pytest.mark.parametrize(
