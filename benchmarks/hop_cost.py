@@ -116,7 +116,7 @@ class _EchoCalls:
 
 
 def serve_frame_link() -> None:
-    from dgr_engine.worker.frame_link_server import FrameLinkServer
+    from dgr_engine.worker.calls.frame_link_server import FrameLinkServer
 
     async def main() -> None:
         server = FrameLinkServer(

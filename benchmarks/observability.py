@@ -22,8 +22,8 @@ from dgr_engine.client.shard_client import ShardClient, expectations_of, session
 from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.worker import ShardWorker, WorkerConfig
-from dgr_engine.worker.metrics import WorkerMetrics
-from dgr_engine.worker.usage import UsageBook
+from dgr_engine.worker.reporting.metrics import WorkerMetrics
+from dgr_engine.worker.reporting.usage import UsageBook
 
 
 def per_call_us(fn: Any, n: int) -> float:

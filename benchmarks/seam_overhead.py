@@ -53,7 +53,7 @@ def serve_echo(width: int) -> None:
     from dgr_engine.engine import ShardInfo
     from dgr_engine.numerics import Numerics
     from dgr_engine.worker import ShardWorker
-    from dgr_engine.worker.identity import BuildIdentity
+    from dgr_engine.worker.reporting.identity import BuildIdentity
 
     info = ShardInfo(
         arch="echo",

@@ -33,7 +33,7 @@ from dgr_engine.security.tls import ClientTls
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_engine.tooling.processes import dgr_command
 from dgr_engine.tooling.throwaway_ca import local_pki
-from dgr_engine.worker.grant_gate import GrantGate
+from dgr_engine.worker.lifecycle.grant_gate import GrantGate
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager, SessionState
 
 

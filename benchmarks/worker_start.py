@@ -4,7 +4,7 @@ how long each takes to start and where its seconds go, and its memory at peak an
 Per layout, every stage's worker is spawned at once, as ``--spawn`` and a tracker start a route,
 with the default engine options (the lane a default route runs). The route's start is the wall
 time until the last one listens. Each worker's own split comes from its log line ``ready in
-...`` (:mod:`dgr_engine.worker.start_times`): finding the model and reading its header,
+...`` (:mod:`dgr_engine.worker.reporting.start_times`): finding the model and reading its header,
 hashing the file (once per machine: cached by path, size and mtime), loading its layers and
 looking up its lane's certification, binding its ports; the rest of the spawn-to-listening time
 is the interpreter's start and dgr's imports. Then a short session runs through the route (a
@@ -33,7 +33,7 @@ from typing import Any
 import attrs
 import numpy as np
 
-from dgr_engine.worker.start_times import phases_in
+from dgr_engine.worker.reporting.start_times import phases_in
 
 MIB = 1024 * 1024
 SLACK_MIB = 64.0

@@ -89,7 +89,7 @@ class EngineOptions:
         validator=_one_of,
     )
     """``"session"`` (one session's rows per engine call) or ``"co-batch"`` (frames of several
-    sessions in one call: ``dgr_engine.worker.co_batch``; the lane's ``batching``)."""
+    sessions in one call: ``dgr_engine.worker.engine_access.co_batch``; the lane's ``batching``)."""
 
     @property
     def numerics(self) -> Numerics:

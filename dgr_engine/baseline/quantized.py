@@ -36,7 +36,7 @@ from dgr_engine.certification.lock import Lock, QuantizedBaseline
 from dgr_engine.certification.record import EvidenceRecord, Figure, Requirement, Verdict
 from dgr_engine.numerics import Numerics
 from dgr_engine.reference import n_layer_of
-from dgr_engine.worker.identity import BuildIdentity
+from dgr_engine.worker.reporting.identity import BuildIdentity
 
 PROMPTS: Final = 4
 DECODE_TOKENS: Final = 16

@@ -22,7 +22,7 @@ from dgr_engine.certification.record import (
 )
 from dgr_engine.certification.release import release_state
 from dgr_engine.certify.runner import git_commit, machine_facts, signing_key_for
-from dgr_engine.worker.identity import BuildIdentity
+from dgr_engine.worker.reporting.identity import BuildIdentity
 
 
 def baseline_record_for(

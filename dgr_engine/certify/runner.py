@@ -53,7 +53,7 @@ from dgr_engine.reference import split_points, whole_model_reference
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_engine.tooling.peer_build import PeerUse, find_peers
 from dgr_engine.tooling.processes import worker_omp_wait_policy
-from dgr_engine.worker.identity import BuildIdentity
+from dgr_engine.worker.reporting.identity import BuildIdentity
 from dgr_session.identity import EvidenceClass
 
 _CHECKOUT = Path(__file__).resolve().parents[2]

@@ -152,7 +152,7 @@ def _declare_model(args: argparse.Namespace) -> int:
     from dgr_engine.certification.lock_edit import declare_real_model, write_lock
     from dgr_engine.models import CATALOG, resolve_model
     from dgr_engine.reference import arch_of
-    from dgr_engine.worker.identity import model_sha256
+    from dgr_engine.worker.reporting.identity import model_sha256
 
     path = _lock_path(args.lock)
     data = _read(path)

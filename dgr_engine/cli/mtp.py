@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from dgr_engine.gguf_check import check_gguf
     from dgr_engine.speculative.mtp_figures import OPTIONS, TRANSPORTS, measure_mtp
     from dgr_engine.speculative.mtp_record import mtp_figures, mtp_requirements
-    from dgr_engine.worker.identity import BuildIdentity
+    from dgr_engine.worker.reporting.identity import BuildIdentity
 
     started = dt.datetime.now(dt.UTC)
     fixture = (args.fixture or FIXTURE) if args.model is None else None

@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import attrs
 from loguru import logger
 
 from dgr_engine.argtypes import float_in, int_in, layer_range
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
 
     from dgr_engine.artifacts.shard import ShardArtifacts
     from dgr_engine.security.tls import ClientTls, ServerTls
+    from dgr_engine.worker import WorkerConfig
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -243,23 +245,186 @@ def configure(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO", help="least level logged to stderr")
 
 
+@attrs.frozen
+class WorkerSettings:
+    """``dgr worker``'s command line, read once at its edge (:meth:`from_args`): the options as
+    given, no file read yet (:func:`_trust` reads the TLS files and grant keys)."""
+
+    model: str | None
+    """``--model``: a GGUF path or a catalog name, as given."""
+    fixture: str | None
+    """``--fixture``: a generated fixture's name."""
+    manifest: Path | None
+    """``--manifest``: a split model's manifest."""
+    root: str | None
+    """``--root``: the split model's storage root."""
+    allow_temp_root: bool
+    """``--allow-temp-root``: accept a storage root in a temporary directory (tests only)."""
+    layers: tuple[int, int]
+    """``--layers``: the owned range ``[begin, end)`` (``end`` -1: to the last layer)."""
+    host: str
+    """``--host``: the bind address."""
+    port: int
+    """``--port``: the gRPC port (0: a free one)."""
+    frame_link_port: int | None
+    """``--frame-link-port`` (0: a free one); ``None``: ``--no-frame-link``."""
+    native_link_port: int | None
+    """``--native-link-port`` (0: a free one); ``None``: ``--no-native-link``."""
+    tls_cert: Path | None
+    """``--tls-cert``: serve TLS with this certificate."""
+    tls_key: Path | None
+    """``--tls-key``: its private key."""
+    client_ca: Path | None
+    """``--client-ca``: require client certificates of this CA."""
+    chain_tls_ca: Path | None
+    """``--chain-tls-ca``: trust next stages' certificates of this CA."""
+    chain_tls_cert: Path | None
+    """``--chain-tls-cert``: the client certificate shown to a next stage."""
+    chain_tls_key: Path | None
+    """``--chain-tls-key``: its key."""
+    allow_plaintext_remote: bool
+    """``--allow-plaintext-remote``: plaintext on a non-loopback host."""
+    options: EngineOptions
+    """The engine options."""
+    max_message_bytes: int | None
+    """``--max-message-bytes`` (``None``: what the largest frame needs)."""
+    grace: float
+    """``--grace``: shutdown grace in seconds."""
+    admission_wait: float
+    """``--admission-wait``: seconds an open may wait for a free session slot."""
+    stall_seconds: float
+    """``--stall-seconds``: the timekeeping gap that closes sessions unused since (0: off)."""
+    resume_grace: float
+    """``--resume-grace``: seconds a session unused across a stall may still be used."""
+    inline_max_rows: int
+    """``--inline-max-rows``: frames this small run on the event loop (0: off)."""
+    inline_max_ms: float
+    """``--inline-max-ms``: ...while the last such frame took at most this long."""
+    co_batch_wait_ms: float
+    """``--co-batch-wait-ms``: how long a co-batched engine call may wait for more frames."""
+    grant_key_specs: tuple[str, ...]
+    """``--grant-key``: the tracker's keys as given, ``ID=PEM`` each."""
+    grant_endpoint: str | None
+    """``--grant-endpoint``: this stage's endpoint as grants name it."""
+    metrics_port: int | None
+    """``--metrics-port`` (``None``: metrics not served)."""
+    metrics_host: str | None
+    """``--metrics-host`` (``None``: 127.0.0.1)."""
+    metrics_tls: bool
+    """``--metrics-tls``: serve the metrics over HTTPS."""
+    sessions_per_client: int | None
+    """``--sessions-per-client`` (``None``: no limit beyond the slots)."""
+    frames_per_second: float | None
+    """``--frames-per-second`` per session (``None``: no limit)."""
+    session_lease: float
+    """``--session-lease``: seconds an unused session lives (0: forever)."""
+    evidence: Path | None
+    """``--evidence``: the certification records (``None``: the default directory)."""
+    lock: Path | None
+    """``--lock``: the lock records must be made under."""
+    log_level: str
+    """``--log-level``: the least level logged to stderr."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> WorkerSettings:
+        """The settings :func:`configure` parsed."""
+        return cls(
+            model=args.model,
+            fixture=args.fixture,
+            manifest=args.manifest,
+            root=args.root,
+            allow_temp_root=args.allow_temp_root,
+            layers=args.layers,
+            host=args.host,
+            port=args.port,
+            frame_link_port=None if args.no_frame_link else args.frame_link_port,
+            native_link_port=None if args.no_native_link else args.native_link_port,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            client_ca=args.client_ca,
+            chain_tls_ca=args.chain_tls_ca,
+            chain_tls_cert=args.chain_tls_cert,
+            chain_tls_key=args.chain_tls_key,
+            allow_plaintext_remote=args.allow_plaintext_remote,
+            options=EngineOptions.from_args(args),
+            max_message_bytes=args.max_message_bytes,
+            grace=args.grace,
+            admission_wait=args.admission_wait,
+            stall_seconds=args.stall_seconds,
+            resume_grace=args.resume_grace,
+            inline_max_rows=args.inline_max_rows,
+            inline_max_ms=args.inline_max_ms,
+            co_batch_wait_ms=args.co_batch_wait_ms,
+            grant_key_specs=tuple(args.grant_key),
+            grant_endpoint=args.grant_endpoint,
+            metrics_port=args.metrics_port,
+            metrics_host=args.metrics_host,
+            metrics_tls=args.metrics_tls,
+            sessions_per_client=args.sessions_per_client,
+            frames_per_second=args.frames_per_second,
+            session_lease=args.session_lease,
+            evidence=args.evidence,
+            lock=args.lock,
+            log_level=args.log_level,
+        )
+
+    def certify_command(self) -> str:
+        """The ``dgr certify`` command that certifies the lane these settings serve, on this
+        machine with this build: its model (a catalog name as given, a file by its absolute
+        path), the engine options that are part of the lane and differ from the defaults, and
+        the evidence directory and lock it reads when given. ``""`` for a split model (``dgr
+        certify`` takes one file)."""
+        from dgr_engine.models.catalog import CATALOG
+
+        if self.fixture is not None:
+            argv = ["dgr", "certify", "--fixture", self.fixture]
+        elif self.model is not None:
+            model = self.model if self.model in CATALOG else os.path.abspath(self.model)
+            argv = ["dgr", "certify", "--model", model]
+        else:
+            return ""
+        argv += self.options.lane_argv()
+        for flag, path in (("--evidence", self.evidence), ("--lock", self.lock)):
+            if path is not None:
+                argv += [flag, os.path.abspath(path)]
+        return shlex.join(argv)
+
+
+@attrs.frozen
+class WorkerTrust:
+    """What the worker's TLS and grant files say, read by :func:`_trust` before any work."""
+
+    tls: ServerTls | None
+    """The TLS it serves (``None``: plaintext)."""
+    chain_tls: ClientTls | None
+    """How it dials next stages of chained routes (``None``: plaintext next stages only)."""
+    grant_keys: dict[str, Ed25519PublicKey] | None
+    """The tracker's public keys by key id (``None``: no grant needed)."""
+
+
 def run(args: argparse.Namespace) -> int:
-    log_to_stderr(args.log_level)
-    if args.manifest is None and (args.root is not None or args.allow_temp_root):
+    settings = WorkerSettings.from_args(args)
+    log_to_stderr(settings.log_level)
+    if settings.manifest is None and (settings.root is not None or settings.allow_temp_root):
         print("dgr worker: error: --root and --allow-temp-root go with --manifest", file=sys.stderr)
         return 2
     try:
-        args.tls = _server_tls(args)
-        _check_metrics_args(args)
-        args.chain_tls = _chain_tls(args)
-        args.grant_keys = _grant_keys(args.grant_key)
+        trust = _trust(settings)
     except ValueError as exc:
         print(f"dgr worker: error: {exc}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(args))
+    return asyncio.run(_serve(settings, trust))
 
 
-def _grant_keys(specs: list[str]) -> dict[str, Ed25519PublicKey] | None:
+def _trust(settings: WorkerSettings) -> WorkerTrust:
+    """The TLS and grant files the settings name, read; ``ValueError`` naming a mistake."""
+    tls = _server_tls(settings)
+    _check_metrics(settings, tls)
+    chain_tls = _chain_tls(settings)
+    return WorkerTrust(tls, chain_tls, _grant_keys(settings.grant_key_specs))
+
+
+def _grant_keys(specs: tuple[str, ...]) -> dict[str, Ed25519PublicKey] | None:
     """``ID=PEM`` pairs as keys by id; ``ValueError`` naming a bad one."""
     from dgr_engine.security.grants import load_public_key
 
@@ -274,99 +439,119 @@ def _grant_keys(specs: list[str]) -> dict[str, Ed25519PublicKey] | None:
     return keys or None
 
 
-def _server_tls(args: argparse.Namespace) -> ServerTls | None:
+def _server_tls(settings: WorkerSettings) -> ServerTls | None:
     """The TLS the flags ask for (files read now); ``ValueError`` on a half-given pair, a CA
     without TLS, an unreadable file, or plaintext beyond loopback without the explicit flag."""
     from dgr_engine.security.tls import ServerTls, check_plaintext_bind
 
-    if (args.tls_cert is None) != (args.tls_key is None):
+    if (settings.tls_cert is None) != (settings.tls_key is None):
         raise ValueError("--tls-cert and --tls-key go together")
-    if args.tls_cert is None:
-        if args.client_ca is not None:
+    if settings.tls_cert is None:
+        if settings.client_ca is not None:
             raise ValueError("--client-ca needs --tls-cert and --tls-key")
-        check_plaintext_bind(args.host, args.allow_plaintext_remote)
+        check_plaintext_bind(settings.host, settings.allow_plaintext_remote)
         return None
-    return ServerTls.from_files(args.tls_cert, args.tls_key, args.client_ca)
+    assert settings.tls_key is not None
+    return ServerTls.from_files(settings.tls_cert, settings.tls_key, settings.client_ca)
 
 
-def _check_metrics_args(args: argparse.Namespace) -> None:
+def _check_metrics(settings: WorkerSettings, tls: ServerTls | None) -> None:
     """``ValueError`` for metrics flags without a metrics port, or TLS metrics without TLS."""
-    if args.metrics_port is None and (args.metrics_host is not None or args.metrics_tls):
+    if settings.metrics_port is None and (
+        settings.metrics_host is not None or settings.metrics_tls
+    ):
         raise ValueError("--metrics-host and --metrics-tls go with --metrics-port")
-    if args.metrics_tls and args.tls is None:
+    if settings.metrics_tls and tls is None:
         raise ValueError("--metrics-tls needs --tls-cert and --tls-key")
 
 
-def _chain_tls(args: argparse.Namespace) -> ClientTls | None:
+def _chain_tls(settings: WorkerSettings) -> ClientTls | None:
     """How the worker dials next stages of chained routes; ``ValueError`` for a certificate or
     key without the CA, or an unreadable file."""
     from dgr_engine.security.tls import ClientTls
 
-    if args.chain_tls_ca is None:
-        if args.chain_tls_cert is not None or args.chain_tls_key is not None:
+    if settings.chain_tls_ca is None:
+        if settings.chain_tls_cert is not None or settings.chain_tls_key is not None:
             raise ValueError("--chain-tls-cert and --chain-tls-key need --chain-tls-ca")
         return None
-    return ClientTls.from_files(args.chain_tls_ca, args.chain_tls_cert, args.chain_tls_key)
+    return ClientTls.from_files(
+        settings.chain_tls_ca, settings.chain_tls_cert, settings.chain_tls_key
+    )
 
 
-async def _serve(args: argparse.Namespace) -> int:
+def _busy_port(settings: WorkerSettings) -> bool:
+    """Whether a port the settings name cannot be bound (said in the log): checked before
+    loading anything, so that a busy port is one line, at once."""
+    for port in (settings.port, settings.frame_link_port or 0, settings.native_link_port or 0):
+        if port:
+            problem = port_problem(settings.host, port)
+            if problem is not None:
+                logger.error("cannot serve on {}:{}: {}", settings.host, port, problem)
+                return True
+    return False
+
+
+def _worker_config(settings: WorkerSettings, trust: WorkerTrust) -> WorkerConfig:
+    """How the worker serves, from its settings and what their files say."""
     from dgr_engine.certification.record import default_evidence_dir
+    from dgr_engine.worker import WorkerConfig
+
+    lease = settings.session_lease
+    return WorkerConfig(
+        host=settings.host,
+        port=settings.port,
+        max_message_bytes=settings.max_message_bytes,
+        grace_seconds=settings.grace,
+        inline_max_rows=settings.inline_max_rows,
+        inline_max_ms=settings.inline_max_ms,
+        co_batch=settings.options.batching == BATCHING_CO_BATCH,
+        co_batch_wait_ms=settings.co_batch_wait_ms,
+        session_lease_seconds=lease if lease > 0 else None,
+        evidence_dir=settings.evidence if settings.evidence is not None else default_evidence_dir(),
+        lock_path=settings.lock,
+        admission_wait_seconds=settings.admission_wait,
+        stall_seconds=settings.stall_seconds,
+        resume_grace_seconds=settings.resume_grace,
+        tls=trust.tls,
+        chain_tls=trust.chain_tls,
+        allow_plaintext_remote=settings.allow_plaintext_remote,
+        sessions_per_client=settings.sessions_per_client,
+        grant_keys=trust.grant_keys,
+        grant_endpoint=settings.grant_endpoint,
+        metrics_port=settings.metrics_port,
+        frame_link_port=settings.frame_link_port,
+        native_link_port=settings.native_link_port,
+        metrics_host=settings.metrics_host if settings.metrics_host is not None else "127.0.0.1",
+        metrics_tls=settings.metrics_tls,
+        frames_per_second=settings.frames_per_second,
+        certify_command=settings.certify_command(),
+    )
+
+
+async def _serve(settings: WorkerSettings, trust: WorkerTrust) -> int:
     from dgr_engine.errors import EngineError
     from dgr_engine.fixtures import ensure_fixture
     from dgr_engine.models import resolve_model
-    from dgr_engine.worker import ShardWorker, WorkerConfig
-    from dgr_engine.worker.identity import BuildIdentity
-    from dgr_engine.worker.preflight import preflight
-    from dgr_engine.worker.start_times import StartTimes
+    from dgr_engine.worker import ShardWorker
+    from dgr_engine.worker.engine_access.preflight import preflight
+    from dgr_engine.worker.reporting.identity import BuildIdentity
+    from dgr_engine.worker.reporting.start_times import StartTimes
     from dgr_session.errors import DgrError
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    native_port = 0 if args.no_native_link else args.native_link_port
-    for port in (args.port, 0 if args.no_frame_link else args.frame_link_port, native_port):
-        if port:  # before loading anything: a busy port is one line, at once
-            problem = port_problem(args.host, port)
-            if problem is not None:
-                logger.error("cannot serve on {}:{}: {}", args.host, port, problem)
-                return 2
-    config = WorkerConfig(
-        host=args.host,
-        port=args.port,
-        max_message_bytes=args.max_message_bytes,
-        grace_seconds=args.grace,
-        inline_max_rows=args.inline_max_rows,
-        inline_max_ms=args.inline_max_ms,
-        co_batch=args.batching == BATCHING_CO_BATCH,
-        co_batch_wait_ms=args.co_batch_wait_ms,
-        session_lease_seconds=args.session_lease if args.session_lease > 0 else None,
-        evidence_dir=args.evidence if args.evidence is not None else default_evidence_dir(),
-        lock_path=args.lock,
-        admission_wait_seconds=args.admission_wait,
-        stall_seconds=args.stall_seconds,
-        resume_grace_seconds=args.resume_grace,
-        tls=args.tls,
-        chain_tls=args.chain_tls,
-        allow_plaintext_remote=args.allow_plaintext_remote,
-        sessions_per_client=args.sessions_per_client,
-        grant_keys=args.grant_keys,
-        grant_endpoint=args.grant_endpoint,
-        metrics_port=args.metrics_port,
-        frame_link_port=None if args.no_frame_link else args.frame_link_port,
-        native_link_port=None if args.no_native_link else args.native_link_port,
-        metrics_host=args.metrics_host if args.metrics_host is not None else "127.0.0.1",
-        metrics_tls=args.metrics_tls,
-        frames_per_second=args.frames_per_second,
-        certify_command=certify_command(args),
-    )
+    if _busy_port(settings):
+        return 2
+    config = _worker_config(settings, trust)
     try:
-        options = EngineOptions.from_args(args)
+        options = settings.options
 
         def load() -> ShardWorker:
             build = None
-            if args.manifest is not None:
-                artifacts = _split_artifacts(args)
+            if settings.manifest is not None:
+                artifacts = _split_artifacts(settings)
                 model, build = artifacts.first, BuildIdentity.of_artifacts(artifacts)
                 logger.info(
                     "split model {}: {} of {} files in {}, {}",
@@ -376,15 +561,14 @@ async def _serve(args: argparse.Namespace) -> int:
                     artifacts.root,
                     artifacts.verification,
                 )
+            elif settings.model is not None:
+                model = resolve_model(settings.model, notice=lambda text: logger.info("{}", text))
             else:
-                model = (
-                    resolve_model(args.model, notice=lambda text: logger.info("{}", text))
-                    if args.model is not None
-                    else ensure_fixture(args.fixture)
-                )
+                assert settings.fixture is not None  # the parser requires one of the three
+                model = ensure_fixture(settings.fixture)
             header = preflight(
                 model,
-                args.layers,
+                settings.layers,
                 n_ctx_per_session=options.n_ctx_per_session,
                 max_sessions=options.max_sessions,
             )
@@ -394,7 +578,7 @@ async def _serve(args: argparse.Namespace) -> int:
             started.lap("hash")
             loaded = ShardWorker.load(
                 model,
-                args.layers,
+                settings.layers,
                 config=config,
                 build=build,
                 header=header,
@@ -407,7 +591,7 @@ async def _serve(args: argparse.Namespace) -> int:
 
         # checking and loading run in a thread that cannot be interrupted (slow storage, a large
         # file): a signal meanwhile ends the process at once (nothing is served or held yet)
-        logger.debug("loading layers {}", args.layers)
+        logger.debug("loading layers {}", settings.layers)
         loading = asyncio.ensure_future(asyncio.to_thread(load))
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -424,7 +608,7 @@ async def _serve(args: argparse.Namespace) -> int:
     try:
         address = await worker.start()
     except (OSError, RuntimeError) as exc:  # grpc raises RuntimeError when it cannot bind
-        logger.error("cannot serve on {}:{}: {}", args.host, args.port, exc)
+        logger.error("cannot serve on {}:{}: {}", settings.host, settings.port, exc)
         await worker.stop()
         return 2
     started.lap("serve")  # every port bound, the first advert made
@@ -442,33 +626,19 @@ async def _serve(args: argparse.Namespace) -> int:
 
 
 def certify_command(args: argparse.Namespace) -> str:
-    """The ``dgr certify`` command that certifies the lane this command line serves, on this
-    machine with this build: its model (a catalog name as given, a file by its absolute path),
-    the engine options that are part of the lane and differ from the defaults, and the
-    evidence directory and lock it reads when given. ``""`` for a split model (``dgr certify``
-    takes one file)."""
-    from dgr_engine.models.catalog import CATALOG
-
-    if args.fixture is not None:
-        argv = ["dgr", "certify", "--fixture", args.fixture]
-    elif args.model is not None:
-        model = args.model if args.model in CATALOG else os.path.abspath(args.model)
-        argv = ["dgr", "certify", "--model", model]
-    else:
-        return ""
-    argv += EngineOptions.from_args(args).lane_argv()
-    for flag, path in (("--evidence", args.evidence), ("--lock", args.lock)):
-        if path is not None:
-            argv += [flag, os.path.abspath(path)]
-    return shlex.join(argv)
+    """The ``dgr certify`` command that certifies the lane a parsed ``dgr worker`` command line
+    serves: :meth:`WorkerSettings.certify_command` of its settings (an edge of its own, for
+    callers holding a parsed command line)."""
+    return WorkerSettings.from_args(args).certify_command()
 
 
-def _split_artifacts(args: argparse.Namespace) -> ShardArtifacts:
+def _split_artifacts(settings: WorkerSettings) -> ShardArtifacts:
     """The verified files of ``--manifest`` in ``--root`` that ``--layers`` needs."""
     from dgr_engine.artifacts import shard
     from dgr_engine.artifacts.manifest import load_manifest
     from dgr_engine.artifacts.storage import storage_root
 
-    manifest = load_manifest(args.manifest)
-    root = storage_root(args.root, allow_temp=args.allow_temp_root)
-    return shard.prepare(manifest, root, args.layers)
+    assert settings.manifest is not None
+    manifest = load_manifest(settings.manifest)
+    root = storage_root(settings.root, allow_temp=settings.allow_temp_root)
+    return shard.prepare(manifest, root, settings.layers)

@@ -264,7 +264,7 @@ class ShardEngine:
         ``frames_per_second``: the session's frame budget (a bucket of ``burst``): a frame over
         it waits in the link for its turn. ``co_batch_rows``: the link's frames co-batch with
         those of the engine's other links started so (a call of at most that many rows:
-        ``worker/co_batch.py``'s rule), each frame runs alone when ``None``."""
+        ``worker/engine_access/co_batch.py``'s rule), each frame runs alone when ``None``."""
         with self._lock:
             group = ffi.NULL
             if co_batch_rows is not None:

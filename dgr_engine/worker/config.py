@@ -36,7 +36,8 @@ class WorkerConfig:
     steps are slow never holds the loop, and for it the hop saved is noise anyway."""
     co_batch: bool = False
     """Run frames of different sessions that wait for the engine together in one engine call
-    (``dgr_engine.worker.co_batch``; recorded in the lane as ``batching="co-batch"``)."""
+    (``dgr_engine.worker.engine_access.co_batch``; recorded in the lane as
+    ``batching="co-batch"``)."""
     co_batch_wait_ms: float = 0.0
     """With ``co_batch``: how long a call may wait for more sessions' frames (0: never)."""
     session_lease_seconds: float | None = 600.0

@@ -4,7 +4,7 @@ and opens, closes and admits sessions. Why it is built this way: ``docs/worker.m
 
 Every part is built here and handed what it needs; none of them imports this module. The
 session table tells the chain hub, the grant gate and the per-client limits of every close
-(``worker/closes.py``), on the event loop's thread.
+(``worker/lifecycle/closes.py``), on the event loop's thread.
 """
 
 from __future__ import annotations
@@ -33,27 +33,32 @@ from dgr_engine.security.grants import Grant, GrantVerifier
 from dgr_engine.security.tls import check_plaintext_bind, is_loopback
 from dgr_engine.wire import frames as frames
 from dgr_engine.wire.advert import Advert, DataPaths
-from dgr_engine.worker.admission import Admission
-from dgr_engine.worker.advertiser import Advertiser
-from dgr_engine.worker.chain import ChainServicer, add_chain_service
-from dgr_engine.worker.chain_hub import ChainHub
-from dgr_engine.worker.closes import CloseCause, OnLoop
-from dgr_engine.worker.co_batch import CoBatchConfig, CoBatcher, FrameResult, co_batch_rows
+from dgr_engine.worker.calls.chain import ChainServicer, add_chain_service
+from dgr_engine.worker.calls.frame_link_server import FrameLinkServer, connection_limit
+from dgr_engine.worker.calls.frame_path import FramePath
+from dgr_engine.worker.calls.native_link_server import NativeLinkServer
+from dgr_engine.worker.calls.registration import SERVICE_NAME, add_shard_service
+from dgr_engine.worker.calls.servicer import ShardServicer
 from dgr_engine.worker.config import WorkerConfig
-from dgr_engine.worker.engine_dispatch import EngineDispatch
-from dgr_engine.worker.frame_link_server import FrameLinkServer, connection_limit
-from dgr_engine.worker.frame_path import FramePath
-from dgr_engine.worker.grant_gate import GrantGate
-from dgr_engine.worker.housekeeping import Housekeeping
-from dgr_engine.worker.identity import BuildIdentity
-from dgr_engine.worker.load import LoadMeter
-from dgr_engine.worker.metrics import WorkerMetrics
-from dgr_engine.worker.native_link_server import NativeLinkServer
-from dgr_engine.worker.peer_limits import PeerLimitConfig, PeerLimits
-from dgr_engine.worker.registration import SERVICE_NAME, add_shard_service
-from dgr_engine.worker.servicer import ShardServicer
-from dgr_engine.worker.sessions import EngineLike, SessionTable
-from dgr_engine.worker.usage import UsageBook
+from dgr_engine.worker.engine_access.co_batch import (
+    CoBatchConfig,
+    CoBatcher,
+    FrameResult,
+    co_batch_rows,
+)
+from dgr_engine.worker.engine_access.engine_dispatch import EngineDispatch
+from dgr_engine.worker.lifecycle.admission import Admission
+from dgr_engine.worker.lifecycle.closes import CloseCause, OnLoop
+from dgr_engine.worker.lifecycle.grant_gate import GrantGate
+from dgr_engine.worker.lifecycle.housekeeping import Housekeeping
+from dgr_engine.worker.lifecycle.peer_limits import PeerLimitConfig, PeerLimits
+from dgr_engine.worker.lifecycle.sessions import EngineLike, SessionTable
+from dgr_engine.worker.reporting.advertiser import Advertiser
+from dgr_engine.worker.reporting.identity import BuildIdentity
+from dgr_engine.worker.reporting.load import LoadMeter
+from dgr_engine.worker.reporting.metrics import WorkerMetrics
+from dgr_engine.worker.reporting.usage import UsageBook
+from dgr_engine.worker.route.chain_hub import ChainHub
 from dgr_session.identity import Lane
 
 _T = TypeVar("_T")
@@ -100,14 +105,14 @@ class ShardWorker:
             clock,
         )
         self.chain = ChainHub(self.config.chain_tls)
-        """Chained routes' links and output streams (``worker/chain_hub.py``)."""
+        """Chained routes' links and output streams (``worker/route/chain_hub.py``)."""
         self.native_links = NativeLinkServer(
             self,
             max_connections=connection_limit(self.info.max_sessions),
             hello_seconds=self.config.frame_link_hello_seconds,
             counted=self._native_link_counted,
         )
-        """Native links (``worker/native_link_server.py``): served from ``start`` when
+        """Native links (``worker/calls/native_link_server.py``): served from ``start`` when
         offered (:attr:`native_link_port`)."""
         self.native_link_port = 0
         """Where native links are served once started (0: not offered)."""
@@ -439,7 +444,7 @@ class ShardWorker:
         """Calls whose caller cancelled them (each closes its session at that epoch)."""
         return self.housekeeping.calls_abandoned
 
-    # -- the advert (``worker/advertiser.py``) -----------------------------------------------
+    # -- the advert (``worker/reporting/advertiser.py``) -------------------------------------
 
     @property
     def lane_key(self) -> LaneKey:
@@ -459,7 +464,7 @@ class ShardWorker:
         """The capability advert now (never waits for the engine)."""
         return self.advertiser.advert()
 
-    # -- the engine (``worker/engine_dispatch.py``) ------------------------------------------
+    # -- the engine (``worker/engine_access/engine_dispatch.py``) ----------------------------
 
     @property
     def co_batcher(self) -> CoBatcher | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.worker_start import SLACK_MIB, WorkerRow
-from dgr_engine.worker.start_times import StartTimes, phases_in
+from dgr_engine.worker.reporting.start_times import StartTimes, phases_in
 from tests.harness import REPO
 
 

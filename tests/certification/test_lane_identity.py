@@ -72,7 +72,7 @@ def test_a_worker_lane_names_its_architectures_family_patch() -> None:
     """What a worker advertises: the base stack's hash for every architecture, and the family
     patch's for one that has it (from the binding)."""
     from dgr_engine._binding import PATCH_STACK_SHA256, family_patch_sha256
-    from dgr_engine.worker.identity import BuildIdentity
+    from dgr_engine.worker.reporting.identity import BuildIdentity
 
     build = BuildIdentity._of_this_build(b"\x01" * 32, ("F32",), None)
     llama = build.lane_key(arch="llama", n_layer=4, context_per_session=256)

@@ -26,7 +26,7 @@ from dgr_engine.certification.lock_edit import (
 )
 from dgr_engine.cli import main
 from dgr_engine.fixtures import ensure_fixture
-from dgr_engine.worker.identity import BuildIdentity
+from dgr_engine.worker.reporting.identity import BuildIdentity
 from dgr_session.identity import EvidenceClass
 from tests.harness import REPO
 

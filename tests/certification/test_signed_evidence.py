@@ -240,7 +240,7 @@ def test_an_untracked_file_or_a_built_output_makes_the_tree_dirty(
 
 
 def test_this_checkout_derives_no_release() -> None:
-    from dgr_engine.worker.identity import dgr_version
+    from dgr_engine.worker.reporting.identity import dgr_version
 
     state = release_state(dgr_version(), CHECKOUT)
     assert state.commit is not None  # the suite runs from a checkout

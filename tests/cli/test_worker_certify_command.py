@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 
 from dgr_engine import cli
-from dgr_engine.cli.worker import certify_command
+from dgr_engine.cli.worker import WorkerSettings, certify_command
 from dgr_engine.options import EngineOptions
 
 
 def command(*argv: str) -> str:
-    return certify_command(cli.parser().parse_args(["worker", "--layers", "0:2", *argv]))
+    args = cli.parser().parse_args(["worker", "--layers", "0:2", *argv])
+    said = WorkerSettings.from_args(args).certify_command()
+    assert certify_command(args) == said  # the same for a caller holding the command line
+    return said
 
 
 def test_only_the_lane_options_that_differ_from_the_defaults_are_given() -> None:

@@ -38,7 +38,7 @@ from dgr_engine.wire.frames import encode_forward
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import STATUS_KEY
-from dgr_engine.worker.frame_link_server import connection_limit
+from dgr_engine.worker.calls.frame_link_server import connection_limit
 from tests.e2e.test_wire_fuzz import (
     ARGS,
     FUZZ,

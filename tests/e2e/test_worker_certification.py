@@ -32,7 +32,7 @@ from dgr_engine.certification.verify import LockVerifier
 from dgr_engine.numerics import Numerics
 from dgr_engine.wire.advert import Advert, advert_from_proto, advert_to_proto
 from dgr_engine.worker import ShardWorker, WorkerConfig
-from dgr_engine.worker.identity import BuildIdentity
+from dgr_engine.worker.reporting.identity import BuildIdentity
 from dgr_session.errors import UnverifiedCertification
 from dgr_session.identity import CertificationStatus, EvidenceClass
 from dgr_session.route import Route, StageSpec, validate_route

@@ -20,8 +20,8 @@ from dgr_engine.fixtures.split import ensure_split
 from dgr_engine.gguf_check import check_gguf
 from dgr_engine.testing import write_corrupt_copy, write_truncated_copy
 from dgr_engine.tooling.processes import dgr_command
-from dgr_engine.worker import preflight as preflight_module
-from dgr_engine.worker.preflight import preflight
+from dgr_engine.worker.engine_access import preflight as preflight_module
+from dgr_engine.worker.engine_access.preflight import preflight
 
 
 def worker(*args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:

@@ -22,7 +22,7 @@ from dgr_engine.errors import FrameRejected, NonFiniteOutput, UnknownSession
 from dgr_engine.tooling.processes import WorkerProcess
 from dgr_engine.wire.frames import ForwardFrame
 from dgr_engine.wire.status import STATUS_KEY, error_from_trailers, grpc_status_for
-from dgr_engine.worker.sessions import SessionTable
+from dgr_engine.worker.lifecycle.sessions import SessionTable
 from dgr_session import FaultKind, NonFiniteLogits, SeededSampler, fault_kind, greedy
 from tests.harness import run
 

@@ -27,7 +27,7 @@ from dgr_engine.fixtures import FIXTURES, ensure_fixture
 from dgr_engine.reference import LocalChain
 from dgr_engine.testing import EngineTransport
 from dgr_engine.wire.frames import MAX_DRAFT_ROWS, Expectations, decode_forward, encode_forward
-from dgr_engine.worker.sessions import SessionTable
+from dgr_engine.worker.lifecycle.sessions import SessionTable
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager, SessionState
 from dgr_session.drafts import DraftLength
 from dgr_session.identity import ModelIdentity

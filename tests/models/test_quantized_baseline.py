@@ -35,7 +35,7 @@ from dgr_engine.certification.record import RecordKind, Verdict, load_evidence
 from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.numerics import Numerics
 from dgr_engine.tooling.processes import dgr_command
-from dgr_engine.worker.identity import BuildIdentity
+from dgr_engine.worker.reporting.identity import BuildIdentity
 from dgr_session.identity import EvidenceClass
 
 LIMITS = QuantizedBaseline(

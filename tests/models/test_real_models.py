@@ -31,8 +31,8 @@ from dgr_engine.speculative import ModelDrafter
 from dgr_engine.testing import EngineTransport
 from dgr_engine.tokenizer import Tokenizer
 from dgr_engine.tooling.processes import dgr_command
-from dgr_engine.worker.co_batch import co_batch_rows
-from dgr_engine.worker.identity import gguf_facts
+from dgr_engine.worker.engine_access.co_batch import co_batch_rows
+from dgr_engine.worker.reporting.identity import gguf_facts
 from dgr_session import EvidenceClass, SessionManager
 from dgr_session.drafts import DraftLength, NgramDrafter
 from dgr_session.identity import ModelIdentity, Recipe

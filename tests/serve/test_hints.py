@@ -14,7 +14,7 @@ from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.client.routes import describe
 from dgr_engine.serve.errors import RouteOverloaded, error_for_failure
 from dgr_engine.worker import ShardWorker, WorkerConfig
-from dgr_engine.worker.admission import RETRY_HINT_PER_WAITER
+from dgr_engine.worker.lifecycle.admission import RETRY_HINT_PER_WAITER
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager
 from dgr_session.errors import AdmissionTimeout
 from dgr_session.route import Route

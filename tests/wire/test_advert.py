@@ -22,8 +22,8 @@ from dgr_engine.wire.advert import (
     advert_to_proto,
 )
 from dgr_engine.wire.proto import shard_pb2 as pb
-from dgr_engine.worker import identity as ident
-from dgr_engine.worker.load import LoadMeter
+from dgr_engine.worker.reporting import identity as ident
+from dgr_engine.worker.reporting.load import LoadMeter
 from dgr_session.errors import DarkLane, InsufficientEvidence
 from dgr_session.identity import (
     CertificationStatus,

@@ -1,5 +1,5 @@
-"""The worker's admission line (``dgr_engine.worker.admission``): first come, first served, a
-bounded wait, a typed busy answer with a retry hint. In-process, on one event loop."""
+"""The worker's admission line (``dgr_engine.worker.lifecycle.admission``): first come, first
+served, a bounded wait, a typed busy answer with a retry hint. In-process, on one event loop."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from dgr_engine.errors import CapacityExceeded
 from dgr_engine.wire.status import error_from_trailers, grpc_status_for, refusal_trailers
-from dgr_engine.worker.admission import Admission
+from dgr_engine.worker.lifecycle.admission import Admission
 from dgr_session import FaultKind, StageBusy, fault_kind
 
 

@@ -23,7 +23,7 @@ from dgr_engine import errors as E
 from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
 from dgr_engine.worker import ShardWorker, WorkerConfig
-from dgr_engine.worker.sessions import SessionTable
+from dgr_engine.worker.lifecycle.sessions import SessionTable
 
 KW = {"max_sessions": 1, "n_ctx_per_session": 64, "n_threads": 1, "n_batch": 16}
 

@@ -1,8 +1,8 @@
-"""Closes, published (``dgr_engine.worker.closes``): the session table tells its listeners of
-every close, whatever its cause, outside its lock, and a listener that raises breaks nothing;
-in a worker, a close by lease, by stall reclaim and by an abandoned call each reach the chain
-hub, the grant gate and the per-client limits, on the event loop's thread, and each forgets
-that session."""
+"""Closes, published (``dgr_engine.worker.lifecycle.closes``): the session table tells its
+listeners of every close, whatever its cause, outside its lock, and a listener that raises
+breaks nothing; in a worker, a close by lease, by stall reclaim and by an abandoned call each
+reach the chain hub, the grant gate and the per-client limits, on the event loop's thread, and
+each forgets that session."""
 
 from __future__ import annotations
 
@@ -22,10 +22,10 @@ from dgr_engine.errors import FrameRejected, GrantDenied, NonFiniteOutput, Unkno
 from dgr_engine.wire.frames import ForwardFrame
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.worker import ShardWorker, WorkerConfig
-from dgr_engine.worker.chain_hub import OutputStream
-from dgr_engine.worker.closes import CloseCause, OnLoop, SessionClosed
-from dgr_engine.worker.identity import BuildIdentity
-from dgr_engine.worker.sessions import SessionTable
+from dgr_engine.worker.lifecycle.closes import CloseCause, OnLoop, SessionClosed
+from dgr_engine.worker.lifecycle.sessions import SessionTable
+from dgr_engine.worker.reporting.identity import BuildIdentity
+from dgr_engine.worker.route.chain_hub import OutputStream
 from tests.harness import run
 
 KW: dict[str, Any] = {"max_sessions": 4, "n_ctx_per_session": 64, "n_threads": 1, "n_batch": 16}

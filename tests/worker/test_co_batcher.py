@@ -1,7 +1,8 @@
-"""The co-batcher's choices (``dgr_engine.worker.co_batch``), on a recording stand-in for
-``SessionTable.forward_batch`` (the engine itself is tested in ``test_engine_co_batch.py`` and
-end to end in ``test_e2e_co_batch.py``): which frames share a call, in which order, what a frame
-that queued past its deadline gets, and how a call's time is split between its frames."""
+"""The co-batcher's choices (``dgr_engine.worker.engine_access.co_batch``), on a recording
+stand-in for ``SessionTable.forward_batch`` (the engine itself is tested in
+``test_engine_co_batch.py`` and end to end in ``test_e2e_co_batch.py``): which frames share a
+call, in which order, what a frame that queued past its deadline gets, and how a call's time is
+split between its frames."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ import pytest
 
 from dgr_engine.errors import ShardDeadlineExceeded, UnknownSession
 from dgr_engine.wire.frames import ForwardFrame
-from dgr_engine.worker.co_batch import CoBatchConfig, CoBatcher, co_batch_rows
-from dgr_engine.worker.engine_thread import EngineThread
+from dgr_engine.worker.engine_access.co_batch import CoBatchConfig, CoBatcher, co_batch_rows
+from dgr_engine.worker.engine_access.engine_thread import EngineThread
 
 
 def frame(session: str, rows: int, step: int = 0) -> ForwardFrame:

@@ -18,11 +18,11 @@ from dgr_engine.cli.worker import certify_command
 from dgr_engine.engine import ShardEngine
 from dgr_engine.models.catalog import lookup
 from dgr_engine.options import EngineOptions
-from dgr_engine.worker.advertiser import Advertiser
 from dgr_engine.worker.config import WorkerConfig
-from dgr_engine.worker.identity import BuildIdentity
-from dgr_engine.worker.load import LoadSnapshot
-from dgr_engine.worker.sessions import TableSnapshot
+from dgr_engine.worker.lifecycle.sessions import TableSnapshot
+from dgr_engine.worker.reporting.advertiser import Advertiser
+from dgr_engine.worker.reporting.identity import BuildIdentity
+from dgr_engine.worker.reporting.load import LoadSnapshot
 from dgr_session.errors import DarkLane
 from dgr_session.identity import (
     CertificationStatus,

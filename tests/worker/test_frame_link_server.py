@@ -1,4 +1,4 @@
-"""A worker's frame link (``worker/frame_link_server.py``) under bad input, the "Bad input"
+"""A worker's frame link (``worker/calls/frame_link_server.py``) under bad input, the "Bad input"
 part of issue 32: a peer that connects and never sends is dropped after the hello timeout
 (``WorkerConfig.frame_link_hello_seconds``); bytes that are not the protocol (unknown kinds, a
 ``STATUS`` or ``HALF_CLOSE`` before ``OPEN``, lengths over the limit, junk requests) end the call
@@ -37,7 +37,7 @@ from dgr_engine.wire.frames import encode_forward
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.status import STATUS_KEY
 from dgr_engine.worker import ShardWorker, WorkerConfig
-from dgr_engine.worker.frame_link_server import FrameLinkServer, connection_limit
+from dgr_engine.worker.calls.frame_link_server import FrameLinkServer, connection_limit
 from tests import harness
 from tests.harness import LinkPeer, LinkSession, link_open
 

@@ -15,8 +15,8 @@ from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import CapacityExceeded, GrantDenied
 from dgr_engine.reference import LocalChain
 from dgr_engine.worker import ShardWorker, WorkerConfig
-from dgr_engine.worker.closes import CloseCause, SessionClosed
-from dgr_engine.worker.peer_limits import PeerLimitConfig, PeerLimits, client_identity
+from dgr_engine.worker.lifecycle.closes import CloseCause, SessionClosed
+from dgr_engine.worker.lifecycle.peer_limits import PeerLimitConfig, PeerLimits, client_identity
 
 KW = {"max_sessions": 4, "n_ctx_per_session": 64, "n_threads": 1, "n_batch": 16}
 PROMPT = [7, 70, 170, 17]

@@ -16,7 +16,7 @@ from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import STATUS_KEY
 from dgr_engine.worker import ShardWorker, WorkerConfig
-from dgr_engine.worker.tombstones import Tombstones
+from dgr_engine.worker.lifecycle.tombstones import Tombstones
 
 KW = {"max_sessions": 2, "n_ctx_per_session": 64, "n_threads": 1, "n_batch": 16}
 

@@ -26,9 +26,9 @@ from dgr_engine.wire.frames import ForwardFrame, encode_forward
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import STATUS_KEY
 from dgr_engine.worker import ShardWorker, WorkerConfig
-from dgr_engine.worker.engine_thread import EngineThread
-from dgr_engine.worker.identity import BuildIdentity
-from dgr_engine.worker.sessions import SessionTable
+from dgr_engine.worker.engine_access.engine_thread import EngineThread
+from dgr_engine.worker.lifecycle.sessions import SessionTable
+from dgr_engine.worker.reporting.identity import BuildIdentity
 from dgr_session import EvidenceClass, FaultKind, SessionManager, SessionResult, SessionState
 from tests.harness import run
 

@@ -4,8 +4,8 @@ stream back to the first stage); and the channels to next stages, one per endpoi
 every session.
 
 The hub forgets a session's link, output stream and ring stream when the session table says
-it closed that epoch (the hub is one of its close listeners, ``worker/closes.py``): a ring's
-stream is half-closed, and an output stream ends if its client closed the epoch (see
+it closed that epoch (the hub is one of its close listeners, ``worker/lifecycle/closes.py``):
+a ring's stream is half-closed, and an output stream ends if its client closed the epoch (see
 :meth:`ChainHub.session_closed`).
 """
 
@@ -24,9 +24,14 @@ from dgr_engine.wire.metadata import DEFAULT_MAX_MESSAGE_BYTES
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import STATUS_KEY
-from dgr_engine.worker.chain_downstream import ChainDialer, ChainFailure, ChainLink, Downstream
-from dgr_engine.worker.closes import CloseCause, SessionClosed
-from dgr_engine.worker.ring_drafts import RingDrafting
+from dgr_engine.worker.lifecycle.closes import CloseCause, SessionClosed
+from dgr_engine.worker.route.chain_downstream import (
+    ChainDialer,
+    ChainFailure,
+    ChainLink,
+    Downstream,
+)
+from dgr_engine.worker.route.ring_drafts import RingDrafting
 
 
 @attrs.define(eq=False)

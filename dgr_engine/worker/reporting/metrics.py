@@ -3,8 +3,8 @@
 Counted always (a few counter increments per frame); served over HTTP only when the worker is
 given a metrics port (``dgr worker --metrics-port``), on loopback unless told otherwise
 (``--metrics-host``), over the worker's own TLS when asked (``--metrics-tls``;
-``worker/metrics_server.py``). Names start with ``dgr_worker_``; the build and lane are the
-labels of ``dgr_worker_info``.
+``worker/reporting/metrics_server.py``). Names start with ``dgr_worker_``; the build and lane
+are the labels of ``dgr_worker_info``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from dgr_engine.security.tls import ServerTls
-from dgr_engine.worker.metrics_server import MetricsHttpServer
+from dgr_engine.worker.reporting.metrics_server import MetricsHttpServer
 
 _KINDS = ("prefill", "decode", "replay")
 _TIME_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)

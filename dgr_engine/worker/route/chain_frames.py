@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dgr_engine.wire import frames
 from dgr_engine.wire.proto import shard_pb2 as pb
-from dgr_engine.worker.chain_downstream import ChainLink
-from dgr_engine.worker.ring_drafts import RingDrafting
+from dgr_engine.worker.route.chain_downstream import ChainLink
+from dgr_engine.worker.route.ring_drafts import RingDrafting
 
 
 def next_frame(

@@ -31,12 +31,12 @@ from dgr_engine.errors import FrameRejected, GrantUnauthenticated, ShardError
 from dgr_engine.status import STATUSES, Status, is_worker_fault, status_of
 from dgr_engine.wire import frames, link_seal
 from dgr_engine.wire import link_messages as lm
-from dgr_engine.worker.closes import CloseCause, SessionClosed
-from dgr_engine.worker.grant_gate import GrantGate
-from dgr_engine.worker.load import LoadMeter
-from dgr_engine.worker.metrics import WorkerMetrics
-from dgr_engine.worker.sessions import SessionTable
-from dgr_engine.worker.usage import UsageBook
+from dgr_engine.worker.lifecycle.closes import CloseCause, SessionClosed
+from dgr_engine.worker.lifecycle.grant_gate import GrantGate
+from dgr_engine.worker.lifecycle.sessions import SessionTable
+from dgr_engine.worker.reporting.load import LoadMeter
+from dgr_engine.worker.reporting.metrics import WorkerMetrics
+from dgr_engine.worker.reporting.usage import UsageBook
 from dgr_session.errors import DgrError
 from dgr_session.identifiers import log_field
 

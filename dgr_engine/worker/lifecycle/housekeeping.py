@@ -11,7 +11,8 @@ slots always come back (``docs/worker.md``, "Slots always come back"):
 * **abandoned calls**: a call cancelled by its caller closes its session at that epoch, in
   the background.
 
-The session table tells its listeners of each of these closes itself (``worker/closes.py``).
+The session table tells its listeners of each of these closes itself
+(``worker/lifecycle/closes.py``).
 """
 
 from __future__ import annotations
@@ -21,12 +22,12 @@ import contextlib
 from typing import TYPE_CHECKING
 
 from dgr_engine.errors import StaleEpoch, UnknownSession
-from dgr_engine.worker.admission import Admission
-from dgr_engine.worker.closes import CloseCause
-from dgr_engine.worker.engine_thread import EngineThread
-from dgr_engine.worker.load import LoadMeter
-from dgr_engine.worker.metrics import WorkerMetrics
-from dgr_engine.worker.sessions import SessionTable
+from dgr_engine.worker.engine_access.engine_thread import EngineThread
+from dgr_engine.worker.lifecycle.admission import Admission
+from dgr_engine.worker.lifecycle.closes import CloseCause
+from dgr_engine.worker.lifecycle.sessions import SessionTable
+from dgr_engine.worker.reporting.load import LoadMeter
+from dgr_engine.worker.reporting.metrics import WorkerMetrics
 
 if TYPE_CHECKING:
     from loguru import Logger

@@ -22,13 +22,13 @@ from dgr_engine.status import is_worker_fault
 from dgr_engine.wire import frames
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.status import CHAIN_HOP_KEY, grpc_status_for, refusal_trailers
-from dgr_engine.worker.co_batch import FrameResult
-from dgr_engine.worker.grant_gate import GrantGate
-from dgr_engine.worker.load import LoadMeter
-from dgr_engine.worker.metrics import WorkerMetrics
-from dgr_engine.worker.peer_limits import PeerLimits
-from dgr_engine.worker.registration import Undecodable
-from dgr_engine.worker.usage import UsageBook
+from dgr_engine.worker.calls.registration import Undecodable
+from dgr_engine.worker.engine_access.co_batch import FrameResult
+from dgr_engine.worker.lifecycle.grant_gate import GrantGate
+from dgr_engine.worker.lifecycle.peer_limits import PeerLimits
+from dgr_engine.worker.reporting.load import LoadMeter
+from dgr_engine.worker.reporting.metrics import WorkerMetrics
+from dgr_engine.worker.reporting.usage import UsageBook
 from dgr_session.identifiers import log_field
 
 if TYPE_CHECKING:

@@ -25,9 +25,9 @@ from dgr_engine.wire.advert import (
     Security,
 )
 from dgr_engine.worker.config import WorkerConfig
-from dgr_engine.worker.identity import BuildIdentity
-from dgr_engine.worker.load import LoadSnapshot
-from dgr_engine.worker.sessions import TableSnapshot
+from dgr_engine.worker.lifecycle.sessions import TableSnapshot
+from dgr_engine.worker.reporting.identity import BuildIdentity
+from dgr_engine.worker.reporting.load import LoadSnapshot
 from dgr_session.identity import CertificationStatus, Lane, ModelIdentity, Recipe
 
 if TYPE_CHECKING:

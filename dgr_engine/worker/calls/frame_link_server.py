@@ -1,6 +1,6 @@
 """A worker's frame link (``wire/frame_link.py``, ``docs/data-paths.md``): the ``Chain`` service's
 two streaming calls served over raw TCP (TLS exactly when the gRPC port serves it), by the same
-:class:`~dgr_engine.worker.chain.ChainServicer` methods as over gRPC.
+:class:`~dgr_engine.worker.calls.chain.ChainServicer` methods as over gRPC.
 
 Each connection carries one call. It must say which within ``hello_seconds`` (default
 ``HELLO_SECONDS``), and send its request (``ChainOutput``) or begin its first frame
@@ -26,8 +26,8 @@ from dgr_engine.security.tls import ServerTls
 from dgr_engine.wire import frame_link as fl
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.status import STATUS_KEY
-from dgr_engine.worker.chain import ChainServicer
-from dgr_engine.worker.registration import lenient
+from dgr_engine.worker.calls.chain import ChainServicer
+from dgr_engine.worker.calls.registration import lenient
 from dgr_session.identifiers import log_field
 
 if TYPE_CHECKING:

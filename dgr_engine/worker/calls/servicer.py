@@ -1,6 +1,6 @@
 """The ``dgr.shard.v1.Shard`` service of a worker: each call checked, run, answered; each
 refusal aborted with its gRPC code and ``dgr-status`` (``dgr_engine.wire.status``). Forward
-frames take the per-frame path (``worker/frame_path.py``); what the session calls need of the
+frames take the per-frame path (``worker/calls/frame_path.py``); what the session calls need of the
 worker is :class:`ShardHost` (``ShardWorker`` is one)."""
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ from dgr_engine.wire import frames
 from dgr_engine.wire.advert import Advert, advert_to_proto
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
-from dgr_engine.worker.frame_path import FramePath, bind_request, deadline_of
-from dgr_engine.worker.grant_gate import GrantGate
-from dgr_engine.worker.peer_limits import PeerLimits, client_identity
-from dgr_engine.worker.usage import UsageBook
+from dgr_engine.worker.calls.frame_path import FramePath, bind_request, deadline_of
+from dgr_engine.worker.lifecycle.grant_gate import GrantGate
+from dgr_engine.worker.lifecycle.peer_limits import PeerLimits, client_identity
+from dgr_engine.worker.reporting.usage import UsageBook
 from dgr_session.identifiers import is_valid_session_id
 
 if TYPE_CHECKING:

@@ -1,7 +1,7 @@
 """Where a worker's engine calls run (``docs/worker.md``): on the one engine thread, in arrival
 order; a small frame on the event loop itself while the engine thread is idle and such frames
 are short; with co-batching, forward frames of different sessions together in one call
-(``worker/co_batch.py``)."""
+(``worker/engine_access/co_batch.py``)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from dgr_engine.wire.frames import ForwardFrame
-from dgr_engine.worker.co_batch import CoBatchConfig, CoBatcher, FrameResult
-from dgr_engine.worker.engine_thread import EngineThread, expired_in_queue
-from dgr_engine.worker.load import LoadMeter
-from dgr_engine.worker.sessions import SessionTable
+from dgr_engine.worker.engine_access.co_batch import CoBatchConfig, CoBatcher, FrameResult
+from dgr_engine.worker.engine_access.engine_thread import EngineThread, expired_in_queue
+from dgr_engine.worker.lifecycle.sessions import SessionTable
+from dgr_engine.worker.reporting.load import LoadMeter
 
 _T = TypeVar("_T")
 
@@ -63,7 +63,7 @@ class EngineDispatch:
         computed. Raises the engine's refusal, or ``DGR_E_DEADLINE`` when the deadline passed
         while it queued. With co-batching, the frame runs in the next engine call together with
         other sessions' frames: its compute is its share of the call by rows, and the rest of
-        the call counts as queueing (``worker/co_batch.py``)."""
+        the call counts as queueing (``worker/engine_access/co_batch.py``)."""
         if self.co_batcher is not None:
             return await self.co_batcher.submit(frame, deadline)
         small = frame.n_rows <= self.inline_max_rows

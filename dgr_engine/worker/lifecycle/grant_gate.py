@@ -3,7 +3,7 @@ session, epoch and stage (``dgr_engine.security.grants``); with or without them,
 fresh random session secret, which every later frame, close, ``Link`` and ``ChainOutput`` of
 that epoch must carry (compared in constant time; no signature check per frame), so no client
 can touch a session another client opened. The gate forgets an epoch's secret when the session
-table says it closed that epoch (``worker/closes.py``), or when a newer epoch opens.
+table says it closed that epoch (``worker/lifecycle/closes.py``), or when a newer epoch opens.
 
 Without grant keys a request that names no session held here, or another epoch of it, passes
 the door and is refused by the session table as before (unknown session, stale epoch): it
@@ -21,7 +21,7 @@ import attrs
 
 from dgr_engine.errors import GrantDenied, GrantUnauthenticated, StaleEpoch
 from dgr_engine.security.grants import Grant, GrantVerifier
-from dgr_engine.worker.closes import SessionClosed
+from dgr_engine.worker.lifecycle.closes import SessionClosed
 
 SECRET_BYTES = 16
 

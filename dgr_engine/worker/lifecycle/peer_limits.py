@@ -7,7 +7,7 @@ one (mutual TLS), else the host it connects from. Refusals are ``DGR_E_CAPACITY`
 and a frame over its session's rate carries the seconds until it would be taken. Without grant
 keys the identity also guards a held session: another identity's open of it is refused
 (``DGR_E_PERMISSION``). A session's owner and frame budget are forgotten when the session table
-says it closed the session (for any cause but a newer epoch's open: ``worker/closes.py``).
+says it closed the session (for any cause but a newer epoch's open: ``worker/lifecycle/closes.py``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import attrs
 
 from dgr_engine.errors import CapacityExceeded, GrantDenied
-from dgr_engine.worker.closes import SessionClosed
+from dgr_engine.worker.lifecycle.closes import SessionClosed
 
 
 def client_identity(peer: str, auth: Mapping[str, Any]) -> str:

@@ -36,7 +36,7 @@ from typing import NamedTuple
 import attrs
 
 from dgr_engine.wire.frames import FloatRows, ForwardFrame
-from dgr_engine.worker.engine_thread import EngineThread, expired_in_queue
+from dgr_engine.worker.engine_access.engine_thread import EngineThread, expired_in_queue
 from dgr_session.speculation import REPACKED_PASS_ROWS, verify_rows
 
 

@@ -7,8 +7,8 @@ Every method but :meth:`SessionTable.snapshot`, :meth:`SessionTable.oldest_use`,
 engine session is open).
 
 The table publishes every close it makes, whatever its cause, to the listeners it was built
-with (``worker/closes.py``): after the engine closed the session and the entry is gone, outside
-``_lock``, each listener told in turn, one that raises logged and skipped.
+with (``worker/lifecycle/closes.py``): after the engine closed the session and the entry is
+gone, outside ``_lock``, each listener told in turn, one that raises logged and skipped.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from dgr_engine.errors import (
 )
 from dgr_engine.numerics import Numerics
 from dgr_engine.wire.frames import FloatRows, ForwardFrame, greedy_of
-from dgr_engine.worker.closes import CloseCause, CloseListener, SessionClosed, notify
-from dgr_engine.worker.tombstones import Tombstones
+from dgr_engine.worker.lifecycle.closes import CloseCause, CloseListener, SessionClosed, notify
+from dgr_engine.worker.lifecycle.tombstones import Tombstones
 from dgr_session.speculation import kept_drafts
 
 if TYPE_CHECKING:
@@ -118,14 +118,14 @@ class SessionTable:
         self.engine = engine
         self.clock = clock
         self._listeners = tuple(listeners)
-        """Told of every close (``worker/closes.py``), in this order."""
+        """Told of every close (``worker/lifecycle/closes.py``), in this order."""
         self._log = log if log is not None else logger
         self._lock = threading.Lock()
         self._entries: dict[str, _Entry] = {}
         self._keys = itertools.count(1)
         self._tombstones = Tombstones(clock, tombstone_seconds)
         """Closes that found nothing of their epoch, kept ``tombstone_seconds``: the opens they
-        overtook are refused when they arrive (``worker/tombstones.py``)."""
+        overtook are refused when they arrive (``worker/lifecycle/tombstones.py``)."""
 
     def open(self, session_id: str, epoch: int) -> bool:
         """Opens ``(session_id, epoch)``; True if an older epoch's state was discarded. Refused

@@ -2,10 +2,10 @@
 
 A chained frame arrives on ``ChainStream`` (from the client at the first stage, from the stage
 before elsewhere) and is run exactly like a ``ForwardStream`` frame (the same checks, epoch
-fence, session secret and engine call: the per-frame path, ``worker/frame_path.py``). Its
-output then goes where the chain hub (``worker/chain_hub.py``) was told by ``Link`` for that
+fence, session secret and engine call: the per-frame path, ``worker/calls/frame_path.py``). Its
+output then goes where the chain hub (``worker/route/chain_hub.py``) was told by ``Link`` for that
 session and epoch: to the next stage's ``ChainStream`` (one stream per upstream stream, over
-one channel per next endpoint: ``worker/chain_downstream.py``), or, on the last stage, to the
+one channel per next endpoint: ``worker/route/chain_downstream.py``), or, on the last stage, to the
 session's ``ChainOutput`` stream, which the client opened there.
 
 Nothing is answered upstream while all goes well. A frame refused here, or a refusal or a
@@ -31,18 +31,18 @@ from dgr_engine.wire import frames
 from dgr_engine.wire.frame_link import split_endpoint
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
-from dgr_engine.worker.chain_downstream import ChainFailure, ChainLink, Downstream
-from dgr_engine.worker.chain_frames import next_frame, ring_frame
-from dgr_engine.worker.chain_hub import ChainHub
-from dgr_engine.worker.frame_path import FramePath
-from dgr_engine.worker.grant_gate import GrantGate
-from dgr_engine.worker.registration import lenient
+from dgr_engine.worker.calls.frame_path import FramePath
+from dgr_engine.worker.calls.registration import lenient
+from dgr_engine.worker.lifecycle.grant_gate import GrantGate
+from dgr_engine.worker.route.chain_downstream import ChainFailure, ChainLink, Downstream
+from dgr_engine.worker.route.chain_frames import next_frame, ring_frame
+from dgr_engine.worker.route.chain_hub import ChainHub
 from dgr_session.identifiers import is_valid_session_id, log_field
 
 if TYPE_CHECKING:
     from loguru import Logger
 
-    from dgr_engine.worker.native_link_server import NativeLinkServer
+    from dgr_engine.worker.calls.native_link_server import NativeLinkServer
 
 CHAIN_SERVICE_NAME = "dgr.shard.v1.Chain"
 """Full gRPC name of the chain service."""
@@ -60,6 +60,7 @@ def _blamed(exc: Exception, hop: int) -> int:
     sender's, the stage before (``hop`` - 1), as a native link names it; any other refusal is
     this stage's (``hop``). The first stage's frames come from the client: its own."""
     return hop - 1 if hop > 0 and status_of(exc) is Status.FRAME else hop
+
 
 _CHAINED = "chained frame"
 """How a refusal of a chained frame names it in the log."""
@@ -94,7 +95,7 @@ class ChainHost(Protocol):
 
     @property
     def native_links(self) -> NativeLinkServer:
-        """Its native links (``worker/native_link_server.py``)."""
+        """Its native links (``worker/calls/native_link_server.py``)."""
         ...
 
 
@@ -155,7 +156,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
     async def _link_native(self, request: pb.LinkRequest) -> None:
         """A link over native links: this stage dials the next stage's native link port (read
         from that stage's own advert) and introduces itself with the next stage's secret; the
-        link starts when this stage has its input too (``worker/native_link_server.py``)."""
+        link starts when this stage has its input too (``worker/calls/native_link_server.py``)."""
         if not self.host.native_link_port:
             raise FrameRejected("DGR_E_FRAME: this stage offers no native link")
         port, sealed = await self.hub.native_link(request.next, _CONFIRM_WAIT)
