@@ -2,7 +2,9 @@
 
 * :func:`add_route_arguments` / :func:`add_sampling_arguments`: the options every such command
   takes (where the workers are, which model, the engine options, the lock and evidence, TLS,
-  the transport; temperature, top-p, top-k, seed, stop strings, the token limit).
+  the transport; temperature, top-p, top-k, seed, stop strings, the token limit), read once
+  into :class:`RouteSettings` and :class:`SamplingSettings` at the command's edge
+  (``from_args``): nothing below the edge sees the ``argparse.Namespace``.
 * :func:`plan_route`: the command line checked and resolved before any work (the model fetched
   or built, numbers checked, the lock read, the tokenizer opened): :class:`RoutePlan`, or
   :class:`RouteOptionsRefused` in one line.
@@ -49,6 +51,7 @@ __all__ = [
     "RouteHandle",
     "RoutePlan",
     "RouteOptionsRefused",
+    "RouteSettings",
     "RouteStage",
     "RouteStartFailed",
     "SamplingSettings",
@@ -223,6 +226,69 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_tokens_help: str) 
 
 
 @attrs.frozen
+class RouteSettings:
+    """:func:`add_route_arguments`' options as given (argparse's types checked, nothing else):
+    what :func:`plan_route` checks and resolves."""
+
+    endpoints: str | None
+    """``--endpoints``: ``H:P,H:P,...`` as given (``None``: ``--spawn``)."""
+    spawn: int | None
+    """``--spawn``: workers to start here (``None``: ``--endpoints``)."""
+    model: str | None
+    """``--model``: a catalog name or a GGUF path, as given."""
+    fixture: str | None
+    """``--fixture``: a generated fixture's name."""
+    vocab: Path | None
+    """``--vocab``: the GGUF whose tokenizer to use (``None``: the model's)."""
+    options: EngineOptions
+    """The engine options of spawned workers (and of a whole-model check)."""
+    step_deadline: float
+    """``--step-deadline``: seconds per step."""
+    require: EvidenceClass
+    """``--require``: the evidence class every stage's lane must be certified at."""
+    evidence: Path | None
+    """``--evidence``: the directory spawned workers read their records from."""
+    lock: Path | None
+    """``--lock``: the lock the client checks stages against (and spawned workers load)."""
+    tls_ca: Path | None
+    """``--tls-ca``: dial the endpoints over TLS, trusting this CA."""
+    tls_cert: Path | None
+    """``--tls-cert``: the client certificate (mutual TLS)."""
+    tls_key: Path | None
+    """``--tls-key``: its key."""
+    transport: str
+    """``--transport``: one of :data:`TRANSPORTS`."""
+    data_path: str
+    """``--data-path``: how a chain's or ring's frames travel (``DATA_PATHS``)."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RouteSettings:
+        """The settings :func:`add_route_arguments` parsed; :class:`RouteOptionsRefused` for
+        engine options out of range."""
+        try:
+            options = EngineOptions.from_args(args)
+        except ValueError as exc:
+            raise RouteOptionsRefused(str(exc)) from None
+        return cls(
+            endpoints=args.endpoints,
+            spawn=args.spawn,
+            model=args.model,
+            fixture=args.fixture,
+            vocab=args.vocab,
+            options=options,
+            step_deadline=args.step_deadline,
+            require=EvidenceClass(args.require),
+            evidence=args.evidence,
+            lock=args.lock,
+            tls_ca=args.tls_ca,
+            tls_cert=args.tls_cert,
+            tls_key=args.tls_key,
+            transport=args.transport,
+            data_path=args.data_path,
+        )
+
+
+@attrs.frozen
 class SamplingSettings:
     """How tokens are chosen and when a generation stops; invalid values are refused with
     :class:`~dgr_session.sampling.InvalidSamplingParameter` at construction."""
@@ -315,6 +381,8 @@ class RoutePlan:
     transport: str
     data_path: str
     """``--data-path``: how a chain's or ring's frames travel (``DATA_PATHS``)."""
+    vocab: Path | None
+    """The GGUF the tokenizer comes from: ``--vocab``, else the model (``None``: neither)."""
     tokenizer: Tokenizer | None
     """The model's tokenizer (``None``: a model without one, like the generated fixtures)."""
 
@@ -323,46 +391,44 @@ class RoutePlan:
             self.tokenizer.close()
 
 
-def plan_route(args: argparse.Namespace, *, notice: Notice = _silent) -> RoutePlan:
+def plan_route(settings: RouteSettings, *, notice: Notice = _silent) -> RoutePlan:
     """Checks and resolves :func:`add_route_arguments`' options; :class:`RouteOptionsRefused` in one
     line. May fetch a catalog model or build a fixture (``notice`` says so)."""
     from dgr_engine.reference import n_layer_of, split_points
 
-    model = _model(args, notice)
-    if args.spawn is not None and model is None:
+    model = _model(settings, notice)
+    if settings.spawn is not None and model is None:
         raise RouteOptionsRefused("--spawn needs --model or --fixture")
     layout = None
-    if args.spawn is not None:
+    if settings.spawn is not None:
         assert model is not None
         n_layer = n_layer_of(model)
-        if args.spawn > n_layer:
+        if settings.spawn > n_layer:
             raise RouteOptionsRefused(
-                f"--spawn {args.spawn}: {model.name} has {n_layer} layers, at most one "
+                f"--spawn {settings.spawn}: {model.name} has {n_layer} layers, at most one "
                 "worker per layer"
             )
-        layout = tuple(split_points(n_layer, args.spawn))
-    endpoints = () if args.endpoints is None else _endpoints(args.endpoints)
-    tls = _client_tls(args)
-    verifier = _verifier(args)
-    evidence = [] if args.evidence is None else ["--evidence", str(args.evidence)]
-    lock = [] if args.lock is None else ["--lock", str(args.lock)]
-    try:
-        options = EngineOptions.from_args(args)
-    except ValueError as exc:
-        raise RouteOptionsRefused(str(exc)) from None
+        layout = tuple(split_points(n_layer, settings.spawn))
+    endpoints = () if settings.endpoints is None else _endpoints(settings.endpoints)
+    tls = _client_tls(settings)
+    verifier = _verifier(settings)
+    evidence = [] if settings.evidence is None else ["--evidence", str(settings.evidence)]
+    lock = [] if settings.lock is None else ["--lock", str(settings.lock)]
+    vocab = settings.vocab if settings.vocab is not None else model
     return RoutePlan(
         model=model,
         layout=layout,
         endpoints=endpoints,
-        options=options,
+        options=settings.options,
         worker_args=(*evidence, *lock),
         tls=tls,
         verifier=verifier,
-        required=EvidenceClass(args.require),
-        step_deadline=args.step_deadline,
-        transport=args.transport,
-        data_path=args.data_path,
-        tokenizer=_tokenizer(args.vocab if args.vocab is not None else model),
+        required=settings.require,
+        step_deadline=settings.step_deadline,
+        transport=settings.transport,
+        data_path=settings.data_path,
+        vocab=vocab,
+        tokenizer=_tokenizer(vocab),
     )
 
 
@@ -392,19 +458,19 @@ def _tokenizer(vocab: Path | None) -> Tokenizer | None:
     return tokenizer
 
 
-def _model(args: argparse.Namespace, notice: Notice) -> Path | None:
+def _model(settings: RouteSettings, notice: Notice) -> Path | None:
     """The GGUF of --model (a catalog name is fetched and verified first if it is not yet) or
     --fixture (built if missing)."""
-    if args.fixture is not None:
+    if settings.fixture is not None:
         from dgr_engine.fixtures import ensure_fixture
         from dgr_engine.fixtures import lookup as lookup_fixture
 
         try:
-            lookup_fixture(args.fixture)
+            lookup_fixture(settings.fixture)
         except ValueError as exc:
             raise RouteOptionsRefused(str(exc)) from None
-        return ensure_fixture(args.fixture)
-    if args.model is None:
+        return ensure_fixture(settings.fixture)
+    if settings.model is None:
         return None
     from dgr_engine.artifacts.errors import ArtifactError
     from dgr_engine.artifacts.storage import StorageRefused
@@ -412,7 +478,7 @@ def _model(args: argparse.Namespace, notice: Notice) -> Path | None:
     from dgr_engine.models.resolve import resolve_model
 
     try:
-        return resolve_model(args.model, notice=notice)
+        return resolve_model(settings.model, notice=notice)
     except (UnknownModel, ModelFetchFailed, ArtifactError, StorageRefused) as exc:
         raise RouteOptionsRefused(str(exc)) from None
     except OSError as exc:  # FileNotFoundError: neither a catalog name nor a file
@@ -421,27 +487,27 @@ def _model(args: argparse.Namespace, notice: Notice) -> Path | None:
         ) from None
 
 
-def _verifier(args: argparse.Namespace) -> LockVerifier:
-    if args.lock is None:
+def _verifier(settings: RouteSettings) -> LockVerifier:
+    if settings.lock is None:
         return LockVerifier()
     from dgr_engine.certification.errors import EvidenceError
     from dgr_engine.certification.lock import load_lock
 
     try:
-        return LockVerifier(load_lock(args.lock))
+        return LockVerifier(load_lock(settings.lock))
     except EvidenceError as exc:
         raise RouteOptionsRefused(f"--lock: {exc}") from None
 
 
-def _client_tls(args: argparse.Namespace) -> ClientTls | None:
-    if args.tls_ca is None:
-        if args.tls_cert is not None or args.tls_key is not None:
+def _client_tls(settings: RouteSettings) -> ClientTls | None:
+    if settings.tls_ca is None:
+        if settings.tls_cert is not None or settings.tls_key is not None:
             raise RouteOptionsRefused("--tls-cert and --tls-key need --tls-ca")
         return None
-    if args.endpoints is None:
+    if settings.endpoints is None:
         raise RouteOptionsRefused("--tls-ca goes with --endpoints (spawned workers serve loopback)")
     try:
-        return ClientTls.from_files(args.tls_ca, args.tls_cert, args.tls_key)
+        return ClientTls.from_files(settings.tls_ca, settings.tls_cert, settings.tls_key)
     except (OSError, ValueError) as exc:
         raise RouteOptionsRefused(f"--tls-ca/--tls-cert/--tls-key: {exc}") from None
 
@@ -504,11 +570,11 @@ def failure_line(error: BaseException | None) -> str:
 
 @asynccontextmanager
 async def open_route(
-    route: argparse.Namespace | RoutePlan, *, notice: Notice = _silent
+    route: RouteSettings | RoutePlan, *, notice: Notice = _silent
 ) -> AsyncIterator[RouteHandle]:
     """Starts the plan's workers (or dials its endpoints) and yields the running route; on
     exit everything is closed and stopped, also on cancellation and Ctrl-C. Takes over the
-    plan's tokenizer (closed on exit). A namespace is planned first (:func:`plan_route`)."""
+    plan's tokenizer (closed on exit). Settings are planned first (:func:`plan_route`)."""
     plan = route if isinstance(route, RoutePlan) else plan_route(route, notice=notice)
     from dgr_engine.tooling.loopback import LoopbackRouteProvider
 

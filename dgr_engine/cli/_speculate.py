@@ -5,7 +5,8 @@ A speculating session sends its newest token with up to K drafts through the rou
 pass and keeps the longest run greedy decoding would have picked: the same text as plain greedy
 decoding, in fewer passes when the drafts are good. So it is greedy only.
 
-* :func:`add_speculation_arguments`: the two options.
+* :func:`add_speculation_arguments`: the two options, read once into
+  :class:`SpeculationSettings` at the command's edge.
 * :func:`plan_speculation`: checked before any work (the source, greedy sampling, the draft
   model's file); :class:`SpeculationPlan`, or ``None`` without ``--speculate``.
 * :meth:`SpeculationPlan.check_vocab`: the draft model's vocabulary against the target's GGUF,
@@ -44,6 +45,7 @@ __all__ = [
     "SpeculateSource",
     "SpeculationPlan",
     "SpeculationRefused",
+    "SpeculationSettings",
     "add_speculation_arguments",
     "plan_speculation",
     "speculation_line",
@@ -120,6 +122,22 @@ def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+@attrs.frozen
+class SpeculationSettings:
+    """:func:`add_speculation_arguments`' options as given: what :func:`plan_speculation`
+    checks."""
+
+    source: SpeculateSource | None
+    """``--speculate``: where drafts come from (``None``: no speculation)."""
+    draft_max: int
+    """``--draft-max``: drafts per pass at most."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SpeculationSettings:
+        """The settings :func:`add_speculation_arguments` parsed."""
+        return cls(args.speculate, args.draft_max)
+
+
 @attrs.define(eq=False)
 class SpeculationPlan:
     """``--speculate`` checked and resolved; nothing opened yet."""
@@ -191,25 +209,25 @@ class SpeculationPlan:
 
 
 def plan_speculation(
-    args: argparse.Namespace,
-    settings: SamplingSettings,
+    speculation: SpeculationSettings,
+    sampling: SamplingSettings,
     *,
     notice: Notice,
 ) -> SpeculationPlan | None:
     """Checks ``--speculate`` and ``--draft-max`` before any work; ``None`` without
     ``--speculate``. A catalog draft model is fetched if needed (``notice`` says so)."""
-    source: SpeculateSource | None = args.speculate
+    source = speculation.source
     if source is None:
         return None
     unavailable = _AVAILABILITY[source.kind](source)
     if unavailable is not None:
         raise SpeculationRefused(unavailable)
-    if not settings.greedy:
+    if not sampling.greedy:
         raise SpeculationRefused(
             "--speculate: speculative decoding is greedy only: drop --temperature"
         )
     draft = None if source.model is None else _draft_model(source, notice)
-    return SpeculationPlan(source, args.draft_max, draft)
+    return SpeculationPlan(source, speculation.draft_max, draft)
 
 
 def speculation_line(speculation: Speculation) -> str:

@@ -30,6 +30,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import attrs
+
 from dgr_engine.argtypes import int_in
 from dgr_engine.cli._evidence_args import add_evidence_arguments, add_sign_key_argument
 from dgr_engine.numerics import FLASH_ATTN_MODES, KV_TYPES, Numerics
@@ -37,6 +39,51 @@ from dgr_engine.numerics import FLASH_ATTN_MODES, KV_TYPES, Numerics
 if TYPE_CHECKING:
     from dgr_engine.certification.lock import Lock
     from dgr_engine.certification.record import EvidenceRecord
+
+
+@attrs.frozen
+class BaselineSettings:
+    """``dgr baseline``'s command line, read once at its edge (:meth:`from_args`)."""
+
+    hf_dir: Path | None
+    """``HF_DIR``: a Hugging Face model directory."""
+    fixture: str | None
+    """``--fixture``: a converter-made fixture by name."""
+    model: str | None
+    """``--model``: a quantized GGUF, a catalog name or a file (the quantized baseline)."""
+    gguf: Path | None
+    """``--gguf``: the GGUF converted from :attr:`hf_dir` (``None``: convert it)."""
+    kv_type: str
+    """``--kv-type``: the KV cache type."""
+    flash_attn: str
+    """``--flash-attn``: the flash-attention mode."""
+    threads: int
+    """``--threads``: threads of each side."""
+    record: bool
+    """Write a record (``--no-record``: print the figures only)."""
+    evidence: Path | None
+    """``--evidence``: where the record goes (``None``: the default directory)."""
+    lock: Path | None
+    """``--lock``: the lock (``None``: the default one)."""
+    sign_key: Path | None
+    """``--sign-key``: the certifier key that signs the record (``None``: the fixture's)."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> BaselineSettings:
+        """The settings :func:`configure` parsed."""
+        return cls(
+            hf_dir=args.hf_dir,
+            fixture=args.fixture,
+            model=args.model,
+            gguf=args.gguf,
+            kv_type=args.kv_type,
+            flash_attn=args.flash_attn,
+            threads=args.threads,
+            record=not args.no_record,
+            evidence=args.evidence,
+            lock=args.lock,
+            sign_key=args.sign_key,
+        )
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -65,12 +112,13 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.model is not None:
-        if args.gguf is not None:
+    settings = BaselineSettings.from_args(args)
+    if settings.model is not None:
+        if settings.gguf is not None:
             print("dgr baseline: --gguf goes with HF_DIR, not with --model", file=sys.stderr)
             return 2
-        return _run_quantized(args)
-    return _run_hf(args)
+        return _run_quantized(settings, settings.model)
+    return _run_hf(settings)
 
 
 def _say(text: str) -> None:
@@ -102,7 +150,7 @@ def _model_path(spec: str) -> Path:
     return path
 
 
-def _run_quantized(args: argparse.Namespace) -> int:
+def _run_quantized(settings: BaselineSettings, model: str) -> int:
     from dgr_engine.artifacts.errors import ArtifactError
     from dgr_engine.artifacts.storage import StorageRefused
     from dgr_engine.baseline.errors import BaselineError
@@ -118,15 +166,15 @@ def _run_quantized(args: argparse.Namespace) -> int:
 
     started = dt.datetime.now(dt.UTC)
     try:
-        key = None if args.sign_key is None else load_signing_key(args.sign_key)
-        lock = load_lock(args.lock)
+        key = None if settings.sign_key is None else load_signing_key(settings.sign_key)
+        lock = load_lock(settings.lock)
         limits = lock.thresholds.quantized
-        gguf = _model_path(args.model)
+        gguf = _model_path(model)
         result = run_quantized_baseline(
             gguf,
             min_tokens=limits.prompt_tokens_min,
-            numerics=Numerics(args.kv_type, args.flash_attn),
-            threads=args.threads,
+            numerics=Numerics(settings.kv_type, settings.flash_attn),
+            threads=settings.threads,
             progress=_say,
         )
     except (
@@ -153,20 +201,20 @@ def _run_quantized(args: argparse.Namespace) -> int:
     )
     for req in requirements_of(result, limits):
         _say(f"  {req.verdict.value:<12} {req.id}: {req.detail}")
-    if args.no_record:
+    if not settings.record:
         _say("no record written (--no-record)")
         return 0
     return _record_and_verdict(
-        args,
+        settings,
         lock,
-        ["--model", args.model],
+        ["--model", model],
         lambda evidence, argv: write_quantized_record(
             result, lock=lock, evidence_dir=evidence, started=started, command=argv, key=key
         ),
     )
 
 
-def _run_hf(args: argparse.Namespace) -> int:
+def _run_hf(settings: BaselineSettings) -> int:
     from dgr_engine.baseline.errors import BaselineError
     from dgr_engine.baseline.runner import (
         requirements_of,
@@ -181,15 +229,16 @@ def _run_hf(args: argparse.Namespace) -> int:
     say = _say
     started = dt.datetime.now(dt.UTC)
     try:
-        key = None if args.sign_key is None else load_signing_key(args.sign_key)
-        lock = load_lock(args.lock)
-        hf_dir, gguf = args.hf_dir, args.gguf
-        if args.fixture is not None:
-            fixture = ensure_converted(args.fixture)
+        key = None if settings.sign_key is None else load_signing_key(settings.sign_key)
+        lock = load_lock(settings.lock)
+        hf_dir, gguf = settings.hf_dir, settings.gguf
+        if settings.fixture is not None:
+            fixture = ensure_converted(settings.fixture)
             hf_dir, gguf = fixture.hf_dir, fixture.gguf
-        numerics = Numerics(args.kv_type, args.flash_attn)
+        assert hf_dir is not None  # the parser requires HF_DIR, --fixture or --model
+        numerics = Numerics(settings.kv_type, settings.flash_attn)
         result = run_baseline(
-            hf_dir, gguf=gguf, numerics=numerics, threads=args.threads, progress=say
+            hf_dir, gguf=gguf, numerics=numerics, threads=settings.threads, progress=say
         )
     except (BaselineError, EvidenceError, ValueError, OSError) as exc:
         print(f"dgr baseline: {exc}", file=sys.stderr)
@@ -210,10 +259,10 @@ def _run_hf(args: argparse.Namespace) -> int:
     )
     for req in requirements_of(result, lock.thresholds):
         say(f"  {req.verdict.value:<12} {req.id}: {req.detail}")
-    if args.no_record:
+    if not settings.record:
         return 0
     return _record_and_verdict(
-        args,
+        settings,
         lock,
         [str(hf_dir)],
         lambda evidence, argv: write_baseline_record(
@@ -223,7 +272,7 @@ def _run_hf(args: argparse.Namespace) -> int:
 
 
 def _record_and_verdict(
-    args: argparse.Namespace,
+    settings: BaselineSettings,
     lock: Lock,
     model_argv: list[str],
     write: Callable[[Path, list[str]], tuple[EvidenceRecord, Path]],
@@ -235,9 +284,9 @@ def _record_and_verdict(
     from dgr_engine.certification.gates import evaluate
     from dgr_engine.certification.record import default_evidence_dir, load_evidence
 
-    evidence = args.evidence if args.evidence is not None else default_evidence_dir()
-    argv = ["dgr", "baseline", *model_argv, "--kv-type", args.kv_type]
-    argv += ["--flash-attn", args.flash_attn, "--threads", str(args.threads)]
+    evidence = settings.evidence if settings.evidence is not None else default_evidence_dir()
+    argv = ["dgr", "baseline", *model_argv, "--kv-type", settings.kv_type]
+    argv += ["--flash-attn", settings.flash_attn, "--threads", str(settings.threads)]
     try:
         record, path = write(evidence, argv)
     except EvidenceError as exc:

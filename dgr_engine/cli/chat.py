@@ -43,6 +43,7 @@ from dgr_engine.cli._route import (
     RouteHandle,
     RouteOptionsRefused,
     RoutePlan,
+    RouteSettings,
     RouteStartFailed,
     SamplingSettings,
     add_route_arguments,
@@ -52,7 +53,12 @@ from dgr_engine.cli._route import (
     plan_route,
 )
 from dgr_engine.cli._signals import sigterm_as_interrupt
-from dgr_engine.cli._speculate import SpeculationPlan, add_speculation_arguments, plan_speculation
+from dgr_engine.cli._speculate import (
+    SpeculationPlan,
+    SpeculationSettings,
+    add_speculation_arguments,
+    plan_speculation,
+)
 from dgr_engine.client.text import chat_ids, start_text
 from dgr_engine.errors import EngineError
 from dgr_session.drafts import Drafter
@@ -95,6 +101,32 @@ class Answer:
     """Why it failed (:attr:`Ending.FAILED`)."""
 
 
+@attrs.frozen
+class ChatSettings:
+    """``dgr chat``'s command line, read once at its edge (:meth:`from_args`)."""
+
+    route: RouteSettings
+    """Where the route runs and how."""
+    sampling: SamplingSettings
+    """How tokens are chosen and when an answer stops."""
+    speculation: SpeculationSettings
+    """``--speculate`` and ``--draft-max``."""
+    system: str | None
+    """``--system``: the system prompt opening the conversation (``None``: none)."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ChatSettings:
+        """The settings :func:`configure` parsed (a random seed when none);
+        :class:`~dgr_session.sampling.InvalidSamplingParameter` or :class:`RouteOptionsRefused`
+        for a value the settings refuse."""
+        return cls(
+            route=RouteSettings.from_args(args),
+            sampling=SamplingSettings.from_args(args),
+            speculation=SpeculationSettings.from_args(args),
+            system=args.system,
+        )
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     add_route_arguments(p)
     add_sampling_arguments(
@@ -109,15 +141,15 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     notice = sayer("dgr chat: ")  # silent under --quiet
     try:
-        settings = SamplingSettings.from_args(args)
-        settings.check_transport(args.transport)
-        speculate = plan_speculation(args, settings, notice=notice)
-        plan = plan_route(args, notice=notice)
+        settings = ChatSettings.from_args(args)
+        settings.sampling.check_transport(settings.route.transport)
+        speculate = plan_speculation(settings.speculation, settings.sampling, notice=notice)
+        plan = plan_route(settings.route, notice=notice)
     except (RouteOptionsRefused, InvalidSamplingParameter) as exc:
         return _refused(exc)
     try:
         if speculate is not None:
-            speculate.check_vocab(args.vocab if args.vocab is not None else plan.model)
+            speculate.check_vocab(plan.vocab)
             speculate.check_model(plan.model)
     except RouteOptionsRefused as exc:
         plan.close()
@@ -127,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         plan.close()
         what = "a tokenizer" if tokenizer is None else "a chat template"
         return _refused(f"dgr chat needs a model with {what} (--model, or --vocab GGUF)")
-    base: list[Message] = [] if args.system is None else [("system", args.system)]
+    base: list[Message] = [] if settings.system is None else [("system", settings.system)]
     try:
         chat_ids(tokenizer, base or [("user", "")])  # the template takes these roles
     except EngineError as exc:
@@ -135,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         return _refused(exc)
     try:
         with sigterm_as_interrupt(), asyncio.Runner() as runner:
-            return _chat(runner, plan, settings, speculate, base, notice)
+            return _chat(runner, plan, settings.sampling, speculate, base, notice)
     except KeyboardInterrupt:  # while the workers start or stop
         print("dgr chat: interrupted", file=sys.stderr)
         return 130

@@ -71,6 +71,7 @@ from dgr_engine.models import lookup as lookup_model
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import split_points, whole_model_greedy
 from dgr_engine.security.grants import GrantIssuer
+from dgr_engine.security.tls import ClientTls
 from dgr_engine.tokenizer import Tokenizer
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_engine.tooling.peer_build import PeerUse
@@ -105,6 +106,119 @@ class DemoRefused(Exception):
 
 class DemoFailed(Exception):
     """The demo could not get as far as routing (one line, exit 1)."""
+
+
+@attrs.frozen
+class DemoSettings:
+    """``dgr demo``'s command line, read once at its edge (:meth:`from_args`). The numbers whose
+    defaults depend on the model (a chat answer or a fixture's sessions) stay as given
+    (``None``: the default) until :meth:`sessions_for` fills them in."""
+
+    model: str
+    """``--model``: the real model of the catalog, by name."""
+    fixture: str | None
+    """``--fixture``: a generated fixture instead (``None``: the real model)."""
+    prompt: str | None
+    """``--prompt``: the chat question (``None``: :data:`QUESTION`)."""
+    stages: int
+    """``--stages``: stages of the route."""
+    sessions: int | None
+    """``--sessions``: concurrent sessions on a fixture."""
+    steps: int | None
+    """``--steps``: new tokens at most."""
+    lose_stage: int
+    """``--lose-stage``: the stage index killed mid-decode."""
+    lose_at: int | None
+    """``--lose-at``: tokens the (first) session has when its stage is lost."""
+    spare: bool
+    """A spare worker waits for the stage that is lost (``--no-spare``: one is started on
+    demand)."""
+    evidence: Path | None
+    """``--evidence``: where the lane's record is looked for and made."""
+    operator_dir: Path
+    """``--operator-dir``, else the demo's own folder: the operator lock, key and records."""
+    verbose: bool
+    """``--verbose``: state changes and stage calls logged to stderr."""
+    quiet: bool
+    """``--quiet``: no progress on stderr."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DemoSettings:
+        """The settings :func:`configure` parsed."""
+        return cls(
+            model=args.model,
+            fixture=args.fixture,
+            prompt=args.prompt,
+            stages=args.stages,
+            sessions=args.sessions,
+            steps=args.steps,
+            lose_stage=args.lose_stage,
+            lose_at=args.lose_at,
+            spare=not args.no_spare,
+            evidence=args.evidence,
+            operator_dir=args.operator_dir if args.operator_dir is not None else demo_home(),
+            verbose=args.verbose,
+            quiet=args.quiet,
+        )
+
+    def sessions_for(self, *, chat: bool) -> DemoSessions:
+        """The sessions of the chat answer (``chat``) or of a fixture, the defaults that
+        depend on which filled in; :class:`DemoRefused` when the values do not fit them."""
+        if chat:
+            if self.sessions not in (None, 1):
+                raise DemoRefused(
+                    "--sessions goes with --fixture: the chat demo streams one answer"
+                )
+            question = QUESTION if self.prompt is None else self.prompt
+            count, steps, lose_at = 1, CHAT_STEPS, CHAT_LOSE_AT
+        else:
+            question, count, steps, lose_at = None, FIXTURE_SESSIONS, FIXTURE_STEPS, FIXTURE_LOSE_AT
+        sessions = DemoSessions(
+            question,
+            count if self.sessions is None else self.sessions,
+            steps if self.steps is None else self.steps,
+            lose_at if self.lose_at is None else self.lose_at,
+        )
+        if sessions.count < 1:
+            raise DemoRefused("--sessions must be at least 1")
+        if not 0 < sessions.lose_at < sessions.steps:
+            raise DemoRefused("--lose-at must be in (0, --steps)")
+        return sessions
+
+
+@attrs.frozen
+class DemoSessions:
+    """The sessions the demo runs (:meth:`DemoSettings.sessions_for`)."""
+
+    question: str | None
+    """The chat question (``None``: token-id sessions on a fixture)."""
+    count: int
+    """Concurrent sessions (one chat answer)."""
+    steps: int
+    """New tokens per session at most."""
+    lose_at: int
+    """Tokens the first session has when its stage is lost."""
+
+    @property
+    def names(self) -> dict[str, int]:
+        """The sessions' ids and their indices."""
+        return {f"demo-{i}": i for i in range(self.count)}
+
+
+@attrs.frozen
+class DemoPlan:
+    """What the demo runs on its model (:func:`plan_demo`)."""
+
+    sessions: DemoSessions
+    layout: tuple[tuple[int, int], ...]
+    """The stages' layer ranges."""
+    lose_stage: int
+    """The index of the stage that is lost."""
+
+    @property
+    def lost_range(self) -> tuple[int, int]:
+        """The layer range of the stage that is lost."""
+        return self.layout[self.lose_stage]
 
 
 @attrs.frozen
@@ -188,16 +302,18 @@ class Console:
         self._open = self._resume = False
 
 
-def choose_model(args: argparse.Namespace, say: Callable[[str], None]) -> DemoModel:
-    """The real model ``args.model`` (fetched once, verified), else the fixture; the fixture
-    also when the real model cannot be had here, saying why in one line."""
-    if args.fixture is None:
+def choose_model(settings: DemoSettings, say: Callable[[str], None]) -> DemoModel:
+    """The real model ``settings.model`` (fetched once, verified), else the fixture; the fixture
+    :data:`DEFAULT_FIXTURE` also when the real model cannot be had here, saying why in one
+    line."""
+    fixture = settings.fixture
+    if fixture is None:
         from dgr_engine.artifacts.errors import ArtifactError
         from dgr_engine.artifacts.storage import StorageRefused
         from dgr_engine.models import ModelFetchFailed, ModelNotFetched, fetch_model, model_path
         from dgr_engine.models.fetch import models_root
 
-        model = lookup_model(args.model)
+        model = lookup_model(settings.model)
         report, finish = progress_printer("fetch")
         try:
             root = models_root(None)
@@ -217,11 +333,11 @@ def choose_model(args: argparse.Namespace, say: Callable[[str], None]) -> DemoMo
                 f"model     {model.name} cannot be had here ({why}): falling back to the "
                 f"generated fixture {DEFAULT_FIXTURE} (fixture evidence only)"
             )
-            args.fixture = DEFAULT_FIXTURE
+            fixture = DEFAULT_FIXTURE
         else:
             return DemoModel(path, model.n_layer, model)
-    spec = lookup_fixture(args.fixture)
-    return DemoModel(_fixture(args.fixture), spec.n_layer, None)
+    spec = lookup_fixture(fixture)
+    return DemoModel(_fixture(fixture), spec.n_layer, None)
 
 
 def _fixture(name: str) -> Path:
@@ -242,7 +358,7 @@ def _say(text: str) -> None:
 
 
 async def certify_lane(
-    args: argparse.Namespace, model: DemoModel, say: Callable[[str], None]
+    settings: DemoSettings, model: DemoModel, say: Callable[[str], None]
 ) -> Certified:
     """A passing record of exactly the demo's lane: reused from the repo's evidence under the
     repo's lock, else from (or made in) the demo's own folder, under the repo's lock for a
@@ -254,13 +370,13 @@ async def certify_lane(
     except EvidenceError as exc:
         raise DemoFailed(f"no usable lock: {exc}") from None
     lane = await asyncio.to_thread(lane_of, model.path, OPTIONS)
-    looked = args.evidence if args.evidence is not None else default_evidence_dir()
+    looked = settings.evidence if settings.evidence is not None else default_evidence_dir()
     found = await asyncio.to_thread(find_certification, lane, looked, lock=repo_lock)
     if found.certification is not None:
         say(f"reusing record {found.certification.path} (same lane, the repo's lock)")
         return Certified(repo_lock, looked, found.certification.evidence_class)
-    home: Path = args.operator_dir
-    evidence = args.evidence if args.evidence is not None else home / "evidence"
+    home = settings.operator_dir
+    evidence = settings.evidence if settings.evidence is not None else home / "evidence"
     lock = repo_lock
     key = None
     if model.real is not None:
@@ -339,149 +455,62 @@ def _evidence_line(model: DemoModel, certified: Certified) -> str:
     )
 
 
-async def run_demo(args: argparse.Namespace, providers: list[LoopbackRouteProvider]) -> DemoOutcome:
+def plan_demo(settings: DemoSettings, model: DemoModel) -> DemoPlan:
+    """The sessions, stages and lost stage on ``model``; :class:`DemoRefused` when the settings
+    do not fit it."""
+    sessions = settings.sessions_for(chat=model.real is not None)
+    try:
+        layout = split_points(model.n_layer, settings.stages)
+    except ValueError as exc:
+        raise DemoRefused(f"--stages: {exc}") from None
+    if not 0 <= settings.lose_stage < len(layout):
+        raise DemoRefused(f"--lose-stage must be in [0, {len(layout)})")
+    return DemoPlan(sessions, tuple(layout), settings.lose_stage)
+
+
+async def run_demo(settings: DemoSettings, providers: list[LoopbackRouteProvider]) -> DemoOutcome:
     """The demo, with a throwaway CA and tracker key in a temporary directory (removed after)."""
     with tempfile.TemporaryDirectory(prefix="dgr-demo-keys-") as keys:
-        return await _run_demo(args, providers, Path(keys))
+        return await _run_demo(settings, providers, Path(keys))
 
 
 async def _run_demo(
-    args: argparse.Namespace, providers: list[LoopbackRouteProvider], keys: Path
+    settings: DemoSettings, providers: list[LoopbackRouteProvider], keys: Path
 ) -> DemoOutcome:
+    """The steps: the model, the plan, the lane's certification, the trust, the workers, the
+    sessions (a stage lost), the report."""
     began_all = time.perf_counter()
     timings: dict[str, float] = {}
     console = Console()
     say = console.say
     began = time.perf_counter()
-    model = await asyncio.to_thread(choose_model, args, say)
+    model = await asyncio.to_thread(choose_model, settings, say)
     timings["fetch"] = time.perf_counter() - began
-    _defaults(args, chat=model.real is not None)
-    try:
-        layout = split_points(model.n_layer, args.stages)
-    except ValueError as exc:
-        raise DemoRefused(f"--stages: {exc}") from None
-    if not 0 <= args.lose_stage < len(layout):
-        raise DemoRefused(f"--lose-stage must be in [0, {len(layout)})")
-    if model.real is not None:
-        real = model.real
-        say(
-            f"model     {real.name}: {model.path.name} ({model.n_layer} layers, {real.arch}, "
-            f"{real.license}; a real model, verified against dgr's manifest)"
-        )
-    else:
-        say(
-            f"model     {model.path.name}  ({model.n_layer} layers; generated fixture: fixture "
-            "evidence)"
-        )
+    plan = plan_demo(settings, model)
+    say(_model_line(model))
     began = time.perf_counter()
-    certified = await certify_lane(args, model, say)
+    certified = await certify_lane(settings, model, say)
     timings["certify"] = time.perf_counter() - began
     say(_evidence_line(model, certified))
     if model.real is None:
         say(fixture_speed_line(model.n_layer))
-
-    pki = local_pki(keys)
-    client_tls = pki.client_tls()
-    tracker = GrantIssuer(Ed25519PrivateKey.generate(), "demo-tracker")
+    trust = _trust(keys)
     say(
         "security  mutual TLS (a throwaway local CA) and route grants signed by the demo's "
         "tracker key: a worker opens a session only with its grant"
     )
-    lost_range = layout[args.lose_stage]
-    names = {f"demo-{i}": i for i in range(args.sessions)}
-    first_epoch: dict[str, int] = {}
-
-    def on_assign(sid: str, report: FailureReport | None, route: Route | None) -> None:
-        if report is None and route is not None and len(provider.assigned) == 1:
-            say(f"route     {_route_text(route, provider)}")
-        if report is not None:
-            where = f"stage {report.stage_index} {report.endpoint}"
-            detail = report.detail if len(report.detail) < 90 else report.detail[:87] + "..."
-            say(
-                f"  session {names[sid]}  epoch {report.epoch}  step {report.step}: {where} "
-                f"{report.fault.value} ({detail})"
-            )
-        if route is not None and report is not None:
-            say(f"  session {names[sid]}  new route: {_route_text(route, provider)}")
-
-    def on_forward(record: ForwardRecord) -> None:
-        sid = record.session_id
-        if record.layers[0] != 0 or record.positions.start != 0:
-            return
-        first = first_epoch.setdefault(sid, record.epoch)
-        if record.epoch != first:
-            say(
-                f"  session {names[sid]}  epoch {record.epoch}: re-prefill from position 0 (cache"
-                f" miss, no migration): the prompt and {record.step} accepted tokens in batched"
-                f" forwards (first call {len(record.positions)} tokens)"
-            )
-
-    provider = LoopbackRouteProvider(
-        model.path,
-        layout,
-        spares=[] if args.no_spare else [lost_range],
-        spawn_on_demand=args.no_spare,
-        options=OPTIONS,
-        worker_args=[
-            "--evidence",
-            str(certified.evidence),
-            "--lock",
-            str(certified.lock.path),
-            *pki.worker_args(),
-            *tracker.worker_args(keys),
-        ],
-        observer=on_assign,
-        notice=sayer(),
-        grants=tracker,
-        client_tls=client_tls,
-        certification_verifier=LockVerifier(certified.lock),
-    )
+    narrator = _Narrator(say, plan.sessions.names)
+    provider = _provider(settings, model, plan, certified, trust, narrator)
     providers.append(provider)
     try:
-        began = time.perf_counter()
-        await provider.start()
-        timings["workers"] = time.perf_counter() - began
-        threads = f"{OPTIONS.n_threads} thread{'' if OPTIONS.n_threads == 1 else 's'}"
-        say(f"workers   started in {timings['workers']:.2f} s (dgr worker, {threads} each)")
-        for worker in provider.workers:
-            span, seam = worker.advert.span, worker.advert.seam
-            ids = "  +token ids" if (span.needs_token_ids and not span.is_first) else ""
-            say(
-                f"          {worker.role:<8} [{worker.layers[0]},{worker.layers[1]})  pid "
-                f"{worker.pid:<7} {worker.endpoint}  seam in {seam.bytes_per_token_in} B/token,"
-                f" out {seam.bytes_per_token_out} B/token{ids}"
-            )
-        policy = FailurePolicy(step_deadline=10.0, session_deadline=120.0, backoff=(0.0, 0.2))
-        secured = GrpcStageTransport(timeout=10.0, observer=on_forward, tls=client_tls)
-        run = _Run(args, model, provider, certified, console, lost_range, timings)
-        async with secured as transport:
-            manager = SessionManager(
-                transport,
-                provider,
-                policy=policy,
-                required_evidence=certified.evidence_class,
-            )
-            if model.real is not None:
-                results, expected = await run.chat(manager, names)
-            else:
-                results, expected = await run.fixture_sessions(manager, names)
-            await manager.aclose()
-            stats = transport.stats()
-        parity = run.report(results, expected, first_epoch)
-        _stage_table(say, stats, provider, run.killed, model.n_layer, run.elapsed, args)
-        replacement = None
-        if run.killed:
-            replacement = next(
-                (
-                    w.endpoint
-                    for w in provider.workers
-                    if w.role != "primary" and w.endpoint in stats and w.layers == lost_range
-                ),
-                None,
-            )
+        await _start_workers(provider, say, timings)
+        run = _Run(plan, model, provider, console, timings)
+        results, expected, stats = await _run_sessions(run, certified, trust, narrator)
+        parity = run.report(results, expected, narrator.first_epoch)
+        _stage_table(say, stats, provider, run.killed, model.n_layer, run.elapsed, plan.sessions)
+        replacement = _replacement(provider, stats, run.killed, plan.lost_range)
         timings["total"] = time.perf_counter() - began_all
-        shown = (f"{k.replace('_', ' ')} {v:.2f} s" for k, v in timings.items())
-        say("timings   " + "  ".join(shown))
+        say(_timings_line(timings))
         return DemoOutcome(
             results=tuple(results),
             expected=tuple(tuple(e) for e in expected),
@@ -497,23 +526,191 @@ async def _run_demo(
         await provider.aclose()
 
 
+def _model_line(model: DemoModel) -> str:
+    if model.real is not None:
+        real = model.real
+        return (
+            f"model     {real.name}: {model.path.name} ({model.n_layer} layers, {real.arch}, "
+            f"{real.license}; a real model, verified against dgr's manifest)"
+        )
+    return (
+        f"model     {model.path.name}  ({model.n_layer} layers; generated fixture: fixture "
+        "evidence)"
+    )
+
+
+@attrs.frozen
+class _Trust:
+    """The demo's throwaway trust: mutual TLS of a local CA, route grants of a tracker key."""
+
+    client_tls: ClientTls
+    """The client's side of the mutual TLS."""
+    tracker: GrantIssuer
+    """Signs the route grants the workers require."""
+    worker_args: tuple[str, ...]
+    """The ``dgr worker`` arguments that serve the TLS and check the grants."""
+
+
+def _trust(keys: Path) -> _Trust:
+    """A fresh CA and tracker key in ``keys``."""
+    pki = local_pki(keys)
+    client_tls = pki.client_tls()
+    tracker = GrantIssuer(Ed25519PrivateKey.generate(), "demo-tracker")
+    return _Trust(client_tls, tracker, (*pki.worker_args(), *tracker.worker_args(keys)))
+
+
+class _Narrator:
+    """Says what happens to the sessions' routes: the first route, each lost stage and new
+    route, each re-prefill under a new epoch."""
+
+    def __init__(self, say: Callable[[str], None], names: dict[str, int]) -> None:
+        self.say, self.names = say, names
+        self.first_epoch: dict[str, int] = {}  # each session's epoch at its first prefill
+        # the provider whose routes are told: set once made (it calls on_assign)
+        self.provider: LoopbackRouteProvider | None = None
+
+    def on_assign(self, sid: str, report: FailureReport | None, route: Route | None) -> None:
+        provider = self.provider
+        assert provider is not None
+        say, names = self.say, self.names
+        if report is None and route is not None and len(provider.assigned) == 1:
+            say(f"route     {_route_text(route, provider)}")
+        if report is not None:
+            where = f"stage {report.stage_index} {report.endpoint}"
+            detail = report.detail if len(report.detail) < 90 else report.detail[:87] + "..."
+            say(
+                f"  session {names[sid]}  epoch {report.epoch}  step {report.step}: {where} "
+                f"{report.fault.value} ({detail})"
+            )
+        if route is not None and report is not None:
+            say(f"  session {names[sid]}  new route: {_route_text(route, provider)}")
+
+    def on_forward(self, record: ForwardRecord) -> None:
+        sid = record.session_id
+        if record.layers[0] != 0 or record.positions.start != 0:
+            return
+        first = self.first_epoch.setdefault(sid, record.epoch)
+        if record.epoch != first:
+            self.say(
+                f"  session {self.names[sid]}  epoch {record.epoch}: re-prefill from position 0"
+                f" (cache miss, no migration): the prompt and {record.step} accepted tokens in"
+                f" batched forwards (first call {len(record.positions)} tokens)"
+            )
+
+
+def _provider(
+    settings: DemoSettings,
+    model: DemoModel,
+    plan: DemoPlan,
+    certified: Certified,
+    trust: _Trust,
+    narrator: _Narrator,
+) -> LoopbackRouteProvider:
+    """The route's workers (not started yet): secured, loading the lane's certification, with
+    a spare for the stage that is lost unless ``--no-spare``."""
+    provider = LoopbackRouteProvider(
+        model.path,
+        plan.layout,
+        spares=[plan.lost_range] if settings.spare else [],
+        spawn_on_demand=not settings.spare,
+        options=OPTIONS,
+        worker_args=[
+            "--evidence",
+            str(certified.evidence),
+            "--lock",
+            str(certified.lock.path),
+            *trust.worker_args,
+        ],
+        observer=narrator.on_assign,
+        notice=sayer(),
+        grants=trust.tracker,
+        client_tls=trust.client_tls,
+        certification_verifier=LockVerifier(certified.lock),
+    )
+    narrator.provider = provider
+    return provider
+
+
+async def _start_workers(
+    provider: LoopbackRouteProvider, say: Callable[[str], None], timings: dict[str, float]
+) -> None:
+    """Starts the workers and says what each serves."""
+    began = time.perf_counter()
+    await provider.start()
+    timings["workers"] = time.perf_counter() - began
+    threads = f"{OPTIONS.n_threads} thread{'' if OPTIONS.n_threads == 1 else 's'}"
+    say(f"workers   started in {timings['workers']:.2f} s (dgr worker, {threads} each)")
+    for worker in provider.workers:
+        span, seam = worker.advert.span, worker.advert.seam
+        ids = "  +token ids" if (span.needs_token_ids and not span.is_first) else ""
+        say(
+            f"          {worker.role:<8} [{worker.layers[0]},{worker.layers[1]})  pid "
+            f"{worker.pid:<7} {worker.endpoint}  seam in {seam.bytes_per_token_in} B/token,"
+            f" out {seam.bytes_per_token_out} B/token{ids}"
+        )
+
+
+async def _run_sessions(
+    run: _Run, certified: Certified, trust: _Trust, narrator: _Narrator
+) -> tuple[list[SessionResult], list[list[int]], dict[str, StageStats]]:
+    """The sessions over the secured route: their results, the whole model's tokens, and the
+    stages' counters."""
+    policy = FailurePolicy(step_deadline=10.0, session_deadline=120.0, backoff=(0.0, 0.2))
+    secured = GrpcStageTransport(timeout=10.0, observer=narrator.on_forward, tls=trust.client_tls)
+    async with secured as transport:
+        manager = SessionManager(
+            transport,
+            run.provider,
+            policy=policy,
+            required_evidence=certified.evidence_class,
+        )
+        if run.model.real is not None:
+            results, expected = await run.chat(manager)
+        else:
+            results, expected = await run.fixture_sessions(manager)
+        await manager.aclose()
+        return results, expected, transport.stats()
+
+
+def _replacement(
+    provider: LoopbackRouteProvider,
+    stats: dict[str, StageStats],
+    killed: list[str],
+    lost_range: tuple[int, int],
+) -> str | None:
+    """The worker that served the lost stage's range after it (``None``: none did)."""
+    if not killed:
+        return None
+    return next(
+        (
+            w.endpoint
+            for w in provider.workers
+            if w.role != "primary" and w.endpoint in stats and w.layers == lost_range
+        ),
+        None,
+    )
+
+
+def _timings_line(timings: dict[str, float]) -> str:
+    shown = (f"{k.replace('_', ' ')} {v:.2f} s" for k, v in timings.items())
+    return "timings   " + "  ".join(shown)
+
+
 class _Run:
     """The sessions of one demo run: the chat answer on a real model, or token-id sessions on
     a fixture; both lose a stage mid-decode."""
 
     def __init__(
         self,
-        args: argparse.Namespace,
+        plan: DemoPlan,
         model: DemoModel,
         provider: LoopbackRouteProvider,
-        certified: Certified,
         console: Console,
-        lost_range: tuple[int, int],
         timings: dict[str, float],
     ) -> None:
-        self.args, self.model, self.provider = args, model, provider
-        self.certified, self.console, self.lost_range = certified, console, lost_range
-        self.timings = timings
+        self.plan, self.sessions = plan, plan.sessions
+        self.model, self.provider = model, provider
+        self.console, self.timings = console, timings
         self.killed: list[str] = []
         self.killed_at = 0.0
         self.elapsed = 0.0
@@ -523,26 +720,27 @@ class _Run:
 
     def _kill(self, route: Route | None, accepted: int) -> None:
         assert route is not None
-        endpoint = route.stages[self.args.lose_stage].endpoint
+        lose_stage = self.plan.lose_stage
+        endpoint = route.stages[lose_stage].endpoint
         worker = self.provider.kill(endpoint)
         self.killed.append(endpoint)
         self.killed_at = time.perf_counter()
-        a, b = self.lost_range
+        a, b = self.plan.lost_range
         self.console.say(
-            f"step {accepted:>3}  SIGKILL stage {self.args.lose_stage} [{a},{b}) pid {worker.pid}"
-            f" ({endpoint}) while the session{'s are' if self.args.sessions > 1 else ' is'} "
+            f"step {accepted:>3}  SIGKILL stage {lose_stage} [{a},{b}) pid {worker.pid}"
+            f" ({endpoint}) while the session{'s are' if self.sessions.count > 1 else ' is'} "
             "mid-decode"
         )
 
     async def fixture_sessions(
-        self, manager: SessionManager, names: dict[str, int]
+        self, manager: SessionManager
     ) -> tuple[list[SessionResult], list[list[int]]]:
-        args = self.args
+        sessions = self.sessions
         n_vocab = self.provider.workers[len(self.provider.layout) - 1].advert.seam.width_out
-        all_prompts = prompts(args.sessions, n_vocab)
+        all_prompts = prompts(sessions.count, n_vocab)
         reference = time.perf_counter()
         expected = await asyncio.to_thread(
-            whole_model_greedy, self.model.path, all_prompts, args.steps, OPTIONS
+            whole_model_greedy, self.model.path, all_prompts, sessions.steps, OPTIONS
         )
         self.console.say(
             f"reference whole-model greedy, in-process ShardEngine (same options), "
@@ -552,22 +750,22 @@ class _Run:
         def on_token(token: int) -> None:
             handle = handles[0]
             self._first_token(began)
-            if not self.killed and len(handle.tokens) == args.lose_at:
-                self._kill(handle.core.route, args.lose_at)
+            if not self.killed and len(handle.tokens) == sessions.lose_at:
+                self._kill(handle.core.route, sessions.lose_at)
 
         began = time.perf_counter()
         handles = [
             manager.start(
                 prompt,
-                max_new_tokens=args.steps,
+                max_new_tokens=sessions.steps,
                 session_id=sid,
                 on_token=on_token if i == 0 else None,
             )
-            for i, (sid, prompt) in enumerate(zip(names, all_prompts, strict=True))
+            for i, (sid, prompt) in enumerate(zip(sessions.names, all_prompts, strict=True))
         ]
         self.console.say(
-            f"sessions  {args.sessions} concurrent, {PROMPT_LEN}-token prompts, "
-            f"{args.steps} new tokens each (SessionManager over gRPC streams)"
+            f"sessions  {sessions.count} concurrent, {PROMPT_LEN}-token prompts, "
+            f"{sessions.steps} new tokens each (SessionManager over gRPC streams)"
         )
         results = [await h.wait() for h in handles]
         self.elapsed = time.perf_counter() - began
@@ -579,20 +777,20 @@ class _Run:
         if self.killed and "recovery" not in self.timings:
             self.timings["recovery"] = now - self.killed_at
 
-    async def chat(
-        self, manager: SessionManager, names: dict[str, int]
-    ) -> tuple[list[SessionResult], list[list[int]]]:
-        args, console = self.args, self.console
+    async def chat(self, manager: SessionManager) -> tuple[list[SessionResult], list[list[int]]]:
+        sessions, console = self.sessions, self.console
+        question = sessions.question
+        assert question is not None
         tokenizer = await asyncio.to_thread(Tokenizer, self.model.path)
         try:
-            ids = prompt_ids(tokenizer, args.prompt, chat=True)
+            ids = prompt_ids(tokenizer, question, chat=True)
             console.say(
-                f"question  {args.prompt}  (the model's chat template: {len(ids)} prompt tokens;"
-                f" greedy, at most {args.steps} new tokens, stops at its end-of-turn token)"
+                f"question  {question}  (the model's chat template: {len(ids)} prompt tokens;"
+                f" greedy, at most {sessions.steps} new tokens, stops at its end-of-turn token)"
             )
             accepted: list[int] = []
             pieces: list[str] = []
-            (sid,) = names
+            (sid,) = sessions.names
 
             def on_text(piece: str) -> None:
                 pieces.append(piece)
@@ -601,15 +799,15 @@ class _Run:
             def on_token(token: int) -> None:
                 accepted.append(token)
                 self._first_token(began)
-                if not self.killed and len(accepted) == args.lose_at:
+                if not self.killed and len(accepted) == sessions.lose_at:
                     self._kill(handle.core.route, len(accepted))
 
             began = time.perf_counter()
             handle, stream = start_text(
                 manager,
                 tokenizer,
-                args.prompt,
-                max_new_tokens=args.steps,
+                question,
+                max_new_tokens=sessions.steps,
                 on_text=on_text,
                 on_token=on_token,
                 chat=True,
@@ -624,7 +822,7 @@ class _Run:
             self.text = "".join(pieces)
             began = time.perf_counter()
             whole = await asyncio.to_thread(
-                whole_model_greedy, self.model.path, [ids], args.steps, OPTIONS
+                whole_model_greedy, self.model.path, [ids], sessions.steps, OPTIONS
             )
             expected = until_stop(whole[0], tokenizer.eog_tokens)
             self.expected_text = tokenizer.decode(
@@ -636,12 +834,12 @@ class _Run:
                 piece = tokenizer.piece(last, special=True).decode(errors="replace")
                 self.stopped_at = f"stopped at the end-of-turn token {last} {piece!r}"
             else:
-                self.stopped_at = f"stopped at the limit of {args.steps} tokens"
+                self.stopped_at = f"stopped at the limit of {sessions.steps} tokens"
         finally:
             tokenizer.close()
         if not self.killed:
             console.say(
-                f"          the answer ended before {args.lose_at} tokens: no stage was lost "
+                f"          the answer ended before {sessions.lose_at} tokens: no stage was lost "
                 "(a lower --lose-at, or another --prompt)"
             )
         return [result], [expected]
@@ -684,7 +882,7 @@ def _stage_table(
     killed: list[str],
     n_layer: int,
     elapsed: float,
-    args: argparse.Namespace,
+    sessions: DemoSessions,
 ) -> None:
     say("")
     say(
@@ -709,7 +907,7 @@ def _stage_table(
             between += s.bytes_received
     say(
         f"boundary bytes between stages: {between:,}; wall {elapsed:.2f} s for "
-        f"{args.sessions} x {args.steps} tokens at most"
+        f"{sessions.count} x {sessions.steps} tokens at most"
     )
 
 
@@ -774,60 +972,39 @@ def configure(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _defaults(args: argparse.Namespace, *, chat: bool) -> None:
-    """Fills in the defaults that depend on the model, and checks the values against them."""
-    if chat:
-        if args.sessions not in (None, 1):
-            raise DemoRefused("--sessions goes with --fixture: the chat demo streams one answer")
-        args.sessions = 1
-        args.steps = CHAT_STEPS if args.steps is None else args.steps
-        args.lose_at = CHAT_LOSE_AT if args.lose_at is None else args.lose_at
-        args.prompt = QUESTION if args.prompt is None else args.prompt
-    else:
-        args.sessions = FIXTURE_SESSIONS if args.sessions is None else args.sessions
-        args.steps = FIXTURE_STEPS if args.steps is None else args.steps
-        args.lose_at = FIXTURE_LOSE_AT if args.lose_at is None else args.lose_at
-    if args.sessions < 1:
-        raise DemoRefused("--sessions must be at least 1")
-    if not 0 < args.lose_at < args.steps:
-        raise DemoRefused("--lose-at must be in (0, --steps)")
-
-
-def _check(args: argparse.Namespace) -> None:
+def _check(settings: DemoSettings) -> None:
     """What can be refused before anything runs (:class:`DemoRefused`)."""
-    if args.fixture is not None:
-        if args.prompt is not None:
+    if settings.fixture is not None:
+        if settings.prompt is not None:
             raise DemoRefused("--prompt goes with a real model: the fixtures have no tokenizer")
         try:
-            lookup_fixture(args.fixture)
+            lookup_fixture(settings.fixture)
         except ValueError as exc:
             raise DemoRefused(str(exc)) from None
-        _defaults(argparse.Namespace(**vars(args)), chat=False)
     else:
         try:
-            lookup_model(args.model)
+            lookup_model(settings.model)
         except UnknownModel as exc:
             raise DemoRefused(str(exc)) from None
-        if args.prompt is not None and not args.prompt.strip():
+        if settings.prompt is not None and not settings.prompt.strip():
             raise DemoRefused("--prompt needs some text")
-        _defaults(argparse.Namespace(**vars(args)), chat=True)
-    if args.operator_dir is None:
-        args.operator_dir = demo_home()
+    settings.sessions_for(chat=settings.fixture is None)
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.verbose:
+    settings = DemoSettings.from_args(args)
+    if settings.verbose:
         log_to_stderr("DEBUG")
     try:
-        _check(args)
+        _check(settings)
     except DemoRefused as exc:
         print(f"dgr demo: {exc}", file=sys.stderr)
         return 2
     providers: list[LoopbackRouteProvider] = []
     outcome: DemoOutcome | None = None
     try:
-        with sigterm_as_interrupt(), quiet_progress(args.quiet):
-            outcome = asyncio.run(run_demo(args, providers))
+        with sigterm_as_interrupt(), quiet_progress(settings.quiet):
+            outcome = asyncio.run(run_demo(settings, providers))
     except KeyboardInterrupt:
         print("interrupted: every worker stopped", file=sys.stderr)
         return 130

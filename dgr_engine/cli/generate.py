@@ -49,6 +49,7 @@ from dgr_engine.cli._route import (
     RouteHandle,
     RouteOptionsRefused,
     RoutePlan,
+    RouteSettings,
     RouteStartFailed,
     SamplingSettings,
     add_route_arguments,
@@ -61,6 +62,7 @@ from dgr_engine.cli._route import (
 from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.cli._speculate import (
     SpeculationPlan,
+    SpeculationSettings,
     add_speculation_arguments,
     plan_speculation,
     speculation_line,
@@ -101,6 +103,48 @@ class Generation:
     """The session's speculation and what it achieved (``None``: without --speculate)."""
 
 
+@attrs.frozen
+class GenerateSettings:
+    """``dgr generate``'s command line, read once at its edge (:meth:`from_args`)."""
+
+    route: RouteSettings
+    """Where the route runs and how."""
+    sampling: SamplingSettings
+    """How tokens are chosen and when the generation stops."""
+    speculation: SpeculationSettings
+    """``--speculate`` and ``--draft-max``."""
+    prompt: str | None
+    """``--prompt`` as given: text, or token ids with :attr:`ids` (``None``: standard input,
+    or :data:`DEFAULT_PROMPT` for a model without a tokenizer)."""
+    ids: bool
+    """``--ids``: token ids in and out, no tokenizer."""
+    chat: bool
+    """``--chat``: the prompt goes through the model's chat template."""
+    stop_at_eog: bool
+    """Stop at the model's end-of-generation tokens (``--no-stop``: do not)."""
+    check: bool
+    """``--check``: compare the greedy tokens with the whole model's."""
+    json: bool
+    """``--json``: one JSON object instead of the text and the counters."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> GenerateSettings:
+        """The settings :func:`configure` parsed (a random seed when none);
+        :class:`~dgr_session.sampling.InvalidSamplingParameter` or :class:`RouteOptionsRefused`
+        for a value the settings refuse."""
+        return cls(
+            route=RouteSettings.from_args(args),
+            sampling=SamplingSettings.from_args(args),
+            speculation=SpeculationSettings.from_args(args),
+            prompt=args.prompt,
+            ids=args.ids,
+            chat=args.chat,
+            stop_at_eog=not args.no_stop,
+            check=args.check,
+            json=args.json,
+        )
+
+
 def configure(p: argparse.ArgumentParser) -> None:
     add_route_arguments(p)
     add_sampling_arguments(
@@ -136,34 +180,34 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     notice = sayer("dgr generate: ")  # silent under --quiet
     try:
-        settings = SamplingSettings.from_args(args)
-        settings.check_transport(args.transport)
-        if args.check and not settings.greedy:
+        settings = GenerateSettings.from_args(args)
+        sampling = settings.sampling
+        sampling.check_transport(settings.route.transport)
+        if settings.check and not sampling.greedy:
             raise RouteOptionsRefused("--check compares greedy tokens: drop --temperature")
-        speculate = plan_speculation(args, settings, notice=notice)
-        plan = plan_route(args, notice=notice)
+        speculate = plan_speculation(settings.speculation, sampling, notice=notice)
+        plan = plan_route(settings.route, notice=notice)
     except (RouteOptionsRefused, InvalidSamplingParameter) as exc:
         return _refused(exc)
     try:
-        if args.check and plan.model is None:
+        if settings.check and plan.model is None:
             raise RouteOptionsRefused("--check needs --model or --fixture")
-        vocab = args.vocab if args.vocab is not None else plan.model
         if speculate is not None:
-            speculate.check_vocab(vocab)
+            speculate.check_vocab(plan.vocab)
             speculate.check_model(plan.model)
-        text, prompt = _prompt(args, plan.tokenizer, vocab)
+        text, prompt = _prompt(settings, plan.tokenizer, plan.vocab)
     except (ValueError, EngineError) as exc:
         plan.close()
         return _refused(exc)
     try:
         with sigterm_as_interrupt():
-            run = asyncio.run(_generate(args, plan, settings, speculate, text, prompt, notice))
+            run = asyncio.run(_generate(settings, plan, speculate, text, prompt, notice))
     except KeyboardInterrupt:
         print("dgr generate: interrupted", file=sys.stderr)
         return 130
     except (RouteStartFailed, ContextExceeded, RouteOptionsRefused) as exc:
         return _refused(exc)  # RouteOptionsRefused: a draft model the route refuses
-    return _report(args, plan, settings, prompt, run)
+    return _report(settings, plan, prompt, run)
 
 
 def _refused(exc: BaseException) -> int:
@@ -172,16 +216,17 @@ def _refused(exc: BaseException) -> int:
 
 
 def _prompt(
-    args: argparse.Namespace, tokenizer: Tokenizer | None, vocab: Path | None
+    settings: GenerateSettings, tokenizer: Tokenizer | None, vocab: Path | None
 ) -> tuple[str | None, list[int]]:
     """The prompt's text (``None`` for token ids) and its token ids (``vocab``: the GGUF the
     tokenizer would come from)."""
-    if args.ids or (args.prompt is None and tokenizer is None):
-        if args.chat:
+    given = settings.prompt
+    if settings.ids or (given is None and tokenizer is None):
+        if settings.chat:
             raise ValueError("--chat needs a text prompt (not --ids)")
-        if args.stop:
+        if settings.sampling.stop:
             raise ValueError("--stop needs a text prompt (not --ids)")
-        return None, list(DEFAULT_PROMPT) if args.prompt is None else _parse_ids(args.prompt)
+        return None, list(DEFAULT_PROMPT) if given is None else _parse_ids(given)
     if vocab is None:
         raise ValueError(
             "a text prompt needs a tokenizer: --model, --fixture or --vocab GGUF (or --ids)"
@@ -191,8 +236,8 @@ def _prompt(
             f"{vocab.name} has no tokenizer (token ids only, like the generated fixtures): give "
             "token ids with --ids"
         )
-    text = args.prompt if args.prompt is not None else _stdin_prompt()
-    return text, prompt_ids(tokenizer, text, chat=args.chat)
+    text = given if given is not None else _stdin_prompt()
+    return text, prompt_ids(tokenizer, text, chat=settings.chat)
 
 
 def _stdin_prompt() -> str:
@@ -215,9 +260,8 @@ def _parse_ids(text: str) -> list[int]:
 
 
 async def _generate(
-    args: argparse.Namespace,
+    settings: GenerateSettings,
     plan: RoutePlan,
-    settings: SamplingSettings,
     speculate: SpeculationPlan | None,
     text: str | None,
     prompt: list[int],
@@ -225,36 +269,36 @@ async def _generate(
 ) -> Generation:
     async with open_route(plan, notice=notice) as route:
         if speculate is None:
-            return await _run_session(args, route, settings, None, text, prompt, notice)
+            return await _run_session(settings, route, None, text, prompt, notice)
         drafter = speculate.open(route, plan.options)
         try:
             speculation = speculate.session(drafter)
-            return await _run_session(args, route, settings, speculation, text, prompt, notice)
+            return await _run_session(settings, route, speculation, text, prompt, notice)
         finally:
             drafter.close()
 
 
 async def _run_session(
-    args: argparse.Namespace,
+    settings: GenerateSettings,
     route: RouteHandle,
-    settings: SamplingSettings,
     speculation: Speculation | None,
     text: str | None,
     prompt: list[int],
     notice: Notice,
 ) -> Generation:
     """One session over the running route, its text printed as it comes."""
-    wanted = settings.max_tokens
+    sampling = settings.sampling
+    wanted = sampling.max_tokens
     if wanted is None:
         wanted = DEFAULT_TEXT_TOKENS if text is not None else DEFAULT_NEW_TOKENS
     limit = token_budget(route, len(prompt), wanted, hint="a shorter prompt")
-    if settings.max_tokens is not None and limit < settings.max_tokens:
+    if sampling.max_tokens is not None and limit < sampling.max_tokens:
         notice(f"{limit} new tokens fit the context ({route.context} positions)")
     loop = asyncio.get_running_loop()
     prefilling = loop.call_later(PREFILL_NOTICE_SECONDS, notice, f"prefilling {len(prompt)} tokens")
     began = time.perf_counter()
     output: TextOutput | None = None
-    sampler = settings.sampler()
+    sampler = sampling.sampler()
     if text is None:
         handle = route.manager.start(
             prompt,
@@ -270,9 +314,9 @@ async def _run_session(
             route.tokenizer,
             prompt,
             max_new_tokens=limit,
-            on_text=lambda piece: _emit(args, piece),
-            stop_at_eog=not args.no_stop,
-            stop_texts=settings.stop,
+            on_text=lambda piece: _emit(settings, piece),
+            stop_at_eog=settings.stop_at_eog,
+            stop_texts=sampling.stop,
             on_token=lambda _token: prefilling.cancel(),
             sampler=sampler,
             speculation=speculation,
@@ -284,7 +328,7 @@ async def _run_session(
     seconds = time.perf_counter() - began
     generated = None
     if output is not None:
-        _emit(args, output.flush())  # a character the last piece left incomplete, held text
+        _emit(settings, output.flush())  # a character the last piece left incomplete, held text
         generated = output.text
     await route.manager.aclose()
     return Generation(
@@ -304,30 +348,25 @@ def _chain_frames(route: RouteHandle) -> int | None:
     return transport.chain_stats.sent if isinstance(transport, ChainStageTransport) else None
 
 
-def _emit(args: argparse.Namespace, piece: str) -> None:
+def _emit(settings: GenerateSettings, piece: str) -> None:
     """Generated text as it comes (on stdout unless --json gathers it)."""
-    if piece and not args.json:
+    if piece and not settings.json:
         print(piece, end="", flush=True)
 
 
-def _report(
-    args: argparse.Namespace,
-    plan: RoutePlan,
-    settings: SamplingSettings,
-    prompt: list[int],
-    run: Generation,
-) -> int:
+def _report(settings: GenerateSettings, plan: RoutePlan, prompt: list[int], run: Generation) -> int:
     result = run.result
     tokens = list(result.tokens)
     stopped = run.stopped_at is not None
     failed = result.error is not None and not stopped
     state = "stopped at a stop string" if stopped else result.state.value
     expected = None
-    if args.check:
+    sampling = settings.sampling
+    if settings.check:
         assert plan.model is not None
         whole = whole_model_greedy(plan.model, [prompt], run.max_tokens, plan.options)[0]
         expected = whole[: len(tokens)]  # a stop token or string may have ended the session
-    if args.json:
+    if settings.json:
         report = {
             "state": result.state.value,
             "stopped_at": run.stopped_at,
@@ -335,14 +374,14 @@ def _report(
             "text": run.text,
             "prompt_tokens": len(prompt),
             "max_tokens": run.max_tokens,
-            "seed": None if settings.greedy else settings.seed,
+            "seed": None if sampling.greedy else sampling.seed,
             "epoch": result.epoch,
             "route_changes": result.route_changes,
             "error": failure_line(result.error) if failed else None,
             "seconds": run.seconds,
             "whole_model_equal": None if expected is None else tokens == expected,
             "stages": [_stats_dict(s) for s in run.stats.values()],
-            "transport": args.transport,
+            "transport": plan.transport,
             "chain_frames_sent": run.chain_frames_sent,
             "speculation": _speculation_dict(run.speculation),
         }
@@ -351,7 +390,7 @@ def _report(
             print(speculation_line(run.speculation), file=sys.stderr)
     else:
         print(" ".join(map(str, tokens)) if run.text is None else "", flush=True)
-        seed = "" if settings.greedy else f"  seed {settings.seed}"
+        seed = "" if sampling.greedy else f"  seed {sampling.seed}"
         print(
             f"state {state}  epoch {result.epoch}  route changes {result.route_changes}  "
             f"{len(tokens)} tokens in {run.seconds:.3f} s{seed}",

@@ -26,12 +26,15 @@ import asyncio
 import socket
 import sys
 
+import attrs
+
 from dgr_engine.argtypes import float_in, int_in
 from dgr_engine.cli._progress import sayer
 from dgr_engine.cli._route import (
     RouteHandle,
     RouteOptionsRefused,
     RoutePlan,
+    RouteSettings,
     RouteStartFailed,
     add_route_arguments,
     open_route,
@@ -43,6 +46,46 @@ from dgr_session import FailurePolicy
 
 DEFAULT_PORT = 8000
 """``--port``'s default."""
+
+
+@attrs.frozen
+class ServeSettings:
+    """``dgr serve``'s command line, read once at its edge (:meth:`from_args`)."""
+
+    route: RouteSettings
+    """Where the route runs and how."""
+    host: str
+    """``--host``: the address to listen on."""
+    port: int
+    """``--port``: the port to listen on (0: any free one)."""
+    name: str | None
+    """``--name``: the model's name in answers (``None``: :attr:`model_name`'s default)."""
+    admission_wait: float
+    """``--admission-wait``: seconds a request may wait for a free session slot."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> ServeSettings:
+        """The settings :func:`configure` parsed; :class:`RouteOptionsRefused` for engine
+        options out of range."""
+        return cls(
+            route=RouteSettings.from_args(args),
+            host=args.host,
+            port=args.port,
+            name=args.name,
+            admission_wait=args.admission_wait,
+        )
+
+    @property
+    def model_name(self) -> str:
+        """The model's name in answers and /v1/models: ``--name``, else ``--model`` or
+        ``--fixture`` as given (a file's name without .gguf), else ``dgr``."""
+        if self.name:
+            return self.name
+        given = self.route.model if self.route.model is not None else self.route.fixture
+        if given is None:
+            return "dgr"
+        name = given.rsplit("/", 1)[-1]
+        return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -72,7 +115,8 @@ def configure(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        plan = plan_route(args, notice=sayer("dgr serve: "))
+        settings = ServeSettings.from_args(args)
+        plan = plan_route(settings.route, notice=sayer("dgr serve: "))
     except RouteOptionsRefused as exc:
         return _refused(str(exc))
     if plan.tokenizer is None:
@@ -87,13 +131,13 @@ def run(args: argparse.Namespace) -> int:
             "--transport ring runs greedy tokens only and requests may sample: use relay or chain"
         )
     try:
-        sock = listen(args.host, args.port)
+        sock = listen(settings.host, settings.port)
     except OSError as exc:
         plan.close()
-        return _refused(f"cannot listen on {args.host}:{args.port}: {exc.strerror or exc}")
+        return _refused(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}")
     try:
         with sigterm_as_interrupt():
-            asyncio.run(_serve(args, plan, sock))
+            asyncio.run(_serve(settings, plan, sock))
     except KeyboardInterrupt:  # before the server was up (starting the workers)
         print("dgr serve: interrupted", file=sys.stderr)
         return 130
@@ -105,17 +149,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(args: argparse.Namespace, plan: RoutePlan, sock: socket.socket) -> None:
+async def _serve(settings: ServeSettings, plan: RoutePlan, sock: socket.socket) -> None:
     async with open_route(plan, notice=sayer("dgr serve: ")) as handle:
         assert handle.tokenizer is not None
         served = ServedRoute(
             handle.manager,
             handle.tokenizer,
-            model=_name(args),
+            model=settings.model_name,
             context=handle.context,
             stages=AdvertStages([(s.endpoint, s.layers) for s in handle.stages], tls=plan.tls),
             policy=FailurePolicy(
-                step_deadline=plan.step_deadline, admission_budget=args.admission_wait
+                step_deadline=plan.step_deadline, admission_budget=settings.admission_wait
             ),
         )
         url = url_of(sock)
@@ -131,16 +175,6 @@ def _cancel_all(handle: RouteHandle) -> None:
     """The server is stopping: every running session ends (its stream says so)."""
     for session in handle.manager.sessions:
         session.cancel("the server is stopping")
-
-
-def _name(args: argparse.Namespace) -> str:
-    if args.name:
-        return str(args.name)
-    given = args.model if args.model is not None else args.fixture
-    if given is None:
-        return "dgr"
-    name = str(given).rsplit("/", 1)[-1]
-    return name[: -len(".gguf")] if name.endswith(".gguf") else name
 
 
 def _refused(text: str) -> int:

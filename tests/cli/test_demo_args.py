@@ -10,6 +10,7 @@ import pytest
 
 from dgr_engine import cli
 from dgr_engine.cli import demo
+from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.models import CATALOG, ModelFetchFailed, ModelNotFetched
 
 
@@ -72,9 +73,8 @@ def test_a_model_that_cannot_be_had_falls_back_to_the_fixture(
     monkeypatch.setattr(models, "model_path", not_here)
     monkeypatch.setattr(models, "fetch_model", no_network)
     said: list[str] = []
-    args = demo_args()
-    chosen = demo.choose_model(args, said.append)
-    assert chosen.real is None and args.fixture == demo.DEFAULT_FIXTURE
+    chosen = demo.choose_model(demo.DemoSettings.from_args(demo_args()), said.append)
+    assert chosen.real is None and chosen.path == ensure_fixture(demo.DEFAULT_FIXTURE)
     assert chosen.path.is_file() and chosen.n_layer == 4
     (fallback,) = [line for line in said if "cannot be had" in line]
     assert "no network" in fallback and "falling back to the generated fixture" in fallback
@@ -95,7 +95,7 @@ def test_a_fetched_model_is_taken_as_it_is(monkeypatch: pytest.MonkeyPatch, tmp_
     monkeypatch.setattr(models, "model_path", fetched)
     monkeypatch.setattr(models, "fetch_model", never)
     said: list[str] = []
-    chosen = demo.choose_model(demo_args(), said.append)
+    chosen = demo.choose_model(demo.DemoSettings.from_args(demo_args()), said.append)
     assert chosen.path == gguf and chosen.real is not None and chosen.n_layer == 30
     assert said == []
 
