@@ -339,7 +339,7 @@ async def _run_session(
         route.stage_transport.stats(),
         seconds,
         _chain_frames(route),
-        speculation,
+        handle.core.speculation,  # the route's in place of ours where it drafts (a ring)
     )
 
 
