@@ -80,7 +80,7 @@ class StatusRule:
     c_code: int | None
     """Its C code (``dgr_status``), or ``None`` for the client's own statuses."""
     grpc_code: str | None
-    """The gRPC code a worker refuses a call with for it (``grpc.StatusCode``'s name), or
+    """The gRPC code a worker refuses a call with for it (the name of gRPC's status code), or
     ``None`` for statuses no worker sends over gRPC."""
     error: type[E.ShardError]
     """The exception a caller raises for it."""

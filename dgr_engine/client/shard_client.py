@@ -32,6 +32,7 @@ import numpy as np
 import numpy.typing as npt
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from dgr_engine.client.channel import StageFailure
 from dgr_engine.errors import (
     ClientCallError,
     FrameRejected,
@@ -42,6 +43,7 @@ from dgr_engine.errors import (
     ShardUnavailable,
 )
 from dgr_engine.security.tls import ClientTls
+from dgr_engine.status import Status
 from dgr_engine.wire.advert import Advert, advert_from_proto
 from dgr_engine.wire.frames import (
     SCHEMA_VERSION,
@@ -56,7 +58,7 @@ from dgr_engine.wire.frames import (
 from dgr_engine.wire.metadata import DEFAULT_MAX_MESSAGE_BYTES, session_metadata
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
-from dgr_engine.wire.status import error_from_trailers
+from dgr_engine.wire.status import STATUS_KEY, error_from_trailers
 from dgr_session.errors import DgrError
 from dgr_session.identifiers import check_session_id
 from dgr_session.usage import UsageRecord
@@ -384,6 +386,30 @@ class ShardClient:
             mtp_drafts=mtp_drafts_of(reply),
             greedy=greedy,
         )
+
+    async def link(
+        self, request: pb.LinkRequest, next_hop: int, timeout: float | None = None
+    ) -> None:
+        """``Chain.Link``: links this stage of a chained route to the next, of index
+        ``next_hop`` (``docs/chain.md``); its refusal is raised as its typed error, except that
+        a refusal saying the next stage could not be reached (``DGR_E_UNAVAILABLE`` from the
+        worker) is a :class:`~dgr_engine.client.channel.StageFailure` naming that stage."""
+        try:
+            await self.chain.Link(
+                request,
+                timeout=timeout if timeout is not None else self.timeout,
+                metadata=session_metadata(request),
+            )
+        except grpc.aio.AioRpcError as exc:
+            error = _error_of(exc)
+            said = dict(exc.trailing_metadata() or ())
+            if said.get(STATUS_KEY) == Status.UNAVAILABLE:
+                raise StageFailure(next_hop, error) from exc
+            raise error from exc
+        except DgrError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - gRPC failed it here: nothing was sent
+            raise client_call_error(exc) from exc
 
     def session_secret(self, session_id: str, epoch: int) -> bytes:
         """The secret the worker's open of ``(session_id, epoch)`` answered (empty without

@@ -249,7 +249,7 @@ class FrameLinkTarget:
 class CallStatus:
     """How a call over a connection of its own ends, said as a ``grpc.aio`` call says it
     (``code``, ``details``, ``trailing_metadata``, ``done``, ``cancel``): the frame link's
-    calls and the native link's (``client/native_target.py``) share it."""
+    calls use it (the client reads them through ``client/grpc_channel.py``)."""
 
     def __init__(self) -> None:
         loop = asyncio.get_running_loop()

@@ -1,5 +1,6 @@
-"""Chained routes: a :class:`~dgr_session.transport.StageTransport` where each stage sends its
-output straight to the next one and only the last stage's output comes back (``docs/chain.md``).
+"""The chained route's transport: a :class:`~dgr_session.transport.StageTransport` where each
+stage sends its output straight to the next one and only the last stage's output comes back
+(``docs/chain.md``).
 
 The route session is the relay's, untouched: it still asks for one forward per stage. The
 transport sends the frame to the first stage only (``Chain.ChainStream``); the first stage's
@@ -32,17 +33,19 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
-import grpc
 
-from dgr_engine.client.native_target import NativeLinkTarget, native_route
+from dgr_engine.client.chained.epoch import ChainEpoch
+from dgr_engine.client.chained.tickets import ChainRecord, ChainStats, ChainTicket, RingMismatch
+from dgr_engine.client.channel import ChainChannel, StageFailure
+from dgr_engine.client.grpc_channel import GrpcChainChannel
+from dgr_engine.client.native_channel import native_route
 from dgr_engine.client.relay import GrpcStageTransport, expectations_for
+from dgr_engine.client.route_modes import DataPath
 from dgr_engine.client.shard_client import client_call_error, mtp_drafts_of, session_metadata
 from dgr_engine.errors import (
     FrameRejected,
     ShardDeadlineExceeded,
-    ShardError,
     ShardRpcError,
-    ShardUnavailable,
 )
 from dgr_engine.wire.frame_link import FrameLinkTarget, split_endpoint
 from dgr_engine.wire.frames import (
@@ -54,10 +57,8 @@ from dgr_engine.wire.frames import (
     output_from_reply,
 )
 from dgr_engine.wire.proto import shard_pb2 as pb
-from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY, error_from_trailers
 from dgr_session.commands import Forward
 from dgr_session.errors import DgrError
-from dgr_session.faults import FaultKind
 from dgr_session.identifiers import check_session_id
 from dgr_session.mtp_drafts import MtpDraftRequest
 from dgr_session.route import StageSpec
@@ -77,20 +78,13 @@ from dgr_session.transport import (
 )
 from dgr_session.usage import StageCost
 
-DATA_PATHS = ("auto", "grpc", "frame-link", "native")
+DATA_PATHS = tuple(DataPath)
 """The data paths a :class:`ChainStageTransport` can be told to take (``docs/data-paths.md``)."""
 
 _LIMITS_KEPT = 65536
 """Sessions whose ring limits a transport keeps (the oldest are forgotten first)."""
 
-__all__ = [
-    "DATA_PATHS",
-    "ChainRecord",
-    "ChainStageTransport",
-    "ChainStats",
-    "ChainTicket",
-    "RingMismatch",
-]
+__all__ = ["DATA_PATHS", "ChainStageTransport"]
 
 
 @attrs.define(eq=False)
@@ -109,408 +103,12 @@ class _RingDrafts:
         pass
 
 
-class RingMismatch(ShardRpcError):
-    """The session's token differs from the greedy token a ring already ran (a sampler that is
-    not greedy): the stages' state is no longer the session's. Nothing is wrong with them, so it
-    is filed as ``state_lost``: the epoch ends, the session re-prefills, nobody is blamed."""
-
-    fault_kind = FaultKind.STATE_LOST
-
-
-@attrs.define(eq=False)
-class ChainTicket:
-    """One chained frame's outcome, relayed by the route session from stage to stage in place of
-    boundary rows: the last stage's reply and every stage's trace, or the stage that failed."""
-
-    step: int
-    """The frame's step."""
-    rows: int
-    """The frame's rows."""
-    done: asyncio.Future[None] = attrs.field(repr=False)
-    """Resolved once the outcome is known."""
-    reply: pb.ChainOutputReply | None = attrs.field(default=None, repr=False)
-    """The last stage's output and every stage's trace (success)."""
-    failed_hop: int | None = None
-    """The index of the stage that refused or was lost (failure)."""
-    error: Exception | None = None
-    """Its typed error (failure)."""
-
-    def succeed(self, reply: pb.ChainOutputReply) -> None:
-        if not self.done.done():
-            self.reply = reply
-            self.done.set_result(None)
-
-    def fail(self, hop: int, error: Exception) -> None:
-        if not self.done.done():
-            self.failed_hop, self.error = hop, error
-            self.done.set_result(None)
-
-
-@attrs.frozen
-class ChainRecord:
-    """One chained frame that came back (handed to ``chain_observer``)."""
-
-    session_id: str
-    epoch: int
-    step: int
-    rows: int
-    """Rows of the frame."""
-    rtt_us: int
-    """Client time from sending the frame to the first stage to its output's arrival."""
-    handler_us: tuple[int, ...]
-    """Each stage's handler time (checks, engine, the frame to the next stage built)."""
-    compute_us: tuple[int, ...]
-    """Each stage's engine time."""
-    native_us: tuple[int, ...] = ()
-    """Of each stage's engine time, the part inside llama.cpp (0 from a worker that does not
-    say: ``Timings.native_us``)."""
-
-
-@attrs.define
-class ChainStats:
-    """What chained frames cost, summed over the transport's lifetime (successful frames)."""
-
-    frames: int = 0
-    """Chained frames that came back."""
-    sent: int = 0
-    """Frames the client sent to the first stage (on a ring, the rest the last stage sent)."""
-    rtt_us: int = 0
-    """Client time from sending each frame to the first stage to its output's arrival."""
-    handler_us: int = 0
-    """Time the stages spent in their handlers (checks, engine, reply), summed over stages."""
-    compute_us: int = 0
-    """Engine time, summed over stages."""
-    native_us: int = 0
-    """Of the engine time, the part inside llama.cpp, summed over stages."""
-    frame_link_epochs: int = 0
-    """Epochs whose frames took the frame link (the rest took gRPC or native links)."""
-    native_epochs: int = 0
-    """Epochs whose frames took native links (``docs/native-link.md``)."""
-
-    @property
-    def transit_us(self) -> int:
-        """The rest: every hop's gRPC transit (network included) and the client's own code."""
-        return self.rtt_us - self.handler_us
-
-
 class _AtStage(Exception):
     """A chain's setup failed at the stage of this index, with this error."""
 
     def __init__(self, index: int, error: Exception) -> None:
         super().__init__(index, error)
         self.index, self.error = index, error
-
-
-def _hop_of(trailers: Any, default: int) -> int:
-    for key, value in trailers or ():
-        if key == CHAIN_HOP_KEY:
-            text = value if isinstance(value, str) else bytes(value).decode()
-            return int(text) if text.isdigit() else default
-    return default
-
-
-def _error_of(exc: grpc.aio.AioRpcError) -> ShardError:
-    return error_from_trailers(exc.code(), exc.trailing_metadata(), exc.details() or "")
-
-
-class _Chain:
-    """One (session, epoch) of a chained route: its stages, streams and frames in flight."""
-
-    def __init__(self, transport: ChainStageTransport, session_id: str, epoch: int) -> None:
-        self.t = transport
-        self.session_id = session_id
-        self.epoch = epoch
-        self.stages: dict[int, StageSpec] = {}  # by layer_begin, filled by opens
-        self.route: list[StageSpec] = []
-        self.pending: collections.deque[ChainTicket] = collections.deque()
-        self.frames_ahead: list[ChainTicket] = []
-        """The frames sent ahead of a forward's last one (``Forward.frame_rows``)."""
-        self.broken: tuple[int, Exception] | None = None
-        self.input: Any = None
-        self.output: Any = None
-        self.tasks: list[asyncio.Task[None]] = []
-        self._setup: asyncio.Task[None] | None = None
-        # a ring: the tokens (and kept drafts) of the frame the last stage sent on by itself for
-        # each step ahead, and outputs of such frames that came back before the session asked
-        # for them; a drafting ring: the drafts of the pass it sent, by its first position
-        self.predicted: dict[int, tuple[tuple[int, ...], int | None]] = {}
-        self.early: dict[int, pb.ChainOutputReply] = {}
-        self.ring_drafts: dict[int, tuple[int, ...]] = {}
-        self.greedy = False
-        """The session's first frame asked for greedy tokens (a native link carries only
-        such rings)."""
-        self.native = False
-        """The epoch's frames take native links (``docs/native-link.md``)."""
-
-    def index(self, stage: StageSpec) -> int:
-        for i, s in enumerate(self.route):
-            if s.layer_begin == stage.layer_begin:
-                return i
-        raise ShardRpcError(
-            f"{stage.endpoint} is not a stage of this chain", status="DGR_E_PROTOCOL"
-        )
-
-    def fail(self, hop: int, error: Exception) -> None:
-        if self.broken is None:
-            self.broken = (hop, error)
-        while self.pending:
-            self.pending.popleft().fail(*self.broken)
-
-    def metadata(self, step: int = 0) -> tuple[tuple[str, str], ...]:
-        return session_metadata(
-            pb.ForwardRequest(session_id=self.session_id, epoch=self.epoch, step=step)
-        )
-
-    async def ensure_linked(self) -> None:
-        if self._setup is None:
-            self._setup = asyncio.get_running_loop().create_task(self._link())
-        await asyncio.shield(self._setup)
-
-    async def _link(self) -> None:
-        route = [self.stages[b] for b in sorted(self.stages)]
-        n_layer = route[0].identity.n_layer if route else 0
-        ends = [s.layer_begin for s in route[1:]] == [s.layer_end for s in route[:-1]]
-        if not route or route[0].layer_begin != 0 or route[-1].layer_end != n_layer or not ends:
-            got = [(s.layer_begin, s.layer_end) for s in route]
-            self.fail(
-                0,
-                ShardRpcError(
-                    f"opened stages {got} do not cover [0, {n_layer}) once", status="DGR_E_PROTOCOL"
-                ),
-            )
-            return
-        self.route = route
-        sid, epoch, t = self.session_id, self.epoch, self.t
-        secrets = [t.client(s.endpoint).session_secret(sid, epoch) for s in route]
-        last = len(route) - 1
-        targets: Sequence[Any] | None = None
-        try:
-            if t.data_path in ("native", "auto"):
-                targets = await t.native_links(route, sid, greedy=self.greedy)
-            self.native = targets is not None
-            if targets is None:
-                targets = await t.frame_links(route)
-        except _AtStage as exc:
-            self.fail(exc.index, exc.error)
-            return
-        use_link = targets is not None and not self.native
-
-        async def link(k: int) -> None:
-            nxt = route[k + 1]
-            tls = False
-            if t.tls is not None:
-                tls = (await t.advert(nxt.endpoint)).security.tls
-            hop = pb.ChainHop(
-                endpoint=nxt.endpoint,
-                expect=expectations_to_proto(expectations_for(nxt)),
-                session_secret=secrets[k + 1],
-                tls=tls,
-                frame_link=use_link,
-                native_link=self.native,
-                native_hop=k + 1,
-            )
-            request = pb.LinkRequest(
-                session_id=sid, epoch=epoch, session_secret=secrets[k], next=hop
-            )
-            await t.client(route[k].endpoint).chain.Link(
-                request, timeout=t.timeout, metadata=self.metadata()
-            )
-
-        async def open_output() -> None:
-            request = pb.ChainOutputRequest(
-                session_id=sid, epoch=epoch, session_secret=secrets[last]
-            )
-            dialer = targets[last] if targets is not None else t.client(route[last].endpoint).chain
-            self.output = dialer.ChainOutput(request, metadata=self.metadata())
-            async with asyncio.timeout(t.timeout):
-                ready = await self.output.read()
-            if ready is grpc.aio.EOF:
-                raise ShardRpcError("the output stream ended at once", status="DGR_E_PROTOCOL")
-
-        async def ring() -> None:
-            head = route[0]
-            tls = False
-            if t.tls is not None:
-                tls = (await t.advert(head.endpoint)).security.tls
-            hop = pb.ChainHop(
-                endpoint=head.endpoint,
-                expect=expectations_to_proto(expectations_for(head)),
-                session_secret=secrets[0],
-                tls=tls,
-                frame_link=use_link,
-                native_link=self.native,
-                native_hop=0,
-            )
-            request = pb.LinkRequest(
-                session_id=sid, epoch=epoch, session_secret=secrets[last], next=hop, ring=True
-            )
-            await t.client(route[last].endpoint).chain.Link(
-                request, timeout=t.timeout, metadata=self.metadata()
-            )
-
-        steps = [(k, link(k)) for k in range(last)] + [(last, open_output())]
-        if t.ring:
-            steps.append((last, ring()))
-        results = await asyncio.gather(*(c for _, c in steps), return_exceptions=True)
-        for i, ((k, _), result) in enumerate(zip(steps, results, strict=True)):
-            if isinstance(result, BaseException):
-                error: Exception
-                if isinstance(result, grpc.aio.AioRpcError):
-                    error = _error_of(result)
-                    said = dict(result.trailing_metadata() or ())
-                    linking = k < last or (t.ring and i == len(steps) - 1)
-                    if linking and said.get(STATUS_KEY) == "DGR_E_UNAVAILABLE":
-                        k = (k + 1) % len(route)  # it could not reach the stage it links to
-                elif isinstance(result, TimeoutError):
-                    error = ShardDeadlineExceeded(f"no answer within {t.timeout} s")
-                elif isinstance(result, DgrError):
-                    error = result
-                elif isinstance(result, Exception):  # gRPC failed the call here: not sent
-                    error = client_call_error(result)
-                else:
-                    raise result
-                self.fail(k, error)
-                return
-        try:
-            dialer = targets[0] if targets is not None else t.client(route[0].endpoint).chain
-            self.input = dialer.ChainStream(metadata=self.metadata())
-        except DgrError as exc:
-            self.fail(0, exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - gRPC failed the call here: not sent
-            self.fail(0, client_call_error(exc))
-            return
-        loop = asyncio.get_running_loop()
-        self.tasks += [
-            loop.create_task(self._read_outputs()),
-            loop.create_task(self._watch_input()),
-        ]
-
-    async def _read_outputs(self) -> None:
-        last = len(self.route) - 1
-        try:
-            while (message := await self.output.read()) is not grpc.aio.EOF:
-                if not self.pending and self.t.ring and message.reply.epoch == self.epoch:
-                    self.early[int(message.reply.step)] = message  # the ring ran ahead
-                    continue
-                if not self.pending:
-                    self.fail(
-                        last, ShardRpcError("an output nobody asked for", status="DGR_E_PROTOCOL")
-                    )
-                    return
-                ticket = self.pending.popleft()
-                if message.reply.step != ticket.step or message.reply.epoch != self.epoch:
-                    got = (message.reply.epoch, message.reply.step)
-                    ticket.fail(
-                        last,
-                        ShardRpcError(
-                            f"output for (epoch, step) {got}, expected {(self.epoch, ticket.step)}",
-                            status="DGR_E_PROTOCOL",
-                        ),
-                    )
-                    assert ticket.error is not None
-                    self.fail(last, ticket.error)
-                    return
-                ticket.succeed(message)
-            code = await self.output.code()
-            details = await self.output.details() or ""
-            trailers = await self.output.trailing_metadata()
-            if code == grpc.StatusCode.OK:
-                self.fail(
-                    last, ShardUnavailable(f"the last stage ended the output stream: {details}")
-                )
-            else:
-                self.fail(_hop_of(trailers, last), error_from_trailers(code, trailers, details))
-        except grpc.aio.AioRpcError as exc:
-            self.fail(_hop_of(exc.trailing_metadata(), last), _error_of(exc))
-        except asyncio.InvalidStateError:
-            self.fail(last, ShardUnavailable("the output stream is over"))
-
-    async def _watch_input(self) -> None:
-        try:
-            while await self.input.read() is not grpc.aio.EOF:
-                pass  # nothing is answered while all goes well
-            code = await self.input.code()
-            if code != grpc.StatusCode.OK:
-                trailers = await self.input.trailing_metadata()
-                details = await self.input.details() or ""
-                self.fail(_hop_of(trailers, 0), error_from_trailers(code, trailers, details))
-            elif self.pending:
-                self.fail(
-                    0, ShardRpcError("the first stage ended the chain", status="DGR_E_PROTOCOL")
-                )
-        except grpc.aio.AioRpcError as exc:
-            self.fail(_hop_of(exc.trailing_metadata(), 0), _error_of(exc))
-        except asyncio.InvalidStateError:
-            pass
-
-    def fold_frames(self, ticket: ChainTicket) -> None:
-        """The frames sent ahead of ``ticket``'s (one forward's pinned chunks) end with it: a
-        failure of theirs is the forward's (the oldest first, as the chain ran them), and on
-        success each stage's cost of them joins its cost of the last frame (its trace), so the
-        forward's answer counts all its rows."""
-        ahead, self.frames_ahead = self.frames_ahead, []
-        failed = next((f for f in ahead if f.error is not None), None)
-        if failed is not None and failed.failed_hop is not None and failed.error is not None:
-            ticket.failed_hop, ticket.error, ticket.reply = failed.failed_hop, failed.error, None
-            return
-        if ticket.reply is None:
-            return
-        for frame in ahead:
-            if frame.reply is None:
-                continue
-            for hop in frame.reply.hops:
-                mine = next((h for h in ticket.reply.hops if h.hop == hop.hop), None)
-                if mine is None:
-                    continue
-                mine.bytes_in += hop.bytes_in
-                mine.bytes_out += hop.bytes_out
-                for name in ("compute_us", "native_us", "total_us", "queue_us"):
-                    setattr(
-                        mine.timings, name, getattr(mine.timings, name) + getattr(hop.timings, name)
-                    )
-
-    def expect(self, ticket: ChainTicket) -> None:
-        """A frame the ring already sent: its outcome lands on ``ticket``."""
-        early = self.early.pop(ticket.step, None)
-        if early is not None:
-            ticket.succeed(early)
-        elif self.broken is not None:
-            ticket.fail(*self.broken)
-        else:
-            self.pending.append(ticket)
-
-    async def submit(self, ticket: ChainTicket, request: pb.ForwardRequest) -> None:
-        """Sends one frame into the chain; its outcome lands on ``ticket``."""
-        self.pending.append(ticket)
-        if self.broken is not None:
-            self.fail(*self.broken)
-            return
-        try:
-            await self.input.write(request)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
-            # the stream is over: its status (read by _watch_input) says why and where
-            try:
-                async with asyncio.timeout(self.t.close_timeout):
-                    await asyncio.shield(ticket.done)
-            except TimeoutError:
-                self.fail(0, ShardUnavailable(f"the chain's first stage is gone: {exc!r}"))
-        except Exception as exc:  # noqa: BLE001 - gRPC failed the write here: not sent
-            self.fail(0, client_call_error(exc))
-
-    async def aclose(self) -> None:
-        for task in self.tasks:
-            task.cancel()
-        if self._setup is not None:
-            self._setup.cancel()
-        if self.input is not None:
-            try:
-                await asyncio.wait_for(self.input.done_writing(), self.t.close_timeout)
-            except (grpc.aio.AioRpcError, asyncio.InvalidStateError, TimeoutError):
-                pass
-        if self.output is not None:
-            self.output.cancel()
-        self.fail(0, ShardRpcError("the epoch's chain was closed", status="DGR_E_PROTOCOL"))
 
 
 class ChainStageTransport(GrpcStageTransport):
@@ -528,7 +126,7 @@ class ChainStageTransport(GrpcStageTransport):
         *,
         chain_observer: Callable[[ChainRecord], None] | None = None,
         ring: bool = False,
-        data_path: str = "auto",
+        data_path: DataPath | str = DataPath.AUTO,
         prefill_frames: int = 4,
         **options: Any,
     ) -> None:
@@ -551,12 +149,13 @@ class ChainStageTransport(GrpcStageTransport):
         """Called with a :class:`ChainRecord` after each chained frame that came back; must
         not raise."""
         # (session, epoch) -> its chain; dropped at the epoch's first close
-        self._chains: dict[tuple[str, int], _Chain] = {}
+        self._chains: dict[tuple[str, int], ChainEpoch] = {}
         self.chain_stats = ChainStats()
         """What chained frames cost (for benchmarks: where a token's time goes)."""
         if data_path not in DATA_PATHS:
-            raise ValueError(f"data_path must be one of {DATA_PATHS}, got {data_path!r}")
-        self.data_path = data_path
+            known = [str(p) for p in DATA_PATHS]
+            raise ValueError(f"data_path must be one of {known}, got {data_path!r}")
+        self.data_path = DataPath(data_path)
         """Which path chained frames take: ``auto`` (the fastest every stage of the route
         offers: native links for a ring's greedy session without drafts (over TLS: sealed
         links only, ``wire/link_seal.py``), else the frame
@@ -569,13 +168,113 @@ class ChainStageTransport(GrpcStageTransport):
         # drafting rings' sessions whose last stage drafts with its MTP block
         self._ring_mtp: set[str] = set()
 
-    async def frame_links(self, route: Sequence[StageSpec]) -> list[FrameLinkTarget] | None:
+    async def _linked(self, chain: ChainEpoch) -> None:
+        """Links ``chain``'s route once (every later forward of the epoch waits for it)."""
+        if chain.setup is None:
+            chain.setup = asyncio.get_running_loop().create_task(self._link(chain))
+        await asyncio.shield(chain.setup)
+
+    async def _link(self, chain: ChainEpoch) -> None:
+        """Links the epoch's route: every stage but the last to the next (``Chain.Link``), a
+        ring's last to its first, and the last stage's outcome stream opened; then the first
+        stage's frame stream. A failure is the epoch's, at the stage it names."""
+        route = [chain.stages[b] for b in sorted(chain.stages)]
+        n_layer = route[0].identity.n_layer if route else 0
+        ends = [s.layer_begin for s in route[1:]] == [s.layer_end for s in route[:-1]]
+        if not route or route[0].layer_begin != 0 or route[-1].layer_end != n_layer or not ends:
+            got = [(s.layer_begin, s.layer_end) for s in route]
+            chain.fail(
+                0,
+                ShardRpcError(
+                    f"opened stages {got} do not cover [0, {n_layer}) once", status="DGR_E_PROTOCOL"
+                ),
+            )
+            return
+        chain.route = route
+        sid, epoch = chain.session_id, chain.epoch
+        secrets = [self.client(s.endpoint).session_secret(sid, epoch) for s in route]
+        last = len(route) - 1
+        channels: Sequence[ChainChannel] | None = None
+        use_link = False  # the epoch takes the frame link
+        try:
+            if self.data_path in ("native", "auto"):
+                channels = await self.native_links(route, sid, greedy=chain.greedy)
+            chain.native = channels is not None
+            if channels is None:
+                channels = await self.frame_links(route)
+                use_link = channels is not None
+        except _AtStage as exc:
+            chain.fail(exc.index, exc.error)
+            return
+        if channels is None:  # gRPC
+            channels = [GrpcChainChannel(self.client(s.endpoint).chain, s.endpoint) for s in route]
+        metadata = session_metadata(pb.ForwardRequest(session_id=sid, epoch=epoch, step=0))
+
+        async def link(k: int, nxt: StageSpec, ring: bool = False) -> None:
+            tls = self.tls is not None and (await self.advert(nxt.endpoint)).security.tls
+            hop = pb.ChainHop(
+                endpoint=nxt.endpoint,
+                expect=expectations_to_proto(expectations_for(nxt)),
+                session_secret=secrets[(k + 1) % len(route)],
+                tls=tls,
+                frame_link=use_link,
+                native_link=chain.native,
+                native_hop=(k + 1) % len(route),
+            )
+            request = pb.LinkRequest(
+                session_id=sid, epoch=epoch, session_secret=secrets[k], next=hop, ring=ring
+            )
+            await self.client(route[k].endpoint).link(
+                request, (k + 1) % len(route), timeout=self.timeout
+            )
+
+        outcomes = None
+
+        async def open_output() -> None:
+            nonlocal outcomes
+            request = pb.ChainOutputRequest(
+                session_id=sid, epoch=epoch, session_secret=secrets[last]
+            )
+            outcomes = channels[last].outcomes(request, metadata, last)
+            async with asyncio.timeout(self.timeout):
+                ready = await outcomes.next()
+            if ready is None:
+                raise ShardRpcError("the output stream ended at once", status="DGR_E_PROTOCOL")
+
+        steps = [(k, link(k, route[k + 1])) for k in range(last)] + [(last, open_output())]
+        if self.ring:
+            steps.append((last, link(last, route[0], ring=True)))
+        results = await asyncio.gather(*(c for _, c in steps), return_exceptions=True)
+        for (k, _), result in zip(steps, results, strict=True):
+            if isinstance(result, BaseException):
+                error: Exception
+                if isinstance(result, StageFailure):
+                    k, error = result.hop, result.error
+                elif isinstance(result, TimeoutError):
+                    error = ShardDeadlineExceeded(f"no answer within {self.timeout} s")
+                elif isinstance(result, DgrError):
+                    error = result
+                elif isinstance(result, Exception):  # failed the call here: not sent
+                    error = client_call_error(result)
+                else:
+                    raise result
+                chain.fail(k, error)
+                return
+        assert outcomes is not None
+        try:
+            frames = channels[0].frames(metadata)
+        except DgrError as exc:
+            chain.fail(0, exc)
+            return
+        chain.start(frames, outcomes)
+
+    async def frame_links(self, route: Sequence[StageSpec]) -> list[ChainChannel] | None:
         """Each stage's frame link, when the route's frames take it (``data_path``); ``None``:
         gRPC. A stage whose advert cannot be had, or that offers no frame link when one is
         required, raises :class:`_AtStage` with its index."""
         if self.data_path == "grpc":
             return None
-        targets: list[FrameLinkTarget] = []
+        targets: list[ChainChannel] = []
         for index, stage in enumerate(route):
             try:
                 advert = await self.advert(stage.endpoint)
@@ -597,13 +296,13 @@ class ChainStageTransport(GrpcStageTransport):
                 host, _ = split_endpoint(stage.endpoint)
                 target = FrameLinkTarget(host, port, self.tls if tls else None)
                 self._targets[key] = target
-            targets.append(target)
+            targets.append(GrpcChainChannel(target, stage.endpoint))
         self.chain_stats.frame_link_epochs += 1
         return targets
 
     async def native_links(
         self, route: Sequence[StageSpec], session_id: str, *, greedy: bool
-    ) -> list[NativeLinkTarget] | None:
+    ) -> list[ChainChannel] | None:
         """Each stage's native link, for a ring's greedy session that drafts nothing, over a
         route whose every stage offers one (``docs/native-link.md``); ``None`` when the epoch
         takes another path (``auto``). With ``data_path="native"`` a session or route it
@@ -650,7 +349,7 @@ class ChainStageTransport(GrpcStageTransport):
             sealed.append(advert.data_paths.native_link_sealed)
         self.chain_stats.native_epochs += 1
         widths = [(s.boundary_in, s.boundary_out) for s in route]
-        return native_route(hosts, widths, ring=True, sealed=sealed)
+        return list(native_route(hosts, widths, ring=True, sealed=sealed))
 
     def session_starting(self, start: SessionStart) -> Speculation | None:
         """Called by the ``SessionManager`` as a session starts. A ring runs on its own within
@@ -703,7 +402,9 @@ class ChainStageTransport(GrpcStageTransport):
         await super().open(stage, session_id, epoch)
         chain = self._chains.get((session_id, epoch))
         if chain is None:
-            chain = self._chains[(session_id, epoch)] = _Chain(self, session_id, epoch)
+            chain = self._chains[(session_id, epoch)] = ChainEpoch(
+                session_id, epoch, ring=self.ring, close_timeout=self.close_timeout
+            )
         chain.stages[stage.layer_begin] = stage
 
     async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
@@ -725,7 +426,7 @@ class ChainStageTransport(GrpcStageTransport):
         ticket = ChainTicket(step, len(positions), loop.create_future())
         if not chain.greedy and chain.route == []:
             chain.greedy = call.greedy  # the epoch's first frame says how it samples
-        await chain.ensure_linked()
+        await self._linked(chain)
         began = loop.time()  # the frame's round trip: the epoch's links are not its
         limits = self._limits.get(session_id) if self.ring else None
         until, stops = limits if limits is not None else (0, ())
@@ -808,11 +509,11 @@ class ChainStageTransport(GrpcStageTransport):
                 )
         return self._answer(chain, stage, ticket)
 
-    async def _frames_ahead(self, chain: _Chain, call: Forward, frame: Frame) -> int:
+    async def _frames_ahead(self, chain: ChainEpoch, call: Forward, frame: Frame) -> int:
         """A forward of several pinned prefill chunks (``Forward.frame_rows``): sends every
         frame but the last, back to back, without waiting for their outputs, so that the
         route's stages work on them at once; their outcomes fold into the last frame's ticket
-        (:meth:`_Chain.fold_frames`). ``frame`` is the call's whole frame. Returns the rows
+        (:meth:`ChainEpoch.fold_frames`). ``frame`` is the call's whole frame. Returns the rows
         sent (the last frame's start)."""
         rows, n = call.frame_rows, len(call.positions)
         if rows <= 0 or n <= rows:
@@ -830,7 +531,7 @@ class ChainStageTransport(GrpcStageTransport):
 
     @staticmethod
     def _predict(
-        chain: _Chain,
+        chain: ChainEpoch,
         call: Forward,
         reply: pb.ChainOutputReply,
         stops: tuple[int, ...],
@@ -866,7 +567,7 @@ class ChainStageTransport(GrpcStageTransport):
         elif not call.drafts:
             chain.predicted[step] = ((greedy[-1],), None)
 
-    def _answer(self, chain: _Chain, stage: StageSpec, ticket: ChainTicket) -> StageResult:
+    def _answer(self, chain: ChainEpoch, stage: StageSpec, ticket: ChainTicket) -> StageResult:
         """Stage ``stage``'s part of the ticket's outcome: its output, or its error."""
         index = chain.index(stage) if chain.route else 0
         sid, epoch = chain.session_id, chain.epoch

@@ -1,11 +1,10 @@
-"""A chained transport's side of a ring over native links (``docs/native-link.md``): the first
-stage's input and the last stage's token stream, looking to ``client/chained.py`` exactly like
-the ``ChainStream`` and ``ChainOutput`` calls they replace (as the frame link's
-``FrameLinkCall`` does): the session's ``ForwardRequest`` frames are written as link ``ROWS``
-messages, and each ``TOKEN`` the last stage answers is read as the ``ChainOutputReply`` of a
-greedy reply; a ``FAILED`` ends the output call with the failing stage's status and index in
-its trailers, so the chain raises the same typed error and blames the same stage as on the
-other paths.
+"""The native link implementation of the chained data path (``client/channel.py``;
+``docs/native-link.md``): the first stage's input and the last stage's token stream of a ring.
+The session's ``ForwardRequest`` frames are written as link ``ROWS`` messages, and each ``TOKEN``
+the last stage answers is read as the ``ChainOutputReply`` of a greedy reply; a ``FAILED`` ends
+the stream with the failing stage's C status (``dgr_engine.status``: its number, never its
+text) as a :class:`~dgr_engine.client.channel.StageFailure` naming that stage, so the chain
+raises the same typed error and blames the same stage as on the other paths.
 
 A native link carries greedy rings only: frames with logit rows, drafts or MTP requests, or
 that want logits rather than greedy tokens, are refused here (the transport takes the native
@@ -18,34 +17,27 @@ import asyncio
 import collections
 import contextlib
 from collections.abc import Sequence
-from typing import Any
 
-import grpc
 import numpy as np
 
 from dgr_engine._binding import lib
-from dgr_engine.errors import FrameRejected, GrantUnauthenticated
+from dgr_engine.client.channel import ChannelOver, Metadata, StageFailure
+from dgr_engine.errors import FrameRejected, GrantUnauthenticated, ShardRpcError, ShardUnavailable
 from dgr_engine.status import error_for_code
 from dgr_engine.wire import link_messages as lm
 from dgr_engine.wire import link_seal
-from dgr_engine.wire.frame_link import CallStatus
 from dgr_engine.wire.frames import fill_tensor
 from dgr_engine.wire.proto import shard_pb2 as pb
-from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY, grpc_status_for
 
-__all__ = ["NativeLinkTarget", "native_route"]
+__all__ = ["NativeChainChannel", "native_route"]
 
 _CONNECT_SECONDS = 10.0
 _NO_ROWS = np.zeros((0, 1), dtype=np.float32)
 
-Status = tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]
 
-
-def _failed_status(code_number: int, hop: int, message: str) -> Status:
-    """A ``FAILED``'s call status: its C status (``dgr_engine.status``: the number it carries,
-    never its text) as the typed error's gRPC code and dgr-status, and the failing stage."""
-    code, name = grpc_status_for(error_for_code(code_number, message))
-    return code, message, ((STATUS_KEY, name), (CHAIN_HOP_KEY, str(hop)))
+def _failed(code_number: int, hop: int, message: str) -> StageFailure:
+    """A ``FAILED``'s failure: its C status as its typed error, the stage it names."""
+    return StageFailure(hop, error_for_code(code_number, message))
 
 
 _VERDICT_SECONDS = 2.0
@@ -66,9 +58,9 @@ class _Ledger:
         """The stop tokens every frame of the epoch carries."""
 
 
-class NativeLinkTarget:
+class NativeChainChannel:
     """One stage's native link port, for one epoch of a ring: the first stage's takes the
-    ``ChainStream`` frames, the last stage's gives the ``ChainOutput`` replies."""
+    frames, the last stage's gives the outcomes."""
 
     def __init__(
         self,
@@ -89,13 +81,13 @@ class NativeLinkTarget:
         """Each stage's (input, output) floats per row: what its messages weigh."""
         self._ledger = ledger
 
-    def ChainStream(self, metadata: Any = None) -> NativeInputCall:  # noqa: N802 - gRPC's name
-        return NativeInputCall(self, self._ledger)
+    def frames(self, metadata: Metadata) -> NativeFrames:
+        return NativeFrames(self, self._ledger)
 
-    def ChainOutput(  # noqa: N802 - gRPC's name
-        self, request: pb.ChainOutputRequest, metadata: Any = None
-    ) -> NativeOutputCall:
-        return NativeOutputCall(self, self._ledger, request)
+    def outcomes(
+        self, request: pb.ChainOutputRequest, metadata: Metadata, hop: int
+    ) -> NativeOutcomes:
+        return NativeOutcomes(self, self._ledger, request)
 
 
 def native_route(
@@ -104,75 +96,99 @@ def native_route(
     *,
     ring: bool,
     sealed: Sequence[bool] = (),
-) -> list[NativeLinkTarget]:
-    """The targets of one epoch's route (``hosts``: each stage's native link host and port;
+) -> list[NativeChainChannel]:
+    """The channels of one epoch's route (``hosts``: each stage's native link host and port;
     ``widths``: its floats per input and output boundary row, 0 for token ids and logits;
     ``sealed``: whether each stage seals its links, none when empty); its first and last share
-    what their calls must tell each other."""
+    what their streams must tell each other."""
     ledger = _Ledger()
     seals = list(sealed) or [False] * len(hosts)
     return [
-        NativeLinkTarget(h, p, i, ledger, widths, ring=ring, sealed=seals[i])
+        NativeChainChannel(h, p, i, ledger, widths, ring=ring, sealed=seals[i])
         for i, (h, p) in enumerate(hosts)
     ]
 
 
-class _Call(CallStatus):
-    """What both calls share: the connection, its introduction and the call's status."""
+class _Connection:
+    """What both streams share: the connection, its introduction and how the stream ended
+    (``None``: cleanly)."""
 
-    def __init__(self, target: NativeLinkTarget) -> None:
-        super().__init__()
-        self.target = target
+    def __init__(self, channel: NativeChainChannel) -> None:
+        self.channel = channel
+        self._ending: asyncio.Future[StageFailure | None] = (
+            asyncio.get_running_loop().create_future()
+        )
         self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
         self._keys: link_seal.ConnectionKeys | None = None
         """A sealed connection's keys, once its introduction was answered."""
 
+    def _end(self, failure: StageFailure | None) -> None:
+        if not self._ending.done():
+            self._ending.set_result(failure)
+        if self._writer is not None:
+            self._writer.close()
+
+    def _lost(self, what: str) -> StageFailure:
+        return StageFailure(self.channel.hop, ShardUnavailable(f"native link {what}"))
+
+    def _raise_if_failed(self) -> None:
+        failure = self._ending.result()
+        if failure is not None:
+            raise failure
+
+    def cancel(self) -> None:
+        self._end(StageFailure(self.channel.hop, ShardUnavailable("cancelled by the caller")))
+
     async def _introduce(self, hello: lm.Hello) -> bool:
         """Connects and introduces the connection (sealed when its stage seals its links:
-        ``hello``'s secret is then proved, never sent); False (and the status set) if refused
+        ``hello``'s secret is then proved, never sent); False (and the end set) if refused
         or unreachable."""
-        t = self.target
+        c = self.channel
         dialer = None
-        if t.sealed:
+        if c.sealed:
             dialer = link_seal.Dialer(
                 hello.role, hello.session_id, hello.epoch, hello.secret, hello.hop, ring=hello.ring
             )
             hello = dialer.hello
         try:
             async with asyncio.timeout(_CONNECT_SECONDS):
-                self._reader, self._writer = await asyncio.open_connection(t.host, t.port)
+                self._reader, self._writer = await asyncio.open_connection(c.host, c.port)
                 self._writer.write(lm.encode_hello(hello))
                 await self._writer.drain()
                 header, payload = await lm.read_stream_message(self._reader, lm.HELLO_MAX_BYTES)
         except (OSError, TimeoutError, asyncio.IncompleteReadError) as exc:
-            self._end(grpc.StatusCode.UNAVAILABLE, f"native link {t.endpoint}: {exc!r}")
+            self._end(self._lost(f"{c.endpoint}: {exc!r}"))
             return False
         except lm.LinkMessageError as exc:
-            self._end(grpc.StatusCode.INTERNAL, f"native link {t.endpoint}: {exc}")
+            self._end(StageFailure(c.hop, _out_of_protocol(c, str(exc))))
             return False
         if header.kind is lm.Kind.FAILED:
-            text = payload.decode(errors="replace")
-            self._end(*_failed_status(header.value, t.hop, text))
+            self._end(_failed(header.value, c.hop, payload.decode(errors="replace")))
             return False
         if header.kind is not lm.Kind.HELLO:
-            self._end(grpc.StatusCode.INTERNAL, f"native link {t.endpoint}: no HELLO answer")
+            self._end(StageFailure(c.hop, _out_of_protocol(c, "no HELLO answer")))
             return False
         if dialer is not None:
             try:
                 self._keys = dialer.keys(payload)
             except GrantUnauthenticated as exc:
-                self._end(*_failed_status(int(lib.DGR_E_UNAUTHENTICATED), t.hop, str(exc)))
+                self._end(_failed(int(lib.DGR_E_UNAUTHENTICATED), c.hop, str(exc)))
                 return False
         return True
 
 
-class NativeInputCall(_Call):
-    """The first stage's input: ``write`` sends a frame (the first one introduces the
-    connection with its session, epoch and secret); ``read`` waits for the connection's end
-    (a native link answers nothing upstream: its failures go on to the output)."""
+def _out_of_protocol(channel: NativeChainChannel, what: str) -> ShardRpcError:
+    return ShardRpcError(f"native link {channel.endpoint}: {what}", status="DGR_E_PROTOCOL")
 
-    def __init__(self, target: NativeLinkTarget, ledger: _Ledger) -> None:
-        super().__init__(target)
+
+class NativeFrames(_Connection):
+    """The first stage's input: ``send`` writes a frame (the first one introduces the
+    connection with its session, epoch and secret); ``end`` waits for the connection's end (a
+    native link answers nothing upstream: its failures go on to the output)."""
+
+    def __init__(self, channel: NativeChainChannel, ledger: _Ledger) -> None:
+        super().__init__(channel)
         self._ledger = ledger
         self._connected: asyncio.Future[bool] | None = None
         self._epoch = 0
@@ -181,7 +197,7 @@ class NativeInputCall(_Call):
     def _seal(self, message: bytes) -> bytes:
         return self._sealing.seal(message) if self._sealing is not None else message
 
-    async def write(self, request: pb.ForwardRequest) -> None:
+    async def send(self, request: pb.ForwardRequest) -> None:
         message = self._encode(request)
         self._epoch = int(request.epoch)
         if self._connected is None:
@@ -196,8 +212,8 @@ class NativeInputCall(_Call):
                     )
                 )
             )
-        if not await asyncio.shield(self._connected) or self._status.done():
-            raise asyncio.InvalidStateError("the call is over")
+        if not await asyncio.shield(self._connected) or self._ending.done():
+            raise ChannelOver("the stream is over")
         assert self._writer is not None
         if self._keys is not None and self._sealing is None:
             self._sealing = link_seal.Sealing(self._keys.send)
@@ -205,8 +221,8 @@ class NativeInputCall(_Call):
             self._writer.write(self._seal(message))
             await self._writer.drain()
         except (OSError, RuntimeError) as exc:
-            self._end(grpc.StatusCode.UNAVAILABLE, f"native link {self.target.endpoint}: {exc!r}")
-            raise asyncio.InvalidStateError("the call is over") from exc
+            self._end(self._lost(f"{self.channel.endpoint}: {exc!r}"))
+            raise ChannelOver("the stream is over") from exc
 
     def _encode(self, request: pb.ForwardRequest) -> bytes:
         n = len(request.positions)
@@ -237,7 +253,7 @@ class NativeInputCall(_Call):
             kind=int(request.kind),
         )
 
-    async def read(self) -> Any:
+    async def end(self) -> None:
         if self._connected is not None and await asyncio.shield(self._connected):
             assert self._reader is not None
             try:
@@ -250,16 +266,14 @@ class NativeInputCall(_Call):
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(_VERDICT_SECONDS):
                     await self._ledger.output_ended.wait()
-            self._end(grpc.StatusCode.OK, "")
+            self._end(None)
         elif self._connected is None:
-            await asyncio.shield(self._status)
-        if self._status.result()[0] == grpc.StatusCode.OK:
-            return grpc.aio.EOF
-        raise self._error()
+            await asyncio.shield(self._ending)
+        self._raise_if_failed()
 
-    async def done_writing(self) -> None:
+    async def finish(self) -> None:
         """Ends the route's links cleanly (an ``END``, passed on by every stage)."""
-        if self._writer is not None and not self._status.done():
+        if self._writer is not None and not self._ending.done():
             try:
                 self._writer.write(self._seal(lm.encode_end(self._epoch)))
                 await self._writer.drain()
@@ -268,17 +282,17 @@ class NativeInputCall(_Call):
                 pass
 
 
-class NativeOutputCall(_Call):
-    """The last stage's token stream: its first ``read`` answers the empty reply (the stream
-    is registered), then one greedy reply per ``TOKEN``; a ``FAILED`` ends the call with the
-    failing stage's typed status."""
+class NativeOutcomes(_Connection):
+    """The last stage's token stream: its first ``next`` answers the empty reply (the stream
+    is registered), then one greedy reply per ``TOKEN``; a ``FAILED`` ends the stream with the
+    failing stage's typed error."""
 
     def __init__(
-        self, target: NativeLinkTarget, ledger: _Ledger, request: pb.ChainOutputRequest
+        self, channel: NativeChainChannel, ledger: _Ledger, request: pb.ChainOutputRequest
     ) -> None:
-        super().__init__(target)
+        super().__init__(channel)
         self._ledger = ledger
-        self._status.add_done_callback(lambda _: ledger.output_ended.set())
+        self._ending.add_done_callback(lambda _: ledger.output_ended.set())
         self._session_id = request.session_id
         self._epoch = int(request.epoch)
         hello = lm.Hello(
@@ -286,23 +300,24 @@ class NativeOutputCall(_Call):
             request.session_id,
             int(request.epoch),
             bytes(request.session_secret),
-            target.hop,
-            ring=target.ring,
+            channel.hop,
+            ring=channel.ring,
         )
         self._connected = asyncio.ensure_future(self._introduce(hello))
         self._announced = False
         self._opening: link_seal.Sealing | None = None
 
-    async def read(self) -> Any:
-        if not await asyncio.shield(self._connected) and not self._status.done():
-            self._end(grpc.StatusCode.UNAVAILABLE, "native link lost")
-        if not self._status.done():
+    async def next(self) -> pb.ChainOutputReply | None:
+        if not await asyncio.shield(self._connected) and not self._ending.done():
+            self._end(self._lost("lost"))
+        if not self._ending.done():
             if not self._announced:
                 self._announced = True
                 return pb.ChainOutputReply()
             assert self._reader is not None
             if self._keys is not None and self._opening is None:
                 self._opening = link_seal.Sealing(self._keys.receive)
+            endpoint = self.channel.endpoint
             try:
                 header, payload = await lm.read_stream_message(
                     self._reader, lm.HELLO_MAX_BYTES, self._opening
@@ -311,24 +326,21 @@ class NativeOutputCall(_Call):
                     return self._reply(header, payload)
                 if header.kind is lm.Kind.FAILED:
                     text = payload.decode(errors="replace")
-                    self._end(*_failed_status(header.value, header.hop, text))
+                    self._end(_failed(header.value, header.hop, text))
                 elif header.kind is lm.Kind.END:
-                    self._end(grpc.StatusCode.OK, "the route's links ended")
+                    self._end(None)
                 else:
                     raise lm.LinkMessageError(f"a {header.kind.name} from the last stage")
             except (asyncio.IncompleteReadError, OSError) as exc:
-                self._end(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"native link {self.target.endpoint} lost: {type(exc).__name__}",
-                )
+                self._end(self._lost(f"{endpoint} lost: {type(exc).__name__}"))
             except (lm.LinkMessageError, GrantUnauthenticated) as exc:
                 self._end(
-                    grpc.StatusCode.INTERNAL,
-                    f"native link {self.target.endpoint}: malformed answer: {exc}",
+                    StageFailure(
+                        self.channel.hop, _out_of_protocol(self.channel, f"malformed answer: {exc}")
+                    )
                 )
-        if self._status.result()[0] == grpc.StatusCode.OK:
-            return grpc.aio.EOF
-        raise self._error()
+        self._raise_if_failed()
+        return None
 
     def _reply(self, header: lm.Header, payload: bytes) -> pb.ChainOutputReply:
         reply = pb.ForwardReply(
@@ -347,7 +359,7 @@ class NativeOutputCall(_Call):
         # each stage's part of the pass: its engine time (all of it llama.cpp's: no Python
         # around the call) and the bytes of the messages it took and sent
         n, stops = header.n_rows, self._ledger.n_stop
-        widths = self.target.widths
+        widths = self.channel.widths
         trace = lm.trace_of(payload)
         for hop, engine_us in enumerate(trace[: len(widths)]):
             timings = pb.Timings(compute_us=engine_us, native_us=engine_us, total_us=engine_us)

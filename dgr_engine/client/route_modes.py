@@ -1,0 +1,30 @@
+"""The two choices a client makes for a route, as enums: how its frames go round
+(:class:`RouteMode`) and what carries them between stages (:class:`DataPath`); ``docs/chain.md``
+and ``docs/data-paths.md`` say what each means."""
+
+from __future__ import annotations
+
+import enum
+
+__all__ = ["DataPath", "RouteMode"]
+
+
+class RouteMode(enum.StrEnum):
+    """How a route's frames go round."""
+
+    RELAY = "relay"
+    """The client sends every stage its frame and gets every stage's output back."""
+    CHAIN = "chain"
+    """Each stage sends its output straight to the next; the last stage's comes back."""
+    RING = "ring"
+    """A chain whose last stage also sends each next decode step's frame to the first."""
+
+
+class DataPath(enum.StrEnum):
+    """What carries a chained route's frames between stages."""
+
+    AUTO = "auto"
+    """The fastest every stage offers: native links, else the frame link, else gRPC."""
+    GRPC = "grpc"
+    FRAME_LINK = "frame-link"
+    NATIVE = "native"
