@@ -12,7 +12,7 @@ with one forward in flight (``exact-serial``: ``FailurePolicy.pipelined`` off), 
 Target (issue 15): batched recovery <= 1.3 x that prefill + the detection deadline (0 here: a
 killed worker's stream breaks at once) + 0.3 s.
 
-**Exactness.** In-process 2-stage chains (``LocalChain``) of small fixtures, over many seeds: a
+**Exactness.** In-process 2-stage chains (``InProcessRoute``) of small fixtures, over many seeds: a
 greedy run with no failure, and the same run re-prefilled after ``k`` tokens (``k`` drawn per
 seed) in forwards of ``n_batch`` rows as a batched replay sends them; the share of sessions whose
 continuation differs from the no-failure run, and the largest logit difference at the first new
@@ -41,7 +41,7 @@ from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.engine import ShardEngine
 from dgr_engine.fixtures import ensure_fixture, lookup
 from dgr_engine.options import EngineOptions
-from dgr_engine.reference import LocalChain, split_points, whole_model_greedy
+from dgr_engine.reference import InProcessRoute, split_points, whole_model_greedy
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_engine.tooling.processes import dgr_command
 from dgr_session import EvidenceClass, FailurePolicy, SessionHandle, SessionManager, SessionState
@@ -131,7 +131,7 @@ def _exactness(name: str, seeds: int, options: EngineOptions) -> dict[str, Any]:
     kwargs = options.engine_kwargs()
     engines = [ShardEngine(path, layers=r, **kwargs) for r in split_points(spec.n_layer, 2)]
     try:
-        chain = LocalChain(engines)
+        chain = InProcessRoute(engines)
         rows = options.n_batch
         for seed in range(seeds):
             rng = np.random.default_rng(seed)

@@ -33,7 +33,7 @@ from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.engine import ShardEngine
 from dgr_engine.fixtures import ensure_fixture, lookup
 from dgr_engine.options import EngineOptions
-from dgr_engine.reference import LocalChain, split_points, whole_model_reference
+from dgr_engine.reference import InProcessRoute, split_points, whole_model_reference
 from dgr_engine.tooling.delay_proxy import Link, ProxiedRoutes
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_engine.tooling.processes import dgr_command
@@ -55,7 +55,7 @@ def whole_model(
     in-process."""
     ((want, _),) = whole_model_reference(path, [prompt], tokens, options)
     with ShardEngine(path, **options.engine_kwargs()) as engine:
-        chain = LocalChain([engine])
+        chain = InProcessRoute([engine])
         chain.open(1, 0)
         began = time.perf_counter()
         chain.greedy(1, 0, prompt, tokens - 1, all_prefill_logits=False)

@@ -50,7 +50,7 @@ if TYPE_CHECKING:  # the same names as the tables below (a test keeps them equal
     from dgr_engine.models import resolve_model
     from dgr_engine.options import EngineOptions
     from dgr_engine.reference import (
-        LocalChain,
+        InProcessRoute,
         n_layer_of,
         whole_model_greedy,
         whole_model_reference,
@@ -115,7 +115,7 @@ _FOR_TESTS: dict[str, str] = {
     "ensure_fixture": "dgr_engine.fixtures",
     "resolve_model": "dgr_engine.models",
     # the in-process reference run: a route's stages in one process, the whole model's tokens
-    "LocalChain": "dgr_engine.reference",
+    "InProcessRoute": "dgr_engine.reference",
     "n_layer_of": "dgr_engine.reference",
     "whole_model_greedy": "dgr_engine.reference",
     "whole_model_reference": "dgr_engine.reference",
@@ -143,9 +143,9 @@ __all__ = [
     "GrantIssuer",
     "GrpcStageTransport",
     "Health",
+    "InProcessRoute",
     "LayerSpan",
     "Load",
-    "LocalChain",
     "LockVerifier",
     "LoopbackRouteProvider",
     "SeamCost",

@@ -1,7 +1,7 @@
 """An in-process chain of shard engines: the simplest complete route, with no network, and the
 whole-model reference run that routes are compared with.
 
-``LocalChain`` relays what stage k returns into stage k+1 (token ids into the first stage,
+``InProcessRoute`` relays what stage k returns into stage k+1 (token ids into the first stage,
 boundary rows after it, logits out of the last).
 """
 
@@ -19,12 +19,14 @@ from dgr_engine.errors import ShapeMismatch
 from dgr_engine.options import EngineOptions
 
 
-class LocalChain:
-    """Stages ``engines[0] .. engines[-1]`` covering ``[0, n_layer)`` in order."""
+class InProcessRoute:
+    """The in-process reference run of a split: stages ``engines[0] .. engines[-1]`` covering
+    ``[0, n_layer)`` in order, each stage's output handed to the next in this process (no
+    worker, no wire)."""
 
     def __init__(self, engines: Sequence[ShardEngine]) -> None:
         if not engines:
-            raise ShapeMismatch("a chain needs at least one stage")
+            raise ShapeMismatch("a route needs at least one stage")
         expected_begin = 0
         for index, engine in enumerate(engines):
             begin, end = engine.info.layers
@@ -176,7 +178,7 @@ def whole_model_reference(
         raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
     out = []
     with ShardEngine(Path(model), **options.engine_kwargs()) as whole:
-        chain = LocalChain([whole])
+        chain = InProcessRoute([whole])
         for index, prompt in enumerate(prompts):
             chain.open(index, 0)
             tokens, logits = chain.greedy(index, 0, prompt, n_tokens - 1, all_prefill_logits=False)

@@ -1,7 +1,7 @@
 """The README's example as a file: a route of three in-process shard engines against the whole
 model, then a route change.
 
-Run from anywhere with the project's interpreter: ``.venv/bin/python examples/local_chain.py``.
+Run from anywhere with the project's interpreter: ``.venv/bin/python examples/in_process_route.py``.
 The block between the ``readme`` markers is the README's snippet, word for word (a test keeps
 them equal); what is outside the markers only sets up and cleans up.
 
@@ -9,7 +9,7 @@ them equal); what is outside the markers only sets up and cleans up.
   (SmolLM2-135M-Instruct Q4_1, 30 layers), fetched once through ``dgr models`` and verified
   against dgr's manifest; the prompt goes through the model's own chat template.
 - Each ``ShardEngine(path, layers=(a, b))`` loads only layers ``[a, b)`` (plus the token
-  embedding on the first stage and the output head on the last); ``LocalChain`` relays token
+  embedding on the first stage and the output head on the last); ``InProcessRoute`` relays token
   ids into stage 0, boundary rows between stages and logits out of the last one.
 - The route's tokens and logits equal the whole model's, bit for bit on CPU.
 - ``route.open(1, epoch=1)`` is a route change: a new epoch discards the old one's KV (a cache
@@ -23,11 +23,11 @@ from __future__ import annotations
 from dgr_engine import ShardEngine, Tokenizer
 from dgr_engine.client.text import prompt_ids
 from dgr_engine.models import resolve_model
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 
 path = resolve_model("smollm2-135m-instruct")  # a real GGUF: fetched once, verified
 stages = [ShardEngine(path, layers=r) for r in [(0, 10), (10, 20), (20, 30)]]
-route, whole = LocalChain(stages), LocalChain([ShardEngine(path)])
+route, whole = InProcessRoute(stages), InProcessRoute([ShardEngine(path)])
 tokenizer = Tokenizer(path)
 prompt = prompt_ids(tokenizer, "What is the capital of France?", chat=True)
 for chain in (route, whole):
@@ -55,4 +55,4 @@ finally:
     for engine in [*route.engines, *whole.engines]:
         engine.close()
     tokenizer.close()
-print("local_chain: OK")
+print("in_process_route: OK")

@@ -30,7 +30,7 @@ from dgr_engine.client.relay import ForwardRecord, GrpcStageTransport
 from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
 from dgr_engine.options import EngineOptions
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_engine.tooling.rpc_peer import (
     PeerConfig,
@@ -168,7 +168,7 @@ def _reference_stage_io(
     output rows, and its weight + KV bytes."""
     engines = [ShardEngine(model, layers=r, **options.engine_kwargs()) for r in layout]
     try:
-        chain = LocalChain(engines)
+        chain = InProcessRoute(engines)
         chain.open(0, 0)
         tok = np.asarray(prompt, dtype=np.int32)
         positions = np.arange(len(prompt), dtype=np.int32)
@@ -394,7 +394,7 @@ def _whole_model_speed(
 ) -> tuple[float, float]:
     """(prefill seconds, decode seconds per token) of the whole model in-process."""
     with ShardEngine(model, **options.engine_kwargs()) as whole:
-        chain = LocalChain([whole])
+        chain = InProcessRoute([whole])
         chain.open(0, 0)
         began = time.perf_counter()
         chunk = options.n_batch  # as a route session feeds its stages: n_batch rows at most

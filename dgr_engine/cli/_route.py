@@ -32,6 +32,7 @@ from dgr_engine.argtypes import float_in, int_in
 from dgr_engine.certification.verify import LockVerifier
 from dgr_engine.client.chained import DATA_PATHS, ChainStageTransport
 from dgr_engine.client.relay import GrpcStageTransport
+from dgr_engine.client.route_modes import DataPath, RouteMode
 from dgr_engine.client.routes import EndpointRouteProvider, describe
 from dgr_engine.errors import EngineError, ShardError
 from dgr_engine.options import EngineOptions
@@ -63,7 +64,7 @@ __all__ = [
     "token_budget",
 ]
 
-TRANSPORTS = ("relay", "chain", "ring")
+TRANSPORTS = tuple(str(m) for m in RouteMode)
 """``--transport`` values: how a token's frames travel along the route."""
 
 Notice = Callable[[str], None]
@@ -164,7 +165,7 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--data-path",
-        choices=DATA_PATHS,
+        choices=[str(p) for p in DATA_PATHS],
         default="auto",
         help="with --transport chain or ring: how frames travel between stages; auto: the"
         " fastest every stage offers (native links for a greedy ring, sealed over TLS, else the"
@@ -256,9 +257,9 @@ class RouteSettings:
     """``--tls-cert``: the client certificate (mutual TLS)."""
     tls_key: Path | None
     """``--tls-key``: its key."""
-    transport: str
+    transport: RouteMode = attrs.field(converter=RouteMode)
     """``--transport``: one of :data:`TRANSPORTS`."""
-    data_path: str
+    data_path: DataPath = attrs.field(converter=DataPath)
     """``--data-path``: how a chain's or ring's frames travel (``DATA_PATHS``)."""
 
     @classmethod
@@ -333,7 +334,7 @@ class SamplingSettings:
     def check_transport(self, transport: str) -> None:
         """:class:`RouteOptionsRefused` when ``transport`` cannot run these settings (a ring runs
         greedy tokens ahead of the client)."""
-        if transport == "ring" and not self.greedy:
+        if transport == RouteMode.RING and not self.greedy:
             raise RouteOptionsRefused(
                 "--transport ring runs greedy tokens only: drop --temperature or use chain"
             )
@@ -378,8 +379,8 @@ class RoutePlan:
     """Checks every stage's record against the client's lock."""
     required: EvidenceClass
     step_deadline: float
-    transport: str
-    data_path: str
+    transport: RouteMode
+    data_path: DataPath
     """``--data-path``: how a chain's or ring's frames travel (``DATA_PATHS``)."""
     vocab: Path | None
     """The GGUF the tokenizer comes from: ``--vocab``, else the model (``None``: neither)."""
@@ -527,8 +528,7 @@ class RouteHandle:
     """The GGUF (``None``: given endpoints and no --model)."""
     stages: tuple[RouteStage, ...]
     """The stages at start, in route order."""
-    transport: str
-    """``relay``, ``chain`` or ``ring``."""
+    transport: RouteMode
     stage_transport: GrpcStageTransport
     """The transport itself (its per-stage counters: ``stats()``)."""
 
@@ -648,9 +648,9 @@ def _stage(endpoint: str, advert: Advert) -> RouteStage:
 
 def _stage_transport(plan: RoutePlan) -> GrpcStageTransport:
     """The stage transport ``--transport`` names."""
-    if plan.transport == "relay":
+    if plan.transport is RouteMode.RELAY:
         return GrpcStageTransport(timeout=plan.step_deadline, tls=plan.tls)
-    ring = plan.transport == "ring"
+    ring = plan.transport is RouteMode.RING
     return ChainStageTransport(
         timeout=plan.step_deadline, tls=plan.tls, ring=ring, data_path=plan.data_path
     )

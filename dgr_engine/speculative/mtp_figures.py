@@ -25,6 +25,7 @@ from typing import Any
 
 from dgr_engine.client.chained import ChainStageTransport
 from dgr_engine.client.relay import GrpcStageTransport
+from dgr_engine.client.route_modes import RouteMode
 from dgr_engine.client.routes import EndpointRouteProvider
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import n_layer_of, whole_model_greedy
@@ -35,7 +36,7 @@ from dgr_session.speculation import AnyLength, Speculation
 
 __all__ = ["TRANSPORTS", "layout_of", "measure_mtp"]
 
-TRANSPORTS = ("relay", "chain", "ring")
+TRANSPORTS = tuple(str(m) for m in RouteMode)
 """How the sessions reach the route."""
 PROMPT = (17, 4, 99, 230, 5, 61, 17, 4, 99, 12, 33, 7)
 OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=2)

@@ -23,7 +23,7 @@ from dgr_engine.artifacts.sources import DirectorySource
 from dgr_engine.artifacts.state import ArtifactState, FileRecord
 from dgr_engine.errors import EngineError
 from dgr_engine.fixtures.split import SPLITS, ensure_split, source_path
-from dgr_engine.reference import LocalChain, split_points
+from dgr_engine.reference import InProcessRoute, split_points
 
 ENGINE_KW = {"max_sessions": 2, "n_ctx_per_session": 128, "n_threads": 2, "n_batch": 64}
 PROMPT = [int(t) for t in (np.arange(12) * 29 + 5) % 256]
@@ -51,7 +51,7 @@ def test_a_split_fixture_has_a_metadata_file_and_files_of_some_layers(
 
 def _reference(model: Path) -> tuple[list[int], list[np.ndarray]]:
     with ShardEngine(model, **ENGINE_KW) as whole:
-        chain = LocalChain([whole])
+        chain = InProcessRoute([whole])
         chain.open(1, 0)
         return chain.greedy(1, 0, PROMPT, N_DECODE, all_prefill_logits=False)
 
@@ -95,7 +95,7 @@ def test_shards_with_every_other_file_absent_match_the_whole_model_bit_for_bit(
     tokens, logits = _reference(source_path(SPLITS[name].source))
     engines = [ShardEngine(a.first, layers=a.layers, **ENGINE_KW) for a in artifacts]
     try:
-        chain = LocalChain(engines)
+        chain = InProcessRoute(engines)
         chain.open(1, 0)
         got_tokens, got_logits = chain.greedy(1, 0, PROMPT, N_DECODE, all_prefill_logits=False)
     finally:
@@ -164,7 +164,7 @@ def _serves_exactly(manifest_layers: tuple[int, int], root: Path, name: str) -> 
     assert artifacts.verification.endswith(", re-hashed at start-up")
     tokens, logits = _reference(source_path(SPLITS[name].source))
     with ShardEngine(artifacts.first, layers=artifacts.layers, **ENGINE_KW) as engine:
-        chain = LocalChain([engine])
+        chain = InProcessRoute([engine])
         chain.open(1, 0)
         got_tokens, got_logits = chain.greedy(1, 0, PROMPT, N_DECODE, all_prefill_logits=False)
     assert got_tokens == tokens

@@ -28,7 +28,7 @@ from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import FrameRejected, StaleEpoch
 from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.options import EngineOptions
-from dgr_engine.reference import LocalChain, whole_model_reference
+from dgr_engine.reference import InProcessRoute, whole_model_reference
 from dgr_engine.security.grants import GrantIssuer
 from dgr_engine.security.tls import ClientTls, ServerTls
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
@@ -472,7 +472,7 @@ def chunked_reference(
     """The whole model fed as a route session feeds it: the prompt in pinned chunks of
     ``chunk`` rows (the last row's logits of the last), then one token a call."""
     with ShardEngine(path, **OPTIONS.engine_kwargs()) as whole:
-        chain = LocalChain([whole])
+        chain = InProcessRoute([whole])
         chain.open(1, 0)
         for start in range(0, len(prompt), chunk):
             last = chain.forward(1, 0, prompt[start : start + chunk], start)

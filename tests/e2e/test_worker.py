@@ -24,7 +24,7 @@ from dgr_engine import errors as E
 from dgr_engine._binding import LLAMA_COMMIT, PATCH_STACK_SHA256
 from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.errors import FrameRejected, ShardUnavailable
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from dgr_engine.tooling.processes import WorkerProcess
 from dgr_engine.wire.frames import Expectations, encode_forward
 from dgr_engine.wire.proto import shard_pb2 as pb
@@ -63,7 +63,7 @@ def spawn(model: Path, layers: tuple[int, int], *args: str, port: int = 0) -> Wo
     return WorkerProcess.spawn(model, layers, port=port, extra_args=[*WORKER_ARGS, *args])
 
 
-# --- a route of workers, driven like LocalChain ----------------------------------------------
+# --- a route of workers, driven like InProcessRoute ----------------------------------------------
 
 
 class GrpcRoute:
@@ -140,7 +140,7 @@ class GrpcRoute:
 def reference(tiny_llama: Path) -> tuple[list[int], list[np.ndarray]]:
     """Whole-model greedy decode, in-process, with the workers' engine options."""
     with ShardEngine(tiny_llama, **ENGINE_KW) as whole:
-        chain = LocalChain([whole])
+        chain = InProcessRoute([whole])
         chain.open(1, 0)
         return chain.greedy(1, 0, PROMPT, N_STEPS)
 

@@ -1,7 +1,8 @@
-"""A client's side of a route over native links (``docs/native-link.md``): it writes a turn's
-rows to the first stage and reads the last stage's greedy tokens. On a ring the last stage
-sends each next step's frame to the first stage itself, and the client only reads; on a chain
-the client sends each token back.
+"""The tests' client of a route over native links made of engines and socket pairs
+(``docs/native-link.md``; the product's client is ``client/native_channel.py``): it writes a
+turn's rows to the first stage and reads the last stage's greedy tokens. On a ring the last
+stage sends each next step's frame to the first stage itself, and the client only reads; on a
+chain the client sends each token back.
 """
 
 from __future__ import annotations

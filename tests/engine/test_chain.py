@@ -1,4 +1,4 @@
-"""LocalChain validation, split points, the patch stack's headers and the memory benchmark."""
+"""InProcessRoute validation, split points, the patch stack's headers and the memory benchmark."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine.errors import ShapeMismatch
-from dgr_engine.reference import LocalChain, split_points
+from dgr_engine.reference import InProcessRoute, split_points
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,12 +34,12 @@ def test_chain_refuses_gaps_and_short_covers(tiny_llama: Path, closing: list) ->
     b = ShardEngine(tiny_llama, layers=(1, 2))
     closing.extend([a, b, c])
     with pytest.raises(ShapeMismatch, match="continues at layer 1"):
-        LocalChain([a, c])
+        InProcessRoute([a, c])
     with pytest.raises(ShapeMismatch, match="ends at layer 2"):
-        LocalChain([a, b])
+        InProcessRoute([a, b])
     with pytest.raises(ShapeMismatch):
-        LocalChain([])
-    assert len(LocalChain([a, b, c]).engines) == 3
+        InProcessRoute([])
+    assert len(InProcessRoute([a, b, c]).engines) == 3
 
 
 def test_shard_memory_benchmark_runs_on_the_tiny_fixture() -> None:

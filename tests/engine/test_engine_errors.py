@@ -17,7 +17,7 @@ from dgr_engine import ShardEngine, _binding
 from dgr_engine import errors as E
 from dgr_engine.baseline.gguf_copy import copy_with
 from dgr_engine.fixtures import converted
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from dgr_engine.status import STATUSES, error_for_code
 from dgr_engine.testing import write_corrupt_copy, write_truncated_copy
 from dgr_session import errors as session_errors
@@ -34,9 +34,9 @@ class Harness:
     def __init__(self, path: Path) -> None:
         self.first = ShardEngine(path, layers=(0, 2), **KW)
         self.last = ShardEngine(path, layers=(2, 4), **KW)
-        self.chain = LocalChain([self.first, self.last])
+        self.chain = InProcessRoute([self.first, self.last])
         whole = ShardEngine(path, **KW)
-        ref_chain = LocalChain([whole])
+        ref_chain = InProcessRoute([whole])
         ref_chain.open(1, 0)
         self.ref_tokens, self.ref_logits = ref_chain.greedy(1, 0, PROMPT, 24)
         whole.close()

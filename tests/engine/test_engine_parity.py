@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dgr_engine import ShardEngine
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from tests.harness import PARITY_PROMPT
 
 N_LAYER = 4
@@ -35,13 +35,13 @@ class EnginePool:
         self.path = path
         self.engines: dict[tuple[int, int], ShardEngine] = {}
 
-    def chain(self, cut: tuple[int, ...]) -> LocalChain:
+    def chain(self, cut: tuple[int, ...]) -> InProcessRoute:
         stages = []
         for rng in zip(cut[:-1], cut[1:], strict=True):
             if rng not in self.engines:
                 self.engines[rng] = ShardEngine(self.path, layers=rng, **ENGINE_KW)
             stages.append(self.engines[rng])
-        return LocalChain(stages)
+        return InProcessRoute(stages)
 
     def close(self) -> None:
         for engine in self.engines.values():

@@ -17,7 +17,7 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine import errors as E
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from dgr_engine.testing import EngineTransport
 from dgr_session import (
     EvidenceClass,
@@ -58,7 +58,7 @@ def transport(tiny_llama: Path) -> Iterator[EngineTransport]:
 @pytest.fixture(scope="module")
 def expected(tiny_llama: Path) -> tuple[int, ...]:
     with ShardEngine(tiny_llama, **KW) as whole:
-        chain = LocalChain([whole])
+        chain = InProcessRoute([whole])
         chain.open(1, 0)
         tokens, _ = chain.greedy(1, 0, PROMPT, 8, all_prefill_logits=False)  # as sessions feed it
     return tuple(tokens)
@@ -210,7 +210,7 @@ def test_a_prompt_longer_than_a_shards_batch_is_chunked_and_survives_a_kill(
     small: dict[str, Any] = {**KW, "n_batch": 8}
     prompt = tuple(int(t) for t in (np.arange(20) * 29 + 3) % 256)
     with ShardEngine(tiny_llama, **small) as whole:
-        chain = LocalChain([whole])
+        chain = InProcessRoute([whole])
         chain.open(1, 0)
         for start in range(0, len(prompt), 8):
             logits = chain.forward(1, 0, prompt[start : start + 8], start)

@@ -15,7 +15,7 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine.fixtures import converted
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from tests.engine.test_engine_co_batch import greedy_alone, greedy_co_batched
 
 CUTS = {
@@ -38,11 +38,11 @@ class Family:
     stages: list[ShardEngine]
 
     @property
-    def chain(self) -> LocalChain:
-        return LocalChain(self.stages)
+    def chain(self) -> InProcessRoute:
+        return InProcessRoute(self.stages)
 
     def greedy_whole(self, session: int, prompt: list[int]) -> tuple[list[int], list[np.ndarray]]:
-        chain = LocalChain([self.whole])
+        chain = InProcessRoute([self.whole])
         chain.open(session, 0)
         try:
             return chain.greedy(session, 0, prompt, N_DECODE)

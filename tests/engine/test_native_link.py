@@ -19,7 +19,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dgr_engine import ShardEngine
-from dgr_engine.client.link_route import LinkRoute
 from dgr_engine.engine import LinkKeys, LinkSockets, LinkState, NativeLink
 from dgr_engine.errors import (
     EngineError,
@@ -37,6 +36,7 @@ from dgr_engine.wire.link_messages import (
     read_message,
 )
 from dgr_engine.wire.link_seal import Sealing
+from tests.engine.link_route import LinkRoute
 
 PROMPT = [1, 5, 9, 14, 3, 7, 22, 11]
 EPOCH = 3

@@ -15,7 +15,7 @@ from dgr_engine.errors import InvalidArgument
 from dgr_engine.fixtures import ensure_fixture
 from dgr_engine.numerics import EXACT, FLASH_ATTN_MODES, KV_TYPES, Numerics
 from dgr_engine.options import EngineOptions
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from dgr_engine.wire import advert as wire_advert
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.worker import ShardWorker
@@ -29,7 +29,7 @@ def greedy(path: Path, cuts: tuple[int, ...], numerics: Numerics) -> tuple[list[
     ranges = list(zip(cuts[:-1], cuts[1:], strict=True))
     engines = [ShardEngine(path, layers=r, numerics=numerics, **KW) for r in ranges]
     try:
-        chain = LocalChain(engines)
+        chain = InProcessRoute(engines)
         chain.open(1, 0)
         return chain.greedy(1, 0, PROMPT, N_DECODE)
     finally:

@@ -15,7 +15,7 @@ import attrs
 import pytest
 
 from dgr_engine import ShardEngine
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from dgr_engine.speculative import ModelDrafter
 from dgr_engine.testing import EngineTransport
 from dgr_session import EvidenceClass, FailurePolicy, FaultKind, SessionManager, SessionState
@@ -43,7 +43,7 @@ def transport(tiny_llama: Path) -> Iterator[EngineTransport]:
 @pytest.fixture(scope="module")
 def expected(tiny_llama: Path) -> tuple[int, ...]:
     with ShardEngine(tiny_llama, **KW) as whole:
-        chain = LocalChain([whole])
+        chain = InProcessRoute([whole])
         chain.open(1, 0)
         tokens, _ = chain.greedy(1, 0, PROMPT, N_TOKENS, all_prefill_logits=False)
     return tuple(tokens)

@@ -24,7 +24,7 @@ from dgr_engine.baseline import mxfp4, runs, tiny_v4
 from dgr_engine.baseline.compare import Comparison, compare
 from dgr_engine.fixtures import converted
 from dgr_engine.numerics import EXACT, Numerics
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from tests.engine.test_v4_parity import all_cuts
 
 pytestmark = pytest.mark.slow  # transformers on the CPU: seconds a test, CI runs it
@@ -60,7 +60,7 @@ class Pool:
             if rng not in self.engines:
                 self.engines[rng] = ShardEngine(self.path, layers=rng, numerics=self.numerics, **KW)
             stages.append(self.engines[rng])
-        chain = LocalChain(stages)
+        chain = InProcessRoute(stages)
         chain.open(3, 0)
         try:
             return chain.greedy(3, 0, list(prompt), N_DECODE)

@@ -19,7 +19,7 @@ import pytest
 from dgr_engine import ShardEngine
 from dgr_engine import errors as E
 from dgr_engine.fixtures import FIXTURES, ensure_fixture
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 
 SPEC = FIXTURES["tiny-v4"]
 PROMPT = [int(t) for t in np.random.default_rng(4).integers(0, SPEC.n_vocab, 300)]
@@ -36,9 +36,9 @@ class Harness:
         self.first = ShardEngine(path, layers=(0, 1), **KW)
         self.mid = ShardEngine(path, layers=(1, 4), **KW)
         self.last = ShardEngine(path, layers=(4, 6), **KW)
-        self.chain = LocalChain([self.first, self.mid, self.last])
+        self.chain = InProcessRoute([self.first, self.mid, self.last])
         with ShardEngine(path, **KW) as whole:
-            ref = LocalChain([whole])
+            ref = InProcessRoute([whole])
             ref.open(1, 0)
             self.ref = ref.greedy(1, 0, PROMPT, 8)
             ref.open(2, 0)

@@ -19,7 +19,7 @@ import pytest
 from dgr_engine import ShardEngine
 from dgr_engine import errors as E
 from dgr_engine.fixtures import FIXTURES, ensure_fixture
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 
 TINY = FIXTURES["tiny-v4"]
 N_LAYER = TINY.n_layer
@@ -55,15 +55,15 @@ class EnginePool:
             self.engines[rng] = ShardEngine(self.path, layers=rng, **ENGINE_KW)
         return self.engines[rng]
 
-    def chain(self, cut: tuple[int, ...]) -> LocalChain:
-        return LocalChain([self.engine(r) for r in zip(cut[:-1], cut[1:], strict=True)])
+    def chain(self, cut: tuple[int, ...]) -> InProcessRoute:
+        return InProcessRoute([self.engine(r) for r in zip(cut[:-1], cut[1:], strict=True)])
 
     def close(self) -> None:
         for engine in self.engines.values():
             engine.close()
 
 
-def greedy(chain: LocalChain, session_id: int, prompt: list[int], n_steps: int) -> Run:
+def greedy(chain: InProcessRoute, session_id: int, prompt: list[int], n_steps: int) -> Run:
     chain.open(session_id, 0)
     try:
         return chain.greedy(session_id, 0, prompt, n_steps)

@@ -24,7 +24,7 @@ import pytest
 from dgr_engine import ShardEngine
 from dgr_engine._binding import lib
 from dgr_engine.fixtures import FIXTURES, ensure_fixture
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from dgr_engine.testing import EngineTransport
 from dgr_engine.wire.frames import MAX_DRAFT_ROWS, Expectations, decode_forward, encode_forward
 from dgr_engine.worker.lifecycle.sessions import SessionTable
@@ -52,7 +52,7 @@ def stages(path: Path, cut: Sequence[int]) -> list[ShardEngine]:
 def plain_greedy(path: Path, prompt: Sequence[int], n: int) -> Plain:
     """Tokens and per-step logits (``[n_vocab]`` each) of plain one-row greedy decoding."""
     with ShardEngine(path, **KW) as whole:
-        chain = LocalChain([whole])
+        chain = InProcessRoute([whole])
         chain.open(1, 0)
         tokens, logits = chain.greedy(1, 0, prompt, n, all_prefill_logits=False)
     return tokens, [row[-1] for row in logits]
@@ -73,7 +73,7 @@ def drafts_for(truth: Sequence[int], wrong: float, rng: random.Random) -> list[i
     return [(t + 1) % N_VOCAB if rng.random() < wrong else t for t in truth]
 
 
-def speculate(chain: LocalChain, plain: Plain, k: int, wrong: float) -> tuple[list[int], int]:
+def speculate(chain: InProcessRoute, plain: Plain, k: int, wrong: float) -> tuple[list[int], int]:
     """Greedy decoding of PROMPT by verification passes of ``k`` drafts, each stage dropping
     the rejected ones; asserts that every row whose drafts so far are right has plain
     decoding's logits bit for bit. Returns the tokens and the passes run."""
@@ -118,7 +118,7 @@ def test_verification_rows_and_every_later_row_are_plain_decodings_bits(
     plain = plain_greedy(tiny_v4, PROMPT, N_DECODE)
     engines = stages(tiny_v4, cut)
     try:
-        tokens, passes = speculate(LocalChain(engines), plain, k, wrong)
+        tokens, passes = speculate(InProcessRoute(engines), plain, k, wrong)
     finally:
         for engine in engines:
             engine.close()
@@ -134,7 +134,7 @@ def test_twelve_v4_stages_verify_bit_for_bit(v4_12: Path) -> None:
     engines = stages(v4_12, range(13))
     try:
         for k, wrong in [(4, 0.3), (16, 0.2)]:
-            tokens, _ = speculate(LocalChain(engines), plain, k, wrong)
+            tokens, _ = speculate(InProcessRoute(engines), plain, k, wrong)
             assert tokens == plain[0]
     finally:
         for engine in engines:

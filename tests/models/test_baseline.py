@@ -37,7 +37,7 @@ from dgr_engine.certification.lock import load_lock
 from dgr_engine.certification.record import RecordKind, Verdict, load_evidence
 from dgr_engine.fixtures import converted
 from dgr_engine.numerics import EXACT, Numerics
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from dgr_engine.tooling.processes import dgr_command
 from dgr_session.identity import EvidenceClass
 
@@ -83,7 +83,7 @@ def test_every_split_matches_transformers_too(
             for r in zip(cut[:-1], cut[1:], strict=True)
         ]
         try:
-            chain = LocalChain(engines)
+            chain = InProcessRoute(engines)
             chain.open(1, 0)
             logits = chain.forward(1, 0, prompt, 0, all_logits=True)
         finally:

@@ -18,7 +18,7 @@ from dgr_engine.baseline import converter, tiny_families
 from dgr_engine.certification.classify import FIXTURE_MARK_KEY
 from dgr_engine.fixtures import converted
 from dgr_engine.numerics import EXACT, Numerics
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from tests.engine.test_engine_parity import all_cuts
 
 pytestmark = pytest.mark.slow  # transformers on the CPU: seconds a test, CI runs it
@@ -127,7 +127,7 @@ class Pool:
             if rng not in self.engines:
                 self.engines[rng] = ShardEngine(self.path, layers=rng, numerics=self.numerics, **KW)
             stages.append(self.engines[rng])
-        chain = LocalChain(stages)
+        chain = InProcessRoute(stages)
         chain.open(7, 0)
         try:
             return chain.greedy(7, 0, PROMPT, N_DECODE)

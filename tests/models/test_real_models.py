@@ -26,7 +26,7 @@ from dgr_engine.engine import ForwardItem
 from dgr_engine.models import CATALOG, ModelNotFetched, UnknownModel, lookup
 from dgr_engine.models import fetch as model_fetch
 from dgr_engine.models.catalog import RealModel, WheelPart
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from dgr_engine.speculative import ModelDrafter
 from dgr_engine.testing import EngineTransport
 from dgr_engine.tokenizer import Tokenizer
@@ -263,7 +263,7 @@ def test_smollm2_over_three_stages_is_the_whole_model_and_answers(
     tokenizer = Tokenizer(smollm2)
     closing.append(tokenizer)
     prompt = prompt_ids(tokenizer, "What is the capital of France?", chat=True)
-    route, reference = LocalChain(stages), LocalChain([whole])
+    route, reference = InProcessRoute(stages), InProcessRoute([whole])
     for chain in (route, reference):
         chain.open(1, 0)
     tokens, logits = route.greedy(1, 0, prompt, 12, all_prefill_logits=False)
@@ -284,7 +284,7 @@ def test_every_certify_layout_of_smollm2_is_the_whole_model(smollm2: Path, closi
     whole = ShardEngine(smollm2, **kw)
     closing.append(whole)
     prompt = [1, 504, 3458, 282, 4649, 314, 253, 2369, 30, 198, 2, 9690, 198]  # 13 positions
-    reference = LocalChain([whole])
+    reference = InProcessRoute([whole])
     reference.open(1, 0)
     ref_tokens, ref_logits = reference.greedy(1, 0, prompt, 6, all_prefill_logits=True)
     assert_layouts_are_the_whole_model(smollm2, layouts, kw, prompt, ref_tokens, ref_logits)
@@ -303,7 +303,7 @@ def assert_layouts_are_the_whole_model(
     for layout in layouts:
         stages = [ShardEngine(model, layers=r, **kw) for r in layout]
         try:
-            route = LocalChain(stages)
+            route = InProcessRoute(stages)
             route.open(1, 0)
             tokens, logits = route.greedy(1, 0, prompt, 6, all_prefill_logits=True)
             assert tokens == ref_tokens, layout
@@ -345,7 +345,7 @@ def test_every_certify_layout_of_gemma3_is_the_whole_model(gemma3: Path, closing
     tokenizer = Tokenizer(gemma3)
     closing.append(tokenizer)
     prompt = prompt_ids(tokenizer, "Paris is the capital of", chat=False)  # no chat template
-    reference = LocalChain([whole])
+    reference = InProcessRoute([whole])
     reference.open(1, 0)
     ref_tokens, ref_logits = reference.greedy(1, 0, prompt, 6, all_prefill_logits=True)
     assert tokenizer.decode(ref_tokens).startswith(" France"), tokenizer.decode(ref_tokens)
@@ -435,7 +435,7 @@ def test_smollm2_speculative_sessions_give_plain_greedy_tokens(smollm2: Path) ->
     prompt = prompt_ids(tokenizer, text, chat=True)
     tokenizer.close()
     with ShardEngine(smollm2, **kw) as whole:
-        reference = LocalChain([whole])
+        reference = InProcessRoute([whole])
         reference.open(1, 0)
         plain, _ = reference.greedy(1, 0, prompt, 24, all_prefill_logits=False)
     transport = EngineTransport(lambda a, b: ShardEngine(smollm2, layers=(a, b), **kw))

@@ -22,11 +22,11 @@ TIMEOUT = 180  # seconds per example; each takes a few on 2 cores
 
 #: Example file name -> lines its output must contain (regular expressions, one per line).
 EXPECTED: dict[str, list[str]] = {
-    "local_chain.py": [
+    "in_process_route.py": [
         r"^The capital of France is Paris\.$",
         r"^route \[\(0, 10\), \(10, 20\), \(20, 30\)\] == whole model: \[",
         r"^after the route change \(epoch 1\):",
-        r"^local_chain: OK$",
+        r"^in_process_route: OK$",
     ],
     "route_sessions.py": [
         r"^  killing stage 'b' \[1, 3\) mid-decode$",
@@ -71,7 +71,7 @@ def test_every_example_is_run() -> None:
     assert sorted(p.name for p in EXAMPLES.glob("*.py")) == sorted(EXPECTED)
 
 
-@pytest.mark.parametrize("name", ["local_chain.py", "route_sessions.py", "property_suite.py"])
+@pytest.mark.parametrize("name", ["in_process_route.py", "route_sessions.py", "property_suite.py"])
 def test_in_process_example(name: str) -> None:
     run_example(name)
 

@@ -35,7 +35,7 @@ def test_commands_that_run_a_worker_are_seen(args: list[str] | str) -> None:
         ["dgr", "fixtures", "--help"],
         [sys.executable, "-m", "dgr_engine.cli", "artifacts", "fetch"],
         [sys.executable, "-m", "dgr_engine.cli"],
-        [sys.executable, "examples/local_chain.py"],
+        [sys.executable, "examples/in_process_route.py"],
         ["git", "status"],
         "echo worker",
     ],

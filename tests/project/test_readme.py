@@ -1,5 +1,5 @@
 """The README's first screen is true: its two commands exist and its example runs, and is
-``examples/local_chain.py``."""
+``examples/in_process_route.py``."""
 
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ def test_python_example_runs() -> None:
         engine.close()
 
 
-def test_the_example_is_examples_local_chain() -> None:
-    """The README shows ``examples/local_chain.py``'s marked block, word for word."""
+def test_the_example_is_examples_in_process_route() -> None:
+    """The README shows ``examples/in_process_route.py``'s marked block, word for word."""
     (example,) = re.findall(r"```python\n(.*?)```", README, flags=re.S)
-    source = (ROOT / "examples" / "local_chain.py").read_text(encoding="utf-8")
+    source = (ROOT / "examples" / "in_process_route.py").read_text(encoding="utf-8")
     (block,) = re.findall(r"# --- readme:begin ---\n(.*?)# --- readme:end ---", source, flags=re.S)
     assert example == block

@@ -26,7 +26,7 @@ from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import GrantDenied, GrantUnauthenticated
 from dgr_engine.options import EngineOptions
-from dgr_engine.reference import LocalChain, whole_model_reference
+from dgr_engine.reference import InProcessRoute, whole_model_reference
 from dgr_engine.security.grants import Grant, GrantIssuer, GrantVerifier, issue, public_pem
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
 from dgr_engine.tooling.processes import WorkerProcess, dgr_command
@@ -205,7 +205,7 @@ def test_attacks_on_a_worker_with_grants_are_refused_and_a_proper_session_lives_
     tiny_llama: Path, worker: WorkerProcess
 ) -> None:
     with ShardEngine(tiny_llama, **KW) as whole:
-        chain = LocalChain([whole])
+        chain = InProcessRoute([whole])
         chain.open(1, 0)
         want_prefill = chain.forward(1, 0, PROMPT, 0)[-1]
         want_next = chain.forward(1, 0, [42], len(PROMPT))[-1]

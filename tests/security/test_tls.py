@@ -16,7 +16,7 @@ import pytest
 from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import ShardUnavailable
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from dgr_engine.security.tls import (
     ClientTls,
     ServerTls,
@@ -41,7 +41,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Authority, A
 
 def _whole_model_logits(model: Path) -> np.ndarray:
     with ShardEngine(model, **KW) as whole:
-        chain = LocalChain([whole])
+        chain = InProcessRoute([whole])
         chain.open(1, 0)
         return chain.forward(1, 0, PROMPT, 0)[-1]
 

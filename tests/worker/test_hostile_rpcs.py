@@ -29,7 +29,7 @@ from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import GrantDenied, GrantUnauthenticated, ShardUnavailable
 from dgr_engine.options import EngineOptions
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from dgr_engine.security.grants import Grant, GrantIssuer, issue, public_pem
 from dgr_engine.security.tls import ClientTls, ServerTls
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
@@ -63,7 +63,7 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
 def want(tiny_llama: Path) -> tuple[np.ndarray, np.ndarray]:
     """The whole model's logits: the prompt's last row, then token ``NEXT``'s."""
     with ShardEngine(tiny_llama, **KW) as whole:
-        chain = LocalChain([whole])
+        chain = InProcessRoute([whole])
         chain.open(1, 0)
         prefill = chain.forward(1, 0, PROMPT, 0)[-1]
         return prefill, chain.forward(1, 0, [NEXT], len(PROMPT))[-1]

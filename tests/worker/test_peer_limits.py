@@ -13,7 +13,7 @@ import pytest
 from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
 from dgr_engine.errors import CapacityExceeded, GrantDenied
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from dgr_engine.worker import ShardWorker, WorkerConfig
 from dgr_engine.worker.lifecycle.closes import CloseCause, SessionClosed
 from dgr_engine.worker.lifecycle.peer_limits import PeerLimitConfig, PeerLimits, client_identity
@@ -82,7 +82,7 @@ def test_frames_per_second_is_a_bucket_with_a_retry_hint() -> None:
 
 def test_a_worker_enforces_both_limits_and_serves_on(tiny_llama: Path) -> None:
     with ShardEngine(tiny_llama, **KW) as whole:
-        chain = LocalChain([whole])
+        chain = InProcessRoute([whole])
         chain.open(1, 0)
         want = chain.forward(1, 0, PROMPT, 0)[-1]
     config = WorkerConfig(sessions_per_client=1, frames_per_second=0.01)

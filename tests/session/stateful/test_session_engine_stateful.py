@@ -35,7 +35,7 @@ from hypothesis.stateful import (
 
 from dgr_engine import ShardEngine
 from dgr_engine.fixtures import ensure_fixture
-from dgr_engine.reference import LocalChain
+from dgr_engine.reference import InProcessRoute
 from dgr_engine.testing import EngineTransport
 from dgr_session import (
     EvidenceClass,
@@ -88,8 +88,8 @@ def model_path() -> Path:
 
 
 @functools.cache
-def whole_model() -> LocalChain:
-    return LocalChain([ShardEngine(model_path(), **ENGINE_KW)])
+def whole_model() -> InProcessRoute:
+    return InProcessRoute([ShardEngine(model_path(), **ENGINE_KW)])
 
 
 @functools.cache
