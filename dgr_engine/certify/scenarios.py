@@ -19,7 +19,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
-import grpc
 import numpy as np
 import numpy.typing as npt
 
@@ -29,6 +28,7 @@ from dgr_engine.client.chained import ChainRecord, ChainStageTransport
 from dgr_engine.client.relay import ForwardRecord, GrpcStageTransport
 from dgr_engine.client.shard_client import ShardClient, expectations_of
 from dgr_engine.engine import ShardEngine
+from dgr_engine.errors import ShardError
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import InProcessRoute
 from dgr_engine.tooling.loopback import LoopbackRouteProvider
@@ -41,8 +41,6 @@ from dgr_engine.tooling.rpc_peer import (
     run_llama_bench_async,
     settings_differ,
 )
-from dgr_engine.wire.proto import shard_pb2 as pb
-from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_session.faults import FailureReport
 from dgr_session.identity import CertificationStatus, EvidenceClass
 from dgr_session.manager import SessionHandle, SessionManager, SessionResult
@@ -578,11 +576,10 @@ async def _close_under(
     for stage in route.stages:
         # the session's own client (it holds the secret); the session is not told
         secret = transport.client(stage.endpoint).session_secret(session_id, epoch)
-        request = pb.CloseSessionRequest(session_id=session_id, epoch=epoch, session_secret=secret)
-        async with grpc.aio.insecure_channel(stage.endpoint) as channel:  # loopback workers
+        async with ShardClient(stage.endpoint, timeout=5.0) as other:  # loopback workers
             try:
-                await shard_pb2_grpc.ShardStub(channel).CloseSession(request, timeout=5.0)
-            except grpc.aio.AioRpcError:  # the session may be gone already: that is fine
+                await other.close(session_id, epoch, secret=secret)
+            except ShardError:  # the session may be gone already: that is fine
                 pass
 
 

@@ -299,15 +299,24 @@ class ShardClient:
         else:
             self._secrets.pop(session_id, None)
 
-    async def close(self, session_id: str, epoch: int, *, timeout: float | None = None) -> None:
-        """Closes ``(session_id, epoch)`` and frees its state on the worker."""
+    async def close(
+        self,
+        session_id: str,
+        epoch: int,
+        *,
+        timeout: float | None = None,
+        secret: bytes | None = None,
+    ) -> None:
+        """Closes ``(session_id, epoch)`` and frees its state on the worker (with ``secret``:
+        the secret another client's open answered, to close a session under that client)."""
         check_session_id(session_id)
         stream = self._streams.pop(session_id, None)
         if stream is not None:
             await stream.finish()
         held = self._secrets.get(session_id)
-        # the close of a newer epoch closes the older one held there: it takes that one's secret
-        secret = held[1] if held is not None and held[0] <= epoch else b""
+        if secret is None:
+            # the close of a newer epoch closes the older one held there: it takes its secret
+            secret = held[1] if held is not None and held[0] <= epoch else b""
         request = pb.CloseSessionRequest(session_id=session_id, epoch=epoch, session_secret=secret)
         reply = await self._call(self._stub.CloseSession, request, timeout)
         self._check_echo(reply, session_id, epoch)

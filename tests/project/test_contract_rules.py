@@ -24,7 +24,6 @@ table's gRPC side."""
 
 STILL_TO_MOVE = {
     "dgr_engine/wire/frame_link.py": "its calls look like gRPC's to the worker's downstream",
-    "dgr_engine/certify/scenarios.py": "closes a session under its client over raw gRPC",
 }
 """Modules that import gRPC outside its rooms today, and why; the list may only shrink."""
 
