@@ -47,6 +47,7 @@ from dgr_engine.errors import (
     ShardDeadlineExceeded,
     ShardRpcError,
 )
+from dgr_engine.wire.advert import Advert
 from dgr_engine.wire.frame_link import FrameLinkTarget, split_endpoint
 from dgr_engine.wire.frames import (
     Frame,
@@ -109,6 +110,16 @@ class _AtStage(Exception):
     def __init__(self, index: int, error: Exception) -> None:
         super().__init__(index, error)
         self.index, self.error = index, error
+
+    @classmethod
+    def lacking(cls, index: int, stage: StageSpec, path: DataPath) -> _AtStage:
+        """``stage`` offers no ``path``, which the transport was told to take."""
+        what = "native link" if path is DataPath.NATIVE else "frame link"
+        error = ShardRpcError(
+            f"{stage.endpoint} offers no {what} (data_path={path.value!r})",
+            status="DGR_E_PROTOCOL",
+        )
+        return cls(index, error)
 
 
 class ChainStageTransport(GrpcStageTransport):
@@ -268,6 +279,13 @@ class ChainStageTransport(GrpcStageTransport):
             return
         chain.start(frames, outcomes)
 
+    async def _advert_at(self, index: int, stage: StageSpec) -> Advert:
+        """``stage``'s advert; :class:`_AtStage` naming it when it cannot be had."""
+        try:
+            return await self.advert(stage.endpoint)
+        except DgrError as exc:
+            raise _AtStage(index, exc) from None
+
     async def frame_links(self, route: Sequence[StageSpec]) -> list[ChainChannel] | None:
         """Each stage's frame link, when the route's frames take it (``data_path``); ``None``:
         gRPC. A stage whose advert cannot be had, or that offers no frame link when one is
@@ -276,19 +294,12 @@ class ChainStageTransport(GrpcStageTransport):
             return None
         targets: list[ChainChannel] = []
         for index, stage in enumerate(route):
-            try:
-                advert = await self.advert(stage.endpoint)
-            except DgrError as exc:
-                raise _AtStage(index, exc) from None
+            advert = await self._advert_at(index, stage)
             port = advert.data_paths.frame_link_port
             if not port:
                 if self.data_path == "auto":
                     return None
-                error = ShardRpcError(
-                    f"{stage.endpoint} offers no frame link (data_path='frame-link')",
-                    status="DGR_E_PROTOCOL",
-                )
-                raise _AtStage(index, error)
+                raise _AtStage.lacking(index, stage, DataPath.FRAME_LINK)
             tls = self.tls is not None and advert.security.tls
             key = (stage.endpoint, tls)
             target = self._targets.get(key)
@@ -329,21 +340,14 @@ class ChainStageTransport(GrpcStageTransport):
         hosts: list[tuple[str, int]] = []
         sealed: list[bool] = []
         for index, stage in enumerate(route):
-            try:
-                advert = await self.advert(stage.endpoint)
-            except DgrError as exc:
-                raise _AtStage(index, exc) from None
+            advert = await self._advert_at(index, stage)
             port = advert.data_paths.native_link_port
             if port and self.tls is not None and not advert.data_paths.native_link_sealed:
                 port = 0  # over TLS, only sealed links: never the frames in the clear
             if not port:
                 if not required:
                     return None
-                error = ShardRpcError(
-                    f"{stage.endpoint} offers no native link (data_path='native')",
-                    status="DGR_E_PROTOCOL",
-                )
-                raise _AtStage(index, error)
+                raise _AtStage.lacking(index, stage, DataPath.NATIVE)
             host, _ = split_endpoint(stage.endpoint)
             hosts.append((host, port))
             sealed.append(advert.data_paths.native_link_sealed)
