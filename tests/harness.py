@@ -31,6 +31,7 @@ from dgr_engine.wire import frame_link as fl
 from dgr_engine.wire.frames import encode_forward, output_from_reply
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
+from dgr_engine.wire.status import grpc_code
 from dgr_session import (
     EvidenceClass,
     FailurePolicy,
@@ -496,7 +497,7 @@ class LinkPeer:
                 assert status is None, f"a {kind.name} after the STATUS"
                 if kind is fl.Kind.STATUS:
                     code, details, trailers = fl.decode_status(payload)
-                    status = code, details, dict(trailers)
+                    status = grpc_code(code), details, dict(trailers)
                 else:
                     assert kind is fl.Kind.MESSAGE, kind
 
@@ -594,7 +595,7 @@ class LinkSession:
         assert self.stream is not None and self.output is not None
         await self.stream.done_writing()
         async with asyncio.timeout(LINK_READ_SECONDS):
-            assert await self.stream.read() is grpc.aio.EOF  # the stream ended OK
+            assert await self.stream.read() in (None, grpc.aio.EOF)  # the stream ended OK
         request = pb.CloseSessionRequest(
             session_id=self.session_id, epoch=1, session_secret=self.secret
         )
@@ -603,7 +604,7 @@ class LinkSession:
         if self.front is not None:
             self.front.close_session(1, 1)
         async with asyncio.timeout(LINK_READ_SECONDS):
-            assert await self.output.read() is grpc.aio.EOF  # its client closed the epoch
+            assert await self.output.read() in (None, grpc.aio.EOF)  # its client closed the epoch
 
     def exact(self, want: Sequence[np.ndarray]) -> bool:
         """Every step's logits so far equal ``want``'s, bit for bit (and there was one)."""

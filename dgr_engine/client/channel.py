@@ -3,9 +3,10 @@
 stage's outcomes come back (:class:`OutcomeSource`), and a call that fails ends with the typed
 error of the stage that failed (:class:`StageFailure`), whatever carried it.
 
-Implementations: ``client/grpc_channel.py`` (gRPC, and the frame link, which carries the same
-calls: gRPC's error model stays there) and ``client/native_channel.py`` (native links, whose
-failures are C statuses: ``dgr_engine.status``). ``client/chained/`` speaks only this.
+Implementations: ``client/grpc_channel.py`` (gRPC: its error model stays there),
+``client/frame_link_channel.py`` (the frame link) and ``client/native_channel.py`` (native
+links, whose failures are C statuses: ``dgr_engine.status``). ``client/chained/`` speaks only
+this.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
 """The gRPC implementation of the chained data path (``client/channel.py``): a stage's ``Chain``
-service over gRPC, or over its frame link, which carries the same calls with the same codes and
-trailers (``wire/frame_link.py``). gRPC's error model ends here: every failure leaves as a
+service over gRPC. gRPC's error model ends here: every failure leaves as a
 :class:`~dgr_engine.client.channel.StageFailure` with its typed error (``wire/status.py``) and
 the stage its ``dgr-chain-hop`` trailer names.
 """
@@ -16,24 +15,16 @@ from dgr_engine.client.channel import ChannelOver, Metadata, StageFailure
 from dgr_engine.client.shard_client import client_call_error
 from dgr_engine.errors import ShardUnavailable
 from dgr_engine.wire.proto import shard_pb2 as pb
-from dgr_engine.wire.status import CHAIN_HOP_KEY, error_from_trailers
+from dgr_engine.wire.status import chain_hop_of, error_from_trailers
 from dgr_session.errors import DgrError
 
 __all__ = ["GrpcChainChannel"]
 
 
-def _hop_of(trailers: Any, default: int) -> int:
-    for key, value in trailers or ():
-        if key == CHAIN_HOP_KEY:
-            text = value if isinstance(value, str) else bytes(value).decode()
-            return int(text) if text.isdigit() else default
-    return default
-
-
 def _failure(exc: grpc.aio.AioRpcError, default_hop: int) -> StageFailure:
     trailers = exc.trailing_metadata()
     error = error_from_trailers(exc.code(), trailers, exc.details() or "")
-    return StageFailure(_hop_of(trailers, default_hop), error)
+    return StageFailure(chain_hop_of(trailers, default_hop), error)
 
 
 async def _ended(call: Any, default_hop: int) -> StageFailure | None:
@@ -43,7 +34,7 @@ async def _ended(call: Any, default_hop: int) -> StageFailure | None:
         return None
     trailers = await call.trailing_metadata()
     error = error_from_trailers(code, trailers, await call.details() or "")
-    return StageFailure(_hop_of(trailers, default_hop), error)
+    return StageFailure(chain_hop_of(trailers, default_hop), error)
 
 
 def _made_here(exc: Exception) -> DgrError:
@@ -108,8 +99,7 @@ class _Outcomes:
 
 
 class GrpcChainChannel:
-    """A stage's chained calls through ``dialer``: its ``Chain`` stub (gRPC) or its frame link
-    target (the same calls)."""
+    """A stage's chained calls through ``dialer``, its ``Chain`` stub."""
 
     def __init__(self, dialer: Any, endpoint: str) -> None:
         self._dialer = dialer

@@ -14,13 +14,15 @@ kind                  who sends  payload
 ``STATUS``            worker     last, once: the call's gRPC code, details and trailers (JSON)
 ====================  =========  =========================================================
 
-The messages, codes and trailers are exactly the gRPC calls' (``proto/dgr/shard/v1``), so the
-worker runs the same ``ChainServicer`` methods behind both paths and the callers read the same
-typed refusals: only the framing differs, and with it the cost of a hop (no HTTP/2, no gRPC
-core, one message per write). :class:`FrameLinkCall` looks to its users like the
-``grpc.aio`` streaming call it replaces (``read``/``write``/``done_writing``/``code``/
-``details``/``trailing_metadata``/``cancel``, ``grpc.aio.EOF`` at the end, ``AioRpcError`` for a
-failed call), so the chain's downstream streams and the client's chained transport use either.
+The messages, codes and trailers are the gRPC calls' (``proto/dgr/shard/v1``; a ``STATUS``
+carries the number gRPC gives its code), so the worker runs the same ``ChainServicer`` methods
+behind both paths and the callers read the same typed refusals: only the framing differs, and
+with it the cost of a hop (no HTTP/2, no gRPC core, one message per write). No gRPC runs here:
+a :class:`FrameLinkCall` answers its messages, ``None`` at an OK end, and
+:class:`LinkCallFailed` for any other; the client reads it through its frame link channel
+(``client/frame_link_channel.py``), a worker's downstream stream through
+``worker/route/chain_downstream.py``, each turning the status into the typed error of the stage
+it names (``wire/status.py``).
 """
 
 from __future__ import annotations
@@ -36,19 +38,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
-import grpc
-
 from dgr_engine.security.tls import ClientTls, ServerTls
 from dgr_engine.wire.proto import shard_pb2 as pb
 
 __all__ = [
+    "CANCELLED",
     "CONTROL_MAX_BYTES",
+    "INTERNAL",
+    "OK",
+    "UNAVAILABLE",
     "CallStatus",
     "HEADER",
     "METHODS",
     "FrameLinkCall",
     "FrameLinkTarget",
     "Kind",
+    "LinkCallFailed",
     "LinkProtocolError",
     "Metadata",
     "client_ssl_context",
@@ -76,6 +81,19 @@ _CONNECT_SECONDS = 10.0
 
 Metadata = tuple[tuple[str, str], ...]
 M = TypeVar("M")
+
+OK, CANCELLED, INTERNAL, UNAVAILABLE = 0, 1, 13, 14
+"""The status codes a frame link call ends with by itself (gRPC's numbers for them, as every
+``STATUS`` carries: a worker's refusals carry theirs, and their ``dgr-status``)."""
+
+
+class LinkCallFailed(Exception):
+    """A frame link call ended with a status other than OK: its code (gRPC's number), details
+    and trailers (``dgr-status``, ``dgr-chain-hop``, ...)."""
+
+    def __init__(self, code: int, details: str, trailers: Metadata) -> None:
+        super().__init__(code, details, trailers)
+        self.code, self.details, self.trailers = code, details, trailers
 
 
 class Kind(enum.IntEnum):
@@ -149,13 +167,11 @@ def decode_open(payload: bytes) -> tuple[str, Metadata]:
     return method, _pairs(value.get("metadata", []))
 
 
-def encode_status(
-    code: grpc.StatusCode, details: str, trailers: Sequence[tuple[str, str]]
-) -> bytes:
+def encode_status(code: int, details: str, trailers: Sequence[tuple[str, str]]) -> bytes:
     """A ``STATUS`` payload: always one JSON object within ``CONTROL_MAX_BYTES`` (over it, the
     details are cut, then the trailers dropped: a refusal's reason is bounded, but never trust
     it; JSON escapes can make a character six bytes)."""
-    body = {"code": code.value[0], "details": details, "trailers": [list(p) for p in trailers]}
+    body = {"code": int(code), "details": details, "trailers": [list(p) for p in trailers]}
     payload = json.dumps(body).encode()
     keep = len(details)
     while len(payload) > CONTROL_MAX_BYTES and keep > 0:
@@ -168,13 +184,17 @@ def encode_status(
     return payload
 
 
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
+_MAX_CODE = 16
+"""The largest status code there is (gRPC's ``UNAUTHENTICATED``)."""
 
 
-def decode_status(payload: bytes) -> tuple[grpc.StatusCode, str, Metadata]:
+def decode_status(payload: bytes) -> tuple[int, str, Metadata]:
+    """``(code, details, trailers)`` of a ``STATUS``; ``LinkProtocolError`` unless it holds a
+    code there is and its details."""
     value = _json(payload, "STATUS")
-    code, details = _CODES.get(value.get("code", -1)), value.get("details", "")
-    if code is None or not isinstance(details, str):
+    code, details = value.get("code", -1), value.get("details", "")
+    valid = isinstance(code, int) and not isinstance(code, bool) and 0 <= code <= _MAX_CODE
+    if not valid or not isinstance(details, str):
         raise LinkProtocolError("STATUS has no valid code and details")
     return code, details, _pairs(value.get("trailers", []))
 
@@ -238,7 +258,7 @@ class FrameLinkTarget:
         )
 
     def ChainStream(self, *, metadata: Metadata = ()) -> FrameLinkCall[Any]:  # noqa: N802
-        """A ``ChainStream`` call (the gRPC stub's name, so a stage's downstream uses either)."""
+        """A ``ChainStream`` call (named as the gRPC stub's)."""
         return FrameLinkCall(self, "ChainStream", metadata, pb.ChainAck)
 
     def ChainOutput(self, request: Any, *, metadata: Metadata = ()) -> FrameLinkCall[Any]:  # noqa: N802
@@ -247,39 +267,33 @@ class FrameLinkTarget:
 
 
 class CallStatus:
-    """How a call over a connection of its own ends, said as a ``grpc.aio`` call says it
-    (``code``, ``details``, ``trailing_metadata``, ``done``, ``cancel``): the frame link's
-    calls use it (the client reads them through ``client/grpc_channel.py``)."""
+    """How a call over a connection of its own ends (``done``, ``cancel``, and its status once
+    it is over: :meth:`ending`)."""
 
     def __init__(self) -> None:
         loop = asyncio.get_running_loop()
-        self._status: asyncio.Future[tuple[grpc.StatusCode, str, Metadata]] = loop.create_future()
+        self._status: asyncio.Future[tuple[int, str, Metadata]] = loop.create_future()
         self._writer: asyncio.StreamWriter | None = None
 
-    def _end(self, code: grpc.StatusCode, details: str, trailers: Sequence[Any] = ()) -> None:
+    def _end(self, code: int, details: str, trailers: Sequence[Any] = ()) -> None:
         if not self._status.done():
             self._status.set_result((code, details, tuple(trailers)))
         if self._writer is not None:
             self._writer.close()
 
-    def _error(self) -> grpc.aio.AioRpcError:
+    def _over(self) -> None:
+        """Returns at an OK end; raises :class:`LinkCallFailed` for any other."""
         code, details, trailers = self._status.result()
-        return grpc.aio.AioRpcError(
-            code, grpc.aio.Metadata(), grpc.aio.Metadata(*trailers), details=details
-        )
+        if code != OK:
+            raise LinkCallFailed(code, details, trailers)
 
-    async def code(self) -> grpc.StatusCode:
-        return (await asyncio.shield(self._status))[0]
-
-    async def details(self) -> str:
-        return (await asyncio.shield(self._status))[1]
-
-    async def trailing_metadata(self) -> grpc.aio.Metadata:
-        return grpc.aio.Metadata(*(await asyncio.shield(self._status))[2])
+    async def ending(self) -> tuple[int, str, Metadata]:
+        """``(code, details, trailers)`` of the call's end, once it ended."""
+        return await asyncio.shield(self._status)
 
     def cancel(self) -> bool:
         done = self._status.done()
-        self._end(grpc.StatusCode.CANCELLED, "cancelled by the caller")
+        self._end(CANCELLED, "cancelled by the caller")
         return not done
 
     def done(self) -> bool:
@@ -287,10 +301,10 @@ class CallStatus:
 
 
 class FrameLinkCall(CallStatus, Generic[M]):
-    """One call on its own connection, used like a ``grpc.aio`` streaming call. One
-    difference: its status is read from the connection by :meth:`read`, so ``code``,
-    ``details`` and ``trailing_metadata`` resolve once a caller has read to the end (every
-    caller in dgr does), or once the call is cancelled or its connection lost."""
+    """One call on its own connection: ``write`` and ``done_writing`` its messages, ``read``
+    its replies. Its status is read from the connection by :meth:`read`, so :meth:`ending`
+    resolves once a caller has read to the end (every caller in dgr does), or once the call is
+    cancelled or its connection lost."""
 
     def __init__(
         self,
@@ -320,7 +334,7 @@ class FrameLinkCall(CallStatus, Generic[M]):
             self._writer.write(first)
             await self._writer.drain()
         except (OSError, TimeoutError, ssl.SSLError) as exc:
-            self._end(grpc.StatusCode.UNAVAILABLE, f"frame link {self.target.endpoint}: {exc!r}")
+            self._end(UNAVAILABLE, f"frame link {self.target.endpoint}: {exc!r}")
 
     async def _ready(self) -> asyncio.StreamWriter:
         await asyncio.shield(self._connected)
@@ -336,7 +350,7 @@ class FrameLinkCall(CallStatus, Generic[M]):
             writer.write(pack(Kind.MESSAGE, message.SerializeToString()))
             await writer.drain()
         except (OSError, RuntimeError) as exc:
-            self._end(grpc.StatusCode.UNAVAILABLE, f"frame link {self.target.endpoint}: {exc!r}")
+            self._end(UNAVAILABLE, f"frame link {self.target.endpoint}: {exc!r}")
             raise asyncio.InvalidStateError("the call is over") from exc
 
     async def done_writing(self) -> None:
@@ -345,10 +359,10 @@ class FrameLinkCall(CallStatus, Generic[M]):
             writer.write(pack(Kind.HALF_CLOSE))
             await writer.drain()
         except (OSError, RuntimeError):
-            self._end(grpc.StatusCode.UNAVAILABLE, f"frame link {self.target.endpoint}: closed")
+            self._end(UNAVAILABLE, f"frame link {self.target.endpoint}: closed")
 
     async def read(self) -> Any:
-        """The next reply; ``grpc.aio.EOF`` after an OK end; ``AioRpcError`` for any other."""
+        """The next reply; ``None`` after an OK end; :class:`LinkCallFailed` for any other."""
         await asyncio.shield(self._connected)
         if not self._status.done():
             assert self._reader is not None
@@ -363,17 +377,12 @@ class FrameLinkCall(CallStatus, Generic[M]):
                 self._end(*decode_status(payload))
             except (asyncio.IncompleteReadError, OSError) as exc:
                 self._end(
-                    grpc.StatusCode.UNAVAILABLE,
-                    f"frame link {self.target.endpoint} lost: {type(exc).__name__}",
+                    UNAVAILABLE, f"frame link {self.target.endpoint} lost: {type(exc).__name__}"
                 )
             except Exception as exc:  # noqa: BLE001 - bytes that are not the protocol
-                self._end(
-                    grpc.StatusCode.INTERNAL,
-                    f"frame link {self.target.endpoint}: malformed answer: {exc}",
-                )
-        if self._status.result()[0] == grpc.StatusCode.OK:
-            return grpc.aio.EOF
-        raise self._error()
+                self._end(INTERNAL, f"frame link {self.target.endpoint}: malformed answer: {exc}")
+        self._over()
+        return None
 
     def cancel(self) -> bool:
         self._connected.cancel()

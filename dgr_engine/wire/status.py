@@ -97,3 +97,29 @@ def error_from_rpc(code: grpc.StatusCode, status: str | None, details: str) -> E
     if cls is not None:
         return cls(details)
     return E.ShardRpcError(details, status=status or f"GRPC_{code.name}")
+
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+def grpc_code(number: int) -> grpc.StatusCode:
+    """The gRPC code of ``number`` (what a frame link ``STATUS`` carries); ``UNKNOWN`` for a
+    number that is no code."""
+    return _CODES.get(number, _C.UNKNOWN)
+
+
+def error_from_number(
+    number: int, trailers: Iterable[tuple[str, str | bytes]] | None, details: str
+) -> E.ShardError:
+    """:func:`error_from_trailers` for a call whose code came as its number (the frame
+    link)."""
+    return error_from_trailers(grpc_code(number), trailers, details)
+
+
+def chain_hop_of(trailers: Iterable[tuple[str, str | bytes]] | None, default: int) -> int:
+    """The stage a chained call's refusal names (``dgr-chain-hop``), else ``default``."""
+    for key, value in trailers or ():
+        if key == CHAIN_HOP_KEY:
+            text = value if isinstance(value, str) else bytes(value).decode()
+            return int(text) if text.isdigit() else default
+    return default

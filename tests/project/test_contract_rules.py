@@ -22,11 +22,6 @@ GRPC_ROOMS = (
 """Where gRPC may be imported: the gRPC data path, the worker's gRPC services and the status
 table's gRPC side."""
 
-STILL_TO_MOVE = {
-    "dgr_engine/wire/frame_link.py": "its calls look like gRPC's to the worker's downstream",
-}
-"""Modules that import gRPC outside its rooms today, and why; the list may only shrink."""
-
 
 def _imports_grpc(path: Path) -> bool:
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
@@ -45,14 +40,16 @@ def test_grpc_stays_in_its_rooms() -> None:
         if _imports_grpc(path)
     }
     outside = {p for p in found if not p.startswith(GRPC_ROOMS)}
-    assert outside == set(STILL_TO_MOVE), outside
+    assert not outside, outside
     assert "dgr_session" not in {p.split("/")[0] for p in found}
 
 
 def test_the_chained_transport_speaks_only_the_channel_interface() -> None:
     for path in sorted((ROOT / "dgr_engine/client/chained").glob("*.py")):
         assert not _imports_grpc(path), path
-    assert not _imports_grpc(ROOT / "dgr_engine/client/native_channel.py")
+    for name in ("native_channel.py", "frame_link_channel.py", "channel.py"):
+        assert not _imports_grpc(ROOT / "dgr_engine/client" / name), name
+    assert not _imports_grpc(ROOT / "dgr_engine/wire/frame_link.py")
 
 
 def test_the_manager_reads_what_its_transport_declares() -> None:

@@ -36,7 +36,7 @@ from dgr_engine.wire import link_messages as lm
 from dgr_engine.wire.frames import encode_forward
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
-from dgr_engine.wire.status import CHAIN_HOP_KEY, error_from_trailers
+from dgr_engine.wire.status import CHAIN_HOP_KEY, error_from_trailers, grpc_code
 from dgr_session.faults import FaultKind
 from tests import harness
 from tests.harness import LinkPeer, LinkSession, link_open
@@ -163,11 +163,15 @@ def _verdict(code: grpc.StatusCode, details: str, trailers: Any) -> Verdict:
 
 
 async def _refused(call: Any) -> Verdict:
+    """The end of a refused stream: a gRPC call's, or a frame link call's (its code: gRPC's
+    number)."""
     async with asyncio.timeout(READ_SECONDS):
-        with pytest.raises(grpc.aio.AioRpcError) as refused:
-            while await call.read() is not grpc.aio.EOF:
+        with pytest.raises((grpc.aio.AioRpcError, fl.LinkCallFailed)) as refused:
+            while await call.read() not in (None, grpc.aio.EOF):
                 pass
     exc = refused.value
+    if isinstance(exc, fl.LinkCallFailed):
+        return _verdict(grpc_code(exc.code), exc.details, exc.trailers)
     return _verdict(exc.code(), exc.details() or "", exc.trailing_metadata())
 
 

@@ -37,6 +37,7 @@ import attrs
 from dgr_engine.client.chained.epoch import ChainEpoch
 from dgr_engine.client.chained.tickets import ChainRecord, ChainStats, ChainTicket, RingMismatch
 from dgr_engine.client.channel import ChainChannel, StageFailure
+from dgr_engine.client.frame_link_channel import FrameLinkChainChannel
 from dgr_engine.client.grpc_channel import GrpcChainChannel
 from dgr_engine.client.native_channel import native_route
 from dgr_engine.client.relay import GrpcStageTransport, expectations_for
@@ -307,7 +308,7 @@ class ChainStageTransport(GrpcStageTransport):
                 host, _ = split_endpoint(stage.endpoint)
                 target = FrameLinkTarget(host, port, self.tls if tls else None)
                 self._targets[key] = target
-            targets.append(GrpcChainChannel(target, stage.endpoint))
+            targets.append(FrameLinkChainChannel(target, stage.endpoint))
         self.chain_stats.frame_link_epochs += 1
         return targets
 

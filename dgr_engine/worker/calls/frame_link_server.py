@@ -142,7 +142,7 @@ class FrameLinkServer:
                 writer.write(
                     fl.pack(
                         fl.Kind.STATUS,
-                        fl.encode_status(grpc.StatusCode.RESOURCE_EXHAUSTED, why, status),
+                        fl.encode_status(grpc.StatusCode.RESOURCE_EXHAUSTED.value[0], why, status),
                     )
                 )
                 await writer.drain()
@@ -294,7 +294,8 @@ async def _send_status(
     writer: asyncio.StreamWriter, code: grpc.StatusCode, details: str, trailers: fl.Metadata
 ) -> None:
     with contextlib.suppress(OSError, RuntimeError):
-        writer.write(fl.pack(fl.Kind.STATUS, fl.encode_status(code, details, trailers)))
+        payload = fl.encode_status(code.value[0], details, trailers)  # gRPC's number
+        writer.write(fl.pack(fl.Kind.STATUS, payload))
         await writer.drain()
 
 

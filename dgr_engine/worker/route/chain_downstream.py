@@ -8,15 +8,17 @@ naming the hop this stage dialled).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterable
 from typing import Any, Protocol
 
 import attrs
 import grpc
 
+from dgr_engine.wire.frame_link import FrameLinkCall, LinkCallFailed
 from dgr_engine.wire.metadata import session_metadata
 from dgr_engine.wire.proto import shard_pb2 as pb
-from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY
+from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY, grpc_code
 
 _FAILURE_WAIT = 5.0
 """Seconds a stage whose write downstream failed waits for the downstream's status."""
@@ -51,10 +53,76 @@ class ChainLink:
 
 class ChainDialer(Protocol):
     """What opens a stream to the next stage: its gRPC ``ChainStub``, or its frame link
-    (``wire/frame_link.py``'s ``FrameLinkTarget``), whose calls look alike."""
+    (``wire/frame_link.py``'s ``FrameLinkTarget``)."""
 
     def ChainStream(self, *, metadata: Any = ...) -> Any:  # noqa: N802 - the RPC's name
         ...
+
+
+class _StreamOver(Exception):
+    """A frame could not be written: the stream is over (its end says why)."""
+
+
+class _GrpcCall:
+    """A ``ChainStream`` over gRPC."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    async def write(self, request: pb.ForwardRequest) -> None:
+        try:
+            await self._call.write(request)
+        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+            raise _StreamOver(repr(exc)) from exc
+
+    async def done_writing(self) -> None:
+        with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
+            await self._call.done_writing()
+
+    async def ended(self) -> tuple[grpc.StatusCode, str, Any] | None:
+        """Reads to the end: ``None`` for OK (or a call already over), else its end."""
+        try:
+            while await self._call.read() is not grpc.aio.EOF:
+                pass  # nothing is answered while all goes well
+            code = await self._call.code()
+            if code == grpc.StatusCode.OK:
+                return None
+            return code, await self._call.details() or "", await self._call.trailing_metadata()
+        except grpc.aio.AioRpcError as exc:
+            return exc.code(), exc.details() or "", exc.trailing_metadata()
+        except asyncio.InvalidStateError:
+            return None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class _FrameLinkCall:
+    """A ``ChainStream`` over the next stage's frame link (its status: gRPC's number)."""
+
+    def __init__(self, call: FrameLinkCall[Any]) -> None:
+        self._call = call
+
+    async def write(self, request: pb.ForwardRequest) -> None:
+        try:
+            await self._call.write(request)
+        except asyncio.InvalidStateError as exc:
+            raise _StreamOver(repr(exc)) from exc
+
+    async def done_writing(self) -> None:
+        with contextlib.suppress(asyncio.InvalidStateError):
+            await self._call.done_writing()
+
+    async def ended(self) -> tuple[grpc.StatusCode, str, Any] | None:
+        try:
+            while await self._call.read() is not None:
+                pass  # nothing is answered while all goes well
+        except LinkCallFailed as failed:
+            return grpc_code(failed.code), failed.details, failed.trailers
+        return None
+
+    def cancel(self) -> None:
+        self._call.cancel()
 
 
 def failure_of(
@@ -100,7 +168,8 @@ class Downstream:
         self.hop = hop
         self.failed = failed
         self.watchers = watchers
-        self.call = stub.ChainStream(metadata=session_metadata(first))
+        call = stub.ChainStream(metadata=session_metadata(first))
+        self.call = _FrameLinkCall(call) if isinstance(call, FrameLinkCall) else _GrpcCall(call)
         self.watcher = asyncio.get_running_loop().create_task(self._watch())
         watchers.add(self.watcher)
         self.watcher.add_done_callback(watchers.discard)
@@ -110,48 +179,28 @@ class Downstream:
             self.failed.set_result(failure)
 
     async def _watch(self) -> None:
-        try:
-            while await self.call.read() is not grpc.aio.EOF:
-                pass  # nothing is answered while all goes well
-            code = await self.call.code()
-            if code == grpc.StatusCode.OK:
-                return
-            details = await self.call.details() or ""
-            trailers = await self.call.trailing_metadata()
+        ended = await self.call.ended()
+        if ended is not None:
+            code, details, trailers = ended
             self._fail(failure_of(code, details, trailers, self.hop, self.link.endpoint))
-        except grpc.aio.AioRpcError as exc:
-            self._fail(
-                failure_of(
-                    exc.code(),
-                    exc.details() or "",
-                    exc.trailing_metadata(),
-                    self.hop,
-                    self.link.endpoint,
-                )
-            )
-        except asyncio.InvalidStateError:
-            pass
 
     async def send(self, request: pb.ForwardRequest) -> None:
         try:
             await self.call.write(request)
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError) as exc:
+        except _StreamOver as exc:
             try:  # the stream is over: its status says why
                 async with asyncio.timeout(_FAILURE_WAIT):
                     await asyncio.shield(self.failed)
             except TimeoutError:
                 self._fail(
                     failure_of(
-                        grpc.StatusCode.UNAVAILABLE, repr(exc), None, self.hop, self.link.endpoint
+                        grpc.StatusCode.UNAVAILABLE, str(exc), None, self.hop, self.link.endpoint
                     )
                 )
 
     async def finish(self) -> None:
         """The upstream stream ended: half-close this one (the next stage ends in turn)."""
-        try:
-            await self.call.done_writing()
-        except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
-            pass
+        await self.call.done_writing()
 
     def cancel(self) -> None:
         self.call.cancel()
