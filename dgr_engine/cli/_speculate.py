@@ -31,6 +31,7 @@ from dgr_engine.cli._route import (
     Notice,
     RouteHandle,
     RouteOptionsRefused,
+    RouteSettings,
     SamplingSettings,
 )
 from dgr_engine.errors import EngineError
@@ -42,6 +43,7 @@ from dgr_session.speculation import MAX_DRAFTS, Speculation
 __all__ = [
     "DEFAULT_DRAFT_MAX",
     "SOURCES",
+    "SessionCommandSettings",
     "SpeculateSource",
     "SpeculationPlan",
     "SpeculationRefused",
@@ -136,6 +138,29 @@ class SpeculationSettings:
     def from_args(cls, args: argparse.Namespace) -> SpeculationSettings:
         """The settings :func:`add_speculation_arguments` parsed."""
         return cls(args.speculate, args.draft_max)
+
+
+@attrs.frozen
+class SessionCommandSettings:
+    """What every command that runs sessions on a route reads (``dgr generate``, ``dgr chat``):
+    its route, sampling and speculation options; each command's settings add their own."""
+
+    route: RouteSettings
+    """Where the route runs and how."""
+    sampling: SamplingSettings
+    """How tokens are chosen and when an answer stops."""
+    speculation: SpeculationSettings
+    """``--speculate`` and ``--draft-max``."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> SessionCommandSettings:
+        """The three, as parsed; :class:`~dgr_session.sampling.InvalidSamplingParameter` or
+        :class:`RouteOptionsRefused` for a value they refuse."""
+        return SessionCommandSettings(
+            RouteSettings.from_args(args),
+            SamplingSettings.from_args(args),
+            SpeculationSettings.from_args(args),
+        )
 
 
 @attrs.define(eq=False)

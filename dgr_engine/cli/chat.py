@@ -43,7 +43,6 @@ from dgr_engine.cli._route import (
     RouteHandle,
     RouteOptionsRefused,
     RoutePlan,
-    RouteSettings,
     RouteStartFailed,
     SamplingSettings,
     add_route_arguments,
@@ -54,8 +53,8 @@ from dgr_engine.cli._route import (
 )
 from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.cli._speculate import (
+    SessionCommandSettings,
     SpeculationPlan,
-    SpeculationSettings,
     add_speculation_arguments,
     plan_speculation,
 )
@@ -102,15 +101,9 @@ class Answer:
 
 
 @attrs.frozen
-class ChatSettings:
+class ChatSettings(SessionCommandSettings):
     """``dgr chat``'s command line, read once at its edge (:meth:`from_args`)."""
 
-    route: RouteSettings
-    """Where the route runs and how."""
-    sampling: SamplingSettings
-    """How tokens are chosen and when an answer stops."""
-    speculation: SpeculationSettings
-    """``--speculate`` and ``--draft-max``."""
     system: str | None
     """``--system``: the system prompt opening the conversation (``None``: none)."""
 
@@ -120,9 +113,7 @@ class ChatSettings:
         :class:`~dgr_session.sampling.InvalidSamplingParameter` or :class:`RouteOptionsRefused`
         for a value the settings refuse."""
         return cls(
-            route=RouteSettings.from_args(args),
-            sampling=SamplingSettings.from_args(args),
-            speculation=SpeculationSettings.from_args(args),
+            **attrs.asdict(SessionCommandSettings.from_args(args), recurse=False),
             system=args.system,
         )
 

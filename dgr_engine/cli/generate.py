@@ -49,9 +49,7 @@ from dgr_engine.cli._route import (
     RouteHandle,
     RouteOptionsRefused,
     RoutePlan,
-    RouteSettings,
     RouteStartFailed,
-    SamplingSettings,
     add_route_arguments,
     add_sampling_arguments,
     failure_line,
@@ -61,8 +59,8 @@ from dgr_engine.cli._route import (
 )
 from dgr_engine.cli._signals import sigterm_as_interrupt
 from dgr_engine.cli._speculate import (
+    SessionCommandSettings,
     SpeculationPlan,
-    SpeculationSettings,
     add_speculation_arguments,
     plan_speculation,
     speculation_line,
@@ -104,15 +102,9 @@ class Generation:
 
 
 @attrs.frozen
-class GenerateSettings:
+class GenerateSettings(SessionCommandSettings):
     """``dgr generate``'s command line, read once at its edge (:meth:`from_args`)."""
 
-    route: RouteSettings
-    """Where the route runs and how."""
-    sampling: SamplingSettings
-    """How tokens are chosen and when the generation stops."""
-    speculation: SpeculationSettings
-    """``--speculate`` and ``--draft-max``."""
     prompt: str | None
     """``--prompt`` as given: text, or token ids with :attr:`ids` (``None``: standard input,
     or :data:`DEFAULT_PROMPT` for a model without a tokenizer)."""
@@ -133,9 +125,7 @@ class GenerateSettings:
         :class:`~dgr_session.sampling.InvalidSamplingParameter` or :class:`RouteOptionsRefused`
         for a value the settings refuse."""
         return cls(
-            route=RouteSettings.from_args(args),
-            sampling=SamplingSettings.from_args(args),
-            speculation=SpeculationSettings.from_args(args),
+            **attrs.asdict(SessionCommandSettings.from_args(args), recurse=False),
             prompt=args.prompt,
             ids=args.ids,
             chat=args.chat,

@@ -127,8 +127,9 @@ def test_settings_are_frozen_and_say_what_each_field_is(name: str) -> None:
     first = attrs.fields(kind)[0].name
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         setattr(settings, first, None)
-    source = inspect.getsource(kind)
+    sources = [inspect.getsource(c) for c in kind.__mro__ if attrs.has(c)]  # inherited too
     for field in attrs.fields(kind):
+        source = next(s for s in sources if f"\n    {field.name}: " in s)
         declared = source.split(f"\n    {field.name}: ", 1)[1]
         assert declared.splitlines()[1].strip().startswith('"""'), f"{field.name}: no docstring"
 
