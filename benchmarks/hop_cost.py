@@ -184,7 +184,7 @@ def measure(width: int, frames: int, rounds: int) -> dict[str, Any]:
     payload = request.SerializeToString()
     servers = {
         "tcp echo": _spawn("tcp"),
-        "frame link": _spawn("frame-link"),
+        "frame link": _spawn("frame"),
         "grpc": spawn_floor("spin"),
     }
     rtts: dict[str, list[float]] = {name: [] for name in servers}
@@ -247,7 +247,7 @@ def print_rows(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--serve", choices=("tcp", "frame-link"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=("tcp", "frame"), help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, default=576, help="row width (SmolLM2's: 576)")
     parser.add_argument("--frames", type=int, default=400, help="round trips per path per round")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds")
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve == "tcp":
         serve_tcp()
         return 0
-    if args.serve == "frame-link":
+    if args.serve == "frame":
         serve_frame_link()
         return 0
     result = measure(args.width, args.frames, args.rounds)

@@ -14,7 +14,7 @@ mode (default f16 and auto: llama.cpp's defaults); the peers' own reports are ch
   ``-ts`` splits the rest evenly over the servers) against dgr routes of ``dgr worker``
   processes with the same even layer ranges (``SessionManager`` over ``GrpcStageTransport``,
   the client relay, and over ``ChainStageTransport(ring=True)``, the ring of ``docs/chain.md``:
-  ``--transports``); and ``ring-native``: the ring over native links (``docs/native-link.md``:
+  ``--transports``); and ``ring-native``: the ring over native links (``docs/native-path.md``:
   the frames run from socket to socket on the engines' own threads).
   llama-bench decodes at depth ``--prompt`` (``-d``), as dgr decodes after its prompt.
 * **Aggregate decode tok/s at 1, 4 and 8 concurrent sessions**: ``llama-batched-bench`` on the
@@ -732,7 +732,7 @@ def main(argv: list[str] | None = None) -> int:
         default=["relay", "ring-grpc", "ring", "ring-native"],
         help="how dgr's decode/prefill routes carry frames: chain and ring over the frame link, "
         "-grpc over gRPC, -native over native links (default relay ring-grpc ring ring-native; "
-        "docs/chain.md, docs/data-paths.md, docs/native-link.md)",
+        "docs/chain.md, docs/data-paths.md, docs/native-path.md)",
     )
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--accepted", default="16,128,400", help="recovery k values ('' none)")

@@ -204,7 +204,7 @@ class RouteBench(LoopbackRoute):
         """``transport``: ``relay`` (``GrpcStageTransport``), ``chain`` or ``ring``
         (``ChainStageTransport``, ``docs/chain.md``: over the frame link), ``chain-grpc`` or
         ``ring-grpc`` (the same over gRPC; ``docs/data-paths.md``), ``ring-native`` (over
-        native links, ``docs/native-link.md``)."""
+        native links, ``docs/native-path.md``)."""
         self.stages = len(layout)
         self.provider = LoopbackRouteProvider(path, layout, options=options)
         self._records: list[tuple[float, ForwardRecord]] = []
@@ -220,7 +220,7 @@ class RouteBench(LoopbackRoute):
                 observer=self._observe,
                 chain_observer=self._chained.append,
                 ring=mode == "ring",
-                data_path=via if via in ("grpc", "native") else "frame-link",
+                data_path=via if via in ("grpc", "native") else "frame",
             )
         policy = FailurePolicy(step_deadline=60.0, session_deadline=600.0)
         self.manager = SessionManager(

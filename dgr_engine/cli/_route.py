@@ -167,10 +167,10 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
         "--data-path",
         choices=[str(p) for p in DATA_PATHS],
         default="auto",
-        help="with --transport chain or ring: how frames travel between stages; auto: the"
-        " fastest every stage offers (native links for a greedy ring, sealed over TLS, else the"
-        " frame link, else gRPC; default); frame-link, native: required; grpc"
-        " (docs/data-paths.md, docs/native-link.md)",
+        help="with --transport chain or ring: the data path that carries each stage's link to"
+        " the next; auto: the fastest every stage offers (native for a greedy ring, sealed over"
+        " TLS, else frame, else grpc; default); frame, native: required; grpc"
+        " (docs/data-paths.md, docs/glossary.md)",
     )
 
 

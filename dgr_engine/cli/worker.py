@@ -120,26 +120,26 @@ def configure(p: argparse.ArgumentParser) -> None:
         "--frame-link-port",
         type=int_in(0, 65535),
         default=0,
-        help="serve the frame link, the fast data path for chained frames, on this port (0: a "
-        "free one, the default; the advert says which; docs/data-paths.md)",
+        help="take frame links (the frame path, the fast data path for chained frames) on this"
+        " port (0: a free one, the default; the advert says which; docs/data-paths.md)",
     )
     p.add_argument(
         "--no-frame-link",
         action="store_true",
-        help="offer no frame link: chained frames travel over gRPC only",
+        help="offer no frame path: chained frames travel over gRPC only",
     )
     p.add_argument(
         "--native-link-port",
         type=int_in(0, 65535),
         default=0,
-        help="serve native links, a ring's frames run on the engine's own thread with no "
-        "Python per frame, on this port (0: a free one, the default; sealed with keys from "
-        "the session secret when the worker serves TLS; docs/native-link.md)",
+        help="take native links (the native path: a ring's frames run on the engine's own"
+        " thread with no Python per frame) on this port (0: a free one, the default; sealed"
+        " with keys from the session secret when the worker serves TLS; docs/native-path.md)",
     )
     p.add_argument(
         "--no-native-link",
         action="store_true",
-        help="offer no native link: rings travel over the frame link or gRPC",
+        help="offer no native path: rings travel over the frame path or gRPC",
     )
     EngineOptions.add_arguments(p)
     p.add_argument(

@@ -1,5 +1,5 @@
 """The native link implementation of the chained data path (``client/channel.py``;
-``docs/native-link.md``): the first stage's input and the last stage's token stream of a ring.
+``docs/native-path.md``): the first stage's input and the last stage's token stream of a ring.
 The session's ``ForwardRequest`` frames are written as link ``ROWS`` messages, and each ``TOKEN``
 the last stage answers is read as the ``ChainOutputReply`` of a greedy reply; a ``FAILED`` ends
 the stream with the failing stage's C status (``dgr_engine.status``: its number, never its

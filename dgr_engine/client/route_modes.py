@@ -21,10 +21,13 @@ class RouteMode(enum.StrEnum):
 
 
 class DataPath(enum.StrEnum):
-    """What carries a chained route's frames between stages."""
+    """What carries a chained route's links, each stage's to the next (``docs/glossary.md``)."""
 
     AUTO = "auto"
-    """The fastest every stage offers: native links, else the frame link, else gRPC."""
+    """The fastest every stage offers: native, else frame, else gRPC."""
     GRPC = "grpc"
-    FRAME_LINK = "frame-link"
+    """gRPC: the ``Chain`` service's streaming calls over HTTP/2."""
+    FRAME = "frame"
+    """The frame path: the chained calls' messages, length-prefixed over TCP."""
     NATIVE = "native"
+    """The native path: the engine's own messages, run on its own thread."""

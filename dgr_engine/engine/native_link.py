@@ -1,6 +1,6 @@
 """The binding of a native link (``ShardEngine.start_link``): one session epoch's frames run by
 the native library's own thread, from one connected socket to the next, with no Python per frame
-(``docs/native-link.md``; the C side is ``native/src/dgr_link.cpp``, its messages
+(``docs/native-path.md``; the C side is ``native/src/dgr_link.cpp``, its messages
 ``wire/link_messages.py``). The caller is the control shell: it opens the session on the engine,
 connects and authenticates the sockets, starts the link (which then owns them), reads its
 counters while it runs, and ends it.

@@ -102,7 +102,7 @@ class CampaignConfig:
     transport: str = "relay"
     """How the sessions' frames travel: ``relay`` (the client relays every boundary),
     ``ring`` (the ring of ``docs/chain.md`` over the frame link, ``docs/data-paths.md``) or
-    ``ring-native`` (the ring over native links, ``docs/native-link.md``)."""
+    ``ring-native`` (the ring over native links, ``docs/native-path.md``)."""
 
 
 @attrs.define
@@ -217,7 +217,7 @@ async def _drive(
             timeout=5.0,
             close_timeout=0.5,
             ring=True,
-            data_path="native" if config.transport == "ring-native" else "frame-link",
+            data_path="native" if config.transport == "ring-native" else "frame",
         )
     )
     manager = SessionManager(

@@ -146,7 +146,7 @@ class DataPaths:
     offered."""
     native_link_port: int = 0
     """The native link's port on the worker's host (``worker/native_link_server.py``,
-    ``docs/native-link.md``); 0: not offered."""
+    ``docs/native-path.md``); 0: not offered."""
     native_link_sealed: bool = False
     """Its links are sealed (a worker with TLS: ``wire/link_seal.py``); a clear introduction
     is refused."""

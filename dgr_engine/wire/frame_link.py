@@ -1,4 +1,5 @@
-"""The frame link: a data path for chained frames beside gRPC (``docs/data-paths.md``).
+"""The frame path: a data path for chained frames beside gRPC (``docs/data-paths.md``); a link
+it carries is a frame link (``docs/glossary.md``).
 
 A frame link call is one TCP connection (TLS exactly when the worker's gRPC port serves TLS,
 with the same certificate and client CA) carrying one of the ``Chain`` service's two streaming
@@ -205,7 +206,7 @@ def split_endpoint(endpoint: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _load_chain(context: ssl.SSLContext, cert: bytes, key: bytes) -> None:
+def _load_cert_chain(context: ssl.SSLContext, cert: bytes, key: bytes) -> None:
     """Python's ``ssl`` loads a certificate and key from files only: written into a private
     temporary folder (mode 0700) for the load and deleted at once."""
     with tempfile.TemporaryDirectory(prefix="dgr-link-tls-") as folder:
@@ -221,7 +222,7 @@ def server_ssl_context(tls: ServerTls) -> ssl.SSLContext:
     """The worker's side: its certificate, and its client CA's certificates required."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    _load_chain(context, tls.cert_chain, tls.private_key)
+    _load_cert_chain(context, tls.cert_chain, tls.private_key)
     if tls.client_ca is not None:
         context.load_verify_locations(cadata=tls.client_ca.decode("ascii"))
         context.verify_mode = ssl.CERT_REQUIRED
@@ -234,7 +235,7 @@ def client_ssl_context(tls: ClientTls) -> ssl.SSLContext:
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     context.load_verify_locations(cadata=tls.ca.decode("ascii"))
     if tls.cert_chain is not None and tls.private_key is not None:
-        _load_chain(context, tls.cert_chain, tls.private_key)
+        _load_cert_chain(context, tls.cert_chain, tls.private_key)
     return context
 
 

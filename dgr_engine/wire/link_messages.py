@@ -1,5 +1,5 @@
 """The messages of a native link (``native/include/dgr_shard.h``, "Native frame links";
-``docs/native-link.md``): what a client writes to a route's first stage and reads from its
+``docs/native-path.md``): what a client writes to a route's first stage and reads from its
 last, and what the stages' native threads pass between them.
 
 Every message is a 56-byte little-endian header and a payload. ``ROWS``: the ring's stop

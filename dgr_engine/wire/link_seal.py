@@ -1,4 +1,4 @@
-"""Sealed native links (``docs/native-link.md``, "Sealed links"): the authenticated encryption a
+"""Sealed native links (``docs/native-path.md``, "Sealed links"): the authenticated encryption a
 worker with TLS puts on its native links, keyed from the TLS-protected control channel.
 
 Every native link connection starts with a ``HELLO`` from the side that connects (the dialer:

@@ -89,24 +89,24 @@ class WorkerConfig:
     worker's advert carries it, so that a client refusing the lane can say how to certify it.
     ``""``: not said."""
     frame_link_port: int | None = 0
-    """Serve the frame link, the fast data path for chained frames (``docs/data-paths.md``), on
-    this port of ``host`` (0: a free one; the advert says which); ``None``: not offered (chained
-    frames then travel over gRPC only)."""
+    """Take frame links (the frame path, the fast data path for chained frames:
+    ``docs/data-paths.md``) on this port of ``host`` (0: a free one; the advert says which);
+    ``None``: not offered (chained frames then travel over gRPC only)."""
     frame_link_hello_seconds: float = 10.0
     """How long a frame link connection may take for its TLS handshake and its ``OPEN`` (the
     call it carries), and then for its request (``ChainOutput``) or the start of its first
     frame (``ChainStream``; a large frame, once begun, may take longer): a peer that connects
-    and stays silent holds one of the link's connections (``frame_link_server.py``'s
+    and stays silent holds one of the port's connections (``frame_link_server.py``'s
     ``max_connections``) this long at most, then is dropped. Longer than any honest caller
-    needs (it sends them at once), short enough that silent peers cannot keep the link
+    needs (it sends them at once), short enough that silent peers cannot keep the port
     full."""
     native_link_port: int | None = 0
-    """Serve native links, a ring's frames run from socket to socket on the engine's own thread
-    (``docs/native-link.md``), on this port of ``host`` (0: a free one; the advert says
-    which); ``None``: not offered. With TLS (``tls``) the links are sealed: introductions
-    that prove the session secret, every message ChaCha20-Poly1305-sealed with keys they
-    derive (``wire/link_seal.py``). Its connections' hellos take ``frame_link_hello_seconds``
-    at most."""
+    """Take native links (the native path: a ring's frames run from socket to socket on the
+    engine's own thread, ``docs/native-path.md``) on this port of ``host`` (0: a free one; the
+    advert says which); ``None``: not offered. With TLS (``tls``) the links are sealed:
+    introductions that prove the session secret, every message ChaCha20-Poly1305-sealed with
+    keys they derive (``wire/link_seal.py``). Its connections' hellos take
+    ``frame_link_hello_seconds`` at most."""
     chain_tls: ClientTls | None = None
     """How this worker dials the next stage of a chained route that serves TLS (the CA it
     trusts, and its client certificate for a next stage that asks for one); ``None``: it

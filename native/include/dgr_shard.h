@@ -427,7 +427,7 @@ int dgr_vocab_is_eog(const dgr_vocab * vocab, int32_t token, uint8_t * out);
 int dgr_vocab_chat(const dgr_vocab * vocab, const dgr_chat_message * messages, size_t n,
                    uint8_t add_assistant, char * buf, int32_t capacity, int32_t * n_bytes);
 
-/* ---- Native frame links (ABI 11; docs/native-link.md) ----
+/* ---- Native frame links (ABI 11; docs/native-path.md) ----
  *
  * A link runs one session epoch's frames of a chained route or a ring on this engine without
  * Python: a thread of its own reads each frame from a connected socket, checks it, runs it
@@ -570,7 +570,7 @@ void dgr_link_free(dgr_link * link);
  * ChaCha20-Poly1305 (RFC 8439, Monocypher 4.0.3): the header stays in the clear and is the
  * associated data, the payload is encrypted in place and a 16-byte tag follows it (payload_bytes
  * counts the payload only). Each direction of each connection has its own 32-byte key (the
- * caller derives them from the session secret and the introductions' nonces: docs/native-link.md)
+ * caller derives them from the session secret and the introductions' nonces: docs/native-path.md)
  * and counts its messages from 0: the nonce is the message's number (u64 little-endian, then 4
  * zero bytes), so a message replayed, dropped, reordered or moved to another connection fails
  * its tag. A sealed link takes a header only once its payload's tag verifies (the header's

@@ -79,7 +79,7 @@ async def drive(
     fault: Callable[[LoopbackRouteProvider, SessionHandle], None] | None = None,
     policy: FailurePolicy | None = None,
     ring: bool = False,
-    data_path: str = "frame-link",
+    data_path: str = "frame",
 ) -> tuple[list[SessionResult], list[Recorder], ChainStageTransport]:
     handles: list[SessionHandle] = []
     recorders = [Recorder() for _ in prompts]
@@ -127,7 +127,7 @@ def prompts_for(n_vocab: int, size: int, seeds: Sequence[int]) -> list[list[int]
     return [[int(t) for t in np.random.default_rng(s).integers(0, n_vocab, size)] for s in seeds]
 
 
-DATA_PATHS = pytest.mark.parametrize("data_path", ["grpc", "frame-link"])
+DATA_PATHS = pytest.mark.parametrize("data_path", ["grpc", "frame"])
 
 
 @DATA_PATHS
@@ -409,7 +409,7 @@ def test_a_chained_route_over_mutual_tls_and_a_stage_without_chain_credentials(
                     tokens.append(int(np.argmax(logits.values)))
                     pos, ids = pos + len(ids), [tokens[-1]]
                 assert tokens == want
-                assert transport.chain_stats.frame_link_epochs == (data_path == "frame-link")
+                assert transport.chain_stats.frame_link_epochs == (data_path == "frame")
                 for stage in route.stages:
                     await transport.close(stage, "t", 0)
                 # a first stage without chain credentials cannot link to a TLS successor
@@ -486,8 +486,8 @@ def chunked_reference(
 
 @pytest.mark.parametrize(
     ("data_path", "ring"),
-    [("grpc", False), ("frame-link", True), ("native", True)],
-    ids=["grpc-chain", "frame-link-ring", "native-ring"],
+    [("grpc", False), ("frame", True), ("native", True)],
+    ids=["grpc-chain", "frame-ring", "native-ring"],
 )
 def test_a_long_prompt_goes_in_pipelined_frames_bit_for_bit(data_path: str, ring: bool) -> None:
     """A prompt of many pinned chunks: the chained transport sends up to ``prefill_frames``

@@ -166,7 +166,7 @@ def test_fault_campaign_over_a_native_ring(
     config: CampaignConfig, want: list[list[int]], tally: dict[str, Any], faults: list[Fault]
 ) -> None:
     """The same invariants with the sessions' frames going around a ring over native links
-    (``docs/native-link.md``): no Python per frame on the workers, and still every fault ends
+    (``docs/native-path.md``): no Python per frame on the workers, and still every fault ends
     its epoch, blames the right stage, and leaves every finished session exact. (``LEAKING``
     over native rings once left a session open on stage 0: its open's reply was lost at the
     stalled worker, and its close, with the older epoch's secret, was refused;

@@ -1,4 +1,4 @@
-"""End to end: rings over native links (``docs/native-link.md``) of real ``dgr worker``
+"""End to end: rings over native links (``docs/native-path.md``) of real ``dgr worker``
 processes on 127.0.0.1. Tokens equal the whole model's; a middle stage SIGKILLed mid-decode
 ends the epoch blaming that stage, and the session re-prefills on a new route with exact
 tokens; connections that are not an honest stage's or client's are refused at their HELLO

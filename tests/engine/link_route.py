@@ -1,5 +1,5 @@
 """The tests' client of a route over native links made of engines and socket pairs
-(``docs/native-link.md``; the product's client is ``client/native_channel.py``): it writes a
+(``docs/native-path.md``; the product's client is ``client/native_channel.py``): it writes a
 turn's rows to the first stage and reads the last stage's greedy tokens. On a ring the last
 stage sends each next step's frame to the first stage itself, and the client only reads; on a
 chain the client sends each token back.

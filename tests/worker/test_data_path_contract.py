@@ -345,7 +345,7 @@ def test_every_path_refuses_a_peers_bad_frame_alike_and_blames_the_sender(
     async def servicers() -> dict[str, list[Verdict]]:
         got = {}
         async with serving(tiny_llama, (1, n_layer)) as worker:
-            for path in ("grpc", "frame-link"):
+            for path in ("grpc", "frame"):
                 got[path] = await _over_servicers(worker, front, path, want, in_width)
         return got
 

@@ -59,7 +59,7 @@ def test_the_advert_names_the_frame_link_port_or_none(tiny_llama: Path) -> None:
 
 @pytest.mark.parametrize(
     ("second_offers", "data_path"),
-    [(True, "auto"), (False, "auto"), (False, "frame-link")],
+    [(True, "auto"), (False, "auto"), (False, "frame")],
     ids=["both-offer", "fallback-to-grpc", "required-but-missing"],
 )
 def test_a_chained_route_takes_the_path_every_stage_offers(
@@ -67,7 +67,7 @@ def test_a_chained_route_takes_the_path_every_stage_offers(
 ) -> None:
     """Both stages offer the frame link: the frames take it, tokens and logits those of the
     whole model. One does not: ``auto`` falls back to gRPC (the same tokens and logits), and
-    ``frame-link`` fails the epoch's first frame, filed against the stage that does not offer
+    ``frame`` fails the epoch's first frame, filed against the stage that does not offer
     it. (In-process workers: ``scripts/sanitize.sh`` runs this under the sanitizers.)"""
     kw = OPTIONS.engine_kwargs()
     first = ShardWorker.load(tiny_llama, (0, 2), **kw)
@@ -93,7 +93,7 @@ def test_a_chained_route_takes_the_path_every_stage_offers(
                     onward = forward_call(
                         route.stages[1], "d", 0, step, range(pos, pos + len(ids)), ids, out.rows
                     )
-                    if not second_offers and data_path == "frame-link":  # raised at stage 1
+                    if not second_offers and data_path == "frame":  # raised at stage 1
                         with pytest.raises(ShardRpcError, match="offers no frame link"):
                             await transport.forward(onward)
                         break

@@ -50,7 +50,7 @@ class ChainEpoch:
         """The session's first frame asked for greedy tokens (a native link carries only
         such rings)."""
         self.native = False
-        """The epoch's frames take native links (``docs/native-link.md``)."""
+        """The epoch's frames take native links (``docs/native-path.md``)."""
 
     def index(self, stage: StageSpec) -> int:
         for i, s in enumerate(self.route):

@@ -91,7 +91,7 @@ class ChainStats:
     frame_link_epochs: int = 0
     """Epochs whose frames took the frame link (the rest took gRPC or native links)."""
     native_epochs: int = 0
-    """Epochs whose frames took native links (``docs/native-link.md``)."""
+    """Epochs whose frames took native links (``docs/native-path.md``)."""
 
     @property
     def transit_us(self) -> int:

@@ -171,7 +171,7 @@ class ChainStageTransport(GrpcStageTransport):
         """Which path chained frames take: ``auto`` (the fastest every stage of the route
         offers: native links for a ring's greedy session without drafts (over TLS: sealed
         links only, ``wire/link_seal.py``), else the frame
-        link, else gRPC), ``grpc``, ``frame-link`` or ``native`` (required: a route or session
+        link, else gRPC), ``grpc``, ``frame`` or ``native`` (required: a route or session
         it cannot carry fails at its first frame, naming the first stage that does not offer
         it)."""
         self._targets: dict[tuple[str, bool], FrameLinkTarget] = {}
@@ -207,14 +207,14 @@ class ChainStageTransport(GrpcStageTransport):
         secrets = [self.client(s.endpoint).session_secret(sid, epoch) for s in route]
         last = len(route) - 1
         channels: Sequence[ChainChannel] | None = None
-        use_link = False  # the epoch takes the frame link
+        use_frame_link = False  # the epoch takes the frame link
         try:
             if self.data_path in ("native", "auto"):
                 channels = await self.native_links(route, sid, greedy=chain.greedy)
             chain.native = channels is not None
             if channels is None:
                 channels = await self.frame_links(route)
-                use_link = channels is not None
+                use_frame_link = channels is not None
         except _AtStage as exc:
             chain.fail(exc.index, exc.error)
             return
@@ -229,7 +229,7 @@ class ChainStageTransport(GrpcStageTransport):
                 expect=expectations_to_proto(expectations_for(nxt)),
                 session_secret=secrets[(k + 1) % len(route)],
                 tls=tls,
-                frame_link=use_link,
+                frame_link=use_frame_link,
                 native_link=chain.native,
                 native_hop=(k + 1) % len(route),
             )
@@ -300,7 +300,7 @@ class ChainStageTransport(GrpcStageTransport):
             if not port:
                 if self.data_path == "auto":
                     return None
-                raise _AtStage.lacking(index, stage, DataPath.FRAME_LINK)
+                raise _AtStage.lacking(index, stage, DataPath.FRAME)
             tls = self.tls is not None and advert.security.tls
             key = (stage.endpoint, tls)
             target = self._targets.get(key)
@@ -316,7 +316,7 @@ class ChainStageTransport(GrpcStageTransport):
         self, route: Sequence[StageSpec], session_id: str, *, greedy: bool
     ) -> list[ChainChannel] | None:
         """Each stage's native link, for a ring's greedy session that drafts nothing, over a
-        route whose every stage offers one (``docs/native-link.md``); ``None`` when the epoch
+        route whose every stage offers one (``docs/native-path.md``); ``None`` when the epoch
         takes another path (``auto``). With ``data_path="native"`` a session or route it
         cannot carry raises :class:`_AtStage` instead (the first stage that does not offer it,
         or the first stage for the session)."""

@@ -1,4 +1,4 @@
-"""A worker's native links (``docs/native-link.md``): the control shell around the engine's own
+"""A worker's native links (``docs/native-path.md``): the control shell around the engine's own
 link threads. It accepts connections on the native link port, checks each one's ``HELLO``
 (the session's secret for that epoch, the epoch open here, a role this stage can take) and,
 from ``Chain.Link``, dials the next stage's port itself; once a session epoch has every socket

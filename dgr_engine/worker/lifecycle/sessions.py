@@ -353,7 +353,7 @@ class SessionTable:
             return self._live(session_id, epoch).key
 
     def native_ran(self, session_id: str, epoch: int) -> None:
-        """A native link ran frames of ``(session_id, epoch)`` (``docs/native-link.md``): the
+        """A native link ran frames of ``(session_id, epoch)`` (``docs/native-path.md``): the
         session was used now (its lease and the stall watchdog see it) and its mirrored
         position is the engine's. Nothing when the epoch is no longer open."""
         with self._lock:
