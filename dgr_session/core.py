@@ -143,6 +143,7 @@ class RouteSession:
         "_spec",
         "_kept",
         "_frames",
+        "_finds_silent_stages",
         "_pass_rows",
         "__weakref__",
     )
@@ -164,6 +165,7 @@ class RouteSession:
         speculation: Speculation | None = None,
         greedy: bool = False,
         prefill_frames: int = 1,
+        finds_silent_stages: bool = False,
     ) -> None:
         check_session_id(session_id)  # it names the session in every command and log line
         if not prompt:
@@ -205,6 +207,9 @@ class RouteSession:
         self._frames = prefill_frames
         """Pinned prompt chunks per prefill forward, when the transport sends them as that many
         frames back to back, pipelined along the route (``Forward.frame_rows``)."""
+        self._finds_silent_stages = finds_silent_stages
+        """The transport names a silent stage itself (``TransportCapabilities``): a step
+        deadline then names none, as the client cannot tell which stage held the step."""
         self._replay_rows = 1
         """Rows per forward of a batched replay: the smallest ``max_rows`` of the route."""
         self._high_water = 0
@@ -430,9 +435,12 @@ class RouteSession:
                 self._fire("backoff_elapsed")
                 self._ask_route(self._reports[-1] if self._reports else None, out)
         elif budget.wait_over(now):
-            stage_index = self._awaited_stage()
             deadline = budget.policy.step_deadline
             detail = f"no answer within the step deadline of {deadline}s"
+            stage_index = self._awaited_stage()
+            if self._finds_silent_stages and self._state in _HOLDING:
+                stage_index = None  # the transport found no silent stage: none is named
+                detail += ", and no stage of the route was found silent"
             cause = StepDeadlineExceeded(detail, stage_index=stage_index, deadline=deadline)
             self._fault(stage_index, FaultKind.DEADLINE, detail, out, cause=cause)
 
@@ -566,6 +574,9 @@ class RouteSession:
     def _on_failed(self, event: StageFailed, out: list[Command]) -> None:
         if not self._stage_answer_applies(event.epoch, event.stage_index):
             return
+        if event.stage_index is None:  # the route failed at a stage nobody can tell
+            self._fault(None, event.kind, event.detail, out, cause=event.error)
+            return
         if event.kind is FaultKind.BUSY and self._state == _S.OPENING.value:
             self._busy(event.stage_index, event.detail, event.retry_after, out)
             return
@@ -606,10 +617,11 @@ class RouteSession:
             event="route answer",
         )
 
-    def _stage_answer_applies(self, epoch: int, stage_index: int) -> bool:
+    def _stage_answer_applies(self, epoch: int, stage_index: int | None) -> bool:
+        """``stage_index`` ``None``: a failure of the route that names no stage."""
         if epoch == self._epoch and self._live:
             n_stages = self._pipe.n_stages
-            if not 0 <= stage_index < n_stages:
+            if stage_index is not None and not 0 <= stage_index < n_stages:
                 raise InvalidTransition(
                     f"stage index {stage_index} outside a route of {n_stages} stages",
                     state=self._state,

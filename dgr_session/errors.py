@@ -290,6 +290,16 @@ class StepDeadlineExceeded(DgrError, TimeoutError):
         self.deadline = deadline
 
 
+class RouteStalled(DgrError, TimeoutError):
+    """A step along a chained route got no answer in time, and the client cannot tell which
+    stage held it: every stage answered a probe (or none did: the client's own link), so no
+    stage is named. A transport raises it from any stage's forward; the session reports the
+    fault with no stage (a wrong blame is worse than none) and moves on within its failure
+    budget."""
+
+    fault_kind: ClassVar[FaultKind] = FaultKind.DEADLINE
+
+
 # --------------------------------------------------------------------------------------------
 # Terminal reasons
 

@@ -110,8 +110,9 @@ class StageFailed:
     """Session addressed."""
     epoch: int
     """Epoch of the failed command."""
-    stage_index: int
-    """Stage that failed."""
+    stage_index: int | None
+    """Stage that failed; ``None``: the route failed and the client cannot tell at which
+    stage (``dgr_session.errors.RouteStalled``)."""
     kind: FaultKind
     """What went wrong."""
     detail: str = ""

@@ -27,7 +27,7 @@ from dgr_session.commands import (
     RequestRoute,
 )
 from dgr_session.core import RouteSession
-from dgr_session.errors import DgrError, NoRoute, SpeculationNeedsGreedy
+from dgr_session.errors import DgrError, NoRoute, RouteStalled, SpeculationNeedsGreedy
 from dgr_session.events import (
     Cancel,
     ClockTick,
@@ -331,6 +331,7 @@ class SessionManager:
             speculation=speculation,
             greedy=chosen is greedy,
             prefill_frames=capabilities.prefill_frames,
+            finds_silent_stages=capabilities.finds_silent_stages,
         )
         handle = SessionHandle(core, chosen, on_token)
         self._live[sid] = handle
@@ -502,7 +503,7 @@ class SessionManager:
             return StageFailed(
                 session_id=sid,
                 epoch=epoch,
-                stage_index=index,
+                stage_index=None if isinstance(error, RouteStalled) else index,
                 kind=kind,
                 detail=detail,
                 step=step,

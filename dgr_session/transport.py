@@ -86,6 +86,12 @@ class TransportCapabilities:
     stage's MTP block): the transport gives the session the speculation it runs with
     (:meth:`StageTransport.session_starting`)."""
 
+    finds_silent_stages: bool = False
+    """The transport watches an epoch's stages itself while a frame is overdue (a chained
+    route, whose client hears only its last stage) and fails the epoch naming a stage that
+    went silent; a step deadline then names no stage, since the client cannot tell which
+    stage held the step (``dgr_session.errors.RouteStalled``)."""
+
     @prefill_frames.validator
     def _check_frames(self, _attribute: object, value: int) -> None:
         if value < 1:

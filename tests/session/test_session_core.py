@@ -37,6 +37,7 @@ from dgr_session import (
     RouteAssigned,
     RouteRefused,
     RouteSession,
+    RouteStalled,
     RouteUnavailable,
     SessionCancelled,
     SessionDeadlineExceeded,
@@ -643,6 +644,37 @@ def test_deadline_cause_is_attached_when_it_spends_the_budget() -> None:
     assert isinstance(d.core.error, FailureBudgetExhausted)
     assert isinstance(d.core.error.__cause__, StepDeadlineExceeded)
     assert d.core.error.fault is FaultKind.DEADLINE
+
+
+def test_a_transport_that_finds_silent_stages_makes_a_step_deadline_name_none() -> None:
+    """Over a chained route the client waits on the first stage only: a step deadline there
+    says nothing of which stage held the step, so it names none (a wrong blame would exclude a
+    healthy worker); a plain transport's names the stage it waited on."""
+    policy = FailurePolicy(step_deadline=1.0, max_route_changes=3, backoff=())
+    for finds, named in ((True, None), (False, 0)):
+        d = Driver(policy=policy, finds_silent_stages=finds).running(route("a", "b", "c"))
+        d.tick(1.0)
+        (request,) = of(d.log, RequestRoute)[-1:]
+        report = request.report
+        assert report is not None and report.fault is FaultKind.DEADLINE
+        assert (report.stage_index, report.endpoint) == (named, None if named is None else "a")
+        assert ("found silent" in report.detail) is finds
+
+
+def test_a_route_failure_that_names_no_stage_is_reported_with_none() -> None:
+    """A transport that cannot tell which stage held a step raises ``RouteStalled`` from any
+    stage's forward; the manager posts it with no stage, and the report names none."""
+    d = Driver().running(route("a", "b"))
+    error = RouteStalled("no chained output, and no stage was found silent")
+    d.feed(
+        StageFailed(
+            session_id=SID, epoch=1, stage_index=None, kind=FaultKind.DEADLINE, error=error
+        )
+    )
+    report = of(d.log, RequestRoute)[-1].report
+    assert report is not None and report.fault is FaultKind.DEADLINE
+    assert report.stage_index is None and report.endpoint is None
+    assert d.core.state is SessionState.REROUTING  # and asks for a new route at once
 
 
 def test_session_deadline_fails_from_any_live_state() -> None:

@@ -20,6 +20,11 @@ At the first forward of an epoch the transport links the route (``Chain.Link`` o
 but the last: the next stage's endpoint, expectations and session secret) and opens the output
 stream; both are per ``(session, epoch)`` and torn down with the epoch's first close.
 
+A frame that does not come back in time is not filed against the first stage, which is all
+the client waited on: while it is overdue the transport probes the epoch's stages
+(:mod:`~dgr_engine.client.chained.silence`) and fails the epoch at the stage that went silent;
+when it cannot tell which, the epoch fails naming none (``RouteStalled``).
+
 A failure of the client's own making (a session id that cannot be metadata, a call gRPC fails
 in this process) is raised as the client's (``InvalidIdentifier``, ``ClientCallError``: fault
 kind ``client``), never filed against a stage of the chain.
@@ -35,6 +40,7 @@ from typing import Any
 import attrs
 
 from dgr_engine.client.chained.epoch import ChainEpoch
+from dgr_engine.client.chained.silence import SilenceWatch, find_silent_stage
 from dgr_engine.client.chained.tickets import ChainRecord, ChainStats, ChainTicket, RingMismatch
 from dgr_engine.client.channel import ChainChannel, StageFailure
 from dgr_engine.client.frame_link_channel import FrameLinkChainChannel
@@ -60,7 +66,7 @@ from dgr_engine.wire.frames import (
 )
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_session.commands import Forward
-from dgr_session.errors import DgrError
+from dgr_session.errors import DgrError, RouteStalled
 from dgr_session.identifiers import check_session_id
 from dgr_session.mtp_drafts import MtpDraftRequest
 from dgr_session.route import StageSpec
@@ -140,14 +146,21 @@ class ChainStageTransport(GrpcStageTransport):
         ring: bool = False,
         data_path: DataPath | str = DataPath.AUTO,
         prefill_frames: int = 4,
+        silence: SilenceWatch | None = None,
         **options: Any,
     ) -> None:
         super().__init__(**options)
+        self.silence = silence if silence is not None else SilenceWatch()
+        """When an overdue frame's route is probed for a silent stage, and how long each
+        stage may take to answer."""
         self.ring = ring
         """Ring mode: the last stage sends each next decode step's frame to the first stage
         itself (its greedy token); sessions must sample greedily (``docs/chain.md``)."""
         self.capabilities = TransportCapabilities(
-            prefill_frames=prefill_frames, runs_ahead=ring, drafts_on_route=True
+            prefill_frames=prefill_frames,
+            runs_ahead=ring,
+            drafts_on_route=True,
+            finds_silent_stages=True,
         )
         """``prefill_frames``: pinned prompt chunks a session may send in one prefill forward:
         the transport sends them as frames back to back, so that stage k runs frame f + 1
@@ -479,11 +492,7 @@ class ChainStageTransport(GrpcStageTransport):
             self.chain_stats.sent += 1
             await chain.submit(ticket, request)
         if not ticket.done.done():
-            try:
-                async with asyncio.timeout(self.timeout):
-                    await asyncio.shield(ticket.done)
-            except TimeoutError:
-                chain.fail(0, ShardDeadlineExceeded(f"no chained output within {self.timeout} s"))
+            await self._await_outcome(chain, ticket)
         chain.fold_frames(ticket)
         if ticket.reply is not None and until > step and call.wants_logits:
             self._predict(chain, call, ticket.reply, stops, draft_max > 0)
@@ -513,6 +522,41 @@ class ChainStageTransport(GrpcStageTransport):
                     )
                 )
         return self._answer(chain, stage, ticket)
+
+    async def _await_outcome(self, chain: ChainEpoch, ticket: ChainTicket) -> None:
+        """Waits for ``ticket``'s outcome for ``timeout`` at most. While it is overdue, the
+        epoch's stages are probed every ``silence.after`` s: the first that went silent fails
+        the epoch at its index; past ``timeout`` with none found, the epoch fails naming no
+        stage (``RouteStalled``)."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + self.timeout
+        watch = self.silence
+        while not ticket.done.done():
+            left = end - loop.time()
+            if left <= 0:
+                chain.fail(
+                    0,
+                    RouteStalled(
+                        f"no chained output within {self.timeout} s, and no stage of the route"
+                        " was found silent: the client cannot tell which stage held it"
+                    ),
+                )
+                return
+            try:
+                async with asyncio.timeout(min(watch.after, left)):
+                    await asyncio.shield(ticket.done)
+                return
+            except TimeoutError:
+                pass
+            if chain.route:
+                silent = await find_silent_stage(chain.route, self._probe)
+                if silent is not None:
+                    chain.fail(silent.index, silent.error)
+                    return
+
+    async def _probe(self, stage: StageSpec) -> None:
+        """A stage's health check within ``silence.timeout`` (its typed error if none)."""
+        await self.client(stage.endpoint).require_serving(timeout=self.silence.timeout)
 
     async def _frames_ahead(self, chain: ChainEpoch, call: Forward, frame: Frame) -> int:
         """A forward of several pinned prefill chunks (``Forward.frame_rows``): sends every
