@@ -95,6 +95,9 @@ class LinkSockets:
     """A ring's last stage: frames to its first stage."""
     keys: LinkKeys | None = None
     """A sealed link's keys (``wire/link_seal.py``); ``None``: the messages go in the clear."""
+    ring_in_hop: int = 0
+    """A ring's first stage: the index of the stage ``ring_in`` comes from (its last), the
+    sender a malformed ring frame names."""
 
     def all(self) -> tuple[socket.socket, ...]:
         held = (self.inbound, self.outbound, self.ring_in, self.ring_out)
@@ -135,6 +138,7 @@ class NativeLink:
         params.max_rows = max_rows
         params.in_fd = _fd(sockets.inbound)
         params.ring_in_fd = _fd(sockets.ring_in)
+        params.ring_in_hop = sockets.ring_in_hop
         params.out_fd = _fd(sockets.outbound)
         params.ring_out_fd = _fd(sockets.ring_out)
         params.notify_fd = notify_fd

@@ -227,7 +227,8 @@ class Hello:
     epoch: int
     secret: bytes
     hop: int
-    """The index in the route of the stage it introduces itself to."""
+    """The index in the route of the stage it introduces itself to; a ring's link back to the
+    first stage (``RING``) names its sender instead, the ring's last stage."""
     ring: bool = False
     sealed: bool = False
     """A sealed connection: ``secret`` is the dialer's nonce and proof (``wire/link_seal.py``)."""

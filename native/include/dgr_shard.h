@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define DGR_ABI_VERSION 13
+#define DGR_ABI_VERSION 14
 
 /* Magic and version at the head of a saved session state (see dgr_session_state_save). */
 #define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
@@ -455,7 +455,8 @@ int dgr_vocab_chat(const dgr_vocab * vocab, const dgr_chat_message * messages, s
  * A stage checks each DGR_LINK_ROWS frame before the engine sees it (magic, version, kind,
  * epoch: older is DGR_E_STALE_EPOCH, any other DGR_E_UNKNOWN_SESSION; n_rows in 1..max_rows,
  * width, n_stop, payload_bytes, every row finite: DGR_E_FRAME, naming the stage that sent the
- * frame - the stage before, on the link from it - not this one (ABI 13)); the
+ * frame - the stage before, on the link from it, or a ring's last stage on the first stage's
+ * ring input (ring_in_hop, ABI 14) - not this one (ABI 13)); the
  * engine checks positions and token ids. The last stage answers each frame with the greedy
  * token of its last row (DGR_LINK_TOKEN to the client, the first lowest index of the largest
  * logit) and, on a ring, sends the first stage the next step's frame (that token at the next
@@ -511,6 +512,9 @@ typedef struct dgr_link_params {
     uint32_t max_rows;     /* the largest frame in rows (<= the engine's n_batch) */
     int32_t in_fd;         /* frames from the stage before (from the client on the first) */
     int32_t ring_in_fd;    /* a ring's first stage: frames from its last stage; -1: none */
+    uint32_t ring_in_hop;  /* (ABI 14) a ring's first stage: the index of the stage its ring
+                              frames come from (the last), named as the sender of a malformed
+                              one */
     int32_t out_fd;        /* the next stage; on the last stage, the client's token stream */
     int32_t ring_out_fd;   /* a ring's last stage: the first stage; -1: none */
     int32_t notify_fd;     /* written one byte when the link ends (-1: none); not owned */

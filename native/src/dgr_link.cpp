@@ -429,8 +429,11 @@ bool dgr_link::one_frame(int fd) {
     const uint64_t began = monotonic_ns();
     const uint32_t hop = params.hop;
     // a failure is this stage's, but a malformed frame is its sender's: the stage before (on
-    // the link from it), else the client's first frames or a ring's, named as this stage
-    const uint32_t sender = fd == params.in_fd && hop > 0 ? hop - 1 : hop;
+    // the link from it), a ring's last stage (on the first stage's ring input), else the
+    // client's own frames on the first stage, named as this stage
+    const uint32_t sender = fd == params.in_fd && hop > 0  ? hop - 1 :
+                            fd == params.ring_in_fd        ? params.ring_in_hop :
+                                                             hop;
     auto fail_as = [&](uint32_t who, int status, const char * what) {
         end(DGR_LINK_STATE_FAILED, status, who, "%s: %s", dgr_status_name(status), what);
         const std::string text = outcome_error;

@@ -34,6 +34,7 @@ from dgr_engine.status import STATUSES, Status, error_for_code
 from dgr_engine.wire import frame_link as fl
 from dgr_engine.wire import link_messages as lm
 from dgr_engine.wire.frames import encode_forward
+from dgr_engine.wire.metadata import CHAIN_SENDER_KEY
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import CHAIN_HOP_KEY, error_from_trailers, grpc_code
@@ -355,3 +356,82 @@ def test_every_path_refuses_a_peers_bad_frame_alike_and_blames_the_sender(
         for bad, verdict in zip(CORPUS, verdicts, strict=True):
             assert verdict == EXPECTED, (path, bad, verdict)
     assert EXPECTED.fault is not FaultKind.BAD_REQUEST  # a peer's frame is no user's request
+
+
+# --- a ring's first stage: its ring input comes from the ring's last stage ----------------------
+
+RING_SENDER = 3
+"""The ring's last stage, which sends the first stage its ring frames."""
+
+
+def _native_first_stage_verdicts(tiny_llama: Path, n_layer: int, junk: bytes) -> list[Verdict]:
+    """``junk`` on a first stage's ring input, then on its client input: what each names."""
+    verdicts = []
+    with ShardEngine(tiny_llama, layers=(0, n_layer), **OPTIONS.engine_kwargs()) as engine:
+        for via_ring in (True, False):
+            inbound, ring_in, outbound = (socket.socketpair() for _ in range(3))
+            engine.open_session(1, EPOCH)
+            sockets = LinkSockets(
+                inbound[1], outbound[0], ring_in=ring_in[1], ring_in_hop=RING_SENDER
+            )
+            link = engine.start_link(1, EPOCH, hop=0, sockets=sockets, body_timeout=1.0)
+            try:
+                (ring_in if via_ring else inbound)[0].sendall(junk)
+                header, payload = lm.read_message(outbound[1], READ_SECONDS)
+                assert header.kind is lm.Kind.FAILED, header
+                error = error_for_code(header.value, payload.decode(errors="replace"))
+                verdicts.append(Verdict.of(error, header.hop))
+            finally:
+                link.close()
+                engine.close_session(1, EPOCH)
+                for pair in (inbound, ring_in, outbound):
+                    pair[0].close()
+                    pair[1].close()
+    return verdicts
+
+
+async def _servicer_first_stage_verdict(worker: Any, path: str, sender: str | None) -> Verdict:
+    """A frame that is no message on a first stage's ``ChainStream``, opened as from
+    ``sender`` (a ring's last stage names itself so; the client's stream names nobody)."""
+    metadata = () if sender is None else ((CHAIN_SENDER_KEY, sender),)
+    if path == "grpc":
+        async with grpc.aio.insecure_channel(worker.address) as channel:
+            call = channel.stream_stream(
+                "/dgr.shard.v1.Chain/ChainStream",
+                request_serializer=lambda b: b,
+                response_deserializer=pb.ChainAck.FromString,
+            )(metadata=metadata)
+            await call.write(GARBAGE + b"\0" * 8)
+            return await _refused(call)
+    peer = await LinkPeer.connect(worker.frame_link_port)
+    try:
+        opening = fl.pack(fl.Kind.OPEN, fl.encode_open("ChainStream", list(metadata)))
+        await peer.send(opening + fl.pack(fl.Kind.MESSAGE, GARBAGE + b"\0" * 8))
+        code, details, trailers = await peer.status()
+    finally:
+        peer.close()
+    return _verdict(code, details, trailers.items())
+
+
+def test_a_malformed_ring_frame_at_the_first_stage_names_the_rings_last_stage(
+    tiny_llama: Path, n_layer: int
+) -> None:
+    """On a ring the first stage's frames also come from the ring's last stage: a malformed
+    one names that stage, on every path (not the first stage, which refused it); the client's
+    own stream still names the first stage, as before."""
+    ring, client = _native_first_stage_verdicts(tiny_llama, n_layer, GARBAGE + b"\0" * 60)
+    assert ring == attrs.evolve(EXPECTED, blamed=RING_SENDER), ring
+    assert client == attrs.evolve(EXPECTED, blamed=0), client
+
+    async def servicers() -> list[tuple[str, Verdict, Verdict]]:
+        got = []
+        async with serving(tiny_llama, (0, n_layer)) as worker:
+            for path in ("grpc", "frame"):
+                ring = await _servicer_first_stage_verdict(worker, path, str(RING_SENDER))
+                client = await _servicer_first_stage_verdict(worker, path, None)
+                got.append((path, ring, client))
+        return got
+
+    for path, ring, client in harness.run(servicers(), 120.0):
+        assert ring == attrs.evolve(EXPECTED, blamed=RING_SENDER), (path, ring)
+        assert client == attrs.evolve(EXPECTED, blamed=0), (path, client)

@@ -244,7 +244,8 @@ class ChainStageTransport(GrpcStageTransport):
                 tls=tls,
                 frame_link=use_frame_link,
                 native_link=chain.native,
-                native_hop=(k + 1) % len(route),
+                # a ring's link back to the first stage says who sends on it: the last stage
+                native_hop=k if ring else k + 1,
             )
             request = pb.LinkRequest(
                 session_id=sid, epoch=epoch, session_secret=secrets[k], next=hop, ring=ring

@@ -29,6 +29,7 @@ from dgr_engine.errors import FrameRejected, ShardUnavailable
 from dgr_engine.status import Status, status_of
 from dgr_engine.wire import frames
 from dgr_engine.wire.frame_link import split_endpoint
+from dgr_engine.wire.metadata import chain_sender
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.worker.calls.frame_path import FramePath
@@ -55,11 +56,16 @@ MAX_CHAIN_HOP = 1 << 16
 one is malformed, and ``chain_hop + 1`` must fit the next frame's uint32)."""
 
 
-def _blamed(exc: Exception, hop: int) -> int:
+def _blamed(exc: Exception, hop: int, sender: int | None) -> int:
     """The stage a chained frame's refusal names: a malformed frame (``DGR_E_FRAME``) is its
-    sender's, the stage before (``hop`` - 1), as a native link names it; any other refusal is
-    this stage's (``hop``). The first stage's frames come from the client: its own."""
-    return hop - 1 if hop > 0 and status_of(exc) is Status.FRAME else hop
+    sender's, as a native link names it: the stage before (``hop`` - 1), or on the first stage
+    the stage its stream says sent it (a ring's last stage); the client's own frames on the
+    first stage name it. Any other refusal is this stage's (``hop``)."""
+    if status_of(exc) is not Status.FRAME:
+        return hop
+    if hop > 0:
+        return hop - 1
+    return sender if sender is not None else hop
 
 
 _CHAINED = "chained frame"
@@ -226,6 +232,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
         last: pb.ForwardRequest | None = None
         incoming = aiter(requests)
         finished = False
+        sender = chain_sender(context.invocation_metadata())  # None: the client's stream
         try:
             while True:
                 if failed.done():
@@ -241,9 +248,9 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
                     raise
                 finally:
                     waiting = False
-                await self.path.refuse_undecodable(context, request, _CHAINED, hop=0)
+                await self.path.refuse_undecodable(context, request, _CHAINED, hop=sender or 0)
                 last = request
-                down = await self._one(context, request, down, failed)
+                down = await self._one(context, request, down, failed, sender)
             if down is not None:
                 await down.finish()
             finished = True
@@ -264,8 +271,10 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
         request: pb.ForwardRequest,
         down: Downstream | None,
         failed: asyncio.Future[ChainFailure],
+        sender: int | None,
     ) -> Downstream | None:
-        """Runs one chained frame and passes its output on; returns the downstream stream.
+        """Runs one chained frame (sent by ``sender``, as its stream says) and passes its
+        output on; returns the downstream stream.
         The next frame leaves before this one is counted (``FramePath.account``): the
         counting then overlaps the next stage's engine."""
         hop = int(request.chain_hop)
@@ -276,7 +285,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
                 raise FrameRejected(f"DGR_E_FRAME: chain_hop {hop} is over {MAX_CHAIN_HOP}")
             frames.check_session_id(sid)  # before it reaches the hub or a log line
         except Exception as exc:
-            await self.path.refuse(context, exc, request, _CHAINED, hop=_blamed(exc, hop))
+            await self.path.refuse(context, exc, request, _CHAINED, hop=_blamed(exc, hop, sender))
         try:
             # where the output goes is checked before the rows touch the session's state
             link, ring = self._where_output_goes(request)
@@ -285,7 +294,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
         try:
             done = await self.path.run(request, None)
         except Exception as exc:
-            await self.path.refuse(context, exc, request, _CHAINED, hop=_blamed(exc, hop))
+            await self.path.refuse(context, exc, request, _CHAINED, hop=_blamed(exc, hop, sender))
         try:
             return await self._pass_on(
                 context, request, done.reply, began, (link, ring), down, failed
@@ -336,7 +345,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
             except Exception as exc:
                 await self.path.refuse(context, exc, request, _CHAINED, hop=hop)
             if ring is not None and frame is not None:
-                await self.hub.ring_send(sid, ring, frame)  # the ring's next frame first
+                await self.hub.ring_send(sid, ring, frame, sender=hop)  # the ring's next first
             try:
                 self.hub.deliver(sid, epoch, out)
             except Exception as exc:
@@ -346,7 +355,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
             if down is not None:
                 await down.finish()
             down = Downstream(
-                self.hub.stub(link), request, link, hop + 1, failed, self.hub.watchers
+                self.hub.stub(link), request, link, hop + 1, failed, self.hub.watchers, sender=hop
             )
         await down.send(next_frame(request, reply, link, trace))
         return down

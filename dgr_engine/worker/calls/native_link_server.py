@@ -96,6 +96,8 @@ class _Assembly:
     hop: int = -1
     inbound: socket.socket | None = None
     ring_in: socket.socket | None = None
+    ring_in_hop: int = 0
+    """The stage ``ring_in`` comes from, as its introduction said (the ring's last)."""
     outbound: socket.socket | None = None
     ring_out: socket.socket | None = None
     wants_ring_out: bool = False
@@ -237,7 +239,8 @@ class NativeLinkServer:
         self._maybe_start(assembly)
 
     def _hop(self, hello: lm.Hello | None) -> int:
-        return hello.hop if hello is not None else 0
+        """This stage's index as the introduction names it (a ring's names its sender)."""
+        return hello.hop if hello is not None and hello.role is not lm.Role.RING else 0
 
     def _drop(self, sock: socket.socket, hello: lm.Hello | None) -> None:
         """Forgets and closes a socket whose introduction failed."""
@@ -307,7 +310,7 @@ class NativeLinkServer:
         elif hello.role is lm.Role.RING:
             if assembly.ring_in is not None:
                 raise taken
-            assembly.ring_in = sock
+            assembly.ring_in, assembly.ring_in_hop = sock, hello.hop
             name = "ring_in"
         else:
             if assembly.outbound is not None:
@@ -392,6 +395,7 @@ class NativeLinkServer:
             assembly.outbound,
             assembly.ring_in,
             assembly.ring_out,
+            ring_in_hop=assembly.ring_in_hop,
             keys=assembly.link_keys() if self.sealed else None,
         )
         notify = os.pipe()

@@ -16,7 +16,7 @@ import attrs
 import grpc
 
 from dgr_engine.wire.frame_link import FrameLinkCall, LinkCallFailed
-from dgr_engine.wire.metadata import session_metadata
+from dgr_engine.wire.metadata import CHAIN_SENDER_KEY, session_metadata
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.status import CHAIN_HOP_KEY, STATUS_KEY, grpc_code
 
@@ -163,12 +163,17 @@ class Downstream:
         hop: int,
         failed: asyncio.Future[ChainFailure],
         watchers: set[asyncio.Task[None]],
+        *,
+        sender: int,
     ) -> None:
+        """``hop``: the next stage's index, named in its failures; ``sender``: this stage's,
+        named to the next stage (``CHAIN_SENDER_KEY``) as the sender of the frames."""
         self.link = link
         self.hop = hop
         self.failed = failed
         self.watchers = watchers
-        call = stub.ChainStream(metadata=session_metadata(first))
+        metadata = (*session_metadata(first), (CHAIN_SENDER_KEY, str(sender)))
+        call = stub.ChainStream(metadata=metadata)
         self.call = _FrameLinkCall(call) if isinstance(call, FrameLinkCall) else _GrpcCall(call)
         self.watcher = asyncio.get_running_loop().create_task(self._watch())
         watchers.add(self.watcher)

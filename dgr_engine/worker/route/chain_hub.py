@@ -221,15 +221,18 @@ class ChainHub:
         link = self._links.get(session_id)
         return link if link is not None and link.ring and link.epoch == epoch else None
 
-    async def ring_send(self, session_id: str, link: ChainLink, frame: pb.ForwardRequest) -> None:
-        """Sends a ring's next frame to the first stage, over the session's ring stream; a
-        failure of that stream ends the session's output stream with it."""
+    async def ring_send(
+        self, session_id: str, link: ChainLink, frame: pb.ForwardRequest, *, sender: int
+    ) -> None:
+        """Sends a ring's next frame to the first stage, over the session's ring stream (opened
+        as from ``sender``, this last stage's index); a failure of that stream ends the
+        session's output stream with it."""
         held = self._rings.get(session_id)
         if held is None or held[0] is not link:
             if held is not None:
                 held[1].cancel()
             failed: asyncio.Future[ChainFailure] = asyncio.get_running_loop().create_future()
-            down = Downstream(self.stub(link), frame, link, 0, failed, self.watchers)
+            down = Downstream(self.stub(link), frame, link, 0, failed, self.watchers, sender=sender)
             failed.add_done_callback(
                 lambda f: (
                     self._fail_output(session_id, link.epoch, f.result())
