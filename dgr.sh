@@ -106,8 +106,9 @@ case "${1:-}" in
         ensure_env
         # programs some tests drive, from Debian, installed where missing and this machine
         # allows it (root, apt); nothing else is downloaded: headless Chromium for the page of
-        # `dgr serve`, tmux for `dgr chat` in a terminal
-        ensure_debian_programs chromium tmux
+        # `dgr serve`, tmux for `dgr chat` in a terminal, iptables for the faults between
+        # hosts (network namespaces, tests/e2e/test_between_hosts.py)
+        ensure_debian_programs chromium tmux iptables
         # llama.cpp's own tools, from the same pinned, patched source (llama-bench, RPC,
         # llama-server), which the tests measuring dgr against them run: built here, with
         # progress, once per machine (about 4.5 min cold on 2 cores; cached in ~/.cache/dgr),

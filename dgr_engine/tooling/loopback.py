@@ -33,7 +33,7 @@ from dgr_engine.client.routes import describe
 from dgr_engine.options import EngineOptions
 from dgr_engine.security.grants import GrantIssuer
 from dgr_engine.security.tls import ClientTls
-from dgr_engine.tooling.processes import WorkerProcess
+from dgr_engine.tooling.processes import WorkerPlacement, WorkerProcess
 from dgr_engine.wire.advert import Advert
 from dgr_session.faults import FailureReport, FaultKind
 from dgr_session.identifiers import log_field
@@ -75,7 +75,7 @@ class PooledWorker:
 
     @property
     def endpoint(self) -> str:
-        """``127.0.0.1:PORT``."""
+        """``HOST:PORT`` (``127.0.0.1:PORT`` unless placed elsewhere)."""
         return self.process.address
 
     @property
@@ -123,6 +123,7 @@ class LoopbackRouteProvider:
         client_tls: ClientTls | None = None,
         certification_verifier: CertificationVerifier | None = None,
         notice: Callable[[str], None] | None = None,
+        placement: Callable[[int], WorkerPlacement] | None = None,
     ) -> None:
         if not layout:
             raise ValueError("a layout needs at least one range")
@@ -146,6 +147,10 @@ class LoopbackRouteProvider:
         self.observer = observer
         self.notice = notice if notice is not None else _silent
         """Hears what a slow step is doing (one line each)."""
+        self.placement = placement
+        """Where the n-th worker started runs (0: the first of the layout); ``None``: here,
+        on loopback."""
+        self._started = 0
         #: Every worker started, in start order (also those that died or were excluded).
         self.workers: list[PooledWorker] = []
         #: Every report received, in order.
@@ -210,7 +215,9 @@ class LoopbackRouteProvider:
     async def _start_one(self, layers: tuple[int, int], role: str) -> PooledWorker:
         if self._closed:
             raise RuntimeError("the provider is closed")
-        process = await asyncio.to_thread(self._spawn_process, layers)
+        n, self._started = self._started, self._started + 1  # before any wait: in start order
+        where = self.placement(n) if self.placement is not None else WorkerPlacement()
+        process = await asyncio.to_thread(self._spawn_process, layers, where)
         try:
             advert = await describe(
                 process.address, timeout=self.startup_timeout, tls=self.client_tls
@@ -227,7 +234,7 @@ class LoopbackRouteProvider:
         )
         return worker
 
-    def _spawn_process(self, layers: tuple[int, int]) -> WorkerProcess:
+    def _spawn_process(self, layers: tuple[int, int], where: WorkerPlacement) -> WorkerProcess:
         # On a worker thread. Recorded here, not by the awaiting task: if that task is
         # cancelled (Ctrl-C) while the worker starts, the process is still stopped at the end.
         process = WorkerProcess.spawn(
@@ -237,6 +244,8 @@ class LoopbackRouteProvider:
             log_level="WARNING",
             extra_args=self.worker_args,
             startup_timeout=self.startup_timeout,
+            host=where.host,
+            runner=where.runner,
         )
         self._processes.append(process)
         return process

@@ -25,6 +25,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import IO
 
+import attrs
+
 from dgr_engine.options import EngineOptions
 from dgr_session.errors import DgrError
 
@@ -69,6 +71,8 @@ _SHOWN_FLAGS: dict[str, Callable[[str], str]] = {
 def describe_command(args: Sequence[str]) -> str:
     """``dgr worker (layers 0:2, model.gguf)``: a worker's command in a few words."""
     words = list(args)
+    dgr = [i for i, word in enumerate(words) if Path(word).name == "dgr"]
+    words = words[dgr[0] :] if dgr else words  # past a runner's prefix (``ip netns exec H``)
     name = Path(words[0]).name if words else "process"
     if name == "dgr" and len(words) > 1:
         name = f"dgr {words[1]}"
@@ -108,6 +112,16 @@ def worker_omp_wait_policy() -> str:
     return os.environ.get("OMP_WAIT_POLICY", "PASSIVE")
 
 
+@attrs.frozen
+class WorkerPlacement:
+    """Where a worker runs: the address it listens on, and the command prefix that runs it
+    there (a host of ``tooling.host_lab``: ``ip netns exec NAME``). The default: here, on
+    loopback."""
+
+    host: str = "127.0.0.1"
+    runner: tuple[str, ...] = ()
+
+
 class WorkerProcess:
     """One worker subprocess. ``address`` is ``host:port`` once spawned."""
 
@@ -133,14 +147,18 @@ class WorkerProcess:
         log_level: str = "INFO",
         extra_args: Sequence[str] = (),
         startup_timeout: float = 60.0,
+        runner: Sequence[str] = (),
     ) -> WorkerProcess:
         """Starts ``dgr worker`` and waits for its LISTENING line (:class:`WorkerStartTimedOut`
         after ``startup_timeout`` s, :class:`WorkerStartFailed` if it exits first, each with
         the last lines of its log; either way it is stopped).
-        ``options`` defaults to the worker's own defaults. The workers of one machine share
-        its cores: OpenMP's threads wait passively (``OMP_WAIT_POLICY=PASSIVE``, as the
-        llama.cpp peers they are measured against) unless the environment says otherwise."""
+        ``options`` defaults to the worker's own defaults. ``runner``: a command prefix that
+        runs it elsewhere (a host of ``tooling.host_lab``, listening on ``host`` there). The
+        workers of one machine share its cores: OpenMP's threads wait passively
+        (``OMP_WAIT_POLICY=PASSIVE``, as the llama.cpp peers they are measured against) unless
+        the environment says otherwise."""
         args = [
+            *runner,
             dgr_command(),
             "worker",
             "--model",

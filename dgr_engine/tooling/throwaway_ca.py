@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from pathlib import Path
 
 import attrs
@@ -36,9 +37,11 @@ class Authority:
     cert_obj: x509.Certificate
     directory: Path
 
-    def issue(self, common_name: str, *, client: bool = False) -> Issued:
-        """A certificate for ``common_name`` (a server one valid for localhost and 127.0.0.1,
-        or a client one), signed by this authority."""
+    def issue(
+        self, common_name: str, *, client: bool = False, addresses: Sequence[str] = ()
+    ) -> Issued:
+        """A certificate for ``common_name`` (a server one valid for localhost, 127.0.0.1 and
+        ``addresses``, or a client one), signed by this authority."""
         key = ec.generate_private_key(ec.SECP256R1())
         now = datetime.datetime.now(datetime.UTC)
         builder = (
@@ -58,6 +61,7 @@ class Authority:
             names: list[x509.GeneralName] = [
                 x509.DNSName("localhost"),
                 x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+                *(x509.IPAddress(ipaddress.ip_address(a)) for a in addresses),
             ]
             builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
         builder = builder.add_extension(x509.ExtendedKeyUsage(usage), critical=False)
@@ -120,8 +124,22 @@ class LocalPki:
             str(self.ca),
         ]
 
+    def chain_args(self) -> list[str]:
+        """``dgr worker`` arguments: dial the next stage of a chained route over TLS,
+        trusting the CA and showing the client certificate."""
+        return [
+            "--chain-tls-ca",
+            str(self.ca),
+            "--chain-tls-cert",
+            str(self.client.cert),
+            "--chain-tls-key",
+            str(self.client.key),
+        ]
 
-def local_pki(directory: Path) -> LocalPki:
-    """A fresh CA in ``directory`` with a worker and a client certificate."""
+
+def local_pki(directory: Path, addresses: Sequence[str] = ()) -> LocalPki:
+    """A fresh CA in ``directory`` with a worker certificate (valid on loopback and at
+    ``addresses``) and a client certificate."""
     ca = authority(directory, "local")
-    return LocalPki(ca.cert, ca.issue("worker"), ca.issue("client", client=True))
+    worker = ca.issue("worker", addresses=addresses)
+    return LocalPki(ca.cert, worker, ca.issue("client", client=True))
