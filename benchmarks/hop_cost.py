@@ -117,6 +117,7 @@ class _EchoCalls:
 
 def serve_frame_link() -> None:
     from dgr_engine.worker.calls.frame_link_server import FrameLinkServer
+    from dgr_engine.worker.config import WorkerConfig
 
     async def main() -> None:
         server = FrameLinkServer(
@@ -125,6 +126,7 @@ def serve_frame_link() -> None:
             tls=None,
             max_message_bytes=64 << 20,
             max_connections=8,
+            introductions=WorkerConfig().introduction_gate(),
         )
         port = await server.start("127.0.0.1", 0)
         print(f"LISTENING 127.0.0.1:{port}", flush=True)

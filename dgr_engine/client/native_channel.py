@@ -27,6 +27,7 @@ from dgr_engine.status import error_for_code
 from dgr_engine.wire import link_messages as lm
 from dgr_engine.wire import link_seal
 from dgr_engine.wire.frames import fill_tensor
+from dgr_engine.wire.keepalive import keep_alive
 from dgr_engine.wire.proto import shard_pb2 as pb
 
 __all__ = ["NativeChainChannel", "native_route"]
@@ -154,6 +155,7 @@ class _Connection:
         try:
             async with asyncio.timeout(_CONNECT_SECONDS):
                 self._reader, self._writer = await asyncio.open_connection(c.host, c.port)
+                keep_alive(self._writer.get_extra_info("socket"))
                 self._writer.write(lm.encode_hello(hello))
                 await self._writer.drain()
                 header, payload = await lm.read_stream_message(self._reader, lm.HELLO_MAX_BYTES)

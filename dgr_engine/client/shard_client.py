@@ -55,6 +55,7 @@ from dgr_engine.wire.frames import (
     greedy_from_reply,
     output_from_reply,
 )
+from dgr_engine.wire.keepalive import GRPC_CHANNEL_OPTIONS
 from dgr_engine.wire.metadata import DEFAULT_MAX_MESSAGE_BYTES, session_metadata
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
@@ -176,6 +177,7 @@ class ShardClient:
         options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            *GRPC_CHANNEL_OPTIONS,  # a silent worker is found out (wire/keepalive.py)
         ]
         if tls is None:
             self._channel = grpc.aio.insecure_channel(target, options=options)

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from dgr_engine.security.tls import ClientTls, ServerTls
+from dgr_engine.wire.keepalive import keep_alive
 from dgr_engine.wire.proto import shard_pb2 as pb
 
 __all__ = [
@@ -252,11 +253,15 @@ class FrameLinkTarget:
 
     async def connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if self._context is None:
-            return await asyncio.open_connection(self.host, self.port)
-        name = self.tls.server_name if self.tls is not None and self.tls.server_name else self.host
-        return await asyncio.open_connection(
-            self.host, self.port, ssl=self._context, server_hostname=name
-        )
+            reader, writer = await asyncio.open_connection(self.host, self.port)
+        else:
+            tls = self.tls
+            name = tls.server_name if tls is not None and tls.server_name else self.host
+            reader, writer = await asyncio.open_connection(
+                self.host, self.port, ssl=self._context, server_hostname=name
+            )
+        keep_alive(writer.get_extra_info("socket"))  # a silent worker is found out
+        return reader, writer
 
     def ChainStream(self, *, metadata: Metadata = ()) -> FrameLinkCall[Any]:  # noqa: N802
         """A ``ChainStream`` call (named as the gRPC stub's)."""

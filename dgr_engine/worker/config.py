@@ -10,6 +10,7 @@ import attrs
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from dgr_engine.security.tls import ClientTls, ServerTls
+from dgr_engine.worker.calls.introductions import IntroductionGate
 
 
 @attrs.frozen
@@ -92,14 +93,22 @@ class WorkerConfig:
     """Take frame links (the frame path, the fast data path for chained frames:
     ``docs/data-paths.md``) on this port of ``host`` (0: a free one; the advert says which);
     ``None``: not offered (chained frames then travel over gRPC only)."""
-    frame_link_hello_seconds: float = 10.0
+    frame_link_hello_seconds: float = 3.0
     """How long a frame link connection may take for its TLS handshake and its ``OPEN`` (the
     call it carries), and then for its request (``ChainOutput``) or the start of its first
-    frame (``ChainStream``; a large frame, once begun, may take longer): a peer that connects
-    and stays silent holds one of the port's connections (``frame_link_server.py``'s
-    ``max_connections``) this long at most, then is dropped. Longer than any honest caller
-    needs (it sends them at once), short enough that silent peers cannot keep the port
-    full."""
+    frame (``ChainStream``; a large frame, once begun, may take longer), and a native link
+    connection for its ``HELLO``: a peer that connects and stays silent holds a place among
+    the port's waiting connections (:meth:`introduction_gate`) this long at most, then is
+    dropped. Longer than an honest caller needs over a WAN (it sends them at once: a TLS
+    handshake's round trips), short enough that silent peers come and go."""
+    introductions_per_source: int = 32
+    """Connections from one source address that may wait at once for their introduction on
+    each side port (``worker/calls/introductions.py``); a newer one takes the oldest one's
+    place."""
+    introductions_waiting: int = 512
+    """Connections that may wait at once for their introduction on each side port, from all
+    sources; past it a newcomer takes the place of the oldest connection of the source that
+    holds the most. Apart from session capacity: an introduced link never waits for it."""
     native_link_port: int | None = 0
     """Take native links (the native path: a ring's frames run from socket to socket on the
     engine's own thread, ``docs/native-path.md``) on this port of ``host`` (0: a free one; the
@@ -111,6 +120,12 @@ class WorkerConfig:
     """How this worker dials the next stage of a chained route that serves TLS (the CA it
     trusts, and its client certificate for a next stage that asks for one); ``None``: it
     links only to plaintext next stages (``docs/chain.md``)."""
+
+    def introduction_gate(self) -> IntroductionGate:
+        """A side port's gate for connections not yet introduced (one per port)."""
+        return IntroductionGate(
+            per_source=self.introductions_per_source, total=self.introductions_waiting
+        )
 
     def __attrs_post_init__(self) -> None:
         lease = self.session_lease_seconds

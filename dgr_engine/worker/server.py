@@ -33,6 +33,7 @@ from dgr_engine.security.grants import Grant, GrantVerifier
 from dgr_engine.security.tls import check_plaintext_bind, is_loopback
 from dgr_engine.wire import frames as frames
 from dgr_engine.wire.advert import Advert, DataPaths
+from dgr_engine.wire.keepalive import GRPC_SERVER_OPTIONS
 from dgr_engine.worker.calls.chain import ChainServicer, add_chain_service
 from dgr_engine.worker.calls.frame_link_server import FrameLinkServer, connection_limit
 from dgr_engine.worker.calls.frame_path import FramePath
@@ -108,7 +109,7 @@ class ShardWorker:
         """Chained routes' links and output streams (``worker/route/chain_hub.py``)."""
         self.native_links = NativeLinkServer(
             self,
-            max_connections=connection_limit(self.info.max_sessions),
+            introductions=self.config.introduction_gate(),
             hello_seconds=self.config.frame_link_hello_seconds,
             counted=self._native_link_counted,
         )
@@ -271,6 +272,7 @@ class ShardWorker:
                 ("grpc.max_receive_message_length", receive),
                 ("grpc.max_send_message_length", send),
                 ("grpc.so_reuseport", 0),  # two workers must never share a port
+                *GRPC_SERVER_OPTIONS,  # a silent client is found out (wire/keepalive.py)
             ]
         )
         add_shard_service(self._shard_servicer, server)
@@ -302,6 +304,7 @@ class ShardWorker:
                 tls=tls,
                 max_message_bytes=receive,
                 max_connections=connection_limit(self.info.max_sessions),
+                introductions=self.config.introduction_gate(),
                 hello_seconds=self.config.frame_link_hello_seconds,
                 counted=lambda call: self.metrics.frame_link.labels(call).inc(),
             )

@@ -667,9 +667,7 @@ def test_a_route_failure_that_names_no_stage_is_reported_with_none() -> None:
     d = Driver().running(route("a", "b"))
     error = RouteStalled("no chained output, and no stage was found silent")
     d.feed(
-        StageFailed(
-            session_id=SID, epoch=1, stage_index=None, kind=FaultKind.DEADLINE, error=error
-        )
+        StageFailed(session_id=SID, epoch=1, stage_index=None, kind=FaultKind.DEADLINE, error=error)
     )
     report = of(d.log, RequestRoute)[-1].report
     assert report is not None and report.fault is FaultKind.DEADLINE

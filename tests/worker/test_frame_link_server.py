@@ -149,7 +149,7 @@ def test_a_peer_that_stays_silent_is_dropped_after_the_hello_timeout(
 
 
 def test_the_hello_timeout_is_checked_and_defaults_to_ten_seconds() -> None:
-    assert WorkerConfig().frame_link_hello_seconds == 10.0
+    assert WorkerConfig().frame_link_hello_seconds == 3.0
     for bad in (0.0, -1.0, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="frame_link_hello_seconds must be finite and > 0"):
             WorkerConfig(frame_link_hello_seconds=bad)
@@ -455,21 +455,30 @@ def test_connections_over_the_limit_get_resource_exhausted(
     tiny_llama: Path, want: list[np.ndarray]
 ) -> None:
     """With ``connection_limit(max_sessions)`` calls open (an honest session's two, the rest
-    peers that connected and said nothing yet), each further connection is answered
+    peers that opened a call and sent nothing since), each further call is answered
     ``RESOURCE_EXHAUSTED`` / ``DGR_E_CAPACITY`` and closed; the calls open go on, the worker
-    serves its control plane, and once the peers leave a new session's calls are served."""
+    serves its control plane, and once the peers leave a new session's calls are served. (A
+    peer that says nothing at all holds no call: ``test_side_ports.py``.)"""
     limit = connection_limit(OPTIONS.max_sessions)
 
+    async def opened() -> LinkPeer:
+        peer = await LinkPeer.connect(worker_port[0])
+        await peer.send(link_open("ChainStream"))
+        return peer
+
+    worker_port: list[int] = []
+
     async def scenario() -> None:
-        async with serving(tiny_llama) as worker:
+        async with serving(tiny_llama, frame_link_hello_seconds=60.0) as worker:
+            worker_port.append(worker.frame_link_port)
             link = link_of(worker)
             honest = session(worker, "honest")
             await honest.open()
             await honest.step()
-            silent = [await LinkPeer.connect(worker.frame_link_port) for _ in range(limit - 2)]
+            silent = [await opened() for _ in range(limit - 2)]
             await until(lambda: link.open_calls == limit, "the link is full")
             for _ in range(3):
-                extra = await LinkPeer.connect(worker.frame_link_port)
+                extra = await opened()
                 code, details, trailers = await extra.status()
                 assert code is grpc.StatusCode.RESOURCE_EXHAUSTED, details
                 assert trailers == {STATUS_KEY: "DGR_E_CAPACITY"}, trailers

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ssl
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING, Any
@@ -24,9 +25,11 @@ import grpc
 
 from dgr_engine.security.tls import ServerTls
 from dgr_engine.wire import frame_link as fl
+from dgr_engine.wire.keepalive import keep_alive
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.status import STATUS_KEY
 from dgr_engine.worker.calls.chain import ChainServicer
+from dgr_engine.worker.calls.introductions import IntroductionGate
 from dgr_engine.worker.calls.registration import lenient
 from dgr_session.identifiers import log_field
 
@@ -80,11 +83,15 @@ class FrameLinkServer:
         tls: ServerTls | None,
         max_message_bytes: int,
         max_connections: int,
+        introductions: IntroductionGate,
         hello_seconds: float = HELLO_SECONDS,
         counted: Callable[[str], None] = lambda call: None,
     ) -> None:
-        """``counted`` is told what came of each connection: the call it opened
-        (``ChainStream``, ``ChainOutput``) or ``refused`` (metrics)."""
+        """``max_connections``: calls served at once; ``introductions``: where connections
+        wait for their TLS handshake and ``OPEN`` (bounded per source and in all,
+        ``worker/calls/introductions.py``), ``hello_seconds`` at most; ``counted`` is told what
+        came of each connection: the call it opened (``ChainStream``, ``ChainOutput``),
+        ``refused`` or ``evicted`` (metrics)."""
         if not 0 < hello_seconds < float("inf"):
             raise ValueError(f"hello_seconds must be finite and > 0, got {hello_seconds}")
         self._servicer = servicer
@@ -92,30 +99,27 @@ class FrameLinkServer:
         self._tls = tls
         self._max_bytes = max_message_bytes
         self._max_connections = max_connections
+        self.introductions = introductions
+        self._context = fl.server_ssl_context(tls) if tls is not None else None
         self._counted = counted
         self._hello = hello_seconds
         self._server: asyncio.Server | None = None
         self._calls: set[asyncio.Task[None]] = set()
+        self._connections: set[asyncio.Task[None]] = set()
         self.port = 0
         self.refused = 0
         """Connections refused (over the limit, or not the protocol)."""
 
     @property
     def open_calls(self) -> int:
-        """Connections being served now (each one call, or one waiting for its ``OPEN``)."""
-        return len(self._calls)
+        """Connections held now: calls (past their ``OPEN``; at most ``max_connections``) and
+        connections waiting for their ``OPEN`` (at most the gate's)."""
+        return len(self._connections)
 
     async def start(self, host: str, port: int) -> int:
         """Binds and serves; returns the port."""
-        context = fl.server_ssl_context(self._tls) if self._tls is not None else None
-        self._server = await asyncio.start_server(
-            self._serve,
-            host,
-            port,
-            ssl=context,
-            ssl_handshake_timeout=self._hello if context is not None else None,
-            reuse_address=True,
-        )
+        # TLS is started by each connection once the gate admitted it (``_serve``)
+        self._server = await asyncio.start_server(self._serve, host, port, reuse_address=True)
         self.port = int(self._server.sockets[0].getsockname()[1])
         return self.port
 
@@ -123,7 +127,8 @@ class FrameLinkServer:
         """Stops accepting and cancels every call (their epochs are abandoned)."""
         if self._server is not None:
             self._server.close()
-        calls, self._calls = set(self._calls), set()
+        calls, self._connections = set(self._connections), set()
+        self._calls.clear()
         for call in calls:
             call.cancel()
         if calls:
@@ -134,7 +139,30 @@ class FrameLinkServer:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
+        self._connections.add(task)
+        keep_alive(writer.get_extra_info("socket"))
+        peer = writer.get_extra_info("peername")
+        place = self.introductions.admit(
+            str(peer[0]) if peer else "-", functools.partial(self._evict, task)
+        )
         try:
+            try:  # a stranger until its TLS handshake and OPEN: its place can be taken
+                async with asyncio.timeout(self._hello):
+                    if self._context is not None:
+                        await writer.start_tls(self._context)
+                    kind, payload = await fl.read_message(reader, self._max_bytes)
+            except (TimeoutError, asyncio.IncompleteReadError, OSError, ssl.SSLError):
+                self._refuse()  # silent, too slow, or gone before a call began: dropped
+                return
+            except fl.LinkProtocolError as exc:
+                self._refuse()
+                self._log.warning("frame link refused: {}", log_field(str(exc), limit=200))
+                await _send_status(
+                    writer, grpc.StatusCode.INVALID_ARGUMENT, f"DGR_E_FRAME: {exc}", _FRAME_REFUSAL
+                )
+                return
+            finally:
+                self.introductions.leave(place)
             if len(self._calls) >= self._max_connections:
                 self._refuse()
                 why = f"DGR_E_CAPACITY: {self._max_connections} frame link calls are open"
@@ -149,8 +177,6 @@ class FrameLinkServer:
                 return
             self._calls.add(task)
             try:
-                async with asyncio.timeout(self._hello):
-                    kind, payload = await fl.read_message(reader, self._max_bytes)
                 if kind is not fl.Kind.OPEN:
                     raise fl.LinkProtocolError(f"a {kind.name} before OPEN")
                 method, metadata = fl.decode_open(payload)
@@ -182,9 +208,15 @@ class FrameLinkServer:
             pass
         finally:
             self._calls.discard(task)
+            self._connections.discard(task)
             writer.close()
             with contextlib.suppress(Exception):
                 await writer.wait_closed()
+
+    def _evict(self, task: asyncio.Task[None]) -> None:
+        """Ends a connection still waiting for its ``OPEN`` (the gate needs its place)."""
+        self._counted("evicted")
+        task.cancel()
 
     def _refuse(self) -> None:
         self.refused += 1

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 from collections.abc import Callable
@@ -25,12 +26,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import attrs
 
-from dgr_engine._binding import lib
 from dgr_engine.engine import LinkKeys, LinkSockets, LinkState, LinkStats, NativeLink, ShardInfo
 from dgr_engine.errors import FrameRejected, GrantUnauthenticated, ShardError
 from dgr_engine.status import STATUSES, Status, is_worker_fault, status_of
 from dgr_engine.wire import frames, link_seal
 from dgr_engine.wire import link_messages as lm
+from dgr_engine.wire.keepalive import keep_alive
+from dgr_engine.worker.calls.introductions import IntroductionGate, Waiting
 from dgr_engine.worker.lifecycle.closes import CloseCause, SessionClosed
 from dgr_engine.worker.lifecycle.grant_gate import GrantGate
 from dgr_engine.worker.lifecycle.sessions import SessionTable
@@ -152,19 +154,21 @@ class NativeLinkServer:
         self,
         host: NativeLinkHost,
         *,
-        max_connections: int,
+        introductions: IntroductionGate,
         hello_seconds: float,
         counted: Callable[[str], None] = lambda what: None,
     ) -> None:
-        """``counted`` is told what came of each connection (``input``, ``ring``, ``output``,
-        ``dialled`` or ``refused``)."""
+        """``introductions``: where connections wait for their ``HELLO`` (bounded per source
+        and in all, ``worker/calls/introductions.py``), ``hello_seconds`` at most; ``counted``
+        is told what came of each connection (``input``, ``ring``, ``output``, ``dialled``,
+        ``refused`` or ``evicted``)."""
         self._host = host
-        self._max = max_connections
+        self.introductions = introductions
         self._hello = hello_seconds
         self._counted = counted
         self._listener: socket.socket | None = None
         self._accepting: asyncio.Task[None] | None = None
-        self._hellos: set[asyncio.Task[None]] = set()
+        self._hellos: dict[asyncio.Task[None], Waiting] = {}
         self._links: dict[tuple[str, int], _Assembly] = {}
         self.port = 0
         self.refused = 0
@@ -191,14 +195,24 @@ class NativeLinkServer:
         loop = asyncio.get_running_loop()
         assert self._listener is not None
         while True:
-            sock, _ = await loop.sock_accept(self._listener)
+            sock, peer = await loop.sock_accept(self._listener)
             sock.setblocking(False)
-            if len(self._hellos) >= self._max:
-                self._refuse_now(sock, lm.encode_failed(int(lib.DGR_E_CAPACITY), 0, "busy"))
-                continue
+            keep_alive(sock)
             task = loop.create_task(self._introduce(sock))
-            self._hellos.add(task)
-            task.add_done_callback(self._hellos.discard)
+            self._hellos[task] = self.introductions.admit(
+                str(peer[0]), functools.partial(self._evict, task)
+            )
+            task.add_done_callback(self._left)
+
+    def _evict(self, task: asyncio.Task[None]) -> None:
+        """Ends a connection still waiting for its ``HELLO`` (the gate needs its place)."""
+        self._counted("evicted")
+        task.cancel()
+
+    def _left(self, task: asyncio.Task[None]) -> None:
+        place = self._hellos.pop(task, None)
+        if place is not None:
+            self.introductions.leave(place)
 
     def _refuse_now(self, sock: socket.socket, message: bytes) -> None:
         self.refused += 1
@@ -217,9 +231,15 @@ class NativeLinkServer:
                 header, payload = await lm.read_socket_message(sock, lm.HELLO_MAX_BYTES)
             hello = lm.decode_hello(header, payload)
             answer, keys = self._check(hello)
+            this = asyncio.current_task()
+            if this is not None:
+                self._left(this)  # introduced: no longer a stranger's place to evict
             assembly = self._assembly(hello.session_id, hello.epoch)
             self._place(assembly, hello, sock, keys)
             await loop.sock_sendall(sock, lm.encode_accept(hello.epoch, hello.hop, answer))
+        except asyncio.CancelledError:  # evicted, or the server stops
+            self._drop(sock, hello)
+            raise
         except Exception as exc:  # noqa: BLE001 - any refusal is answered, never raised
             if _connection_lost(exc):
                 self.refused += 1
@@ -340,6 +360,7 @@ class NativeLinkServer:
         loop = asyncio.get_running_loop()
         sock = socket.socket(socket.AF_INET6 if ":" in endpoint_host else socket.AF_INET)
         sock.setblocking(False)
+        keep_alive(sock)
         try:
             async with asyncio.timeout(_DIAL_SECONDS):
                 await loop.sock_connect(sock, (endpoint_host, port))

@@ -20,6 +20,7 @@ import grpc
 from dgr_engine.errors import FrameRejected, GrantDenied, ShardUnavailable
 from dgr_engine.security.tls import ClientTls
 from dgr_engine.wire.frame_link import FrameLinkTarget, split_endpoint
+from dgr_engine.wire.keepalive import GRPC_CHANNEL_OPTIONS
 from dgr_engine.wire.metadata import DEFAULT_MAX_MESSAGE_BYTES
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
@@ -312,6 +313,7 @@ class ChainHub:
         options: list[tuple[str, Any]] = [
             ("grpc.max_receive_message_length", DEFAULT_MAX_MESSAGE_BYTES),
             ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+            *GRPC_CHANNEL_OPTIONS,  # a silent next stage is found out (wire/keepalive.py)
         ]
         if tls:
             assert self.tls is not None  # checked by link()
