@@ -10,6 +10,7 @@ namespace, on its one interface:
 * :meth:`~HostLab.silence`: every packet in and out is dropped: no reset, no FIN, no ICMP,
   what a host that lost power, or a link that drops everything, looks like from outside;
 * :meth:`~HostLab.lose`: each packet in and out is dropped at random with a given probability;
+* :meth:`~HostLab.refuse_port`: connections to one port are refused (a reset);
 * :meth:`~HostLab.heal`: the host's faults are lifted.
 
 :meth:`~HostLab.close` removes everything the lab made (deleting a namespace deletes its veths),
@@ -183,6 +184,12 @@ class HostLab:
         for chain in _FAULT_RULES:
             self._iptables(host, "-A", chain, "-m", "statistic", "--mode", "random",
                            "--probability", f"{probability:.6f}", "-j", "DROP")  # fmt: skip
+
+    def refuse_port(self, host: int, port: int) -> None:
+        """Refuses every connection to ``port`` of host ``host`` (a reset, as a closed port
+        answers); the rest of the host is untouched."""
+        self._iptables(host, "-A", _FAULT_RULES[0], "-p", "tcp", "--dport", str(port),
+                       "-j", "REJECT", "--reject-with", "tcp-reset")  # fmt: skip
 
     def heal(self, host: int) -> None:
         """Lifts every fault of host ``host``."""

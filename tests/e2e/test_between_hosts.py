@@ -280,3 +280,49 @@ def test_a_fault_between_hosts_blames_the_silent_stage_and_the_session_ends_exac
         assert first - run.faulted_at <= 2 * STEP_DEADLINE, first - run.faulted_at
     for endpoint, held in after.items():
         assert held.within(before[endpoint]), (endpoint, before[endpoint], held)
+
+
+def test_a_native_link_refused_falls_back_to_the_frame_path_and_blames_nobody(
+    lab: HostLab, pki: LocalPki, tiny_llama: Path, want: list[int]
+) -> None:
+    """A middle stage whose native link port refuses every connection (its host's firewall)
+    while the rest of it serves: a ring with ``data_path="auto"`` takes the frame path for the
+    epoch instead, counted, with the whole model's tokens and no stage named."""
+    reports: list[FailureReport] = []
+    provider = LoopbackRouteProvider(
+        tiny_llama,
+        LAYOUT,
+        options=OPTIONS,
+        worker_args=[*pki.worker_args(), *pki.chain_args()],
+        client_tls=pki.client_tls(),
+        observer=lambda _sid, report, _route: reports.append(report) if report else None,
+        placement=lambda n: WorkerPlacement(lab.address(n), lab.runner(n)),
+    )
+
+    async def go() -> tuple[tuple[int, ...], ChainStageTransport]:
+        await provider.start()
+        try:
+            middle = provider.workers[MIDDLE]
+            lab.refuse_port(MIDDLE, middle.advert.data_paths.native_link_port)
+            transport = ChainStageTransport(
+                timeout=STEP_DEADLINE, close_timeout=2.0, tls=pki.client_tls(), ring=True
+            )
+            async with transport:
+                manager = SessionManager(
+                    transport,
+                    provider,
+                    policy=FailurePolicy(step_deadline=STEP_DEADLINE),
+                    required_evidence=EvidenceClass.FIXTURE,
+                )
+                tokens = await _session(manager, None, "native-refused")
+                await manager.aclose()
+            return tokens, transport
+        finally:
+            lab.heal(MIDDLE)
+            await provider.aclose()
+
+    tokens, transport = harness.run(go(), 240.0)
+    assert list(tokens) == want
+    assert reports == []
+    stats = transport.chain_stats
+    assert (stats.native_fallbacks, stats.frame_link_epochs, stats.native_epochs) == (1, 1, 0)

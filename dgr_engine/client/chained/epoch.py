@@ -51,6 +51,8 @@ class ChainEpoch:
         such rings)."""
         self.native = False
         """The epoch's frames take native links (``docs/native-path.md``)."""
+        self.frame_link = False
+        """The epoch's frames take frame links."""
 
     def index(self, stage: StageSpec) -> int:
         for i, s in enumerate(self.route):

@@ -89,9 +89,12 @@ class ChainStats:
     native_us: int = 0
     """Of the engine time, the part inside llama.cpp, summed over stages."""
     frame_link_epochs: int = 0
-    """Epochs whose frames took the frame link (the rest took gRPC or native links)."""
+    """Epochs whose frames took frame links (the rest took gRPC or native links)."""
     native_epochs: int = 0
     """Epochs whose frames took native links (``docs/native-path.md``)."""
+    native_fallbacks: int = 0
+    """Epochs that took the next path because a stage took no native link (its port refused
+    or unreachable, or full), with ``data_path="auto"``."""
 
     @property
     def transit_us(self) -> int:

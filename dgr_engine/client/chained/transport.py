@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
+from loguru import logger
 
 from dgr_engine.client.chained.epoch import ChainEpoch
 from dgr_engine.client.chained.silence import SilenceWatch, find_silent_stage
@@ -52,8 +53,10 @@ from dgr_engine.client.shard_client import client_call_error, mtp_drafts_of, ses
 from dgr_engine.errors import (
     FrameRejected,
     ShardDeadlineExceeded,
+    ShardError,
     ShardRpcError,
 )
+from dgr_engine.status import Status, status_of
 from dgr_engine.wire.advert import Advert
 from dgr_engine.wire.frame_link import FrameLinkTarget, split_endpoint
 from dgr_engine.wire.frames import (
@@ -67,7 +70,7 @@ from dgr_engine.wire.frames import (
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_session.commands import Forward
 from dgr_session.errors import DgrError, RouteStalled
-from dgr_session.identifiers import check_session_id
+from dgr_session.identifiers import check_session_id, log_field
 from dgr_session.mtp_drafts import MtpDraftRequest
 from dgr_session.route import StageSpec
 from dgr_session.speculation import (
@@ -109,6 +112,20 @@ class _RingDrafts:
 
     def close(self) -> None:
         pass
+
+
+_log = logger.bind(stage="client")
+
+_NATIVE_REFUSALS = frozenset({Status.UNAVAILABLE, Status.CAPACITY, Status.DEADLINE})
+"""How a stage says it took no native link: its port refused or was unreachable, or it had
+no room. Any other refusal is the stage's own fault, on every path."""
+
+
+def _native_refused(error: Exception) -> bool:
+    """A native link that could not be made (the epoch may take the next path)."""
+    if isinstance(error, ShardError):
+        return status_of(error) in _NATIVE_REFUSALS
+    return isinstance(error, ConnectionError | TimeoutError)
 
 
 class _AtStage(Exception):
@@ -216,21 +233,43 @@ class ChainStageTransport(GrpcStageTransport):
             )
             return
         chain.route = route
+        failed = await self._link_over(chain, native=self.data_path in ("native", "auto"))
+        if failed is not None and chain.native and _native_refused(failed[1]):
+            if self.data_path is DataPath.AUTO:  # the next path the stages offer, not a fault
+                self.chain_stats.native_fallbacks += 1
+                _log.bind(session=log_field(chain.session_id), epoch=chain.epoch).warning(
+                    "stage {} took no native link ({}): the epoch takes the next path",
+                    failed[0],
+                    log_field(str(failed[1]), limit=300),
+                )
+                failed = await self._link_over(chain, native=False)
+        if failed is not None:
+            chain.fail(*failed)
+            return
+        if chain.native:
+            self.chain_stats.native_epochs += 1
+        elif chain.frame_link:
+            self.chain_stats.frame_link_epochs += 1
+
+    async def _link_over(self, chain: ChainEpoch, *, native: bool) -> tuple[int, Exception] | None:
+        """Links ``chain``'s route over the fastest path it may take (native links only when
+        ``native``) and starts the epoch; the failing stage and its error when it could not."""
+        route = chain.route
         sid, epoch = chain.session_id, chain.epoch
         secrets = [self.client(s.endpoint).session_secret(sid, epoch) for s in route]
         last = len(route) - 1
         channels: Sequence[ChainChannel] | None = None
         use_frame_link = False  # the epoch takes the frame link
         try:
-            if self.data_path in ("native", "auto"):
+            if native:
                 channels = await self.native_links(route, sid, greedy=chain.greedy)
             chain.native = channels is not None
             if channels is None:
                 channels = await self.frame_links(route)
                 use_frame_link = channels is not None
         except _AtStage as exc:
-            chain.fail(exc.index, exc.error)
-            return
+            return exc.index, exc.error
+        chain.frame_link = use_frame_link
         if channels is None:  # gRPC
             channels = [GrpcChainChannel(self.client(s.endpoint).chain, s.endpoint) for s in route]
         metadata = session_metadata(pb.ForwardRequest(session_id=sid, epoch=epoch, step=0))
@@ -284,15 +323,17 @@ class ChainStageTransport(GrpcStageTransport):
                     error = client_call_error(result)
                 else:
                     raise result
-                chain.fail(k, error)
-                return
+                if outcomes is not None:
+                    outcomes.cancel()
+                return k, error
         assert outcomes is not None
         try:
             frames = channels[0].frames(metadata)
         except DgrError as exc:
-            chain.fail(0, exc)
-            return
+            outcomes.cancel()
+            return 0, exc
         chain.start(frames, outcomes)
+        return None
 
     async def _advert_at(self, index: int, stage: StageSpec) -> Advert:
         """``stage``'s advert; :class:`_AtStage` naming it when it cannot be had."""
@@ -323,7 +364,6 @@ class ChainStageTransport(GrpcStageTransport):
                 target = FrameLinkTarget(host, port, self.tls if tls else None)
                 self._targets[key] = target
             targets.append(FrameLinkChainChannel(target, stage.endpoint))
-        self.chain_stats.frame_link_epochs += 1
         return targets
 
     async def native_links(
@@ -366,7 +406,6 @@ class ChainStageTransport(GrpcStageTransport):
             host, _ = split_endpoint(stage.endpoint)
             hosts.append((host, port))
             sealed.append(advert.data_paths.native_link_sealed)
-        self.chain_stats.native_epochs += 1
         widths = [(s.boundary_in, s.boundary_out) for s in route]
         return list(native_route(hosts, widths, ring=True, sealed=sealed))
 
