@@ -105,7 +105,12 @@ class Held:
     threads: tuple[str, ...]
 
     def within(self, before: Held) -> bool:
-        return self.sessions <= before.sessions and len(self.threads) <= len(before.threads)
+        return self.sessions <= before.sessions and len(self.own()) <= len(before.own())
+
+    def own(self) -> tuple[str, ...]:
+        """The threads but gRPC's event engine pool, which grows with load and shrinks when
+        idle by itself (its ``lifeguard``): a session's threads are the others."""
+        return tuple(t for t in self.threads if t != "event_engine")
 
 
 def threads_of(worker: PooledWorker) -> tuple[str, ...]:
