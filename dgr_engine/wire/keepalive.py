@@ -35,9 +35,11 @@ PROBE_SECONDS = 5
 """Seconds between probes (TCP), or that a ping may take (gRPC)."""
 PROBES = 3
 """Unanswered TCP probes that end a connection: a quiet one is found dead within
-``IDLE_SECONDS + PROBES * PROBE_SECONDS`` (25 s)."""
+``IDLE_SECONDS + PROBES * PROBE_SECONDS`` (25 s) at most."""
 UNACKNOWLEDGED_SECONDS = 20
-"""Seconds data may stay unacknowledged before the connection is given up."""
+"""Seconds data may stay unacknowledged before the connection is given up; with keepalive
+on, Linux also gives up a quiet connection whose probes went unanswered this long after the
+last word from its peer (so 20 s, in practice: ``tests/wire/test_keepalive.py``)."""
 
 GRPC_CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_time_ms", IDLE_SECONDS * 1000),

@@ -1,7 +1,7 @@
 """The host lab (``dgr_engine.tooling.host_lab``): hosts that reach each other over a bridge,
 silence that answers nothing (no reset: a connect times out), a heal that lifts it, and a
 close that leaves no namespace or interface behind. Needs root, ``ip`` and ``iptables``, as
-CI has; elsewhere it fails saying why."""
+CI has (``tests/lab.py``)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from dgr_engine.tooling.host_lab import BENCHMARK_RANGE, HostLab, unavailable
+from dgr_engine.tooling.host_lab import BENCHMARK_RANGE
+from tests.lab import host_lab
 
 SERVE = (
     "import socket,sys\n"
@@ -36,11 +37,7 @@ def _names() -> str:
 
 
 def test_hosts_talk_until_silenced_and_the_lab_leaves_nothing_behind() -> None:
-    why = unavailable()
-    assert why is None, f"the host lab cannot be made here: {why}"
-    lab = HostLab(2)
-    try:
-        lab.make()
+    with host_lab(2) as lab:
         assert lab.subnet.subnet_of(BENCHMARK_RANGE)
         address = lab.address(1)
         server = subprocess.Popen(
@@ -59,6 +56,4 @@ def test_hosts_talk_until_silenced_and_the_lab_leaves_nothing_behind() -> None:
         finally:
             server.kill()
             server.wait(10)
-    finally:
-        lab.close()
     assert f"dgr{lab.lab_id}" not in _names()

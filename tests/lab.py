@@ -1,0 +1,24 @@
+"""The host lab for tests (``dgr_engine.tooling.host_lab``): made where the machine allows it;
+in CI (``CI`` set, as ``.ci/run`` runs, as root) it must be, so a test fails saying why it
+could not; elsewhere (not root, no ``iptables``) the test is skipped saying why."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+
+import pytest
+
+from dgr_engine.tooling.host_lab import HostLab, unavailable
+
+
+@contextlib.contextmanager
+def host_lab(n_hosts: int) -> Iterator[HostLab]:
+    why = unavailable()
+    if why is not None:
+        if os.environ.get("CI"):
+            pytest.fail(f"the host lab cannot be made in CI: {why}")
+        pytest.skip(f"the host lab cannot be made here: {why}")
+    with HostLab(n_hosts) as lab:
+        yield lab
