@@ -11,6 +11,7 @@ namespace, on its one interface:
   what a host that lost power, or a link that drops everything, looks like from outside;
 * :meth:`~HostLab.lose`: each packet in and out is dropped at random with a given probability;
 * :meth:`~HostLab.refuse_port`: connections to one port are refused (a reset);
+* :meth:`~HostLab.delay`: every packet a host sends waits (netem, where the kernel has it);
 * :meth:`~HostLab.heal`: the host's faults are lifted.
 
 :meth:`~HostLab.close` removes everything the lab made (deleting a namespace deletes its veths),
@@ -22,6 +23,7 @@ listening on :meth:`~HostLab.address`.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import itertools
 import os
@@ -184,6 +186,17 @@ class HostLab:
         for chain in _FAULT_RULES:
             self._iptables(host, "-A", chain, "-m", "statistic", "--mode", "random",
                            "--probability", f"{probability:.6f}", "-j", "DROP")  # fmt: skip
+
+    def delay(self, host: int, milliseconds: float) -> None:
+        """Delays every packet host ``host`` sends by ``milliseconds`` (netem);
+        :class:`HostLabError` where the kernel has no netem."""
+        _run([*self.runner(host), "tc", "qdisc", "replace", "dev", "eth0", "root", "netem",
+              "delay", f"{milliseconds}ms"])  # fmt: skip
+
+    def undelay(self, host: int) -> None:
+        """Lifts :meth:`delay` (nothing to lift: nothing done)."""
+        with contextlib.suppress(HostLabError):
+            _run([*self.runner(host), "tc", "qdisc", "del", "dev", "eth0", "root"])
 
     def refuse_port(self, host: int, port: int) -> None:
         """Refuses every connection to ``port`` of host ``host`` (a reset, as a closed port

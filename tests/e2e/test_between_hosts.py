@@ -31,7 +31,7 @@ from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.client.routes import EndpointRouteProvider, describe
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import whole_model_reference
-from dgr_engine.tooling.host_lab import HostLab
+from dgr_engine.tooling.host_lab import HostLab, HostLabError
 from dgr_engine.tooling.loopback import LoopbackRouteProvider, PooledWorker
 from dgr_engine.tooling.processes import WorkerPlacement
 from dgr_engine.tooling.throwaway_ca import LocalPki, local_pki
@@ -331,3 +331,34 @@ def test_a_native_link_refused_falls_back_to_the_frame_path_and_blames_nobody(
     assert reports == []
     stats = transport.chain_stats
     assert (stats.native_fallbacks, stats.frame_link_epochs, stats.native_epochs) == (1, 1, 0)
+
+
+DELAY_MS = 15.0
+"""Each host's packets wait this long (netem): 30 ms a round trip between two hosts."""
+
+
+def test_routes_between_delayed_hosts_are_exact(
+    lab: HostLab, pki: LocalPki, tiny_llama: Path, want: list[int]
+) -> None:
+    """Every host's packets delayed (netem, where the kernel has it: it is a kernel module,
+    not in every kernel; without it the test is skipped saying so): over relay, chain, ring
+    and native ring the tokens are the whole model's and nobody is blamed."""
+    try:
+        for host in range(lab.n_hosts):
+            lab.delay(host, DELAY_MS)
+    except HostLabError as exc:
+        for host in range(lab.n_hosts):
+            lab.undelay(host)
+        pytest.skip(f"this kernel delays no packets (netem): {exc}")
+    try:
+        for mode in MODES:
+            run, _, _, _ = run_between_hosts(mode, _nothing, None, lab, pki, tiny_llama)
+            assert list(run.tokens) == want, mode
+            assert run.reports == [], (mode, run.reports)
+    finally:
+        for host in range(lab.n_hosts):
+            lab.undelay(host)
+
+
+def _nothing(_lab: HostLab, _loop: asyncio.AbstractEventLoop) -> None:
+    """No fault: the delay is the whole test."""
