@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from typing import IO
 
 import pytest
 
@@ -22,3 +25,21 @@ def host_lab(n_hosts: int) -> Iterator[HostLab]:
         pytest.skip(f"the host lab cannot be made here: {why}")
     with HostLab(n_hosts) as lab:
         yield lab
+
+
+@contextlib.contextmanager
+def python_on(lab: HostLab, host: int, script: str) -> Iterator[IO[str]]:
+    """Runs ``script`` (``python -c``, its first argument the host's address) on host
+    ``host`` and waits for it to print ``up``; yields the rest of its output; kills it at
+    the end."""
+    process = subprocess.Popen(
+        [*lab.runner(host), sys.executable, "-c", script, lab.address(host)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert process.stdout is not None and process.stdout.readline() == "up\n"
+        yield process.stdout
+    finally:
+        process.kill()
+        process.wait(10)

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 
 import pytest
 
 from dgr_engine.tooling.host_lab import BENCHMARK_RANGE
-from tests.lab import host_lab
+from tests.lab import host_lab, python_on
 
 SERVE = (
     "import socket,sys\n"
@@ -40,20 +39,11 @@ def test_hosts_talk_until_silenced_and_the_lab_leaves_nothing_behind() -> None:
     with host_lab(2) as lab:
         assert lab.subnet.subnet_of(BENCHMARK_RANGE)
         address = lab.address(1)
-        server = subprocess.Popen(
-            [*lab.runner(1), sys.executable, "-c", SERVE, address],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert server.stdout is not None and server.stdout.readline() == "up\n"
+        with python_on(lab, 1, SERVE):
             assert _hello(address, 5.0) == b"hi"
             lab.silence(1)
             with pytest.raises(TimeoutError):  # dropped: no reset, no refusal, nothing
                 _hello(address, 1.0)
             lab.heal(1)
             assert _hello(address, 5.0) == b"hi"
-        finally:
-            server.kill()
-            server.wait(10)
     assert f"dgr{lab.lab_id}" not in _names()

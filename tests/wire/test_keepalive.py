@@ -6,8 +6,6 @@ waiting for minutes."""
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
 import time
 
 from dgr_engine.wire.keepalive import (
@@ -17,7 +15,7 @@ from dgr_engine.wire.keepalive import (
     UNACKNOWLEDGED_SECONDS,
     keep_alive,
 )
-from tests.lab import host_lab
+from tests.lab import host_lab, python_on
 
 WAITS = (
     "import socket, sys, time\n"
@@ -54,20 +52,11 @@ def test_a_socket_whose_peer_fell_silent_ends_within_the_keepalive_bound() -> No
     bound = IDLE_SECONDS + PROBES * PROBE_SECONDS
     with host_lab(1) as lab:
         address = lab.address(0)
-        waiter = subprocess.Popen(
-            [*lab.runner(0), sys.executable, "-c", WAITS, address],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        try:
-            assert waiter.stdout is not None and waiter.stdout.readline() == "up\n"
+        with python_on(lab, 0, WAITS) as said_by_waiter:
             with socket.create_connection((address, 9100), timeout=5.0):
                 lab.silence(0)  # the waiter's probes reach nobody: its peer vanished
                 began = time.monotonic()
-                said = waiter.stdout.readline().split()
+                said = said_by_waiter.readline().split()
                 took = time.monotonic() - began
-        finally:
-            waiter.kill()
-            waiter.wait(10)
     assert said and said[0] == "TimeoutError", said
     assert IDLE_SECONDS <= took <= bound + 10, (took, bound)  # minutes without keepalive

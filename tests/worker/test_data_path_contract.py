@@ -40,7 +40,7 @@ from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import CHAIN_HOP_KEY, error_from_trailers, grpc_code
 from dgr_session.faults import FaultKind
 from tests import harness
-from tests.harness import LinkPeer, LinkSession, link_open
+from tests.harness import LinkPeer, LinkSession
 from tests.worker.test_frame_link_server import OPTIONS, PROMPT, serving
 
 EPOCH = 1
@@ -195,20 +195,24 @@ def _hostile_frame(session: LinkSession, bad: BadFrame, in_width: int) -> pb.For
     return request
 
 
-async def _junk(worker: Any, path: str, junk: bytes) -> Verdict:
-    """A ``ChainStream`` whose one message is ``junk``, not a frame."""
+async def _junk(
+    worker: Any, path: str, junk: bytes, metadata: tuple[tuple[str, str], ...] = ()
+) -> Verdict:
+    """A ``ChainStream`` (opened with ``metadata``) whose one message is ``junk``, not a
+    frame."""
     if path == "grpc":
         async with grpc.aio.insecure_channel(worker.address) as channel:
             call = channel.stream_stream(
                 "/dgr.shard.v1.Chain/ChainStream",
                 request_serializer=lambda b: b,
                 response_deserializer=pb.ChainAck.FromString,
-            )()
+            )(metadata=metadata)
             await call.write(junk)
             return await _refused(call)
     peer = await LinkPeer.connect(worker.frame_link_port)
     try:
-        await peer.send(link_open("ChainStream") + fl.pack(fl.Kind.MESSAGE, junk))
+        opening = fl.pack(fl.Kind.OPEN, fl.encode_open("ChainStream", list(metadata)))
+        await peer.send(opening + fl.pack(fl.Kind.MESSAGE, junk))
         code, details, trailers = await peer.status()
     finally:
         peer.close()
@@ -286,6 +290,13 @@ class _Link:
             pair[1].close()
 
 
+def _failed(header: lm.Header, payload: bytes) -> Verdict:
+    """A native link's ``FAILED``, as the client reads it."""
+    assert header.kind is lm.Kind.FAILED, header
+    error = error_for_code(header.value, payload.decode(errors="replace"))
+    return Verdict.of(error, header.hop)
+
+
 def _native_message(bad: BadFrame, rows: np.ndarray, tokens: list[int]) -> bytes:
     if bad.what == "not_a_message":
         return bad.junk
@@ -312,10 +323,7 @@ def _over_native_links(
             hostile = _Link(engine, 2)
             try:
                 hostile.send(_native_message(bad, rows, tokens))
-                header, payload = hostile.read()
-                assert header.kind is lm.Kind.FAILED, header
-                error = error_for_code(header.value, payload.decode(errors="replace"))
-                verdicts.append(Verdict.of(error, header.hop))
+                verdicts.append(_failed(*hostile.read()))
             finally:
                 hostile.close()
                 engine.close_session(2, EPOCH)
@@ -377,10 +385,7 @@ def _native_first_stage_verdicts(tiny_llama: Path, n_layer: int, junk: bytes) ->
             link = engine.start_link(1, EPOCH, hop=0, sockets=sockets, body_timeout=1.0)
             try:
                 (ring_in if via_ring else inbound)[0].sendall(junk)
-                header, payload = lm.read_message(outbound[1], READ_SECONDS)
-                assert header.kind is lm.Kind.FAILED, header
-                error = error_for_code(header.value, payload.decode(errors="replace"))
-                verdicts.append(Verdict.of(error, header.hop))
+                verdicts.append(_failed(*lm.read_message(outbound[1], READ_SECONDS)))
             finally:
                 link.close()
                 engine.close_session(1, EPOCH)
@@ -394,23 +399,7 @@ async def _servicer_first_stage_verdict(worker: Any, path: str, sender: str | No
     """A frame that is no message on a first stage's ``ChainStream``, opened as from
     ``sender`` (a ring's last stage names itself so; the client's stream names nobody)."""
     metadata = () if sender is None else ((CHAIN_SENDER_KEY, sender),)
-    if path == "grpc":
-        async with grpc.aio.insecure_channel(worker.address) as channel:
-            call = channel.stream_stream(
-                "/dgr.shard.v1.Chain/ChainStream",
-                request_serializer=lambda b: b,
-                response_deserializer=pb.ChainAck.FromString,
-            )(metadata=metadata)
-            await call.write(GARBAGE + b"\0" * 8)
-            return await _refused(call)
-    peer = await LinkPeer.connect(worker.frame_link_port)
-    try:
-        opening = fl.pack(fl.Kind.OPEN, fl.encode_open("ChainStream", list(metadata)))
-        await peer.send(opening + fl.pack(fl.Kind.MESSAGE, GARBAGE + b"\0" * 8))
-        code, details, trailers = await peer.status()
-    finally:
-        peer.close()
-    return _verdict(code, details, trailers.items())
+    return await _junk(worker, path, GARBAGE + b"\0" * 8, metadata)
 
 
 def test_a_malformed_ring_frame_at_the_first_stage_names_the_rings_last_stage(
