@@ -10,7 +10,7 @@ import attrs
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from dgr_engine.security.tls import ClientTls, ServerTls
-from dgr_engine.worker.calls.introductions import IntroductionGate
+from dgr_engine.worker.calls.introductions import HELLO_SECONDS, IntroductionGate
 
 
 @attrs.frozen
@@ -93,7 +93,7 @@ class WorkerConfig:
     """Take frame links (the frame path, the fast data path for chained frames:
     ``docs/data-paths.md``) on this port of ``host`` (0: a free one; the advert says which);
     ``None``: not offered (chained frames then travel over gRPC only)."""
-    frame_link_hello_seconds: float = 3.0
+    frame_link_hello_seconds: float = HELLO_SECONDS
     """How long a frame link connection may take for its TLS handshake and its ``OPEN`` (the
     call it carries), and then for its request (``ChainOutput``) or the start of its first
     frame (``ChainStream``; a large frame, once begun, may take longer), and a native link

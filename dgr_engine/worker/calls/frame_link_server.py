@@ -2,13 +2,15 @@
 two streaming calls served over raw TCP (TLS exactly when the gRPC port serves it), by the same
 :class:`~dgr_engine.worker.calls.chain.ChainServicer` methods as over gRPC.
 
-Each connection carries one call. It must say which within ``hello_seconds`` (default
-``HELLO_SECONDS``), and send its request (``ChainOutput``) or begin its first frame
-(``ChainStream``) within as long again: a peer that connects and never sends is dropped. A
+Each connection carries one call. It must finish its TLS handshake and say which call within
+``hello_seconds`` (default ``HELLO_SECONDS``), waiting meanwhile in the port's gate of
+strangers (``worker/calls/introductions.py``), and send its request (``ChainOutput``) or begin
+its first frame (``ChainStream``) within as long again: a peer that connects and never sends
+is dropped. A
 header that is not the protocol's (a length over the worker's message limit, an unknown kind)
 ends the call with ``INVALID_ARGUMENT`` / ``DGR_E_FRAME``, and a peer that goes away mid-call
 cancels its handler, exactly as a cancelled gRPC call does (the epoch is abandoned). At most
-``max_connections`` calls are served at once; a connection beyond that is answered
+``max_connections`` calls are served at once; a call beyond that is answered
 ``RESOURCE_EXHAUSTED`` and closed.
 """
 
@@ -29,7 +31,7 @@ from dgr_engine.wire.keepalive import keep_alive
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.status import STATUS_KEY
 from dgr_engine.worker.calls.chain import ChainServicer
-from dgr_engine.worker.calls.introductions import IntroductionGate
+from dgr_engine.worker.calls.introductions import HELLO_SECONDS, IntroductionGate
 from dgr_engine.worker.calls.registration import lenient
 from dgr_session.identifiers import log_field
 
@@ -37,9 +39,6 @@ if TYPE_CHECKING:
     from loguru import Logger
 
 __all__ = ["HELLO_SECONDS", "FrameLinkServer", "LinkAborted", "LinkContext", "connection_limit"]
-
-HELLO_SECONDS = 10.0
-"""How long a connection may take for its TLS handshake and its ``OPEN``."""
 
 _FRAME_REFUSAL = ((STATUS_KEY, "DGR_E_FRAME"),)
 

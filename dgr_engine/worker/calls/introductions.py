@@ -20,7 +20,12 @@ from collections.abc import Callable
 
 import attrs
 
-__all__ = ["IntroductionGate", "Waiting"]
+__all__ = ["HELLO_SECONDS", "IntroductionGate", "Waiting"]
+
+HELLO_SECONDS = 3.0
+"""How long a connection to a side port may take to introduce itself (its TLS handshake and
+``OPEN``, or its ``HELLO``): an honest peer's round trips over a WAN, no more
+(``WorkerConfig.frame_link_hello_seconds``)."""
 
 
 @attrs.define(eq=False)
