@@ -8,6 +8,8 @@ from __future__ import annotations
 import socket
 import time
 
+import pytest
+
 from dgr_engine.wire.keepalive import (
     IDLE_SECONDS,
     PROBE_SECONDS,
@@ -48,6 +50,7 @@ def test_every_tcp_socket_gets_keepalive_and_a_user_timeout() -> None:
         assert a.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 0
 
 
+@pytest.mark.slow  # about 20 s of waiting for the kernel to give up
 def test_a_socket_whose_peer_fell_silent_ends_within_the_keepalive_bound() -> None:
     bound = IDLE_SECONDS + PROBES * PROBE_SECONDS
     with host_lab(1) as lab:
