@@ -103,8 +103,8 @@ class WorkerConfig:
     handshake's round trips), short enough that silent peers come and go."""
     introductions_per_source: int = 32
     """Connections from one source address that may wait at once for their introduction on
-    each side port (``worker/calls/introductions.py``); a newer one takes the oldest one's
-    place."""
+    each side port once they waited a second (``worker/calls/introductions.py``); a newer one
+    takes the oldest one's place."""
     introductions_waiting: int = 512
     """Connections that may wait at once for their introduction on each side port, from all
     sources; past it a newcomer takes the place of the oldest connection of the source that

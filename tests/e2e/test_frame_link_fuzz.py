@@ -141,19 +141,24 @@ def assert_frame_refusal(status: LinkStatus | None) -> None:
     assert status[2].get(STATUS_KEY) == "DGR_E_FRAME", status
 
 
+def _opened(port: int) -> socket.socket:
+    """A connection that opens a ``ChainStream`` call and sends nothing more."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=LINK_READ_SECONDS)
+    sock.sendall(link_open("ChainStream"))
+    return sock
+
+
 def assert_no_leaked_call(port: int, limit: int) -> None:
-    """Exactly ``limit`` calls fit in the link now: ``limit`` silent connections are held and
-    the next is answered ``RESOURCE_EXHAUSTED`` (a call leaked by an example would take one of
-    the ``limit``, and the worker would refuse an earlier connection). The worker serves the
-    connections in the order it accepts them, so each refusal is sent before the next
-    connection's; loopback delivers it at once."""
-    held = [socket.create_connection(("127.0.0.1", port), timeout=LINK_READ_SECONDS)]
+    """Exactly ``limit`` calls fit in the link now: ``limit`` calls opened (and silent since)
+    are held and the next is answered ``RESOURCE_EXHAUSTED`` (a call leaked by an example
+    would take one of the ``limit``, and the worker would refuse an earlier one). A
+    connection that has not opened a call holds none (``worker/calls/introductions.py``).
+    The worker serves the calls in the order it reads their ``OPEN``, each sent before the
+    next connection is made; loopback delivers it at once."""
+    held = [_opened(port)]
     try:
-        held += [
-            socket.create_connection(("127.0.0.1", port), timeout=LINK_READ_SECONDS)
-            for _ in range(limit - 1)
-        ]
-        extra = socket.create_connection(("127.0.0.1", port), timeout=LINK_READ_SECONDS)
+        held += [_opened(port) for _ in range(limit - 1)]
+        extra = _opened(port)
         with extra:
             answer = read_to_end(extra)
         header, payload = fl.HEADER.unpack(answer[: fl.HEADER.size]), answer[fl.HEADER.size :]

@@ -20,7 +20,7 @@ class Ended:
 
 
 def test_a_full_source_gives_up_its_own_oldest_connection() -> None:
-    gate, log = IntroductionGate(per_source=2, total=10), Ended()
+    gate, log = IntroductionGate(per_source=2, total=10, grace=0.0), Ended()
     log.place(gate, "attacker", "a1")
     log.place(gate, "attacker", "a2")
     honest = log.place(gate, "honest", "h1")
@@ -32,7 +32,7 @@ def test_a_full_source_gives_up_its_own_oldest_connection() -> None:
 
 
 def test_a_full_gate_takes_the_place_from_the_source_holding_the_most() -> None:
-    gate, log = IntroductionGate(per_source=3, total=4), Ended()
+    gate, log = IntroductionGate(per_source=3, total=4, grace=0.0), Ended()
     for name in ("a1", "a2", "a3"):
         log.place(gate, "attacker", name)
     log.place(gate, "honest", "h1")
@@ -43,7 +43,7 @@ def test_a_full_gate_takes_the_place_from_the_source_holding_the_most() -> None:
 @settings(max_examples=200, deadline=None, derandomize=True, database=None)
 @given(st.lists(st.tuples(st.sampled_from("abcde"), st.booleans()), max_size=200))
 def test_bounds_hold_and_every_connection_is_held_once(steps: list[tuple[str, bool]]) -> None:
-    gate = IntroductionGate(per_source=3, total=7)
+    gate = IntroductionGate(per_source=3, total=7, grace=0.0)
     held: dict[int, tuple[str, Waiting | None]] = {}  # token -> (source, its place)
 
     def evict(token: int) -> None:
@@ -62,6 +62,23 @@ def test_bounds_hold_and_every_connection_is_held_once(steps: list[tuple[str, bo
         assert gate.waiting == len(held) <= 7
         by_source = [sum(1 for s, _ in held.values() if s == x) for x in "abcde"]
         assert max(by_source) <= 3
+
+
+def test_a_burst_from_one_source_is_let_be_until_it_waited_the_grace() -> None:
+    """Many sessions opening at once from one host: over its share, but none has waited the
+    grace yet, so none is evicted; once the oldest has, a newcomer takes its place. The total
+    is a hard bound whatever their age."""
+    now = [0.0]
+    gate, log = IntroductionGate(per_source=2, total=5, grace=1.0, clock=lambda: now[0]), Ended()
+    for name in ("b1", "b2", "b3", "b4"):
+        log.place(gate, "host", name)
+    assert log.ended == [] and gate.waiting == 4
+    now[0] = 1.0
+    log.place(gate, "host", "b5")
+    assert log.ended == ["b1"]
+    log.place(gate, "other", "o1")
+    log.place(gate, "other", "o2")  # full: the source holding the most gives its oldest
+    assert log.ended == ["b1", "b2"] and gate.waiting == 5
 
 
 def test_limits_are_checked() -> None:

@@ -9,19 +9,24 @@ source address and in total, apart from the worker's session capacity, and a ful
 turns a newcomer away: it evicts the oldest waiting connection of the source that holds the
 most. So idle or stalled connections from one source cost that source its own oldest ones,
 and an honest peer, which waits here for a round trip at most, is neither refused nor made
-to wait by them.
+to wait by them. A source over its share gives up only connections that waited ``grace``
+already: a burst of honest connections from one host (many sessions opening at once) is let
+be while their introductions are read; the total is a hard bound.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import time
 from collections.abc import Callable
 
 import attrs
 
 __all__ = ["HELLO_SECONDS", "IntroductionGate", "Waiting"]
 
+GRACE_SECONDS = 1.0
+"""How long a connection waits before its source's share counts against it."""
 HELLO_SECONDS = 3.0
 """How long a connection to a side port may take to introduce itself (its TLS handshake and
 ``OPEN``, or its ``HELLO``): an honest peer's round trips over a WAN, no more
@@ -36,17 +41,29 @@ class Waiting:
     evict: Callable[[], None] = attrs.field(repr=False)
     """Ends the connection (the gate needs its place for a newcomer)."""
     order: int = 0
+    since: float = 0.0
+    """When it came (the gate's clock)."""
 
 
 class IntroductionGate:
-    """At most ``per_source`` waiting connections from one source address and ``total`` in
-    all (see the module's text). Not thread-safe: one event loop's accept path uses it."""
+    """At most ``total`` waiting connections in all and, of those that waited ``grace``
+    seconds, ``per_source`` from one source address (see the module's text). Not
+    thread-safe: one event loop's accept path uses it."""
 
-    def __init__(self, *, per_source: int, total: int) -> None:
+    def __init__(
+        self,
+        *,
+        per_source: int,
+        total: int,
+        grace: float = GRACE_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if not 1 <= per_source <= total:
             raise ValueError(f"need 1 <= per_source <= total, got {per_source} and {total}")
         self.per_source = per_source
         self.total = total
+        self.grace = grace
+        self._clock = clock
         self._by_source: dict[str, collections.OrderedDict[int, Waiting]] = {}
         self._count = 0
         self._orders = itertools.count()
@@ -60,12 +77,15 @@ class IntroductionGate:
     def admit(self, source: str, evict: Callable[[], None]) -> Waiting:
         """A new connection from ``source`` waits for its introduction; an older one is
         evicted first when ``source`` or the gate is full."""
+        now = self._clock()
         held = self._by_source.get(source)
-        if held is not None and len(held) >= self.per_source:
-            self._evict(source)
-        elif self._count >= self.total:
+        if self._count >= self.total:
             self._evict(max(self._by_source, key=lambda s: len(self._by_source[s])))
-        place = Waiting(source, evict, next(self._orders))
+        elif held is not None and len(held) >= self.per_source:
+            oldest = next(iter(held.values()))
+            if now - oldest.since >= self.grace:  # a burst's own connections are let be
+                self._evict(source)
+        place = Waiting(source, evict, next(self._orders), now)
         self._by_source.setdefault(source, collections.OrderedDict())[place.order] = place
         self._count += 1
         return place
