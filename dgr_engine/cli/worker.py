@@ -37,6 +37,7 @@ from dgr_engine.certification.lane import BATCHING_CO_BATCH
 from dgr_engine.cli._evidence_args import add_evidence_arguments
 from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.options import EngineOptions
+from dgr_engine.wire.keepalive import HELLO_SECONDS
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
@@ -155,6 +156,14 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=5.0,
         help="seconds an open may wait in line for a free session slot before the answer is "
         "busy (first come, first served; default 5); 0: busy at once",
+    )
+    p.add_argument(
+        "--hello-seconds",
+        type=float_in(0.1, 600),
+        default=HELLO_SECONDS,
+        help="how long a connection to the frame or native link port may take to introduce "
+        f"itself (TLS handshake and OPEN, or HELLO) before it is dropped (default "
+        f"{HELLO_SECONDS:g}; docs/reliability.md)",
     )
     p.add_argument(
         "--stall-seconds",
@@ -294,6 +303,8 @@ class WorkerSettings:
     """``--admission-wait``: seconds an open may wait for a free session slot."""
     stall_seconds: float
     """``--stall-seconds``: the timekeeping gap that closes sessions unused since (0: off)."""
+    hello_seconds: float
+    """``--hello-seconds``: how long a side port's connection may take to introduce itself."""
     resume_grace: float
     """``--resume-grace``: seconds a session unused across a stall may still be used."""
     inline_max_rows: int
@@ -351,6 +362,7 @@ class WorkerSettings:
             grace=args.grace,
             admission_wait=args.admission_wait,
             stall_seconds=args.stall_seconds,
+            hello_seconds=args.hello_seconds,
             resume_grace=args.resume_grace,
             inline_max_rows=args.inline_max_rows,
             inline_max_ms=args.inline_max_ms,
@@ -511,6 +523,7 @@ def _worker_config(settings: WorkerSettings, trust: WorkerTrust) -> WorkerConfig
         lock_path=settings.lock,
         admission_wait_seconds=settings.admission_wait,
         stall_seconds=settings.stall_seconds,
+        frame_link_hello_seconds=settings.hello_seconds,
         resume_grace_seconds=settings.resume_grace,
         tls=trust.tls,
         chain_tls=trust.chain_tls,

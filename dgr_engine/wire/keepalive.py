@@ -21,6 +21,7 @@ import socket
 
 __all__ = [
     "GRPC_CHANNEL_OPTIONS",
+    "HELLO_SECONDS",
     "GRPC_SERVER_OPTIONS",
     "IDLE_SECONDS",
     "PROBES",
@@ -29,6 +30,10 @@ __all__ = [
     "keep_alive",
 ]
 
+HELLO_SECONDS = 3.0
+"""How long a new connection to a side port may stay silent before it introduces itself (its
+TLS handshake and ``OPEN``, or its ``HELLO``): an honest peer's round trips over a WAN, no
+more (``WorkerConfig.frame_link_hello_seconds``, ``dgr worker --hello-seconds``)."""
 IDLE_SECONDS = 10
 """Quiet seconds before a connection's peer is probed."""
 PROBE_SECONDS = 5

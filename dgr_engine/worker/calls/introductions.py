@@ -23,14 +23,12 @@ from collections.abc import Callable
 
 import attrs
 
+from dgr_engine.wire.keepalive import HELLO_SECONDS
+
 __all__ = ["HELLO_SECONDS", "IntroductionGate", "Waiting"]
 
 GRACE_SECONDS = 1.0
 """How long a connection waits before its source's share counts against it."""
-HELLO_SECONDS = 3.0
-"""How long a connection to a side port may take to introduce itself (its TLS handshake and
-``OPEN``, or its ``HELLO``): an honest peer's round trips over a WAN, no more
-(``WorkerConfig.frame_link_hello_seconds``)."""
 
 
 @attrs.define(eq=False)
