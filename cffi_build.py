@@ -26,6 +26,7 @@ SOURCES = [  # relative: setuptools wants relative sources
     str(Path("native") / "src" / "dgr_shard.cpp"),
     str(Path("native") / "src" / "dgr_link.cpp"),
     str(Path("native") / "src" / "dgr_monocypher.cpp"),
+    str(Path("native") / "src" / "dgr_sampler.cpp"),
 ]
 MANIFEST = ROOT / "native" / "llama.cpp.manifest.json"
 CRYPTO_MANIFEST = ROOT / "native" / "monocypher.manifest.json"
@@ -114,7 +115,14 @@ def make_ffibuilder() -> FFI:
         include_dirs=[str(ROOT / "native" / "include"), str(prefix / "include"), str(crypto)],
         extra_objects=[str(prefix / "lib" / name) for name in STATIC_LIBS],
         libraries=["gomp", "pthread", "m", "stdc++"],
-        extra_compile_args=["-std=c++17", "-O2", "-fvisibility=hidden", *sanitize],
+        # no floating-point contraction: the sampler's arithmetic is docs/sampling.md's, op by op
+        extra_compile_args=[
+            "-std=c++17",
+            "-O2",
+            "-ffp-contract=off",
+            "-fvisibility=hidden",
+            *sanitize,
+        ],
         extra_link_args=sanitize,
         define_macros=[
             ("DGR_LLAMA_COMMIT", f'"{commit}"'),

@@ -29,6 +29,7 @@ from dgr_engine.errors import (
 from dgr_session.commands import Forward
 from dgr_session.errors import StageDead
 from dgr_session.route import StageSpec
+from dgr_session.sampling import Sampling
 from dgr_session.testing import ReplyGate
 from dgr_session.transport import Boundary, Logits, StageResult, StageTransport
 
@@ -121,7 +122,9 @@ class EngineTransport(StageTransport):
 
     # -- StageTransport ----------------------------------------------------------------------
 
-    async def open(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+    async def open(
+        self, stage: StageSpec, session_id: str, epoch: int, sampling: Sampling | None = None
+    ) -> None:
         sid = self._sid(session_id)
         await self._call(stage, session_id, epoch, True, lambda e: e.open_session(sid, epoch))
 

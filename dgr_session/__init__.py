@@ -86,13 +86,12 @@ from dgr_session.machine import (
 from dgr_session.manager import SessionHandle, SessionManager, SessionResult, fault_kind
 from dgr_session.policy import FailurePolicy, ReplayMode
 from dgr_session.route import CertificationVerifier, Route, StageSpec, validate_route
-from dgr_session.sampling import SeededSampler, greedy
+from dgr_session.sampling import GREEDY, InvalidSamplingParameter, Sampler, Sampling, greedy
 from dgr_session.transport import (
     Boundary,
     GrantingRouteProvider,
     Logits,
     RouteProvider,
-    Sampler,
     SessionStart,
     StageResult,
     StageTransport,
@@ -156,7 +155,7 @@ __all__ = [
     "RouteSession",
     "RouteUnavailable",
     "Sampler",
-    "SeededSampler",
+    "Sampling",
     "SessionCancelled",
     "SessionDeadlineExceeded",
     "SessionFailed",
@@ -182,6 +181,8 @@ __all__ = [
     "check_session_id",
     "fault_kind",
     "greedy",
+    "GREEDY",
+    "InvalidSamplingParameter",
     "shared_machine",
     "validate_route",
     "SessionStart",

@@ -13,6 +13,7 @@ import attrs
 from dgr_session.errors import DgrError
 from dgr_session.faults import FailureReport
 from dgr_session.route import StageSpec
+from dgr_session.sampling import Sampling
 
 
 def _short_ids(ids: tuple[int, ...]) -> str:
@@ -66,6 +67,8 @@ class OpenStage:
     """Stage's index in the route."""
     stage: StageSpec = attrs.field(repr=_stage)
     """Stage to open."""
+    sampling: Sampling | None = None
+    """The session's sampler, for the stage to apply (``None``: the session samples itself)."""
 
 
 @attrs.frozen(kw_only=True)
@@ -118,11 +121,12 @@ class Forward:
     them at once (stage k on frame f + 1 while stage k + 1 is on frame f); only the last frame
     may want logits. Each stage computes the same calls as with one chunk per forward, so the
     bits are the same. 0: one frame."""
-    greedy: bool = False
-    """The session takes the greedy token of every logits row it reads (its sampler is greedy,
-    as every speculating session's is): a transport may ask the last stage for those tokens
-    instead of the logits (``ForwardRequest.greedy_tokens``) and answer them in
-    :attr:`~dgr_session.transport.Logits.greedy`. ``False``: the session needs the logits."""
+    sampled: bool = False
+    """The stages know the session's sampler (it states its
+    :class:`~dgr_session.sampling.Sampling`, which the open carried): a transport may ask the
+    last stage for the token of every logits row the session reads instead of the logits
+    (``ForwardRequest.sampled_tokens``) and answer them in
+    :attr:`~dgr_session.transport.Logits.sampled`. ``False``: the session needs the logits."""
 
 
 @attrs.frozen

@@ -69,6 +69,7 @@ from dgr_session.machine import (
 from dgr_session.pipeline import Chunk, EpochPipeline
 from dgr_session.policy import FailurePolicy, ReplayMode
 from dgr_session.route import CertificationVerifier, Route, validate_route
+from dgr_session.sampling import Sampling
 from dgr_session.speculation import Speculation, kept_drafts, verify_rows
 
 _S = SessionState
@@ -116,7 +117,7 @@ class RouteSession:
         "stop_tokens",
         "required_evidence",
         "certification_verifier",
-        "greedy",
+        "sampling",
         "_machine",
         "_state",
         "_identity",
@@ -163,7 +164,7 @@ class RouteSession:
         prefill_chunk: int | None = None,
         certification_verifier: CertificationVerifier | None = None,
         speculation: Speculation | None = None,
-        greedy: bool = False,
+        sampling: Sampling | None = None,
         prefill_frames: int = 1,
         finds_silent_stages: bool = False,
     ) -> None:
@@ -191,10 +192,11 @@ class RouteSession:
         #: Checks each stage's certification against the client's own trust (``None``: the
         #: worker's word is taken; ``dgr_engine.certification.verify.LockVerifier`` checks it).
         self.certification_verifier = certification_verifier
-        #: The session takes the greedy token of every logits row (its sampler is greedy): its
-        #: forwards say so (:attr:`~dgr_session.commands.Forward.greedy`), and a transport may
-        #: ask the last stage for those tokens instead of the logits.
-        self.greedy = greedy
+        #: The session's sampler, which every stage is told of at open and the last stage
+        #: applies: its forwards say so (:attr:`~dgr_session.commands.Forward.sampled`), and a
+        #: transport may ask the last stage for the tokens instead of the logits. ``None``: the
+        #: session samples the logits itself (a sampler only its caller knows).
+        self.sampling = sampling
         self._machine = machine if machine is not None else shared_machine()
         self._state: str = _S.NEW.value  # set by the machine (its model attribute)
         # Pinned by the first accepted route when not given: every later route must match.
@@ -225,7 +227,9 @@ class RouteSession:
         # the first route, one of no stages, never fed (made here, not shared: then the first
         # assignment frees what it replaces, and a burst of them starts no extra passes of the
         # cyclic garbage collector; the control-plane benchmark's route_assigned p99 shows it).
-        self._pipe = EpochPipeline(session_id, 0, (), self._budget.policy.pipelined, greedy)
+        self._pipe = EpochPipeline(
+            session_id, 0, (), self._budget.policy.pipelined, sampling is not None
+        )
         # Tokens.
         self._accepted: list[int] = []
         # Time, all from events (the deadlines and the backoff are the budget's).
@@ -244,7 +248,7 @@ class RouteSession:
         self._stale = 0
         self._error: DgrError | None = None
         self._reason: FinishReason | None = None
-        #: Speculative decoding (greedy sessions): where drafts come from, how many per pass.
+        #: Speculative decoding: where drafts come from, how many per pass.
         self._spec = speculation
         # After a verification pass: how many of its drafts the next forward tells the stages
         # to keep (None: the last forward was no verification pass, or a new epoch began).
@@ -495,13 +499,17 @@ class RouteSession:
         self._route = route
         self._live = True
         self._pipe = EpochPipeline(  # a new epoch starts empty
-            self.session_id, self._epoch, route.stages, self._budget.policy.pipelined, self.greedy
+            self.session_id,
+            self._epoch,
+            route.stages,
+            self._budget.policy.pipelined,
+            self.sampling is not None,
         )
         self._kept = None  # its stages hold no verification pass
         self._fire("route_assigned")
         self._budget.begin_wait(self._now)
         for index, stage in enumerate(route.stages):
-            out.append(OpenStage(self.session_id, self._epoch, index, stage))
+            out.append(OpenStage(self.session_id, self._epoch, index, stage, self.sampling))
 
     def _on_route_unavailable(self, event: RouteUnavailable, out: list[Command]) -> None:
         if not self._route_answer_applies(event.epoch, event.attempt):
@@ -764,10 +772,11 @@ class RouteSession:
 
     def _verified(self, chunk: Chunk, tokens: object, high_water: int, out: list[Command]) -> None:
         """The last stage answered a verification pass (the newest token and ``chunk.drafts``
-        drafts) with ``tokens``, the greedy token of every row. The longest run of drafts equal
-        to the tokens greedy decoding would have picked is kept, with the token after it: the
-        same tokens, one pass instead of several. Every stage holds the pass's rows; the next
-        forward tells them how many drafts to keep (:attr:`Forward.kept_drafts`)."""
+        drafts) with ``tokens``, the session's token of every row (``docs/sampling.md``). The
+        longest run of drafts equal to the tokens plain decoding would have taken is kept, with
+        the token after it: the same tokens, one pass instead of several. Every stage holds the
+        pass's rows; the next forward tells them how many drafts to keep
+        (:attr:`Forward.kept_drafts`)."""
         drafts = chunk.drafts
         if (
             not isinstance(tokens, tuple)

@@ -268,10 +268,11 @@ class NonFiniteLogits(DgrError, ValueError):
     fault_kind: ClassVar[FaultKind] = FaultKind.ENGINE_ERROR
 
 
-class SpeculationNeedsGreedy(DgrError, ValueError):
-    """A session was asked to decode speculatively with a sampler that is not greedy: a
-    verification pass keeps the tokens greedy decoding picks, so it would not be the sampler's
-    distribution. Refused before anything was asked of a route; nothing started."""
+class SpeculationNeedsSampling(DgrError, ValueError):
+    """A session was asked to decode speculatively with a sampler that states no
+    :class:`~dgr_session.sampling.Sampling` (one only its caller knows): a verification pass
+    keeps a draft when it is dgr's sampler's token at its position, which such a sampler is
+    not. Refused before anything was asked of a route; nothing started."""
 
 
 class StepDeadlineExceeded(DgrError, TimeoutError):

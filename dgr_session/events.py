@@ -98,7 +98,7 @@ class StageOutput:
     """Token id chosen from the last stage's logits (``None`` from a middle stage, and from the
     last stage when the forward wanted no logits)."""
     tokens: tuple[int, ...] | None = None
-    """A verification pass's answer: the greedy token of every row's logits, in row order
+    """A verification pass's answer: the session's token of every row's logits, in row order
     (``None`` for any other forward)."""
 
 

@@ -27,7 +27,7 @@ from dgr_session.commands import (
     RequestRoute,
 )
 from dgr_session.core import RouteSession
-from dgr_session.errors import DgrError, NoRoute, RouteStalled, SpeculationNeedsGreedy
+from dgr_session.errors import DgrError, NoRoute, RouteStalled, SpeculationNeedsSampling
 from dgr_session.events import (
     Cancel,
     ClockTick,
@@ -45,14 +45,13 @@ from dgr_session.identity import EvidenceClass, ModelIdentity, Recipe
 from dgr_session.machine import SessionMachine, SessionState
 from dgr_session.policy import FailurePolicy
 from dgr_session.route import CertificationVerifier
-from dgr_session.sampling import greedy
+from dgr_session.sampling import Sampler, greedy
 from dgr_session.speculation import Speculation
 from dgr_session.transport import (
     Boundary,
     GrantingRouteProvider,
     Logits,
     RouteProvider,
-    Sampler,
     SessionStart,
     StageTransport,
 )
@@ -289,13 +288,14 @@ class SessionManager:
         ``prefill_chunk`` is the most prompt tokens per forward (default: the smallest
         ``max_rows`` of the first route's stages, else the whole prompt).
 
-        ``speculation`` decodes speculatively (``docs/speculative.md``): greedy sessions only, so
-        a sampler other than :func:`~dgr_session.sampling.greedy` is refused with
-        :class:`~dgr_session.errors.SpeculationNeedsGreedy`. A session whose sampler is
-        :func:`~dgr_session.sampling.greedy` marks its forwards (``Forward.greedy``): a transport
-        may then answer the last stage's greedy tokens instead of its logits
-        (:attr:`~dgr_session.transport.Logits.greedy`, ``docs/wire.md``), which it takes as
-        they are.
+        ``speculation`` decodes speculatively (``docs/speculative.md``): with dgr's sampler
+        (one that states its :class:`~dgr_session.sampling.Sampling`: :data:`greedy`, or
+        ``dgr_engine.engine.sampling.SeededSampler``), whose tokens a pass keeps exactly; any
+        other is refused with :class:`~dgr_session.errors.SpeculationNeedsSampling`. A session with
+        dgr's sampler hands it to every stage at open and marks its forwards
+        (``Forward.sampled``): a transport may then answer the last stage's tokens instead of
+        its logits (:attr:`~dgr_session.transport.Logits.sampled`, ``docs/sampling.md``),
+        which it takes as they are.
 
         A transport that declares it (``TransportCapabilities``: it runs ahead, as a ring does,
         or drafts on the route) is told of the session first (``session_starting``), and the
@@ -306,10 +306,11 @@ class SessionManager:
         if sid in self._live:
             raise ValueError(f"session {sid!r} is already running")
         chosen = sampler if sampler is not None else self._sampler
-        if speculation is not None and chosen is not greedy:
-            raise SpeculationNeedsGreedy(
-                f"session {sid!r}: speculative decoding keeps greedy tokens only; the sampler "
-                f"{chosen!r} is not greedy (sample without speculation, or decode greedily)"
+        sampling = chosen.sampling
+        if speculation is not None and sampling is None:
+            raise SpeculationNeedsSampling(
+                f"session {sid!r}: a speculative pass keeps the drafts dgr's sampler takes; the "
+                f"sampler {chosen!r} states no Sampling (use greedy or a SeededSampler)"
             )
         stop_tokens = tuple(stop_tokens)
         capabilities = self._transport.capabilities
@@ -329,7 +330,7 @@ class SessionManager:
             machine=self._machine,
             prefill_chunk=prefill_chunk,
             speculation=speculation,
-            greedy=chosen is greedy,
+            sampling=sampling,
             prefill_frames=capabilities.prefill_frames,
             finds_silent_stages=capabilities.finds_silent_stages,
         )
@@ -480,7 +481,7 @@ class SessionManager:
 
     async def _open(self, handle: SessionHandle, cmd: OpenStage) -> None:
         try:
-            await self._transport.open(cmd.stage, cmd.session_id, cmd.epoch)
+            await self._transport.open(cmd.stage, cmd.session_id, cmd.epoch, cmd.sampling)
         except Exception as err:  # noqa: BLE001 - every failure becomes a typed fault
             handle._post(
                 StageFailed(
@@ -550,35 +551,26 @@ class SessionManager:
             if not cmd.wants_logits:  # a prefill chunk or a replayed token: nothing to sample
                 handle._post(output())
                 return
-            chosen = result.greedy if cmd.greedy else None  # the stage took them for us
-            if cmd.drafts:  # a verification pass: the greedy token of every row
-                rows = result.rows if result.rows is not None else (result.values,)
+            chosen = result.sampled if cmd.sampled else None  # the stage took them for us
+            if chosen is None:  # logits: the session's sampler takes the tokens here
                 try:
-                    n = len(rows) if chosen is None else len(chosen)
-                    if n != cmd.drafts + 1:
-                        raise ValueError(f"{n} rows answered for {cmd.drafts + 1} rows")
-                    tokens = chosen if chosen is not None else tuple(greedy(r) for r in rows)
+                    chosen = _sample_here(handle, cmd, result)
                 except Exception as err:  # noqa: BLE001 - unusable logits are the stage's fault
-                    detail = f"cannot verify drafts from logits: {err!r}"
+                    detail = f"cannot sample from logits: {err!r}"
                     kind = getattr(err, "fault_kind", FaultKind.PROTOCOL)
                     handle._post(failed(kind, detail, err))
                     return
-                handle._post(output(tokens=tokens))
-                return
-            if chosen is not None:  # a greedy session: the last row's greedy token
-                if not chosen:
-                    handle._post(failed(FaultKind.PROTOCOL, "no greedy token answered"))
+            if cmd.drafts:  # a verification pass: the session's token of every row
+                if len(chosen) != cmd.drafts + 1:
+                    detail = f"{len(chosen)} tokens answered for a pass of {cmd.drafts + 1} rows"
+                    handle._post(failed(FaultKind.PROTOCOL, detail))
                     return
-                handle._post(output(token=chosen[-1]))
+                handle._post(output(tokens=chosen))
                 return
-            try:
-                token = int(handle._sampler(result.values, step))
-            except Exception as err:  # noqa: BLE001 - unusable logits are the stage's fault
-                detail = f"cannot sample from logits: {err!r}"
-                kind = getattr(err, "fault_kind", FaultKind.PROTOCOL)
-                handle._post(failed(kind, detail, err))
+            if not chosen:
+                handle._post(failed(FaultKind.PROTOCOL, "no token answered"))
                 return
-            handle._post(output(token=token))
+            handle._post(output(token=chosen[-1]))
         elif isinstance(result, Boundary):
             handle._post(output(payload=result.rows))
         else:
@@ -608,3 +600,19 @@ class SessionManager:
             await self._transport.close(cmd.stage, cmd.session_id, cmd.epoch)
         except Exception:  # noqa: BLE001 - closing a dead stage fails; nothing is left to free
             self.close_errors += 1
+
+
+def _sample_here(handle: SessionHandle, cmd: Forward, result: Logits) -> tuple[int, ...]:
+    """The session's tokens of the logits a last stage answered: for a pass, of every row (row
+    ``i`` takes the token at ``positions[i] + 1`` after the tokens before it, the pass's own
+    included); else of the last row."""
+    core, sampler, start = handle.core, handle._sampler, cmd.positions.start
+    before = (core.prompt + core.tokens)[:start]
+    if not cmd.drafts:
+        return (sampler(result.values, cmd.positions[-1] + 1, before + cmd.token_ids),)
+    rows = result.rows if result.rows is not None else (result.values,)
+    if len(rows) != cmd.drafts + 1:
+        raise ValueError(f"{len(rows)} logits rows answered for {cmd.drafts + 1} rows")
+    return tuple(
+        sampler(row, start + i + 1, before + cmd.token_ids[: i + 1]) for i, row in enumerate(rows)
+    )

@@ -49,8 +49,8 @@ class Chunk(NamedTuple):
 class EpochPipeline:
     """Opens and forwards in flight of one session's epoch over ``stages``.
 
-    ``pipelined`` False: one chunk in flight at a time (``FailurePolicy.pipelined``); ``greedy``:
-    the session takes greedy tokens (``Forward.greedy``). Mutable;
+    ``pipelined`` False: one chunk in flight at a time (``FailurePolicy.pipelined``); ``sampled``:
+    the stages know the session's sampler (``Forward.sampled``). Mutable;
     owned by one session and touched by one task. Invariants: bit i of ``opened`` is
     set once stage i confirmed the open; every stage holds KV for positions ``[0, kv_pos)``;
     ``flight`` holds the chunks sent to stage 0 whose last stage has not answered, oldest
@@ -65,7 +65,7 @@ class EpochPipeline:
         "epoch",
         "stages",
         "pipelined",
-        "greedy",
+        "sampled",
         "n_stages",
         "opened",
         "kv_pos",
@@ -84,7 +84,7 @@ class EpochPipeline:
         epoch: int,
         stages: Sequence[StageSpec],
         pipelined: bool,
-        greedy: bool = False,
+        sampled: bool = False,
     ) -> None:
         n_stages = len(stages)
         #: Session the forwards are for.
@@ -95,8 +95,9 @@ class EpochPipeline:
         self.stages = stages
         #: Whether chunks known ahead are pipelined across the stages.
         self.pipelined = pipelined
-        #: Whether the session takes greedy tokens (every forward says so: ``Forward.greedy``).
-        self.greedy = greedy
+        #: Whether the stages know the session's sampler (every forward says so:
+        #: ``Forward.sampled``).
+        self.sampled = sampled
         #: Stages of the route.
         self.n_stages = n_stages
         #: Bit i set once stage i confirmed its open.
@@ -205,7 +206,7 @@ class EpochPipeline:
                 kind=kind,
                 drafts=drafts,
                 kept_drafts=kept,
-                greedy=self.greedy,
+                sampled=self.sampled,
                 frame_rows=frame_rows,
             )
         )

@@ -1,31 +1,46 @@
-"""Token choice from logits: greedy by default, or seeded sampling (temperature, top-k, top-p).
+"""How a session takes each token from logits: :class:`Sampling`, the parameters of dgr's one
+sampler, and :data:`greedy`, the sampler of greedy decoding.
 
-A :class:`SeededSampler`'s randomness depends only on ``(seed, step)``: the same seed, step and
-logits give the same token whatever happened to the route in between (a re-prefill on a new
-route replays the same choices). Logits given as a numpy array are sampled with numpy, without
-sorting the whole vocabulary: a 49k-entry vocabulary costs about a millisecond a token (the
-list-based path it replaced, about 86 ms).
+The sampler itself is native code behind the engine's ABI (``dgr_sample``, ``docs/sampling.md``);
+``dgr_engine.engine.sampling.SeededSampler`` is its binding. A session whose sampler states its
+:class:`Sampling` (:attr:`Sampler.sampling`) hands it to every stage at open, and the last stage
+takes the tokens: on a ring it sends the next frame itself, and a speculative pass keeps a draft
+exactly when it is the sampler's token at its position. Its randomness depends only on
+``(seed, position)``, so a re-prefill on a new route, another data path or a pass of drafts
+take the same tokens as plain decoding.
+
+This module is pure Python (``dgr_session`` calls no native code): it checks the parameters
+(the native check, ``dgr_sampling_check``, is held to the same rule by
+``tests/engine/test_sampler.py``) and takes greedy tokens, the lowest index of the largest
+logit, which the native sampler takes at temperature 0.
 """
 
 from __future__ import annotations
 
 import math
-import random
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 import attrs
-import numpy as np
 
 from dgr_session.errors import DgrError, NonFiniteLogits
 
-_NUCLEUS_STEPS = (64, 1024)
-"""Candidate counts a nucleus is first looked for in (the most likely tokens, found by
-partition), before the whole vocabulary is sorted."""
+__all__ = [
+    "GREEDY",
+    "InvalidSamplingParameter",
+    "Sampler",
+    "Sampling",
+    "check_finite",
+    "greedy",
+]
+
+SEED_LIMIT = 1 << 64
+"""Seeds are unsigned 64-bit numbers: ``0 <= seed < SEED_LIMIT``."""
 
 
 class InvalidSamplingParameter(DgrError, ValueError):
     """A sampler was asked for with a value out of its range (a negative temperature, top-p
-    outside ``(0, 1]``, a negative top-k): nothing was sampled."""
+    outside ``(0, 1]``, a negative top-k...): nothing was sampled."""
 
 
 def check_finite(logits: Any) -> None:
@@ -41,16 +56,16 @@ def check_finite(logits: Any) -> None:
         raise NonFiniteLogits(f"logits hold NaN or infinity ({len(logits)} values)")
 
 
-def greedy(logits: Any, step: int = 0) -> int:
-    """Index of the largest logit (the lowest such index on ties, like ``numpy.argmax``);
-    :class:`NonFiniteLogits` when any is NaN or infinite."""
-    check_finite(logits)
-    argmax = getattr(logits, "argmax", None)
-    if argmax is not None:
-        return int(argmax())
-    if not len(logits):
-        raise ValueError("empty logits")
-    return max(range(len(logits)), key=logits.__getitem__)
+def _within(low: float, high: float, *, low_open: bool = False) -> Any:
+    def check(_instance: object, attribute: attrs.Attribute[float], value: float) -> None:
+        above = value > low if low_open else value >= low
+        if not (math.isfinite(value) and above and value <= high):
+            bracket = "(" if low_open else "["
+            raise InvalidSamplingParameter(
+                f"{attribute.name} must be in {bracket}{low:g}, {high:g}], got {value}"
+            )
+
+    return check
 
 
 def _temperature(_instance: object, _attribute: object, value: float) -> None:
@@ -59,92 +74,131 @@ def _temperature(_instance: object, _attribute: object, value: float) -> None:
 
 
 def _top_k(_instance: object, _attribute: object, value: int) -> None:
-    if value < 0:
+    if not 0 <= value < 1 << 31:
         raise InvalidSamplingParameter(f"top_k must be >= 0 (0: all tokens), got {value}")
 
 
-def _top_p(_instance: object, _attribute: object, value: float) -> None:
-    if not 0 < value <= 1:
-        raise InvalidSamplingParameter(f"top_p must be in (0, 1], got {value}")
+def _seed(_instance: object, _attribute: object, value: int) -> None:
+    if not 0 <= value < SEED_LIMIT:
+        raise InvalidSamplingParameter(f"seed must be in [0, 2**64), got {value}")
+
+
+def _repetition(_instance: object, _attribute: object, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise InvalidSamplingParameter(f"repetition_penalty must be finite and > 0, got {value}")
+
+
+def _last_n(_instance: object, _attribute: object, value: int) -> None:
+    if not 0 <= value < 1 << 31:
+        raise InvalidSamplingParameter(f"penalty_last_n must be >= 0, got {value}")
 
 
 @attrs.frozen
-class SeededSampler:
-    """Temperature, top-k and top-p (nucleus) sampling whose randomness depends only on
-    ``(seed, step)``; greedy (:func:`greedy`) when ``temperature`` is 0.
+class Sampling:
+    """The parameters of dgr's one sampler (``docs/sampling.md`` states the algorithm): the
+    token at a position is a fixed function of the logits of the row before it, these, the
+    position and the tokens before it. Invalid values are refused at construction with
+    :class:`InvalidSamplingParameter`, by the same rule the native sampler checks."""
 
-    The logits are divided by the temperature, the ``top_k`` largest kept, then the smallest
-    set of the most likely of those whose probability reaches ``top_p`` (the order of
-    Hugging Face's and OpenAI's samplers); the token is drawn from what is left with one
-    uniform number from ``(seed, step)``. A token cut by
-    top-k or top-p is never chosen. Invalid values are refused with
-    :class:`InvalidSamplingParameter`.
-    """
-
-    seed: int
-    """Seed of the per-step generator."""
+    seed: int = attrs.field(default=0, validator=_seed)
+    """Seed of the draw (``0 <= seed < 2**64``)."""
     temperature: float = attrs.field(default=1.0, validator=_temperature)
-    """Softmax temperature (>= 0; 0: greedy)."""
+    """Softmax temperature (>= 0; 0: greedy, the lowest index of the largest logit)."""
     top_k: int = attrs.field(default=0, validator=_top_k)
-    """Keep only the ``top_k`` largest logits (0: keep all)."""
-    top_p: float = attrs.field(default=1.0, validator=_top_p)
+    """Keep only the ``top_k`` most likely tokens (0: all)."""
+    top_p: float = attrs.field(default=1.0, validator=_within(0, 1, low_open=True))
     """Keep the most likely tokens whose probability adds up to ``top_p`` (1: all)."""
+    min_p: float = attrs.field(default=0.0, validator=_within(0, 1))
+    """Drop tokens less likely than ``min_p`` times the most likely (0: none)."""
+    presence_penalty: float = attrs.field(default=0.0, validator=_within(-2, 2))
+    """OpenAI's: subtracted once from the logit of every token the window holds."""
+    frequency_penalty: float = attrs.field(default=0.0, validator=_within(-2, 2))
+    """OpenAI's: subtracted from a token's logit once per time the window holds it."""
+    repetition_penalty: float = attrs.field(default=1.0, validator=_repetition)
+    """llama.cpp's: a held token's logit divided by it (positive logits) or multiplied by it
+    (the others); 1: none."""
+    penalty_last_n: int = attrs.field(default=64, validator=_last_n)
+    """The window: the last this many tokens before the position (0: no penalties)."""
 
-    def __call__(self, logits: Any, step: int) -> int:
-        values = np.asarray(logits, dtype=np.float64).reshape(-1)
-        if not values.size:
+    @property
+    def penalized(self) -> bool:
+        """A penalty is set and looks at some tokens: the sampler reads the history."""
+        return self.penalty_last_n > 0 and (
+            self.presence_penalty != 0
+            or self.frequency_penalty != 0
+            or self.repetition_penalty != 1
+        )
+
+    @property
+    def is_greedy(self) -> bool:
+        """The sampler takes the largest logit whatever came before (temperature 0, no
+        penalty): what a greedy session takes."""
+        return self.temperature == 0 and not self.penalized
+
+    def describe(self) -> str:
+        """One line for logs and reports: ``greedy`` or the parameters that are set."""
+        if self.is_greedy:
+            return "greedy"
+        parts = [f"seed {self.seed}", f"temperature {self.temperature:g}"]
+        defaults = Sampling()
+        for name in ("top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if value != getattr(defaults, name):
+                parts.append(f"{name} {value:g}")
+        if self.repetition_penalty != 1:
+            parts.append(f"repetition_penalty {self.repetition_penalty:g}")
+        if self.penalized:
+            parts.append(f"penalty_last_n {self.penalty_last_n}")
+        return ", ".join(parts)
+
+
+GREEDY = Sampling(temperature=0.0)
+"""Greedy decoding's parameters."""
+
+
+class Sampler(Protocol):
+    """Chooses the token at ``position`` from the logits of the row before it and the tokens
+    before it (``history``: prompt and accepted tokens, oldest first). Must be a pure function
+    of its arguments, so that a replay after a route change would choose the same token.
+
+    :attr:`sampling` declares what it computes: a sampler stating its :class:`Sampling` is
+    dgr's one sampler, which the stages apply themselves (the last stage takes the tokens, a
+    ring runs on, speculation keeps the drafts it picks); ``None``: only this callable knows,
+    so the session reads the logits and calls it (no ring, no speculation)."""
+
+    @property
+    def sampling(self) -> Sampling | None:
+        """The parameters of dgr's sampler this is, or ``None`` for any other."""
+        ...
+
+    def __call__(self, logits: Any, position: int, history: Sequence[int] = ()) -> int:
+        """Token id at ``position`` given the logits of the row before it."""
+        ...
+
+
+@attrs.frozen
+class _Greedy:
+    """Greedy decoding: the index of the largest logit, the lowest such index on ties (like
+    ``numpy.argmax``); :class:`NonFiniteLogits` when any is NaN or infinite."""
+
+    @property
+    def sampling(self) -> Sampling:
+        return GREEDY
+
+    def __call__(self, logits: Any, position: int = 0, history: Sequence[int] = ()) -> int:
+        check_finite(logits)
+        argmax = getattr(logits, "argmax", None)
+        if argmax is not None:
+            if not len(logits):
+                raise ValueError("empty logits")
+            return int(argmax())
+        if not len(logits):
             raise ValueError("empty logits")
-        check_finite(values)
-        if self.temperature == 0:
-            return int(values.argmax())
-        scaled = values / self.temperature
-        weights = np.exp(scaled - scaled.max())  # the largest is 1; none overflows
-        order = self._candidates(scaled, weights)
-        kept = weights[order]
-        cumulative = np.cumsum(kept)
-        draw = random.Random(f"dgr-sampler/{self.seed}/{step}").random() * cumulative[-1]
-        index = int(np.searchsorted(cumulative, draw, side="right"))
-        return int(order[min(index, len(order) - 1)])
+        return max(range(len(logits)), key=logits.__getitem__)
 
-    def _candidates(self, scaled: np.ndarray, weights: np.ndarray) -> np.ndarray:
-        """Indices of the tokens top-k and top-p keep: most likely first (ties: lowest index
-        first), or every index in order when neither cuts."""
-        n = len(scaled)
-        limit = self.top_k if 0 < self.top_k < n else n
-        if self.top_p >= 1 and limit == n:
-            return np.arange(n)  # nothing is cut: no order is needed
-        if self.top_p >= 1 or limit < n:
-            return _nucleus(_largest(scaled, limit), weights, self.top_p)
-        need = self.top_p * float(weights.sum())
-        for size in (*(s for s in _NUCLEUS_STEPS if s < n), n):
-            order = _largest(scaled, size)
-            if size == n or float(weights[order].sum()) >= need:
-                return _nucleus(order, weights, self.top_p, need)
-        raise AssertionError("unreachable: the last size is the whole candidate set")
+    def __repr__(self) -> str:
+        return "greedy"
 
 
-def _nucleus(
-    order: np.ndarray, weights: np.ndarray, top_p: float, need: float | None = None
-) -> np.ndarray:
-    """The first of ``order`` (most likely first) whose weights add up to ``need`` (default
-    ``top_p`` of their own sum): the nucleus, at least one token."""
-    if top_p >= 1:
-        return order
-    cumulative = np.cumsum(weights[order])
-    if need is None:
-        need = top_p * float(cumulative[-1])
-    end = int(np.searchsorted(cumulative, need, side="left")) + 1
-    return order[: min(end, len(order))]
-
-
-def _largest(scaled: np.ndarray, size: int) -> np.ndarray:
-    """The ``size`` largest entries' indices, largest first, ties by lowest index (exact even
-    when the cut falls among equal values)."""
-    n = len(scaled)
-    if size < n:
-        threshold = np.partition(scaled, n - size)[n - size]
-        pool = np.flatnonzero(scaled >= threshold)
-    else:
-        pool = np.arange(n)
-    order = pool[np.lexsort((pool, -scaled[pool]))]
-    return order[:size]
+greedy: Sampler = _Greedy()
+"""The greedy sampler (:data:`GREEDY`'s)."""

@@ -6,7 +6,6 @@
   (:class:`~dgr_session.errors.StaleEpoch`), and positions must continue the epoch's KV
   exactly.
 * :class:`RouteProvider` is the tracker's role: given what failed, assign a route or none.
-* :class:`Sampler` picks a token from the last stage's logits.
 
 What flows between stages is opaque here: the manager relays what stage k returns into stage
 k + 1 untouched.
@@ -21,6 +20,7 @@ import attrs
 from dgr_session.commands import Forward
 from dgr_session.faults import FailureReport
 from dgr_session.route import Route, StageSpec
+from dgr_session.sampling import Sampling
 from dgr_session.speculation import Speculation
 from dgr_session.usage import StageCost
 
@@ -47,11 +47,11 @@ class Logits:
     rows: Any = attrs.field(default=None, repr=False)
     """Every logits row the stage returned (a verification pass wants one per row);
     ``None``: only ``values``."""
-    greedy: tuple[int, ...] | None = None
-    """For a greedy forward (:attr:`~dgr_session.commands.Forward.greedy`): the greedy token of
-    each row the stage answered, when it answered those instead of the logits (``values`` and
-    ``rows`` are then empty); ``None``: it answered logits (an older stage does), from which
-    the driver takes them."""
+    sampled: tuple[int, ...] | None = None
+    """For a sampled forward (:attr:`~dgr_session.commands.Forward.sampled`): the session's
+    token of each row the stage answered, when it answered those instead of the logits
+    (``values`` and ``rows`` are then empty); ``None``: it answered logits, from which the
+    driver takes them with the session's sampler."""
 
     @classmethod
     def last_row(cls, rows: Any, cost: StageCost | None = None) -> Logits:
@@ -60,8 +60,8 @@ class Logits:
         return cls(rows[-1] if len(rows) else (), cost, rows)
 
     @classmethod
-    def greedy_tokens(cls, tokens: tuple[int, ...], cost: StageCost | None = None) -> Logits:
-        """A stage's greedy tokens, one per row it answered, in place of their logits."""
+    def sampled_tokens(cls, tokens: tuple[int, ...], cost: StageCost | None = None) -> Logits:
+        """A stage's tokens, one per row it answered, in place of their logits."""
         return cls((), cost, None, tokens)
 
 
@@ -133,8 +133,12 @@ class StageTransport(Protocol):
         another value in its place where the route drafts)."""
         return start.speculation
 
-    async def open(self, stage: StageSpec, session_id: str, epoch: int) -> None:
-        """Open the session's sequence on ``stage`` for ``epoch``, discarding older epochs."""
+    async def open(
+        self, stage: StageSpec, session_id: str, epoch: int, sampling: Sampling | None = None
+    ) -> None:
+        """Open the session's sequence on ``stage`` for ``epoch``, discarding older epochs;
+        ``sampling``: the session's sampler, which the stage applies to its
+        :attr:`~dgr_session.commands.Forward.sampled` forwards (``None``: greedy)."""
         ...
 
     async def forward(self, call: Forward) -> StageResult:
@@ -151,9 +155,9 @@ class StageTransport(Protocol):
         ``drafts`` (a verification pass: ask the last stage for the logits of every row, return
         them all in :attr:`Logits.rows`, and tell every stage of the drafts) and
         ``kept_drafts`` (tell every stage how many of the last pass's drafts were kept) and
-        ``greedy`` (the session takes greedy tokens: the transport may ask the last stage for
-        the greedy token of each row instead of its logits and answer them in
-        :attr:`Logits.greedy`).
+        ``sampled`` (the stages know the session's sampler: the transport may ask the last
+        stage for the session's token of each row instead of its logits and answer them in
+        :attr:`Logits.sampled`).
         ``stage_index`` and ``final`` are the driver's.
 
         Return :class:`Boundary` from a middle stage, :class:`Logits` from the last. A field the
@@ -182,14 +186,4 @@ class GrantingRouteProvider(Protocol):
 
     def grant_route(self, session_id: str, epoch: int, route: Route) -> Route:
         """``route`` with every stage's grant for ``(session_id, epoch)``."""
-        ...
-
-
-class Sampler(Protocol):
-    """Chooses a token from logits. Must be a pure function of its arguments, so that a replay
-    after a route change would choose the same token (accepted tokens are never resampled
-    anyway)."""
-
-    def __call__(self, logits: Any, step: int) -> int:
-        """Token id for ``step`` given the last stage's ``logits``."""
         ...

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 import attrs
 
 from dgr_session.faults import FaultKind
+from dgr_session.sampling import Sampling
 
 
 @attrs.frozen
@@ -50,6 +51,9 @@ class UsageRecord:
     """Draft rows verified (speculative decoding; counted in ``rows_decode`` too)."""
     rows_rejected: int = 0
     """Of those, the rows the session did not keep: compute it pays for, no token."""
+    sampling: Sampling | None = None
+    """The session's sampler as the stage held it (a worker's record: its open's, which the
+    last stage applied; billed alike whatever it is); ``None`` in the client's own ledger."""
 
     @property
     def rows(self) -> int:

@@ -31,18 +31,20 @@ import attrs
 from dgr_engine.argtypes import float_in, int_in
 from dgr_engine.certification.verify import LockVerifier
 from dgr_engine.client.chained import DATA_PATHS, ChainStageTransport
+from dgr_engine.client.path_choice import PathChoice, choose_path
 from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.client.route_modes import DataPath, RouteMode
 from dgr_engine.client.routes import EndpointRouteProvider, describe
+from dgr_engine.engine.sampling import SeededSampler
 from dgr_engine.errors import EngineError, ShardError
 from dgr_engine.options import EngineOptions
 from dgr_engine.security.tls import ClientTls
 from dgr_engine.tokenizer import Tokenizer
-from dgr_engine.wire.advert import Advert
+from dgr_engine.wire.advert import Advert, DataPaths
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager
 from dgr_session.errors import DgrError
-from dgr_session.sampling import InvalidSamplingParameter, SeededSampler, greedy
-from dgr_session.transport import RouteProvider, Sampler
+from dgr_session.sampling import InvalidSamplingParameter, Sampler, Sampling, greedy
+from dgr_session.transport import RouteProvider
 
 __all__ = [
     "TRANSPORTS",
@@ -158,19 +160,20 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--transport",
         choices=TRANSPORTS,
-        default="relay",
-        help="relay: this client sends every stage its frame (default); chain: each stage sends"
-        " its output straight to the next, the last answers here; ring: a chain whose last"
-        " stage also sends each next greedy token back to the first (greedy only; docs/chain.md)",
+        default="auto",
+        help="auto: the fastest mode the stages offer, a ring (default; the command says what it"
+        " chose); relay: this client sends every stage its frame; chain: each stage sends its"
+        " output straight to the next, the last answers here; ring: a chain whose last stage"
+        " also takes each token and sends the next frame to the first (docs/chain.md)",
     )
     p.add_argument(
         "--data-path",
         choices=[str(p) for p in DATA_PATHS],
         default="auto",
-        help="with --transport chain or ring: the data path that carries each stage's link to"
-        " the next; auto: the fastest every stage offers (native for a greedy ring, sealed over"
-        " TLS, else frame, else grpc; default); frame, native: required; grpc"
-        " (docs/data-paths.md, docs/glossary.md)",
+        help="with a chain or ring: the data path that carries each stage's link to the next;"
+        " auto: the fastest every stage offers (native for a ring's session that drafts"
+        " nothing, sealed over TLS, else frame, else grpc; default); frame, native: required;"
+        " grpc (docs/data-paths.md, docs/glossary.md)",
     )
 
 
@@ -204,8 +207,45 @@ def add_sampling_arguments(p: argparse.ArgumentParser, *, max_tokens_help: str) 
         type=int_in(0, (1 << 63) - 1),
         default=None,
         metavar="N",
-        help="seed of the sampler: the same seed gives the same text on the same route "
-        "(default: a random one, reported with the result)",
+        help="seed of the sampler: the same seed gives the same text on every route, mode and "
+        "data path (docs/sampling.md; default: a random one, reported with the result)",
+    )
+    p.add_argument(
+        "--min-p",
+        type=float_in(0.0, 1.0),
+        default=0.0,
+        metavar="P",
+        help="drop tokens less likely than P times the most likely (default 0: none)",
+    )
+    p.add_argument(
+        "--presence-penalty",
+        type=float_in(-2.0, 2.0),
+        default=0.0,
+        metavar="X",
+        help="subtract X from every token of the last --penalty-last-n (OpenAI's; default 0)",
+    )
+    p.add_argument(
+        "--frequency-penalty",
+        type=float_in(-2.0, 2.0),
+        default=0.0,
+        metavar="X",
+        help="subtract X per time a token occurs in the last --penalty-last-n (OpenAI's; "
+        "default 0)",
+    )
+    p.add_argument(
+        "--repeat-penalty",
+        type=float_in(0.0, 100.0),
+        default=1.0,
+        metavar="X",
+        help="divide the positive logits of the last --penalty-last-n tokens by X, multiply "
+        "the others (llama.cpp's; default 1: none)",
+    )
+    p.add_argument(
+        "--penalty-last-n",
+        type=int_in(0, 1 << 24),
+        default=64,
+        metavar="N",
+        help="the tokens the penalties look back at (default 64)",
     )
     p.add_argument(
         "--stop",
@@ -301,14 +341,24 @@ class SamplingSettings:
     top_k: int = 0
     """Keep the ``top_k`` most likely tokens (0: all)."""
     seed: int = 0
-    """Seed of the per-step generator (the same seed, step and logits give the same token)."""
+    """Seed of the draw (the same seed, position and logits give the same token)."""
     stop: tuple[str, ...] = attrs.field(default=(), converter=tuple)
     """Text that ends the output (cut before it)."""
     max_tokens: int | None = None
     """Most tokens to generate (``None``: the command's default, within the context)."""
+    min_p: float = 0.0
+    """Drop tokens less likely than ``min_p`` times the most likely (0: none)."""
+    presence_penalty: float = 0.0
+    """OpenAI's presence penalty over the last ``penalty_last_n`` tokens."""
+    frequency_penalty: float = 0.0
+    """OpenAI's frequency penalty over the last ``penalty_last_n`` tokens."""
+    repetition_penalty: float = 1.0
+    """llama.cpp's repetition penalty over the last ``penalty_last_n`` tokens (1: none)."""
+    penalty_last_n: int = 64
+    """The tokens the penalties look back at (``docs/sampling.md``)."""
 
     def __attrs_post_init__(self) -> None:
-        self.sampler()  # validates temperature, top_p and top_k
+        self.sampling  # noqa: B018 - validates every sampler parameter
         if self.max_tokens is not None and self.max_tokens < 1:
             raise InvalidSamplingParameter(f"max_tokens must be >= 1, got {self.max_tokens}")
         if any(not text for text in self.stop):
@@ -318,26 +368,44 @@ class SamplingSettings:
     def from_args(cls, args: argparse.Namespace) -> SamplingSettings:
         """The settings :func:`add_sampling_arguments` parsed (a random seed when none)."""
         seed = args.seed if args.seed is not None else secrets.randbelow(1 << 31)
-        return cls(args.temperature, args.top_p, args.top_k, seed, args.stop, args.max_tokens)
+        return cls(
+            args.temperature,
+            args.top_p,
+            args.top_k,
+            seed,
+            args.stop,
+            args.max_tokens,
+            args.min_p,
+            args.presence_penalty,
+            args.frequency_penalty,
+            args.repeat_penalty,
+            args.penalty_last_n,
+        )
+
+    @property
+    def sampling(self) -> Sampling:
+        """The session's sampler parameters (``docs/sampling.md``)."""
+        return Sampling(
+            self.seed,
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.presence_penalty,
+            self.frequency_penalty,
+            self.repetition_penalty,
+            self.penalty_last_n,
+        )
 
     @property
     def greedy(self) -> bool:
         """Whether every token is the largest logit's (the whole model's greedy token)."""
-        return self.temperature == 0
+        return self.sampling.is_greedy
 
     def sampler(self) -> Sampler:
-        """The ``dgr_session`` sampler of these settings (:func:`~dgr_session.greedy` when
-        :attr:`greedy`)."""
-        sampler = SeededSampler(self.seed, self.temperature, self.top_k, self.top_p)
-        return greedy if self.greedy else sampler
-
-    def check_transport(self, transport: str) -> None:
-        """:class:`RouteOptionsRefused` when ``transport`` cannot run these settings (a ring runs
-        greedy tokens ahead of the client)."""
-        if transport == RouteMode.RING and not self.greedy:
-            raise RouteOptionsRefused(
-                "--transport ring runs greedy tokens only: drop --temperature or use chain"
-            )
+        """dgr's sampler of these settings (:data:`~dgr_session.sampling.greedy` when
+        :attr:`greedy`), which the route's last stage applies."""
+        return greedy if self.greedy else SeededSampler(self.sampling)
 
 
 # -- planning: every check before any work ------------------------------------------------------
@@ -357,6 +425,8 @@ class RouteStage:
     """Floats per output row: the vocabulary size on the last stage."""
     mtp: bool = False
     """The stage loaded the model's MTP block (a V4 last stage: ``--speculate mtp``)."""
+    offers: DataPaths = DataPaths()
+    """The data paths it offers besides gRPC (its advert's)."""
 
 
 @attrs.define(eq=False)
@@ -528,7 +598,9 @@ class RouteHandle:
     """The GGUF (``None``: given endpoints and no --model)."""
     stages: tuple[RouteStage, ...]
     """The stages at start, in route order."""
-    transport: RouteMode
+    choice: PathChoice
+    """The route mode and data path taken (``--transport``/``--data-path``, or the fastest the
+    stages offer)."""
     stage_transport: GrpcStageTransport
     """The transport itself (its per-stage counters: ``stats()``)."""
 
@@ -603,7 +675,11 @@ async def open_route(
                 plan.endpoints, tls=plan.tls, certification_verifier=plan.verifier
             )
             stages = tuple([await _dial(e, plan) for e in plan.endpoints])
-        async with _stage_transport(plan) as transport:
+        choice = choose_path(
+            plan.transport, plan.data_path, [s.offers for s in stages], tls=plan.tls is not None
+        )
+        notice(f"route: {choice.line()}")
+        async with _stage_transport(plan, choice) as transport:
             manager = SessionManager(
                 transport,
                 provider,
@@ -611,9 +687,7 @@ async def open_route(
                 required_evidence=plan.required,
             )
             try:
-                yield RouteHandle(
-                    manager, plan.tokenizer, plan.model, stages, plan.transport, transport
-                )
+                yield RouteHandle(manager, plan.tokenizer, plan.model, stages, choice, transport)
             finally:
                 await manager.aclose()
     finally:
@@ -643,14 +717,16 @@ def _stage(endpoint: str, advert: Advert) -> RouteStage:
         advert.capacity.context_per_session,
         advert.seam.width_out,
         span.mtp,
+        advert.data_paths,
     )
 
 
-def _stage_transport(plan: RoutePlan) -> GrpcStageTransport:
-    """The stage transport ``--transport`` names."""
-    if plan.transport is RouteMode.RELAY:
+def _stage_transport(plan: RoutePlan, choice: PathChoice) -> GrpcStageTransport:
+    """The stage transport of the chosen mode (a chain's picks its path per epoch, by the same
+    rule as ``choice``, unless ``--data-path`` names one)."""
+    if choice.mode is RouteMode.RELAY:
         return GrpcStageTransport(timeout=plan.step_deadline, tls=plan.tls)
-    ring = plan.transport is RouteMode.RING
+    ring = choice.mode is RouteMode.RING
     return ChainStageTransport(
         timeout=plan.step_deadline, tls=plan.tls, ring=ring, data_path=plan.data_path
     )

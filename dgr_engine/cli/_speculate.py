@@ -247,10 +247,6 @@ def plan_speculation(
     unavailable = _AVAILABILITY[source.kind](source)
     if unavailable is not None:
         raise SpeculationRefused(unavailable)
-    if not sampling.greedy:
-        raise SpeculationRefused(
-            "--speculate: speculative decoding is greedy only: drop --temperature"
-        )
     draft = None if source.model is None else _draft_model(source, notice)
     return SpeculationPlan(source, speculation.draft_max, draft)
 

@@ -133,7 +133,6 @@ def run(args: argparse.Namespace) -> int:
     notice = sayer("dgr chat: ")  # silent under --quiet
     try:
         settings = ChatSettings.from_args(args)
-        settings.sampling.check_transport(settings.route.transport)
         speculate = plan_speculation(settings.speculation, settings.sampling, notice=notice)
         plan = plan_route(settings.route, notice=notice)
     except (RouteOptionsRefused, InvalidSamplingParameter) as exc:

@@ -66,6 +66,7 @@ from dgr_engine.cli._speculate import (
     speculation_line,
 )
 from dgr_engine.client.chained import ChainStageTransport
+from dgr_engine.client.path_choice import PathChoice
 from dgr_engine.client.relay import StageStats
 from dgr_engine.client.text import TextOutput, prompt_ids, start_text
 from dgr_engine.errors import EngineError
@@ -99,6 +100,8 @@ class Generation:
     """Frames this client sent into a chain or ring (``None``: relay)."""
     speculation: Speculation | None = None
     """The session's speculation and what it achieved (``None``: without --speculate)."""
+    choice: PathChoice | None = None
+    """The route mode and data path it took."""
 
 
 @attrs.frozen
@@ -172,7 +175,6 @@ def run(args: argparse.Namespace) -> int:
     try:
         settings = GenerateSettings.from_args(args)
         sampling = settings.sampling
-        sampling.check_transport(settings.route.transport)
         if settings.check and not sampling.greedy:
             raise RouteOptionsRefused("--check compares greedy tokens: drop --temperature")
         speculate = plan_speculation(settings.speculation, sampling, notice=notice)
@@ -330,6 +332,7 @@ async def _run_session(
         seconds,
         _chain_frames(route),
         handle.core.speculation,  # the route's in place of ours where it drafts (a ring)
+        route.choice,
     )
 
 
@@ -371,7 +374,8 @@ def _report(settings: GenerateSettings, plan: RoutePlan, prompt: list[int], run:
             "seconds": run.seconds,
             "whole_model_equal": None if expected is None else tokens == expected,
             "stages": [_stats_dict(s) for s in run.stats.values()],
-            "transport": plan.transport,
+            "transport": None if run.choice is None else str(run.choice.mode),
+            "data_path": None if run.choice is None else str(run.choice.path),
             "chain_frames_sent": run.chain_frames_sent,
             "speculation": _speculation_dict(run.speculation),
         }

@@ -125,11 +125,6 @@ def run(args: argparse.Namespace) -> int:
             "the model has no tokenizer (like the generated fixtures): dgr serve answers text; "
             "give a model with one (--model, or --vocab GGUF with --endpoints)"
         )
-    if plan.transport == "ring":
-        plan.close()
-        return _refused(
-            "--transport ring runs greedy tokens only and requests may sample: use relay or chain"
-        )
     try:
         sock = listen(settings.host, settings.port)
     except OSError as exc:

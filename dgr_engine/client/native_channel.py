@@ -1,14 +1,15 @@
 """The native link implementation of the chained data path (``client/channel.py``;
 ``docs/native-path.md``): the first stage's input and the last stage's token stream of a ring.
 The session's ``ForwardRequest`` frames are written as link ``ROWS`` messages, and each ``TOKEN``
-the last stage answers is read as the ``ChainOutputReply`` of a greedy reply; a ``FAILED`` ends
+the last stage answers is read as the ``ChainOutputReply`` of a sampled reply; a ``FAILED`` ends
 the stream with the failing stage's C status (``dgr_engine.status``: its number, never its
 text) as a :class:`~dgr_engine.client.channel.StageFailure` naming that stage, so the chain
 raises the same typed error and blames the same stage as on the other paths.
 
-A native link carries greedy rings only: frames with logit rows, drafts or MTP requests, or
-that want logits rather than greedy tokens, are refused here (the transport takes the native
-link only for sessions that send none of them).
+A native link carries rings whose last stage takes the tokens only (its sampler is the
+session's, given at open: ``docs/sampling.md``): frames with logit rows, drafts or MTP
+requests, or that want logits rather than sampled tokens, are refused here (the transport takes
+the native link only for sessions that send none of them).
 """
 
 from __future__ import annotations
@@ -234,11 +235,11 @@ class NativeFrames(_Connection):
             or request.ring_draft_max
             or request.HasField("boundary")
             or (request.logit_rows and list(request.logit_rows) != [n - 1])
-            or (not request.no_logits and not request.greedy_tokens)
+            or (not request.no_logits and not request.sampled_tokens)
         )
         if unsupported or n == 0:
             raise FrameRejected(
-                "DGR_E_FRAME: a native link carries greedy ring frames only (no logits, "
+                "DGR_E_FRAME: a native link carries sampled ring frames only (no logits, "
                 "drafts or MTP requests)"
             )
         step = int(request.step)
@@ -286,7 +287,7 @@ class NativeFrames(_Connection):
 
 class NativeOutcomes(_Connection):
     """The last stage's token stream: its first ``next`` answers the empty reply (the stream
-    is registered), then one greedy reply per ``TOKEN``; a ``FAILED`` ends the stream with the
+    is registered), then one sampled reply per ``TOKEN``; a ``FAILED`` ends the stream with the
     failing stage's typed error."""
 
     def __init__(
@@ -356,7 +357,7 @@ class NativeOutcomes(_Connection):
             self._ledger.no_logits[header.step] -= 1
             fill_tensor(reply.output, _NO_ROWS)
         else:
-            reply.greedy.append(header.value)
+            reply.sampled.append(header.value)
         out = pb.ChainOutputReply(reply=reply)
         # each stage's part of the pass: its engine time (all of it llama.cpp's: no Python
         # around the call) and the bytes of the messages it took and sent

@@ -37,6 +37,7 @@ from dgr_session.faults import FaultKind
 from dgr_session.identifiers import check_session_id, log_field
 from dgr_session.mtp_drafts import MtpDraftRequest, MtpDrafts
 from dgr_session.route import StageSpec
+from dgr_session.sampling import Sampling
 from dgr_session.speculation import MAX_DRAFTS, Speculation
 from dgr_session.transport import (
     Boundary,
@@ -264,7 +265,9 @@ class GrpcStageTransport:
 
     # -- StageTransport ------------------------------------------------------------------------
 
-    async def open(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+    async def open(
+        self, stage: StageSpec, session_id: str, epoch: int, sampling: Sampling | None = None
+    ) -> None:
         check_session_id(session_id)  # before anything is recorded or sent
         log = _log(stage, session_id, epoch)
         key = (stage.endpoint, session_id)
@@ -277,7 +280,12 @@ class GrpcStageTransport:
             await self.advert(stage.endpoint)  # the token-id sideband is decided by the advert
             sent = True
             await self.client(stage.endpoint).open(
-                session_id, epoch, expectations_for(stage), grant=stage.grant, timeout=self.timeout
+                session_id,
+                epoch,
+                expectations_for(stage),
+                grant=stage.grant,
+                timeout=self.timeout,
+                sampling=sampling,
             )
         except Exception as exc:
             if not sent or _client_made(exc):  # never reached the stage: it holds no more
@@ -332,7 +340,8 @@ class GrpcStageTransport:
         n = len(positions)
         try:
             advert = self._adverts.get(stage.endpoint) or await self.advert(stage.endpoint)
-            send_ids = advert.span.is_first or advert.span.needs_token_ids
+            # the last stage too: a penalised sampler there reads the tokens before each row
+            send_ids = advert.span.is_first or advert.span.needs_token_ids or advert.span.is_last
             rows = None if call.boundary is None else _rows(call.boundary)
             client = self.client(stage.endpoint)
             frame = Frame.of_call(
@@ -351,12 +360,12 @@ class GrpcStageTransport:
         self.mtp_offer(session_id, result.mtp_drafts)
         sent = 4 * n + (4 * n if send_ids else 0) + (0 if rows is None else rows.nbytes)
         self._account(stage, positions, session_id, epoch, step, sent, result)
-        received = int(result.output.nbytes) + 4 * len(result.greedy or ())
+        received = int(result.output.nbytes) + 4 * len(result.sampled or ())
         cost = StageCost(sent, received, result.timings.compute_us / 1e6)
         if not result.is_logits:
             return Boundary(result.output, cost)
-        if result.greedy is not None:
-            return Logits.greedy_tokens(result.greedy, cost)
+        if result.sampled is not None:
+            return Logits.sampled_tokens(result.sampled, cost)
         return Logits.last_row(result.output, cost)
 
     async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
@@ -466,7 +475,7 @@ class GrpcStageTransport:
         result: ForwardResult,
     ) -> None:
         c = self._counter(stage)
-        received = int(result.output.nbytes) + 4 * len(result.greedy or ())
+        received = int(result.output.nbytes) + 4 * len(result.sampled or ())
         t = result.timings
         c.forwards += 1
         c.rows += len(positions)

@@ -12,6 +12,8 @@ __all__ = ["DataPath", "RouteMode"]
 class RouteMode(enum.StrEnum):
     """How a route's frames go round."""
 
+    AUTO = "auto"
+    """The fastest mode the route's stages offer: a ring (``client/path_choice.py``)."""
     RELAY = "relay"
     """The client sends every stage its frame and gets every stage's output back."""
     CHAIN = "chain"

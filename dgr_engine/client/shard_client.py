@@ -52,8 +52,10 @@ from dgr_engine.wire.frames import (
     Frame,
     encode_frame,
     expectations_to_proto,
-    greedy_from_reply,
     output_from_reply,
+    sampled_from_reply,
+    sampling_from_proto,
+    sampling_to_proto,
 )
 from dgr_engine.wire.keepalive import GRPC_CHANNEL_OPTIONS
 from dgr_engine.wire.metadata import DEFAULT_MAX_MESSAGE_BYTES, session_metadata
@@ -62,6 +64,7 @@ from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import STATUS_KEY, error_from_trailers
 from dgr_session.errors import DgrError
 from dgr_session.identifiers import check_session_id
+from dgr_session.sampling import Sampling
 from dgr_session.usage import UsageRecord
 
 __all__ = [
@@ -81,7 +84,7 @@ USAGE_SECRETS_KEPT = 4096
 """Sessions whose last secret a client keeps after their close, for ``usage``."""
 
 _NO_ROWS: FloatRows = np.zeros((0, 0), dtype=np.float32)
-"""The output of a reply that carries greedy tokens instead of logits rows."""
+"""The output of a reply that carries sampled tokens instead of logits rows."""
 
 
 def expectations_of(advert: Advert) -> Expectations:
@@ -131,10 +134,9 @@ class ForwardResult:
     """Part of ``rtt_us`` inside gRPC: from the request handed to it (serialised there) to the
     reply handed back (parsed there). ``wire_us - timings.total_us`` is the transit both ways;
     ``rtt_us - wire_us`` is this client's own code."""
-    greedy: tuple[int, ...] | None = None
-    """A last stage asked for greedy tokens (``greedy_tokens``): the greedy token of each
-    wanted row, and ``output`` is empty (``[0, 0]``); ``None``: it answered logits (so does a
-    worker older than the field)."""
+    sampled: tuple[int, ...] | None = None
+    """A last stage asked for the session's tokens (``sampled_tokens``): the token of each
+    wanted row, and ``output`` is empty (``[0, 0]``); ``None``: it answered logits."""
 
 
 def mtp_drafts_of(reply: pb.ForwardReply) -> tuple[int, tuple[int, ...]] | None:
@@ -270,6 +272,7 @@ class ShardClient:
                 replay_cause=None,
                 rows_draft=int(r.rows_draft),
                 rows_rejected=int(r.rows_rejected),
+                sampling=sampling_from_proto(r.sampling, r.HasField("sampling")),
             )
             for r in reply.records
         ]
@@ -282,14 +285,18 @@ class ShardClient:
         *,
         grant: bytes = b"",
         timeout: float | None = None,
+        sampling: Sampling | None = None,
     ) -> None:
         """Opens ``(session_id, epoch)``; a newer epoch discards the older one's state.
         ``grant``: the tracker's route grant, for a worker that needs one; the session secret
-        it answers with goes with this epoch's frames and close."""
+        it answers with goes with this epoch's frames and close. ``sampling``: the session's
+        sampler, which the last stage applies (``docs/sampling.md``; ``None``: greedy)."""
         check_session_id(session_id)
         request = pb.OpenSessionRequest(
             session_id=session_id, epoch=epoch, expect=expectations_to_proto(expect), grant=grant
         )
+        if sampling is not None and not sampling.is_greedy:
+            request.sampling.CopyFrom(sampling_to_proto(sampling))
         reply = await self._call(self._stub.OpenSession, request, timeout)
         self._check_echo(reply, session_id, epoch)
         if reply.session_secret:
@@ -361,9 +368,8 @@ class ShardClient:
 
     async def send(self, frame: Frame) -> ForwardResult:
         """Runs one frame (:class:`~dgr_engine.wire.frames.Frame`, passed whole) and answers
-        its result. ``frame.greedy_tokens``: the last stage answers the greedy token of each
-        wanted row instead of its logits (:attr:`ForwardResult.greedy`; a worker older than
-        the field answers the logits)."""
+        its result. ``frame.sampled_tokens``: the last stage answers the session's token of
+        each wanted row instead of its logits (:attr:`ForwardResult.sampled`)."""
         began = time.perf_counter_ns()
         session_id, epoch, step = frame.session_id, frame.epoch, frame.step
         check_session_id(session_id)
@@ -381,8 +387,8 @@ class ShardClient:
                 f"reply for step {reply.step}, asked {step}", status="DGR_E_PROTOCOL"
             )
         try:
-            greedy = greedy_from_reply(reply)
-            output = _NO_ROWS if greedy is not None else output_from_reply(reply)
+            sampled = sampled_from_reply(reply)
+            output = _NO_ROWS if sampled is not None else output_from_reply(reply)
         except FrameRejected as exc:  # the stage's own output: its fault, as on a chain
             raise FrameRejected(f"DGR_E_FRAME: malformed reply: {exc}") from exc
         t = reply.timings
@@ -395,7 +401,7 @@ class ShardClient:
             rtt_us=(time.perf_counter_ns() - began) // 1000,
             wire_us=wire_ns // 1000,
             mtp_drafts=mtp_drafts_of(reply),
-            greedy=greedy,
+            sampled=sampled,
         )
 
     async def link(

@@ -1,6 +1,7 @@
 """The engine: one layer range of one GGUF model in the patched llama.cpp (``shard``:
 :class:`ShardEngine`, its info, stats and batched forward items), and the binding of a native
-link that runs a session's frames on the engine's own thread (``native_link``)."""
+link that runs a session's frames on the engine's own thread (``native_link``), and dgr's one
+sampler, bound (``sampling``: ``docs/sampling.md``)."""
 
 from __future__ import annotations
 

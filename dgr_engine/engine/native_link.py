@@ -15,7 +15,9 @@ from typing import Any
 import attrs
 
 from dgr_engine._binding import check_status, ffi, lib, status_name
+from dgr_engine.engine.sampling import native_sampling
 from dgr_engine.status import error_for_code
+from dgr_session.sampling import GREEDY, Sampling
 
 DEFAULT_BODY_TIMEOUT = 10.0
 """Seconds a link waits for the rest of a frame whose header came (then: truncated)."""
@@ -130,8 +132,10 @@ class NativeLink:
         frames_per_second: float | None = None,
         burst: int = 8,
         co_batch: Any = None,
+        sampling: Sampling = GREEDY,
     ) -> None:
         params = ffi.new("dgr_link_params *")
+        params.sampling = native_sampling(sampling)[0]
         params.session_id = session_id
         params.epoch = epoch
         params.hop = hop

@@ -29,6 +29,7 @@ from dgr_engine.engine.native_link import (
 from dgr_engine.errors import EngineClosed, EngineError
 from dgr_engine.numerics import Numerics
 from dgr_engine.status import error_for_code
+from dgr_session.sampling import GREEDY, Sampling
 
 
 @attrs.frozen
@@ -257,6 +258,7 @@ class ShardEngine:
         frames_per_second: float | None = None,
         burst: int = 8,
         co_batch_rows: int | None = None,
+        sampling: Sampling = GREEDY,
     ) -> NativeLink:
         """Starts a native link of the open ``(session_id, epoch)`` (``native_link.py``): the
         frames coming on ``sockets`` run on this engine's own thread and go on with no Python
@@ -264,7 +266,8 @@ class ShardEngine:
         ``frames_per_second``: the session's frame budget (a bucket of ``burst``): a frame over
         it waits in the link for its turn. ``co_batch_rows``: the link's frames co-batch with
         those of the engine's other links started so (a call of at most that many rows:
-        ``worker/engine_access/co_batch.py``'s rule), each frame runs alone when ``None``."""
+        ``worker/engine_access/co_batch.py``'s rule), each frame runs alone when ``None``.
+        ``sampling``: how a last stage takes each frame's token (``docs/sampling.md``)."""
         with self._lock:
             group = ffi.NULL
             if co_batch_rows is not None:
@@ -285,6 +288,7 @@ class ShardEngine:
                 frames_per_second=frames_per_second,
                 burst=burst,
                 co_batch=group,
+                sampling=sampling,
             )
         self._links.add(link)
         return link

@@ -142,7 +142,7 @@ async def _answer(
         prompt,
         limit=limit,
         limit_given=given,
-        sampler=sampler_for(body.temperature, body.top_p, body.top_k, body.seed),
+        sampler=sampler_for(body),
         stop=body.stop_strings(),
         param="messages" if chat else "prompt",
     )

@@ -26,7 +26,7 @@ from dgr_session import (
     SessionResult,
     SessionState,
 )
-from dgr_session.transport import Sampler
+from dgr_session.sampling import Sampler
 
 
 @attrs.frozen

@@ -3,9 +3,10 @@ are ignored, as OpenAI-compatible servers do; fields it knows are checked) and t
 objects it answers with (plain dicts built by functions: the wire shape stays out of the
 classes).
 
-Beyond OpenAI's fields a request may give ``top_k`` (as llama-server takes it). Refused with
-400: ``n`` other than 1, log-probabilities, non-zero presence or frequency penalties, tools,
-more than one prompt, ``echo`` and ``suffix``.
+Beyond OpenAI's fields a request may give ``top_k``, ``min_p``, ``repeat_penalty`` and
+``penalty_last_n`` (as llama-server takes them); every sampling field goes to dgr's one sampler
+(``docs/sampling.md``). Refused with 400: ``n`` other than 1, log-probabilities, tools, more
+than one prompt, ``echo`` and ``suffix``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
 
-class _Sampling(BaseModel):
+class SamplingFields(BaseModel):
     """What both endpoints share."""
 
     model_config = ConfigDict(extra="ignore")
@@ -66,15 +67,18 @@ class _Sampling(BaseModel):
     """Ignored beyond the answer's ``model`` (one route serves one model)."""
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
-    seed: int | None = None
+    top_k: int | None = Field(default=None, ge=0, lt=1 << 31)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repeat_penalty: float | None = Field(default=None, gt=0.0, le=100.0)
+    penalty_last_n: int | None = Field(default=None, ge=0, lt=1 << 31)
+    seed: int | None = Field(default=None, ge=0, lt=1 << 64)
     stop: str | list[str] | None = None
     max_tokens: int | None = Field(default=None, ge=1)
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
 
     @field_validator("stop")
     @classmethod
@@ -103,12 +107,9 @@ class _Sampling(BaseModel):
         """:class:`BadRequest` for what dgr does not offer."""
         if self.n is not None and self.n != 1:
             raise BadRequest("only n = 1 is supported", param="n")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise BadRequest(f"{name} is not supported (0 only)", param=name)
 
 
-class ChatCompletionRequest(_Sampling):
+class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -132,7 +133,7 @@ class ChatCompletionRequest(_Sampling):
         return [("system" if m.role == "developer" else m.role, m.text()) for m in self.messages]
 
 
-class CompletionRequest(_Sampling):
+class CompletionRequest(SamplingFields):
     """``POST /v1/completions``."""
 
     prompt: str | list[str] | list[int] | list[list[int]]

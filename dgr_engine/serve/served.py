@@ -10,14 +10,15 @@ from collections.abc import Sequence
 
 import attrs
 
+from dgr_engine.engine.sampling import SeededSampler
 from dgr_engine.errors import EngineError
 from dgr_engine.serve.errors import BadRequest, ContextLengthExceeded
 from dgr_engine.serve.generation import Generation, TextJob
+from dgr_engine.serve.protocol import SamplingFields
 from dgr_engine.serve.route_view import StageSource
 from dgr_engine.tokenizer import Tokenizer
 from dgr_session import FailurePolicy, SessionManager
-from dgr_session.sampling import InvalidSamplingParameter, SeededSampler, greedy
-from dgr_session.transport import Sampler
+from dgr_session.sampling import InvalidSamplingParameter, Sampler, Sampling, greedy
 
 DEFAULT_TEMPERATURE = 1.0
 """A request's temperature when it gives none (OpenAI's default); 0 is greedy."""
@@ -116,19 +117,23 @@ class ServedRoute:
         )
 
 
-def sampler_for(
-    temperature: float | None, top_p: float | None, top_k: int | None, seed: int | None
-) -> Sampler:
+def sampler_for(body: SamplingFields) -> Sampler:
     """The sampler of a request's fields (:class:`BadRequest` for a value out of range):
-    greedy at temperature 0, else seeded (a random seed when none is given)."""
-    temperature = DEFAULT_TEMPERATURE if temperature is None else temperature
+    :data:`~dgr_session.sampling.greedy` at temperature 0 without penalties, else dgr's
+    seeded sampler (a random seed when none is given), which the route's last stage applies."""
+    temperature = DEFAULT_TEMPERATURE if body.temperature is None else body.temperature
     try:
-        sampler = SeededSampler(
-            secrets.randbelow(1 << 63) if seed is None else seed,
+        sampling = Sampling(
+            secrets.randbelow(1 << 63) if body.seed is None else body.seed,
             temperature,
-            0 if top_k is None else top_k,
-            1.0 if top_p is None else top_p,
+            top_k=body.top_k or 0,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            min_p=body.min_p or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repeat_penalty is None else body.repeat_penalty,
+            penalty_last_n=64 if body.penalty_last_n is None else body.penalty_last_n,
         )
     except InvalidSamplingParameter as exc:
         raise BadRequest(str(exc)) from None
-    return greedy if temperature == 0 else sampler
+    return greedy if sampling.is_greedy else SeededSampler(sampling)

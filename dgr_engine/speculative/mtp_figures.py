@@ -36,7 +36,7 @@ from dgr_session.speculation import AnyLength, Speculation
 
 __all__ = ["TRANSPORTS", "layout_of", "measure_mtp"]
 
-TRANSPORTS = tuple(str(m) for m in RouteMode)
+TRANSPORTS = tuple(str(m) for m in (RouteMode.RELAY, RouteMode.CHAIN, RouteMode.RING))
 """How the sessions reach the route."""
 PROMPT = (17, 4, 99, 230, 5, 61, 17, 4, 99, 12, 33, 7)
 OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=2)

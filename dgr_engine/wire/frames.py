@@ -19,10 +19,11 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 
-from dgr_engine.errors import ExpectationMismatch, FrameRejected
+from dgr_engine.errors import ExpectationMismatch, FrameRejected, InvalidArgument
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_session import identifiers
 from dgr_session.commands import Forward, ForwardKind
+from dgr_session.sampling import GREEDY, InvalidSamplingParameter, Sampling
 
 if TYPE_CHECKING:
     from dgr_engine.engine import ShardInfo
@@ -96,13 +97,37 @@ class ForwardFrame:
     mtp_draft_max: int = 0
     """A last stage with the MTP block drafts at most this many tokens to follow the frame's
     next token (``ForwardReply.mtp_drafts``); 0: none."""
-    greedy_tokens: bool = False
-    """A last stage answers the greedy token of each wanted row (``ForwardReply.greedy``)
-    instead of its logits."""
+    sampled_tokens: bool = False
+    """A last stage answers the session's token of each wanted row (``ForwardReply.sampled``,
+    its sampler's: ``docs/sampling.md``) instead of its logits."""
+    sent_ids: IntArray | None = attrs.field(default=None, repr=False)
+    """The token ids the frame carried, whether or not the shard needs them (a last stage's
+    penalised sampler reads the tokens before each row); ``None``: none came."""
 
     @property
     def n_rows(self) -> int:
         return int(self.positions.shape[0])
+
+
+# --- sampling (docs/sampling.md) ---------------------------------------------------------------
+
+_SAMPLING_FIELDS = tuple(a.name for a in attrs.fields(Sampling))
+
+
+def sampling_to_proto(sampling: Sampling) -> pb.Sampling:
+    """A session's sampler as the wire's ``Sampling`` (its open's, its usage record's)."""
+    return pb.Sampling(**{name: getattr(sampling, name) for name in _SAMPLING_FIELDS})
+
+
+def sampling_from_proto(message: pb.Sampling, present: bool) -> Sampling:
+    """The sampler an open carries (``present``: the field is set; else greedy);
+    :class:`InvalidArgument` (``DGR_E_INVALID_ARGUMENT``) for a value out of range."""
+    if not present:
+        return GREEDY
+    try:
+        return Sampling(**{name: getattr(message, name) for name in _SAMPLING_FIELDS})
+    except InvalidSamplingParameter as exc:
+        raise InvalidArgument(f"DGR_E_INVALID_ARGUMENT: the open's sampling: {exc}") from exc
 
 
 # --- expectations ------------------------------------------------------------------------------
@@ -265,8 +290,8 @@ class Frame:
     """How many drafts of the pass before were kept (the frame after one)."""
     mtp_draft_max: int = 0
     """The MTP drafts a last stage with the block returns."""
-    greedy_tokens: bool = False
-    """A last stage answers the greedy token of each wanted row instead of its logits."""
+    sampled_tokens: bool = False
+    """A last stage answers the session's token of each wanted row instead of its logits."""
 
     @classmethod
     def of_call(
@@ -283,7 +308,7 @@ class Frame:
     ) -> Frame:
         """``call``'s frame to ``call.stage``: its rows (with their token ids where
         ``tokens``), its kind, drafts and kept drafts; a verification pass asks the logits of
-        every row; a greedy session's call to the ``last_stage`` asks its greedy tokens."""
+        every row; a sampled call (``Forward.sampled``) to the ``last_stage`` asks its tokens."""
         return cls(
             call.session_id,
             call.epoch,
@@ -300,12 +325,12 @@ class Frame:
             drafts=call.drafts,
             kept_drafts=call.kept_drafts,
             mtp_draft_max=mtp_draft_max,
-            greedy_tokens=call.greedy and call.wants_logits and last_stage,
+            sampled_tokens=call.sampled and call.wants_logits and last_stage,
         )
 
     def part(self, start: int, stop: int | None = None) -> Frame:
         """The frame of this one's rows ``[start, stop)``: a part that ends before the last row
-        is sent ahead (a prefill's frames back to back) and wants no logits, drafts or greedy
+        is sent ahead (a prefill's frames back to back) and wants no logits, drafts or sampled
         tokens; the part that ends with the last row keeps them."""
         n = len(self.positions)
         stop = n if stop is None else stop
@@ -321,7 +346,7 @@ class Frame:
         return attrs.evolve(
             self, positions=self.positions[rows], tokens=tokens, boundary=boundary,
             logit_rows=None, no_logits=True, drafts=0, kept_drafts=None, mtp_draft_max=0,
-            greedy_tokens=False,
+            sampled_tokens=False,
         )  # fmt: skip
 
 
@@ -354,8 +379,8 @@ def encode_frame(frame: Frame) -> pb.ForwardRequest:
         request.kept_drafts = frame.kept_drafts
     if frame.mtp_draft_max:
         request.mtp_draft_max = frame.mtp_draft_max
-    if frame.greedy_tokens:
-        request.greedy_tokens = True
+    if frame.sampled_tokens:
+        request.sampled_tokens = True
     return request
 
 
@@ -411,6 +436,9 @@ def decode_forward(request: pb.ForwardRequest, mine: Expectations, info: ShardIn
         tokens = np.fromiter(request.token_ids, dtype=np.int32, count=n)
     elif n_tok not in (0, n):
         raise FrameRejected(f"{n_tok} token ids for {n} rows: send one per row or none")
+    sent_ids = tokens
+    if sent_ids is None and n_tok and info.is_last:
+        sent_ids = np.fromiter(request.token_ids, dtype=np.int32, count=n)
 
     rows: FloatRows | None = None
     has_boundary = request.HasField("boundary")
@@ -426,8 +454,8 @@ def decode_forward(request: pb.ForwardRequest, mine: Expectations, info: ShardIn
     want: npt.NDArray[np.uint8] | None = None
     if request.no_logits and request.logit_rows:
         raise FrameRejected("no_logits with logit_rows: ask for some logits or none")
-    if request.no_logits and request.greedy_tokens:
-        raise FrameRejected("no_logits with greedy_tokens: ask for greedy tokens or no logits")
+    if request.no_logits and request.sampled_tokens:
+        raise FrameRejected("no_logits with sampled_tokens: ask for tokens or no logits")
     if info.is_last and request.no_logits:
         want = np.zeros(n, dtype=np.uint8)  # no output row: the output head is skipped
     elif info.is_last and request.logit_rows:
@@ -462,44 +490,25 @@ def decode_forward(request: pb.ForwardRequest, mine: Expectations, info: ShardIn
         drafts=drafts,
         kept_drafts=kept,
         mtp_draft_max=mtp_draft_max,
-        greedy_tokens=bool(request.greedy_tokens),
+        sampled_tokens=bool(request.sampled_tokens),
+        sent_ids=sent_ids,
     )
 
 
 # --- forward reply -----------------------------------------------------------------------------
 
 
-def greedy_of(rows: FloatRows) -> list[int]:
-    """The greedy token of each logits row: its argmax, the lowest index on ties (what
-    ``dgr_session.sampling.greedy`` takes of the row; the rows are finite, the worker refuses
-    any other output)."""
-    if rows.shape[0] == 0:
-        return []
-    return [int(t) for t in np.argmax(rows, axis=1)]
-
-
-def greedy_from_reply(reply: pb.ForwardReply) -> tuple[int, ...] | None:
-    """The reply's greedy tokens (``ForwardRequest.greedy_tokens``), ``None`` when it carries
-    none (a reply of logits); :class:`FrameRejected` when it carries both, or a negative
-    token."""
-    if not reply.greedy:
+def sampled_from_reply(reply: pb.ForwardReply) -> tuple[int, ...] | None:
+    """The reply's tokens (``ForwardRequest.sampled_tokens``), ``None`` when it carries none (a
+    reply of logits); :class:`FrameRejected` when it carries both, or a negative token."""
+    if not reply.sampled:
         return None
-    tokens = tuple(int(t) for t in reply.greedy)
+    tokens = tuple(int(t) for t in reply.sampled)
     if reply.output.data or reply.output.shape:
-        raise FrameRejected("a reply with greedy tokens carries no output rows")
+        raise FrameRejected("a reply with sampled tokens carries no output rows")
     if min(tokens) < 0:
-        raise FrameRejected(f"greedy token {min(tokens)} is not a token id")
+        raise FrameRejected(f"sampled token {min(tokens)} is not a token id")
     return tokens
-
-
-def greedy_answered(reply: pb.ForwardReply) -> list[int]:
-    """The greedy token of each row a last stage's reply answers: the tokens it carries
-    (:func:`greedy_from_reply`), else the argmax of each of its logits rows (:func:`greedy_of`);
-    :class:`FrameRejected` when the reply is malformed."""
-    tokens = greedy_from_reply(reply)
-    if tokens is not None:
-        return list(tokens)
-    return greedy_of(output_from_reply(reply))
 
 
 def output_from_reply(reply: pb.ForwardReply) -> FloatRows:

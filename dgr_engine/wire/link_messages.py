@@ -4,8 +4,8 @@ last, and what the stages' native threads pass between them.
 
 Every message is a 56-byte little-endian header and a payload. ``ROWS``: the ring's stop
 tokens, the rows' token ids, and (past the first stage) the boundary rows as ``float32``.
-``TOKEN``: the last stage's greedy token for a frame (``value``) and the pass's trace (each
-stage's engine microseconds, ``trace_of``). ``FAILED``: the
+``TOKEN``: the last stage's token for a frame, its sampler's (``value``), and the pass's trace
+(each stage's engine microseconds, ``trace_of``). ``FAILED``: the
 status (``value``) and the stage (``hop``) of a failure, its message as the payload.
 """
 

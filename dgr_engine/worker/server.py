@@ -61,6 +61,7 @@ from dgr_engine.worker.reporting.metrics import WorkerMetrics
 from dgr_engine.worker.reporting.usage import UsageBook
 from dgr_engine.worker.route.chain_hub import ChainHub
 from dgr_session.identity import Lane
+from dgr_session.sampling import GREEDY, Sampling
 
 _T = TypeVar("_T")
 _FRAME_OVERHEAD = 64 * 1024
@@ -382,18 +383,21 @@ class ShardWorker:
     def _free_slots(self) -> int:
         return self.info.max_sessions - self.table.snapshot().sessions_open
 
-    async def open_session(self, session_id: str, epoch: int, *, wait: float | None) -> bool:
-        """Opens ``(session_id, epoch)`` on the engine; True if an older epoch was discarded.
+    async def open_session(
+        self, session_id: str, epoch: int, sampling: Sampling = GREEDY, *, wait: float | None
+    ) -> bool:
+        """Opens ``(session_id, epoch)`` on the engine with the session's sampler (which the
+        last stage applies); True if an older epoch was discarded.
         A session new here takes a slot: when none is free it waits in line (first come, first
         served) for at most ``admission_wait_seconds`` and ``wait`` (the call's time left),
         then raises ``CapacityExceeded`` with a retry hint."""
         if self.table.holds(session_id):  # a newer epoch reuses the session's slot
-            return await self.run_on_engine(self.table.open, session_id, epoch)
+            return await self.run_on_engine(self.table.open, session_id, epoch, sampling)
         limit = self.config.admission_wait_seconds
         if wait is not None:
             limit = min(limit, wait - 0.05)  # answer busy before the caller gives up
         async with self.admission.turn(limit, f"open of session {session_id!r}"):
-            return await self.run_on_engine(self.table.open, session_id, epoch)
+            return await self.run_on_engine(self.table.open, session_id, epoch, sampling)
 
     async def close_session(self, session_id: str, epoch: int) -> int:
         """Closes the session if open at ``epoch`` or older; returns the epoch closed."""
@@ -491,9 +495,16 @@ class ShardWorker:
         self.metrics.native_link.labels(what).inc()
 
     def start_link(
-        self, key: int, epoch: int, hop: int, sockets: LinkSockets, notify_fd: int
+        self,
+        key: int,
+        epoch: int,
+        hop: int,
+        sockets: LinkSockets,
+        notify_fd: int,
+        sampling: Sampling = GREEDY,
     ) -> NativeLink:
-        """Starts the engine's native link of the session keyed ``key`` (``NativeLinkHost``)."""
+        """Starts the engine's native link of the session keyed ``key`` (``NativeLinkHost``),
+        its last stage taking the tokens with ``sampling``."""
         start: Callable[..., NativeLink] = self.engine.start_link  # type: ignore[attr-defined]
         budget = self.limits.config  # the per-client frame rate, kept by the link itself
         return start(
@@ -505,7 +516,8 @@ class ShardWorker:
             frames_per_second=budget.frames_per_second,
             burst=budget.burst,
             co_batch_rows=self._link_co_batch_rows,  # co-batched with each other, as the
-        )  # Python path's frames are (the lane's batching)
+            sampling=sampling,  # Python path's frames are (the lane's batching)
+        )
 
     async def close_for(self, session_id: str, epoch: int, cause: CloseCause) -> None:
         """Closes ``(session_id, epoch)`` on the engine's thread, for ``cause``."""

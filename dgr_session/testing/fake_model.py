@@ -71,7 +71,7 @@ class FakeModel:
                 for layer in range(self.n_layer):
                     states[layer], x = self.layer(layer, states[layer], x, position, token)
             fed = len(history)
-            token = greedy(self.logits(x))
+            token = greedy(self.logits(x), 0)
             out.append(token)
             history.append(token)
             if token in stops or len(out) >= max_new_tokens:

@@ -11,6 +11,7 @@ import attrs
 from dgr_session.commands import Forward
 from dgr_session.errors import DgrError, StageDead, StaleEpoch
 from dgr_session.route import StageSpec
+from dgr_session.sampling import Sampling
 from dgr_session.testing.fake_model import FakeModel
 from dgr_session.testing.reply_gate import ReplyGate
 from dgr_session.transport import Boundary, Logits, StageResult, StageTransport
@@ -139,7 +140,9 @@ class FakeTransport(StageTransport):
 
     # -- StageTransport ----------------------------------------------------------------------
 
-    async def open(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+    async def open(
+        self, stage: StageSpec, session_id: str, epoch: int, sampling: Sampling | None = None
+    ) -> None:
         self._log(Call("open", stage.endpoint, session_id, epoch, layers=_layers(stage)))
         await self._call(stage, True, lambda st: self._open(st, stage, session_id, epoch))
 

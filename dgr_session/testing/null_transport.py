@@ -6,6 +6,7 @@ import asyncio
 
 from dgr_session.commands import Forward
 from dgr_session.route import StageSpec
+from dgr_session.sampling import Sampling
 from dgr_session.transport import Boundary, Logits, StageResult, StageTransport
 
 
@@ -20,7 +21,9 @@ class NullTransport(StageTransport):
         #: Forwards await this future while it is set.
         self.gate: asyncio.Future[None] | None = None
 
-    async def open(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+    async def open(
+        self, stage: StageSpec, session_id: str, epoch: int, sampling: Sampling | None = None
+    ) -> None:
         return None
 
     async def forward(self, call: Forward) -> StageResult:

@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define DGR_ABI_VERSION 14
+#define DGR_ABI_VERSION 15
 
 /* Magic and version at the head of a saved session state (see dgr_session_state_save). */
 #define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
@@ -427,6 +427,40 @@ int dgr_vocab_is_eog(const dgr_vocab * vocab, int32_t token, uint8_t * out);
 int dgr_vocab_chat(const dgr_vocab * vocab, const dgr_chat_message * messages, size_t n,
                    uint8_t add_assistant, char * buf, int32_t capacity, int32_t * n_bytes);
 
+/* ---- Sampling (ABI 15; docs/sampling.md) ----
+ *
+ * dgr's one sampler: the token a session takes from one row of logits. Its randomness is a
+ * fixed function of (seed, position) only (a counter-based generator), so the same logits,
+ * parameters, seed, position and history give the same token on every route, data path and
+ * epoch. docs/sampling.md states the algorithm step by step. */
+typedef struct dgr_sampling {
+    uint64_t seed;              /* the session's seed */
+    double temperature;         /* >= 0 and finite; 0: greedy (the lowest id of the largest) */
+    int32_t top_k;              /* >= 0: keep the top_k most likely; 0: all */
+    double top_p;               /* (0, 1]: keep the most likely whose weight reaches top_p */
+    double min_p;               /* [0, 1]: drop tokens under min_p of the most likely's weight */
+    double presence_penalty;    /* [-2, 2], OpenAI's: subtracted once from a token seen */
+    double frequency_penalty;   /* [-2, 2], OpenAI's: subtracted per time a token was seen */
+    double repetition_penalty;  /* > 0, llama.cpp's: a seen token's logit divided (> 0) or
+                                   multiplied (<= 0) by it; 1: none */
+    int32_t penalty_last_n;     /* >= 0: the penalties look at the last this many tokens
+                                   before the position; 0: no penalties */
+} dgr_sampling;
+
+/* DGR_OK, or DGR_E_INVALID_ARGUMENT (the reason in dgr_last_error) for a value out of range. */
+int dgr_sampling_check(const dgr_sampling * params);
+
+/* The token at `position` (the position it will take) from `logits` (n_vocab finite values:
+ * the row of the position before it) and `history` (the tokens at the positions before it,
+ * oldest first; only the last penalty_last_n are read, and only when a penalty is set).
+ * DGR_E_INVALID_ARGUMENT for invalid parameters or a history token outside the vocabulary,
+ * DGR_E_NON_FINITE for a logit that is NaN or infinite. */
+int dgr_sample(const dgr_sampling * params, const float * logits, uint32_t n_vocab, uint32_t position,
+               const int32_t * history, uint32_t n_history, int32_t * out_token);
+
+/* The draw of (seed, position): a number in [0, 1) (docs/sampling.md, "The draw"). */
+double dgr_sample_uniform(uint64_t seed, uint32_t position);
+
 /* ---- Native frame links (ABI 11; docs/native-path.md) ----
  *
  * A link runs one session epoch's frames of a chained route or a ring on this engine without
@@ -442,7 +476,7 @@ int dgr_vocab_chat(const dgr_vocab * vocab, const dgr_chat_message * messages, s
  *   per row: 0 on the first stage's input, in_width elsewhere), u32 until_step (a ring's last
  *   step), u32 n_stop (ring stop tokens, <= DGR_LINK_MAX_STOP), u32 hop (the stage the message
  *   comes from or, for DGR_LINK_FAILED, the stage that failed), i32 value (DGR_LINK_TOKEN: the
- *   greedy token; DGR_LINK_FAILED: the status; DGR_LINK_ROWS: the rows' kind, 0 unspecified, 1
+ *   session's token (ABI 15: its sampler's); DGR_LINK_FAILED: the status; DGR_LINK_ROWS: the rows' kind, 0 unspecified, 1
  *   prefill, 2 decode, 3 replay, as ForwardRequest.kind), u32 payload_bytes, u32 engine_us (the engine
  *   time of the frame's pass so far, summed over the stages it went through: each stage adds
  *   its own; the TOKEN of a pass carries the whole pass's).
@@ -457,9 +491,9 @@ int dgr_vocab_chat(const dgr_vocab * vocab, const dgr_chat_message * messages, s
  * width, n_stop, payload_bytes, every row finite: DGR_E_FRAME, naming the stage that sent the
  * frame - the stage before, on the link from it, or a ring's last stage on the first stage's
  * ring input (ring_in_hop, ABI 14) - not this one (ABI 13)); the
- * engine checks positions and token ids. The last stage answers each frame with the greedy
- * token of its last row (DGR_LINK_TOKEN to the client, the first lowest index of the largest
- * logit) and, on a ring, sends the first stage the next step's frame (that token at the next
+ * engine checks positions and token ids. The last stage answers each frame with the token its
+ * session's sampler (params.sampling, dgr_sample) takes from its last row at the next position
+ * (DGR_LINK_TOKEN to the client; greedy: the lowest index of the largest logit) and, on a ring, sends the first stage the next step's frame (that token at the next
  * position) unless the step was until_step or the token is a stop token. A frame that fails its
  * checks or its run ends the link: it sends DGR_LINK_FAILED (its hop, status and message) on to
  * the next stage, which passes it on as it is and ends too, up to the client. The engine's
@@ -474,7 +508,7 @@ int dgr_vocab_chat(const dgr_vocab * vocab, const dgr_chat_message * messages, s
 
 typedef enum dgr_link_kind {
     DGR_LINK_ROWS = 1,   /* rows to run (token ids and, past the first stage, boundary rows) */
-    DGR_LINK_TOKEN = 2,  /* the last stage's greedy token for a frame, to the client */
+    DGR_LINK_TOKEN = 2,  /* the last stage's token for a frame, to the client */
     DGR_LINK_FAILED = 3, /* a stage failed: status and message, on to the client */
     DGR_LINK_HELLO = 4,  /* a connection's introduction and its answer: the control shell's
                             (the worker's Python), before a link owns the socket; a link
@@ -527,6 +561,8 @@ typedef struct dgr_link_params {
     uint32_t burst;
     dgr_link_batch * batch; /* (ABI 12) the co-batching group the link's frames run in; NULL:
                                each frame alone (dgr_session_forward) */
+    dgr_sampling sampling;  /* (ABI 15) the last stage: how it takes each frame's token
+                               (dgr_sample; greedy: temperature 0, top_p 1, repetition 1) */
 } dgr_link_params;
 
 typedef struct dgr_link_stats {
@@ -545,7 +581,7 @@ typedef struct dgr_link_stats {
     uint64_t kind_frames[4]; /* frames run, by row kind (the ROWS header's value: 0 unspecified,
                                 1 prefill, 2 decode, 3 replay; a ring's own frames are decode) */
     uint64_t kind_rows[4];   /* their rows, by row kind */
-    uint64_t tokens;        /* greedy tokens answered (the last stage) */
+    uint64_t tokens;        /* tokens answered (the last stage) */
     uint64_t ring_frames;   /* frames sent back to the first stage (a ring's last stage) */
     uint64_t throttled;     /* (ABI 12) frames that waited for the session's frame budget */
     uint64_t throttled_ns;  /* how long they waited, in all */

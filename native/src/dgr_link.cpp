@@ -3,6 +3,7 @@
 // message format and the checks are in dgr_shard.h, "Native frame links").
 
 #include "dgr_shard.h"
+#include "dgr_sampler.h"
 #include "monocypher.h"
 
 #include <poll.h>
@@ -267,6 +268,7 @@ struct dgr_link {
     std::vector<uint8_t> out;
     std::vector<float> result;
     std::vector<int32_t> positions;
+    std::vector<int32_t> history;  // a penalised sampler's last stage: the token at each position
 
     int fds[4] = {-1, -1, -1, -1};
     // sealed links: each descriptor's key (fds' order) and the number of its next message
@@ -606,26 +608,29 @@ bool dgr_link::one_frame(int fd) {
         }
     }
     // every output value finite (the Python path's output check), and on the last stage the
-    // greedy token: the first index of the largest logit, in the same pass over the row
-    int32_t best = 0;
+    // session's token: its sampler's (dgr_sample) at the position after the frame's last row
     bool finite = true;
-    if (info.is_last) {
-        float top = result[0];
-        for (size_t v = 0; v < result.size(); ++v) {
-            const float x = result[v];
-            finite = finite && std::isfinite(x);
-            if (x > top) {
-                top = x;
-                best = (int32_t) v;
-            }
-        }
-    } else {
-        for (float x : result) {
-            finite = finite && std::isfinite(x);
-        }
+    for (float x : result) {
+        finite = finite && std::isfinite(x);
     }
     if (!finite) {
         return refuse(DGR_E_NON_FINITE, "the engine's output has a non-finite value");
+    }
+    int32_t best = 0;
+    if (info.is_last) {
+        const bool penalized = dgr_sampling_penalized(&params.sampling) != 0;
+        if (penalized) {  // the positions before this frame's stay; its own replace the rest
+            history.resize(std::min(history.size(), (size_t) h.pos));
+            history.insert(history.end(), tokens, tokens + h.n_rows);
+        }
+        char why[DGR_LINK_MESSAGE_BYTES];
+        const uint32_t at = (uint32_t) (h.pos + (int32_t) h.n_rows);
+        const int rc = dgr_sample_row(&params.sampling, result.data(), (uint32_t) result.size(), at,
+                                      penalized ? history.data() : nullptr,
+                                      penalized ? (uint32_t) history.size() : 0, &best, why, sizeof why);
+        if (rc != DGR_OK) {
+            return refuse(rc, why);
+        }
     }
     bool sent = true;
     uint64_t onward_at = 0;  // when the frame's output was ready to leave for the route's next step
@@ -740,6 +745,10 @@ int start_link(dgr_engine * engine, const dgr_link_params * params, const dgr_li
     *out = nullptr;
     if (params->in_fd < 0 || params->out_fd < 0 || params->max_rows < 1) {
         return dgr_fail_with(DGR_E_INVALID_ARGUMENT, "a link needs in_fd, out_fd and max_rows >= 1");
+    }
+    char why[DGR_LINK_MESSAGE_BYTES];
+    if (dgr_sampling_valid(&params->sampling, why, sizeof why) != DGR_OK) {
+        return dgr_fail_with(DGR_E_INVALID_ARGUMENT, why);
     }
     int32_t next_pos = 0;
     if (int rc = dgr_session_next_pos(engine, params->session_id, params->epoch, &next_pos); rc != DGR_OK) {

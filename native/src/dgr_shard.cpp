@@ -5,6 +5,7 @@
 // never reaches an abort inside ggml, and maps each failure to a status and a message.
 
 #include "dgr_shard.h"
+#include "dgr_sampler.h"
 
 #include "gguf.h"
 #include "llama.h"
@@ -425,6 +426,19 @@ const char * dgr_last_error(void) { return g_last_error.c_str(); }
 int64_t dgr_last_held_epoch(void) { return g_last_held_epoch; }
 
 uint32_t dgr_abi_version(void) { return DGR_ABI_VERSION; }
+
+int dgr_sampling_check(const dgr_sampling * params) {
+    char why[256];
+    const int rc = dgr_sampling_valid(params, why, sizeof why);
+    return rc == DGR_OK ? DGR_OK : fail(rc, "%s", why);
+}
+
+int dgr_sample(const dgr_sampling * params, const float * logits, uint32_t n_vocab, uint32_t position,
+               const int32_t * history, uint32_t n_history, int32_t * out_token) {
+    char why[256];
+    const int rc = dgr_sample_row(params, logits, n_vocab, position, history, n_history, out_token, why, sizeof why);
+    return rc == DGR_OK ? DGR_OK : fail(rc, "%s", why);
+}
 
 const char * dgr_llama_commit(void) { return DGR_LLAMA_COMMIT; }
 

@@ -59,14 +59,6 @@ def test_a_model_without_a_tokenizer_cannot_chat(capsys: pytest.CaptureFixture[s
     assert line == "dgr chat: dgr chat needs a model with a tokenizer (--model, or --vocab GGUF)"
 
 
-def test_a_ring_is_greedy_only(capsys: pytest.CaptureFixture[str], vocab: str) -> None:
-    line = refused(
-        capsys, "--endpoints", UNREACHABLE, "--vocab", vocab, "--transport", "ring",
-        "--temperature", "0.5",
-    )  # fmt: skip
-    assert "--transport ring runs greedy tokens only" in line, line
-
-
 def test_a_missing_vocab_is_named(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     line = refused(capsys, "--endpoints", UNREACHABLE, "--vocab", str(tmp_path / "v.gguf"))
     assert "v.gguf: no such GGUF file" in line, line

@@ -106,12 +106,21 @@ def test_bad_numbers_are_one_line_before_any_worker(
     assert says in line, line
 
 
-def test_a_ring_is_greedy_only(capsys: pytest.CaptureFixture[str]) -> None:
-    line = refused(
-        capsys, "--fixture", "tiny-llama", "--spawn", "2", "--transport", "ring",
-        "--temperature", "0.7",
-    )  # fmt: skip
-    assert "--transport ring runs greedy tokens only" in line, line
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--presence-penalty", "3"], "argument --presence-penalty: must be in"),
+        (["--frequency-penalty", "-2.5"], "argument --frequency-penalty: must be in"),
+        (["--min-p", "1.5"], "argument --min-p: must be in"),
+        (["--repeat-penalty", "0"], "repetition_penalty must be finite and > 0"),
+        (["--penalty-last-n", "-1"], "argument --penalty-last-n: must be in"),
+    ],
+)
+def test_sampler_values_out_of_range_are_one_line(
+    capsys: pytest.CaptureFixture[str], args: list[str], says: str
+) -> None:
+    line = refused(capsys, "--fixture", "tiny-llama", "--spawn", "2", *args)
+    assert says in line, line
 
 
 def test_check_compares_greedy_tokens_only(capsys: pytest.CaptureFixture[str]) -> None:

@@ -65,10 +65,6 @@ def vocab() -> str:
         (["--speculate", "ngram", "--draft-max", "17"], "argument --draft-max: must be in [1, 16]"),
         (["--speculate", "mtp"], "has no MTP block (only a DeepSeek V4 model with one has it)"),
         (
-            ["--speculate", "ngram", "--temperature", "0.7"],
-            "--speculate: speculative decoding is greedy only: drop --temperature",
-        ),
-        (
             ["--speculate", "draft:smollm9"],
             "--speculate draft:smollm9: ",
         ),

@@ -55,6 +55,7 @@ from dgr_session import (
     fault_kind,
 )
 from dgr_session.machine import SessionMachine
+from dgr_session.sampling import Sampling
 from dgr_session.testing import (
     FakeModel,
     FakeTransport,
@@ -204,7 +205,9 @@ class ClientBroken(StageTransport):
         self.inner = inner
         self.broken = broken
 
-    async def open(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+    async def open(
+        self, stage: StageSpec, session_id: str, epoch: int, sampling: Sampling | None = None
+    ) -> None:
         if session_id in self.broken:
             raise ClientCallError("the call failed in this client, nothing was sent")
         await self.inner.open(stage, session_id, epoch)

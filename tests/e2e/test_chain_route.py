@@ -48,6 +48,7 @@ from dgr_session import (
 from dgr_session.testing import forward_call
 from dgr_session.transport import Boundary, Logits
 from tests import harness
+from tests.recorder import LogitsRecorder
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("certified_fixtures")]
 
@@ -60,17 +61,6 @@ def run(coro: Coroutine[Any, Any, T], limit: float = 90.0) -> T:
     return harness.run(coro, limit)
 
 
-class Recorder:
-    """A greedy sampler keeping the logits each step's token was chosen from."""
-
-    def __init__(self) -> None:
-        self.logits: dict[int, np.ndarray] = {}
-
-    def __call__(self, logits: Any, step: int) -> int:
-        self.logits[step] = np.array(logits, copy=True)
-        return int(np.argmax(logits))
-
-
 async def drive(
     provider: LoopbackRouteProvider,
     prompts: Sequence[Sequence[int]],
@@ -80,9 +70,9 @@ async def drive(
     policy: FailurePolicy | None = None,
     ring: bool = False,
     data_path: str = "frame",
-) -> tuple[list[SessionResult], list[Recorder], ChainStageTransport]:
+) -> tuple[list[SessionResult], list[LogitsRecorder], ChainStageTransport]:
     handles: list[SessionHandle] = []
-    recorders = [Recorder() for _ in prompts]
+    recorders = [LogitsRecorder(len(p)) for p in prompts]
     fired: list[bool] = []
 
     def on_token(_token: int) -> None:
@@ -431,16 +421,23 @@ def test_a_chained_route_over_mutual_tls_and_a_stage_without_chain_credentials(
     run(scenario())
 
 
-def test_a_ring_refuses_a_session_that_does_not_sample_greedily() -> None:
-    """The ring ran the greedy token; a sampler that picks another one at step 3 ends that
-    epoch (``RingMismatch``, filed as ``state_lost``: nobody is blamed) and the session goes
-    on after one route change."""
+def test_a_ring_fails_an_epoch_whose_session_takes_another_token() -> None:
+    """The ring ran the token its last stage took (greedy: the session's sampler states no
+    ``Sampling``, so the open carried none); a sampler of the session's own that picks another
+    one at step 3 ends that epoch (``RingMismatch``, filed as ``state_lost``: nobody is blamed)
+    and the session goes on after one route change."""
     path = ensure_fixture("tiny-llama")
     provider = LoopbackRouteProvider(path, ((0, 2), (2, 4)), options=OPTIONS)
+    prompt = prompts_for(256, 12, (51,))[0]
 
-    def contrary(logits: Any, step: int) -> int:
-        best = int(np.argmax(logits))
-        return (best + 1) % len(logits) if step == 3 else best
+    class Contrary:
+        sampling = None
+
+        def __call__(self, logits: Any, position: int, history: Any = ()) -> int:
+            best = int(np.argmax(logits))
+            return (best + 1) % len(logits) if position - len(prompt) == 3 else best
+
+    contrary = Contrary()
 
     async def scenario() -> SessionResult:
         transport = ChainStageTransport(timeout=10.0, ring=True)
@@ -451,9 +448,7 @@ def test_a_ring_refuses_a_session_that_does_not_sample_greedily() -> None:
                 policy=FailurePolicy(step_deadline=10.0, backoff=(0.0,)),
                 required_evidence=EvidenceClass.FIXTURE,
             )
-            handle = manager.start(
-                prompts_for(256, 12, (51,))[0], max_new_tokens=8, sampler=contrary
-            )
+            handle = manager.start(prompt, max_new_tokens=8, sampler=contrary)
             result = await handle.wait()
             await manager.aclose()
             return result
@@ -463,7 +458,7 @@ def test_a_ring_refuses_a_session_that_does_not_sample_greedily() -> None:
     assert result.route_changes == 1
     (report,) = result.reports
     assert report.fault is FaultKind.STATE_LOST and report.stage_index == 0
-    assert "greedy" in report.detail
+    assert "took another token" in report.detail
 
 
 def chunked_reference(
@@ -501,8 +496,8 @@ def test_a_long_prompt_goes_in_pipelined_frames_bit_for_bit(data_path: str, ring
     reference = [chunked_reference(path, p, N_TOKENS, chunk) for p in prompts]
     provider = LoopbackRouteProvider(path, layout, options=OPTIONS)
 
-    async def scenario() -> tuple[list[SessionResult], list[Recorder], ChainStats]:
-        recorders = [Recorder() for _ in prompts]
+    async def scenario() -> tuple[list[SessionResult], list[LogitsRecorder], ChainStats]:
+        recorders = [LogitsRecorder(len(p)) for p in prompts]
         transport = ChainStageTransport(timeout=10.0, ring=ring, data_path=data_path)
         async with provider, transport:
             manager = SessionManager(

@@ -34,6 +34,7 @@ from dgr_session import (
     SessionState,
 )
 from tests.harness import run
+from tests.recorder import LogitsRecorder
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("certified_fixtures")]
 
@@ -54,27 +55,13 @@ def reference(tiny_llama: Path) -> Reference:
     return whole_model_reference(tiny_llama, PROMPTS, N_TOKENS, OPTIONS)
 
 
-class Recorder:
-    """A greedy sampler that keeps, per step, the logits the accepted token was chosen from
-    (replayed steps ask for no logits and are not sampled: one call per step)."""
-
-    def __init__(self) -> None:
-        self.logits: dict[int, np.ndarray] = {}
-        self.steps: list[int] = []
-
-    def __call__(self, logits: Any, step: int) -> int:
-        self.steps.append(step)
-        self.logits[step] = np.array(logits, copy=True)
-        return int(np.argmax(logits))
-
-
-def assert_bit_exact(recorder: Recorder, want: list[np.ndarray]) -> None:
+def assert_bit_exact(recorder: LogitsRecorder, want: list[np.ndarray]) -> None:
     assert recorder.steps == list(range(len(want)))  # each step sampled once, replays never
     for step, row in enumerate(want):
         assert np.array_equal(recorder.logits[step], row), f"logits differ at step {step}"
 
 
-def assert_exact_until(recorder: Recorder, want: list[np.ndarray], step: int) -> float:
+def assert_exact_until(recorder: LogitsRecorder, want: list[np.ndarray], step: int) -> float:
     """Bit for bit before ``step`` (the first run); after it (a batched replay's KV) close;
     returns the largest difference there."""
     assert recorder.steps == list(range(len(want)))
@@ -90,7 +77,7 @@ def assert_exact_until(recorder: Recorder, want: list[np.ndarray], step: int) ->
 class Outcome:
     results: list[SessionResult]
     handles: list[SessionHandle]
-    recorders: list[Recorder]
+    recorders: list[LogitsRecorder]
     provider: LoopbackRouteProvider
     transport_stats: dict[str, Any]
     marks: dict[str, float]
@@ -110,7 +97,7 @@ async def drive(
     has accepted ``at_step`` tokens (its loop time is ``marks['fault']``)."""
     marks: dict[str, float] = {}
     handles: list[SessionHandle] = []
-    recorders = [Recorder() for _ in prompts]
+    recorders = [LogitsRecorder(len(p)) for p in prompts]
 
     def on_token(token: int) -> None:
         if fault is not None and "fault" not in marks and len(handles[0].tokens) == at_step:

@@ -10,7 +10,7 @@ every wait bounded; every process stopped in teardown.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import pytest
@@ -31,6 +31,7 @@ from dgr_session import (
     SessionState,
 )
 from tests.harness import run
+from tests.recorder import LogitsRecorder
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("certified_fixtures")]
 
@@ -53,14 +54,8 @@ def tiny_v4() -> Path:
 def test_v4_route_over_grpc_survives_a_killed_hash_layer_stage(tiny_v4: Path) -> None:
     assert SPEC.hash_layer_count == 3 and SPEC.hc_mult == 4
     expected = whole_model_reference(tiny_v4, PROMPTS, N_TOKENS, OPTIONS)
-    seen: list[dict[int, np.ndarray]] = [{} for _ in PROMPTS]
 
-    def recorder(index: int) -> Any:
-        def greedy(logits: Any, step: int) -> int:
-            seen[index][step] = np.array(logits, copy=True)  # the last call at a step counts
-            return int(np.argmax(logits))
-
-        return greedy
+    recorders = [LogitsRecorder(len(p)) for p in PROMPTS]
 
     provider = LoopbackRouteProvider(tiny_v4, LAYOUT, spares=[(1, 3)], options=OPTIONS)
     killed: list[str] = []
@@ -89,7 +84,7 @@ def test_v4_route_over_grpc_survives_a_killed_hash_layer_stage(tiny_v4: Path) ->
                             max_new_tokens=N_TOKENS,
                             session_id=f"v4-{i}",
                             on_token=on_token if i == 0 else None,
-                            sampler=recorder(i),
+                            sampler=recorders[i],
                         )
                     )
                 results = [await h.wait() for h in handles]
@@ -101,7 +96,7 @@ def test_v4_route_over_grpc_survives_a_killed_hash_layer_stage(tiny_v4: Path) ->
     results, stats = run(scenario())
     spare = next(w for w in provider.workers if w.role == "spare")
     for result, handle, logits, (tokens, want) in zip(
-        results, handles, seen, expected, strict=True
+        results, handles, [r.logits for r in recorders], expected, strict=True
     ):
         assert result.state is SessionState.DONE, result.error
         assert list(result.tokens) == tokens
@@ -114,7 +109,7 @@ def test_v4_route_over_grpc_survives_a_killed_hash_layer_stage(tiny_v4: Path) ->
         assert handle.core.route is not None and handle.core.route.endpoints[1] == spare.endpoint
 
     # the seam as the advert states it: 4 x n_embd f32 per token, + 4 bytes position, + 4 bytes
-    # token id where the receiving stage owns hash-routed layers (and on the first stage)
+    # token id where the receiving stage owns hash-routed layers (and on the first and last)
     by_range = {w.layers: w.advert for w in provider.workers if w.role == "primary"}
     first, hashed, plain = (by_range[r] for r in LAYOUT)
     assert (first.span.needs_token_ids, hashed.span.needs_token_ids) == (True, True)
@@ -124,7 +119,7 @@ def test_v4_route_over_grpc_survives_a_killed_hash_layer_stage(tiny_v4: Path) ->
     for advert in (first, hashed):
         assert advert.seam.bytes_per_token_out == BOUNDARY_BYTES
     assert hashed.seam.bytes_per_token_in == BOUNDARY_BYTES + 4 + 4
-    assert plain.seam.bytes_per_token_in == BOUNDARY_BYTES + 4
+    assert plain.seam.bytes_per_token_in == BOUNDARY_BYTES + 4 + 4  # its sampler's history
     assert plain.seam.bytes_per_token_out == 4 * SPEC.n_vocab
 
     # and what the transport actually sent matches it, row for row

@@ -18,12 +18,13 @@ import pytest
 
 from dgr_engine import ShardEngine
 from dgr_engine.client.shard_client import ShardClient, expectations_of
+from dgr_engine.engine.sampling import SeededSampler
 from dgr_engine.errors import FrameRejected, NonFiniteOutput, UnknownSession
 from dgr_engine.tooling.processes import WorkerProcess
 from dgr_engine.wire.frames import ForwardFrame
 from dgr_engine.wire.status import STATUS_KEY, error_from_trailers, grpc_status_for
 from dgr_engine.worker.lifecycle.sessions import SessionTable
-from dgr_session import FaultKind, NonFiniteLogits, SeededSampler, fault_kind, greedy
+from dgr_session import FaultKind, NonFiniteLogits, fault_kind, greedy
 from tests.harness import run
 
 T = TypeVar("T")
@@ -128,7 +129,7 @@ def test_samplers_refuse_non_finite_logits(bad: float, kind: str) -> None:
     with pytest.raises(NonFiniteLogits):
         greedy(logits)
     with pytest.raises(NonFiniteLogits):
-        SeededSampler(seed=1)(logits, 0)
+        SeededSampler.of(seed=1)(logits, 0)
     assert fault_kind(NonFiniteLogits("x")) is FaultKind.ENGINE_ERROR
 
 

@@ -1,8 +1,9 @@
 """Speculative decoding through route sessions over in-process engines (``docs/speculative.md``):
 whatever the drafts (n-gram, the model as its own draft, always wrong, right at random), at
 every draft length, the tokens are those of plain greedy decoding; a stage lost in the middle of
-a verification pass ends the epoch and the re-prefill replays accepted tokens only; a sampling
-session is refused. Time is the virtual clock, so nothing waits."""
+a verification pass ends the epoch and the re-prefill replays accepted tokens only; under seeded
+sampling the tokens are plain seeded sampling's, and a sampler the stages cannot apply is
+refused. Time is the virtual clock, so nothing waits."""
 
 from __future__ import annotations
 
@@ -15,13 +16,13 @@ import attrs
 import pytest
 
 from dgr_engine import ShardEngine
+from dgr_engine.engine.sampling import SeededSampler
 from dgr_engine.reference import InProcessRoute
 from dgr_engine.speculative import ModelDrafter
 from dgr_engine.testing import EngineTransport
 from dgr_session import EvidenceClass, FailurePolicy, FaultKind, SessionManager, SessionState
 from dgr_session.drafts import DraftLength, NgramDrafter
-from dgr_session.errors import SpeculationNeedsGreedy
-from dgr_session.sampling import SeededSampler
+from dgr_session.errors import SpeculationNeedsSampling
 from dgr_session.speculation import MAX_DRAFTS, Speculation
 from dgr_session.testing import ScriptedRouteProvider, fixture_identity, make_route, run_virtual
 
@@ -71,7 +72,9 @@ class Oracle:
         pass
 
 
-def run_session(transport: EngineTransport, spec: Speculation, *routes: Any, **kw: Any) -> Any:
+def run_session(
+    transport: EngineTransport, spec: Speculation | None, *routes: Any, **kw: Any
+) -> Any:
     async def main() -> Any:
         provider = ScriptedRouteProvider(list(routes) or [route("a", "b", "d")])
         manager = SessionManager(
@@ -138,8 +141,45 @@ def test_a_stage_lost_in_a_verification_pass_replays_accepted_tokens_only(
     assert replay.rows_replay == len(PROMPT) + report.step
 
 
-def test_a_sampling_session_is_refused_before_anything_starts(transport) -> None:
+SAMPLED = SeededSampler.of(seed=2024, temperature=0.7, top_p=0.9, presence_penalty=0.3)
+
+
+@pytest.mark.parametrize("drafter", ["oracle", "wrong", "ngram", "draft-model"])
+def test_speculative_sampling_equals_plain_sampling_token_for_token(
+    transport, tiny_llama, drafter
+) -> None:
+    """A pass keeps a draft when it is the seeded sampler's token at its position
+    (``docs/sampling.md``): whatever the drafts, the tokens are plain seeded sampling's."""
+    plain = run_session(transport, None, sampler=SAMPLED)
+    assert plain.state is SessionState.DONE, plain.error
+    truth = plain.tokens
+    with ModelDrafter(tiny_llama, target_n_vocab=256) as own:
+        source = {
+            "oracle": Oracle(truth, 0.0),
+            "wrong": Oracle(truth, 0.5),
+            "ngram": NgramDrafter(),
+            "draft-model": own,
+        }[drafter]
+        spec = Speculation(source, DraftLength(k_max=4, k_start=4))
+        result = run_session(transport, spec, sampler=SAMPLED)
+    assert result.state is SessionState.DONE, result.error
+    assert result.tokens == truth
+    if drafter != "ngram":  # (a sampled text may repeat nothing prompt lookup finds)
+        assert spec.drafted > 0
+    if drafter == "oracle":
+        assert spec.accepted == spec.drafted > 0  # every draft the sampler's: all kept
+    other = run_session(transport, None, sampler=SeededSampler.of(seed=2025, temperature=0.7))
+    assert other.tokens != truth  # another seed, other tokens: the seed is what decides
+
+
+def test_a_private_sampler_is_refused_before_anything_starts(transport) -> None:
     spec = Speculation(NgramDrafter(), DraftLength())
+
+    class Private:
+        sampling = None
+
+        def __call__(self, logits: Any, position: int, history: Any = ()) -> int:
+            return 0
 
     async def main() -> None:
         manager = SessionManager(
@@ -147,8 +187,8 @@ def test_a_sampling_session_is_refused_before_anything_starts(transport) -> None
             ScriptedRouteProvider([route("a", "b", "d")]),
             required_evidence=EvidenceClass.FIXTURE,
         )
-        with pytest.raises(SpeculationNeedsGreedy, match="not greedy"):
-            manager.start(PROMPT, max_new_tokens=4, speculation=spec, sampler=SeededSampler(seed=1))
+        with pytest.raises(SpeculationNeedsSampling, match="states no Sampling"):
+            manager.start(PROMPT, max_new_tokens=4, speculation=spec, sampler=Private())
         await manager.aclose()
 
     run_virtual(main)

@@ -26,7 +26,7 @@ from dgr_session import (
     Route,
     RouteProvider,
     RouteRefused,
-    SeededSampler,
+    Sampling,
     SessionCancelled,
     SessionDeadlineExceeded,
     SessionManager,
@@ -52,6 +52,7 @@ from dgr_session.testing import (
     run_virtual,
     settle,
 )
+from tests.reference_sampler import DocumentedSampler
 
 MODEL = FakeModel(n_layer=6, vocab=32)
 IDENTITY = fixture_identity(MODEL.n_layer)
@@ -169,9 +170,14 @@ def test_petals_case_replacement_stage_gets_the_whole_replay_from_position_zero(
             if len(accepted) == 3:
                 transport.kill("b")
 
-        def sampler(logits: Any, step: int) -> int:
-            sampled.append(step)
-            return greedy(logits, step)
+        class Counting:  # a sampler of the caller's own: the manager calls it on the logits
+            sampling = None
+
+            def __call__(self, logits: Any, position: int, history: Any = ()) -> int:
+                sampled.append(position - len(PROMPT))
+                return greedy(logits, position)
+
+        sampler = Counting()
 
         result = await manager.start(
             PROMPT, max_new_tokens=6, session_id="p", on_token=on_token, sampler=sampler
@@ -396,7 +402,7 @@ def test_aclose_cancels_everything() -> None:
 
 
 def test_seeded_sampler_is_deterministic_and_survives_route_changes() -> None:
-    sampler = SeededSampler(seed=7, temperature=300_000.0)
+    sampler = DocumentedSampler(Sampling(seed=7, temperature=300_000.0))
 
     def run(kill_at: int | None) -> tuple[int, ...]:
         transport = FakeTransport(MODEL)

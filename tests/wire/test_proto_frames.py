@@ -393,14 +393,14 @@ def test_a_frame_is_built_once_from_the_sessions_forward_and_cut_in_parts() -> N
 
     stage = make_route(["a:1"], [], identity=fixture_identity(n_layer=2)).stages[0]
     plain = forward_call(stage, "s", 1, 4, range(3, 9), (1, 2, 3, 4, 5, 6))
-    call = attrs.evolve(plain, drafts=2, kept_drafts=1, greedy=True)
+    call = attrs.evolve(plain, drafts=2, kept_drafts=1, sampled=True)
     frame = F.Frame.of_call(call, mine(MIDDLE), session_secret=b"s" * 32, timeout=2.0)
     assert frame.positions.tolist() == list(range(3, 9)) and frame.kind is ForwardKind.DECODE
     assert list(frame.logit_rows or ()) == list(range(6))  # a verification pass: every row
-    assert frame.greedy_tokens and frame.drafts == 2 and frame.kept_drafts == 1
+    assert frame.sampled_tokens and frame.drafts == 2 and frame.kept_drafts == 1
     ahead, tail = frame.part(0, 4), frame.part(4)
     assert ahead.positions.tolist() == [3, 4, 5, 6] and ahead.no_logits and not ahead.drafts
-    assert ahead.kept_drafts is None and not ahead.greedy_tokens and ahead.logit_rows is None
+    assert ahead.kept_drafts is None and not ahead.sampled_tokens and ahead.logit_rows is None
     assert tail.positions.tolist() == [7, 8] and tail.tokens is not None
     assert tail.tokens.tolist() == [5, 6] and list(tail.logit_rows or ()) == [0, 1]
     request = F.encode_frame(tail)

@@ -46,9 +46,9 @@ class ChainEpoch:
         self.predicted: dict[int, tuple[tuple[int, ...], int | None]] = {}
         self.early: dict[int, pb.ChainOutputReply] = {}
         self.ring_drafts: dict[int, tuple[int, ...]] = {}
-        self.greedy = False
-        """The session's first frame asked for greedy tokens (a native link carries only
-        such rings)."""
+        self.sampled = False
+        """The session's first frame asked for the last stage's tokens (a native link carries
+        only such rings: its last stage takes them)."""
         self.native = False
         """The epoch's frames take native links (``docs/native-path.md``)."""
         self.frame_link = False

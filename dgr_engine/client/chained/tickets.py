@@ -16,8 +16,8 @@ __all__ = ["ChainRecord", "ChainStats", "ChainTicket", "RingMismatch"]
 
 
 class RingMismatch(ShardRpcError):
-    """The session's token differs from the greedy token a ring already ran (a sampler that is
-    not greedy): the stages' state is no longer the session's. Nothing is wrong with them, so it
+    """The session's token differs from the token a ring already ran (its last stage took
+    another): the stages' state is no longer the session's. Nothing is wrong with them, so it
     is filed as ``state_lost``: the epoch ends, the session re-prefills, nobody is blamed."""
 
     fault_kind = FaultKind.STATE_LOST

@@ -11,10 +11,11 @@ holding that outcome: every later stage's forward answers from it without a call
 of the stage that failed raises its typed error, so the session blames the right stage, ends the
 epoch and re-prefills on a new route exactly as it does over the relay.
 
-With ``ring=True`` the last stage also sends each next decode step's frame (its greedy token)
-straight to the first stage; the transport finds that frame already sent when the session asks
-for it, so a token costs one pass around the ring (greedy sessions only: a session whose token
-differs from the ring's fails the epoch with a protocol error).
+With ``ring=True`` the last stage also sends each next decode step's frame (the session's
+token, its sampler's: ``docs/sampling.md``) straight to the first stage; the transport finds
+that frame already sent when the session asks for it, so a token costs one pass around the
+ring. A session that samples itself (a sampler that states no ``Sampling``) gets logits back,
+and the ring sends nothing on: the transport sends its every frame, as on a chain.
 
 At the first forward of an epoch the transport links the route (``Chain.Link`` on every stage
 but the last: the next stage's endpoint, expectations and session secret) and opens the output
@@ -63,9 +64,8 @@ from dgr_engine.wire.frames import (
     Frame,
     encode_frame,
     expectations_to_proto,
-    greedy_answered,
-    greedy_from_reply,
     output_from_reply,
+    sampled_from_reply,
 )
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_session.commands import Forward
@@ -73,6 +73,7 @@ from dgr_session.errors import DgrError, RouteStalled
 from dgr_session.identifiers import check_session_id, log_field
 from dgr_session.mtp_drafts import MtpDraftRequest
 from dgr_session.route import StageSpec
+from dgr_session.sampling import Sampling
 from dgr_session.speculation import (
     MAX_DRAFTS,
     AnyLength,
@@ -172,7 +173,7 @@ class ChainStageTransport(GrpcStageTransport):
         stage may take to answer."""
         self.ring = ring
         """Ring mode: the last stage sends each next decode step's frame to the first stage
-        itself (its greedy token); sessions must sample greedily (``docs/chain.md``)."""
+        itself (the session's token, which its sampler takes there: ``docs/chain.md``)."""
         self.capabilities = TransportCapabilities(
             prefill_frames=prefill_frames,
             runs_ahead=ring,
@@ -199,7 +200,7 @@ class ChainStageTransport(GrpcStageTransport):
             raise ValueError(f"data_path must be one of {known}, got {data_path!r}")
         self.data_path = DataPath(data_path)
         """Which path chained frames take: ``auto`` (the fastest every stage of the route
-        offers: native links for a ring's greedy session without drafts (over TLS: sealed
+        offers: native links for a ring's session without drafts (over TLS: sealed
         links only, ``wire/link_seal.py``), else the frame
         link, else gRPC), ``grpc``, ``frame`` or ``native`` (required: a route or session
         it cannot carry fails at its first frame, naming the first stage that does not offer
@@ -262,7 +263,7 @@ class ChainStageTransport(GrpcStageTransport):
         use_frame_link = False  # the epoch takes the frame link
         try:
             if native:
-                channels = await self.native_links(route, sid, greedy=chain.greedy)
+                channels = await self.native_links(route, sid, sampled=chain.sampled)
             chain.native = channels is not None
             if channels is None:
                 channels = await self.frame_links(route)
@@ -367,9 +368,10 @@ class ChainStageTransport(GrpcStageTransport):
         return targets
 
     async def native_links(
-        self, route: Sequence[StageSpec], session_id: str, *, greedy: bool
+        self, route: Sequence[StageSpec], session_id: str, *, sampled: bool
     ) -> list[ChainChannel] | None:
-        """Each stage's native link, for a ring's greedy session that drafts nothing, over a
+        """Each stage's native link, for a ring's session that drafts nothing and whose tokens
+        its last stage takes (``Forward.sampled``), over a
         route whose every stage offers one (``docs/native-path.md``); ``None`` when the epoch
         takes another path (``auto``). With ``data_path="native"`` a session or route it
         cannot carry raises :class:`_AtStage` instead (the first stage that does not offer it,
@@ -378,7 +380,7 @@ class ChainStageTransport(GrpcStageTransport):
         limits = self._limits.get(session_id)
         eligible = (
             self.ring
-            and greedy
+            and sampled
             and session_id not in self._ring_drafting  # drafts on the ring
             and session_id not in self._mtp  # MTP drafts
             and (limits is None or limits[0] >= 0)  # drafts of its own (every pass its own)
@@ -387,7 +389,8 @@ class ChainStageTransport(GrpcStageTransport):
             if not required:
                 return None
             error = ShardRpcError(
-                "a native link carries greedy rings without drafts or MTP only "
+                "a native link carries rings whose last stage samples, without drafts or MTP, "
+                "only "
                 "(data_path='native')",
                 status="DGR_E_PROTOCOL",
             )
@@ -456,8 +459,10 @@ class ChainStageTransport(GrpcStageTransport):
             await chain.aclose()
         await super().aclose()
 
-    async def open(self, stage: StageSpec, session_id: str, epoch: int) -> None:
-        await super().open(stage, session_id, epoch)
+    async def open(
+        self, stage: StageSpec, session_id: str, epoch: int, sampling: Sampling | None = None
+    ) -> None:
+        await super().open(stage, session_id, epoch, sampling)
         chain = self._chains.get((session_id, epoch))
         if chain is None:
             chain = self._chains[(session_id, epoch)] = ChainEpoch(
@@ -482,8 +487,8 @@ class ChainStageTransport(GrpcStageTransport):
             return await super().forward(call)
         loop = asyncio.get_running_loop()
         ticket = ChainTicket(step, len(positions), loop.create_future())
-        if not chain.greedy and chain.route == []:
-            chain.greedy = call.greedy  # the epoch's first frame says how it samples
+        if not chain.sampled and chain.route == []:
+            chain.sampled = call.sampled  # the epoch's first frame says how it samples
         await self._linked(chain)
         began = loop.time()  # the frame's round trip: the epoch's links are not its
         limits = self._limits.get(session_id) if self.ring else None
@@ -499,7 +504,7 @@ class ChainStageTransport(GrpcStageTransport):
                 error = RingMismatch(
                     f"the ring ran step {step} with tokens {list(predicted[0])} (kept drafts "
                     f"{predicted[1]}), the session asked for {list(token_ids)} (kept drafts "
-                    f"{call.kept_drafts}): a ring needs greedy sampling",
+                    f"{call.kept_drafts}): the ring's last stage took another token",
                     status="DGR_E_RING_MISMATCH",
                 )
                 chain.fail(0, error)
@@ -627,34 +632,37 @@ class ChainStageTransport(GrpcStageTransport):
         drafting: bool,
     ) -> None:
         """What the ring sent on by itself after ``call``'s frame: the next step's tokens, and
-        on a drafting ring the pass's kept drafts (the greedy tokens of its rows, as the ring's
-        last stage took them) and the next pass's drafts."""
-        try:  # the greedy tokens it answered, or those of its logits
-            answered = greedy_answered(reply.reply)
+        on a drafting ring the pass's kept drafts (the tokens of its rows, as the ring's last
+        stage took them) and the next pass's drafts. After a reply of logits (a session that
+        samples them itself) the frame the ring sent on says its token (``ring_next``)."""
+        sent = tuple(int(t) for t in reply.ring_next)
+        try:
+            answered = sampled_from_reply(reply.reply)
         except FrameRejected:
             return  # malformed: the session's answer (_answer) says so
-        if not answered:
+        if not answered:  # logits (a session that samples them itself): what the ring sent
+            if sent and not call.drafts and not drafting:
+                chain.predicted[call.step + 1] = ((sent[0],), None)
             return
         start = call.positions.start
         if not call.drafts:
-            greedy, kept = [answered[-1]], None
+            taken, kept = [answered[-1]], None
             position = call.positions.stop
         else:
             if len(answered) != len(call.positions):
                 return
-            greedy = list(answered)
-            kept = kept_drafts(greedy, call.token_ids[1:])
-            greedy, position = greedy[: kept + 1], start + 1 + kept
-        if any(token in stops for token in greedy):
+            taken = list(answered)
+            kept = kept_drafts(taken, call.token_ids[1:])
+            taken, position = taken[: kept + 1], start + 1 + kept
+        if any(token in stops for token in taken):
             return
-        step = call.step + len(greedy)
-        sent = tuple(int(t) for t in reply.ring_next)
+        step = call.step + len(taken)
         if drafting:  # the frame it sent (none when it sent none), drafts and all
-            if sent and sent[0] == greedy[-1]:
+            if sent and sent[0] == taken[-1]:
                 chain.predicted[step] = (sent, kept)
                 chain.ring_drafts[position] = sent[1:]
         elif not call.drafts:
-            chain.predicted[step] = ((greedy[-1],), None)
+            chain.predicted[step] = ((taken[-1],), None)
 
     def _answer(self, chain: ChainEpoch, stage: StageSpec, ticket: ChainTicket) -> StageResult:
         """Stage ``stage``'s part of the ticket's outcome: its output, or its error."""
@@ -682,9 +690,9 @@ class ChainStageTransport(GrpcStageTransport):
         if index < len(chain.route) - 1:
             return Boundary(ticket, cost)
         try:
-            greedy = greedy_from_reply(ticket.reply.reply)
-            if greedy is not None:
-                return Logits.greedy_tokens(greedy, cost)
+            sampled = sampled_from_reply(ticket.reply.reply)
+            if sampled is not None:
+                return Logits.sampled_tokens(sampled, cost)
             logits = output_from_reply(ticket.reply.reply)
         except FrameRejected as exc:
             error = FrameRejected(f"DGR_E_FRAME: malformed chained output: {exc}")

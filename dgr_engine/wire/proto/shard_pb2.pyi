@@ -75,7 +75,7 @@ class UsageRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., session_secret: _Optional[bytes] = ..., grant: _Optional[bytes] = ..., held: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class UsageRecord(_message.Message):
-    __slots__ = ("session_id", "epoch", "layer_begin", "layer_end", "forwards", "rows_prefill", "rows_decode", "rows_replay", "bytes_in", "bytes_out", "engine_seconds", "rows_draft", "rows_rejected")
+    __slots__ = ("session_id", "epoch", "layer_begin", "layer_end", "forwards", "rows_prefill", "rows_decode", "rows_replay", "bytes_in", "bytes_out", "engine_seconds", "rows_draft", "rows_rejected", "sampling")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LAYER_BEGIN_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class UsageRecord(_message.Message):
     ENGINE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ROWS_DRAFT_FIELD_NUMBER: _ClassVar[int]
     ROWS_REJECTED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     layer_begin: int
@@ -102,7 +103,8 @@ class UsageRecord(_message.Message):
     engine_seconds: float
     rows_draft: int
     rows_rejected: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., forwards: _Optional[int] = ..., rows_prefill: _Optional[int] = ..., rows_decode: _Optional[int] = ..., rows_replay: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., engine_seconds: _Optional[float] = ..., rows_draft: _Optional[int] = ..., rows_rejected: _Optional[int] = ...) -> None: ...
+    sampling: Sampling
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., layer_begin: _Optional[int] = ..., layer_end: _Optional[int] = ..., forwards: _Optional[int] = ..., rows_prefill: _Optional[int] = ..., rows_decode: _Optional[int] = ..., rows_replay: _Optional[int] = ..., bytes_in: _Optional[int] = ..., bytes_out: _Optional[int] = ..., engine_seconds: _Optional[float] = ..., rows_draft: _Optional[int] = ..., rows_rejected: _Optional[int] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
 
 class UsageReply(_message.Message):
     __slots__ = ("records",)
@@ -327,16 +329,40 @@ class Security(_message.Message):
     def __init__(self, tls: _Optional[bool] = ..., client_certificates: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "expect", "grant")
+    __slots__ = ("session_id", "epoch", "expect", "grant", "sampling")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EXPECT_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     expect: Expectations
     grant: bytes
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., grant: _Optional[bytes] = ...) -> None: ...
+    sampling: Sampling
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., grant: _Optional[bytes] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+
+class Sampling(_message.Message):
+    __slots__ = ("seed", "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "penalty_last_n")
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PENALTY_LAST_N_FIELD_NUMBER: _ClassVar[int]
+    seed: int
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    penalty_last_n: int
+    def __init__(self, seed: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., min_p: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., penalty_last_n: _Optional[int] = ...) -> None: ...
 
 class OpenSessionReply(_message.Message):
     __slots__ = ("session_id", "epoch", "next_pos", "session_secret")
@@ -369,7 +395,7 @@ class CloseSessionReply(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class ForwardRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms", "no_logits", "session_secret", "kind", "chain_hop", "chain_trace", "ring_until_step", "ring_stop", "draft_rows", "kept_drafts", "ring_draft_max", "mtp_draft_max", "greedy_tokens")
+    __slots__ = ("session_id", "epoch", "step", "expect", "expected_next_pos", "positions", "token_ids", "boundary", "logit_rows", "timeout_ms", "no_logits", "session_secret", "kind", "chain_hop", "chain_trace", "ring_until_step", "ring_stop", "draft_rows", "kept_drafts", "ring_draft_max", "mtp_draft_max", "sampled_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -391,7 +417,7 @@ class ForwardRequest(_message.Message):
     KEPT_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     RING_DRAFT_MAX_FIELD_NUMBER: _ClassVar[int]
     MTP_DRAFT_MAX_FIELD_NUMBER: _ClassVar[int]
-    GREEDY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     step: int
@@ -413,8 +439,8 @@ class ForwardRequest(_message.Message):
     kept_drafts: int
     ring_draft_max: int
     mtp_draft_max: int
-    greedy_tokens: bool
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., no_logits: _Optional[bool] = ..., session_secret: _Optional[bytes] = ..., kind: _Optional[_Union[RowKind, str]] = ..., chain_hop: _Optional[int] = ..., chain_trace: _Optional[_Iterable[_Union[HopTrace, _Mapping]]] = ..., ring_until_step: _Optional[int] = ..., ring_stop: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[int] = ..., kept_drafts: _Optional[int] = ..., ring_draft_max: _Optional[int] = ..., mtp_draft_max: _Optional[int] = ..., greedy_tokens: _Optional[bool] = ...) -> None: ...
+    sampled_tokens: bool
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., expected_next_pos: _Optional[int] = ..., positions: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., boundary: _Optional[_Union[Tensor, _Mapping]] = ..., logit_rows: _Optional[_Iterable[int]] = ..., timeout_ms: _Optional[int] = ..., no_logits: _Optional[bool] = ..., session_secret: _Optional[bytes] = ..., kind: _Optional[_Union[RowKind, str]] = ..., chain_hop: _Optional[int] = ..., chain_trace: _Optional[_Iterable[_Union[HopTrace, _Mapping]]] = ..., ring_until_step: _Optional[int] = ..., ring_stop: _Optional[_Iterable[int]] = ..., draft_rows: _Optional[int] = ..., kept_drafts: _Optional[int] = ..., ring_draft_max: _Optional[int] = ..., mtp_draft_max: _Optional[int] = ..., sampled_tokens: _Optional[bool] = ...) -> None: ...
 
 class Timings(_message.Message):
     __slots__ = ("queue_us", "compute_us", "total_us", "native_us")
@@ -429,7 +455,7 @@ class Timings(_message.Message):
     def __init__(self, queue_us: _Optional[int] = ..., compute_us: _Optional[int] = ..., total_us: _Optional[int] = ..., native_us: _Optional[int] = ...) -> None: ...
 
 class ForwardReply(_message.Message):
-    __slots__ = ("session_id", "epoch", "step", "kind", "output", "next_pos", "timings", "mtp_drafts", "mtp_draft_pos", "greedy")
+    __slots__ = ("session_id", "epoch", "step", "kind", "output", "next_pos", "timings", "mtp_drafts", "mtp_draft_pos", "sampled")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -439,7 +465,7 @@ class ForwardReply(_message.Message):
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     MTP_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     MTP_DRAFT_POS_FIELD_NUMBER: _ClassVar[int]
-    GREEDY_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     step: int
@@ -449,8 +475,8 @@ class ForwardReply(_message.Message):
     timings: Timings
     mtp_drafts: _containers.RepeatedScalarFieldContainer[int]
     mtp_draft_pos: int
-    greedy: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[OutputKind, str]] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., next_pos: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., mtp_drafts: _Optional[_Iterable[int]] = ..., mtp_draft_pos: _Optional[int] = ..., greedy: _Optional[_Iterable[int]] = ...) -> None: ...
+    sampled: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., step: _Optional[int] = ..., kind: _Optional[_Union[OutputKind, str]] = ..., output: _Optional[_Union[Tensor, _Mapping]] = ..., next_pos: _Optional[int] = ..., timings: _Optional[_Union[Timings, _Mapping]] = ..., mtp_drafts: _Optional[_Iterable[int]] = ..., mtp_draft_pos: _Optional[int] = ..., sampled: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ChainHop(_message.Message):
     __slots__ = ("endpoint", "expect", "session_secret", "tls", "frame_link", "native_link", "native_hop")

@@ -32,7 +32,7 @@ from dgr_engine.wire.frame_link import split_endpoint
 from dgr_engine.wire.metadata import chain_sender
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.wire.proto import shard_pb2_grpc
-from dgr_engine.worker.calls.frame_path import FramePath
+from dgr_engine.worker.calls.frame_path import Forwarded, FramePath
 from dgr_engine.worker.calls.registration import lenient
 from dgr_engine.worker.lifecycle.grant_gate import GrantGate
 from dgr_engine.worker.route.chain_downstream import ChainFailure, ChainLink, Downstream
@@ -296,17 +296,14 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
         except Exception as exc:
             await self.path.refuse(context, exc, request, _CHAINED, hop=_blamed(exc, hop, sender))
         try:
-            return await self._pass_on(
-                context, request, done.reply, began, (link, ring), down, failed
-            )
+            return await self._pass_on(context, done, began, (link, ring), down, failed)
         finally:
             self.path.account(done)
 
     async def _pass_on(
         self,
         context: grpc.aio.ServicerContext[Any, Any],
-        request: pb.ForwardRequest,
-        reply: pb.ForwardReply,
+        done: Forwarded,
         began: int,
         where: tuple[ChainLink | None, ChainLink | None],
         down: Downstream | None,
@@ -314,7 +311,8 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
     ) -> Downstream | None:
         """Sends a run frame's output on: to the next stage (``where``'s link), or on the last
         stage to the client's output stream (and, on a ring, ``where``'s ring link, the next
-        frame to the first stage)."""
+        frame to the first stage, with the session's token the stage took)."""
+        request, reply = done.request, done.reply
         link, ring = where
         hop = int(request.chain_hop)
         sid, epoch = request.session_id, int(request.epoch)
@@ -328,7 +326,7 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
                 native_us=t.native_us,
             ),
             bytes_in=request.ByteSize(),
-            bytes_out=reply.output.ByteSize() + 4 * len(reply.greedy),
+            bytes_out=reply.output.ByteSize() + 4 * len(reply.sampled),
         )
         if link is None:
             out = pb.ChainOutputReply(reply=reply)
@@ -337,8 +335,8 @@ class ChainServicer(shard_pb2_grpc.ChainServicer):
             frame = None
             if ring is not None:
                 drafting = self.hub.ring_drafting(sid, epoch, request)
-                frame = ring_frame(request, reply, ring, drafting)
-                if frame is not None and drafting is not None:
+                frame = ring_frame(request, reply, done.sampled, ring, drafting)
+                if frame is not None:  # what it sends on, for the client to expect
                     out.ring_next.extend(frame.token_ids)
             try:
                 self.hub.check_output(sid, epoch)  # no output stream: the ring goes no further

@@ -49,6 +49,10 @@ class SessionLookup(Protocol):
         """The MTP drafts of the session's last frame (position, drafts), once."""
         ...
 
+    def take_sampled(self, session_id: str, epoch: int) -> tuple[int, ...] | None:
+        """The tokens a last stage took from the session's last frame, once."""
+        ...
+
 
 class FrameHost(Protocol):
     """What the per-frame path needs of its worker."""
@@ -134,6 +138,9 @@ class Forwarded:
     rows: int
     compute_ns: int
     total_ns: int
+    sampled: tuple[int, ...] | None = None
+    """A last stage's tokens of the frame's logits rows (its session's sampler's), whether or
+    not the reply carries them: a ring's last stage sends the next frame with the last."""
 
 
 class FramePath:
@@ -179,8 +186,13 @@ class FramePath:
             kind=pb.OUTPUT_KIND_LOGITS if host.info.is_last else pb.OUTPUT_KIND_BOUNDARY,
             next_pos=next_pos,
         )
-        if frame.greedy_tokens and host.info.is_last:  # the tokens, not the logits
-            reply.greedy.extend(frames.greedy_of(out))
+        sampled = None
+        if host.info.is_last:  # the session's tokens of its logits rows (sessions.py)
+            sampled = host.table.take_sampled(frame.session_id, frame.epoch)
+        if frame.sampled_tokens and host.info.is_last:  # the tokens, not the logits
+            if sampled is None:
+                raise RuntimeError(f"no tokens sampled for session {frame.session_id!r}")
+            reply.sampled.extend(sampled)
         else:
             frames.fill_tensor(reply.output, out)
         if frame.mtp_draft_max:
@@ -193,7 +205,7 @@ class FramePath:
         reply.timings.native_us = result.native_ns // 1000
         total_ns = time.perf_counter_ns() - began
         reply.timings.total_us = total_ns // 1000
-        return Forwarded(request, frame, reply, rows, compute_ns, total_ns)
+        return Forwarded(request, frame, reply, rows, compute_ns, total_ns, sampled)
 
     def account(self, done: Forwarded) -> None:
         """Counts a frame :meth:`run` ran: its debug line, metrics and usage record."""

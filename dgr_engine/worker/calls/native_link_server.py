@@ -41,6 +41,7 @@ from dgr_engine.worker.reporting.metrics import WorkerMetrics
 from dgr_engine.worker.reporting.usage import UsageBook
 from dgr_session.errors import DgrError
 from dgr_session.identifiers import log_field
+from dgr_session.sampling import Sampling
 
 if TYPE_CHECKING:
     from loguru import Logger
@@ -79,9 +80,16 @@ class NativeLinkHost(Protocol):
     def meter(self) -> LoadMeter: ...
 
     def start_link(
-        self, key: int, epoch: int, hop: int, sockets: LinkSockets, notify_fd: int
+        self,
+        key: int,
+        epoch: int,
+        hop: int,
+        sockets: LinkSockets,
+        notify_fd: int,
+        sampling: Sampling,
     ) -> NativeLink:
-        """Starts the engine's link of the session keyed ``key``."""
+        """Starts the engine's link of the session keyed ``key`` (its last stage takes the
+        tokens with ``sampling``, the session's sampler)."""
         ...
 
     async def close_for(self, session_id: str, epoch: int, cause: CloseCause) -> None:
@@ -422,7 +430,10 @@ class NativeLinkServer:
         notify = os.pipe()
         try:
             key = host.table.engine_key(assembly.session_id, assembly.epoch)
-            assembly.link = host.start_link(key, assembly.epoch, assembly.hop, sockets, notify[1])
+            sampling = host.table.sampling_of(assembly.session_id, assembly.epoch)
+            assembly.link = host.start_link(
+                key, assembly.epoch, assembly.hop, sockets, notify[1], sampling
+            )
         except Exception as exc:  # noqa: BLE001 - the epoch closed meanwhile: nothing to run
             for fd in notify:
                 os.close(fd)

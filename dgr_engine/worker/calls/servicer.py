@@ -21,6 +21,7 @@ from dgr_engine.worker.lifecycle.grant_gate import GrantGate
 from dgr_engine.worker.lifecycle.peer_limits import PeerLimits, client_identity
 from dgr_engine.worker.reporting.usage import UsageBook
 from dgr_session.identifiers import is_valid_session_id
+from dgr_session.sampling import Sampling
 
 if TYPE_CHECKING:
     from loguru import Logger
@@ -62,8 +63,11 @@ class ShardHost(Protocol):
         """The route grant that permits this open (spent); raises when none does."""
         ...
 
-    async def open_session(self, session_id: str, epoch: int, *, wait: float | None) -> bool:
-        """Opens the epoch (waiting in line for a slot); True if an older one was discarded."""
+    async def open_session(
+        self, session_id: str, epoch: int, sampling: Sampling, *, wait: float | None
+    ) -> bool:
+        """Opens the epoch with the session's sampler (waiting in line for a slot); True if an
+        older one was discarded."""
         ...
 
     async def close_session(self, session_id: str, epoch: int) -> int:
@@ -100,6 +104,7 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
         try:
             frames.check_session_id(request.session_id)
             frames.check_expectations(request.expect, self.host.expect)
+            sampling = frames.sampling_from_proto(request.sampling, request.HasField("sampling"))
             client = client_identity(context.peer(), context.auth_context())
             self.host.limits.check_open(client, request.session_id)
             if not self.host.grants.enabled:  # without grants, a held session is its client's
@@ -107,14 +112,17 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             grant = self.host.admit_grant(request.grant, request.session_id, int(request.epoch))
             try:
                 discarded = await self.host.open_session(
-                    request.session_id, int(request.epoch), wait=context.time_remaining()
+                    request.session_id,
+                    int(request.epoch),
+                    sampling,
+                    wait=context.time_remaining(),
                 )
             except BaseException:
                 self.host.grants.refund(grant)
                 raise
             self.host.limits.opened(client, request.session_id)
             secret = self.host.grants.opened(request.session_id, int(request.epoch))
-            self.host.usage.opened(request.session_id, secret)
+            self.host.usage.opened(request.session_id, int(request.epoch), secret, sampling)
         except asyncio.CancelledError:
             if is_valid_session_id(request.session_id):  # else nothing was opened
                 self.host.abandon(request.session_id, int(request.epoch), "open cancelled")

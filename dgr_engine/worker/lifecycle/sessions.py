@@ -25,6 +25,7 @@ import numpy as np
 from loguru import logger
 
 from dgr_engine.engine import FloatArray, ForwardItem, ShardInfo
+from dgr_engine.engine.sampling import sample_rows
 from dgr_engine.errors import (
     EngineError,
     FrameRejected,
@@ -34,9 +35,10 @@ from dgr_engine.errors import (
     UnsupportedFeature,
 )
 from dgr_engine.numerics import Numerics
-from dgr_engine.wire.frames import FloatRows, ForwardFrame, greedy_of
+from dgr_engine.wire.frames import FloatRows, ForwardFrame
 from dgr_engine.worker.lifecycle.closes import CloseCause, CloseListener, SessionClosed, notify
 from dgr_engine.worker.lifecycle.tombstones import Tombstones
+from dgr_session.sampling import GREEDY, Sampling
 from dgr_session.speculation import kept_drafts
 
 if TYPE_CHECKING:
@@ -85,6 +87,13 @@ class _Entry:
     mtp_drafts: tuple[int, tuple[int, ...]] | None = None
     """The MTP drafts the last frame asked for (``mtp_draft_max``): (the position of the token
     they follow, the drafts); taken by the frame's reply (:meth:`SessionTable.take_mtp_drafts`)."""
+    sampling: Sampling = GREEDY
+    """The session's sampler (its open's), which a last stage applies (``docs/sampling.md``)."""
+    history: list[int] = attrs.Factory(list)
+    """A penalised sampler's last stage: the token at every position the session ran here."""
+    sampled: tuple[int, ...] | None = None
+    """The last frame's tokens (one per logits row, a last stage's), taken by its reply
+    (:meth:`SessionTable.take_sampled`)."""
 
 
 @attrs.define
@@ -127,9 +136,10 @@ class SessionTable:
         """Closes that found nothing of their epoch, kept ``tombstone_seconds``: the opens they
         overtook are refused when they arrive (``worker/lifecycle/tombstones.py``)."""
 
-    def open(self, session_id: str, epoch: int) -> bool:
-        """Opens ``(session_id, epoch)``; True if an older epoch's state was discarded. Refused
-        as stale when a close of this epoch (or a newer one) came first and found nothing."""
+    def open(self, session_id: str, epoch: int, sampling: Sampling = GREEDY) -> bool:
+        """Opens ``(session_id, epoch)`` with the session's sampler (``sampling``, which a last
+        stage applies); True if an older epoch's state was discarded. Refused as stale when a
+        close of this epoch (or a newer one) came first and found nothing."""
         if self._tombstones.blocks(session_id, epoch):
             raise StaleEpoch(
                 f"DGR_E_STALE_EPOCH: session {session_id!r} epoch {epoch} was closed by its "
@@ -146,9 +156,10 @@ class SessionTable:
         discarded = entry is not None and epoch > entry.epoch
         if entry is None or discarded:
             with self._lock:
-                self._entries[session_id] = _Entry(key, epoch, self.clock())
-        else:
+                self._entries[session_id] = _Entry(key, epoch, self.clock(), sampling=sampling)
+        else:  # the same epoch again: it starts over
             entry.last_used = self.clock()
+            entry.sampling, entry.history, entry.sampled = sampling, [], None
         if entry is not None and discarded:  # the older epoch's state is gone
             self._publish(session_id, entry.epoch, CloseCause.SUPERSEDED)
         return discarded
@@ -165,6 +176,7 @@ class SessionTable:
         try:
             with _naming(frame.session_id, entry.key):
                 self._check_mtp(frame)
+                self._check_history(frame, entry)
                 self._keep_drafts(frame, entry)
                 out = self.engine.forward(
                     entry.key,
@@ -190,6 +202,7 @@ class SessionTable:
                 entry = self._live(frame.session_id, frame.epoch)
                 with _naming(frame.session_id, entry.key):
                     self._check_mtp(frame)
+                    self._check_history(frame, entry)
                     self._keep_drafts(frame, entry)
                 live.append((index, entry))
             except EngineError as exc:
@@ -230,11 +243,46 @@ class SessionTable:
         entry.next_pos = int(frame.positions[-1]) + 1
         if frame.drafts:
             entry.verify = (entry.next_pos - frame.drafts, frame.drafts)
-        entry.mtp_drafts = None
-        if frame.mtp_draft_max and self.engine.info.is_last and out.shape[0]:
+        entry.mtp_drafts = entry.sampled = None
+        if not self.engine.info.is_last:
+            return out, entry.next_pos
+        if entry.sampling.penalized and frame.sent_ids is not None:
+            start = int(frame.positions[0])
+            del entry.history[start:]
+            entry.history.extend(int(t) for t in frame.sent_ids)
+        if out.shape[0]:  # asked for, or for a ring's next frame or the MTP drafts
+            entry.sampled = self._sample(frame, entry, out)
+        if frame.mtp_draft_max and out.shape[0]:
             with _naming(frame.session_id, entry.key):
                 entry.mtp_drafts = self._mtp_draft(frame, entry, out)
         return out, entry.next_pos
+
+    def _check_history(self, frame: ForwardFrame, entry: _Entry) -> None:
+        """A penalised sampler's last stage reads the tokens before every position: a frame
+        without its token ids is refused before anything changes."""
+        if entry.sampling.penalized and self.engine.info.is_last and frame.sent_ids is None:
+            raise FrameRejected(
+                "DGR_E_FRAME: the session's sampler has penalties, so its last stage needs "
+                "every frame's token ids (token_ids): nothing ran"
+            )
+
+    def _sample(self, frame: ForwardFrame, entry: _Entry, out: FloatRows) -> tuple[int, ...]:
+        """The session's token of each logits row ``out`` holds (the wanted rows, in order):
+        its sampler's, at the position after the row's."""
+        wanted = frame.positions if frame.want is None else frame.positions[frame.want != 0]
+        if frame.want is None:
+            wanted = wanted[-1:]
+        return tuple(sample_rows(entry.sampling, out, (wanted + 1).tolist(), entry.history))
+
+    def take_sampled(self, session_id: str, epoch: int) -> tuple[int, ...] | None:
+        """The tokens of the session's last frame (a last stage's, one per logits row), once;
+        safe from any thread."""
+        with self._lock:
+            entry = self._entries.get(session_id)
+            if entry is None or entry.epoch != epoch:
+                return None
+            held, entry.sampled = entry.sampled, None
+            return held
 
     def _check_mtp(self, frame: ForwardFrame) -> None:
         """A frame asking for MTP drafts of a last stage without the MTP block is refused
@@ -250,23 +298,24 @@ class SessionTable:
     def _mtp_draft(
         self, frame: ForwardFrame, entry: _Entry, out: FloatRows
     ) -> tuple[int, tuple[int, ...]] | None:
-        """After ``frame`` ran: the token and position the session goes on from (the greedy
+        """After ``frame`` ran: the token and position the session goes on from (the sampled
         token of the last row; after a pass, the token after the drafts it keeps, as
         ``ring_drafts.RingDrafting.next_tokens``) and the MTP block's drafts to follow it, as
         from that position (the main KV keeps the pass's rows until the next frame's
         ``kept_drafts``). ``None`` when the frame's logits do not tell."""
-        n = frame.n_rows
+        n, sampled = frame.n_rows, entry.sampled
+        if sampled is None:
+            return None
         if not frame.drafts:
             if frame.want is not None and not frame.want[-1]:
                 return None
-            token, position = int(np.argmax(out[-1])), entry.next_pos
+            token, position = sampled[-1], entry.next_pos
         else:
-            if out.shape[0] != n or frame.tokens is None:
+            if out.shape[0] != n or frame.sent_ids is None:
                 return None
-            greedy = greedy_of(out)
             base = n - frame.drafts - 1  # the row of the newest token
-            kept = kept_drafts(greedy[base:], frame.tokens[base + 1 :].tolist())
-            token, position = greedy[base + kept], int(frame.positions[base]) + 1 + kept
+            kept = kept_drafts(list(sampled[base:]), frame.sent_ids[base + 1 :].tolist())
+            token, position = sampled[base + kept], int(frame.positions[base]) + 1 + kept
         engine: MtpEngine = self.engine  # type: ignore[assignment]
         try:
             drafts = engine.mtp_draft(
@@ -351,6 +400,13 @@ class SessionTable:
         ``UnknownSession`` / ``StaleEpoch`` unless it is open; safe from any thread."""
         with self._lock:
             return self._live(session_id, epoch).key
+
+    def sampling_of(self, session_id: str, epoch: int) -> Sampling:
+        """The sampler ``(session_id, epoch)`` was opened with (a native link's last stage
+        applies it); ``UnknownSession`` / ``StaleEpoch`` unless it is open; safe from any
+        thread."""
+        with self._lock:
+            return self._live(session_id, epoch).sampling
 
     def native_ran(self, session_id: str, epoch: int) -> None:
         """A native link ran frames of ``(session_id, epoch)`` (``docs/native-path.md``): the

@@ -117,7 +117,9 @@ class Advertiser:
         info, build = self.info, self.build
         table = self._sessions()
         load = self._load()
-        token_bytes = 4 if (info.is_first or info.needs_token_ids) else 0
+        # token ids: the first stage's input, hash-routed layers', and a last stage's sampler's
+        # history (a penalised sampler reads the tokens before each row: docs/sampling.md)
+        token_bytes = 4 if (info.is_first or info.needs_token_ids or info.is_last) else 0
         return Advert(
             identity=ModelIdentity(
                 content_hash=build.model_sha256,

@@ -15,7 +15,9 @@ from collections import OrderedDict
 import attrs
 
 from dgr_engine.errors import GrantUnauthenticated
+from dgr_engine.wire.frames import sampling_to_proto
 from dgr_engine.wire.proto import shard_pb2 as pb
+from dgr_session.sampling import GREEDY, Sampling
 from dgr_session.usage import RowCounts, StageCost
 
 MAX_SESSIONS_KEPT = 4096
@@ -28,6 +30,8 @@ class _Session:
     epochs: dict[int, RowCounts] = attrs.Factory(dict)
     secrets: list[bytes] = attrs.Factory(list)
     """The secrets its opens here answered, oldest first (at most ``MAX_SECRETS_KEPT``)."""
+    samplers: dict[int, Sampling] = attrs.Factory(dict)
+    """The sampler each epoch's open carried (``docs/sampling.md``): this session's own."""
 
 
 class UsageBook:
@@ -48,11 +52,15 @@ class UsageBook:
             self._sessions.move_to_end(session_id)
         return entry
 
-    def opened(self, session_id: str, secret: bytes) -> None:
-        """An open of ``session_id`` answered ``secret``: it may read the session's usage."""
-        secrets = self._entry(session_id).secrets
-        secrets.append(bytes(secret))
-        del secrets[:-MAX_SECRETS_KEPT]
+    def opened(self, session_id: str, epoch: int, secret: bytes, sampling: Sampling) -> None:
+        """An open of ``session_id`` at ``epoch`` with ``sampling`` answered ``secret``: it
+        may read the session's usage, whose record of that epoch states the sampler."""
+        entry = self._entry(session_id)
+        entry.secrets.append(bytes(secret))
+        del entry.secrets[:-MAX_SECRETS_KEPT]
+        entry.samplers[epoch] = sampling
+        while len(entry.samplers) > MAX_SECRETS_KEPT:
+            del entry.samplers[min(entry.samplers)]
 
     def check(self, session_id: str, secret: bytes) -> None:
         """Before a ``Usage`` without the tracker's credential: ``GrantUnauthenticated``
@@ -97,6 +105,7 @@ class UsageBook:
         out = pb.UsageReply()
         entry = self._sessions.get(session_id)
         for epoch, c in sorted(entry.epochs.items() if entry is not None else ()):
+            sampling = entry.samplers.get(epoch, GREEDY) if entry is not None else GREEDY
             out.records.append(
                 pb.UsageRecord(
                     session_id=session_id,
@@ -112,6 +121,7 @@ class UsageBook:
                     engine_seconds=c.engine_seconds,
                     rows_draft=c.draft,
                     rows_rejected=c.rejected,
+                    sampling=sampling_to_proto(sampling),
                 )
             )
         return out

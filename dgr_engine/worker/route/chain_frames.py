@@ -1,13 +1,14 @@
 """The frames a stage of a chained route sends on (``docs/chain.md``): the next stage's frame
 for a frame it ran, and, on a ring's last stage, the next step's frame for the first stage
-(the greedy token of the last row its reply answered, from the greedy tokens it carries or
-its logits; on a drafting ring, the token after the kept drafts of a pass, with the next
-pass's drafts: prompt lookup's, or the MTP block's when the frames ask the last stage for
-them, ``mtp_draft_max``)."""
+(the session's token of the last row it ran, which the session's sampler took there, the
+open's: ``docs/sampling.md``; on a drafting ring, the token after the kept drafts of a pass,
+with the next pass's drafts: prompt lookup's, or the MTP block's when the frames ask the last
+stage for them, ``mtp_draft_max``)."""
 
 from __future__ import annotations
 
-from dgr_engine.wire import frames
+from collections.abc import Sequence
+
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.worker.route.chain_downstream import ChainLink
 from dgr_engine.worker.route.ring_drafts import RingDrafting
@@ -38,7 +39,7 @@ def next_frame(
         draft_rows=request.draft_rows,
         ring_draft_max=request.ring_draft_max,
         mtp_draft_max=request.mtp_draft_max,
-        greedy_tokens=request.greedy_tokens,
+        sampled_tokens=request.sampled_tokens,
     )
     if request.HasField("kept_drafts"):
         out.kept_drafts = request.kept_drafts
@@ -50,13 +51,15 @@ def next_frame(
 def ring_frame(
     request: pb.ForwardRequest,
     reply: pb.ForwardReply,
+    sampled: Sequence[int] | None,
     link: ChainLink,
     drafting: RingDrafting | None = None,
 ) -> pb.ForwardRequest | None:
-    """A ring's next frame after ``request``: the greedy token of its last logits row at the
-    next position, for the next step; on a drafting ring (``drafting``), after a pass it sent,
-    the tokens the pass kept decide the next token and its position, and the next frame
-    carries the drafts of the next pass. ``None`` when the ring stops there (no logits, the
+    """A ring's next frame after ``request``: ``sampled`` (the session's token of each of its
+    logits rows, as the stage took them) gives the token at the next position, for the next
+    step; on a drafting ring (``drafting``), after a pass it sent, the tokens the pass kept
+    decide the next token and its position, and the next frame carries the drafts of the next
+    pass. ``None`` when the ring stops there (no logits, the
     step limit, a stop token, a pass of the session's own making)."""
     n = len(request.positions)
     if request.ring_until_step <= request.step or request.no_logits or n == 0:
@@ -65,13 +68,12 @@ def ring_frame(
         return None
     if not request.draft_rows and request.logit_rows and request.logit_rows[-1] != n - 1:
         return None
-    greedy = frames.greedy_answered(reply)
-    if not greedy:
+    if not sampled:
         return None
     if drafting is None:
-        accepted, kept = [greedy[-1]], None
+        accepted, kept = [sampled[-1]], None
     else:
-        verdict = drafting.next_tokens(request, greedy)
+        verdict = drafting.next_tokens(request, sampled)
         if verdict is None:
             return None
         accepted, kept = verdict
@@ -106,7 +108,7 @@ def ring_frame(
         ring_draft_max=request.ring_draft_max,
         mtp_draft_max=request.mtp_draft_max,
         draft_rows=len(drafts),
-        greedy_tokens=request.greedy_tokens,
+        sampled_tokens=request.sampled_tokens,
     )
     if drafts:
         out.logit_rows.extend(range(1 + len(drafts)))

@@ -1,7 +1,7 @@
 """A drafting ring's last stage (``docs/speculative.md``): it keeps the session's tokens as the
-frames bring them, verifies each pass it sent (the longest run of drafts equal to the greedy
-tokens, and the token after it), and drafts the next pass by prompt lookup over those tokens,
-so a pass costs one trip around the ring and never a trip to the client.
+frames bring them, verifies each pass it sent (the longest run of drafts equal to the tokens
+its sampler took, and the token after it), and drafts the next pass by prompt lookup over
+those tokens, so a pass costs one trip around the ring and never a trip to the client.
 
 What it keeps is per (session, epoch), forgotten with the epoch (``ChainHub``)."""
 
@@ -48,12 +48,12 @@ class RingDrafting:
         return True
 
     def next_tokens(
-        self, request: pb.ForwardRequest, greedy: Sequence[int]
+        self, request: pb.ForwardRequest, sampled: Sequence[int]
     ) -> tuple[list[int], int | None] | None:
-        """The tokens the frame ``request`` gives (its greedy tokens: the kept drafts' and the
-        one after them on a pass) and how many drafts it kept (``None``: no pass), given the
-        greedy token of each row its reply answered (``greedy``); ``None`` when those do not
-        cover the rows it needs."""
+        """The tokens the frame ``request`` gives (the kept drafts' and the one after them on a
+        pass) and how many drafts it kept (``None``: no pass), given the session's token of
+        each row its reply answered (``sampled``); ``None`` when those do not cover the rows it
+        needs."""
         n = len(request.positions)
         drafts = int(request.draft_rows)
         seconds = None  # a frame this stage sent: the time of its pass around the ring
@@ -63,13 +63,13 @@ class RingDrafting:
         if not drafts:
             if seconds is not None:  # a plain pass of the ring's own
                 self.speculation.verified(0, 0, seconds)
-            return [int(greedy[-1])], None
-        if len(greedy) != n:
+            return [int(sampled[-1])], None
+        if len(sampled) != n:
             return None
-        kept = kept_drafts(list(greedy), request.token_ids[n - drafts :])
+        kept = kept_drafts(list(sampled), request.token_ids[n - drafts :])
         if seconds is not None:  # a pass this stage drafted (one of the session's own: no)
             self.speculation.verified(drafts, kept, seconds)
-        return [int(t) for t in greedy[: kept + 1]], kept
+        return [int(t) for t in sampled[: kept + 1]], kept
 
     def draft(
         self, position: int, token: int, room: int, mtp: tuple[int, ...] | None = None

@@ -1,10 +1,10 @@
-"""Greedy sessions over the relay, a chained route and a ring of in-process workers ask the
-last stage for greedy tokens (``ForwardRequest.greedy_tokens``, ``docs/wire.md``): with
-speculation on and off their tokens are the whole model's, and the last stage ships a token per
-row instead of a logits row. A sampling session still gets the logits, and samples them as over
-in-process engines. A worker that ignores the field (older than it) answers logits, and the
-session's tokens are the same. In-process workers, but slow: the sessions need the run's
-certified fixture lanes."""
+"""Sessions over the relay, a chained route and a ring of in-process workers ask the last
+stage for their tokens (``ForwardRequest.sampled_tokens``, ``docs/sampling.md``): greedy ones
+take the whole model's tokens, seeded ones the tokens dgr's sampler takes of the in-process
+engines' logits, with speculation on and off, and the last stage ships a token per row instead
+of a logits row. A worker that ignores the field answers logits, and the session samples them
+itself: the same tokens. In-process workers, but slow: the sessions need the run's certified
+fixture lanes."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from dgr_engine import ShardEngine
 from dgr_engine.client.chained import ChainStageTransport
 from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.client.routes import EndpointRouteProvider
+from dgr_engine.engine.sampling import SeededSampler
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import whole_model_greedy
 from dgr_engine.testing import EngineTransport
@@ -25,7 +26,7 @@ from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.worker import ShardWorker, WorkerConfig
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager, SessionState
 from dgr_session.drafts import DraftLength, NgramDrafter
-from dgr_session.sampling import SeededSampler
+from dgr_session.sampling import GREEDY
 from dgr_session.speculation import Speculation
 from dgr_session.testing import ScriptedRouteProvider, fixture_identity, make_route, run_virtual
 from tests import harness
@@ -35,7 +36,7 @@ KW: dict[str, Any] = OPTIONS.engine_kwargs()
 PROMPT = [11, 42, 7, 99, 11, 42, 7, 99, 11, 42]  # repeats itself: prompt lookup drafts
 N_TOKENS = 12
 N_VOCAB = 256
-SAMPLER = SeededSampler(seed=3, temperature=2.0)
+SAMPLER = SeededSampler.of(seed=3, temperature=2.0, top_p=0.9, presence_penalty=0.5)
 
 pytestmark = pytest.mark.slow  # certified lanes: `dgr certify` runs once for the whole run
 
@@ -104,7 +105,9 @@ def run_sessions(
                         PROMPT, max_new_tokens=N_TOKENS, session_id=sid, **options
                     )
                     results[sid] = await handle.wait()
-                    (usage[sid],) = await transport.client(addresses[1]).usage(sid)
+                    records = await transport.client(addresses[1]).usage(sid)
+                    assert records, (sid, results[sid].error, results[sid].reports)
+                    (usage[sid],) = records
                 await manager.aclose()
         finally:
             for w in workers:
@@ -119,51 +122,57 @@ def ngram() -> Speculation:
 
 
 @pytest.mark.parametrize("kind", ["relay", "chain", "ring"])
-def test_greedy_sessions_take_the_whole_models_tokens_from_greedy_replies(
+def test_sessions_take_their_tokens_from_the_last_stage_on_every_route_mode(
     workers: list[ShardWorker], reference: list[int], sampled: tuple[int, ...], kind: str
 ) -> None:
     sessions: list[tuple[str, dict[str, Any]]] = [
         ("plain", {}),
         ("spec", {"speculation": ngram()}),
+        ("sampling", {"sampler": SAMPLER}),
+        ("sampling-spec", {"sampler": SAMPLER, "speculation": ngram()}),
     ]
-    if kind != "ring":  # a ring takes greedy sessions only
-        sessions.append(("sampling", {"sampler": SAMPLER}))
     results, usage = run_sessions(workers, kind, sessions)
-    for sid in ("plain", "spec"):
+    for sid, _options in sessions:
         result = results[sid]
         assert result.state is SessionState.DONE, (sid, result.error)
-        assert list(result.tokens) == reference, (kind, sid)
+        want = sampled if sid.startswith("sampling") else tuple(reference)
+        assert tuple(result.tokens) == want, (kind, sid)
         # a token per row: a few bytes a reply, where a logits row alone is 1 KB
         record = usage[sid]
         assert record.bytes_out < record.forwards * 200, (kind, sid, record)
-    assert sessions[1][1]["speculation"].drafted > 0  # passes were verified from greedy tokens
-    if kind != "ring":
-        result = results["sampling"]
-        assert result.state is SessionState.DONE, result.error
-        assert result.tokens == sampled  # the logits, bit for bit as the engines give them
-        assert usage["sampling"].bytes_out > N_TOKENS * N_VOCAB * 4
+        # the stage's record states the session's own sampler, billed alike
+        assert record.sampling == (SAMPLER.sampling if sid.startswith("sampling") else GREEDY)
+    assert sessions[1][1]["speculation"].drafted > 0  # passes were verified from the tokens
 
 
 @pytest.mark.parametrize("kind", ["relay", "chain"])
-def test_a_worker_that_ignores_greedy_tokens_still_serves_greedy_sessions(
+def test_a_worker_that_ignores_the_field_still_serves_every_session(
     workers: list[ShardWorker],
     reference: list[int],
+    sampled: tuple[int, ...],
     kind: str,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     decode = frames.decode_forward
 
     def older(request: pb.ForwardRequest, *args: Any) -> frames.ForwardFrame:
-        request.ClearField("greedy_tokens")  # as a worker that never heard of field 22
+        request.ClearField("sampled_tokens")  # as a worker that never heard of field 22
         return decode(request, *args)
 
     monkeypatch.setattr(frames, "decode_forward", older)
     speculation = ngram()
     results, usage = run_sessions(
-        workers, kind, [("plain", {}), ("spec", {"speculation": speculation})]
+        workers,
+        kind,
+        [
+            ("plain", {}),
+            ("spec", {"speculation": speculation}),
+            ("sampling", {"sampler": SAMPLER, "speculation": ngram()}),
+        ],
     )
-    for sid in ("plain", "spec"):
+    for sid in ("plain", "spec", "sampling"):
         assert results[sid].state is SessionState.DONE, results[sid].error
-        assert list(results[sid].tokens) == reference, (kind, sid)
+        want = sampled if sid == "sampling" else tuple(reference)
+        assert tuple(results[sid].tokens) == want, (kind, sid)
         assert usage[sid].bytes_out > N_TOKENS * N_VOCAB * 4 // 2  # the logits came
     assert speculation.drafted > 0
