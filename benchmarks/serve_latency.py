@@ -6,9 +6,11 @@ as a client of either sees them.
 model, the same engine settings (``--threads``, context 256, batch 64: dgr's one set of
 defaults) and the same prompt as token ids (the question through the model's chat template,
 tokenized by dgr), asked through ``POST /v1/completions`` with ``stream: true``, greedy
-(temperature 0), ``--max-tokens`` at most. llama-server runs one slot and neither reuses a
-cached prompt nor keeps one in RAM (``--no-cache-prompt --cache-ram 0``), so every round
-computes its prompt as dgr does; dgr serve runs ``--spawn N`` workers for each ``--stages N``.
+(temperature 0) or, with ``--sampled``, as chat clients ask (temperature 0.7, top-p 0.9, a
+seed: each server's own sampler, dgr's on its route's last stage), ``--max-tokens`` at most.
+llama-server runs one slot and neither reuses a cached prompt nor keeps one in RAM
+(``--no-cache-prompt --cache-ram 0``), so every round computes its prompt as dgr does; dgr
+serve runs ``--spawn N`` workers for each ``--stages N``.
 
 * **first token**: from sending the request to the first streamed text (the route's opens and
   the prompt's prefill through every stage for dgr; llama-server's prefill in one process);
@@ -16,12 +18,15 @@ computes its prompt as dgr does; dgr serve runs ``--spawn N`` workers for each `
 
 Interleaved rounds: every server is started once and warmed up with one request; then each
 round asks every server once, in a rotated order. Figures are medians over ``--rounds``; the
-ratio is dgr's first token over llama-server's. The greedy answers are compared too (dgr's
+ratios are dgr's first token over llama-server's and dgr's decode over llama-server's (the
+issue's targets at 1 stage: first token <= 1.1 x, decode >= 0.9 x). The greedy answers are
+compared too (dgr's
 routes compute the whole model's tokens; llama-server's own sampler and batching may differ in
 the last bits). Prints a table, writes ``<out>/serve_latency.json`` and ``.md``.
 
     python -m benchmarks.serve_latency [--model smollm2-135m-instruct] [--stages 1 3]
-        [--rounds 5] [--max-tokens 32] [--question TEXT] [--threads 1] [--out benchmarks/out]
+        [--rounds 5] [--max-tokens 32] [--question TEXT] [--threads 1] [--sampled]
+        [--out benchmarks/out]
         [--serve-arg ARG]...
 
 ``ServerProcess`` (a ``dgr serve`` or ``llama-server`` process, started and stopped, its URL
@@ -53,6 +58,8 @@ from dgr_engine.client.text import prompt_ids
 from dgr_engine.options import EngineOptions
 from dgr_engine.tokenizer import Tokenizer
 
+SAMPLED = {"temperature": 0.7, "top_p": 0.9, "seed": 7}
+"""``--sampled``: what a chat client sends (issue 49)."""
 QUESTION = "Explain in three sentences why the sky is blue."
 """The default question (chat-templated)."""
 BENCH_OPTIONS = EngineOptions(n_threads=1, n_ctx_per_session=256, n_batch=64, max_sessions=8)
@@ -219,13 +226,19 @@ class Timing:
 
 
 def timed_completion(
-    client: httpx.Client, url: str, prompt: Sequence[int], max_tokens: int
+    client: httpx.Client,
+    url: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    sampling: dict[str, Any] | None = None,
 ) -> Timing:
-    """One greedy streamed completion of ``prompt`` (token ids) at ``url``."""
+    """One streamed completion of ``prompt`` (token ids) at ``url``: greedy, or with the
+    request fields ``sampling``."""
     body = {
         "prompt": list(prompt),
         "max_tokens": max_tokens,
         "temperature": 0,
+        **(sampling or {}),
         "stream": True,
         "stream_options": {"include_usage": True},
         "cache_prompt": False,  # llama-server's own field: compute the prompt every time
@@ -292,6 +305,7 @@ def run_benchmark(
     threads: int,
     serve_args: Sequence[str] = (),
     log: Any = print,
+    sampled: bool = False,
 ) -> dict[str, Any]:
     """Starts the servers, runs the rounds, stops every server; the result as a dict."""
     from dgr_engine.models.resolve import resolve_model
@@ -311,13 +325,14 @@ def run_benchmark(
             servers.append(ServerProcess.dgr(model, n, options=options, extra=serve_args))
         timings: dict[str, list[Timing]] = {s.name: [] for s in servers}
         with httpx.Client(timeout=REQUEST_TIMEOUT_S) as client:
+            sampling = SAMPLED if sampled else None
             for server in servers:  # warm-up: not counted
-                timed_completion(client, server.url, prompt, max_tokens)
+                timed_completion(client, server.url, prompt, max_tokens, sampling)
             for index in range(rounds):
                 order = servers[index % len(servers) :] + servers[: index % len(servers)]
                 for server in order:
                     timings[server.name].append(
-                        timed_completion(client, server.url, prompt, max_tokens)
+                        timed_completion(client, server.url, prompt, max_tokens, sampling)
                     )
                 log(f"round {index + 1}/{rounds} done")
     finally:
@@ -332,11 +347,17 @@ def run_benchmark(
         "max_tokens": max_tokens,
         "rounds": rounds,
         "threads": threads,
+        "sampling": SAMPLED if sampled else "greedy",
         "options": attrs.asdict(options),
         "rows": [
             {
                 **attrs.asdict(row),
                 "ratio_first_token": row.first_token_s / peer.first_token_s,
+                "ratio_decode": (
+                    row.decode_tps / peer.decode_tps
+                    if row.decode_tps is not None and peer.decode_tps
+                    else None
+                ),
                 "same_text_as_llama_server": row.text == peer.text,
             }
             for row in rows
@@ -360,17 +381,20 @@ def table(result: dict[str, Any]) -> str:
     """The result as a markdown table."""
     head = (
         f"`dgr serve` against `llama-server`: {result['model']}, prompt "
-        f"{result['prompt_tokens']} tokens, up to {result['max_tokens']} greedy, "
+        f"{result['prompt_tokens']} tokens, up to {result['max_tokens']} "
+        f"{'greedy' if result['sampling'] == 'greedy' else 'sampled (T 0.7, top-p 0.9)'}, "
         f"{result['threads']} thread(s) per engine, median of {result['rounds']} round(s)\n\n"
-        "| server | first token (ms) | × llama-server | decode tok/s | tokens | same text |\n"
-        "| --- | ---: | ---: | ---: | ---: | --- |\n"
+        "| server | first token (ms) | × llama-server | decode tok/s | × llama-server | tokens "
+        "| same text |\n"
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |\n"
     )
     lines = []
     for row in result["rows"]:
         decode = "-" if row["decode_tps"] is None else f"{row['decode_tps']:.1f}"
+        ratio = "-" if row.get("ratio_decode") is None else f"{row['ratio_decode']:.2f}"
         lines.append(
             f"| {row['name']} | {row['first_token_s'] * 1000:.1f} | "
-            f"{row['ratio_first_token']:.2f} | {decode} | {row['tokens']} | "
+            f"{row['ratio_first_token']:.2f} | {decode} | {ratio} | {row['tokens']} | "
             f"{'yes' if row['same_text_as_llama_server'] else 'no'} |"
         )
     return head + "\n".join(lines) + "\n"
@@ -384,6 +408,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--question", default=QUESTION)
     parser.add_argument("--threads", type=int, default=1, help="threads per engine")
+    parser.add_argument(
+        "--sampled", action="store_true", help="ask as chat clients do: T 0.7, top-p 0.9, a seed"
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     parser.add_argument(
         "--serve-arg", action="append", default=[], help="a further dgr serve argument"
@@ -408,6 +435,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             threads=args.threads,
             serve_args=args.serve_arg,
             log=log,
+            sampled=args.sampled,
         )
     except ServerFailed as exc:
         print(f"serve_latency: a server failed: {exc}", file=sys.stderr)

@@ -17,6 +17,7 @@ import numpy.typing as npt
 from dgr_engine.engine import FloatArray, ShardEngine
 from dgr_engine.errors import ShapeMismatch
 from dgr_engine.options import EngineOptions
+from dgr_session.sampling import Sampler
 
 
 class InProcessRoute:
@@ -186,6 +187,38 @@ def whole_model_reference(
             tokens.append(int(np.argmax(logits[-1][-1])))
             chain.close(index, 0)
             out.append((tokens, [step[-1] for step in logits]))
+    return out
+
+
+def whole_model_sampled(
+    model: str | os.PathLike[str],
+    prompts: Sequence[Sequence[int]],
+    n_tokens: int,
+    options: EngineOptions,
+    samplers: Sequence[Sampler],
+) -> list[list[int]]:
+    """Per prompt, the tokens its sampler (``samplers``, one a prompt: dgr's sampler, e.g.
+    ``engine.sampling.SeededSampler``) takes of the whole model's logits, fed as a route
+    session feeds its stages (the prompt in pinned chunks, then one token a call)."""
+    if n_tokens < 1:
+        raise ValueError(f"n_tokens must be >= 1, got {n_tokens}")
+    out = []
+    with ShardEngine(Path(model), **options.engine_kwargs()) as whole:
+        chain = InProcessRoute([whole])
+        for index, (prompt, sampler) in enumerate(zip(prompts, samplers, strict=True)):
+            chain.open(index, 0)
+            _, logits = chain.greedy(index, 0, prompt, 0, all_prefill_logits=False)
+            history, row = list(prompt), logits[-1][-1]
+            tokens: list[int] = []
+            while True:
+                token = int(sampler(row, len(history), history))
+                tokens.append(token)
+                history.append(token)
+                if len(tokens) == n_tokens:
+                    break
+                row = chain.forward(index, 0, [token], len(history) - 1)[-1]
+            chain.close(index, 0)
+            out.append(tokens)
     return out
 
 

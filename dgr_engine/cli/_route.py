@@ -31,7 +31,7 @@ import attrs
 from dgr_engine.argtypes import float_in, int_in
 from dgr_engine.certification.verify import LockVerifier
 from dgr_engine.client.chained import DATA_PATHS, ChainStageTransport
-from dgr_engine.client.path_choice import PathChoice, choose_path
+from dgr_engine.client.path_choice import PathChoice, StageOffer, choose_path
 from dgr_engine.client.relay import GrpcStageTransport
 from dgr_engine.client.route_modes import DataPath, RouteMode
 from dgr_engine.client.routes import EndpointRouteProvider, describe
@@ -40,7 +40,7 @@ from dgr_engine.errors import EngineError, ShardError
 from dgr_engine.options import EngineOptions
 from dgr_engine.security.tls import ClientTls
 from dgr_engine.tokenizer import Tokenizer
-from dgr_engine.wire.advert import Advert, DataPaths
+from dgr_engine.wire.advert import Advert
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager
 from dgr_session.errors import DgrError
 from dgr_session.sampling import InvalidSamplingParameter, Sampler, Sampling, greedy
@@ -425,8 +425,8 @@ class RouteStage:
     """Floats per output row: the vocabulary size on the last stage."""
     mtp: bool = False
     """The stage loaded the model's MTP block (a V4 last stage: ``--speculate mtp``)."""
-    offers: DataPaths = DataPaths()
-    """The data paths it offers besides gRPC (its advert's)."""
+    offer: StageOffer = StageOffer()
+    """The data paths and security it offers a route (its advert's)."""
 
 
 @attrs.define(eq=False)
@@ -676,7 +676,7 @@ async def open_route(
             )
             stages = tuple([await _dial(e, plan) for e in plan.endpoints])
         choice = choose_path(
-            plan.transport, plan.data_path, [s.offers for s in stages], tls=plan.tls is not None
+            plan.transport, plan.data_path, [s.offer for s in stages], tls=plan.tls is not None
         )
         notice(f"route: {choice.line()}")
         async with _stage_transport(plan, choice) as transport:
@@ -717,7 +717,7 @@ def _stage(endpoint: str, advert: Advert) -> RouteStage:
         advert.capacity.context_per_session,
         advert.seam.width_out,
         span.mtp,
-        advert.data_paths,
+        StageOffer(advert.data_paths, advert.security),
     )
 
 

@@ -7,7 +7,7 @@ decoding, in fewer passes when the drafts are good. So it is greedy only.
 
 * :func:`add_speculation_arguments`: the two options, read once into
   :class:`SpeculationSettings` at the command's edge.
-* :func:`plan_speculation`: checked before any work (the source, greedy sampling, the draft
+* :func:`plan_speculation`: checked before any work (the source, the draft
   model's file); :class:`SpeculationPlan`, or ``None`` without ``--speculate``.
 * :meth:`SpeculationPlan.check_vocab`: the draft model's vocabulary against the target's GGUF,
   once the route is planned and before any worker starts.
@@ -53,14 +53,14 @@ __all__ = [
     "speculation_line",
 ]
 
-SOURCES = ("ngram", "draft:PATH", "mtp")
+SOURCES = ("ngram", "draft:PATH", "mtp", "off")
 """``--speculate`` values, as ``--help`` names them."""
 DEFAULT_DRAFT_MAX = 8
 """``--draft-max``'s default: the adaptive draft length's ceiling."""
 
 
 class SpeculationRefused(RouteOptionsRefused):
-    """``--speculate`` cannot run as given (an unavailable source, sampling, a draft model that
+    """``--speculate`` cannot run as given (an unavailable source, a draft model that
     is missing, unreadable or of another vocabulary): nothing was started, or what was is
     stopped again."""
 
@@ -70,7 +70,7 @@ class SpeculateSource:
     """Where drafts come from."""
 
     kind: str
-    """``ngram``, ``draft`` or ``mtp``."""
+    """``ngram``, ``draft``, ``mtp``, or ``off`` (no speculation: where it is on by default)."""
     model: str | None = None
     """``draft``: the draft model as given (a GGUF path or a catalog name)."""
 
@@ -98,21 +98,26 @@ _AVAILABILITY: dict[str, Callable[[SpeculateSource], str | None]] = {
     "ngram": _always,
     "draft": _always,
     "mtp": _always,  # the route's last stage must own the block: checked on the route (open)
+    "off": _always,
 }
 """Per source kind: why it cannot run now (``None``: it can)."""
 
 
-def add_speculation_arguments(p: argparse.ArgumentParser) -> None:
-    """``--speculate SOURCE`` and ``--draft-max K``."""
+def add_speculation_arguments(
+    p: argparse.ArgumentParser, default: SpeculateSource | None = None
+) -> None:
+    """``--speculate SOURCE`` (``default`` when not given) and ``--draft-max K``."""
+    said = "off" if default is None else str(default)
     p.add_argument(
         "--speculate",
         type=SpeculateSource.parse,
-        default=None,
+        default=default,
         metavar="SOURCE",
-        help="speculative decoding, greedy only, the same text in fewer passes: ngram (drafts "
-        "from the session's own tokens), draft:PATH (a draft GGUF, or a catalog model name, "
-        "with the model's vocabulary, run in this process) or mtp (DeepSeek V4: the route's last "
-        "stage drafts with the model's MTP block)",
+        help="speculative decoding, the same text (greedy or seeded) in fewer passes: ngram "
+        "(drafts from the session's own tokens; the draft length adapts, and drafts nothing "
+        "while it does not pay), draft:PATH (a draft GGUF, or a catalog model name, with the "
+        "model's vocabulary, run in this process), mtp (DeepSeek V4: the route's last stage "
+        f"drafts with the model's MTP block) or off (default {said})",
     )
     p.add_argument(
         "--draft-max",
@@ -233,16 +238,12 @@ class SpeculationPlan:
         return Speculation(drafter, DraftLength(k_max), k_max)  # two drafts first, then adapts
 
 
-def plan_speculation(
-    speculation: SpeculationSettings,
-    sampling: SamplingSettings,
-    *,
-    notice: Notice,
-) -> SpeculationPlan | None:
+def plan_speculation(speculation: SpeculationSettings, *, notice: Notice) -> SpeculationPlan | None:
     """Checks ``--speculate`` and ``--draft-max`` before any work; ``None`` without
-    ``--speculate``. A catalog draft model is fetched if needed (``notice`` says so)."""
+    ``--speculate`` (or with ``off``). A catalog draft model is fetched if needed (``notice``
+    says so)."""
     source = speculation.source
-    if source is None:
+    if source is None or source.kind == "off":
         return None
     unavailable = _AVAILABILITY[source.kind](source)
     if unavailable is not None:

@@ -133,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     notice = sayer("dgr chat: ")  # silent under --quiet
     try:
         settings = ChatSettings.from_args(args)
-        speculate = plan_speculation(settings.speculation, settings.sampling, notice=notice)
+        speculate = plan_speculation(settings.speculation, notice=notice)
         plan = plan_route(settings.route, notice=notice)
     except (RouteOptionsRefused, InvalidSamplingParameter) as exc:
         return _refused(exc)

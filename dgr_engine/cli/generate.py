@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         sampling = settings.sampling
         if settings.check and not sampling.greedy:
             raise RouteOptionsRefused("--check compares greedy tokens: drop --temperature")
-        speculate = plan_speculation(settings.speculation, sampling, notice=notice)
+        speculate = plan_speculation(settings.speculation, notice=notice)
         plan = plan_route(settings.route, notice=notice)
     except (RouteOptionsRefused, InvalidSamplingParameter) as exc:
         return _refused(exc)

@@ -10,8 +10,10 @@ sessions, a client that goes away cancels its session, temperature 0 is the whol
 greedy answer. Errors are OpenAI's shape: 400 for a bad request (context_length_exceeded for
 a prompt the context cannot hold), 503 with Retry-After when every slot stayed busy for
 --admission-wait seconds, 502 naming the stage when the route could not be recovered.
-Speculative decoding (generate's and chat's --speculate) is not offered here yet: every request
-decodes one token per pass.
+Every request takes the fastest path the stages offer (--transport auto: a ring, its last stage
+sampling each token with the request's own parameters) and prompt-lookup speculation
+(--speculate ngram, the default; --speculate off, draft:PATH or mtp as for generate): the same
+text in fewer passes wherever the timed draft length says drafts pay.
 
     dgr serve --model smollm2-135m-instruct --spawn 3 --port 8000
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import socket
 import sys
 
@@ -41,6 +44,13 @@ from dgr_engine.cli._route import (
     plan_route,
 )
 from dgr_engine.cli._signals import sigterm_as_interrupt
+from dgr_engine.cli._speculate import (
+    SpeculateSource,
+    SpeculationPlan,
+    SpeculationSettings,
+    add_speculation_arguments,
+    plan_speculation,
+)
 from dgr_engine.serve import AdvertStages, ServedRoute, create_app, listen, serve, url_of
 from dgr_session import FailurePolicy
 
@@ -62,6 +72,8 @@ class ServeSettings:
     """``--name``: the model's name in answers (``None``: :attr:`model_name`'s default)."""
     admission_wait: float
     """``--admission-wait``: seconds a request may wait for a free session slot."""
+    speculation: SpeculationSettings
+    """``--speculate`` (default ``ngram``) and ``--draft-max``."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeSettings:
@@ -73,6 +85,7 @@ class ServeSettings:
             port=args.port,
             name=args.name,
             admission_wait=args.admission_wait,
+            speculation=SpeculationSettings.from_args(args),
         )
 
     @property
@@ -90,6 +103,7 @@ class ServeSettings:
 
 def configure(p: argparse.ArgumentParser) -> None:
     add_route_arguments(p)
+    add_speculation_arguments(p, default=SpeculateSource("ngram"))
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument(
         "--port",
@@ -116,9 +130,17 @@ def configure(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         settings = ServeSettings.from_args(args)
+        speculate = plan_speculation(settings.speculation, notice=sayer("dgr serve: "))
         plan = plan_route(settings.route, notice=sayer("dgr serve: "))
     except RouteOptionsRefused as exc:
         return _refused(str(exc))
+    if speculate is not None:
+        try:
+            speculate.check_vocab(plan.vocab)
+            speculate.check_model(plan.model)
+        except RouteOptionsRefused as exc:
+            plan.close()
+            return _refused(str(exc))
     if plan.tokenizer is None:
         plan.close()
         return _refused(
@@ -132,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
         return _refused(f"cannot listen on {settings.host}:{settings.port}: {exc.strerror or exc}")
     try:
         with sigterm_as_interrupt():
-            asyncio.run(_serve(settings, plan, sock))
+            asyncio.run(_serve(settings, plan, speculate, sock))
     except KeyboardInterrupt:  # before the server was up (starting the workers)
         print("dgr serve: interrupted", file=sys.stderr)
         return 130
@@ -144,26 +166,40 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve(settings: ServeSettings, plan: RoutePlan, sock: socket.socket) -> None:
+async def _serve(
+    settings: ServeSettings,
+    plan: RoutePlan,
+    speculate: SpeculationPlan | None,
+    sock: socket.socket,
+) -> None:
     async with open_route(plan, notice=sayer("dgr serve: ")) as handle:
         assert handle.tokenizer is not None
-        served = ServedRoute(
-            handle.manager,
-            handle.tokenizer,
-            model=settings.model_name,
-            context=handle.context,
-            stages=AdvertStages([(s.endpoint, s.layers) for s in handle.stages], tls=plan.tls),
-            policy=FailurePolicy(
-                step_deadline=plan.step_deadline, admission_budget=settings.admission_wait
-            ),
-        )
-        url = url_of(sock)
-        print(
-            f"dgr serve: {url}  (model {served.model}, {len(handle.stages)} stage(s), "
-            f"context {served.context}; the page at {url}/, the API at {url}/v1)",
-            flush=True,
-        )
-        await serve(create_app(served), sock, on_stop=lambda: _cancel_all(handle))
+        drafter = None if speculate is None else speculate.open(handle, plan.options)
+        try:
+            served = ServedRoute(
+                handle.manager,
+                handle.tokenizer,
+                model=settings.model_name,
+                context=handle.context,
+                stages=AdvertStages([(s.endpoint, s.layers) for s in handle.stages], tls=plan.tls),
+                policy=FailurePolicy(
+                    step_deadline=plan.step_deadline, admission_budget=settings.admission_wait
+                ),
+                # one drafter serves every request, each with a speculation of its own
+                speculations=None
+                if speculate is None or drafter is None
+                else functools.partial(speculate.session, drafter),
+            )
+            url = url_of(sock)
+            print(
+                f"dgr serve: {url}  (model {served.model}, {len(handle.stages)} stage(s), "
+                f"context {served.context}; the page at {url}/, the API at {url}/v1)",
+                flush=True,
+            )
+            await serve(create_app(served), sock, on_stop=lambda: _cancel_all(handle))
+        finally:
+            if drafter is not None:
+                drafter.close()
 
 
 def _cancel_all(handle: RouteHandle) -> None:

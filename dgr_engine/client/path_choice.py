@@ -3,11 +3,13 @@
 line that says what was chosen and why (``docs/data-paths.md``, "Choosing the path").
 
 Every dgr worker takes chained links (the ``Chain`` service), so ``auto`` is a **ring**: the
-last stage takes each token with the session's sampler and sends the next frame itself. Its
-links take the native path when every stage offers it (sealed ones over TLS), else the frame
-path when every stage offers it, else gRPC; a session that drafts on the ring, or with the MTP
-block, takes the frame path or gRPC (the chained transport decides per epoch, by the same rule).
-A route given as a relay or a chain keeps it.
+last stage takes each token with the session's sampler and sends the next frame itself. A
+route of TLS stages chains only when every stage dials its next over TLS (``--chain-tls-*``,
+``Security.chain_tls``); one that cannot is a **relay**. A ring's links take the native path
+when every stage offers it (sealed ones over TLS), else the frame path when every stage offers
+it, else gRPC; a session that drafts on the ring, or with the MTP block, takes the frame path or
+gRPC (the chained transport decides per epoch, by the same rule). A route given as a relay or
+a chain keeps it.
 """
 
 from __future__ import annotations
@@ -17,9 +19,17 @@ from collections.abc import Sequence
 import attrs
 
 from dgr_engine.client.route_modes import DataPath, RouteMode
-from dgr_engine.wire.advert import DataPaths
+from dgr_engine.wire.advert import DataPaths, Security
 
-__all__ = ["PathChoice", "choose_path"]
+__all__ = ["PathChoice", "StageOffer", "choose_path"]
+
+
+@attrs.frozen
+class StageOffer:
+    """What one stage's advert offers a route: its data paths and its security."""
+
+    paths: DataPaths = DataPaths()
+    security: Security = Security()
 
 
 @attrs.frozen
@@ -48,11 +58,17 @@ _LINKS = {
 
 
 def choose_path(
-    mode: RouteMode, path: DataPath, offers: Sequence[DataPaths], *, tls: bool
+    mode: RouteMode, path: DataPath, stages: Sequence[StageOffer], *, tls: bool
 ) -> PathChoice:
-    """The mode and path of a route whose stages offer ``offers`` (their adverts' data paths,
-    in route order), given what was asked (``auto`` for either leaves it to the offers);
-    ``tls``: the client dials over TLS (native links must then be sealed)."""
+    """The mode and path of a route whose stages offer ``stages`` (their adverts', in route
+    order), given what was asked (``auto`` for either leaves it to the offers); ``tls``: the
+    client dials over TLS (native links must then be sealed)."""
+    offers = [s.paths for s in stages]
+    if mode is RouteMode.AUTO:
+        secure = any(s.security.tls for s in stages)
+        if secure and not all(s.security.chain_tls for s in stages):
+            why = "a stage serves TLS and not every stage dials its next over TLS (--chain-tls-*)"
+            return PathChoice(RouteMode.RELAY, DataPath.GRPC, why)
     chosen = RouteMode.RING if mode is RouteMode.AUTO else mode
     why = "the fastest mode every dgr worker offers" if mode is RouteMode.AUTO else "as asked"
     if chosen is RouteMode.RELAY:

@@ -27,6 +27,7 @@ from dgr_session import (
     SessionState,
 )
 from dgr_session.sampling import Sampler
+from dgr_session.speculation import Speculation
 
 
 @attrs.frozen
@@ -77,6 +78,7 @@ class Generation:
         *,
         stop_tokens: Collection[int],
         policy: FailurePolicy | None = None,
+        speculation: Speculation | None = None,
     ) -> None:
         self._stream = TextStream(tokenizer)
         self._stops = StopMatcher(job.stop)
@@ -90,6 +92,7 @@ class Generation:
             sampler=job.sampler,
             on_token=self._accepted,
             policy=policy,
+            speculation=speculation,
         )
         self._ending = asyncio.get_running_loop().create_task(self._end())
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 
@@ -19,6 +19,7 @@ from dgr_engine.serve.route_view import StageSource
 from dgr_engine.tokenizer import Tokenizer
 from dgr_session import FailurePolicy, SessionManager
 from dgr_session.sampling import InvalidSamplingParameter, Sampler, Sampling, greedy
+from dgr_session.speculation import Speculation
 
 DEFAULT_TEMPERATURE = 1.0
 """A request's temperature when it gives none (OpenAI's default); 0 is greedy."""
@@ -39,6 +40,9 @@ class ServedRoute:
     """Where ``/v1/route`` reads the stages from."""
     policy: FailurePolicy | None = None
     """Each request's session policy (``None``: the manager's)."""
+    speculations: Callable[[], Speculation] | None = None
+    """Each request's speculative decoding, made new for it (``None``: none): the same text,
+    greedy or seeded, in fewer passes (``docs/speculative.md``)."""
     created: int = attrs.field(factory=lambda: int(time.time()))
     """When the server started (unix seconds)."""
     # Invariant: the tokenizer's end-of-generation tokens, read once (a pass over the vocab).
@@ -114,6 +118,7 @@ class ServedRoute:
             job,
             stop_tokens=self.eog,
             policy=self.policy,
+            speculation=None if self.speculations is None else self.speculations(),
         )
 
 

@@ -135,6 +135,8 @@ class Security:
     """The channel is TLS (else plaintext: loopback, or explicitly allowed beyond)."""
     client_certificates: bool = False
     """Mutual TLS: a client needs a certificate signed by the worker's client CA."""
+    chain_tls: bool = False
+    """The worker dials the next stage of a chained route over TLS (``--chain-tls-*``)."""
 
 
 @attrs.frozen
@@ -326,7 +328,9 @@ def advert_from_proto(msg: pb.Advert) -> Advert:
         schema_version=c.schema_version,
         artifacts=c.artifacts,
         security=Security(
-            tls=msg.security.tls, client_certificates=msg.security.client_certificates
+            tls=msg.security.tls,
+            client_certificates=msg.security.client_certificates,
+            chain_tls=msg.security.chain_tls,
         ),
         data_paths=DataPaths(
             frame_link_port=msg.data_paths.frame_link_port,

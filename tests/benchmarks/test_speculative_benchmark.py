@@ -37,14 +37,21 @@ def test_every_cell_is_measured_and_exact(tmp_path: Path) -> None:
     done = run([*args, "--rounds", "1", "--prompt", "12", "--out", str(tmp_path)])
     assert done.returncode == 0, done.stderr
     assert "shares its cores" in done.stdout
-    assert "tokens exact vs plain greedy in every cell: True" in done.stdout
+    assert "tokens exact vs the whole model's, sampler for sampler, in every cell: True" in (
+        done.stdout
+    )
     result = json.loads((tmp_path / "speculative.json").read_text())
     cells = {
-        (c["stages"], c["rtt_ms"], c["transport"], c["workload"], c["drafter"]): c
+        (c["stages"], c["rtt_ms"], c["transport"], c["workload"], c["sampling"], c["drafter"]): c
         for c in result["cells"]
     }
     want = itertools.product(
-        [2], [0.0, 10.0], speculative.TRANSPORTS, speculative.WORKLOADS, speculative.DRAFTERS
+        [2],
+        [0.0, 10.0],
+        speculative.TRANSPORTS,
+        speculative.WORKLOADS,
+        speculative.SAMPLINGS,
+        speculative.DRAFTERS,
     )
     assert set(cells) == set(want)
     assert result["exact"] is True and all(c["exact"] for c in cells.values())
@@ -53,12 +60,12 @@ def test_every_cell_is_measured_and_exact(tmp_path: Path) -> None:
         assert 0 < c["engine_ms_per_pass"] < c["ms_per_pass"], key  # the engines' share
         if c["drafter"] == "plain":
             assert c["drafted"] == 0 and c["speedup"] == 1.0 and c["route_passes"] == 9
-        if c["drafter"] == "self":  # the model as its own draft: every draft kept
+        if c["drafter"] == "self" and c["sampling"] == "greedy":  # its own draft: all kept
             assert c["acceptance"] == 1.0 and c["tokens_per_pass"] > 1.0, key
             assert c["route_passes"] < 9, key
     # the loopback targets are judged for every n-gram cell (no 4-stage 30 ms cell here)
     names = {t["name"] for t in result["targets"]}
-    assert len(names) == 4 and all(n.startswith("loopback, 2 stages") for n in names)
+    assert len(names) == 8 and all(n.startswith("loopback, 2 stages") for n in names)
     assert (tmp_path / "speculative.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -59,7 +59,10 @@ def vocab() -> str:
     ("args", "says"),
     [
         (["--speculate", "lookahead"], "argument --speculate: unknown source 'lookahead'"),
-        (["--speculate", "ngram:3"], "unknown source 'ngram:3': expected ngram, draft:PATH, mtp"),
+        (
+            ["--speculate", "ngram:3"],
+            "unknown source 'ngram:3': expected ngram, draft:PATH, mtp, off",
+        ),
         (["--speculate", "draft:"], "draft: needs a GGUF or a model name"),
         (["--speculate", "ngram", "--draft-max", "0"], "argument --draft-max: must be in [1, 16]"),
         (["--speculate", "ngram", "--draft-max", "17"], "argument --draft-max: must be in [1, 16]"),
@@ -173,7 +176,12 @@ def test_sources_parse_and_print_as_given(text: str, parsed: tuple[Any, ...]) ->
     assert str(source) == text
 
 
-def test_serve_says_it_does_not_speculate(capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_speculates_by_prompt_lookup_unless_told_otherwise(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     with pytest.raises(SystemExit):
         cli.main(["serve", "--help"])
-    assert "not offered here yet" in " ".join(capsys.readouterr().out.split())
+    assert "(default ngram)" in " ".join(capsys.readouterr().out.split())
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    assert "(default off)" in " ".join(capsys.readouterr().out.split())

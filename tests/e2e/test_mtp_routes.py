@@ -46,7 +46,7 @@ def test_mtp_drafts_keep_plain_greedy_tokens_over_every_transport(mtp_evidence: 
         for kind in TRANSPORTS:
             run = f[kind]
             assert run["tokens"] == f["expected_tokens"], (stages, kind)
-            assert run["drafter"] == ("ring" if kind == "ring" else "mtp")
+            assert run["drafter"] == "mtp"  # on a ring, the last stage's MTP block
             assert run["passes"] > 0 and run["drafted"] > 0, (stages, kind)
             assert run["mtp_drafts_made"] > 0
         assert f["draft_ms_per_token"] is not None and f["draft_ms_per_token"] > 0

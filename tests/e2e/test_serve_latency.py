@@ -20,7 +20,7 @@ def test_the_benchmark_measures_dgr_serve_against_llama_server(
     serve_args += [f"--serve-arg={a}" for a in ["--evidence", str(lane.evidence)]]
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.serve_latency", "--stages", "1", "--rounds", "1"]
-        + ["--max-tokens", "4", "--out", str(tmp_path), *serve_args],
+        + ["--max-tokens", "4", "--sampled", "--out", str(tmp_path), *serve_args],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -34,5 +34,6 @@ def test_the_benchmark_measures_dgr_serve_against_llama_server(
     for row in rows.values():
         assert 0 < row["first_token_s"] < 60 and len(row["runs"]) == 1
         assert row["tokens"] >= 2 and row["decode_tps"] > 0
-    assert rows["llama-server"]["ratio_first_token"] == 1.0
+    assert rows["llama-server"]["ratio_first_token"] == rows["llama-server"]["ratio_decode"] == 1.0
+    assert result["sampling"]["temperature"] == 0.7  # asked as a chat client asks
     assert (tmp_path / "serve_latency.md").read_text().startswith("`dgr serve` against")

@@ -14,8 +14,10 @@ epoch and re-prefills on a new route exactly as it does over the relay.
 With ``ring=True`` the last stage also sends each next decode step's frame (the session's
 token, its sampler's: ``docs/sampling.md``) straight to the first stage; the transport finds
 that frame already sent when the session asks for it, so a token costs one pass around the
-ring. A session that samples itself (a sampler that states no ``Sampling``) gets logits back,
-and the ring sends nothing on: the transport sends its every frame, as on a chain.
+ring. A session that samples itself (a sampler that states no ``Sampling``) gets logits back;
+its open carried no sampler, so the ring's last stage runs on with the greedy token and says so
+(``ChainOutputReply.ring_next``), and a session whose own token differs fails the epoch
+(``RingMismatch``: nobody is blamed) and re-prefills.
 
 At the first forward of an epoch the transport links the route (``Chain.Link`` on every stage
 but the last: the next stage's endpoint, expectations and session secret) and opens the output
@@ -102,11 +104,12 @@ __all__ = ["DATA_PATHS", "ChainStageTransport"]
 @attrs.define(eq=False)
 class _RingDrafts:
     """A drafting ring's session's draft source: the drafts of the pass the ring's last stage
-    already sent (none when it sent none: the session then sends the newest token alone)."""
+    already sent (none when it sent none: the session then sends the newest token alone),
+    named for what drafts them there (``ngram``, ``mtp``)."""
 
     transport: ChainStageTransport
     session_id: str
-    name = "ring"
+    name: str = "ngram"
 
     def propose(self, history: Sequence[int], k: int) -> tuple[int, ...]:
         return self.transport.ring_drafts(self.session_id, len(history) - 1)[:k]
@@ -442,7 +445,10 @@ class ChainStageTransport(GrpcStageTransport):
             self._ring_drafting.pop(next(iter(self._ring_drafting)))
         # the tally stays the caller's: the counts are the session's, wherever drafts come from
         return attrs.evolve(
-            speculation, drafter=_RingDrafts(self, sid), length=AnyLength(), max_drafts=k_max
+            speculation,
+            drafter=_RingDrafts(self, sid, "mtp" if sid in self._ring_mtp else "ngram"),
+            length=AnyLength(),
+            max_drafts=k_max,
         )
 
     def ring_drafts(self, session_id: str, position: int) -> tuple[int, ...]:

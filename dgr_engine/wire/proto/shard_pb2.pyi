@@ -321,12 +321,14 @@ class DataPaths(_message.Message):
     def __init__(self, frame_link_port: _Optional[int] = ..., native_link_port: _Optional[int] = ..., native_link_sealed: _Optional[bool] = ...) -> None: ...
 
 class Security(_message.Message):
-    __slots__ = ("tls", "client_certificates")
+    __slots__ = ("tls", "client_certificates", "chain_tls")
     TLS_FIELD_NUMBER: _ClassVar[int]
     CLIENT_CERTIFICATES_FIELD_NUMBER: _ClassVar[int]
+    CHAIN_TLS_FIELD_NUMBER: _ClassVar[int]
     tls: bool
     client_certificates: bool
-    def __init__(self, tls: _Optional[bool] = ..., client_certificates: _Optional[bool] = ...) -> None: ...
+    chain_tls: bool
+    def __init__(self, tls: _Optional[bool] = ..., client_certificates: _Optional[bool] = ..., chain_tls: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
     __slots__ = ("session_id", "epoch", "expect", "grant", "sampling")

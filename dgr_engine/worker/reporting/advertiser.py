@@ -170,6 +170,7 @@ class Advertiser:
             security=Security(
                 tls=self.config.tls is not None,
                 client_certificates=self.config.tls is not None and self.config.tls.mutual,
+                chain_tls=self.config.chain_tls is not None,
             ),
             data_paths=self._data_paths(),
             health=Health(
