@@ -39,12 +39,34 @@ struct more_likely {
     }
 };
 
-// the `size` most likely of `pool`, most likely first (pool reordered)
-void most_likely(std::vector<int32_t> & pool, size_t size, const more_likely & order) {
-    if (size < pool.size()) {
-        std::nth_element(pool.begin(), pool.begin() + (std::ptrdiff_t) size, pool.end(), order);
+// the `size` most likely of all tokens, most likely first: one pass keeping the best `size`
+// in a heap whose top is the least likely of them (the ranking is a strict total order, so the
+// set is unique), then those ranked
+std::vector<int32_t> most_likely(const std::vector<double> & s, size_t size) {
+    const size_t n = s.size();
+    const more_likely order{&s};
+    std::vector<int32_t> top;
+    if (size >= n) {
+        top.resize(n);
+        for (size_t i = 0; i < n; ++i) {
+            top[i] = (int32_t) i;
+        }
+    } else {
+        top.reserve(size);
+        for (size_t i = 0; i < n; ++i) {
+            const auto id = (int32_t) i;
+            if (top.size() < size) {
+                top.push_back(id);
+                std::push_heap(top.begin(), top.end(), order);
+            } else if (order(id, top.front())) {
+                std::pop_heap(top.begin(), top.end(), order);
+                top.back() = id;
+                std::push_heap(top.begin(), top.end(), order);
+            }
+        }
     }
-    std::sort(pool.begin(), pool.begin() + (std::ptrdiff_t) std::min(size, pool.size()), order);
+    std::sort(top.begin(), top.end(), order);
+    return top;
 }
 
 }  // namespace
@@ -97,7 +119,11 @@ int dgr_sample_row(const dgr_sampling * p, const float * logits, uint32_t n_voca
         return refuse(why, why_size, DGR_E_INVALID_ARGUMENT, "no logits, no vocabulary or no output");
     }
     const size_t n = n_vocab;
-    std::vector<double> s(n);
+    // the thread's own buffers, kept between calls: a vocabulary-sized allocation a token costs
+    // more in fresh pages than the arithmetic
+    thread_local std::vector<double> s;
+    thread_local std::vector<double> w;
+    s.resize(n);
     for (size_t i = 0; i < n; ++i) {
         if (!std::isfinite(logits[i])) {
             char text[96];
@@ -143,87 +169,101 @@ int dgr_sample_row(const dgr_sampling * p, const float * logits, uint32_t n_voca
     for (size_t i = 1; i < n; ++i) {
         top = std::max(top, s[i]);
     }
-    std::vector<double> w(n);
-    for (size_t i = 0; i < n; ++i) {
-        w[i] = std::exp((s[i] - top) / p->temperature);
-    }
-    // 4. the kept set: top-k, then top-p, then min-p
-    const more_likely order{&s};
-    std::vector<char> kept(n, 1);
-    const bool cuts_k = p->top_k > 0 && (size_t) p->top_k < n;
-    std::vector<int32_t> pool;
-    if (cuts_k || p->top_p < 1) {
-        pool.resize(n);
-        for (size_t i = 0; i < n; ++i) {
-            pool[i] = (int32_t) i;
+    // 4. the kept set: top-k, then top-p, then min-p. `all`: every token is kept (no list);
+    //    else `kept` lists them, in ranking order until the draw sorts them by id. Only the
+    //    weights of tokens still kept after top-k are ever read: only those are computed.
+    bool all = true;
+    std::vector<int32_t> kept;
+    w.resize(n);
+    const auto weigh = [&](size_t i) { w[i] = std::exp((s[i] - top) / p->temperature); };
+    if (p->top_k > 0 && (size_t) p->top_k < n) {
+        kept = most_likely(s, (size_t) p->top_k);
+        all = false;
+        for (int32_t i : kept) {
+            weigh((size_t) i);
         }
-    }
-    if (cuts_k) {
-        most_likely(pool, (size_t) p->top_k, order);
-        pool.resize((size_t) p->top_k);
-        std::fill(kept.begin(), kept.end(), 0);
-        for (int32_t i : pool) {
-            kept[(size_t) i] = 1;
+    } else {
+        for (size_t i = 0; i < n; ++i) {
+            weigh(i);
         }
     }
     if (p->top_p < 1) {
-        double total = 0;
-        for (size_t i = 0; i < n; ++i) {
-            if (kept[i]) {
+        double total = 0;  // the kept weight, summed in ascending id order
+        if (all) {
+            for (size_t i = 0; i < n; ++i) {
                 total = total + w[i];
+            }
+        } else {
+            std::vector<int32_t> by_id(kept);
+            std::sort(by_id.begin(), by_id.end());
+            for (int32_t i : by_id) {
+                total = total + w[(size_t) i];
             }
         }
         const double need = p->top_p * total;
-        size_t end = pool.size();  // the nucleus: pool[0, end)
-        const size_t steps[] = {64, 1024, pool.size()};
-        for (size_t size : steps) {
-            size = std::min(size, pool.size());
-            if (!cuts_k) {
-                most_likely(pool, size, order);
-            }
+        const size_t steps[] = {64, 1024, n};
+        for (size_t size : steps) {  // the nucleus: the shortest ranking prefix reaching `need`
+            std::vector<int32_t> ranked = all ? most_likely(s, size) : kept;
             double cumulative = 0;
-            size_t i = 0;
-            for (; i < size; ++i) {
-                cumulative = cumulative + w[(size_t) pool[i]];
+            size_t end = 0;
+            while (end < ranked.size()) {
+                cumulative = cumulative + w[(size_t) ranked[end]];
+                end += 1;
                 if (cumulative >= need) {
                     break;
                 }
             }
-            if (i < size) {
-                end = i + 1;
+            const bool reached = cumulative >= need;
+            if (reached || ranked.size() >= (all ? n : kept.size())) {
+                ranked.resize(end);  // reached, or rounding kept it under: the whole set
+                kept.swap(ranked);
+                all = false;
                 break;
             }
-            if (size == pool.size()) {
-                end = size;  // rounding kept the sum under `need`: the whole set
-                break;
-            }
-        }
-        std::fill(kept.begin(), kept.end(), 0);
-        for (size_t i = 0; i < end; ++i) {
-            kept[(size_t) pool[i]] = 1;
         }
     }
     if (p->min_p > 0) {
-        for (size_t i = 0; i < n; ++i) {
-            if (w[i] < p->min_p) {
-                kept[i] = 0;
+        if (all) {
+            for (size_t i = 0; i < n; ++i) {
+                if (!(w[i] < p->min_p)) {
+                    kept.push_back((int32_t) i);
+                }
             }
+            all = false;
+        } else {
+            kept.erase(std::remove_if(kept.begin(), kept.end(),
+                                      [&](int32_t i) { return w[(size_t) i] < p->min_p; }),
+                       kept.end());
         }
     }
     // 5. the draw: one uniform number of (seed, position), walked over the kept tokens in id order
-    double sum = 0;
-    for (size_t i = 0; i < n; ++i) {
-        if (kept[i]) {
+    const double u = dgr_sample_uniform(p->seed, position);
+    int32_t chosen = -1;
+    if (all) {
+        double sum = 0;
+        for (size_t i = 0; i < n; ++i) {
             sum = sum + w[i];
         }
-    }
-    const double target = dgr_sample_uniform(p->seed, position) * sum;
-    double cumulative = 0;
-    int32_t chosen = -1;
-    for (size_t i = 0; i < n; ++i) {
-        if (kept[i]) {
+        const double target = u * sum;
+        double cumulative = 0;
+        for (size_t i = 0; i < n; ++i) {
             cumulative = cumulative + w[i];
             chosen = (int32_t) i;
+            if (cumulative > target) {
+                break;
+            }
+        }
+    } else {
+        std::sort(kept.begin(), kept.end());
+        double sum = 0;
+        for (int32_t i : kept) {
+            sum = sum + w[(size_t) i];
+        }
+        const double target = u * sum;
+        double cumulative = 0;
+        for (int32_t i : kept) {
+            cumulative = cumulative + w[(size_t) i];
+            chosen = i;
             if (cumulative > target) {
                 break;
             }
