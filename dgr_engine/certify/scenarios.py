@@ -557,11 +557,13 @@ async def isolation(
     bad = compare(results, reference, range(1, n))
     cancelled = results[0].state.value == "cancelled"
     ok = not bad and cancelled and bool(kills) and results[1].route_changes >= 1
+    victim = results[1]
+    ended = victim.state.value if victim.error is None else f"{victim.state.value}: {victim.error}"
     detail = (
         f"{n} concurrent sessions; session 0 cancelled at {half} tokens "
         f"({'cancelled' if cancelled else results[0].state.value}), session 1's stage state "
-        f"killed (route changes {results[1].route_changes}); sessions with tokens not equal "
-        f"to the whole model's: {bad or 'none'}"
+        f"killed (route changes {victim.route_changes}, {len(victim.tokens)} tokens, "
+        f"{ended[:300]}); sessions with tokens not equal to the whole model's: {bad or 'none'}"
     )
     figures = (
         Figure("isolation.sessions", float(n), "sessions", "2 stages"),
