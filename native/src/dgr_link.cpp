@@ -571,6 +571,10 @@ bool dgr_link::one_frame(int fd) {
     for (uint32_t i = 0; i < h.n_rows; ++i) {
         positions[i] = h.pos + (int32_t) i;
     }
+    if (info.is_last && dgr_sampling_penalized(&params.sampling) != 0 && (size_t) h.pos > history.size()) {
+        // a penalised sampler reads every token before its position: none may be missing
+        return malformed("a frame after a gap in the session's tokens (a penalised sampler reads them all)");
+    }
     if (!take_budget()) {
         end(DGR_LINK_STATE_ENDED, DGR_OK, 0, "the link was stopped");
         return false;

@@ -250,7 +250,9 @@ def test_peers_benchmark_end_to_end(
     native = result["speeds"]["speeds"]["dgr 2 ring-native"]["parts_ms"]
     # no Python on a native ring's path: its engine time is all llama.cpp's, and no worker code
     assert native["client"] == 0.0 and native["llama.cpp"] == native["engine"] > 0, native
-    assert native["worker"] == 0.0 and native["transit"] > 0, native
+    # (its transit is the wall time less the engines': a ring runs ahead of the client's
+    # clock, so on a tiny model it can come out a hair below zero; it is not checked)
+    assert native["worker"] == 0.0, native
     hops = result["hop_cost"]["rows"]
     assert [row["path"] for row in hops] == ["tcp echo", "frame link", "grpc"]
     assert all(math.isfinite(row["hop_ms"]) and row["hop_ms"] > 0 for row in hops)

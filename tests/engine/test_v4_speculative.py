@@ -237,18 +237,18 @@ def test_a_v4_worker_takes_draft_rows_and_drops_the_rejected_ones(tiny_v4: Path)
         drafts = [tokens[1], tokens[2], (tokens[3] + 1) % N_VOCAB, tokens[4]]
         verify = frame(1, p, [tokens[0], *drafts], logit_rows=range(5), drafts=4)
         assert verify.drafts == 4
-        rows, next_pos = table.forward(verify)
+        rows, next_pos, _ = table.forward(verify)
         assert next_pos == p + 5 and rows.shape == (5, N_VOCAB)
         for i in range(3):
             assert np.array_equal(rows[i], logits[i + 1])
         assert int(np.argmax(rows[2])) == tokens[3] != drafts[2]
         wrong = [(t + 1) % N_VOCAB for t in tokens[5:8]] * 6
-        rows, next_pos = table.forward(
+        rows, next_pos, _ = table.forward(
             frame(
                 2, p + 3, [tokens[3], *wrong[:16]], logit_rows=range(17), drafts=16, kept_drafts=2
             )
         )
         assert next_pos == p + 20 and np.array_equal(rows[0], logits[4])
-        out, next_pos = table.forward(frame(3, p + 4, [tokens[4]], kept_drafts=0))
+        out, next_pos, _ = table.forward(frame(3, p + 4, [tokens[4]], kept_drafts=0))
         assert next_pos == p + 5 and np.array_equal(out[-1], logits[5])
         assert engine.next_pos(1, 0) == p + 5

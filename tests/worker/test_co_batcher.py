@@ -18,6 +18,7 @@ from dgr_engine.errors import ShardDeadlineExceeded, UnknownSession
 from dgr_engine.wire.frames import ForwardFrame
 from dgr_engine.worker.engine_access.co_batch import CoBatchConfig, CoBatcher, co_batch_rows
 from dgr_engine.worker.engine_access.engine_thread import EngineThread
+from dgr_engine.worker.lifecycle.sessions import Ran
 
 
 def frame(session: str, rows: int, step: int = 0) -> ForwardFrame:
@@ -55,7 +56,7 @@ class Recorder:
             if f.session_id == "gone":
                 out.append(UnknownSession("DGR_E_UNKNOWN_SESSION: gone"))
             else:
-                out.append((np.zeros((f.n_rows, 2), dtype=np.float32), int(f.positions[-1]) + 1))
+                out.append(Ran(np.zeros((f.n_rows, 2), dtype=np.float32), int(f.positions[-1]) + 1))
         return out
 
 

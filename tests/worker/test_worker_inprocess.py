@@ -124,7 +124,7 @@ def test_session_table_mirrors_the_engine(tiny_llama: Path) -> None:
     with ShardEngine(tiny_llama, layers=(0, 2), **KW) as engine:
         table = SessionTable(engine)
         assert table.open("a", 3) is False
-        out, next_pos = table.forward(frame("a", 3, 0, [1, 2, 3]))
+        out, next_pos, _ = table.forward(frame("a", 3, 0, [1, 2, 3]))
         assert out.shape == (3, 64) and next_pos == 3
         assert table.snapshot().kv_tokens_used == 3
         with pytest.raises(E.StaleEpoch, match="'a' epoch 2 is older than the open epoch 3"):
@@ -191,7 +191,7 @@ def test_the_table_expires_sessions_unused_for_the_lease(tiny_llama: Path) -> No
         assert table.oldest_use() == 1019.0
         # the slot is free again; the kept session's KV is untouched
         table.open("idle", 0)
-        out, next_pos = table.forward(frame("busy", 2, 3, [4]))
+        out, next_pos, _ = table.forward(frame("busy", 2, 3, [4]))
         assert next_pos == 4 and out.shape == (1, 64)
 
 

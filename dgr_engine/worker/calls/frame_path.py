@@ -49,10 +49,6 @@ class SessionLookup(Protocol):
         """The MTP drafts of the session's last frame (position, drafts), once."""
         ...
 
-    def take_sampled(self, session_id: str, epoch: int) -> tuple[int, ...] | None:
-        """The tokens a last stage took from the session's last frame, once."""
-        ...
-
 
 class FrameHost(Protocol):
     """What the per-frame path needs of its worker."""
@@ -186,13 +182,9 @@ class FramePath:
             kind=pb.OUTPUT_KIND_LOGITS if host.info.is_last else pb.OUTPUT_KIND_BOUNDARY,
             next_pos=next_pos,
         )
-        sampled = None
-        if host.info.is_last:  # the session's tokens of its logits rows (sessions.py)
-            sampled = host.table.take_sampled(frame.session_id, frame.epoch)
+        sampled = result.sampled  # the session's tokens of its logits rows (sessions.py)
         if frame.sampled_tokens and host.info.is_last:  # the tokens, not the logits
-            if sampled is None:
-                raise RuntimeError(f"no tokens sampled for session {frame.session_id!r}")
-            reply.sampled.extend(sampled)
+            reply.sampled.extend(sampled or ())
         else:
             frames.fill_tensor(reply.output, out)
         if frame.mtp_draft_max:

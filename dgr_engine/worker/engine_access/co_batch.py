@@ -37,6 +37,7 @@ import attrs
 
 from dgr_engine.wire.frames import FloatRows, ForwardFrame
 from dgr_engine.worker.engine_access.engine_thread import EngineThread, expired_in_queue
+from dgr_engine.worker.lifecycle.sessions import Ran
 from dgr_session.speculation import REPACKED_PASS_ROWS, verify_rows
 
 
@@ -55,9 +56,11 @@ class FrameResult(NamedTuple):
     share of the call's rows)."""
     native_ns: int = 0
     """Of ``compute_ns``, the nanoseconds inside llama.cpp (co-batched: its share, likewise)."""
+    sampled: tuple[int, ...] | None = None
+    """A last stage's tokens of the output's logits rows (``SessionTable``'s ``Ran``)."""
 
 
-RunBatch = Callable[[Sequence[ForwardFrame]], list[tuple[FloatRows, int] | Exception]]
+RunBatch = Callable[[Sequence[ForwardFrame]], list[Ran | Exception]]
 
 
 @attrs.define
@@ -233,13 +236,14 @@ class CoBatcher:
                 if isinstance(out, Exception):
                     results[index] = out
                     continue
-                rows, next_pos = out
                 # the frame's share of the call, by rows, is its compute (usage, metrics); the
                 # rest of the call it spent waiting on other sessions' rows counts as queueing
                 share = took * batch[index].frame.n_rows // total_rows
                 queued = began - batch[index].enqueued_ns + took - share
                 native_share = native * batch[index].frame.n_rows // total_rows
-                results[index] = FrameResult(rows, next_pos, queued, share, native_share)
+                results[index] = FrameResult(
+                    out.rows, out.next_pos, queued, share, native_share, out.sampled
+                )
         return [result for result in results if result is not None]
 
 

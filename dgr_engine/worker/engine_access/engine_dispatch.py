@@ -88,15 +88,16 @@ class EngineDispatch:
         self._meter.started()
         native = self._table.native_ns
         try:
-            out, next_pos = self._table.forward(frame)
+            ran = self._table.forward(frame)
         finally:
             self._meter.stopped()
         return FrameResult(
-            out,
-            next_pos,
+            ran.rows,
+            ran.next_pos,
             started - enqueued_ns,
             time.perf_counter_ns() - started,
             self._table.native_ns - native,
+            ran.sampled,
         )
 
     async def run_on_engine(

@@ -18,7 +18,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import attrs
 import numpy as np
@@ -91,9 +91,16 @@ class _Entry:
     """The session's sampler (its open's), which a last stage applies (``docs/sampling.md``)."""
     history: list[int] = attrs.Factory(list)
     """A penalised sampler's last stage: the token at every position the session ran here."""
+
+
+class Ran(NamedTuple):
+    """What a frame's run gives: its output rows, the session's next position and, on a last
+    stage, the session's token of each logits row (its sampler's: ``docs/sampling.md``)."""
+
+    rows: FloatRows
+    next_pos: int
     sampled: tuple[int, ...] | None = None
-    """The last frame's tokens (one per logits row, a last stage's), taken by its reply
-    (:meth:`SessionTable.take_sampled`)."""
+    """``None``: not a last stage, or no logits rows."""
 
 
 @attrs.define
@@ -159,7 +166,7 @@ class SessionTable:
                 self._entries[session_id] = _Entry(key, epoch, self.clock(), sampling=sampling)
         else:  # the same epoch again: it starts over
             entry.last_used = self.clock()
-            entry.sampling, entry.history, entry.sampled = sampling, [], None
+            entry.sampling, entry.history = sampling, []
         if entry is not None and discarded:  # the older epoch's state is gone
             self._publish(session_id, entry.epoch, CloseCause.SUPERSEDED)
         return discarded
@@ -170,7 +177,7 @@ class SessionTable:
         an engine that does not say)."""
         return int(getattr(self.engine, "native_ns", 0))
 
-    def forward(self, frame: ForwardFrame) -> tuple[FloatRows, int]:
+    def forward(self, frame: ForwardFrame) -> Ran:
         """Runs the frame; returns the output rows and the session's next position."""
         entry = self._live(frame.session_id, frame.epoch)
         try:
@@ -190,12 +197,10 @@ class SessionTable:
             entry.last_used = self.clock()  # a refused frame still shows the client is there
         return self._finish(frame, entry, out)
 
-    def forward_batch(
-        self, frames: Sequence[ForwardFrame]
-    ) -> list[tuple[FloatRows, int] | Exception]:
+    def forward_batch(self, frames: Sequence[ForwardFrame]) -> list[Ran | Exception]:
         """Runs frames of distinct sessions in one engine call (co-batching); each frame's
         result is what :meth:`forward` would return or raise for it alone, in frame order."""
-        results: list[tuple[FloatRows, int] | Exception | None] = [None] * len(frames)
+        results: list[Ran | Exception | None] = [None] * len(frames)
         live: list[tuple[int, _Entry]] = []
         for index, frame in enumerate(frames):
             try:
@@ -231,7 +236,7 @@ class SessionTable:
                 results[index] = exc
         return [result for result in results if result is not None]
 
-    def _finish(self, frame: ForwardFrame, entry: _Entry, out: FloatRows) -> tuple[FloatRows, int]:
+    def _finish(self, frame: ForwardFrame, entry: _Entry, out: FloatRows) -> Ran:
         """After the engine ran ``frame``: refuses (and closes) output that is not finite, else
         advances the mirrored position."""
         if not np.isfinite(out).all():  # its KV holds them too: nobody may continue it
@@ -243,19 +248,20 @@ class SessionTable:
         entry.next_pos = int(frame.positions[-1]) + 1
         if frame.drafts:
             entry.verify = (entry.next_pos - frame.drafts, frame.drafts)
-        entry.mtp_drafts = entry.sampled = None
+        entry.mtp_drafts = None
         if not self.engine.info.is_last:
-            return out, entry.next_pos
+            return Ran(out, entry.next_pos)
         if entry.sampling.penalized and frame.sent_ids is not None:
             start = int(frame.positions[0])
             del entry.history[start:]
             entry.history.extend(int(t) for t in frame.sent_ids)
-        if out.shape[0]:  # asked for, or for a ring's next frame or the MTP drafts
-            entry.sampled = self._sample(frame, entry, out)
-        if frame.mtp_draft_max and out.shape[0]:
+        # the tokens go with the rows (asked for, or for a ring's next frame or the MTP drafts):
+        # a close that lands before the reply is sent cannot take them from it
+        sampled = self._sample(frame, entry, out) if out.shape[0] else None
+        if frame.mtp_draft_max and sampled is not None:
             with _naming(frame.session_id, entry.key):
-                entry.mtp_drafts = self._mtp_draft(frame, entry, out)
-        return out, entry.next_pos
+                entry.mtp_drafts = self._mtp_draft(frame, entry, out, sampled)
+        return Ran(out, entry.next_pos, sampled)
 
     def _check_history(self, frame: ForwardFrame, entry: _Entry) -> None:
         """A penalised sampler's last stage reads the tokens before every position: a frame
@@ -274,16 +280,6 @@ class SessionTable:
             wanted = wanted[-1:]
         return tuple(sample_rows(entry.sampling, out, (wanted + 1).tolist(), entry.history))
 
-    def take_sampled(self, session_id: str, epoch: int) -> tuple[int, ...] | None:
-        """The tokens of the session's last frame (a last stage's, one per logits row), once;
-        safe from any thread."""
-        with self._lock:
-            entry = self._entries.get(session_id)
-            if entry is None or entry.epoch != epoch:
-                return None
-            held, entry.sampled = entry.sampled, None
-            return held
-
     def _check_mtp(self, frame: ForwardFrame) -> None:
         """A frame asking for MTP drafts of a last stage without the MTP block is refused
         before anything changes (an earlier stage of a chain only passes the ask on)."""
@@ -296,16 +292,14 @@ class SessionTable:
             )
 
     def _mtp_draft(
-        self, frame: ForwardFrame, entry: _Entry, out: FloatRows
+        self, frame: ForwardFrame, entry: _Entry, out: FloatRows, sampled: tuple[int, ...]
     ) -> tuple[int, tuple[int, ...]] | None:
         """After ``frame`` ran: the token and position the session goes on from (the sampled
         token of the last row; after a pass, the token after the drafts it keeps, as
         ``ring_drafts.RingDrafting.next_tokens``) and the MTP block's drafts to follow it, as
         from that position (the main KV keeps the pass's rows until the next frame's
         ``kept_drafts``). ``None`` when the frame's logits do not tell."""
-        n, sampled = frame.n_rows, entry.sampled
-        if sampled is None:
-            return None
+        n = frame.n_rows
         if not frame.drafts:
             if frame.want is not None and not frame.want[-1]:
                 return None
