@@ -17,6 +17,12 @@ mode (default f16 and auto: llama.cpp's defaults); the peers' own reports are ch
   ``--transports``); and ``ring-native``: the ring over native links (``docs/native-path.md``:
   the frames run from socket to socket on the engines' own threads).
   llama-bench decodes at depth ``--prompt`` (``-d``), as dgr decodes after its prompt.
+* **Sampled decode** (``--sampled on``, the default): at each stage count a session sampling as
+  chat clients do (temperature 0.7, top-p 0.9, seeded: ``benchmarks.speculative.SAMPLED``)
+  over the path dgr takes by default on these stages, the native ring (its last stage
+  samples, ``docs/sampling.md``), against RPC's greedy decode at the same split (target >= 1.0
+  x) and against dgr's greedy decode over the same path (target >= 0.95 x; issue 49); its
+  tokens are checked against the whole model's with the same sampler.
 * **Aggregate decode tok/s at 1, 4 and 8 concurrent sessions**: ``llama-batched-bench`` on the
   whole model (``-npl 1,4,8``: that many sequences decoded together in one batch) against a
   2-stage dgr route driving that many sessions at once; ``--worker-arg`` is passed to these
@@ -91,10 +97,12 @@ from benchmarks.first_token import FirstTokenRouteBench, peer_ttft_s  # noqa: E4
 from benchmarks.model_arg import BenchModel, BenchModelError, add_model_arguments  # noqa: E402
 from benchmarks.model_arg import resolve as resolve_model  # noqa: E402
 from benchmarks.pipeline import Speed, _plain_png, _prompt, whole_model  # noqa: E402
+from benchmarks.speculative import SAMPLED  # noqa: E402
 from dgr_engine.engine import ShardEngine  # noqa: E402
+from dgr_engine.engine.sampling import SeededSampler  # noqa: E402
 from dgr_engine.numerics import FLASH_ATTN_MODES, KV_TYPES  # noqa: E402
 from dgr_engine.options import EngineOptions  # noqa: E402
-from dgr_engine.reference import split_points, whole_model_greedy  # noqa: E402
+from dgr_engine.reference import split_points, whole_model_greedy, whole_model_sampled  # noqa: E402
 from dgr_engine.tooling import peer_build  # noqa: E402
 from dgr_engine.tooling.rpc_peer import (  # noqa: E402
     FLASH_ATTN_CODE,
@@ -117,6 +125,11 @@ EVIDENCE_NOTE = (
 MIB = 1024 * 1024
 DECODE_TARGET = 1.0
 """dgr decode >= this x RPC decode at the same number of stages."""
+SAMPLED_TRANSPORT = "ring-native"
+"""The path a sampled session takes by default on these stages (``docs/data-paths.md``: the
+native ring, since every loopback ``dgr worker`` offers native links)."""
+SAMPLED_NATIVE_TARGET = 0.95
+"""Sampled decode on the default path >= this x greedy decode on the native ring (issue 49)."""
 AGG_PEER_TARGET = 0.9
 """8 sessions on a 2-stage route >= this x llama-batched-bench with 8 sequences."""
 AGG_SCALE_TARGET = 3.0
@@ -171,6 +184,8 @@ class Settings:
     transports: tuple[str, ...] = ("relay",)
     """How dgr's decode and prefill routes carry frames: ``relay`` (the client relays every
     boundary), ``chain`` or ``ring`` (``docs/chain.md``)."""
+    sampled: bool = False
+    """Also a sampled route per stage count (:data:`SAMPLED_TRANSPORT`, :data:`SAMPLED`)."""
 
 
 def _median(values: Sequence[float]) -> float:
@@ -185,8 +200,10 @@ async def speed_rounds(
     config: PeerConfig,
     rpc_binary: Path,
     prompt: list[int],
+    sampled_tokens: Sequence[int] = (),
 ) -> dict[str, Any]:
-    """Decode and prefill of every contender in interleaved rounds."""
+    """Decode and prefill of every contender in interleaved rounds (``sampled_tokens``: what
+    the whole model's tokens are with :data:`SAMPLED`, for the sampled routes)."""
     benches = {
         f"{n}{'' if t == 'relay' else ' ' + t}": FirstTokenRouteBench(
             path, split_points(n_layer, n), options, transport=t
@@ -194,6 +211,15 @@ async def speed_rounds(
         for n in s.stages
         for t in s.transports
     }
+    if s.sampled:
+        for n in s.stages:
+            benches[f"{n} sampled"] = FirstTokenRouteBench(
+                path,
+                split_points(n_layer, n),
+                options,
+                transport=SAMPLED_TRANSPORT,
+                sampler=SeededSampler(SAMPLED),
+            )
     runs: dict[str, list[tuple[float, float, float]]] = {}  # prefill tok/s, decode tok/s, TTFT s
     parts: dict[str, list[Mapping[str, float]]] = {}  # a dgr route's ms per decode token, by part
     tokens_equal: dict[str, bool] = {}
@@ -240,7 +266,10 @@ async def speed_rounds(
                     elif kind == "dgr":
                         timed = await benches[which].timed_run(prompt, s.decode)
                         run = timed.run
-                        ok = whole_tokens == [] or run.tokens == whole_tokens
+                        if which.endswith(" sampled"):
+                            ok = run.tokens == list(sampled_tokens)
+                        else:
+                            ok = whole_tokens == [] or run.tokens == whole_tokens
                         tokens_equal[name] = tokens_equal.get(name, True) and ok
                         figures = (s.prompt / run.prefill_s, s.decode / run.decode_s, timed.ttft_s)
                         if round_:
@@ -511,6 +540,29 @@ def table_rows(
                     target,
                     met,
                 )
+    for n in s.stages if s.sampled else ():
+        d, p = sp[f"dgr {n} sampled"]["decode_tps"], sp[f"rpc {n}"]["decode_tps"]
+        add(
+            f"sampled decode tok/s, {n} stages [{SAMPLED_TRANSPORT}, the default path]",
+            d,
+            f"{d:.1f}",
+            p,
+            f"RPC greedy, same split: {p:.1f}",
+            f"dgr >= {DECODE_TARGET:.1f} x RPC",
+            d / p >= DECODE_TARGET,
+        )
+        greedy_native = sp.get(f"dgr {n} {SAMPLED_TRANSPORT}")
+        if greedy_native is not None:
+            g = greedy_native["decode_tps"]
+            add(
+                f"sampled decode tok/s, {n} stages, against greedy [{SAMPLED_TRANSPORT}]",
+                d,
+                f"{d:.1f}",
+                g,
+                f"dgr greedy, same path: {g:.1f}",
+                f"dgr >= {SAMPLED_NATIVE_TARGET:.2f} x greedy",
+                d / g >= SAMPLED_NATIVE_TARGET,
+            )
     whole_t, whole_bench_t = whole_d["ttft_s"], whole_p["ttft_s"]
     add(
         f"time to first token, prompt {s.prompt} (s), whole model",
@@ -734,6 +786,13 @@ def main(argv: list[str] | None = None) -> int:
         "-grpc over gRPC, -native over native links (default relay ring-grpc ring ring-native; "
         "docs/chain.md, docs/data-paths.md, docs/native-path.md)",
     )
+    parser.add_argument(
+        "--sampled",
+        choices=("on", "off"),
+        default="on",
+        help=f"also decode sampled (T 0.7, top-p 0.9, seeded) over {SAMPLED_TRANSPORT}, the "
+        "default path, at each stage count (default on)",
+    )
     parser.add_argument("--sessions", type=int, nargs="+", default=[1, 4, 8])
     parser.add_argument("--accepted", default="16,128,400", help="recovery k values ('' none)")
     parser.add_argument(
@@ -793,6 +852,7 @@ def main(argv: list[str] | None = None) -> int:
         flash_attn=args.flash_attn,
         variants=tuple(variants),
         transports=tuple(dict.fromkeys(["relay", *args.transports])),
+        sampled=args.sampled == "on",
     )
     # one lane for every route: the context covers the speed runs and the largest recovery
     need = max(s.prompt + s.decode + 2, recovery.PROMPT_LEN + max(accepted, default=0) + 12)
@@ -843,7 +903,14 @@ def main(argv: list[str] | None = None) -> int:
     }
 
     prompt = _prompt(s.prompt, model.n_vocab)
-    speeds = asyncio.run(speed_rounds(s, path, model.n_layer, options, config, rpc_binary, prompt))
+    sampled_tokens: list[int] = []
+    if s.sampled:
+        (sampled_tokens,) = whole_model_sampled(
+            path, [prompt], s.decode + 1, options, [SeededSampler(SAMPLED)]
+        )
+    speeds = asyncio.run(
+        speed_rounds(s, path, model.n_layer, options, config, rpc_binary, prompt, sampled_tokens)
+    )
     print(f"[{time.monotonic() - began:.0f} s] decode/prefill rounds done", flush=True)
 
     prompts = [

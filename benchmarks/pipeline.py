@@ -75,6 +75,7 @@ from dgr_engine.reference import split_points  # noqa: E402
 from dgr_engine.tooling.loopback import LoopbackRouteProvider  # noqa: E402
 from dgr_engine.tooling.processes import dgr_command  # noqa: E402
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager  # noqa: E402
+from dgr_session.sampling import Sampler, greedy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -175,7 +176,7 @@ def whole_model(
 
 @attrs.frozen
 class RouteRun:
-    """One greedy run over a route."""
+    """One run over a route (greedy, or with the bench's sampler)."""
 
     prefill_s: float
     decode_s: float
@@ -200,12 +201,15 @@ class RouteBench(LoopbackRoute):
         options: EngineOptions,
         *,
         transport: str = "relay",
+        sampler: Sampler = greedy,
     ) -> None:
         """``transport``: ``relay`` (``GrpcStageTransport``), ``chain`` or ``ring``
         (``ChainStageTransport``, ``docs/chain.md``: over the frame link), ``chain-grpc`` or
         ``ring-grpc`` (the same over gRPC; ``docs/data-paths.md``), ``ring-native`` (over
-        native links, ``docs/native-path.md``)."""
+        native links, ``docs/native-path.md``). ``sampler``: every run's (``docs/sampling.md``:
+        a seeded one samples on the last stage)."""
         self.stages = len(layout)
+        self.sampler = sampler
         self.provider = LoopbackRouteProvider(path, layout, options=options)
         self._records: list[tuple[float, ForwardRecord]] = []
         self._chained: list[ChainRecord] = []
@@ -242,6 +246,7 @@ class RouteBench(LoopbackRoute):
             max_new_tokens=n_decode + 1,
             session_id=f"bench-{self.stages}-{self._runs}",
             on_token=partial(_stamp, times),
+            sampler=self.sampler,
         )
         result = await handle.wait()
         if result.error is not None:

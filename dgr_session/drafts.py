@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
+import attrs
+
 from dgr_session.errors import DgrError
 
 __all__ = [
@@ -32,6 +34,7 @@ __all__ = [
     "DraftLength",
     "Drafter",
     "NgramDrafter",
+    "PassTimes",
     "check_draft_k",
 ]
 
@@ -182,12 +185,25 @@ what a draft row's time is measured against, so one noisy pass does not decide i
 _DECAY = 0.9
 """Weight of the past in the kept-draft counts (recent passes count most)."""
 
+_WARM_ROWS = 4
+"""Draft rows a warm :class:`DraftLength`'s row average counts as, against its own passes'."""
+
 _WEIGHT = 0.2
 """Weight of a new timing in the averages."""
 
 
 def _average(old: float | None, new: float, weight: float = _WEIGHT) -> float:
     return new if old is None else old + weight * (new - old)
+
+
+@attrs.frozen
+class PassTimes:
+    """What a timed :class:`DraftLength` learned of a route's passes: the average seconds of
+    a pass without drafts (``plain``) and of the time each draft row adds (``row``). A route's,
+    not a session's: a next session over the same route starts from them."""
+
+    plain: float = attrs.field(validator=attrs.validators.gt(0.0))
+    row: float = attrs.field(validator=attrs.validators.ge(0.0))
 
 
 class DraftLength:
@@ -215,20 +231,30 @@ class DraftLength:
     **Timed** (``record`` given the pass's ``seconds``, more than 0): what a draft row costs
     decides, since on a CPU every row of a pass is computed on its own (patch 0010) and a
     draft that is not kept costs as much as one that is. The length keeps an average of a
-    pass without drafts (``plain``), of the extra time per draft row (``row``), and of the
-    chance that a draft is kept given the ones before it were (``alpha``, from every pass's
-    kept drafts: a run of ``a`` kept and, if ``a < k``, one miss), and drafts the ``k`` that
-    gives the most tokens a second, ``(1 + alpha + ... + alpha**k) / (plain + k * row)``, or
-    none when no ``k`` beats a plain pass by :data:`PAYS`. It times a plain pass first (``k``
-    reads 0 until one was recorded), a pass with drafts next (the acceptance policy's ``k``),
-    refreshes ``plain`` every :data:`REPLAIN` passes, and, while no ``k`` pays, probes one
-    draft after :data:`REPROBE` plain passes to see whether ``alpha`` rose, waiting twice as
-    long after each probe that kept nothing (up to :data:`REPROBE_MAX`), and it times
-    :data:`PLAIN_FIRST` plain passes before its model decides. ``k_start`` is 2 by default: a
-    session's first drafts, sent before anything is known of them, cost few rows, and yet say
-    what a row costs better than one would. Without timings (0 or ``None``, as under a
-    virtual clock) the acceptance policy above decides alone. Pure and deterministic: the
-    same records give the same ``k``.
+    pass without drafts (``plain``), of the extra time per draft row (``row``), and, per
+    depth ``i``, of the chance that draft ``i`` is kept given the ones before it were
+    (``alpha_i``, from every pass's kept drafts: a run of ``a`` kept and, if ``a < k``, one
+    miss at depth ``a + 1``; a depth with few trials leans on the one before it, the first on
+    1/2). Per depth, because drafts are not kept independently: a copied passage, once its
+    first draft is kept, is kept far into it (SmolLM2's sampled rewrite at 8 drafts a pass:
+    after a first kept draft 90 % of the rest, against 60 % of all). It drafts the ``k``
+    that gives the most tokens a second, ``(1 + a1 + a1*a2 + ... + a1*...*ak) / (plain + k *
+    row)``, or none when no ``k`` beats a plain pass by :data:`PAYS`. It times a plain pass
+    first (``k`` reads 0 until one was recorded), a pass with drafts next (the acceptance
+    policy's ``k``), refreshes ``plain`` every :data:`REPLAIN` passes, and, while no ``k``
+    pays, probes one draft after :data:`REPROBE` plain passes to see whether the drafts are
+    kept more often now, waiting twice as long after each probe that kept nothing (up to
+    :data:`REPROBE_MAX`), and it times :data:`PLAIN_FIRST` plain passes before its model
+    decides. ``k_start`` is 2 by default: a session's first drafts, sent before anything is
+    known of them, cost few rows, and yet say what a row costs better than one would.
+
+    **Warm** (``times``: :class:`PassTimes` another session measured over the same route):
+    timed from the start, with those averages in place of the first plain passes, so the
+    first pass drafts what they say pays (at the prior acceptance); its own passes then move
+    the averages as any others would. Only timings carry over, never what was kept: that is
+    the session's own. Without timings (0 or ``None``, as under a virtual clock) the
+    acceptance policy above decides alone. Pure and deterministic: the same records give the
+    same ``k``.
     """
 
     def __init__(
@@ -239,6 +265,7 @@ class DraftLength:
         patience: int = 2,
         backoff_start: int = 4,
         backoff_max: int = 64,
+        times: PassTimes | None = None,
     ) -> None:
         if k_max < 1 or not 1 <= k_start <= k_max:
             raise DraftConfigError(
@@ -265,12 +292,27 @@ class DraftLength:
         self._extra = 0.0  # decayed sums of the time drafts added and of the drafts: row's
         self._drafts = 0.0
         self._first: tuple[int, float] | None = None  # a timed pass with drafts before plain
-        self._hits = 0.0
-        self._trials = 0.0
+        # per depth i (index i - 1): decayed counts of drafts kept there and of drafts tried
+        self._kept = [0.0] * k_max
+        self._tried = [0.0] * k_max
         self._best = 0  # the k that pays most (timed, once plain and row are known)
         self._since_plain = 0  # timed passes with drafts since the last plain one
         self._since_probe = 0  # passes without drafts while none pays
         self._probe_every = REPROBE  # plain passes between two probes while none pays
+        if times is not None:  # warm: another session's averages stand for the first passes
+            self._timed = True
+            self._plain, self._plains = times.plain, PLAIN_FIRST
+            self._extra, self._drafts = times.row * _WARM_ROWS, float(_WARM_ROWS)
+            self._row = times.row
+            self._best = self._paying_k(times.plain, times.row)
+
+    @property
+    def times(self) -> PassTimes | None:
+        """The averages of a plain pass and of a draft row, once both were timed (what a next
+        session over the same route may start from); ``None`` before."""
+        if self._plain is None or self._row is None:
+            return None
+        return PassTimes(plain=self._plain, row=self._row)
 
     @property
     def k(self) -> int:
@@ -304,8 +346,7 @@ class DraftLength:
         if not 0 <= accepted <= proposed:
             raise ValueError(f"accepted {accepted} of {proposed} drafts: must be 0..{proposed}")
         if proposed:
-            self._hits = self._hits * _DECAY + accepted
-            self._trials = self._trials * _DECAY + accepted + (accepted < proposed)
+            self._count(proposed, accepted)
         if seconds is not None and seconds > 0:
             self._timed = True
             self._time(proposed, accepted, seconds)
@@ -333,6 +374,15 @@ class DraftLength:
         if self._plain is not None and self._row is not None:
             self._best = self._paying_k(self._plain, self._row)
 
+    def _count(self, proposed: int, accepted: int) -> None:
+        """Adds a pass's trials to the per-depth counts: drafts 1..accepted kept, and the
+        one after them (if proposed) missed. A depth's counts age only as it is tried again
+        (a depth no pass reaches keeps what it last showed)."""
+        kept, tried = self._kept, self._tried
+        for i in range(min(accepted + 1, proposed)):
+            kept[i] = kept[i] * _DECAY + (i < accepted)
+            tried[i] = tried[i] * _DECAY + 1.0
+
     def _row_cost(self, extra: float, drafts: int) -> float:
         """The time a draft row adds, from a pass whose ``drafts`` rows added ``extra``
         seconds over a plain pass: the ratio of decayed sums, so that a pass of many drafts
@@ -343,11 +393,12 @@ class DraftLength:
 
     def _paying_k(self, plain: float, row: float) -> int:
         """The draft length that gives the most tokens a second (0: none beats plain)."""
-        alpha = (self._hits + 0.5) / (self._trials + 1.0)  # a prior of 1/2 before any pass
         best, best_rate = 0, PAYS / plain  # drafts must beat plain decoding by a margin
-        expected = 1.0
+        expected, reach, alpha = 1.0, 1.0, 0.5  # the prior of the first depth: 1/2
         for k in range(1, self.k_max + 1):
-            expected += alpha**k
+            alpha = (self._kept[k - 1] + alpha) / (self._tried[k - 1] + 1.0)
+            reach *= alpha  # the chance drafts 1..k are all kept
+            expected += reach
             rate = expected / (plain + k * row)
             if rate > best_rate:
                 best, best_rate = k, rate

@@ -207,6 +207,8 @@ def test_peers_benchmark_end_to_end(
         "prefill 16 tok/s, 2 stages [ring-grpc] (ratio to whole)",
         "prefill 16 tok/s, 2 stages [ring] (ratio to whole)",
         "prefill 16 tok/s, 2 stages [ring-native] (ratio to whole)",
+        "sampled decode tok/s, 2 stages [ring-native, the default path]",
+        "sampled decode tok/s, 2 stages, against greedy [ring-native]",
         "time to first token, prompt 16 (s), whole model",
         "time to first token, prompt 16 (s), 2 stages",
         "time to first token, prompt 16 (s), 2 stages [ring-grpc]",
@@ -262,6 +264,7 @@ def test_peers_benchmark_end_to_end(
 
     # the checks it makes hold: tokens equal the whole model's, the peers used our settings
     assert all(result["speeds"]["tokens_equal"].values())
+    assert result["speeds"]["tokens_equal"]["dgr 2 sampled"] is True  # seeded: its own tokens
     for variant in ("plain", "co-batch"):  # co-batched rows keep their bits (patch 0010)
         assert result["aggregate"]["tokens_exact"][variant] == {"1": 1, "4": 4, "8": 8}
     assert all(row["exact"] for row in result["recovery"])

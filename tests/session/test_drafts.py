@@ -25,6 +25,7 @@ from dgr_session.drafts import (
     Drafter,
     DraftLength,
     NgramDrafter,
+    PassTimes,
     check_draft_k,
 )
 from dgr_session.errors import DgrError
@@ -390,3 +391,43 @@ def test_a_timed_length_is_never_much_slower_than_plain_decoding(
     assert rate >= 0.95 / plain
     if alpha >= 0.8 and row_share <= 0.1:  # where drafts pay well, it takes the gain
         assert rate >= 2.0 / plain
+
+
+def test_a_timed_length_learns_how_deep_drafts_are_kept() -> None:
+    """Drafts are not kept independently of one another: the length keeps a chance per depth.
+    Where the first draft of every pass is kept and the second never, one draft a pass is what
+    pays; where a pass keeps all its drafts or none, as many as it may."""
+    first_only = DraftLength(k_max=8, times=PassTimes(plain=0.040, row=0.004))
+    for _ in range(30):
+        k = first_only.k
+        first_only.record(k, min(k, 1), 0.040 + 0.004 * k)
+    assert first_only.k == 1
+    runs = DraftLength(k_max=8, times=PassTimes(plain=0.040, row=0.004))
+    for n in range(30):  # every other pass keeps everything, the others nothing
+        k = runs.k
+        runs.record(k, k if n % 2 else 0, 0.040 + 0.004 * k)
+    assert runs.k == 8
+
+
+def test_a_warm_length_drafts_from_its_first_pass_and_keeps_learning() -> None:
+    times = PassTimes(plain=0.040, row=0.0025)
+    warm = DraftLength(k_max=8, times=times)
+    assert warm.k >= 2 and warm.times == times  # no plain pass first: the route's are known
+    assert DraftLength(k_max=8).times is None
+    for _ in range(20):  # everything kept: the length grows to what pays
+        warm.record(warm.k, warm.k, 0.040 + 0.0025 * warm.k)
+    assert warm.k == 8
+    # its own passes move the averages: rows four times as dear now, and nothing kept
+    for _ in range(40):
+        warm.record(warm.k, 0, 0.040 + 0.010 * warm.k)
+    assert warm.k <= 1
+    held = warm.times
+    assert held is not None and held.row > 0.008 and held.plain == pytest.approx(0.040)
+    # rows as dear as a pass: a warm length with those timings does not draft at all
+    assert DraftLength(k_max=8, times=PassTimes(plain=0.040, row=0.040)).k == 0
+
+
+def test_pass_times_refuse_what_cannot_be_a_time() -> None:
+    for plain, row in ((0.0, 0.001), (-1.0, 0.001), (0.04, -0.001)):
+        with pytest.raises(ValueError):
+            PassTimes(plain=plain, row=row)

@@ -33,6 +33,10 @@ from dgr_engine.worker.route.chain_downstream import (
     Downstream,
 )
 from dgr_engine.worker.route.ring_drafts import RingDrafting
+from dgr_session.drafts import PassTimes
+
+PASS_TIMES_KEPT = 64
+"""Rings whose pass times a last stage keeps for their next drafting session (the most recent)."""
 
 
 @attrs.define(eq=False)
@@ -57,6 +61,8 @@ class ChainHub:
         self._rings: dict[str, tuple[ChainLink, Downstream]] = {}
         # a drafting ring's last stage: each session's tokens and drafts (ring_drafts.py)
         self._drafting: dict[str, RingDrafting] = {}
+        # what a pass around each ring cost its last drafting session, by the ring's first stage
+        self._pass_times: dict[str, PassTimes] = {}
         self._stubs: dict[tuple[str, bool], shard_pb2_grpc.ChainStub] = {}
         # the Shard service over the same channels (confirm_next asks a next stage's Usage)
         self._shard_stubs: dict[tuple[str, bool], shard_pb2_grpc.ShardStub] = {}
@@ -212,7 +218,10 @@ class ChainHub:
         if held is None or held.epoch != epoch:
             if held is not None and held.epoch > epoch:
                 return None
-            held = self._drafting[session_id] = RingDrafting(epoch, int(request.ring_draft_max))
+            link = self._links.get(session_id)
+            warm = self._pass_times.get(link.endpoint) if link is not None else None
+            held = RingDrafting(epoch, int(request.ring_draft_max), warm=warm)
+            self._drafting[session_id] = held
         if not held.ran(int(request.expected_next_pos), request.token_ids):
             return None
         return held
@@ -303,6 +312,18 @@ class ChainHub:
         drafting = self._drafting.get(session_id)
         if drafting is not None and drafting.epoch <= epoch:
             del self._drafting[session_id]
+            self._keep_pass_times(link if link is not None and link.ring else None, drafting)
+
+    def _keep_pass_times(self, link: ChainLink | None, drafting: RingDrafting) -> None:
+        """Keeps what ``drafting``'s passes around the ring of ``link`` cost, for the next
+        session over it (the most recent :data:`PASS_TIMES_KEPT` rings)."""
+        times = drafting.times
+        if link is None or times is None:
+            return
+        self._pass_times.pop(link.endpoint, None)
+        self._pass_times[link.endpoint] = times
+        while len(self._pass_times) > PASS_TIMES_KEPT:
+            del self._pass_times[next(iter(self._pass_times))]
 
     def dialled(self) -> frozenset[str]:
         """The endpoints this stage keeps a channel to: next stages it was linked to (an

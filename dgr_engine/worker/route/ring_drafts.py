@@ -3,7 +3,9 @@ frames bring them, verifies each pass it sent (the longest run of drafts equal t
 its sampler took, and the token after it), and drafts the next pass by prompt lookup over
 those tokens, so a pass costs one trip around the ring and never a trip to the client.
 
-What it keeps is per (session, epoch), forgotten with the epoch (``ChainHub``)."""
+What it keeps is per (session, epoch), forgotten with the epoch (``ChainHub``), except what a
+pass around the ring costs (its draft length's ``PassTimes``), which the hub keeps per ring for
+the next session that drafts over it."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 import attrs
 
 from dgr_engine.wire.proto import shard_pb2 as pb
-from dgr_session.drafts import DraftLength, NgramDrafter
+from dgr_session.drafts import DraftLength, NgramDrafter, PassTimes
 from dgr_session.speculation import MAX_DRAFTS, Speculation, kept_drafts
 
 
@@ -25,6 +27,9 @@ class RingDrafting:
     """The epoch it drafts for."""
     k_max: int
     """Most drafts a pass may carry (the frame's ``ring_draft_max``, at most ``MAX_DRAFTS``)."""
+    warm: PassTimes | None = None
+    """What an earlier session's passes around the same ring cost (its draft length's
+    averages), to draft from the first pass on; ``None``: this session times its own first."""
     tokens: list[int] = attrs.Factory(list)
     """The token of every position the stage ran, in order."""
     speculation: Speculation = attrs.field(init=False)
@@ -34,8 +39,14 @@ class RingDrafting:
 
     def __attrs_post_init__(self) -> None:
         self.k_max = min(self.k_max, MAX_DRAFTS)
-        length = DraftLength(k_max=self.k_max)
+        length = DraftLength(k_max=self.k_max, times=self.warm)
         self.speculation = Speculation(NgramDrafter(), length, max_drafts=self.k_max)
+
+    @property
+    def times(self) -> PassTimes | None:
+        """What this session's passes around the ring cost, once timed."""
+        length = self.speculation.length
+        return length.times if isinstance(length, DraftLength) else None
 
     def ran(self, start: int, token_ids: Sequence[int]) -> bool:
         """The stage ran rows with ``token_ids`` from position ``start``: what it held from
