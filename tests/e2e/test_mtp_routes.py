@@ -2,7 +2,9 @@
 in-process workers in 2, 3 and 6 stages (its every layer a stage), one greedy session with MTP
 drafts over the relay, a chain and a ring on each: the tokens are the whole model's plain
 greedy tokens, the last stage alone loaded and advertised the block, it drafted every pass and
-its drafts were verified (random weights: acceptance says nothing, the tokens everything)."""
+its drafts were verified (random weights: acceptance says nothing, the tokens everything). And
+``dgr generate --speculate mtp``, greedy and seeded-sampled, over the relay and a ring: the
+text of plain decoding with the same sampler."""
 
 from __future__ import annotations
 
@@ -52,11 +54,18 @@ def test_mtp_drafts_keep_plain_greedy_tokens_over_every_transport(mtp_evidence: 
         assert f["draft_ms_per_token"] is not None and f["draft_ms_per_token"] > 0
 
 
-def test_dgr_generate_speculate_mtp_prints_exactly_the_plain_text(mtp_evidence: Path) -> None:
+SAMPLED = ("--temperature", "0.8", "--top-p", "0.95", "--min-p", "0.01", "--seed", "11")
+"""A seeded sampler (``docs/sampling.md``): with MTP drafts, its tokens stay plain sampling's."""
+
+
+@pytest.mark.parametrize("sampling", [(), SAMPLED], ids=["greedy", "sampled"])
+def test_dgr_generate_speculate_mtp_prints_exactly_the_plain_text(
+    mtp_evidence: Path, sampling: tuple[str, ...]
+) -> None:
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", **{EVIDENCE_DIR_ENV: str(mtp_evidence)})
 
     def dgr(*args: str) -> subprocess.CompletedProcess[str]:
-        base = ["generate", "--spawn", "3", "--fixture", "tiny-v4-mtp", "-n", "16"]
+        base = ["generate", "--spawn", "3", "--fixture", "tiny-v4-mtp", "-n", "16", *sampling]
         base += ["--require", "fixture", "--quiet", "--prompt", "one two three"]
         return subprocess.run(
             [sys.executable, "-m", "dgr_engine.cli", *base, *args],
@@ -67,8 +76,10 @@ def test_dgr_generate_speculate_mtp_prints_exactly_the_plain_text(mtp_evidence: 
             stdin=subprocess.DEVNULL,
         )
 
-    plain = dgr()
+    plain = dgr("--speculate", "off")
     assert plain.returncode == 0, plain.stderr
+    if sampling:  # the seed decides: not the greedy text
+        assert plain.stdout != dgr("--speculate", "off", "--temperature", "0").stdout
     for transport in ("relay", "ring"):
         fast = dgr("--speculate", "mtp", "--draft-max", "3", "--transport", transport)
         assert fast.returncode == 0, fast.stderr
