@@ -9,7 +9,7 @@ from dgr_engine.errors import AbiMismatch
 from dgr_engine.status import error_for_code
 
 #: The C ABI version this Python package was written against (native/include/dgr_shard.h).
-ABI_VERSION = 15
+ABI_VERSION = 16
 
 try:
     _native: Any = importlib.import_module("dgr_engine._native")

@@ -1,6 +1,6 @@
 """A plain transcription of ``docs/sampling.md``'s algorithm, step for step, in pure Python
-floats (IEEE doubles) and ``math.exp`` (the C library's): the reference the native sampler is
-held to (``tests/engine/test_sampler.py``). Slow (it sorts the whole vocabulary): for tests."""
+floats (IEEE doubles), its own exponential included: the reference the native sampler is held
+to (``tests/engine/test_sampler.py``). Slow (it sorts the whole vocabulary): for tests."""
 
 from __future__ import annotations
 
@@ -28,6 +28,21 @@ def uniform(seed: int, pos: int) -> float:
     return (mix(mix(seed) ^ pos) >> 11) * 2.0**-53
 
 
+_EXP_TERMS = [1.0 / math.factorial(j) for j in range(13, -1, -1)]  # 1/13!, ..., 1/1!, 1/0!
+
+
+def exp(y: float) -> float:
+    """exp(y) for y <= 0 by the operations of the document's "The exponential"."""
+    x = max(y, -746.0)
+    t = x * float.fromhex("0x1.71547652b82fep0") + float.fromhex("0x1.8p52")
+    k = t - float.fromhex("0x1.8p52")
+    r = (x - k * float.fromhex("0x1.62e42fee00000p-1")) - k * float.fromhex("0x1.a39ef35793c76p-33")
+    p = _EXP_TERMS[0]
+    for term in _EXP_TERMS[1:]:
+        p = p * r + term
+    return (p * math.ldexp(1.0, int(k) + 1022)) * 2.0**-1022
+
+
 def sample(s: Sampling, logits: Sequence[float], pos: int, history: Sequence[int] = ()) -> int:
     n = len(logits)
     assert n >= 1
@@ -49,7 +64,7 @@ def sample(s: Sampling, logits: Sequence[float], pos: int, history: Sequence[int
     if s.temperature == 0:
         return x.index(m)
     # 4. weights
-    w = [math.exp((v - m) / s.temperature) for v in x]
+    w = [exp((v - m) / s.temperature) for v in x]
     # 5. order: larger x first, lower id on ties
     ranking = sorted(range(n), key=lambda i: (-x[i], i))
     # 6. the kept set

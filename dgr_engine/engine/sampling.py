@@ -50,6 +50,12 @@ def check_sampling(params: Any) -> None:
         raise InvalidSamplingParameter(ffi.string(lib.dgr_last_error()).decode(errors="replace"))
 
 
+def sample_exp(y: float) -> float:
+    """The sampler's own exponential of ``min(y, 0)`` (``docs/sampling.md``, "The
+    exponential"): the same bits on every system."""
+    return float(lib.dgr_sample_exp(y))
+
+
 def uniform(seed: int, position: int) -> float:
     """The draw of ``(seed, position)``, in ``[0, 1)`` (``docs/sampling.md``, "The draw")."""
     return float(lib.dgr_sample_uniform(seed, position))

@@ -47,7 +47,7 @@
 extern "C" {
 #endif
 
-#define DGR_ABI_VERSION 15
+#define DGR_ABI_VERSION 16
 
 /* Magic and version at the head of a saved session state (see dgr_session_state_save). */
 #define DGR_STATE_MAGIC 0x53524744u /* 'DGRS' */
@@ -460,6 +460,10 @@ int dgr_sample(const dgr_sampling * params, const float * logits, uint32_t n_voc
 
 /* The draw of (seed, position): a number in [0, 1) (docs/sampling.md, "The draw"). */
 double dgr_sample_uniform(uint64_t seed, uint32_t position);
+
+/* (ABI 16) The sampler's own exponential of min(y, 0) (docs/sampling.md, "The exponential"):
+ * the same bits on every system, where the C library's exp differs in its last bit. */
+double dgr_sample_exp(double y);
 
 /* ---- Native frame links (ABI 11; docs/native-path.md) ----
  *

@@ -21,7 +21,7 @@ def test_abi_version_matches() -> None:
     # held epoch 3, build flags 4, numerics 5, vocab 6, batch 7, family patches 8, ...,
     # native links 11, sealed native links 12, the one status vocabulary (statuses 16-28) 13,
     # a ring's sender named to its first stage (ring_in_hop) 14, the one sampler 15
-    assert _binding.ABI_VERSION == 15
+    assert _binding.ABI_VERSION == 16
     assert int(_binding.lib.DGR_ABI_VERSION) == _binding.ABI_VERSION
 
 

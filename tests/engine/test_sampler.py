@@ -13,7 +13,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from dgr_engine.engine.sampling import SeededSampler, check_sampling, native_sampling, uniform
+from dgr_engine.engine.sampling import (
+    SeededSampler,
+    check_sampling,
+    native_sampling,
+    sample_exp,
+    uniform,
+)
 from dgr_session import NonFiniteLogits
 from dgr_session.sampling import GREEDY, InvalidSamplingParameter, Sampling, greedy
 from tests import reference_sampler as reference
@@ -75,6 +81,38 @@ def test_the_draw_is_the_documented_counter_based_generator(seed: int, position:
     value = uniform(seed, position)
     assert value == reference.uniform(seed, position)
     assert 0.0 <= value < 1.0
+
+
+EXPONENTS = st.one_of(
+    st.floats(-800.0, 0.0),
+    st.floats(-1e-6, 0.0),
+    st.sampled_from([0.0, -0.0, -1e-300, -745.0, -745.1332, -745.2, -746.0, -1e300]),
+    st.integers(-1080, 0).map(lambda k: k * math.log(2.0)),  # the reduction's ties, about
+)
+
+
+@settings(max_examples=2000)
+@given(EXPONENTS)
+def test_the_exponential_is_the_documented_one_and_within_two_ulp_of_exp(y: float) -> None:
+    got = sample_exp(y)
+    assert got == reference.exp(y) and math.copysign(1.0, got) == 1.0
+    true = math.exp(y)  # the C library's, within half an ulp or so: the document's is close
+    assert abs(got - true) <= 2 * math.ulp(true), (y, got, true)
+    assert sample_exp(0.0) == 1.0
+
+
+def test_the_weights_of_a_whole_row_have_the_documented_bits() -> None:
+    """A row is weighed four at a time where the CPU can (AVX2), one at a time in the tail:
+    every weight the draw reads has the document's bits, so the token does too. A two-token
+    vocabulary at ``top_p`` whose boundary lies between two adjacent weights shows it."""
+    rng = np.random.default_rng(3)
+    for _ in range(50):
+        logits = rng.normal(0, 4, size=4099).astype(np.float32)  # a tail of 3
+        sampling = Sampling(seed=int(rng.integers(0, 2**63)), temperature=0.7, top_p=0.9)
+        for position in range(5):
+            assert SeededSampler(sampling)(logits, position) == reference.sample(
+                sampling, logits.tolist(), position
+            )
 
 
 def test_one_token_vocabularies_and_the_top_p_boundary() -> None:
