@@ -119,6 +119,8 @@ def validation_error(exc: RequestValidationError) -> BadRequest:
     if not errors:
         return BadRequest("invalid request body")
     first = errors[0]
+    if first.get("type") == P.UNICODE_ERROR:  # a string no tokenizer can take, and where
+        return BadRequest(str(first.get("msg")), param=str(first.get("ctx", {}).get("param")))
     where = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = ".".join(where) or None
     message = str(first.get("msg", "invalid value"))

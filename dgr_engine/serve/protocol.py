@@ -6,14 +6,16 @@ classes).
 Beyond OpenAI's fields a request may give ``top_k``, ``min_p``, ``repeat_penalty`` and
 ``penalty_last_n`` (as llama-server takes them); every sampling field goes to dgr's one sampler
 (``docs/sampling.md``). Refused with 400: ``n`` other than 1, log-probabilities, tools, more
-than one prompt, ``echo`` and ``suffix``.
+than one prompt, ``echo`` and ``suffix``, and a body with a string that is not Unicode text (a
+lone UTF-16 surrogate, which JSON escapes can carry), named by its path.
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from dgr_engine.serve.errors import BadRequest
 
@@ -58,10 +60,50 @@ class ChatMessage(BaseModel):
         return "".join(texts)
 
 
+def not_text(value: Any, where: str = "") -> tuple[str, str] | None:
+    """Where ``value`` (a parsed JSON body) holds a string that is not Unicode text (a lone
+    UTF-16 surrogate, which JSON's ``\\ud800`` escapes can carry and no tokenizer can encode),
+    and why: ``(path, reason)``; ``None`` when every string, key or value, is text."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            code = ord(value[exc.start])
+            return where, f"not Unicode text (a lone surrogate U+{code:04X} at {exc.start})"
+        return None
+    items: list[tuple[Any, Any]] = []
+    if isinstance(value, dict):
+        items = list(value.items())
+    elif isinstance(value, list):
+        items = list(enumerate(value))
+    for key, item in items:
+        name = str(key).encode("utf-8", "backslashreplace").decode()  # a key may be the culprit
+        inner = f"{where}.{name}" if where else name
+        found = (not_text(key, inner) if isinstance(key, str) else None) or not_text(item, inner)
+        if found:
+            return found
+    return None
+
+
+UNICODE_ERROR = "unicode"
+"""The validation error type of a body that is not text (:func:`not_text`); its context's
+``param`` says where."""
+
+
 class SamplingFields(BaseModel):
     """What both endpoints share."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        """A body whose strings are not all Unicode text is a 400 naming the first."""
+        found = not_text(data)
+        if found is not None:
+            where, why = found
+            raise PydanticCustomError(UNICODE_ERROR, "{param}: {why}", {"param": where, "why": why})
+        return data
 
     model: str | None = None
     """Ignored beyond the answer's ``model`` (one route serves one model)."""

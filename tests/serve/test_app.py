@@ -205,6 +205,44 @@ def test_a_body_that_is_not_json_is_a_400(served: Served) -> None:
     assert "not valid JSON" in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": "a\\ud800"}]}',
+            "messages.0.content",
+        ),
+        (
+            "/v1/chat/completions",
+            '{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\udfff"}]}]}',
+            "messages.0.content.0.text",
+        ),
+        ("/v1/completions", '{"prompt": "x", "stop": ["\\ud83d"]}', "stop.0"),
+        ("/v1/completions", '{"prompt": "ok", "user": "\\udc00"}', "user"),
+        (
+            "/v1/completions",
+            '{"prompt": "ok", "\\ud800": 1}',
+            r"\ud800",
+        ),  # the path spells the key out
+    ],
+)
+def test_a_lone_surrogate_anywhere_in_a_body_is_a_400_naming_it(
+    served: Served, path: str, body: str, param: str
+) -> None:
+    """JSON's escapes can carry a lone UTF-16 surrogate, which is no text a tokenizer takes:
+    a 400 in OpenAI's shape saying where, never a 500; and the server serves on."""
+    response = httpx.post(
+        served.url + path, content=body, headers={"content-type": "application/json"}, timeout=30
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param, error
+    assert "not Unicode text (a lone surrogate U+" in error["message"], error
+    fine = httpx.post(served.url + "/v1/completions", json={"prompt": "ok", "max_tokens": 2})
+    assert fine.status_code == 200, fine.text
+
+
 def test_a_prompt_over_the_context_is_context_length_exceeded(served: Served) -> None:
     long = " ".join(["cat"] * 400)
     response = httpx.post(
