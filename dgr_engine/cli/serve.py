@@ -9,7 +9,9 @@ with the model. Each request is one session of the route: concurrent requests ar
 sessions, a client that goes away cancels its session, temperature 0 is the whole model's
 greedy answer. Errors are OpenAI's shape: 400 for a bad request (context_length_exceeded for
 a prompt the context cannot hold), 503 with Retry-After when every slot stayed busy for
---admission-wait seconds, 502 naming the stage when the route could not be recovered.
+--admission-wait seconds, 502 naming the stage when the route could not be recovered. With
+--api-key (or --api-key-file, or DGR_API_KEY) the API takes only requests that carry a key
+('Authorization: Bearer KEY', as OpenAI's clients send it), else 401.
 Every request takes the fastest path the stages offer (--transport auto: a ring, its last stage
 sampling each token with the request's own parameters) and prompt-lookup speculation
 (--speculate ngram, the default; --speculate off, draft:PATH or mtp as for generate): the same
@@ -28,6 +30,7 @@ import asyncio
 import functools
 import socket
 import sys
+from pathlib import Path
 
 import attrs
 
@@ -51,7 +54,9 @@ from dgr_engine.cli._speculate import (
     add_speculation_arguments,
     plan_speculation,
 )
+from dgr_engine.security.tls import is_loopback
 from dgr_engine.serve import AdvertStages, ServedRoute, create_app, listen, serve, url_of
+from dgr_engine.serve.keys import KEY_ENV, ApiKeyError, ApiKeys
 from dgr_session import FailurePolicy
 
 DEFAULT_PORT = 8000
@@ -74,11 +79,14 @@ class ServeSettings:
     """``--admission-wait``: seconds a request may wait for a free session slot."""
     speculation: SpeculationSettings
     """``--speculate`` (default ``ngram``) and ``--draft-max``."""
+    api_keys: ApiKeys | None = None
+    """``--api-key``, ``--api-key-file`` and ``DGR_API_KEY``: the keys the API takes
+    (``None``: open to anyone who reaches it)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ServeSettings:
         """The settings :func:`configure` parsed; :class:`RouteOptionsRefused` for engine
-        options out of range."""
+        options out of range, :class:`ApiKeyError` for a key or key file that cannot be."""
         return cls(
             route=RouteSettings.from_args(args),
             host=args.host,
@@ -86,6 +94,7 @@ class ServeSettings:
             name=args.name,
             admission_wait=args.admission_wait,
             speculation=SpeculationSettings.from_args(args),
+            api_keys=ApiKeys.gathered(args.api_key, args.api_key_file),
         )
 
     @property
@@ -125,6 +134,23 @@ def configure(p: argparse.ArgumentParser) -> None:
         help="how long a request may wait for a free session slot on every stage before it is "
         "answered 503 with Retry-After (default 30)",
     )
+    p.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="a key the API takes as 'Authorization: Bearer KEY' (repeat for several; also "
+        f"--api-key-file and {KEY_ENV}, comma-separated); without any, the API is open to "
+        "anyone who reaches the address",
+    )
+    p.add_argument(
+        "--api-key-file",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="FILE",
+        help="a file of keys the API takes, one a line (blank lines and # comments skipped)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -132,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         settings = ServeSettings.from_args(args)
         speculate = plan_speculation(settings.speculation, notice=sayer("dgr serve: "))
         plan = plan_route(settings.route, notice=sayer("dgr serve: "))
-    except RouteOptionsRefused as exc:
+    except (RouteOptionsRefused, ApiKeyError) as exc:
         return _refused(str(exc))
     if speculate is not None:
         try:
@@ -196,7 +222,15 @@ async def _serve(
                 f"context {served.context}; the page at {url}/, the API at {url}/v1)",
                 flush=True,
             )
-            await serve(create_app(served), sock, on_stop=lambda: _cancel_all(handle))
+            keys = settings.api_keys
+            if keys is None and not is_loopback(settings.host):
+                print(
+                    f"dgr serve: no --api-key: anyone who reaches {settings.host} can use the API",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            app = create_app(served, keys)
+            await serve(app, sock, on_stop=lambda: _cancel_all(handle))
         finally:
             if drafter is not None:
                 drafter.close()

@@ -5,6 +5,9 @@
   describe themselves now (:mod:`dgr_engine.serve.route_view`);
 * ``GET /``: the page (``static/index.html``): the route, and a chat with the model.
 
+With API keys (:mod:`dgr_engine.serve.keys`), a request to ``/v1`` without one of them is
+answered 401 before its body is read; the page stays open (it holds no data).
+
 Every request is one route session of the served ``SessionManager``; concurrent requests are
 concurrent sessions. The first event of a session decides the status: a session that fails
 before its first token is answered with its error's status (400, 502, 503 with
@@ -28,11 +31,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from sse_starlette import EventSourceResponse
+from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dgr_engine.serve import protocol as P
-from dgr_engine.serve.errors import BadRequest, NotFound, ServeError
+from dgr_engine.serve.errors import BadRequest, NotFound, ServeError, Unauthorized
 from dgr_engine.serve.generation import Ended, Generation, Piece
+from dgr_engine.serve.keys import ApiKeys
 from dgr_engine.serve.route_view import route_json
 from dgr_engine.serve.served import ServedRoute, sampler_for
 
@@ -46,9 +52,35 @@ class ClientGone(Exception):
     """The client closed its connection before the answer was ready."""
 
 
-def create_app(route: ServedRoute) -> FastAPI:
-    """The app serving ``route`` (which the caller opened and closes)."""
+class _KeyGuard:
+    """ASGI middleware: a request to the API without one of ``keys`` is answered 401 (OpenAI's
+    shape) before anything of it is read."""
+
+    def __init__(self, app: ASGIApp, keys: ApiKeys) -> None:
+        self.app = app
+        self.keys = keys
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if path == "/v1" or path.startswith("/v1/"):
+            authorization = Headers(scope=scope).get("authorization")
+            if not self.keys.allows(authorization):
+                error = Unauthorized(
+                    "no API key: this server takes one as 'Authorization: Bearer KEY'"
+                    if authorization is None
+                    else "the API key given is not one this server takes"
+                )
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(route: ServedRoute, keys: ApiKeys | None = None) -> FastAPI:
+    """The app serving ``route`` (which the caller opened and closes); with ``keys``, its API
+    takes only requests carrying one of them."""
     app = FastAPI(title="dgr serve", docs_url=None, redoc_url=None, openapi_url=None)
+    if keys is not None:
+        app.add_middleware(_KeyGuard, keys=keys)
     page = resources.files("dgr_engine.serve").joinpath("static/index.html").read_text()
 
     @app.exception_handler(ServeError)

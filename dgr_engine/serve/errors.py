@@ -1,5 +1,6 @@
 """What a request to ``dgr serve`` can meet, each with its HTTP status and its OpenAI error
 shape (``{"error": {"message", "type", "param", "code"}}``): the request's own mistakes (400),
+no API key the server takes (401),
 a route too busy to take another session (503 with ``Retry-After``), a route that could not be
 recovered (502, naming the stage), a session past its deadline (504), and a failure of the
 server itself (500). :func:`error_for_failure` files a session's terminal error.
@@ -67,6 +68,20 @@ class ContextLengthExceeded(BadRequest):
 
     def __init__(self, message: str, *, param: str = "messages") -> None:
         super().__init__(message, code="context_length_exceeded", param=param)
+
+
+class Unauthorized(ServeError):
+    """The server takes API keys and the request carried none of them (``Authorization:
+    Bearer KEY``): OpenAI's 401."""
+
+    status = 401
+    kind = "invalid_request_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code="invalid_api_key")
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}
 
 
 class NotFound(ServeError):

@@ -32,6 +32,11 @@ ROWS: tuple[Row, ...] = (
     (("serve", "--spawn", "2", "--model", "{missing}"), "{missing}"),
     (("serve", "--endpoints", "127.0.0.1:{port}", "--vocab", "{not_gguf}"), "{not_gguf}"),
     (("serve", "--spawn", "2", "--fixture", "tiny-llama", "--port", "-5"), "--port"),
+    (
+        ("serve", "--spawn", "2", "--fixture", "tiny-llama", "--api-key-file", "{missing}"),
+        "{missing}",
+    ),
+    (("serve", "--spawn", "2", "--fixture", "tiny-llama", "--api-key", "two words"), "API key"),
     (("generate", "--spawn", "2", "--model", "{missing}"), "{missing}"),
     (("generate", "--endpoints", "127.0.0.1:{port}", "--ids", "-n", "many"), "many"),
     (("generate", "--endpoints", "127.0.0.1:{port}", "--ids", "--lock", "{missing}"), "{missing}"),

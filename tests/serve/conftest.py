@@ -19,6 +19,7 @@ from dgr_engine import ShardEngine
 from dgr_engine.fixtures.converted import ensure_converted
 from dgr_engine.options import EngineOptions
 from dgr_engine.serve import ServedRoute, StageStatus, create_app, listen, serve, url_of
+from dgr_engine.serve.keys import ApiKeys
 from dgr_engine.testing import EngineTransport
 from dgr_engine.tokenizer import Tokenizer
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager
@@ -103,8 +104,11 @@ def converted_model() -> Path:
     return ensure_converted("hf-llama-gqa").gguf
 
 
-def start_served(model: Path, policy: FailurePolicy | None = None) -> Iterator[Served]:
-    """Serves the in-process route until the generator is closed."""
+def start_served(
+    model: Path, policy: FailurePolicy | None = None, keys: ApiKeys | None = None
+) -> Iterator[Served]:
+    """Serves the in-process route until the generator is closed (its API taking only
+    ``keys``, when given)."""
     ready: Future[Served] = Future()
     stop = threading.Event()
     done: Future[None] = Future()
@@ -130,7 +134,7 @@ def start_served(model: Path, policy: FailurePolicy | None = None) -> Iterator[S
             policy=policy,
         )
         sock = listen("127.0.0.1", 0)
-        server = asyncio.ensure_future(serve(create_app(served), sock))
+        server = asyncio.ensure_future(serve(create_app(served, keys), sock))
         loop = asyncio.get_running_loop()
         stopped = loop.create_future()
         threading.Thread(
