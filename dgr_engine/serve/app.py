@@ -3,10 +3,12 @@
 * ``POST /v1/chat/completions`` and ``POST /v1/completions``: OpenAI's, streaming or not;
 * ``GET /v1/models``: the one model; ``GET /v1/route``: the route's stages as the workers
   describe themselves now (:mod:`dgr_engine.serve.route_view`);
-* ``GET /``: the page (``static/index.html``): the route, and a chat with the model.
+* ``GET /``: the page (``static/index.html``): the route, and a chat with the model;
+* ``GET /metrics``: the server's own metrics, in Prometheus' format
+  (:mod:`dgr_engine.serve.metrics`).
 
-With API keys (:mod:`dgr_engine.serve.keys`), a request to ``/v1`` without one of them is
-answered 401 before its body is read; the page stays open (it holds no data).
+With API keys (:mod:`dgr_engine.serve.keys`), a request to ``/v1`` or ``/metrics`` without one
+of them is answered 401 before its body is read; the page stays open (it holds no data).
 
 Every request is one route session of the served ``SessionManager``; concurrent requests are
 concurrent sessions. The first event of a session decides the status: a session that fails
@@ -39,6 +41,7 @@ from dgr_engine.serve import protocol as P
 from dgr_engine.serve.errors import BadRequest, NotFound, ServeError, Unauthorized
 from dgr_engine.serve.generation import Ended, Generation, Piece
 from dgr_engine.serve.keys import ApiKeys
+from dgr_engine.serve.metrics import CONTENT_TYPE, CountRequests
 from dgr_engine.serve.route_view import route_json
 from dgr_engine.serve.served import ServedRoute, sampler_for
 
@@ -62,7 +65,7 @@ class _KeyGuard:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "") if scope["type"] == "http" else ""
-        if path == "/v1" or path.startswith("/v1/"):
+        if path in ("/v1", "/metrics") or path.startswith("/v1/"):
             authorization = Headers(scope=scope).get("authorization")
             if not self.keys.allows(authorization):
                 error = Unauthorized(
@@ -81,6 +84,7 @@ def create_app(route: ServedRoute, keys: ApiKeys | None = None) -> FastAPI:
     app = FastAPI(title="dgr serve", docs_url=None, redoc_url=None, openapi_url=None)
     if keys is not None:
         app.add_middleware(_KeyGuard, keys=keys)
+    app.add_middleware(CountRequests, metrics=route.metrics)  # outermost: 401s counted too
     page = resources.files("dgr_engine.serve").joinpath("static/index.html").read_text()
 
     @app.exception_handler(ServeError)
@@ -107,6 +111,10 @@ def create_app(route: ServedRoute, keys: ApiKeys | None = None) -> FastAPI:
     @app.get("/", response_class=HTMLResponse)
     async def index() -> HTMLResponse:
         return HTMLResponse(page)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(route.metrics.render(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:

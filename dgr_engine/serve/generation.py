@@ -15,6 +15,7 @@ from collections.abc import Collection
 import attrs
 
 from dgr_engine.serve.errors import ServeError, error_for_failure
+from dgr_engine.serve.metrics import TokenClock
 from dgr_engine.serve.stops import StopMatcher
 from dgr_engine.tokenizer import TextStream, Tokenizer
 from dgr_session import (
@@ -79,7 +80,9 @@ class Generation:
         stop_tokens: Collection[int],
         policy: FailurePolicy | None = None,
         speculation: Speculation | None = None,
+        clock: TokenClock | None = None,
     ) -> None:
+        self._clock = clock  # the server's metrics of this session's tokens (None: none)
         self._stream = TextStream(tokenizer)
         self._stops = StopMatcher(job.stop)
         self._stop_tokens = frozenset(stop_tokens)
@@ -124,6 +127,8 @@ class Generation:
 
     def _accepted(self, token: int) -> None:
         """Called by the session's driver with each accepted token (must not raise)."""
+        if self._clock is not None:
+            self._clock.token()
         if token in self._stop_tokens or self._stops.stopped:
             return
         text = self._stops.push(self._stream.push(token))
@@ -143,6 +148,8 @@ class Generation:
 
     def _ended(self, result: SessionResult) -> Ended:
         count = len(result.tokens)
+        if self._clock is not None:
+            self._clock.ended(count, result.route_changes)
         if self._stops.stopped:
             return Ended("stop", count)
         if result.state is SessionState.DONE:

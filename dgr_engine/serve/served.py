@@ -14,6 +14,7 @@ from dgr_engine.engine.sampling import SeededSampler
 from dgr_engine.errors import EngineError
 from dgr_engine.serve.errors import BadRequest, ContextLengthExceeded
 from dgr_engine.serve.generation import Generation, TextJob
+from dgr_engine.serve.metrics import ServeMetrics
 from dgr_engine.serve.protocol import SamplingFields
 from dgr_engine.serve.route_view import StageSource
 from dgr_engine.tokenizer import Tokenizer
@@ -47,9 +48,12 @@ class ServedRoute:
     """When the server started (unix seconds)."""
     # Invariant: the tokenizer's end-of-generation tokens, read once (a pass over the vocab).
     eog: frozenset[int] = attrs.field(init=False)
+    metrics: ServeMetrics = attrs.field(init=False)
+    """The server's own metrics (``GET /metrics``)."""
 
     def __attrs_post_init__(self) -> None:
         self.eog = self.tokenizer.eog_tokens
+        self.metrics = ServeMetrics(sessions_open=lambda: float(len(self.manager)))
 
     # -- prompts ------------------------------------------------------------------------------
 
@@ -119,6 +123,7 @@ class ServedRoute:
             stop_tokens=self.eog,
             policy=self.policy,
             speculation=None if self.speculations is None else self.speculations(),
+            clock=self.metrics.session(len(job.prompt)),
         )
 
 
