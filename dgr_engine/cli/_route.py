@@ -25,6 +25,7 @@ import secrets
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -45,6 +46,9 @@ from dgr_session import EvidenceClass, FailurePolicy, SessionManager
 from dgr_session.errors import DgrError
 from dgr_session.sampling import InvalidSamplingParameter, Sampler, Sampling, greedy
 from dgr_session.transport import RouteProvider
+
+if TYPE_CHECKING:
+    from dgr_engine.tooling.loopback import LoopbackRouteProvider
 
 __all__ = [
     "TRANSPORTS",
@@ -603,6 +607,9 @@ class RouteHandle:
     stages offer)."""
     stage_transport: GrpcStageTransport
     """The transport itself (its per-stage counters: ``stats()``)."""
+    pool: LoopbackRouteProvider | None = None
+    """The workers this command spawned (``--spawn``; ``None``: given endpoints): which one
+    serves each stage now, replacements included."""
 
     @property
     def context(self) -> int:
@@ -687,7 +694,9 @@ async def open_route(
                 required_evidence=plan.required,
             )
             try:
-                yield RouteHandle(manager, plan.tokenizer, plan.model, stages, choice, transport)
+                yield RouteHandle(
+                    manager, plan.tokenizer, plan.model, stages, choice, transport, pool=local
+                )
             finally:
                 await manager.aclose()
     finally:

@@ -55,7 +55,15 @@ from dgr_engine.cli._speculate import (
     plan_speculation,
 )
 from dgr_engine.security.tls import is_loopback
-from dgr_engine.serve import AdvertStages, ServedRoute, create_app, listen, serve, url_of
+from dgr_engine.serve import (
+    AdvertStages,
+    PoolStages,
+    ServedRoute,
+    create_app,
+    listen,
+    serve,
+    url_of,
+)
 from dgr_engine.serve.keys import KEY_ENV, ApiKeyError, ApiKeys
 from dgr_session import FailurePolicy
 
@@ -207,7 +215,9 @@ async def _serve(
                 handle.tokenizer,
                 model=settings.model_name,
                 context=handle.context,
-                stages=AdvertStages([(s.endpoint, s.layers) for s in handle.stages], tls=plan.tls),
+                stages=PoolStages(handle.pool)  # the workers it spawned, replacements too
+                if handle.pool is not None
+                else AdvertStages([(s.endpoint, s.layers) for s in handle.stages], tls=plan.tls),
                 policy=FailurePolicy(
                     step_deadline=plan.step_deadline, admission_budget=settings.admission_wait
                 ),

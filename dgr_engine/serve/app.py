@@ -5,7 +5,9 @@
   describe themselves now (:mod:`dgr_engine.serve.route_view`);
 * ``GET /``: the page (``static/index.html``): the route, and a chat with the model;
 * ``GET /metrics``: the server's own metrics, in Prometheus' format
-  (:mod:`dgr_engine.serve.metrics`).
+  (:mod:`dgr_engine.serve.metrics`);
+* ``GET /health``: 200 when every stage answers and is certified, else 503 saying which
+  (for a load balancer: open, like the page).
 
 With API keys (:mod:`dgr_engine.serve.keys`), a request to ``/v1`` or ``/metrics`` without one
 of them is answered 401 before its body is read; the page stays open (it holds no data).
@@ -38,11 +40,17 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from dgr_engine.serve import protocol as P
-from dgr_engine.serve.errors import BadRequest, NotFound, ServeError, Unauthorized
+from dgr_engine.serve.errors import (
+    BadRequest,
+    NotFound,
+    RouteUnhealthy,
+    ServeError,
+    Unauthorized,
+)
 from dgr_engine.serve.generation import Ended, Generation, Piece
 from dgr_engine.serve.keys import ApiKeys
 from dgr_engine.serve.metrics import CONTENT_TYPE, CountRequests
-from dgr_engine.serve.route_view import route_json
+from dgr_engine.serve.route_view import health, route_json, stage_json
 from dgr_engine.serve.served import ServedRoute, sampler_for
 
 T = TypeVar("T")
@@ -111,6 +119,14 @@ def create_app(route: ServedRoute, keys: ApiKeys | None = None) -> FastAPI:
     @app.get("/", response_class=HTMLResponse)
     async def index() -> HTMLResponse:
         return HTMLResponse(page)
+
+    @app.get("/health")
+    async def healthy() -> dict[str, Any]:
+        stages = await route.stages.stages()
+        why = health(stages)
+        if why is not None:
+            raise RouteUnhealthy(why, stages=[stage_json(s) for s in stages])
+        return {"status": "ok", "stages": len(stages)}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -108,6 +108,23 @@ class RouteOverloaded(ServeError):
         return {"Retry-After": str(max(1, math.ceil(self.retry_after)))}
 
 
+class RouteUnhealthy(ServeError):
+    """``GET /health``: a stage of the route is not answering, or not certified; ``stages``
+    is every stage as ``GET /v1/route`` shows it."""
+
+    status = 503
+    kind = "unavailable_error"
+
+    def __init__(self, message: str, *, stages: list[dict[str, Any]]) -> None:
+        super().__init__(message, code="route_unhealthy")
+        self.stages = stages
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        body["stages"] = self.stages
+        return body
+
+
 class RouteFailed(ServeError):
     """The session's route failed and could not be recovered within its failure budget (or no
     route was to be had). ``stage_index``/``endpoint`` name the stage whose fault spent the

@@ -24,7 +24,15 @@ from prometheus_client import (
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 PATHS = frozenset(
-    {"/", "/v1/chat/completions", "/v1/completions", "/v1/models", "/v1/route", "/metrics"}
+    {
+        "/",
+        "/health",
+        "/metrics",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/models",
+        "/v1/route",
+    }
 )
 """Paths counted by name; any other is counted as ``other`` (a bounded set of labels)."""
 

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 import attrs
+from loguru import logger
 
 from dgr_engine.client.routes import describe
 from dgr_engine.security.tls import ClientTls
@@ -85,6 +86,25 @@ class StageSource(Protocol):
         ...
 
 
+async def _read(
+    stages: Sequence[tuple[str, tuple[int, int]]], tls: ClientTls | None, timeout: float
+) -> list[StageStatus]:
+    """Each ``(endpoint, layers)`` as its worker's advert says now, all asked at once."""
+    adverts = await asyncio.gather(
+        *(describe(e, timeout=timeout, tls=tls) for e, _ in stages), return_exceptions=True
+    )
+    out = []
+    for index, ((endpoint, layers), advert) in enumerate(zip(stages, adverts, strict=True)):
+        if isinstance(advert, Advert):
+            out.append(StageStatus.from_advert(index, endpoint, advert))
+        elif isinstance(advert, Exception):
+            why = str(advert).splitlines()[0] if str(advert) else type(advert).__name__
+            out.append(StageStatus.unreachable(index, endpoint, layers, why))
+        else:  # a BaseException (cancellation) is not the stage's state
+            raise advert
+    return out
+
+
 class AdvertStages:
     """The stages of workers at known endpoints, read from their adverts (``timeout`` seconds
     each, all at once)."""
@@ -101,22 +121,80 @@ class AdvertStages:
         self.timeout = timeout
 
     async def stages(self) -> list[StageStatus]:
-        adverts = await asyncio.gather(
-            *(describe(e, timeout=self.timeout, tls=self.tls) for e, _ in self.endpoints),
-            return_exceptions=True,
-        )
+        return await _read(self.endpoints, self.tls, self.timeout)
+
+
+class WorkerPool(Protocol):
+    """What :class:`PoolStages` reads of the workers a server spawned
+    (``dgr_engine.tooling.loopback.LoopbackRouteProvider``)."""
+
+    layout: tuple[tuple[int, int], ...]
+    spawn_on_demand: bool
+    client_tls: ClientTls | None
+
+    def live_endpoint(self, layers: tuple[int, int]) -> str | None:
+        """The endpoint of the worker a route would take for ``layers`` now (``None``:
+        none is running)."""
+        ...
+
+    async def repair(self) -> None:
+        """Starts a worker for each range none serves (when it spawns on demand)."""
+        ...
+
+
+class PoolStages:
+    """The stages of a server's own workers: for each range of the layout, the worker a route
+    takes now, read from its advert (``timeout`` seconds each, all at once). A range whose
+    worker died shows as not serving, and a replacement is started in the background (one
+    repair at a time), as a session that met the dead worker would have started one."""
+
+    def __init__(self, pool: WorkerPool, *, timeout: float = 3.0) -> None:
+        self.pool = pool
+        self.timeout = timeout
+        self._repairing: asyncio.Task[None] | None = None
+
+    async def stages(self) -> list[StageStatus]:
+        found = [(self.pool.live_endpoint(layers), layers) for layers in self.pool.layout]
+        live = [(e, layers) for e, layers in found if e is not None]
+        read = iter(await _read(live, self.pool.client_tls, self.timeout))
         out = []
-        for index, ((endpoint, layers), advert) in enumerate(
-            zip(self.endpoints, adverts, strict=True)
-        ):
-            if isinstance(advert, Advert):
-                out.append(StageStatus.from_advert(index, endpoint, advert))
-            elif isinstance(advert, Exception):
-                why = str(advert).splitlines()[0] if str(advert) else type(advert).__name__
-                out.append(StageStatus.unreachable(index, endpoint, layers, why))
-            else:  # a BaseException (cancellation) is not the stage's state
-                raise advert
+        for index, (endpoint, layers) in enumerate(found):
+            if endpoint is None:
+                a, b = layers
+                starting = self._repair()
+                why = f"no worker serves layers [{a},{b})" + (
+                    ": a replacement is starting" if starting else ""
+                )
+                out.append(StageStatus.unreachable(index, "", layers, why))
+            else:
+                out.append(attrs.evolve(next(read), index=index))
         return out
+
+    def _repair(self) -> bool:
+        """Starts a repair unless one runs; whether one runs now."""
+        if not self.pool.spawn_on_demand:
+            return False
+        if self._repairing is None or self._repairing.done():
+            self._repairing = asyncio.get_running_loop().create_task(self._repaired())
+        return True
+
+    async def _repaired(self) -> None:
+        try:
+            await self.pool.repair()
+        except Exception as exc:  # noqa: BLE001 - the next read shows the stage still down
+            logger.bind(stage="serve").warning("could not replace a worker: {}", exc)
+
+
+def health(stages: Sequence[StageStatus]) -> str | None:
+    """Why the route cannot serve now: the first stage that is not answering, or not
+    certified (``None``: every stage answers and is certified)."""
+    for stage in stages:
+        where = f"stage {stage.index} ({stage.endpoint or 'none'}, layers {list(stage.layers)})"
+        if not stage.serving:
+            return f"{where} is not serving: {stage.detail}"
+        if stage.certification != "certified":
+            return f"{where} is not certified (its lane is {stage.certification or 'unknown'})"
+    return None
 
 
 def stage_json(stage: StageStatus) -> dict[str, Any]:

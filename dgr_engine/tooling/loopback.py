@@ -294,6 +294,21 @@ class LoopbackRouteProvider:
             process.proc.send_signal(signal.SIGCONT)  # a stopped worker cannot handle SIGTERM
         process.stop(self.stop_timeout)
 
+    def live_endpoint(self, layers: tuple[int, int]) -> str | None:
+        """The endpoint of the worker a route takes for ``layers`` now: the first routable one
+        whose process runs (``None``: none; a spawn on demand comes with the next route)."""
+        for worker in self.workers:
+            if worker.layers == layers and worker.excluded is None and worker.running:
+                return worker.endpoint
+        return None
+
+    async def repair(self) -> None:
+        """For each range of the layout no running worker serves, the exited ones excluded
+        and, when spawning on demand, a replacement started (as the next route would)."""
+        async with self._lock:
+            for layers in self.layout:
+                await self._routable(layers)
+
     # -- RouteProvider -------------------------------------------------------------------------
 
     async def assign(self, session_id: str, report: FailureReport | None) -> Route | None:

@@ -207,3 +207,43 @@ def _alive(pid: int) -> bool:
             return stat.read().split(") ", 1)[1][0] != "Z"
     except OSError:
         return False
+
+
+def _health_until(server: ServerProcess, status: int, limit: float) -> httpx.Response:
+    """``GET /health`` until it answers ``status`` (the last answer after ``limit`` s)."""
+    end = time.monotonic() + limit
+    while True:
+        answer = httpx.get(server.url + "/health", timeout=30)
+        if answer.status_code == status or time.monotonic() >= end:
+            return answer
+        time.sleep(0.2)
+
+
+def test_health_is_503_while_a_stage_is_down_and_200_once_it_is_replaced(lane: RealLane) -> None:
+    """A load balancer's view: a worker killed, the health check says which stage is down
+    (and starts its replacement, as a session meeting the dead worker would), then 200 once
+    the replacement serves, and the route answers again."""
+    server = ServerProcess.dgr(SMOLLM2, 2, options=OPTIONS, extra=lane.serve_args())
+    try:
+        ok = httpx.get(server.url + "/health", timeout=30)
+        assert ok.status_code == 200 and ok.json() == {"status": "ok", "stages": 2}
+        before = route(server)["stages"][1]["endpoint"]  # type: ignore[index]
+        (pid,) = _listening_pids([int(before.rsplit(":", 1)[1])])
+        os.kill(pid, signal.SIGKILL)
+        down = _health_until(server, 503, 30)
+        assert down.status_code == 503, down.text
+        error = down.json()["error"]
+        assert error["code"] == "route_unhealthy" and error["message"].startswith("stage 1 ")
+        assert [s["serving"] for s in down.json()["stages"]] == [True, False]
+        up = _health_until(server, 200, 120)
+        assert up.status_code == 200, up.text
+        after = route(server)["stages"][1]["endpoint"]  # type: ignore[index]
+        assert after != before  # a replacement, on a port of its own
+        answer = httpx.post(
+            server.url + "/v1/completions",
+            json={"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0},
+            timeout=120,
+        )
+        assert answer.status_code == 200, answer.text
+    finally:
+        server.stop()

@@ -10,12 +10,15 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import attrs
 import httpx2 as httpx
 import openai
 import pytest
 
 from dgr_engine.client.text import until_stop
 from dgr_engine.reference import whole_model_greedy
+from dgr_engine.serve import StageStatus
+from dgr_engine.serve.route_view import health
 from dgr_engine.tokenizer import Tokenizer
 from dgr_session import FailurePolicy
 from tests.serve.conftest import OPTIONS, Served, start_served
@@ -320,3 +323,17 @@ def test_the_page_is_served_whole_from_the_package(served: Served) -> None:
     # self-contained: nothing is fetched from elsewhere (the machine may have no internet)
     assert "src=" not in html and "<link" not in html and "@import" not in html
     assert "/v1/route" in html and "/v1/chat/completions" in html
+
+
+def test_health_is_200_while_every_stage_answers_and_is_certified(served: Served) -> None:
+    answer = httpx.get(served.url + "/health", timeout=30)
+    assert answer.status_code == 200 and answer.json() == {"status": "ok", "stages": 2}
+
+
+def test_the_health_verdict_names_the_first_stage_down_or_dark() -> None:
+    up = StageStatus(0, "a:1", (0, 2), serving=True, certification="certified")
+    dark = StageStatus(1, "b:2", (2, 4), serving=True, certification="dark")
+    down = StageStatus.unreachable(1, "b:2", (2, 4), "connection refused")
+    assert health([up, attrs.evolve(up, index=1, endpoint="b:2", layers=(2, 4))]) is None
+    assert health([up, dark]) == "stage 1 (b:2, layers [2, 4]) is not certified (its lane is dark)"
+    assert health([up, down]) == "stage 1 (b:2, layers [2, 4]) is not serving: connection refused"
