@@ -124,6 +124,11 @@ class AdvertStages:
         return await _read(self.endpoints, self.tls, self.timeout)
 
 
+REPAIR_BACKOFF = 30.0
+"""Seconds :class:`PoolStages` waits after a replacement failed to start before it tries
+another."""
+
+
 class WorkerPool(Protocol):
     """What :class:`PoolStages` reads of the workers a server spawned
     (``dgr_engine.tooling.loopback.LoopbackRouteProvider``)."""
@@ -152,6 +157,7 @@ class PoolStages:
         self.pool = pool
         self.timeout = timeout
         self._repairing: asyncio.Task[None] | None = None
+        self._failed_at: float | None = None  # when the last repair failed (loop time)
 
     async def stages(self) -> list[StageStatus]:
         found = [(self.pool.live_endpoint(layers), layers) for layers in self.pool.layout]
@@ -174,14 +180,19 @@ class PoolStages:
         """Starts a repair unless one runs; whether one runs now."""
         if not self.pool.spawn_on_demand:
             return False
+        loop = asyncio.get_running_loop()
+        if self._failed_at is not None and loop.time() - self._failed_at < REPAIR_BACKOFF:
+            return False  # a probe every few seconds must not start a worker every time
         if self._repairing is None or self._repairing.done():
-            self._repairing = asyncio.get_running_loop().create_task(self._repaired())
+            self._repairing = loop.create_task(self._repaired())
         return True
 
     async def _repaired(self) -> None:
         try:
             await self.pool.repair()
+            self._failed_at = None
         except Exception as exc:  # noqa: BLE001 - the next read shows the stage still down
+            self._failed_at = asyncio.get_running_loop().time()
             logger.bind(stage="serve").warning("could not replace a worker: {}", exc)
 
 
