@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import socket
 import subprocess
 import tempfile
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
@@ -51,6 +52,14 @@ every process of a route), room for four sessions."""
 
 PARITY_PROMPT = [int(t) for t in (np.arange(16) * 37 + 11) % 256]
 """A 16-token prompt inside every fixture's vocabulary, for parity runs."""
+
+
+def closed_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+    return port
 
 
 def run(coro: Coroutine[Any, Any, T], limit: float = 60.0) -> T:

@@ -11,13 +11,13 @@ loopback port nothing listens on, ``{tmp}`` an empty directory.
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from dgr_engine import cli
+from tests.harness import closed_port
 
 Row = tuple[tuple[str, ...], str]
 """A command line (placeholders in braces) and a text its one line must hold."""
@@ -74,14 +74,6 @@ PROCESS_ROWS: tuple[Row, ...] = (
     (("worker", "--fixture", "tiny-llama", "--layers", "0:2", "--port", "{busy}"), "in use"),
 )
 """Rows of subcommands that are a worker process themselves (``{busy}``: a port in use)."""
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
 
 
 def fill(row: Sequence[str], places: dict[str, str]) -> list[str]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
@@ -11,14 +10,7 @@ from dgr_engine.client.routes import EndpointRouteProvider
 from dgr_engine.client.shard_client import ShardClient
 from dgr_engine.errors import ShardUnavailable
 from dgr_session.errors import StageUnreachable
-
-
-def closed_port() -> int:
-    """A loopback port nothing listens on (bound, then released)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
+from tests.harness import closed_port
 
 
 def test_an_unreachable_endpoint_is_named_with_its_stage_and_why() -> None:

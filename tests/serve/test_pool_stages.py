@@ -7,18 +7,11 @@ time). A fake pool stands for the provider; its one live worker's port is closed
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
 from dgr_engine.serve.route_view import REPAIR_BACKOFF, PoolStages, health
-
-
-def closed_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-    return port
+from tests.harness import closed_port
 
 
 class FakePool:

@@ -53,7 +53,7 @@ def test_a_next_session_over_the_same_ring_drafts_from_its_first_pass() -> None:
     assert cold.warm is None
     assert first_passes(cold, 0.080, 0.004)[:3] == [2, 0, 0]  # two drafts, then plain passes
     timed(cold, 0.080, 0.004)
-    learned = cold.times
+    learned = cold.length.times
     assert learned is not None and learned.plain == 0.080
     hub.session_closed(SessionClosed("one", 1, CloseCause.CLIENT))
     warm = drafting(hub, "two")

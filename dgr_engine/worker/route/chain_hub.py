@@ -317,7 +317,7 @@ class ChainHub:
     def _keep_pass_times(self, link: ChainLink | None, drafting: RingDrafting) -> None:
         """Keeps what ``drafting``'s passes around the ring of ``link`` cost, for the next
         session over it (the most recent :data:`PASS_TIMES_KEPT` rings)."""
-        times = drafting.times
+        times = drafting.length.times
         if link is None or times is None:
             return
         self._pass_times.pop(link.endpoint, None)

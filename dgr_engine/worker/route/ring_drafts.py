@@ -32,6 +32,8 @@ class RingDrafting:
     averages), to draft from the first pass on; ``None``: this session times its own first."""
     tokens: list[int] = attrs.Factory(list)
     """The token of every position the stage ran, in order."""
+    length: DraftLength = attrs.field(init=False)
+    """How many drafts its next pass carries (timed by the passes this stage sends)."""
     speculation: Speculation = attrs.field(init=False)
     sent: tuple[int, float] | None = None
     """The position of the last frame this stage sent on, and when (``time.monotonic``): the
@@ -39,14 +41,8 @@ class RingDrafting:
 
     def __attrs_post_init__(self) -> None:
         self.k_max = min(self.k_max, MAX_DRAFTS)
-        length = DraftLength(k_max=self.k_max, times=self.warm)
-        self.speculation = Speculation(NgramDrafter(), length, max_drafts=self.k_max)
-
-    @property
-    def times(self) -> PassTimes | None:
-        """What this session's passes around the ring cost, once timed."""
-        length = self.speculation.length
-        return length.times if isinstance(length, DraftLength) else None
+        self.length = DraftLength(k_max=self.k_max, times=self.warm)
+        self.speculation = Speculation(NgramDrafter(), self.length, max_drafts=self.k_max)
 
     def ran(self, start: int, token_ids: Sequence[int]) -> bool:
         """The stage ran rows with ``token_ids`` from position ``start``: what it held from
@@ -89,7 +85,7 @@ class RingDrafting:
         ran), at most ``room``: by prompt lookup, or the MTP block's ``mtp`` drafts when the
         stage made them (a ring drafting with MTP); as many as the draft length allows."""
         if mtp is not None:
-            drafts = mtp[: max(min(room, self.k_max, self.speculation.length.k), 0)]
+            drafts = mtp[: max(min(room, self.k_max, self.length.k), 0)]
             self.sent = (position, time.monotonic())
             return drafts
         history = [*self.tokens[:position], token]
