@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from dgr_engine.certification.record import EVIDENCE_DIR_ENV
+from dgr_engine.cli._own_model import OPERATOR_HOME_ENV
 from dgr_engine.fixtures import ensure_fixture
 from tests.harness import GEMMA3, SMOLLM2, EvidenceDirs, EvidenceKit, RealLane, no_worker_popen
 
@@ -74,6 +75,8 @@ def pytest_runtest_setup(item: pytest.Item) -> Any:
     # in the setup phase, so that a failure is this test's error; under the Popen guard, so
     # that a fast test cannot ask for certified lanes (made by `dgr certify`)
     item.stash[_PATCH].setenv(EVIDENCE_DIR_ENV, str(_evidence_for(item)))
+    # never the user's own operator home (~/.config/dgr/operator): one of this run's
+    item.stash[_PATCH].setenv(OPERATOR_HOME_ENV, str(item.config.stash[_DIRS].operator_home()))
     return (yield)
 
 

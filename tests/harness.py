@@ -238,6 +238,12 @@ class EvidenceDirs:
             self._real[name] = certify_real_lane(home, name)
         return self._real[name]
 
+    def operator_home(self) -> Path:
+        """A new operator home, not yet made (``$DGR_OPERATOR_HOME`` of one test): nothing a
+        test certifies for its own model reaches the user's, or another test's."""
+        self._made += 1
+        return self.base / "operator" / str(self._made)
+
     def remove(self) -> None:
         shutil.rmtree(self.base, ignore_errors=True)
 

@@ -82,13 +82,22 @@ def _declares(
 
 
 def operator_lock(
-    base: Lock, home: Path, *, name: str, arch: str, sha256: str, evidence: Path | None = None
+    base: Lock,
+    home: Path,
+    *,
+    name: str,
+    arch: str,
+    sha256: str,
+    evidence: Path | None = None,
+    key_path: Path | None = None,
+    statement: str = STATEMENT,
 ) -> OperatorLock:
     """The operator lock in ``home`` declaring the real model ``name`` (``arch``, GGUF content
-    hash ``sha256``), this machine's hardware lane and the operator's key, made from ``base``
-    (the repo's lock) when there is none that does; :class:`EvidenceError` (one line) when it
-    cannot be made."""
-    key_path = home / "certifier.pem"
+    hash ``sha256``), this machine's hardware lane and the operator's key (``key_path``,
+    default ``home/certifier.pem``; made 0600 when missing), made from ``base`` (the repo's
+    lock) when there is none that does; :class:`EvidenceError` (one line) when it cannot be
+    made."""
+    key_path = key_path if key_path is not None else home / "certifier.pem"
     key = _signing_key(key_path)
     key_id = signing.key_id_of(key.public_key())
     base_data = json.loads(base.path.read_text())
@@ -101,7 +110,7 @@ def operator_lock(
                 return OperatorLock(held, key, key_path, records, new=False)
         except (EvidenceError, ValueError):
             pass  # unreadable or outdated: a new lock replaces it
-    data = dict(base_data, statement=STATEMENT)
+    data = dict(base_data, statement=statement)
     data = lock_edit.declare_real_model(data, name=name, arch=arch, content_sha256=sha256)
     lane = lock_edit.this_hardware_lane()
     if (

@@ -31,6 +31,7 @@ import attrs
 
 from dgr_engine.argtypes import float_in, int_in
 from dgr_engine.certification.verify import LockVerifier
+from dgr_engine.cli._own_model import OwnLaneRefused, applies, settle_own_lane
 from dgr_engine.client.chained import DATA_PATHS, ChainStageTransport
 from dgr_engine.client.path_choice import PathChoice, StageOffer, choose_path
 from dgr_engine.client.relay import GrpcStageTransport
@@ -144,7 +145,15 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
         "--evidence",
         type=Path,
         default=None,
-        help="evidence directory the --spawn workers read (default: the worker's default)",
+        help="evidence directory the --spawn workers read (default: the worker's default, then "
+        "your operator lock's for your own model: docs/serve.md)",
+    )
+    p.add_argument(
+        "--certify",
+        action="store_true",
+        help="with --spawn on your own model: when no record of its lane on this machine "
+        "counts, certify it first under your own operator lock (made once, outside the "
+        "checkout; about a minute for a small model; docs/serve.md)",
     )
     p.add_argument(
         "--lock",
@@ -305,6 +314,9 @@ class RouteSettings:
     """``--transport``: one of :data:`TRANSPORTS`."""
     data_path: DataPath = attrs.field(converter=DataPath)
     """``--data-path``: how a chain's or ring's frames travel (``DATA_PATHS``)."""
+    certify: bool = False
+    """``--certify``: certify the spawned lane of the operator's own model first when no
+    record of it counts (:mod:`dgr_engine.cli._own_model`)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouteSettings:
@@ -330,6 +342,7 @@ class RouteSettings:
             tls_key=args.tls_key,
             transport=args.transport,
             data_path=args.data_path,
+            certify=args.certify,
         )
 
 
@@ -486,6 +499,8 @@ def plan_route(settings: RouteSettings, *, notice: Notice = _silent) -> RoutePla
         layout = tuple(split_points(n_layer, settings.spawn))
     endpoints = () if settings.endpoints is None else _endpoints(settings.endpoints)
     tls = _client_tls(settings)
+    if model is not None and layout is not None:
+        settings = _own_lane(settings, model, notice)
     verifier = _verifier(settings)
     evidence = [] if settings.evidence is None else ["--evidence", str(settings.evidence)]
     lock = [] if settings.lock is None else ["--lock", str(settings.lock)]
@@ -505,6 +520,23 @@ def plan_route(settings: RouteSettings, *, notice: Notice = _silent) -> RoutePla
         vocab=vocab,
         tokenizer=_tokenizer(vocab),
     )
+
+
+def _own_lane(settings: RouteSettings, model: Path, notice: Notice) -> RouteSettings:
+    """``settings`` with the operator's own lock and evidence for ``model`` when the defaults
+    certify no lane of it here (:mod:`dgr_engine.cli._own_model`; certified first with
+    ``--certify``)."""
+    if not applies(lock=settings.lock, evidence=settings.evidence, model=model):
+        return settings
+    try:
+        own = settle_own_lane(
+            model, settings.options, settings.require, certify_now=settings.certify, say=notice
+        )
+    except (OwnLaneRefused, EngineError) as exc:
+        raise RouteOptionsRefused(str(exc)) from None
+    if own is None:
+        return settings
+    return attrs.evolve(settings, lock=own.lock, evidence=own.evidence)
 
 
 def _endpoints(text: str) -> tuple[str, ...]:

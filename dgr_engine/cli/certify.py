@@ -28,20 +28,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from dgr_engine.cli._evidence_args import add_evidence_arguments, add_sign_key_argument
+from dgr_engine.cli._lane_certify import certify_or_reuse
 from dgr_engine.cli._logs import log_to_stderr
+from dgr_engine.cli._own_model import OwnLaneFailed, OwnLaneRefused, applies, settle_own_lane
 from dgr_engine.cli._signals import sigterm_as_interrupt
+from dgr_engine.errors import EngineError
 from dgr_engine.options import EngineOptions
 from dgr_engine.tooling.peer_build import PeerUse
-
-if TYPE_CHECKING:
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    from dgr_engine.certification.lock import Lock
+from dgr_session.identity import EvidenceClass
 
 
 def configure(p: argparse.ArgumentParser) -> None:
@@ -93,8 +90,12 @@ def run(args: argparse.Namespace) -> int:
     except (EvidenceError, DgrError, LookupError, ValueError, OSError) as exc:
         print(f"dgr certify: {exc}", file=sys.stderr)
         return 2
-    evidence = args.evidence if args.evidence is not None else default_evidence_dir()
     options = EngineOptions.from_args(args)
+    if args.sign_key is None and applies(lock=args.lock, evidence=args.evidence, model=model):
+        # llama.cpp RPC only when asked by name: 'auto' would build it first for real evidence
+        rpc = PeerUse(args.rpc) if args.rpc != PeerUse.AUTO.value else PeerUse.OFF
+        return _certify_own_model(model, options, rpc)
+    evidence = args.evidence if args.evidence is not None else default_evidence_dir()
     try:
         with sigterm_as_interrupt():
             return asyncio.run(
@@ -117,70 +118,25 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
 
-async def certify_or_reuse(
-    model: Path,
-    options: EngineOptions,
-    lock: Lock,
-    evidence: Path,
-    reuse: bool,
-    *,
-    key: Ed25519PrivateKey | None = None,
-    rpc: PeerUse = PeerUse.AUTO,
-) -> int:
-    """Reuse a matching passing record (with ``reuse``) or certify, signing with ``key``
-    (default: the fixture certifier) and running llama.cpp RPC as ``rpc`` says; print the
-    outcome."""
-    from dgr_engine.certification.gates import CORRECTNESS
-    from dgr_engine.certification.record import Verdict
-    from dgr_engine.certify.runner import certify
-
-    if reuse:
-        found = await asyncio.to_thread(matching_record, model, options, lock, evidence)
-        if found is not None:
-            print(f"reusing record {found} (same lane, same lock)", flush=True)
-            return 0
-
-    def say(text: str) -> None:
-        print(text, flush=True)
-
-    began = time.perf_counter()
-    argv = ["dgr", "certify", "--model", str(model), "--rpc", rpc.value, *options.worker_argv()]
-    if key is not None:
-        argv += ["--sign-key", "KEY"]  # the command, not where the operator keeps the key
-    result = await certify(
-        model,
-        options=options,
-        lock=lock,
-        evidence_dir=evidence,
-        command=argv,
-        progress=say,
-        key=key,
-        rpc=rpc,
-    )
-    record = result.record
-    say(
-        f"record {result.path} ({record.evidence_class.value} evidence), "
-        f"{time.perf_counter() - began:.1f} s"
-    )
-    if record.signature is not None:
-        signer = lock.certifier(record.signature.key_id)
-        name = f" ({signer.name})" if signer is not None else ""
-        say(f"signed by key {record.signature.key_id}{name}")
-    failed = []
-    for req in record.requirements:
-        say(f"  {req.verdict.value:<12} {req.id}: {req.detail}")
-        if req.id in CORRECTNESS and req.verdict is not Verdict.PASS:
-            failed.append(req.id)
-    return 1 if failed else 0
+def _certify_own_model(model: Path, options: EngineOptions, rpc: PeerUse) -> int:
+    """``dgr certify --model M`` with no lock, evidence or key named, on a model that is no
+    fixture: its lane certified under the operator's own lock for it, unless a record under
+    the defaults or that lock already counts at real-hardware evidence, what ``generate``,
+    ``chat`` and ``serve`` require by default (:mod:`dgr_engine.cli._own_model`)."""
+    try:
+        with sigterm_as_interrupt():
+            own = settle_own_lane(
+                model, options, EvidenceClass.REAL_HARDWARE, certify_now=True, say=_print, rpc=rpc
+            )
+    except (OwnLaneRefused, EngineError) as exc:
+        print(f"dgr certify: {exc}", file=sys.stderr)
+        return 1 if isinstance(exc, OwnLaneFailed) else 2
+    if own is None:
+        print("a record of this lane under the default lock already counts: nothing to do")
+    else:
+        print(f"your operator lock {own.lock} certifies this lane; records in {own.evidence}")
+    return 0
 
 
-def matching_record(model: Path, options: EngineOptions, lock: Lock, evidence: Path) -> str | None:
-    """Path of a passing record of exactly the lane ``model`` + ``options`` has here."""
-    from dgr_engine.certification.registry import find_certification
-    from dgr_engine.certify.runner import lane_of
-
-    lane = lane_of(model, options)
-    found = find_certification(lane, evidence, lock=lock)
-    if found.certification is None:
-        return None
-    return str(found.certification.path)
+def _print(text: str) -> None:
+    print(text, flush=True)

@@ -52,10 +52,10 @@ from dgr_engine.certification.record import default_evidence_dir
 from dgr_engine.certification.registry import find_certification
 from dgr_engine.certification.verify import LockVerifier
 from dgr_engine.cli._demo_operator import demo_home, expected_class, operator_lock
+from dgr_engine.cli._lane_certify import certify_or_reuse
 from dgr_engine.cli._logs import log_to_stderr
 from dgr_engine.cli._progress import progress_printer, quiet_progress, sayer, timed
 from dgr_engine.cli._signals import sigterm_as_interrupt
-from dgr_engine.cli.certify import certify_or_reuse
 from dgr_engine.client.relay import ForwardRecord, GrpcStageTransport, StageStats
 from dgr_engine.client.text import prompt_ids, start_text, until_stop
 from dgr_engine.errors import EngineError
