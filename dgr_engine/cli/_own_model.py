@@ -57,6 +57,7 @@ __all__ = [
     "OwnModel",
     "applies",
     "certify_own_model",
+    "held_own_lane",
     "operator_home",
     "own_model",
     "settle_own_lane",
@@ -152,6 +153,16 @@ def own_model(path: Path, lane: LaneKey, base: Lock) -> OwnModel:
         name = lock_edit.slug(header.strings.get("general.name") or path.stem)
     folder = operator_home() / "models" / f"{lock_edit.slug(name)}-{lane.model_sha256[:12]}"
     return OwnModel(path, name, header.arch, lane.model_sha256, folder)
+
+
+def held_own_lane(model_sha256: str) -> OwnLane | None:
+    """The operator's own lock and evidence for the model of content hash ``model_sha256``,
+    if made (``dgr certify --model M`` or ``--certify``): what a ``dgr worker`` of that model
+    with no lock or evidence named looks in when the defaults certify no lane of it."""
+    for folder in sorted((operator_home() / "models").glob(f"*-{model_sha256[:12]}")):
+        if (folder / "lock.json").is_file():
+            return OwnLane(folder / "lock.json", folder / "evidence")
+    return None
 
 
 def _certified(lane: LaneKey, evidence: Path, lock: Lock, required: EvidenceClass) -> Path | None:

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from dgr_engine.artifacts.shard import ShardArtifacts
     from dgr_engine.security.tls import ClientTls, ServerTls
     from dgr_engine.worker import WorkerConfig
+    from dgr_engine.worker.reporting.identity import BuildIdentity
 
 
 def port_problem(host: str, port: int) -> str | None:
@@ -592,7 +593,7 @@ async def _serve(settings: WorkerSettings, trust: WorkerTrust) -> int:
             loaded = ShardWorker.load(
                 model,
                 settings.layers,
-                config=config,
+                config=_with_own_lane(config, settings, model, build),
                 build=build,
                 header=header,
                 **options.engine_kwargs(),
@@ -636,6 +637,24 @@ async def _serve(settings: WorkerSettings, trust: WorkerTrust) -> int:
         closed = await worker.stop()
     print(f"STOPPED sessions_closed={closed}", flush=True)
     return 0
+
+
+def _with_own_lane(
+    config: WorkerConfig, settings: WorkerSettings, model: Path, build: BuildIdentity
+) -> WorkerConfig:
+    """``config`` that also looks in the operator's own lock for this model when the defaults
+    certify no lane of it: a single-file model no lock or evidence is named for
+    (``dgr certify --model M`` certifies there: ``dgr_engine/cli/_own_model.py``)."""
+    from dgr_engine.cli._own_model import applies, held_own_lane
+
+    if settings.manifest is not None or settings.fixture is not None:
+        return config
+    if not applies(lock=settings.lock, evidence=settings.evidence, model=model):
+        return config
+    own = held_own_lane(build.model_sha256.hex())
+    if own is None:
+        return config
+    return attrs.evolve(config, own_lane=(own.lock, own.evidence))
 
 
 def certify_command(args: argparse.Namespace) -> str:

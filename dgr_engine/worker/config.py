@@ -49,6 +49,10 @@ class WorkerConfig:
     is certified only by a record of exactly its lane. ``None``: the lane is dark."""
     lock_path: Path | None = None
     """The lock records must be made under (default: ``$DGR_LOCK`` or the checkout's)."""
+    own_lane: tuple[Path, Path] | None = None
+    """The operator's own lock and evidence directory for this model (``dgr certify --model
+    M`` with none named: ``dgr_engine/cli/_own_model.py``), looked in when no record under
+    ``lock_path`` in ``evidence_dir`` certifies the lane; ``None``: none."""
     admission_wait_seconds: float = 5.0
     """How long an open may wait in line for a free session slot (first come, first served)
     before it is answered busy (``DGR_E_CAPACITY`` with a retry hint); 0: answer at once. Also

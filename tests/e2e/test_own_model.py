@@ -27,7 +27,7 @@ from dgr_engine.gguf_check import check_gguf
 from dgr_engine.options import EngineOptions
 from dgr_engine.reference import whole_model_greedy
 from dgr_engine.tokenizer import Tokenizer
-from dgr_engine.tooling.processes import dgr_command
+from dgr_engine.tooling.processes import WorkerProcess, dgr_command
 from tests.harness import REPO, RealLane
 
 QUESTION = "What is the capital of France?"
@@ -119,6 +119,15 @@ def test_serve_certify_makes_the_operator_lock_certifies_and_serves(
     )  # fmt: skip
     assert check.returncode == 0, check.stderr
     assert "certified under your operator lock" in check.stderr
+    # a worker started by hand with no lock named finds that record too (the command a dark
+    # worker's refusal names then works); a client names the operator's lock to trust it
+    with WorkerProcess.spawn(own_gguf, (0, 30)) as worker:
+        assert "certified: real-hardware evidence" in worker.stderr_text()
+        remote = _dgr(
+            "generate", "--endpoints", worker.address, "--model", str(own_gguf),
+            "--lock", str(lock.path), "--prompt", QUESTION, "--chat", "-n", "8", "--check",
+        )  # fmt: skip
+    assert remote.returncode == 0, remote.stderr
 
 
 def _sha256(path: Path) -> str:

@@ -6,6 +6,7 @@ and the live counts, never waiting for the engine (``docs/worker.md``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from dgr_engine.certification.errors import EvidenceError
@@ -69,14 +70,11 @@ class Advertiser:
         """Its certification (``None``: dark) and why."""
 
     def _find_certification(self) -> LaneLookup:
-        lock = None
-        if self.config.lock_path is not None:
-            try:
-                lock = load_lock(self.config.lock_path)
-            except EvidenceError as exc:
-                self.log.warning("lane dark: {}", exc)
-                return LaneLookup(None, (str(exc),))
-        found = find_certification(self.lane_key, self.config.evidence_dir, lock=lock)
+        found = self._look_in(self.config.lock_path, self.config.evidence_dir)
+        if found.certification is None and self.config.own_lane is not None:
+            own = self._look_in(*self.config.own_lane)
+            if own.certification is not None:
+                found = own
         lane = self.lane_key.lane_id[:12]
         if found.certification is None:
             self.log.info("lane {} dark: {}", lane, "; ".join(found.reasons))
@@ -89,6 +87,16 @@ class Advertiser:
                 cert.record_id[:12],
             )
         return found
+
+    def _look_in(self, lock_path: Path | None, evidence: Path | None) -> LaneLookup:
+        lock = None
+        if lock_path is not None:
+            try:
+                lock = load_lock(lock_path)
+            except EvidenceError as exc:
+                self.log.warning("lane dark: {}", exc)
+                return LaneLookup(None, (str(exc),))
+        return find_certification(self.lane_key, evidence, lock=lock)
 
     def lane(self) -> Lane:
         """The lane with its certification (dark unless a record of exactly it was loaded),
