@@ -102,6 +102,12 @@ def serve_echo(width: int) -> None:
         def truncate(self, session_id: int, epoch: int, n_keep: int) -> None:
             raise AssertionError("the echo engine is never asked to drop drafts")
 
+        def save_state(self, session_id: int, epoch: int) -> bytes:
+            raise AssertionError("the echo engine is never asked to keep a prefix")
+
+        def load_state(self, session_id: int, epoch: int, state: bytes) -> None:
+            raise AssertionError("the echo engine is never asked to keep a prefix")
+
         def close(self) -> None:
             pass
 

@@ -12,6 +12,7 @@ import attrs
 
 from dgr_session.errors import DgrError
 from dgr_session.faults import FailureReport
+from dgr_session.prefixes import PrefixRef
 from dgr_session.route import StageSpec
 from dgr_session.sampling import Sampling
 
@@ -69,6 +70,10 @@ class OpenStage:
     """Stage to open."""
     sampling: Sampling | None = None
     """The session's sampler, for the stage to apply (``None``: the session samples itself)."""
+    prefix: PrefixRef | None = None
+    """Start from this kept prefix (``docs/prefix-cache.md``): the stage answers the positions
+    it opened with (:attr:`~dgr_session.events.StageOpened.next_pos`); length 0: exactly
+    empty. ``None``: a plain open."""
 
 
 @attrs.frozen(kw_only=True)
@@ -142,6 +147,9 @@ class CloseStage:
     """Stage's index in the route."""
     stage: StageSpec = attrs.field(repr=_stage)
     """Stage to close."""
+    keep: PrefixRef | None = None
+    """Keep the epoch's first positions under this name for the client's later sessions
+    (``docs/prefix-cache.md``); ``None``: keep nothing."""
 
 
 @attrs.frozen

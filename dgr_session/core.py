@@ -68,6 +68,7 @@ from dgr_session.machine import (
 )
 from dgr_session.pipeline import Chunk, EpochPipeline
 from dgr_session.policy import FailurePolicy, ReplayMode
+from dgr_session.prefixes import PrefixBook, PrefixRef, route_key
 from dgr_session.route import CertificationVerifier, Route, validate_route
 from dgr_session.sampling import Sampling
 from dgr_session.speculation import Speculation, kept_drafts, verify_rows
@@ -146,6 +147,9 @@ class RouteSession:
         "_frames",
         "_finds_silent_stages",
         "_pass_rows",
+        "_prefixes",
+        "_reuse",
+        "_opened_at",
         "__weakref__",
     )
 
@@ -167,6 +171,7 @@ class RouteSession:
         sampling: Sampling | None = None,
         prefill_frames: int = 1,
         finds_silent_stages: bool = False,
+        prefixes: PrefixBook | None = None,
     ) -> None:
         check_session_id(session_id)  # it names the session in every command and log line
         if not prompt:
@@ -254,6 +259,12 @@ class RouteSession:
         # to keep (None: the last forward was no verification pass, or a new epoch began).
         self._kept: int | None = None
         self._pass_rows = 1  # set by each route: the rows of a pass that keep their bits
+        # Prompt prefixes kept on the stages across sessions (docs/prefix-cache.md): the
+        # client's book (None: none kept or reused), the kept prefix this epoch's opens start
+        # from (None: plain opens), and the positions each stage answered it opened with.
+        self._prefixes = prefixes if sampling is None or not sampling.penalized else None
+        self._reuse: PrefixRef | None = None
+        self._opened_at: dict[int, int] = {}
         self._machine.add_model(self)
 
     def __repr__(self) -> str:
@@ -508,8 +519,13 @@ class RouteSession:
         self._kept = None  # its stages hold no verification pass
         self._fire("route_assigned")
         self._budget.begin_wait(self._now)
+        self._reuse, self._opened_at = None, {}
+        if self._prefixes is not None and self._high_water == 0:  # nothing computed yet
+            self._reuse = self._prefixes.find(route_key(route), self.prompt, chunk)
         for index, stage in enumerate(route.stages):
-            out.append(OpenStage(self.session_id, self._epoch, index, stage, self.sampling))
+            out.append(
+                OpenStage(self.session_id, self._epoch, index, stage, self.sampling, self._reuse)
+            )
 
     def _on_route_unavailable(self, event: RouteUnavailable, out: list[Command]) -> None:
         if not self._route_answer_applies(event.epoch, event.attempt):
@@ -528,10 +544,35 @@ class RouteSession:
             detail = f"unexpected StageOpened in state {self._state}"
             self._fault(index, FaultKind.PROTOCOL, detail, out)
             return
-        if pipe.confirm_open(index):  # every stage opened
+        asked = 0 if self._reuse is None else self._reuse.length
+        if event.next_pos not in (0, asked):
+            detail = f"opened with {event.next_pos} positions, {asked} asked for"
+            self._fault(index, FaultKind.PROTOCOL, detail, out)
+            return
+        self._opened_at[index] = event.next_pos
+        if pipe.confirm_open(index) and self._reused(out):  # every stage opened, alike
             self._budget.admitted()
             self._fire("stages_opened")
             self._start_forward(out)
+
+    def _reused(self, out: list[Command]) -> bool:
+        """Every stage opened: True when they hold the same positions (the kept prefix's, or
+        none), where the epoch's rows now start. Else the stages that started from the prefix
+        are opened again empty (False: the epoch goes on once they answer)."""
+        held = set(self._opened_at.values())
+        if len(held) == 1:
+            self._pipe.kv_pos = self._pipe.sent = held.pop()
+            return True
+        assert self._reuse is not None and self._route is not None  # else every stage says 0
+        self._reuse = empty = PrefixRef(self._reuse.digest, 0)
+        for index, positions in self._opened_at.items():
+            if positions:
+                self._pipe.opened &= ~(1 << index)
+                stage = self._route.stages[index]
+                out.append(
+                    OpenStage(self.session_id, self._epoch, index, stage, self.sampling, empty)
+                )
+        return False
 
     def _on_output(self, event: StageOutput, out: list[Command]) -> None:
         index = event.stage_index
@@ -802,8 +843,20 @@ class RouteSession:
 
     def _finish(self, reason: FinishReason, out: list[Command]) -> None:
         self._fire("finished")
-        self._close_epoch(out)
+        self._close_epoch(out, self._keep())
         self._end(reason, None, out)
+
+    def _keep(self) -> PrefixRef | None:
+        """What a session that ends well asks its stages to keep of its prompt: its whole
+        chunks, when its first route computed them (a re-prefill's batched replay may chunk
+        them otherwise) and the client keeps a book."""
+        book, route, chunk = self._prefixes, self._route, self._chunk
+        if book is None or route is None or chunk is None or self._budget.route_changes:
+            return None
+        keep = book.to_keep(self.prompt, chunk)
+        if keep is not None:
+            book.kept(route_key(route), self.prompt, chunk, keep)
+        return keep
 
     def _fault(
         self,
@@ -1029,11 +1082,12 @@ class RouteSession:
             reports=self._reports,
         )
 
-    def _close_epoch(self, out: list[Command]) -> None:
-        """Close every stage of the live epoch (opened or not: an open may be in flight)."""
+    def _close_epoch(self, out: list[Command], keep: PrefixRef | None = None) -> None:
+        """Close every stage of the live epoch (opened or not: an open may be in flight),
+        each keeping ``keep`` of it."""
         if self._live and self._route is not None:
             for index, stage in enumerate(self._route.stages):
-                out.append(CloseStage(self.session_id, self._epoch, index, stage))
+                out.append(CloseStage(self.session_id, self._epoch, index, stage, keep))
         self._live = False
 
     def _end(self, reason: FinishReason, error: DgrError | None, out: list[Command]) -> None:

@@ -73,6 +73,9 @@ class StageOpened:
     """Epoch of the open command."""
     stage_index: int
     """Stage that opened."""
+    next_pos: int = 0
+    """The positions the stage holds for the epoch: 0 unless the open named a kept prefix
+    (:attr:`~dgr_session.commands.OpenStage.prefix`) the stage had."""
 
 
 @attrs.frozen(kw_only=True)

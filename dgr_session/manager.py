@@ -44,6 +44,7 @@ from dgr_session.identifiers import check_session_id
 from dgr_session.identity import EvidenceClass, ModelIdentity, Recipe
 from dgr_session.machine import SessionMachine, SessionState
 from dgr_session.policy import FailurePolicy
+from dgr_session.prefixes import PrefixBook
 from dgr_session.route import CertificationVerifier
 from dgr_session.sampling import Sampler, greedy
 from dgr_session.speculation import Speculation
@@ -237,8 +238,11 @@ class SessionManager:
         required_evidence: EvidenceClass = EvidenceClass.REAL_HARDWARE,
         machine: SessionMachine | None = None,
         certification_verifier: CertificationVerifier | None = None,
+        prefixes: PrefixBook | None = None,
     ) -> None:
         self._transport = transport
+        # prompt prefixes kept on the stages across sessions, where the transport can
+        self._prefixes = prefixes if transport.capabilities.keeps_prefixes else None
         self._provider = provider
         self._policy = policy if policy is not None else FailurePolicy()
         self._sampler = sampler
@@ -253,6 +257,9 @@ class SessionManager:
         self._live: dict[str, SessionHandle] = {}
         # Close calls in flight (fire and forget, kept referenced until done).
         self._closing: set[asyncio.Task[None]] = set()
+        # Closes that keep a prompt prefix, by stage endpoint: an open that starts from a kept
+        # prefix there waits for them to land (the next turn of a conversation may come at once)
+        self._keeping: dict[str, set[asyncio.Task[None]]] = {}
         #: Close calls that raised (closing a dead stage is expected to fail).
         self.close_errors = 0
 
@@ -333,6 +340,7 @@ class SessionManager:
             sampling=sampling,
             prefill_frames=capabilities.prefill_frames,
             finds_silent_stages=capabilities.finds_silent_stages,
+            prefixes=self._prefixes,
         )
         handle = SessionHandle(core, chosen, on_token)
         self._live[sid] = handle
@@ -460,6 +468,8 @@ class SessionManager:
                 task = asyncio.get_running_loop().create_task(self._close(command))
                 self._closing.add(task)
                 task.add_done_callback(self._closing.discard)
+                if command.keep is not None:
+                    self._track_keep(command.stage.endpoint, task)
             elif isinstance(command, RequestRoute):
                 self._spawn(handle, self._request_route(handle, command))
             elif isinstance(command, EmitToken):
@@ -479,9 +489,30 @@ class SessionManager:
     # ----------------------------------------------------------------------------------------
     # Operations: each posts exactly one event (or none, if cancelled)
 
+    def _track_keep(self, endpoint: str, task: asyncio.Task[None]) -> None:
+        keeping = self._keeping.setdefault(endpoint, set())
+        keeping.add(task)
+
+        def landed(done: asyncio.Task[None]) -> None:
+            keeping.discard(done)
+            if not keeping and self._keeping.get(endpoint) is keeping:
+                del self._keeping[endpoint]
+
+        task.add_done_callback(landed)
+
     async def _open(self, handle: SessionHandle, cmd: OpenStage) -> None:
+        keeping = self._keeping.get(cmd.stage.endpoint) if cmd.prefix is not None else None
+        if keeping:  # bounded: a close gives up after the transport's close timeout
+            await asyncio.wait(set(keeping))
         try:
-            await self._transport.open(cmd.stage, cmd.session_id, cmd.epoch, cmd.sampling)
+            if cmd.prefix is None:
+                held = await self._transport.open(
+                    cmd.stage, cmd.session_id, cmd.epoch, cmd.sampling
+                )
+            else:  # a transport that keeps prefixes (the core asks no other)
+                held = await self._transport.open(  # type: ignore[call-arg]
+                    cmd.stage, cmd.session_id, cmd.epoch, cmd.sampling, prefix=cmd.prefix
+                )
         except Exception as err:  # noqa: BLE001 - every failure becomes a typed fault
             handle._post(
                 StageFailed(
@@ -495,7 +526,7 @@ class SessionManager:
                 )
             )
             return
-        handle._post(StageOpened(cmd.session_id, cmd.epoch, cmd.stage_index))
+        handle._post(StageOpened(cmd.session_id, cmd.epoch, cmd.stage_index, held or 0))
 
     async def _forward(self, handle: SessionHandle, cmd: Forward) -> None:
         sid, epoch, step, index = cmd.session_id, cmd.epoch, cmd.step, cmd.stage_index
@@ -597,7 +628,12 @@ class SessionManager:
 
     async def _close(self, cmd: CloseStage) -> None:
         try:
-            await self._transport.close(cmd.stage, cmd.session_id, cmd.epoch)
+            if cmd.keep is None:
+                await self._transport.close(cmd.stage, cmd.session_id, cmd.epoch)
+            else:  # a transport that keeps prefixes (the core asks no other)
+                await self._transport.close(  # type: ignore[call-arg]
+                    cmd.stage, cmd.session_id, cmd.epoch, keep=cmd.keep
+                )
         except Exception:  # noqa: BLE001 - closing a dead stage fails; nothing is left to free
             self.close_errors += 1
 

@@ -92,6 +92,13 @@ class TransportCapabilities:
     went silent; a step deadline then names no stage, since the client cannot tell which
     stage held the step (``dgr_session.errors.RouteStalled``)."""
 
+    keeps_prefixes: bool = False
+    """The transport's opens may start from a prompt prefix the stages kept
+    (:attr:`~dgr_session.commands.OpenStage.prefix`) and its closes may ask them to keep one
+    (:attr:`~dgr_session.commands.CloseStage.keep`): ``open`` and ``close`` take ``prefix``
+    and ``keep``, and ``open`` answers the positions the stage opened with
+    (``docs/prefix-cache.md``)."""
+
     @prefill_frames.validator
     def _check_frames(self, _attribute: object, value: int) -> None:
         if value < 1:
@@ -135,10 +142,13 @@ class StageTransport(Protocol):
 
     async def open(
         self, stage: StageSpec, session_id: str, epoch: int, sampling: Sampling | None = None
-    ) -> None:
+    ) -> int | None:
         """Open the session's sequence on ``stage`` for ``epoch``, discarding older epochs;
         ``sampling``: the session's sampler, which the stage applies to its
-        :attr:`~dgr_session.commands.Forward.sampled` forwards (``None``: greedy)."""
+        :attr:`~dgr_session.commands.Forward.sampled` forwards (``None``: greedy). A transport
+        that declares ``keeps_prefixes`` also takes ``prefix`` (a
+        :class:`~dgr_session.prefixes.PrefixRef`, by keyword) and answers the positions the
+        stage opened with; any other answers ``None`` (none)."""
         ...
 
     async def forward(self, call: Forward) -> StageResult:
@@ -165,7 +175,9 @@ class StageTransport(Protocol):
         ...
 
     async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
-        """Release the session's ``epoch`` on ``stage``; a no-op if not held."""
+        """Release the session's ``epoch`` on ``stage``; a no-op if not held. A transport that
+        declares ``keeps_prefixes`` also takes ``keep`` (by keyword): what the stage keeps of
+        it first."""
         ...
 
 

@@ -45,6 +45,7 @@ from dgr_engine.tokenizer import Tokenizer
 from dgr_engine.wire.advert import Advert
 from dgr_session import EvidenceClass, FailurePolicy, SessionManager
 from dgr_session.errors import DgrError
+from dgr_session.prefixes import PrefixBook
 from dgr_session.sampling import InvalidSamplingParameter, Sampler, Sampling, greedy
 from dgr_session.transport import RouteProvider
 
@@ -147,6 +148,13 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="evidence directory the --spawn workers read (default: the worker's default, then "
         "your operator lock's for your own model: docs/serve.md)",
+    )
+    p.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="start a session from the prompt prefix an earlier one of this command left on "
+        "the stages (a conversation's next turn; exact: docs/prefix-cache.md; default on)",
     )
     p.add_argument(
         "--certify",
@@ -314,6 +322,9 @@ class RouteSettings:
     """``--transport``: one of :data:`TRANSPORTS`."""
     data_path: DataPath = attrs.field(converter=DataPath)
     """``--data-path``: how a chain's or ring's frames travel (``DATA_PATHS``)."""
+    prefix_cache: bool = True
+    """``--prefix-cache``: sessions start from prompt prefixes earlier ones left on the
+    stages (``docs/prefix-cache.md``)."""
     certify: bool = False
     """``--certify``: certify the spawned lane of the operator's own model first when no
     record of it counts (:mod:`dgr_engine.cli._own_model`)."""
@@ -343,6 +354,7 @@ class RouteSettings:
             transport=args.transport,
             data_path=args.data_path,
             certify=args.certify,
+            prefix_cache=args.prefix_cache,
         )
 
 
@@ -473,6 +485,8 @@ class RoutePlan:
     """The GGUF the tokenizer comes from: ``--vocab``, else the model (``None``: neither)."""
     tokenizer: Tokenizer | None
     """The model's tokenizer (``None``: a model without one, like the generated fixtures)."""
+    prefix_cache: bool = True
+    """Sessions start from prompt prefixes earlier ones left on the stages."""
 
     def close(self) -> None:
         if self.tokenizer is not None:
@@ -519,6 +533,7 @@ def plan_route(settings: RouteSettings, *, notice: Notice = _silent) -> RoutePla
         data_path=settings.data_path,
         vocab=vocab,
         tokenizer=_tokenizer(vocab),
+        prefix_cache=settings.prefix_cache,
     )
 
 
@@ -724,6 +739,8 @@ async def open_route(
                 provider,
                 policy=FailurePolicy(step_deadline=plan.step_deadline),
                 required_evidence=plan.required,
+                # a conversation's next turn starts from the last one's prompt
+                prefixes=PrefixBook() if plan.prefix_cache else None,
             )
             try:
                 yield RouteHandle(

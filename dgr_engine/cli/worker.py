@@ -251,6 +251,14 @@ def configure(p: argparse.ArgumentParser) -> None:
         default=600.0,
         help="close a session nobody has used for this many seconds (default 600); 0: never",
     )
+    p.add_argument(
+        "--prefix-cache-mb",
+        type=int_in(0, 1 << 20),
+        default=256,
+        metavar="MIB",
+        help="MiB of prompt prefixes kept for clients across sessions, least recently used "
+        "first out (default 256; 0: none; docs/prefix-cache.md)",
+    )
     add_evidence_arguments(p)
     p.add_argument("--log-level", default="INFO", help="least level logged to stderr")
 
@@ -330,6 +338,8 @@ class WorkerSettings:
     """``--frames-per-second`` per session (``None``: no limit)."""
     session_lease: float
     """``--session-lease``: seconds an unused session lives (0: forever)."""
+    prefix_cache_mb: int
+    """``--prefix-cache-mb``: MiB of kept prompt prefixes (0: none)."""
     evidence: Path | None
     """``--evidence``: the certification records (``None``: the default directory)."""
     lock: Path | None
@@ -376,6 +386,7 @@ class WorkerSettings:
             sessions_per_client=args.sessions_per_client,
             frames_per_second=args.frames_per_second,
             session_lease=args.session_lease,
+            prefix_cache_mb=args.prefix_cache_mb,
             evidence=args.evidence,
             lock=args.lock,
             log_level=args.log_level,
@@ -520,6 +531,7 @@ def _worker_config(settings: WorkerSettings, trust: WorkerTrust) -> WorkerConfig
         co_batch=settings.options.batching == BATCHING_CO_BATCH,
         co_batch_wait_ms=settings.co_batch_wait_ms,
         session_lease_seconds=lease if lease > 0 else None,
+        prefix_cache_bytes=settings.prefix_cache_mb << 20,
         evidence_dir=settings.evidence if settings.evidence is not None else default_evidence_dir(),
         lock_path=settings.lock,
         admission_wait_seconds=settings.admission_wait,

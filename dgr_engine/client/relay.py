@@ -36,6 +36,7 @@ from dgr_session.errors import StageDead
 from dgr_session.faults import FaultKind
 from dgr_session.identifiers import check_session_id, log_field
 from dgr_session.mtp_drafts import MtpDraftRequest, MtpDrafts
+from dgr_session.prefixes import PrefixRef
 from dgr_session.route import StageSpec
 from dgr_session.sampling import Sampling
 from dgr_session.speculation import MAX_DRAFTS, Speculation
@@ -266,8 +267,14 @@ class GrpcStageTransport:
     # -- StageTransport ------------------------------------------------------------------------
 
     async def open(
-        self, stage: StageSpec, session_id: str, epoch: int, sampling: Sampling | None = None
-    ) -> None:
+        self,
+        stage: StageSpec,
+        session_id: str,
+        epoch: int,
+        sampling: Sampling | None = None,
+        *,
+        prefix: PrefixRef | None = None,
+    ) -> int:
         check_session_id(session_id)  # before anything is recorded or sent
         log = _log(stage, session_id, epoch)
         key = (stage.endpoint, session_id)
@@ -279,13 +286,14 @@ class GrpcStageTransport:
         try:
             await self.advert(stage.endpoint)  # the token-id sideband is decided by the advert
             sent = True
-            await self.client(stage.endpoint).open(
+            held = await self.client(stage.endpoint).open(
                 session_id,
                 epoch,
                 expectations_for(stage),
                 grant=stage.grant,
                 timeout=self.timeout,
                 sampling=sampling,
+                prefix=prefix,
             )
         except Exception as exc:
             if not sent or _client_made(exc):  # never reached the stage: it holds no more
@@ -299,9 +307,11 @@ class GrpcStageTransport:
             if self._opening.get((*key, epoch)) is landed:
                 del self._opening[(*key, epoch)]
         log.debug("opened")
+        return held
 
-    capabilities = TransportCapabilities(drafts_on_route=True)
-    """A last stage that loaded the MTP block drafts for a session that asks it to."""
+    capabilities = TransportCapabilities(drafts_on_route=True, keeps_prefixes=True)
+    """A last stage that loaded the MTP block drafts for a session that asks it to; stages keep
+    prompt prefixes across sessions (``docs/prefix-cache.md``)."""
 
     def session_starting(self, start: SessionStart) -> Speculation | None:
         """Called by the ``SessionManager`` as a session starts: a session drafting with the
@@ -368,7 +378,9 @@ class GrpcStageTransport:
             return Logits.sampled_tokens(result.sampled, cost)
         return Logits.last_row(result.output, cost)
 
-    async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+    async def close(
+        self, stage: StageSpec, session_id: str, epoch: int, *, keep: PrefixRef | None = None
+    ) -> None:
         check_session_id(session_id)
         key = (stage.endpoint, session_id)
         if key not in self._sent_open:
@@ -385,22 +397,25 @@ class GrpcStageTransport:
             if key not in self._sent_open:
                 return  # the open never reached the stage
         try:
-            await self._close_once(stage, session_id, epoch)
+            await self._close_once(stage, session_id, epoch, keep)
         except Exception as exc:
             if not _client_made(exc):  # a close this client cannot send would fail again
                 self._retry_close_later(stage, session_id, epoch)
             self._raise(stage, session_id, epoch, "close", exc)
         log.debug("closed")
 
-    async def _close_once(self, stage: StageSpec, session_id: str, epoch: int) -> None:
-        """One close call; returns once the stage holds nothing of ``epoch``."""
+    async def _close_once(
+        self, stage: StageSpec, session_id: str, epoch: int, keep: PrefixRef | None = None
+    ) -> None:
+        """One close call (keeping ``keep`` first); returns once the stage holds nothing of
+        ``epoch``."""
         key = (stage.endpoint, session_id)
         client = self.client(stage.endpoint)
         try:
             # the client drops the session's stream at once (before any await), so a close of an
             # old epoch never touches the stream of a newer one opened after it was issued
             async with asyncio.timeout(self.close_timeout):
-                await client.close(session_id, epoch, timeout=self.close_timeout)
+                await client.close(session_id, epoch, timeout=self.close_timeout, keep=keep)
         except UnknownSession:
             pass  # not held: nothing to release
         except StaleEpoch:

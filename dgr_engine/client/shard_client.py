@@ -64,6 +64,7 @@ from dgr_engine.wire.proto import shard_pb2_grpc
 from dgr_engine.wire.status import STATUS_KEY, error_from_trailers
 from dgr_session.errors import DgrError
 from dgr_session.identifiers import check_session_id
+from dgr_session.prefixes import PrefixRef
 from dgr_session.sampling import Sampling
 from dgr_session.usage import UsageRecord
 
@@ -286,17 +287,22 @@ class ShardClient:
         grant: bytes = b"",
         timeout: float | None = None,
         sampling: Sampling | None = None,
-    ) -> None:
+        prefix: PrefixRef | None = None,
+    ) -> int:
         """Opens ``(session_id, epoch)``; a newer epoch discards the older one's state.
         ``grant``: the tracker's route grant, for a worker that needs one; the session secret
         it answers with goes with this epoch's frames and close. ``sampling``: the session's
-        sampler, which the last stage applies (``docs/sampling.md``; ``None``: greedy)."""
+        sampler, which the last stage applies (``docs/sampling.md``; ``None``: greedy).
+        ``prefix``: start from a prompt prefix the stage kept (``docs/prefix-cache.md``).
+        Returns the positions the epoch holds (0 unless it started from ``prefix``)."""
         check_session_id(session_id)
         request = pb.OpenSessionRequest(
             session_id=session_id, epoch=epoch, expect=expectations_to_proto(expect), grant=grant
         )
         if sampling is not None and not sampling.is_greedy:
             request.sampling.CopyFrom(sampling_to_proto(sampling))
+        if prefix is not None:
+            request.prefix.CopyFrom(pb.PrefixRef(digest=prefix.digest, length=prefix.length))
         reply = await self._call(self._stub.OpenSession, request, timeout)
         self._check_echo(reply, session_id, epoch)
         if reply.session_secret:
@@ -307,6 +313,7 @@ class ShardClient:
                 del self._usage_secrets[next(iter(self._usage_secrets))]
         else:
             self._secrets.pop(session_id, None)
+        return int(reply.next_pos)
 
     async def close(
         self,
@@ -315,9 +322,11 @@ class ShardClient:
         *,
         timeout: float | None = None,
         secret: bytes | None = None,
+        keep: PrefixRef | None = None,
     ) -> None:
         """Closes ``(session_id, epoch)`` and frees its state on the worker (with ``secret``:
-        the secret another client's open answered, to close a session under that client)."""
+        the secret another client's open answered, to close a session under that client;
+        ``keep``: the prompt prefix the stage keeps of it first, ``docs/prefix-cache.md``)."""
         check_session_id(session_id)
         stream = self._streams.pop(session_id, None)
         if stream is not None:
@@ -327,6 +336,8 @@ class ShardClient:
             # the close of a newer epoch closes the older one held there: it takes its secret
             secret = held[1] if held is not None and held[0] <= epoch else b""
         request = pb.CloseSessionRequest(session_id=session_id, epoch=epoch, session_secret=secret)
+        if keep is not None:
+            request.keep_prefix.CopyFrom(pb.PrefixRef(digest=keep.digest, length=keep.length))
         reply = await self._call(self._stub.CloseSession, request, timeout)
         self._check_echo(reply, session_id, epoch)
         held = self._secrets.get(session_id)

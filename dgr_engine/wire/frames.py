@@ -23,6 +23,7 @@ from dgr_engine.errors import ExpectationMismatch, FrameRejected, InvalidArgumen
 from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_session import identifiers
 from dgr_session.commands import Forward, ForwardKind
+from dgr_session.prefixes import PrefixRef
 from dgr_session.sampling import GREEDY, InvalidSamplingParameter, Sampling
 
 if TYPE_CHECKING:
@@ -128,6 +129,21 @@ def sampling_from_proto(message: pb.Sampling, present: bool) -> Sampling:
         return Sampling(**{name: getattr(message, name) for name in _SAMPLING_FIELDS})
     except InvalidSamplingParameter as exc:
         raise InvalidArgument(f"DGR_E_INVALID_ARGUMENT: the open's sampling: {exc}") from exc
+
+
+PREFIX_DIGEST_BYTES = 32
+"""A kept prefix's name: a SHA-256 (``dgr_session.prefixes.prefix_digest``)."""
+
+
+def prefix_from_proto(message: pb.PrefixRef) -> PrefixRef:
+    """A kept prefix an open or a close names; :class:`InvalidArgument`
+    (``DGR_E_INVALID_ARGUMENT``) for a digest that is no SHA-256."""
+    if len(message.digest) != PREFIX_DIGEST_BYTES:
+        raise InvalidArgument(
+            f"DGR_E_INVALID_ARGUMENT: a prefix digest is {PREFIX_DIGEST_BYTES} bytes, got "
+            f"{len(message.digest)}"
+        )
+    return PrefixRef(bytes(message.digest), int(message.length))
 
 
 # --- expectations ------------------------------------------------------------------------------

@@ -49,6 +49,9 @@ class WorkerConfig:
     is certified only by a record of exactly its lane. ``None``: the lane is dark."""
     lock_path: Path | None = None
     """The lock records must be made under (default: ``$DGR_LOCK`` or the checkout's)."""
+    prefix_cache_bytes: int = 256 << 20
+    """Bytes of kept prompt prefixes (``worker/lifecycle/prefixes.py``,
+    ``docs/prefix-cache.md``), least recently used first out; 0: keeps none."""
     own_lane: tuple[Path, Path] | None = None
     """The operator's own lock and evidence directory for this model (``dgr certify --model
     M`` with none named: ``dgr_engine/cli/_own_model.py``), looked in when no record under

@@ -53,6 +53,7 @@ from dgr_engine.worker.lifecycle.closes import CloseCause, OnLoop
 from dgr_engine.worker.lifecycle.grant_gate import GrantGate
 from dgr_engine.worker.lifecycle.housekeeping import Housekeeping
 from dgr_engine.worker.lifecycle.peer_limits import PeerLimitConfig, PeerLimits
+from dgr_engine.worker.lifecycle.prefixes import KeptPrefix, PrefixStore
 from dgr_engine.worker.lifecycle.sessions import EngineLike, SessionTable
 from dgr_engine.worker.reporting.advertiser import Advertiser
 from dgr_engine.worker.reporting.identity import BuildIdentity
@@ -61,6 +62,7 @@ from dgr_engine.worker.reporting.metrics import WorkerMetrics
 from dgr_engine.worker.reporting.usage import UsageBook
 from dgr_engine.worker.route.chain_hub import ChainHub
 from dgr_session.identity import Lane
+from dgr_session.prefixes import PrefixRef
 from dgr_session.sampling import GREEDY, Sampling
 
 _T = TypeVar("_T")
@@ -156,6 +158,11 @@ class ShardWorker:
         )
         self.metrics.describe(self._metric_labels())
         self.usage = UsageBook((self.info.layer_begin, self.info.layer_end))
+        self.prefixes = PrefixStore(self.config.prefix_cache_bytes)
+        """Prompt prefixes kept for clients across sessions (``docs/prefix-cache.md``)."""
+        self.metrics.watch_prefixes(
+            lambda: self.prefixes.counters, lambda: self.prefixes.held_bytes
+        )
         rows = co_batch_rows(self.info.n_batch, self.build.quant_types, self.build.hardware)
         co_batch = CoBatchConfig(rows, self.config.co_batch_wait_ms / 1000)
         self._link_co_batch_rows = rows if self.config.co_batch else None
@@ -402,6 +409,28 @@ class ShardWorker:
     async def close_session(self, session_id: str, epoch: int) -> int:
         """Closes the session if open at ``epoch`` or older; returns the epoch closed."""
         return await self.housekeeping.close_session(session_id, epoch)
+
+    async def keep_prefix(self, session_id: str, epoch: int, client: str, keep: PrefixRef) -> bool:
+        """Keeps the open epoch's first ``keep.length`` positions for ``client`` under
+        ``keep.digest`` (the session is about to close); False when it cannot (fewer
+        positions, no room, a model whose state it cannot cut)."""
+        if not self.prefixes.capacity:
+            return False
+        state = await self.run_on_engine(self.table.save_prefix, session_id, epoch, keep.length)
+        if state is None:
+            return False
+        return self.prefixes.put(client, keep.digest, KeptPrefix(keep.length, state))
+
+    async def start_from_prefix(
+        self, session_id: str, epoch: int, client: str, prefix: PrefixRef
+    ) -> int:
+        """Sets the open epoch to the first ``prefix.length`` positions ``client`` kept under
+        ``prefix.digest``, or empty when there is no such prefix here; the positions it holds."""
+        kept = self.prefixes.take(client, prefix.digest, prefix.length) if prefix.length else None
+        state = None if kept is None else kept.state
+        return await self.run_on_engine(
+            self.table.start_from, session_id, epoch, state, prefix.length
+        )
 
     def abandon(self, session_id: str, epoch: int, why: str) -> None:
         """A call of ``(session_id, epoch)`` was cancelled by its caller: the session is

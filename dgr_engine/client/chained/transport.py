@@ -74,6 +74,7 @@ from dgr_session.commands import Forward
 from dgr_session.errors import DgrError, RouteStalled
 from dgr_session.identifiers import check_session_id, log_field
 from dgr_session.mtp_drafts import MtpDraftRequest
+from dgr_session.prefixes import PrefixRef
 from dgr_session.route import StageSpec
 from dgr_session.sampling import Sampling
 from dgr_session.speculation import (
@@ -182,11 +183,13 @@ class ChainStageTransport(GrpcStageTransport):
             runs_ahead=ring,
             drafts_on_route=True,
             finds_silent_stages=True,
+            keeps_prefixes=True,
         )
         """``prefill_frames``: pinned prompt chunks a session may send in one prefill forward:
         the transport sends them as frames back to back, so that stage k runs frame f + 1
         while stage k + 1 runs frame f, in the calls it runs one chunk a forward. A ring runs
-        ahead of its sessions and drafts on its last stage."""
+        ahead of its sessions and drafts on its last stage. Stages keep prompt prefixes
+        across sessions (``docs/prefix-cache.md``)."""
         # session -> (last step the ring may produce, stop tokens), from session_starting
         self._limits: collections.OrderedDict[str, tuple[int, tuple[int, ...]]] = (
             collections.OrderedDict()
@@ -466,21 +469,30 @@ class ChainStageTransport(GrpcStageTransport):
         await super().aclose()
 
     async def open(
-        self, stage: StageSpec, session_id: str, epoch: int, sampling: Sampling | None = None
-    ) -> None:
-        await super().open(stage, session_id, epoch, sampling)
+        self,
+        stage: StageSpec,
+        session_id: str,
+        epoch: int,
+        sampling: Sampling | None = None,
+        *,
+        prefix: PrefixRef | None = None,
+    ) -> int:
+        held = await super().open(stage, session_id, epoch, sampling, prefix=prefix)
         chain = self._chains.get((session_id, epoch))
         if chain is None:
             chain = self._chains[(session_id, epoch)] = ChainEpoch(
                 session_id, epoch, ring=self.ring, close_timeout=self.close_timeout
             )
         chain.stages[stage.layer_begin] = stage
+        return held
 
-    async def close(self, stage: StageSpec, session_id: str, epoch: int) -> None:
+    async def close(
+        self, stage: StageSpec, session_id: str, epoch: int, *, keep: PrefixRef | None = None
+    ) -> None:
         chain = self._chains.pop((session_id, epoch), None)
         if chain is not None:
             await chain.aclose()
-        await super().close(stage, session_id, epoch)
+        await super().close(stage, session_id, epoch, keep=keep)
 
     async def forward(self, call: Forward) -> StageResult:
         stage, session_id, epoch, step = call.stage, call.session_id, call.epoch, call.step

@@ -331,18 +331,28 @@ class Security(_message.Message):
     def __init__(self, tls: _Optional[bool] = ..., client_certificates: _Optional[bool] = ..., chain_tls: _Optional[bool] = ...) -> None: ...
 
 class OpenSessionRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "expect", "grant", "sampling")
+    __slots__ = ("session_id", "epoch", "expect", "grant", "sampling", "prefix")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     EXPECT_FIELD_NUMBER: _ClassVar[int]
     GRANT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     expect: Expectations
     grant: bytes
     sampling: Sampling
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., grant: _Optional[bytes] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ...) -> None: ...
+    prefix: PrefixRef
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., expect: _Optional[_Union[Expectations, _Mapping]] = ..., grant: _Optional[bytes] = ..., sampling: _Optional[_Union[Sampling, _Mapping]] = ..., prefix: _Optional[_Union[PrefixRef, _Mapping]] = ...) -> None: ...
+
+class PrefixRef(_message.Message):
+    __slots__ = ("digest", "length")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    digest: bytes
+    length: int
+    def __init__(self, digest: _Optional[bytes] = ..., length: _Optional[int] = ...) -> None: ...
 
 class Sampling(_message.Message):
     __slots__ = ("seed", "temperature", "top_k", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty", "penalty_last_n")
@@ -379,14 +389,16 @@ class OpenSessionReply(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., next_pos: _Optional[int] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
-    __slots__ = ("session_id", "epoch", "session_secret")
+    __slots__ = ("session_id", "epoch", "session_secret", "keep_prefix")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     SESSION_SECRET_FIELD_NUMBER: _ClassVar[int]
+    KEEP_PREFIX_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     session_secret: bytes
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., session_secret: _Optional[bytes] = ...) -> None: ...
+    keep_prefix: PrefixRef
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., session_secret: _Optional[bytes] = ..., keep_prefix: _Optional[_Union[PrefixRef, _Mapping]] = ...) -> None: ...
 
 class CloseSessionReply(_message.Message):
     __slots__ = ("session_id", "epoch")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
+from dgr_engine.errors import EngineError
 from dgr_engine.security.grants import Grant
 from dgr_engine.wire import frames
 from dgr_engine.wire.advert import Advert, advert_to_proto
@@ -21,6 +22,7 @@ from dgr_engine.worker.lifecycle.grant_gate import GrantGate
 from dgr_engine.worker.lifecycle.peer_limits import PeerLimits, client_identity
 from dgr_engine.worker.reporting.usage import UsageBook
 from dgr_session.identifiers import is_valid_session_id
+from dgr_session.prefixes import PrefixRef
 from dgr_session.sampling import Sampling
 
 if TYPE_CHECKING:
@@ -74,6 +76,16 @@ class ShardHost(Protocol):
         """Closes the epoch (or an older one held); returns the epoch closed."""
         ...
 
+    async def keep_prefix(self, session_id: str, epoch: int, client: str, keep: PrefixRef) -> bool:
+        """Keeps the open epoch's first positions for ``client`` (``docs/prefix-cache.md``)."""
+        ...
+
+    async def start_from_prefix(
+        self, session_id: str, epoch: int, client: str, prefix: PrefixRef
+    ) -> int:
+        """Sets the open epoch to a prefix ``client`` kept (or empty); the positions held."""
+        ...
+
     def permits_usage(self, token: bytes, session_id: str) -> bool:
         """Whether ``token`` is the tracker's credential for the session's usage here."""
         ...
@@ -121,6 +133,12 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
                 self.host.grants.refund(grant)
                 raise
             self.host.limits.opened(client, request.session_id)
+            next_pos = 0
+            if request.HasField("prefix"):
+                prefix = frames.prefix_from_proto(request.prefix)
+                next_pos = await self.host.start_from_prefix(
+                    request.session_id, int(request.epoch), client, prefix
+                )
             secret = self.host.grants.opened(request.session_id, int(request.epoch))
             self.host.usage.opened(request.session_id, int(request.epoch), secret, sampling)
         except asyncio.CancelledError:
@@ -129,9 +147,16 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
             raise
         except Exception as exc:
             await self.path.refuse(context, exc, request, "open")
-        log.info("session opened{}", " (older epoch discarded)" if discarded else "")
+        log.info(
+            "session opened{}{}",
+            " (older epoch discarded)" if discarded else "",
+            f" from a kept prefix of {next_pos} positions" if next_pos else "",
+        )
         return pb.OpenSessionReply(
-            session_id=request.session_id, epoch=request.epoch, session_secret=secret
+            session_id=request.session_id,
+            epoch=request.epoch,
+            next_pos=next_pos,
+            session_secret=secret,
         )
 
     async def CloseSession(
@@ -159,6 +184,15 @@ class ShardServicer(shard_pb2_grpc.ShardServicer):
                 self.host.grants.check(
                     request.session_id, int(request.epoch), request.session_secret, close=True
                 )
+            if request.HasField("keep_prefix"):
+                keep = frames.prefix_from_proto(request.keep_prefix)
+                holder = client_identity(context.peer(), context.auth_context())
+                try:
+                    await self.host.keep_prefix(
+                        request.session_id, int(request.epoch), holder, keep
+                    )
+                except EngineError as exc:  # nothing kept; the close goes on
+                    log.warning("prefix not kept: {}", exc)
             # the grant gate, the limits and the chain hub hear of it from the session table
             closed = await self.host.close_session(request.session_id, int(request.epoch))
         except Exception as exc:

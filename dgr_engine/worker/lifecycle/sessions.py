@@ -65,6 +65,8 @@ class EngineLike(Protocol):
     ) -> FloatArray: ...
     def forward_batch(self, items: Sequence[ForwardItem]) -> list[FloatArray | EngineError]: ...
     def truncate(self, session_id: int, epoch: int, n_keep: int) -> None: ...
+    def save_state(self, session_id: int, epoch: int) -> bytes: ...
+    def load_state(self, session_id: int, epoch: int, state: bytes) -> None: ...
     def close(self) -> None: ...
 
 
@@ -383,6 +385,52 @@ class SessionTable:
             del self._entries[session_id]
         self._publish(session_id, entry.epoch, cause)
         return entry.epoch
+
+    # -- kept prefixes (``worker/lifecycle/prefixes.py``, ``docs/prefix-cache.md``) -------------
+
+    @property
+    def keeps_prefixes(self) -> bool:
+        """Whether sessions of this engine can be kept as prefixes: a dense model's without the
+        MTP block (DeepSeek V4's compressed state cannot be cut at any position)."""
+        info = self.engine.info
+        return info.arch != "deepseek4" and not getattr(self.engine, "mtp_loaded", False)
+
+    def save_prefix(self, session_id: str, epoch: int, length: int) -> bytes | None:
+        """The engine state of the open epoch's first ``length`` positions, its KV cut to them
+        first (the session is about to close); ``None`` when it holds fewer, ``length`` is
+        below 1 or this engine keeps no prefixes."""
+        entry = self._entries.get(session_id)
+        if entry is None or entry.epoch != epoch or length < 1 or not self.keeps_prefixes:
+            return None
+        next_pos = getattr(self.engine, "next_pos", None)  # a native link ran it meanwhile
+        held = entry.next_pos if next_pos is None else int(next_pos(entry.key, epoch))
+        if held < length:
+            return None
+        with _naming(session_id, entry.key):
+            if held > length:
+                self.engine.truncate(entry.key, epoch, length)
+            entry.next_pos, entry.verify = length, None
+            return self.engine.save_state(entry.key, epoch)
+
+    def start_from(self, session_id: str, epoch: int, state: bytes | None, length: int) -> int:
+        """Sets the open epoch to exactly the first ``length`` positions of a kept prefix's
+        ``state`` (``None`` or ``length`` 0: empty); returns the positions it holds now. A
+        penalised sampler's last stage starts empty (it would need the tokens before)."""
+        entry = self._live(session_id, epoch)
+        penalised = entry.sampling.penalized and self.engine.info.is_last
+        with _naming(session_id, entry.key):
+            if state is not None and length > 0 and self.keeps_prefixes and not penalised:
+                try:
+                    self.engine.load_state(entry.key, epoch, state)
+                    self.engine.truncate(entry.key, epoch, length)
+                except EngineError as exc:  # refused: the session is emptied below
+                    self._log.warning("kept prefix not loaded: {}", exc)
+                else:
+                    entry.next_pos, entry.verify, entry.history = length, None, []
+                    return length
+            self.engine.truncate(entry.key, epoch, 0)
+        entry.next_pos, entry.verify, entry.history = 0, None, []
+        return 0
 
     def holds(self, session_id: str) -> bool:
         """Whether the session is open here (at any epoch); safe from any thread."""

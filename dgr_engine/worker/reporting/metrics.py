@@ -9,11 +9,14 @@ are the labels of ``dgr_worker_info``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from dgr_engine.security.tls import ServerTls
+from dgr_engine.worker.lifecycle.prefixes import PrefixCounters
 from dgr_engine.worker.reporting.metrics_server import MetricsHttpServer
 
 _KINDS = ("prefill", "decode", "replay")
@@ -90,6 +93,12 @@ class WorkerMetrics:
         self._bytes_out = self.seam_bytes.labels("out")
         self._server: MetricsHttpServer | None = None
 
+    def watch_prefixes(
+        self, counters: Callable[[], PrefixCounters], held: Callable[[], int]
+    ) -> None:
+        """Reports the kept prompt prefixes (``worker/lifecycle/prefixes.py``) when scraped."""
+        self.registry.register(_PrefixCollector(counters, held))
+
     def describe(self, labels: Mapping[str, str]) -> None:
         self.info.info(dict(labels))
 
@@ -121,3 +130,29 @@ class WorkerMetrics:
         if self._server is not None:
             self._server.stop()
             self._server = None
+
+
+class _PrefixCollector(Collector):
+    """The kept prompt prefixes' counters, read when scraped."""
+
+    def __init__(self, counters: Callable[[], PrefixCounters], held: Callable[[], int]) -> None:
+        self._counters = counters
+        self._held = held
+
+    def collect(self) -> Iterator[Metric]:
+        c = self._counters()
+        for name, text, value in (
+            ("kept", "Prompt prefixes kept for clients", c.kept),
+            ("hits", "Opens that started from a kept prefix", c.hits),
+            ("misses", "Opens that named a prefix not kept here", c.misses),
+            (
+                "positions_reused",
+                "Positions opens started with: rows not computed again",
+                c.positions_reused,
+            ),
+            ("evicted", "Kept prefixes dropped for room", c.evicted),
+        ):
+            yield CounterMetricFamily(f"dgr_worker_prefix_{name}", text, value=value)
+        yield GaugeMetricFamily(
+            "dgr_worker_prefix_bytes", "Bytes of kept prompt prefixes", value=self._held()
+        )
