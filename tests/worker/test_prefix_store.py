@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from dgr_engine.errors import InvalidArgument
+from dgr_engine.wire.frames import prefix_from_proto
+from dgr_engine.wire.proto import shard_pb2 as pb
 from dgr_engine.worker.lifecycle.prefixes import KeptPrefix, PrefixStore
 
 A, B, C = b"a" * 32, b"b" * 32, b"c" * 32
@@ -54,3 +57,10 @@ def test_keeping_a_name_again_replaces_it() -> None:
     assert store.held_bytes == 300 and len(store) == 1
     found = store.take("c", A, 128)
     assert found is not None and found.length == 128
+
+
+def test_a_digest_that_is_no_sha256_is_an_invalid_argument() -> None:
+    assert prefix_from_proto(pb.PrefixRef(digest=A, length=64)).length == 64
+    for digest in (b"", b"x" * 31, b"x" * 33):
+        with pytest.raises(InvalidArgument, match="a prefix digest is 32 bytes"):
+            prefix_from_proto(pb.PrefixRef(digest=digest, length=64))
