@@ -120,15 +120,17 @@ class ServerProcess:
         options: EngineOptions = BENCH_OPTIONS,
         timeout: float = START_TIMEOUT_S,
         cache: bool = False,
+        slots: int = 1,
     ) -> ServerProcess:
-        """``llama-server`` on a free loopback port, one slot, no prompt cache (``cache``: its
-        own, as it runs by default); ready once it has loaded the model and listens."""
+        """``llama-server`` on a free loopback port, ``slots`` slots of ``options``' context
+        each, no prompt cache (``cache``: its own, as it runs by default); ready once it has
+        loaded the model and listens."""
         port = _free_port()
         threads = str(options.n_threads)
         batch = str(options.n_batch)
         argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port)]
-        argv += ["-t", threads, "-tb", threads, "-c", str(options.n_ctx_per_session)]
-        argv += ["-b", batch, "-ub", batch, "-np", "1"]
+        argv += ["-t", threads, "-tb", threads, "-c", str(options.n_ctx_per_session * slots)]
+        argv += ["-b", batch, "-ub", batch, "-np", str(slots)]
         if not cache:
             argv += ["--no-cache-prompt", "--cache-ram", "0"]
         argv += ["--no-webui", "--no-warmup"]
