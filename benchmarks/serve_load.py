@@ -3,7 +3,8 @@ run on the same cores: aggregate tok/s and the median time to first token.
 
 For each ``--clients N``: ``llama-server`` with N slots (context ``--ctx`` each, its own
 prompt cache) is started, and ``dgr serve --spawn --stages`` (started once, with at least as
-many session slots as the most clients); N client threads each ask ``--requests`` chat
+many session slots as the most clients; ``--no-peer-cache``: llama-server without its prompt
+cache); N client threads each ask ``--requests`` chat
 questions back to back (streamed ``POST /v1/chat/completions``, at most ``--max-tokens``
 tokens), greedy and then sampled as chat clients ask (T 0.7, top-p 0.9, a seed per request),
 the servers in turn. Aggregate tok/s: every completion token over the wall time from the first
@@ -143,6 +144,7 @@ def run_benchmark(
     threads: int,
     serve_args: Sequence[str] = (),
     log: Any = print,
+    peer_cache: bool = True,
 ) -> dict[str, Any]:
     from dgr_engine.models.resolve import resolve_model
     from dgr_engine.tooling.peer_build import tool
@@ -156,7 +158,9 @@ def run_benchmark(
     try:
         for n in clients:
             log(f"starting llama-server -np {n} ...")
-            peer = ServerProcess.llama_server(binary, path, options=options, cache=True, slots=n)
+            peer = ServerProcess.llama_server(
+                binary, path, options=options, cache=peer_cache, slots=n
+            )
             try:
                 for sampled in (False, True):
                     mode = "sampled" if sampled else "greedy"
@@ -187,6 +191,7 @@ def run_benchmark(
         "requests_per_client": requests,
         "max_tokens": max_tokens,
         "threads": threads,
+        "llama_server_prompt_cache": peer_cache,
         "rows": rows,
     }
 
@@ -217,6 +222,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=4, help="questions per client")
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=1, help="threads per engine")
+    parser.add_argument(
+        "--no-peer-cache",
+        action="store_true",
+        help="llama-server without its prompt cache (--no-cache-prompt --cache-ram 0)",
+    )
     parser.add_argument("--out", type=Path, default=Path("benchmarks/out"))
     parser.add_argument(
         "--serve-arg", action="append", default=[], help="a further dgr serve argument"
@@ -239,6 +249,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             threads=args.threads,
             serve_args=args.serve_arg,
             log=log,
+            peer_cache=not args.no_peer_cache,
         )
     except ServerFailed as exc:
         print(f"serve_load: a server failed: {exc}", file=sys.stderr)

@@ -104,8 +104,11 @@ class ContextExceeded(DgrError, ValueError):
 # -- the command line ---------------------------------------------------------------------------
 
 
-def add_route_arguments(p: argparse.ArgumentParser) -> None:
-    """Where the route runs and how: the workers, the model, the engine options, trust."""
+def add_route_arguments(p: argparse.ArgumentParser, *, sessions: bool = True) -> None:
+    """Where the route runs and how: the workers, the model, the engine options, trust.
+    ``sessions``: the command runs several sessions (chat, serve), which may start from the
+    prompt prefixes earlier ones left (``--prefix-cache``); a command of one session (generate)
+    keeps none."""
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--endpoints", help="H:P,H:P,... workers already running, in route order")
     where.add_argument(
@@ -149,13 +152,17 @@ def add_route_arguments(p: argparse.ArgumentParser) -> None:
         help="evidence directory the --spawn workers read (default: the worker's default, then "
         "your operator lock's for your own model: docs/serve.md)",
     )
-    p.add_argument(
-        "--prefix-cache",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="start a session from the prompt prefix an earlier one of this command left on "
-        "the stages (a conversation's next turn; exact: docs/prefix-cache.md; default on)",
-    )
+    if sessions:
+        p.add_argument(
+            "--prefix-cache",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="start a session from the prompt prefix an earlier one of this command left "
+            "on the stages (a conversation's next turn; exact: docs/prefix-cache.md; default "
+            "on)",
+        )
+    else:
+        p.set_defaults(prefix_cache=False)
     p.add_argument(
         "--certify",
         action="store_true",

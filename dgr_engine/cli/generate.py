@@ -139,7 +139,7 @@ class GenerateSettings(SessionCommandSettings):
 
 
 def configure(p: argparse.ArgumentParser) -> None:
-    add_route_arguments(p)
+    add_route_arguments(p, sessions=False)  # one session: nothing to keep for
     add_sampling_arguments(
         p,
         max_tokens_help=f"tokens to generate at most (default {DEFAULT_TEXT_TOKENS} with a text "
