@@ -47,7 +47,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -216,6 +216,36 @@ def _await_line(
 # -- one request -----------------------------------------------------------------------------------
 
 
+def stream_chunks(
+    client: httpx.Client, url: str, path: str, body: dict[str, Any]
+) -> Iterator[dict[str, Any]]:
+    """The JSON chunks of one streamed (server-sent events) request ``POST url + path``, until
+    ``[DONE]``; :class:`ServerFailed` for a status other than 200 or an error chunk."""
+    with client.stream("POST", url + path, json=body) as response:
+        if response.status_code != 200:
+            response.read()
+            raise ServerFailed(f"{url}: HTTP {response.status_code}: {response.text[:500]}")
+        for line in response.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            data = line[5:].strip()
+            if data == "[DONE]":
+                return
+            chunk = json.loads(data)
+            if chunk.get("error"):
+                raise ServerFailed(f"{url}: {chunk['error']}")
+            yield chunk
+
+
+def write_result(out: Path, name: str, result: dict[str, Any], text: str) -> None:
+    """Prints the table ``text`` and writes ``out/<name>.json`` and ``.md``."""
+    print(text, end="")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+    (out / f"{name}.md").write_text(text)
+    print(f"wrote {out / f'{name}.json'} and {out / f'{name}.md'}")
+
+
 @attrs.frozen
 class Timing:
     """One streamed request as the client saw it."""
@@ -252,28 +282,16 @@ def timed_completion(
     first = last = None
     chunks, usage = 0, None
     text = []
-    with client.stream("POST", url + "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            response.read()
-            raise ServerFailed(f"{url}: HTTP {response.status_code}: {response.text[:500]}")
-        for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if chunk.get("error"):
-                raise ServerFailed(f"{url}: {chunk['error']}")
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices") or ():
-                piece = choice.get("text") or ""
-                if piece:
-                    now = time.perf_counter()
-                    first = now if first is None else first
-                    last = now
-                    chunks += 1
-                    text.append(piece)
+    for chunk in stream_chunks(client, url, "/v1/completions", body):
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or ():
+            piece = choice.get("text") or ""
+            if piece:
+                now = time.perf_counter()
+                first = now if first is None else first
+                last = now
+                chunks += 1
+                text.append(piece)
     if first is None or last is None:
         raise ServerFailed(f"{url}: no text came back")
     tokens = int(usage["completion_tokens"]) if usage else chunks
@@ -445,12 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ServerFailed as exc:
         print(f"serve_latency: a server failed: {exc}", file=sys.stderr)
         return 1
-    text = table(result)
-    print(text, end="")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serve_latency.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "serve_latency.md").write_text(text)
-    print(f"wrote {args.out / 'serve_latency.json'} and {args.out / 'serve_latency.md'}")
+    write_result(args.out, "serve_latency", result, table(result))
     return 0
 
 

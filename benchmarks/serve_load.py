@@ -21,7 +21,6 @@ table, writes ``<out>/serve_load.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import threading
@@ -39,6 +38,8 @@ from benchmarks.serve_latency import (
     SAMPLED,
     ServerFailed,
     ServerProcess,
+    stream_chunks,
+    write_result,
 )
 
 QUESTIONS = (
@@ -73,24 +74,12 @@ def ask(
     }
     began = time.perf_counter()
     first, pieces, usage = None, 0, None
-    with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            response.read()
-            raise ServerFailed(f"{url}: HTTP {response.status_code}: {response.text[:500]}")
-        for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if chunk.get("error"):
-                raise ServerFailed(f"{url}: {chunk['error']}")
-            usage = chunk.get("usage") or usage
-            for choice in chunk.get("choices") or ():
-                if (choice.get("delta") or {}).get("content"):
-                    first = time.perf_counter() if first is None else first
-                    pieces += 1
+    for chunk in stream_chunks(client, url, "/v1/chat/completions", body):
+        usage = chunk.get("usage") or usage
+        for choice in chunk.get("choices") or ():
+            if (choice.get("delta") or {}).get("content"):
+                first = time.perf_counter() if first is None else first
+                pieces += 1
     if first is None:
         raise ServerFailed(f"{url}: no text came back")
     return Answer(first - began, int(usage["completion_tokens"]) if usage else pieces)
@@ -254,12 +243,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ServerFailed as exc:
         print(f"serve_load: a server failed: {exc}", file=sys.stderr)
         return 1
-    text = table(result)
-    print(text, end="")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serve_load.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "serve_load.md").write_text(text)
-    print(f"wrote {args.out / 'serve_load.json'} and {args.out / 'serve_load.md'}")
+    write_result(args.out, "serve_load", result, table(result))
     return 0
 
 

@@ -20,7 +20,6 @@ are the same tokens (prefix reuse is exact), which the result checks. The issue'
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Sequence
@@ -30,7 +29,14 @@ from typing import Any
 import attrs
 import httpx2 as httpx
 
-from benchmarks.serve_latency import BENCH_OPTIONS, REQUEST_TIMEOUT_S, ServerFailed, ServerProcess
+from benchmarks.serve_latency import (
+    BENCH_OPTIONS,
+    REQUEST_TIMEOUT_S,
+    ServerFailed,
+    ServerProcess,
+    stream_chunks,
+    write_result,
+)
 
 QUESTIONS = (
     "Name a planet in our solar system.",
@@ -63,24 +69,12 @@ def timed_chat(
     began = time.perf_counter()
     first = None
     text: list[str] = []
-    with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            response.read()
-            raise ServerFailed(f"{url}: HTTP {response.status_code}: {response.text[:500]}")
-        for line in response.iter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line[5:].strip()
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if chunk.get("error"):
-                raise ServerFailed(f"{url}: {chunk['error']}")
-            for choice in chunk.get("choices") or ():
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece:
-                    first = time.perf_counter() if first is None else first
-                    text.append(piece)
+    for chunk in stream_chunks(client, url, "/v1/chat/completions", body):
+        for choice in chunk.get("choices") or ():
+            piece = (choice.get("delta") or {}).get("content") or ""
+            if piece:
+                first = time.perf_counter() if first is None else first
+                text.append(piece)
     if first is None:
         raise ServerFailed(f"{url}: no text came back")
     return Turn(first - began, "".join(text))
@@ -198,12 +192,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ServerFailed as exc:
         print(f"serve_turns: a server failed: {exc}", file=sys.stderr)
         return 1
-    text = table(result)
-    print(text, end="")
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "serve_turns.json").write_text(json.dumps(result, indent=2) + "\n")
-    (args.out / "serve_turns.md").write_text(text)
-    print(f"wrote {args.out / 'serve_turns.json'} and {args.out / 'serve_turns.md'}")
+    write_result(args.out, "serve_turns", result, table(result))
     return 0
 
 

@@ -156,6 +156,11 @@ class RealLane:
         options = EngineOptions().worker_argv()
         return [*options, "--lock", str(self.lock), "--evidence", str(self.evidence)]
 
+    def serve_arg_flags(self) -> list[str]:
+        """A serve benchmark's ``--serve-arg`` flags that route ``dgr serve`` over this lane."""
+        trust = ["--lock", str(self.lock), "--evidence", str(self.evidence)]
+        return [f"--serve-arg={a}" for a in trust]
+
 
 def certify_real_lane(home: Path, name: str) -> RealLane:
     """Certifies the catalog model ``name``'s lane (the default engine options) on this machine

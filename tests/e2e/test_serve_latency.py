@@ -15,9 +15,7 @@ from tests.harness import REPO, RealLane
 def test_the_benchmark_measures_dgr_serve_against_llama_server(
     tmp_path: Path, smollm2_lane: RealLane
 ) -> None:
-    lane = smollm2_lane
-    serve_args = [f"--serve-arg={a}" for a in ["--lock", str(lane.lock)]]
-    serve_args += [f"--serve-arg={a}" for a in ["--evidence", str(lane.evidence)]]
+    serve_args = smollm2_lane.serve_arg_flags()
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.serve_latency", "--stages", "1", "--rounds", "1"]
         + ["--max-tokens", "4", "--sampled", "--out", str(tmp_path), *serve_args],

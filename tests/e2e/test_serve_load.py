@@ -15,9 +15,7 @@ from tests.harness import REPO, RealLane
 def test_the_load_benchmark_measures_both_servers_under_concurrent_clients(
     tmp_path: Path, smollm2_lane: RealLane
 ) -> None:
-    lane = smollm2_lane
-    serve_args = [f"--serve-arg={a}" for a in ["--lock", str(lane.lock)]]
-    serve_args += [f"--serve-arg={a}" for a in ["--evidence", str(lane.evidence)]]
+    serve_args = smollm2_lane.serve_arg_flags()
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.serve_load", "--stages", "1", "--clients", "2"]
         + ["--requests", "1", "--max-tokens", "4", "--out", str(tmp_path), *serve_args],
