@@ -2,13 +2,14 @@
 on every route mode and data path: a session whose prompt extends an earlier one's starts from
 the earlier prompt's whole chunks on every stage, so the stages' own counters show those rows
 never computed again, and its tokens are the whole model's (the chunks it computes are the ones
-a fresh session computes)."""
+a fresh session computes). A stage that keeps nothing (``--prefix-cache-mb 0``) while the other
+kept it: the other is opened again empty, and the tokens are still the whole model's."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import httpx2 as httpx
@@ -26,17 +27,23 @@ TEXT = "The history of the printing press begins in the fifteenth century. " * 1
 CHUNK = EngineOptions().n_batch  # the route's prefill chunk: its stages' max_rows
 
 
-@pytest.fixture(scope="module")
-def workers(smollm2_lane: RealLane) -> Iterator[list[WorkerProcess]]:
-    args = ["--lock", str(smollm2_lane.lock), "--evidence", str(smollm2_lane.evidence)]
+def spawn(lane: RealLane, last_args: Sequence[str] = ()) -> list[WorkerProcess]:
+    args = ["--lock", str(lane.lock), "--evidence", str(lane.evidence), "--metrics-port", "0"]
     started: list[WorkerProcess] = []
     try:
-        for layers in ((0, 15), (15, 30)):
-            started.append(
-                WorkerProcess.spawn(
-                    smollm2_lane.model, layers, extra_args=[*args, "--metrics-port", "0"]
-                )
-            )
+        started.append(WorkerProcess.spawn(lane.model, (0, 15), extra_args=args))
+        started.append(WorkerProcess.spawn(lane.model, (15, 30), extra_args=[*args, *last_args]))
+    except BaseException:
+        for worker in started:
+            worker.stop()
+        raise
+    return started
+
+
+@pytest.fixture(scope="module")
+def workers(smollm2_lane: RealLane) -> Iterator[list[WorkerProcess]]:
+    started = spawn(smollm2_lane)
+    try:
         yield started
     finally:
         for worker in started:
@@ -94,6 +101,32 @@ def test_a_prompt_that_extends_a_kept_one_computes_only_the_rest(
         assert rows == len(second) - kept + 7, stage  # the rest of the prompt, 7 decode rows
         if transport != "ring":  # a native link's rows are counted as such, of every kind
             assert stage["rows_prefill"] == len(second) - kept, stage
+    assert list(tokens) == whole_model_greedy(smollm2_lane.model, [second], 8, EngineOptions())[0]
+
+
+def test_a_stage_that_kept_nothing_makes_the_others_start_empty(smollm2_lane: RealLane) -> None:
+    with Tokenizer(smollm2_lane.model) as tokenizer:
+        first = list(tokenizer.encode(TEXT))
+    started = spawn(smollm2_lane, ["--prefix-cache-mb", "0"])
+    try:
+
+        async def conversation() -> tuple[tuple[int, ...], list[int]]:
+            async with _route.open_route(plan(smollm2_lane, started, "ring")) as route:
+                answer = await route.manager.generate(first, max_new_tokens=6)
+                second = [*first, *answer[:-1], *first[:40]]
+                tokens = await route.manager.generate(second, max_new_tokens=8)
+                await route.manager.aclose()
+            return tokens, second
+
+        tokens, second = asyncio.run(conversation())
+        kept, nothing = (counters(w) for w in started)
+    finally:
+        for worker in started:
+            worker.stop()
+    assert kept["dgr_worker_prefix_hits_total"] == 1  # it started from it, then was emptied
+    assert nothing["dgr_worker_prefix_kept_total"] == 0
+    assert nothing["dgr_worker_prefix_misses_total"] == 1
+    assert kept["rows_native"] == nothing["rows_native"]  # both computed the whole prompt
     assert list(tokens) == whole_model_greedy(smollm2_lane.model, [second], 8, EngineOptions())[0]
 
 
