@@ -150,6 +150,7 @@ class RouteSession:
         "_prefixes",
         "_reuse",
         "_opened_at",
+        "_reused_at",
         "__weakref__",
     )
 
@@ -265,6 +266,7 @@ class RouteSession:
         self._prefixes = prefixes if sampling is None or not sampling.penalized else None
         self._reuse: PrefixRef | None = None
         self._opened_at: dict[int, int] = {}
+        self._reused_at = 0
         self._machine.add_model(self)
 
     def __repr__(self) -> str:
@@ -343,6 +345,12 @@ class RouteSession:
     def route_changes(self) -> int:
         """Route assignments after the first."""
         return self._budget.route_changes
+
+    @property
+    def reused_positions(self) -> int:
+        """Prompt positions the session's stages started from, kept by an earlier session
+        (``docs/prefix-cache.md``): rows no stage computed for it; 0: none."""
+        return self._reused_at
 
     @property
     def attempts(self) -> int:
@@ -561,7 +569,7 @@ class RouteSession:
         are opened again empty (False: the epoch goes on once they answer)."""
         held = set(self._opened_at.values())
         if len(held) == 1:
-            self._pipe.kv_pos = self._pipe.sent = held.pop()
+            self._pipe.kv_pos = self._pipe.sent = self._reused_at = held.pop()
             return True
         assert self._reuse is not None and self._route is not None  # else every stage says 0
         self._reuse = empty = PrefixRef(self._reuse.digest, 0)
@@ -640,7 +648,9 @@ class RouteSession:
     def _on_cancel(self, event: Cancel, out: list[Command]) -> None:
         if self._state in _TERMINAL:
             return  # idempotent: a finished session has nothing left to cancel
-        self._close_epoch(out)
+        # its prompt's whole chunks are kept too (a stop string, a client gone): a stage that
+        # holds fewer positions (cancelled before they were computed) keeps nothing
+        self._close_epoch(out, self._keep())
         self._fire("cancel")
         reason = f": {event.reason}" if event.reason else ""
         self._end(
@@ -847,9 +857,9 @@ class RouteSession:
         self._end(reason, None, out)
 
     def _keep(self) -> PrefixRef | None:
-        """What a session that ends well asks its stages to keep of its prompt: its whole
-        chunks, when its first route computed them (a re-prefill's batched replay may chunk
-        them otherwise) and the client keeps a book."""
+        """What a session that ends (done or cancelled) asks its stages to keep of its prompt:
+        its whole chunks, when its first route computed them (a re-prefill's batched replay
+        may chunk them otherwise) and the client keeps a book."""
         book, route, chunk = self._prefixes, self._route, self._chunk
         if book is None or route is None or chunk is None or self._budget.route_changes:
             return None

@@ -149,7 +149,7 @@ class Generation:
     def _ended(self, result: SessionResult) -> Ended:
         count = len(result.tokens)
         if self._clock is not None:
-            self._clock.ended(count, result.route_changes)
+            self._clock.ended(count, result.route_changes, self.handle.core.reused_positions)
         if self._stops.stopped:
             return Ended("stop", count)
         if result.state is SessionState.DONE:

@@ -58,6 +58,12 @@ class ServeMetrics:
         self.prompt_tokens = Counter(
             "dgr_serve_prompt_tokens", "Prompt tokens of the sessions started", registry=r
         )
+        self.reused_tokens = Counter(
+            "dgr_serve_prompt_tokens_reused",
+            "Prompt tokens the sessions started from, kept on the stages by earlier ones "
+            "(docs/prefix-cache.md): computed by no stage again",
+            registry=r,
+        )
         self.completion_tokens = Counter(
             "dgr_serve_completion_tokens", "Tokens the sessions generated", registry=r
         )
@@ -109,10 +115,12 @@ class TokenClock:
         )
         self._first, self._last = False, now
 
-    def ended(self, completion_tokens: int, route_changes: int) -> None:
-        """The session ended with so many tokens, after so many route changes."""
+    def ended(self, completion_tokens: int, route_changes: int, reused_tokens: int = 0) -> None:
+        """The session ended with so many tokens, after so many route changes, having started
+        from so many kept prompt tokens."""
         self._metrics.completion_tokens.inc(completion_tokens)
         self._metrics.route_changes.inc(route_changes)
+        self._metrics.reused_tokens.inc(reused_tokens)
 
 
 class CountRequests:

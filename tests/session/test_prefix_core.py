@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dgr_session import CloseStage, FaultKind, Forward, OpenStage, StageOpened
+from dgr_session import Cancel, CloseStage, FaultKind, Forward, OpenStage, StageOpened
 from dgr_session.prefixes import PrefixBook, PrefixRef, route_key
 from dgr_session.sampling import Sampling
 from tests.session.test_session_core import SID, Driver, of, route
@@ -74,6 +74,14 @@ def test_a_session_that_ends_well_asks_its_stages_to_keep_its_whole_chunks() -> 
     keep = closes[0].keep
     assert isinstance(keep, PrefixRef) and keep.length == 8
     assert book.find(route_key(r), (*PROMPT, 5), CHUNK) == keep
+
+
+def test_a_cancelled_session_asks_its_stages_to_keep_its_whole_chunks_too() -> None:
+    r = route("a:1", "b:2")
+    d = Driver(prompt=PROMPT, max_new_tokens=4, prefixes=PrefixBook(), prefill_chunk=CHUNK)
+    d.running(r).step(5)
+    closes = of(d.feed(Cancel(SID, "a stop string")), CloseStage)
+    assert [c.keep.length for c in closes] == [8, 8]
 
 
 def test_a_penalised_sampler_keeps_and_reuses_nothing() -> None:
