@@ -9,6 +9,12 @@ whose private half is public, so it signs fixture evidence only); the lock must 
 for the derived class, or nothing runs. With --reuse, a passing record of exactly this lane
 under this lock is reused instead of running again.
 
+With no --lock, --evidence or --sign-key named (nor $DGR_LOCK, $DGR_EVIDENCE_DIR), a model that
+is no generated fixture is certified under your own operator lock for it instead, made once
+outside the checkout (~/.config/dgr/operator: dgr_engine/cli/_own_model.py), unless a record
+under the default lock or that lock already counts; generate, chat, serve and worker find it
+by themselves (docs/serve.md, "Your own model"). llama.cpp RPC then runs only with --rpc build.
+
 --rpc says when llama.cpp RPC with the route's split (llama-bench and one ggml-rpc-server per
 further stage, built from the pinned, patched llama.cpp and cached in <cache>/peers) runs beside
 each speed layout, for speed.vs_rpc: 'auto' (default) when the peers are cached, or when the
