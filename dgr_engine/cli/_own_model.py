@@ -14,10 +14,10 @@ this machine, which must be certified before any session is routed over it. In o
    ``<operator home>/certifier.pem`` (0600), signs for all of them. The operator home is
    ``$DGR_OPERATOR_HOME``, else ``$XDG_CONFIG_HOME/dgr/operator`` (default
    ``~/.config/dgr/operator``): never inside the checkout, and never the checkout's lock;
-3. else, when asked (``--certify``, or ``dgr certify --model M`` alone): that lock is made once
-   from the default lock (its thresholds, lanes and models), declaring the model by its content
-   hash, this machine's hardware lane and the key, and the lane is certified with progress
-   (llama.cpp RPC off, as the demo does), then used as in 2;
+3. else, when asked (``--certify``; a clear yes on a terminal; or ``dgr certify --model M``
+   alone): that lock is made once from the default lock (its thresholds, lanes and models),
+   declaring the model by its content hash, this machine's hardware lane and the key, and the
+   lane is certified with progress (llama.cpp RPC off, as the demo does), then used as in 2;
 4. else the command is refused in one line naming the one command that fixes it.
 
 A generated fixture is never an operator's model: its records are fixture evidence under the
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,6 +62,7 @@ __all__ = [
     "operator_home",
     "own_model",
     "settle_own_lane",
+    "terminal_yes",
 ]
 
 OPERATOR_HOME_ENV = "DGR_OPERATOR_HOME"
@@ -181,12 +183,13 @@ def settle_own_lane(
     certify_now: bool,
     say: Say,
     rpc: PeerUse = PeerUse.OFF,
+    ask: Callable[[str], bool] | None = None,
 ) -> OwnLane | None:
     """Where the records of ``model``'s lane with ``options`` are (``None``: the defaults
     certify it at ``required``, nothing changes), certifying it under the operator's lock first
-    with ``certify_now`` (llama.cpp RPC beside it as ``rpc`` says); :class:`OwnLaneRefused`,
-    naming the commands that fix it, when no
-    record counts and none may be made."""
+    with ``certify_now`` or when ``ask`` (a question to the user: a terminal's clear yes)
+    answers True (llama.cpp RPC beside it as ``rpc`` says); :class:`OwnLaneRefused`, naming
+    the commands that fix it, when no record counts and none may be made."""
     from dgr_engine.certify.runner import lane_of
 
     try:
@@ -207,7 +210,11 @@ def settle_own_lane(
             if record is not None:
                 say(f"lane {lane.lane_id[:12]} certified under your operator lock: {record}")
                 return OwnLane(own.lock_path, own.evidence)
-    if not certify_now:
+    question = (
+        f"no record of the lane of {model.name} on this machine counts: certify it now under "
+        f"your own operator lock ({own.folder}; about a minute for a small model)? [y/N] "
+    )
+    if not certify_now and not (ask is not None and ask(question)):
         certify = " ".join(["dgr certify --model", str(model), *options.lane_argv()])
         raise OwnLaneRefused(
             f"no record of the lane of {model.name} on this machine (lane "
@@ -217,6 +224,20 @@ def settle_own_lane(
         )
     certify_own_model(own, options, say, rpc=rpc)
     return OwnLane(own.lock_path, own.evidence)
+
+
+def terminal_yes(question: str) -> bool:
+    """Asks ``question`` on the terminal (standard error), when standard input and error both
+    are one: True only for a clear yes (``y`` or ``yes``); False without a terminal, for
+    anything else, and at the end of input."""
+    if not (sys.stdin.isatty() and sys.stderr.isatty()):
+        return False
+    print(question, end="", file=sys.stderr, flush=True)
+    try:
+        answer = sys.stdin.readline()
+    except (OSError, KeyboardInterrupt):
+        return False
+    return answer.strip().lower() in ("y", "yes")
 
 
 def certify_own_model(

@@ -31,7 +31,7 @@ import attrs
 
 from dgr_engine.argtypes import float_in, int_in
 from dgr_engine.certification.verify import LockVerifier
-from dgr_engine.cli._own_model import OwnLaneRefused, applies, settle_own_lane
+from dgr_engine.cli._own_model import OwnLaneRefused, applies, settle_own_lane, terminal_yes
 from dgr_engine.client.chained import DATA_PATHS, ChainStageTransport
 from dgr_engine.client.path_choice import PathChoice, StageOffer, choose_path
 from dgr_engine.client.relay import GrpcStageTransport
@@ -552,7 +552,12 @@ def _own_lane(settings: RouteSettings, model: Path, notice: Notice) -> RouteSett
         return settings
     try:
         own = settle_own_lane(
-            model, settings.options, settings.require, certify_now=settings.certify, say=notice
+            model,
+            settings.options,
+            settings.require,
+            certify_now=settings.certify,
+            say=notice,
+            ask=terminal_yes,  # on a terminal, a clear yes does what --certify does
         )
     except (OwnLaneRefused, EngineError) as exc:
         raise RouteOptionsRefused(str(exc)) from None

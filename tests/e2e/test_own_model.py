@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import select
 import stat
 import struct
 import subprocess
+import time
 from pathlib import Path
 
 import openai
@@ -75,6 +78,57 @@ def test_an_undeclared_model_is_refused_in_one_line_naming_the_fix(
     assert f"'dgr certify --model {own_gguf}'" in lines[0]
     assert "--certify" in lines[0]
     assert not (tmp_path / "operator").exists()  # refused: nothing written
+
+
+def test_on_a_terminal_the_command_asks_first_and_a_no_is_the_refusal(
+    own_gguf: Path, tmp_path: Path
+) -> None:
+    primary, secondary = os.openpty()
+    argv = [dgr_command(), "generate", "--model", str(own_gguf), "--spawn", "2", "-n", "2"]
+    proc = subprocess.Popen(
+        [*argv, "--prompt", "Hi"], stdin=secondary, stdout=subprocess.PIPE, stderr=secondary
+    )
+    os.close(secondary)
+    try:
+        seen = _read_until(primary, b"[y/N] ", limit=120.0)
+        assert b"certify it now under your own operator lock" in seen
+        os.write(primary, b"n\n")
+        assert proc.wait(60) == 2
+        seen += _read_until(primary, None, limit=10.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        os.close(primary)
+    assert f"'dgr certify --model {own_gguf}'".encode() in seen
+    assert b"Traceback" not in seen
+    assert not (tmp_path / "operator" / "models").exists()  # a no writes nothing
+
+
+def _read_until(fd: int, marker: bytes | None, *, limit: float) -> bytes:
+    """What the terminal shows until ``marker`` (``None``: until the program closes it), read
+    for ``limit`` seconds at most."""
+    seen = b""
+    deadline = time.monotonic() + limit
+    while marker is None or marker not in seen:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            if marker is None:
+                return seen
+            raise AssertionError(f"{marker!r} not shown in {limit:g} s: {seen[-2000:]!r}")
+        ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+        if not ready:
+            continue
+        try:
+            chunk = os.read(fd, 4096)
+        except OSError:  # the program closed the terminal
+            chunk = b""
+        if not chunk:
+            if marker is None:
+                return seen
+            raise AssertionError(f"closed before {marker!r}: {seen[-2000:]!r}")
+        seen += chunk
+    return seen
 
 
 def test_serve_certify_makes_the_operator_lock_certifies_and_serves(
