@@ -557,21 +557,23 @@ class RouteSession:
             detail = f"opened with {event.next_pos} positions, {asked} asked for"
             self._fault(index, FaultKind.PROTOCOL, detail, out)
             return
-        self._opened_at[index] = event.next_pos
-        if pipe.confirm_open(index) and self._reused(out):  # every stage opened, alike
+        if self._reuse is not None:  # else every stage opened empty (checked above)
+            self._opened_at[index] = event.next_pos
+        if pipe.confirm_open(index) and (self._reuse is None or self._reused(out)):
             self._budget.admitted()
             self._fire("stages_opened")
             self._start_forward(out)
 
     def _reused(self, out: list[Command]) -> bool:
-        """Every stage opened: True when they hold the same positions (the kept prefix's, or
-        none), where the epoch's rows now start. Else the stages that started from the prefix
-        are opened again empty (False: the epoch goes on once they answer)."""
+        """Every stage opened from the kept prefix asked for: True when they hold the same
+        positions (the prefix's, or none), where the epoch's rows now start. Else the stages
+        that started from it are opened again empty (False: the epoch goes on once they
+        answer)."""
         held = set(self._opened_at.values())
         if len(held) == 1:
             self._pipe.kv_pos = self._pipe.sent = self._reused_at = held.pop()
             return True
-        assert self._reuse is not None and self._route is not None  # else every stage says 0
+        assert self._reuse is not None and self._route is not None
         self._reuse = empty = PrefixRef(self._reuse.digest, 0)
         for index, positions in self._opened_at.items():
             if positions:

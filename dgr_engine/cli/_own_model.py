@@ -222,7 +222,7 @@ def settle_own_lane(
             f"your own operator lock with '{certify}' (about a minute for a small model), or "
             "add --certify to this command"
         )
-    certify_own_model(own, options, say, rpc=rpc)
+    certify_own_model(own, base, options, say, rpc=rpc)
     return OwnLane(own.lock_path, own.evidence)
 
 
@@ -241,11 +241,11 @@ def terminal_yes(question: str) -> bool:
 
 
 def certify_own_model(
-    own: OwnModel, options: EngineOptions, say: Say, *, rpc: PeerUse = PeerUse.OFF
+    own: OwnModel, base: Lock, options: EngineOptions, say: Say, *, rpc: PeerUse = PeerUse.OFF
 ) -> None:
-    """Makes (or keeps) the operator's lock for ``own`` and certifies its lane under it, or
-    reuses a passing record of exactly it; :class:`OwnLaneRefused` when it cannot or the lane
-    fails."""
+    """Makes (or keeps) the operator's lock for ``own`` from ``base`` (the default lock) and
+    certifies its lane under it (:func:`settle_own_lane` found no record that counts);
+    :class:`OwnLaneRefused` when it cannot or the lane fails."""
     home = operator_home()
     if home.resolve().is_relative_to(_CHECKOUT) and (_CHECKOUT / "dgr_engine").is_dir():
         raise OwnLaneRefused(
@@ -254,7 +254,7 @@ def certify_own_model(
         )
     try:
         operator = operator_lock(
-            load_lock(),
+            base,
             own.folder,
             name=own.name,
             arch=own.arch,
@@ -277,7 +277,7 @@ def certify_own_model(
                 options,
                 operator.lock,
                 own.evidence,
-                True,
+                False,  # settle_own_lane looked for a record already
                 key=operator.key,
                 rpc=rpc,
                 say=say,
